@@ -1,0 +1,328 @@
+"""Type stubs for ``resin._core``, the PyO3 bindings of the Rust engine core.
+
+Checked against the compiled module by ``python -m mypy.stubtest resin._core``
+(see ``tests/test_stubs.py``). Every array is a host numpy array, C-contiguous and
+read-only; dtype and shape are given in each docstring. ``S`` = sequences in the
+plan, ``T`` = new tokens in the plan, ``N`` = tokens returned by the runner.
+The field list agrees with ``docs/batch_plan.md`` and the Rust doc comments in
+``rust/core/src/plan.rs``.
+"""
+
+from typing import Any, Final, Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: Final[str]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+class _RunnerLike(Protocol):
+    def forward(self, plan: BatchPlan, /) -> ForwardOutput: ...
+
+class SamplingParams:
+    """Per-request generation parameters; validated on construction (``ValueError`` names the field).
+
+    ``top_k`` 0 or -1 disables top-k (stored as 0). ``seed`` None = non-deterministic.
+    ``logprobs`` None = none; 0 = the sampled token's logprob only; k = also the top k.
+    ``priority``: lower value is served first under ``policy="priority"``.
+    """
+
+    max_tokens: int
+    min_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    priority: int
+    def __new__(
+        cls,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        priority: int = 0,
+    ) -> SamplingParams: ...
+
+class LayerCacheSpec:
+    """What one layer keeps in the cache. Layers with equal specs form one cache group."""
+
+    @property
+    def kind(self) -> Literal["full", "sliding_window", "recurrent"]: ...
+    @property
+    def bytes_per_token(self) -> int: ...
+    @property
+    def window(self) -> int | None:
+        """Sliding window in tokens: a query at position p attends keys in (p - window, p]."""
+    @property
+    def state_bytes(self) -> int | None: ...
+    @staticmethod
+    def full(bytes_per_token: int) -> LayerCacheSpec: ...
+    @staticmethod
+    def sliding_window(window: int, bytes_per_token: int) -> LayerCacheSpec: ...
+    @staticmethod
+    def recurrent(state_bytes: int) -> LayerCacheSpec:
+        """Defined for the layout API; engines reject it until recurrent groups are implemented."""
+
+class CacheGroup:
+    """Layers that share one page table (``kv_indptr[g]`` ... in the plan)."""
+
+    @property
+    def spec(self) -> LayerCacheSpec: ...
+    @property
+    def layer_indices(self) -> list[int]: ...
+
+class CacheLayout:
+    """Handed to ``runner.bind_cache`` once: how the runner must shape its cache buffers.
+
+    Page ids in plans index ``[0, num_pages)``; page 0 is the null page (never allocated,
+    must stay zero). Group ``g`` of the plan is ``groups[g]``.
+    """
+
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+    @property
+    def groups(self) -> list[CacheGroup]: ...
+    def group_of_layer(self, layer_index: int) -> int: ...
+
+class EngineConfig:
+    """Engine settings; validated on construction and against the cache layout by ``Engine``."""
+
+    page_size: int
+    num_pages: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool
+    eos_token_ids: list[int]
+    vocab_size: int | None
+    policy: Literal["fcfs", "priority"]
+    def __new__(
+        cls,
+        page_size: int = 16,
+        num_pages: int = 4096,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 4096,
+        enable_prefix_caching: bool = True,
+        eos_token_ids: list[int] | None = None,
+        vocab_size: int | None = None,
+        policy: Literal["fcfs", "priority"] = "fcfs",
+    ) -> EngineConfig: ...
+
+class SamplingArrays:
+    """Sampling parameters of each plan row (struct of arrays, each shape [S])."""
+
+    @property
+    def temperature(self) -> npt.NDArray[np.float32]: ...
+    @property
+    def top_p(self) -> npt.NDArray[np.float32]: ...
+    @property
+    def top_k(self) -> npt.NDArray[np.int32]:
+        """0 = disabled."""
+    @property
+    def min_p(self) -> npt.NDArray[np.float32]: ...
+    @property
+    def seed(self) -> npt.NDArray[np.int64]:
+        """-1 = no seed."""
+    @property
+    def num_logprobs(self) -> npt.NDArray[np.int32]:
+        """-1 = no logprobs; 0 = sampled token only; k = sampled token and top k."""
+    @property
+    def presence_penalty(self) -> npt.NDArray[np.float32]: ...
+    @property
+    def frequency_penalty(self) -> npt.NDArray[np.float32]: ...
+    @property
+    def repetition_penalty(self) -> npt.NDArray[np.float32]: ...
+
+class BatchPlan:
+    """One engine step: everything a runner needs for one forward pass. Immutable.
+
+    Rows are ordered decode rows first (``query_len == 1`` and the row samples), then
+    prefill chunks. Arrays are owned by Rust and reach numpy without a copy.
+    """
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def num_sequences(self) -> int: ...
+    @property
+    def num_decode_sequences(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def padded_num_sequences(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def num_cache_groups(self) -> int: ...
+    @property
+    def request_ids(self) -> list[str]: ...
+    @property
+    def request_slots(self) -> npt.NDArray[np.uint32]:
+        """uint32[S]: stable row in [0, max_num_seqs) for per-request runner state."""
+    @property
+    def input_ids(self) -> npt.NDArray[np.uint32]:
+        """uint32[T]: new tokens, sequences concatenated."""
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        """int64[T]: absolute position of each new token."""
+    @property
+    def query_indptr(self) -> npt.NDArray[np.uint32]:
+        """uint32[S+1]: row i's tokens are input_ids[query_indptr[i]:query_indptr[i+1]]."""
+    @property
+    def num_computed_tokens(self) -> npt.NDArray[np.uint32]:
+        """uint32[S]: tokens already in the cache (= position of the row's first new token)."""
+    @property
+    def seq_lens(self) -> npt.NDArray[np.uint32]:
+        """uint32[S]: num_computed_tokens + query length."""
+    @property
+    def sample_indptr(self) -> npt.NDArray[np.uint32]:
+        """uint32[S+1]: rows to sample; 0 for a mid-prefill chunk, 1 otherwise (1+k verifying k drafts)."""
+    @property
+    def num_draft_tokens(self) -> npt.NDArray[np.uint32]:
+        """uint32[S]: drafts verified in this row (0 without speculative decoding)."""
+    @property
+    def sampling(self) -> SamplingArrays: ...
+    @property
+    def banned_token_indptr(self) -> npt.NDArray[np.uint32]:
+        """uint32[S+1]: CSR offsets into banned_token_ids."""
+    @property
+    def banned_token_ids(self) -> npt.NDArray[np.uint32]:
+        """uint32[nnz]: tokens row i must not sample this step (stop tokens before min_tokens)."""
+    @property
+    def kv_indptr(self) -> tuple[npt.NDArray[np.uint32], ...]:
+        """Per cache group: uint32[S+1] CSR offsets into kv_indices[g]."""
+    @property
+    def kv_indices(self) -> tuple[npt.NDArray[np.uint32], ...]:
+        """Per cache group: uint32[nnz_g] page ids; a sliding-window group lists only in-window pages."""
+    @property
+    def kv_last_page_len(self) -> tuple[npt.NDArray[np.uint32], ...]:
+        """Per cache group: uint32[S], tokens in each row's last page (1..page_size)."""
+    @property
+    def slot_mapping(self) -> tuple[npt.NDArray[np.int64], ...]:
+        """Per cache group: int64[T], page * page_size + offset where each new token's KV goes; -1 = skip."""
+    @property
+    def block_table(self) -> tuple[npt.NDArray[np.uint32], ...]:
+        """Per cache group: uint32[S, max_pages], column j = page holding positions
+        [j*page_size, (j+1)*page_size); 0 (the null page) before the window and past the end."""
+    @property
+    def new_request_slots(self) -> npt.NDArray[np.uint32]:
+        """uint32[n]: slots that start serving a request with this plan (reset their state)."""
+    @property
+    def finished_request_slots(self) -> npt.NDArray[np.uint32]:
+        """uint32[n]: slots whose request finished, was aborted or preempted since the last committed plan."""
+    def __len__(self) -> int: ...
+
+class ForwardOutput:
+    """What a runner returns for a plan; validated by the engine in ``update``.
+
+    token_ids: uint32[N]; token_indptr: uint32[S+1], row i produced
+    token_ids[token_indptr[i]:token_indptr[i+1]]. Optional logprobs: float32[N];
+    top_logprob_ids: uint32[N, k]; top_logprobs: float32[N, k].
+    """
+
+    @property
+    def token_ids(self) -> Any: ...
+    @property
+    def token_indptr(self) -> Any: ...
+    @property
+    def logprobs(self) -> Any | None: ...
+    @property
+    def top_logprob_ids(self) -> Any | None: ...
+    @property
+    def top_logprobs(self) -> Any | None: ...
+    def __new__(
+        cls,
+        token_ids: Any,
+        token_indptr: Any,
+        logprobs: Any | None = None,
+        top_logprob_ids: Any | None = None,
+        top_logprobs: Any | None = None,
+    ) -> ForwardOutput: ...
+
+class RequestOutput:
+    """A request's state after a step. ``token_ids`` are all output tokens so far."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def new_token_ids(self) -> list[int]:
+        """Output tokens produced by this step."""
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache when the request was first scheduled."""
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        """One dict per output token (sampled token and top-k), when requested."""
+
+class Engine:
+    """The engine: scheduler, paged cache pool with prefix cache, metrics; drives a runner.
+
+    On construction it asks ``runner.cache_spec()`` (if present; default: one full-attention
+    layer) for the layer specs, groups them, and calls ``runner.bind_cache(layout)`` (if present).
+    """
+
+    def __new__(cls, config: EngineConfig, runner: _RunnerLike) -> Engine: ...
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def layout(self) -> CacheLayout: ...
+    @property
+    def runner(self) -> Any: ...
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> None: ...
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; its pages return to the pool now and the next
+        step reports it with finish_reason "abort". False if the id is unknown or finished."""
+    def schedule(self) -> BatchPlan:
+        """Plan the next step. RuntimeError if a plan is pending (call update or discard_plan)."""
+    def update(self, plan: BatchPlan, output: ForwardOutput) -> list[RequestOutput]:
+        """Validate and commit the runner's output. On ValueError nothing changes and the plan
+        stays pending, so update can be retried with a corrected output."""
+    def discard_plan(self) -> None:
+        """Drop the pending plan without committing it; the next schedule() plans the work again."""
+    def step(self) -> list[RequestOutput]:
+        """schedule() + runner.forward(plan) + update(plan, output). If forward raises or its
+        output is invalid, the plan is discarded (state unchanged) and the error re-raised."""
+    def has_unfinished(self) -> bool: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_free_pages(self) -> int:
+        """Pages that can be handed out now (free plus idle cached pages)."""
+    def reset_prefix_cache(self) -> None: ...
+    def metrics_text(self) -> str:
+        """Prometheus text exposition (format 0.0.4) of the engine metrics, prefix ``resin:``."""
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if any cache-pool or scheduler invariant is broken."""
