@@ -1,0 +1,42 @@
+# Resin: `make install`, `make test`, `make bench`, `make serve`.
+# Everything installs into .venv/ in the repo root.
+
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.deps-stamp
+
+.PHONY: install develop test test-rust test-python bench serve clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(VPY)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "maturin>=1.7,<2" "numpy>=1.26" "typer>=0.12" "pytest>=8" "mypy>=1.10"
+	touch $(STAMP)
+
+# Editable install with a release build of the extension (resin/_core.*.so).
+install: $(STAMP)
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release -q
+
+develop: install
+
+test-rust:
+	cargo test -p resin-core --release -q
+	cargo test -p resin-core -q --lib
+
+test-python: install
+	$(VPY) -m pytest -q
+
+test: test-rust test-python
+
+bench: install
+	$(VPY) benchmarks/engine_overhead.py
+
+serve: install
+	@echo "resin serve arrives with the HTTP server issue; the engine core is installed in $(VENV)." >&2
+	@exit 2
+
+clean:
+	rm -rf target $(VENV) resin/_core*.so

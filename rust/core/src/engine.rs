@@ -1,0 +1,461 @@
+//! The engine: requests in, plans out, runner outputs committed.
+//!
+//! ```text
+//! add_request ──► waiting ──schedule()──► BatchPlan ──runner──► update(output) ──► RequestOutputs
+//!                    ▲                                                   │
+//!                    └────────────── preemption (recompute) ◄───────────┘
+//! ```
+//! `schedule()` allocates pages and slots but advances no token counts; `update()`
+//! validates the output first and only then commits it, so a bad output changes
+//! nothing and the same plan can be retried, or dropped with `discard_plan()` and
+//! planned again. `abort()` works at any time; a request aborted while its plan is in
+//! flight gets its pages back at once (no later plan can hand them out before
+//! `update`/`discard_plan`), and its row of the output is ignored.
+
+use std::time::Instant;
+
+use crate::cache_manager::KvCacheManager;
+use crate::error::CoreError;
+use crate::kv_spec::{CacheLayout, KvCacheSpec};
+use crate::metrics::{Gauges, Metrics};
+use crate::output::{ForwardOutputRef, RequestOutput, RowExpectation};
+use crate::plan::BatchPlan;
+pub use crate::scheduler::SchedulingPolicy;
+use crate::request::{FinishReason, Request, SamplingParams};
+use crate::scheduler::{Scheduler, SchedulerLimits};
+
+/// Engine settings. See `resin/_core.pyi` for the Python names and defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Pages in the pool, the null page 0 included.
+    pub num_pages: u32,
+    pub max_num_seqs: u32,
+    /// Token budget of one step (chunked prefill splits prompts to fit).
+    pub max_num_batched_tokens: u32,
+    /// Longest sequence (prompt + output) in tokens.
+    pub max_model_len: u32,
+    pub enable_prefix_caching: bool,
+    pub eos_token_ids: Vec<u32>,
+    /// When known, token ids (prompts, stop ids, runner output) must be below it.
+    pub vocab_size: Option<u32>,
+    pub policy: SchedulingPolicy,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            page_size: 16,
+            num_pages: 4096,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 4096,
+            enable_prefix_caching: true,
+            eos_token_ids: Vec::new(),
+            vocab_size: None,
+            policy: SchedulingPolicy::Fcfs,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks each field on its own; `Engine::new` also checks them against the layout.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let positive = [
+            ("page_size", self.page_size),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err(CoreError::invalid(format!("EngineConfig.{field} must be >= 1")));
+            }
+        }
+        if self.num_pages < 2 {
+            return Err(CoreError::invalid(format!(
+                "EngineConfig.num_pages must be >= 2 (page 0 is the reserved null page), got {}",
+                self.num_pages
+            )));
+        }
+        if self.max_model_len < 2 {
+            return Err(CoreError::invalid(format!(
+                "EngineConfig.max_model_len must be >= 2 (one prompt token and one output token), got {}",
+                self.max_model_len
+            )));
+        }
+        if let Some(vocab) = self.vocab_size {
+            if vocab == 0 {
+                return Err(CoreError::invalid("EngineConfig.vocab_size must be >= 1"));
+            }
+            if let Some(&t) = self.eos_token_ids.iter().find(|&&t| t >= vocab) {
+                return Err(CoreError::invalid(format!("EngineConfig.eos_token_ids: {t} is not below vocab_size {vocab}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Copy, Clone, Debug)]
+struct PendingRow {
+    req: usize,
+    arrival_seq: u64,
+    num_new_tokens: u32,
+    expect: RowExpectation,
+}
+
+/// The plan handed out and not yet committed.
+struct PendingStep {
+    step: u64,
+    rows: Vec<PendingRow>,
+    new_request_slots: Vec<u32>,
+    finished_request_slots: Vec<u32>,
+}
+
+pub struct Engine {
+    config: EngineConfig,
+    sched: Scheduler,
+    metrics: Metrics,
+    next_step: u64,
+    next_arrival_seq: u64,
+    pending: Option<PendingStep>,
+    /// Outputs of aborted requests, reported by the next `update`.
+    abort_outputs: Vec<RequestOutput>,
+}
+
+impl Engine {
+    /// An engine for a runner whose layers keep `layer_specs` (empty: one full-attention group).
+    pub fn new(config: EngineConfig, layer_specs: &[KvCacheSpec]) -> Result<Engine, CoreError> {
+        config.validate()?;
+        let layout = CacheLayout::from_layer_specs(layer_specs, config.num_pages, config.page_size)?;
+        let pages_per_request: u32 = layout
+            .groups
+            .iter()
+            .map(|g| g.spec.max_pages_per_request(config.max_model_len, config.max_num_batched_tokens, config.page_size))
+            .sum();
+        if pages_per_request > config.num_pages - 1 {
+            return Err(CoreError::invalid(format!(
+                "EngineConfig.num_pages = {} is too small: one request of max_model_len = {} tokens needs {} pages \
+                 across {} cache group(s), plus the null page; raise num_pages or lower max_model_len",
+                config.num_pages,
+                config.max_model_len,
+                pages_per_request,
+                layout.groups.len()
+            )));
+        }
+        let limits = SchedulerLimits {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            policy: config.policy,
+        };
+        let kv = KvCacheManager::new(layout, config.enable_prefix_caching);
+        Ok(Engine {
+            sched: Scheduler::new(limits, kv),
+            config,
+            metrics: Metrics::default(),
+            next_step: 0,
+            next_arrival_seq: 0,
+            pending: None,
+            abort_outputs: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn layout(&self) -> &CacheLayout {
+        &self.sched.kv.layout
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Queues a request. Errors (nothing queued): duplicate id, empty prompt, prompt not
+    /// shorter than `max_model_len`, token ids out of vocabulary, out-of-range params.
+    pub fn add_request(&mut self, request_id: &str, prompt_token_ids: Vec<u32>, params: SamplingParams) -> Result<(), CoreError> {
+        if self.sched.index_of.contains_key(request_id) {
+            return Err(CoreError::invalid(format!("request_id {request_id:?} is already in use by an unfinished request")));
+        }
+        if prompt_token_ids.is_empty() {
+            return Err(CoreError::invalid(format!("request {request_id:?}: prompt_token_ids is empty")));
+        }
+        let len = prompt_token_ids.len();
+        if len >= self.config.max_model_len as usize {
+            return Err(CoreError::invalid(format!(
+                "request {request_id:?}: prompt_token_ids has {len} tokens but max_model_len is {}; \
+                 the prompt must be shorter to leave room for at least one output token",
+                self.config.max_model_len
+            )));
+        }
+        if let Some(vocab) = self.config.vocab_size {
+            if let Some(pos) = prompt_token_ids.iter().position(|&t| t >= vocab) {
+                return Err(CoreError::invalid(format!(
+                    "request {request_id:?}: prompt_token_ids[{pos}] = {} is not below vocab_size {vocab}",
+                    prompt_token_ids[pos]
+                )));
+            }
+            if let Some(&t) = params.stop_token_ids.iter().find(|&&t| t >= vocab) {
+                return Err(CoreError::invalid(format!("SamplingParams.stop_token_ids: {t} is not below vocab_size {vocab}")));
+            }
+        }
+        let params = params.validated()?;
+        let mut req = Request::new(
+            request_id.to_string(),
+            prompt_token_ids,
+            params,
+            self.sched.kv.num_groups(),
+            self.next_arrival_seq,
+            Instant::now(),
+        );
+        self.next_arrival_seq += 1;
+        if self.config.enable_prefix_caching {
+            req.update_block_hashes(self.config.page_size);
+        }
+        self.sched.add(req);
+        Ok(())
+    }
+
+    /// Aborts a waiting or running request: its pages and slot are freed now and the
+    /// next `update` reports it with `FinishReason::Abort`. False if the id is unknown.
+    pub fn abort(&mut self, request_id: &str) -> bool {
+        let Some(&idx) = self.sched.index_of.get(request_id) else { return false };
+        let req = self.sched.remove(idx);
+        self.metrics.record_finished(FinishReason::Abort);
+        let num_output_tokens = req.num_output_tokens() as usize;
+        self.abort_outputs.push(RequestOutput {
+            record: req.record,
+            num_output_tokens,
+            num_new_tokens: 0,
+            finished: true,
+            finish_reason: Some(FinishReason::Abort),
+            num_cached_tokens: req.num_cached_tokens,
+            has_logprobs: req.params.logprobs.is_some(),
+        });
+        self.debug_check();
+        true
+    }
+
+    /// Plans the next step. Fails if a plan is pending.
+    pub fn schedule(&mut self) -> Result<BatchPlan, CoreError> {
+        if let Some(p) = &self.pending {
+            return Err(CoreError::state(format!(
+                "plan {} is still pending: call update(plan, output) or discard_plan() first",
+                p.step
+            )));
+        }
+        let now = Instant::now();
+        let (rows, num_decode) = self.sched.schedule(now, &mut self.metrics);
+        let step = self.next_step;
+        self.next_step += 1;
+        let mut plan =
+            BatchPlan::build(step, &rows, num_decode, &self.sched.requests, &self.sched.kv, &self.config.eos_token_ids);
+        plan.new_request_slots = std::mem::take(&mut self.sched.new_slots);
+        plan.finished_request_slots = std::mem::take(&mut self.sched.released_slots);
+        let pending_rows = rows
+            .iter()
+            .map(|r| {
+                let req = self.sched.request(r.req);
+                PendingRow {
+                    req: r.req,
+                    arrival_seq: req.arrival_seq,
+                    num_new_tokens: r.num_new_tokens,
+                    expect: RowExpectation {
+                        samples: req.num_computed_tokens + r.num_new_tokens == req.num_tokens(),
+                        max_tokens: 1,
+                        num_logprobs: req.params.logprobs.map_or(-1, |k| k as i32),
+                    },
+                }
+            })
+            .collect();
+        self.pending = Some(PendingStep {
+            step,
+            rows: pending_rows,
+            new_request_slots: plan.new_request_slots.clone(),
+            finished_request_slots: plan.finished_request_slots.clone(),
+        });
+        self.debug_check();
+        Ok(plan)
+    }
+
+    /// The step id of the pending plan, if any.
+    pub fn pending_step(&self) -> Option<u64> {
+        self.pending.as_ref().map(|p| p.step)
+    }
+
+    /// Drops the pending plan uncommitted. Its lifecycle notices are re-sent with the next plan.
+    pub fn discard_plan(&mut self) {
+        let Some(p) = self.pending.take() else { return };
+        let mut new_slots: Vec<u32> = p
+            .new_request_slots
+            .into_iter()
+            .filter(|s| self.sched.running.iter().any(|&i| self.sched.request(i).slot == Some(*s)))
+            .collect();
+        new_slots.append(&mut self.sched.new_slots);
+        self.sched.new_slots = new_slots;
+        let mut released = p.finished_request_slots;
+        released.append(&mut self.sched.released_slots);
+        self.sched.released_slots = released;
+    }
+
+    /// Validates `output` against the pending plan (`step` must be its id), then commits
+    /// it. On error nothing changes and the plan stays pending.
+    pub fn update(&mut self, step: u64, output: &ForwardOutputRef) -> Result<Vec<RequestOutput>, CoreError> {
+        let pending = self.pending.as_ref().ok_or_else(|| CoreError::state("update() called with no pending plan"))?;
+        if pending.step != step {
+            return Err(CoreError::invalid(format!("plan {step} is not the pending plan (that is plan {})", pending.step)));
+        }
+        let expectations: Vec<RowExpectation> = pending.rows.iter().map(|r| r.expect).collect();
+        output.validate(&expectations, self.config.vocab_size)?;
+        let pending = self.pending.take().expect("checked above");
+        let now = Instant::now();
+        let mut outputs = std::mem::take(&mut self.abort_outputs);
+        for (i, row) in pending.rows.iter().enumerate() {
+            let live = matches!(&self.sched.requests.get(row.req), Some(Some(r)) if r.arrival_seq == row.arrival_seq);
+            if !live {
+                continue; // aborted while the plan was in flight
+            }
+            let lo = output.token_indptr[i] as usize;
+            let hi = output.token_indptr[i + 1] as usize;
+            if let Some(out) = self.commit_row(row, output, lo..hi, now) {
+                outputs.push(out);
+            }
+        }
+        self.debug_check();
+        Ok(outputs)
+    }
+
+    fn commit_row(
+        &mut self,
+        row: &PendingRow,
+        output: &ForwardOutputRef,
+        range: std::ops::Range<usize>,
+        now: Instant,
+    ) -> Option<RequestOutput> {
+        let eos = &self.config.eos_token_ids;
+        let page_size = self.config.page_size;
+        let max_model_len = self.config.max_model_len;
+        let sched = &mut self.sched;
+        let req = sched.requests[row.req].as_mut().expect("live request index");
+        req.num_computed_tokens += row.num_new_tokens;
+        let mut finish = None;
+        let mut num_new = 0;
+        if row.expect.samples {
+            let mut log = req.record.log.lock().unwrap();
+            for n in range {
+                let token = output.token_ids[n];
+                req.token_ids.push(token);
+                log.token_ids.push(token);
+                if let Some(k) = req.params.logprobs {
+                    let mut entry = vec![(token, output.logprobs.expect("validated")[n])];
+                    let cols = output.num_top_logprobs;
+                    for j in 0..(k as usize).min(cols) {
+                        entry.push((output.top_logprob_ids.unwrap()[n * cols + j], output.top_logprobs.unwrap()[n * cols + j]));
+                    }
+                    log.logprobs.push(entry);
+                }
+                num_new += 1;
+                let num_output = req.num_output_tokens();
+                if req.is_stop_token(token, eos) && num_output >= req.params.min_tokens {
+                    finish = Some(FinishReason::Stop);
+                } else if num_output >= req.params.max_tokens || req.num_tokens() >= max_model_len {
+                    finish = Some(FinishReason::Length);
+                }
+                if finish.is_some() {
+                    break;
+                }
+            }
+            drop(log);
+            if self.config.enable_prefix_caching {
+                req.update_block_hashes(page_size);
+            }
+            if num_new > 0 {
+                self.metrics.generation_tokens += num_new as u64;
+                match req.last_token_time {
+                    None => {
+                        self.metrics.time_to_first_token_s.observe(now.duration_since(req.arrival_time).as_secs_f64());
+                        self.metrics.prompt_tokens += u64::from(req.num_prompt_tokens);
+                    }
+                    Some(last) => self.metrics.inter_token_latency_s.observe(now.duration_since(last).as_secs_f64()),
+                }
+                req.last_token_time = Some(now);
+            }
+        }
+        sched.kv.cache_full_pages(req);
+        if finish.is_none() {
+            sched.kv.release_out_of_window(req);
+        }
+        let out = RequestOutput {
+            record: req.record.clone(),
+            num_output_tokens: req.num_output_tokens() as usize,
+            num_new_tokens: num_new,
+            finished: finish.is_some(),
+            finish_reason: finish,
+            num_cached_tokens: req.num_cached_tokens,
+            has_logprobs: req.params.logprobs.is_some(),
+        };
+        if let Some(reason) = finish {
+            let req = self.sched.remove(row.req);
+            self.metrics.record_finished(reason);
+            self.metrics.e2e_request_latency_s.observe(now.duration_since(req.arrival_time).as_secs_f64());
+        }
+        (num_new > 0).then_some(out)
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.sched.waiting.is_empty() || !self.sched.running.is_empty() || !self.abort_outputs.is_empty()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.sched.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.sched.running.len()
+    }
+
+    pub fn num_free_pages(&self) -> u32 {
+        self.sched.kv.pool.num_free_pages()
+    }
+
+    pub fn num_cached_pages(&self) -> usize {
+        self.sched.kv.pool.num_cached_pages()
+    }
+
+    /// The free queue front to back (for tests asserting eviction order).
+    pub fn free_queue(&self) -> Vec<u32> {
+        self.sched.kv.pool.free_queue()
+    }
+
+    /// The pages request `request_id` holds in group `group`, position-indexed.
+    pub fn request_pages(&self, request_id: &str, group: usize) -> Option<Vec<u32>> {
+        self.sched.index_of.get(request_id).map(|&i| self.sched.request(i).pages[group].clone())
+    }
+
+    /// Forgets every cached block hash (running requests are unaffected).
+    pub fn reset_prefix_cache(&mut self) {
+        self.sched.kv.pool.reset_prefix_cache();
+    }
+
+    pub fn metrics_text(&self) -> String {
+        self.metrics.render(&Gauges {
+            num_requests_running: self.sched.running.len(),
+            num_requests_waiting: self.sched.waiting.len(),
+            kv_cache_usage: self.sched.kv.pool.usage(),
+        })
+    }
+
+    /// Every pool and scheduler invariant (see `PagePool::check_integrity`).
+    pub fn check_integrity(&self) -> Result<(), CoreError> {
+        self.sched.check_integrity().map_err(|e| CoreError::state(format!("integrity check failed: {e}")))
+    }
+
+    fn debug_check(&self) {
+        if cfg!(debug_assertions) {
+            if let Err(e) = self.check_integrity() {
+                panic!("{e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! Per-layer cache specs and their grouping into cache groups.
+//!
+//! A runner states, per layer, what it keeps in the cache ([`KvCacheSpec`]). Layers
+//! with equal specs form one [`CacheGroup`]: they share one page table per request.
+//! All groups draw pages from one pool of equal-size pages ([`crate::PagePool`]), so
+//! a page id is owned by exactly one group at a time.
+
+use crate::error::CoreError;
+
+/// What one layer keeps per request.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum KvCacheSpec {
+    /// Full attention: every token's K/V, `bytes_per_token` per token.
+    Full { bytes_per_token: u64 },
+    /// Sliding-window attention: a query at position `p` reads keys in `(p - window, p]`;
+    /// pages wholly before that are returned to the pool every step.
+    SlidingWindow { window: u32, bytes_per_token: u64 },
+    /// Recurrent state (Mamba, gated delta net, ...): one fixed-size state per request.
+    /// Defined for the layout API; not schedulable yet.
+    Recurrent { state_bytes: u64 },
+}
+
+impl KvCacheSpec {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            KvCacheSpec::Full { .. } => "full",
+            KvCacheSpec::SlidingWindow { .. } => "sliding_window",
+            KvCacheSpec::Recurrent { .. } => "recurrent",
+        }
+    }
+
+    /// The window in tokens, for sliding-window specs.
+    pub fn window(&self) -> Option<u32> {
+        match self {
+            KvCacheSpec::SlidingWindow { window, .. } => Some(*window),
+            _ => None,
+        }
+    }
+
+    /// Most pages one request can hold at once in a group of this spec.
+    pub fn max_pages_per_request(&self, max_model_len: u32, max_num_batched_tokens: u32, page_size: u32) -> u32 {
+        let full = max_model_len.div_ceil(page_size);
+        match self {
+            KvCacheSpec::Full { .. } => full,
+            // The window behind the first new token plus the largest chunk, on unaligned pages.
+            KvCacheSpec::SlidingWindow { window, .. } => {
+                full.min((window - 1 + max_num_batched_tokens).div_ceil(page_size) + 1)
+            }
+            KvCacheSpec::Recurrent { .. } => 1,
+        }
+    }
+}
+
+/// Layers that share one page table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheGroup {
+    pub spec: KvCacheSpec,
+    /// Indices into the runner's `cache_spec()` list, ascending.
+    pub layer_indices: Vec<u32>,
+}
+
+/// How the cache is laid out: handed to the runner's `bind_cache` once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// Pages in the pool, page 0 (the null page) included.
+    pub num_pages: u32,
+    /// Tokens per page.
+    pub page_size: u32,
+    pub groups: Vec<CacheGroup>,
+}
+
+impl CacheLayout {
+    /// Groups `layer_specs` (layers with equal specs share a group, in order of first
+    /// appearance). An empty list means one full-attention group with no bytes (a
+    /// runner that keeps no cache still gets page tables).
+    pub fn from_layer_specs(layer_specs: &[KvCacheSpec], num_pages: u32, page_size: u32) -> Result<Self, CoreError> {
+        if page_size == 0 {
+            return Err(CoreError::invalid("page_size must be >= 1"));
+        }
+        if num_pages < 2 {
+            return Err(CoreError::invalid(format!(
+                "num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}"
+            )));
+        }
+        let default = [KvCacheSpec::Full { bytes_per_token: 0 }];
+        let specs = if layer_specs.is_empty() { &default[..] } else { layer_specs };
+        let mut groups: Vec<CacheGroup> = Vec::new();
+        for (layer, spec) in specs.iter().enumerate() {
+            match spec {
+                KvCacheSpec::Recurrent { .. } => {
+                    return Err(CoreError::invalid(format!(
+                        "layer {layer}: recurrent cache groups are not supported by this engine yet \
+                         (only full and sliding_window)"
+                    )))
+                }
+                KvCacheSpec::SlidingWindow { window: 0, .. } => {
+                    return Err(CoreError::invalid(format!("layer {layer}: sliding window must be >= 1 token")))
+                }
+                _ => {}
+            }
+            match groups.iter_mut().find(|g| g.spec == *spec) {
+                Some(g) => g.layer_indices.push(layer as u32),
+                None => groups.push(CacheGroup { spec: *spec, layer_indices: vec![layer as u32] }),
+            }
+        }
+        Ok(CacheLayout { num_pages, page_size, groups })
+    }
+
+    /// The group index holding `layer`.
+    pub fn group_of_layer(&self, layer: u32) -> Option<usize> {
+        self.groups.iter().position(|g| g.layer_indices.contains(&layer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_layers_by_spec_in_order_of_first_appearance() {
+        let full = KvCacheSpec::Full { bytes_per_token: 64 };
+        let swa = KvCacheSpec::SlidingWindow { window: 8, bytes_per_token: 64 };
+        let layout = CacheLayout::from_layer_specs(&[swa, full, swa, full], 10, 4).unwrap();
+        assert_eq!(layout.groups.len(), 2);
+        assert_eq!(layout.groups[0].spec, swa);
+        assert_eq!(layout.groups[0].layer_indices, vec![0, 2]);
+        assert_eq!(layout.groups[1].layer_indices, vec![1, 3]);
+        assert_eq!(layout.group_of_layer(3), Some(1));
+    }
+
+    #[test]
+    fn rejects_recurrent_and_bad_sizes() {
+        assert!(CacheLayout::from_layer_specs(&[KvCacheSpec::Recurrent { state_bytes: 8 }], 10, 4).is_err());
+        assert!(CacheLayout::from_layer_specs(&[], 1, 4).is_err());
+        assert!(CacheLayout::from_layer_specs(&[], 10, 0).is_err());
+        let l = CacheLayout::from_layer_specs(&[], 10, 4).unwrap();
+        assert_eq!(l.groups[0].spec, KvCacheSpec::Full { bytes_per_token: 0 });
+    }
+
+    #[test]
+    fn sliding_window_page_cap() {
+        let swa = KvCacheSpec::SlidingWindow { window: 8, bytes_per_token: 1 };
+        // (8 - 1 + 4) / 4 rounded up = 3, + 1 for an unaligned window start.
+        assert_eq!(swa.max_pages_per_request(1000, 4, 4), 4);
+        assert_eq!(swa.max_pages_per_request(8, 4, 4), 2);
+    }
+}

@@ -1,0 +1,44 @@
+//! resin-core: the headless engine core of Resin.
+//!
+//! Pure Rust, no Python. It owns every cache page id and every scheduling decision;
+//! a runner (in Python, through the `resin-python` bindings) owns every byte of the
+//! cache and computes the model. One step is:
+//!
+//! ```text
+//! Engine::schedule() -> BatchPlan  ──►  runner.forward(plan)  ──►  Engine::update(ForwardOutputRef)
+//! ```
+//!
+//! Modules, one noun each:
+//! - [`request`]: a request, its sampling parameters and finish reasons;
+//! - [`block_hash`]: chained 128-bit hashes of full pages (prefix-cache keys);
+//! - [`page_pool`]: the pool of equal-size pages — refcounts, intrusive LRU free queue,
+//!   prefix-cache map;
+//! - [`kv_spec`]: per-layer cache specs and their grouping into cache groups;
+//! - [`cache_manager`]: a request's pages per group: allocation, sliding-window release,
+//!   prefix hits, caching full pages;
+//! - [`scheduler`]: waiting/running queues, token budget, preemption by recompute;
+//! - [`plan`]: the immutable `BatchPlan` handed to the runner;
+//! - [`output`]: `ForwardOutputRef` validation and `RequestOutput`;
+//! - [`engine`]: ties them together (`schedule`, `update`, `abort`, ...);
+//! - [`metrics`]: counters, gauges and histograms in Prometheus text format.
+
+pub mod block_hash;
+pub mod cache_manager;
+pub mod engine;
+pub mod error;
+pub mod kv_spec;
+pub mod metrics;
+pub mod output;
+pub mod page_pool;
+pub mod plan;
+pub mod request;
+pub mod scheduler;
+
+pub use block_hash::BlockHash;
+pub use engine::{Engine, EngineConfig, SchedulingPolicy};
+pub use error::CoreError;
+pub use kv_spec::{CacheGroup, CacheLayout, KvCacheSpec};
+pub use output::{ForwardOutputRef, RequestOutput};
+pub use page_pool::{PageId, PagePool, NULL_PAGE};
+pub use plan::{BatchPlan, GroupPlan, SamplingArrays};
+pub use request::{FinishReason, SamplingParams};

@@ -1,0 +1,158 @@
+//! Runner output (`ForwardOutputRef`) validation, and what a step reports per request
+//! (`RequestOutput`).
+
+use std::sync::Arc;
+
+use crate::error::CoreError;
+use crate::request::{FinishReason, RequestRecord};
+
+/// A runner's output, borrowed from wherever it lives (numpy arrays in the bindings).
+///
+/// - `token_ids`: u32[N] sampled tokens, rows concatenated;
+/// - `token_indptr`: u32[S+1], row i produced `token_ids[token_indptr[i]..token_indptr[i+1]]`;
+/// - `logprobs`: f32[N], logprob of each sampled token (optional);
+/// - `top_logprob_ids` / `top_logprobs`: u32[N, k] / f32[N, k], row-major (optional, together).
+#[derive(Copy, Clone, Debug, Default)]
+pub struct ForwardOutputRef<'a> {
+    pub token_ids: &'a [u32],
+    pub token_indptr: &'a [u32],
+    pub logprobs: Option<&'a [f32]>,
+    pub top_logprob_ids: Option<&'a [u32]>,
+    pub top_logprobs: Option<&'a [f32]>,
+    /// k, the number of columns of the top arrays (0 without them).
+    pub num_top_logprobs: usize,
+}
+
+/// What the engine needs to know about one row of the pending plan to check the output.
+#[derive(Copy, Clone, Debug)]
+pub struct RowExpectation {
+    /// Tokens the row must return: 0 for a mid-prefill chunk (anything up to `max` is
+    /// ignored), else between 1 and `max`.
+    pub samples: bool,
+    pub max_tokens: u32,
+    /// -1: no logprobs wanted; k >= 0: logprobs and k top entries wanted.
+    pub num_logprobs: i32,
+}
+
+impl<'a> ForwardOutputRef<'a> {
+    /// Checks the output against the plan's rows. Errors name the field.
+    pub fn validate(&self, rows: &[RowExpectation], vocab_size: Option<u32>) -> Result<(), CoreError> {
+        let s = rows.len();
+        let n = self.token_ids.len();
+        let indptr = self.token_indptr;
+        if indptr.len() != s + 1 {
+            return Err(CoreError::invalid(format!(
+                "ForwardOutput.token_indptr must have num_sequences + 1 = {} entries, got {}",
+                s + 1,
+                indptr.len()
+            )));
+        }
+        if indptr[0] != 0 {
+            return Err(CoreError::invalid(format!("ForwardOutput.token_indptr[0] must be 0, got {}", indptr[0])));
+        }
+        for i in 0..s {
+            if indptr[i + 1] < indptr[i] {
+                return Err(CoreError::invalid(format!(
+                    "ForwardOutput.token_indptr must be non-decreasing: entry {} is {} after {}",
+                    i + 1,
+                    indptr[i + 1],
+                    indptr[i]
+                )));
+            }
+        }
+        if indptr[s] as usize != n {
+            return Err(CoreError::invalid(format!(
+                "ForwardOutput.token_indptr[-1] = {} must equal len(token_ids) = {n}",
+                indptr[s]
+            )));
+        }
+        for (i, row) in rows.iter().enumerate() {
+            let count = indptr[i + 1] - indptr[i];
+            if count > row.max_tokens || (row.samples && count == 0) {
+                let want = if row.samples { format!("1..={}", row.max_tokens) } else { format!("0..={}", row.max_tokens) };
+                return Err(CoreError::invalid(format!(
+                    "ForwardOutput.token_indptr: row {i} returned {count} tokens, expected {want}"
+                )));
+            }
+        }
+        if let Some(vocab) = vocab_size {
+            if let Some(pos) = self.token_ids.iter().position(|&t| t >= vocab) {
+                return Err(CoreError::invalid(format!(
+                    "ForwardOutput.token_ids[{pos}] = {} is out of vocabulary range [0, {vocab})",
+                    self.token_ids[pos]
+                )));
+            }
+        }
+        if let Some(lp) = self.logprobs {
+            if lp.len() != n {
+                return Err(CoreError::invalid(format!("ForwardOutput.logprobs must have len(token_ids) = {n} entries, got {}", lp.len())));
+            }
+        }
+        match (self.top_logprob_ids, self.top_logprobs) {
+            (Some(ids), Some(lps)) => {
+                let k = self.num_top_logprobs;
+                if ids.len() != n * k || lps.len() != n * k {
+                    return Err(CoreError::invalid(format!(
+                        "ForwardOutput.top_logprob_ids and top_logprobs must both have shape [{n}, {k}]"
+                    )));
+                }
+            }
+            (None, None) => {}
+            _ => {
+                return Err(CoreError::invalid(
+                    "ForwardOutput.top_logprob_ids and ForwardOutput.top_logprobs must be given together",
+                ))
+            }
+        }
+        for (i, row) in rows.iter().enumerate() {
+            if !row.samples || row.num_logprobs < 0 {
+                continue;
+            }
+            if self.logprobs.is_none() {
+                return Err(CoreError::invalid(format!("ForwardOutput.logprobs is missing but row {i} asked for logprobs")));
+            }
+            let k = row.num_logprobs as usize;
+            if k > 0 && (self.top_logprob_ids.is_none() || self.num_top_logprobs < k) {
+                return Err(CoreError::invalid(format!(
+                    "ForwardOutput.top_logprob_ids has {} columns but row {i} asked for {k} top logprobs",
+                    self.num_top_logprobs
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A request's state after a step. `token_ids()` lists every output token so far
+/// without the engine copying them each step: the record is shared and append-only.
+#[derive(Clone, Debug)]
+pub struct RequestOutput {
+    pub record: Arc<RequestRecord>,
+    /// Output tokens so far (a prefix of the shared log).
+    pub num_output_tokens: usize,
+    /// Output tokens produced by this step (the tail of that prefix).
+    pub num_new_tokens: usize,
+    pub finished: bool,
+    pub finish_reason: Option<FinishReason>,
+    pub num_cached_tokens: u32,
+    pub has_logprobs: bool,
+}
+
+impl RequestOutput {
+    pub fn request_id(&self) -> &str {
+        &self.record.request_id
+    }
+
+    pub fn token_ids(&self) -> Vec<u32> {
+        self.record.log.lock().unwrap().token_ids[..self.num_output_tokens].to_vec()
+    }
+
+    pub fn new_token_ids(&self) -> Vec<u32> {
+        self.record.log.lock().unwrap().token_ids[self.num_output_tokens - self.num_new_tokens..self.num_output_tokens].to_vec()
+    }
+
+    /// Per output token, (token id, logprob) pairs with the sampled token first.
+    pub fn logprobs(&self) -> Option<Vec<Vec<(u32, f32)>>> {
+        self.has_logprobs.then(|| self.record.log.lock().unwrap().logprobs[..self.num_output_tokens].to_vec())
+    }
+}

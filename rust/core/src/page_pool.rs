@@ -1,0 +1,286 @@
+//! The pool of equal-size cache pages: refcounts, the free queue, the prefix-cache map.
+//!
+//! Page 0 is the null page: never handed out, never freed, always zero on the runner's
+//! side. Every other page is in exactly one of three states:
+//! - *owned*: `ref_count > 0` (held by one or more request page tables);
+//! - *cached*: `ref_count == 0` but it carries a block hash, so a prefix hit can revive it;
+//! - *free*: `ref_count == 0` and no hash.
+//!
+//! Cached and free pages sit in one intrusive doubly linked free queue (indices into
+//! flat vectors, `NO_LINK` as sentinel). Allocation pops the front. A page that becomes
+//! free without a hash goes to the *front* (worthless, reuse first); a cached page goes
+//! to the *back* (least recently used is evicted first). Popping a cached page evicts
+//! its hash. All operations are O(1) except `reset_prefix_cache` and `check_integrity`
+//! (O(num_pages)).
+
+use std::collections::HashMap;
+
+use crate::block_hash::{BlockHash, BlockHashBuilder};
+
+/// A page id: an index into the runner's cache buffers.
+pub type PageId = u32;
+/// The reserved, always-zero page used for padding and skipped window entries.
+pub const NULL_PAGE: PageId = 0;
+const NO_LINK: u32 = u32::MAX;
+
+/// The hash a cached page is registered under, in one cache group.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct PageHash {
+    hash: BlockHash,
+    group: u32,
+}
+
+pub struct PagePool {
+    ref_counts: Vec<u32>,
+    hashes: Vec<Option<PageHash>>,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    in_free_queue: Vec<bool>,
+    head: u32,
+    tail: u32,
+    num_in_free_queue: u32,
+    /// Per cache group: block hash -> page.
+    cached: Vec<HashMap<BlockHash, PageId, BlockHashBuilder>>,
+}
+
+impl PagePool {
+    /// A pool of `num_pages` pages (page 0 included) serving `num_groups` cache groups.
+    /// The free queue starts as `1, 2, ..., num_pages - 1`.
+    pub fn new(num_pages: u32, num_groups: usize) -> Self {
+        let n = num_pages as usize;
+        let mut pool = PagePool {
+            ref_counts: vec![0; n],
+            hashes: vec![None; n],
+            prev: vec![NO_LINK; n],
+            next: vec![NO_LINK; n],
+            in_free_queue: vec![false; n],
+            head: NO_LINK,
+            tail: NO_LINK,
+            num_in_free_queue: 0,
+            cached: (0..num_groups).map(|_| HashMap::default()).collect(),
+        };
+        for page in 1..num_pages {
+            pool.push_back(page);
+        }
+        pool
+    }
+
+    pub fn num_pages(&self) -> u32 {
+        self.ref_counts.len() as u32
+    }
+
+    /// Pages that can be handed out now: free plus cached-but-idle.
+    pub fn num_free_pages(&self) -> u32 {
+        self.num_in_free_queue
+    }
+
+    /// Fraction of usable pages (page 0 excluded) that are owned, in [0, 1].
+    pub fn usage(&self) -> f64 {
+        let usable = self.num_pages() - 1;
+        if usable == 0 {
+            return 0.0;
+        }
+        f64::from(usable - self.num_in_free_queue) / f64::from(usable)
+    }
+
+    pub fn ref_count(&self, page: PageId) -> u32 {
+        self.ref_counts[page as usize]
+    }
+
+    pub fn is_cached(&self, page: PageId) -> bool {
+        self.hashes[page as usize].is_some()
+    }
+
+    /// Hands out one page (refcount 1), evicting its hash if it was cached.
+    pub fn allocate(&mut self) -> Option<PageId> {
+        let page = self.head;
+        if page == NO_LINK {
+            return None;
+        }
+        self.unlink(page);
+        if let Some(h) = self.hashes[page as usize].take() {
+            self.cached[h.group as usize].remove(&h.hash);
+        }
+        self.ref_counts[page as usize] = 1;
+        Some(page)
+    }
+
+    /// Takes one more reference to `page` (a prefix hit); revives it if it was idle.
+    pub fn touch(&mut self, page: PageId) {
+        debug_assert_ne!(page, NULL_PAGE, "the null page is never referenced");
+        if self.ref_counts[page as usize] == 0 {
+            self.unlink(page);
+        }
+        self.ref_counts[page as usize] += 1;
+    }
+
+    /// Drops one reference. At zero the page joins the free queue: at the back if it is
+    /// cached (LRU), at the front otherwise.
+    pub fn release(&mut self, page: PageId) {
+        debug_assert_ne!(page, NULL_PAGE, "the null page is never released");
+        let rc = &mut self.ref_counts[page as usize];
+        debug_assert!(*rc > 0, "release of unowned page {page}");
+        *rc -= 1;
+        if *rc == 0 {
+            if self.hashes[page as usize].is_some() {
+                self.push_back(page);
+            } else {
+                self.push_front(page);
+            }
+        }
+    }
+
+    /// The cached page for `hash` in `group`, if any.
+    pub fn lookup(&self, group: usize, hash: BlockHash) -> Option<PageId> {
+        self.cached[group].get(&hash).copied()
+    }
+
+    /// True if `lookup(group, hash)` would return a page that is idle (in the free queue):
+    /// taking it costs one free page.
+    pub fn is_idle(&self, page: PageId) -> bool {
+        self.in_free_queue[page as usize]
+    }
+
+    /// Registers an owned, full, computed `page` under `hash` in `group`. If another page
+    /// already holds that hash (two requests computed the same prefix), the map keeps
+    /// the first and `page` stays unhashed. Returns whether `page` was registered.
+    pub fn cache_page(&mut self, page: PageId, group: usize, hash: BlockHash) -> bool {
+        debug_assert!(self.ref_counts[page as usize] > 0);
+        if self.hashes[page as usize].is_some() || self.cached[group].contains_key(&hash) {
+            return false;
+        }
+        self.cached[group].insert(hash, page);
+        self.hashes[page as usize] = Some(PageHash { hash, group: group as u32 });
+        true
+    }
+
+    /// Forgets every block hash. Idle cached pages become plain free pages (they keep
+    /// their place in the queue); owned pages keep running but are no longer hit.
+    pub fn reset_prefix_cache(&mut self) {
+        for map in &mut self.cached {
+            map.clear();
+        }
+        for h in &mut self.hashes {
+            *h = None;
+        }
+    }
+
+    /// Number of pages registered in the prefix cache (owned or idle).
+    pub fn num_cached_pages(&self) -> usize {
+        self.cached.iter().map(HashMap::len).sum()
+    }
+
+    /// The free queue front to back (eviction order). O(num free pages); for tests.
+    pub fn free_queue(&self) -> Vec<PageId> {
+        let mut out = Vec::with_capacity(self.num_in_free_queue as usize);
+        let mut p = self.head;
+        while p != NO_LINK {
+            out.push(p);
+            p = self.next[p as usize];
+        }
+        out
+    }
+
+    /// Checks every invariant against `owner_counts[p]` = how many page tables hold `p`:
+    /// refcounts equal owners; page 0 unowned and never queued; a page is queued iff its
+    /// refcount is 0; the queue links are consistent and its length matches; every map
+    /// entry points at a page carrying that hash and vice versa.
+    pub fn check_integrity(&self, owner_counts: &[u32]) -> Result<(), String> {
+        let n = self.num_pages() as usize;
+        if owner_counts.len() != n {
+            return Err(format!("owner_counts has {} entries, pool has {n}", owner_counts.len()));
+        }
+        if self.ref_counts[0] != 0 || self.in_free_queue[0] || owner_counts[0] != 0 || self.hashes[0].is_some() {
+            return Err("page 0 (null page) is owned, queued or hashed".into());
+        }
+        for p in 1..n {
+            if self.ref_counts[p] != owner_counts[p] {
+                return Err(format!("page {p}: refcount {} but {} owners", self.ref_counts[p], owner_counts[p]));
+            }
+            if (self.ref_counts[p] == 0) != self.in_free_queue[p] {
+                return Err(format!("page {p}: refcount {} but in_free_queue={}", self.ref_counts[p], self.in_free_queue[p]));
+            }
+        }
+        let queue = self.free_queue();
+        if queue.len() != self.num_in_free_queue as usize {
+            return Err(format!("free queue walks {} pages, counter says {}", queue.len(), self.num_in_free_queue));
+        }
+        let mut prev = NO_LINK;
+        for &p in &queue {
+            if !self.in_free_queue[p as usize] || self.prev[p as usize] != prev {
+                return Err(format!("free queue link broken at page {p}"));
+            }
+            prev = p;
+        }
+        if self.tail != prev {
+            return Err("free queue tail does not match its last page".into());
+        }
+        let num_free_unowned = (1..n).filter(|&p| self.ref_counts[p] == 0).count();
+        if num_free_unowned != queue.len() {
+            return Err("pages free + pages owned != pool size - 1".into());
+        }
+        for (g, map) in self.cached.iter().enumerate() {
+            for (hash, &page) in map {
+                if self.hashes[page as usize] != Some(PageHash { hash: *hash, group: g as u32 }) {
+                    return Err(format!("group {g}: map entry points at page {page} which has another hash"));
+                }
+            }
+        }
+        for (p, h) in self.hashes.iter().enumerate() {
+            if let Some(h) = h {
+                if self.cached[h.group as usize].get(&h.hash) != Some(&(p as u32)) {
+                    return Err(format!("page {p} carries a hash missing from the map"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn push_back(&mut self, page: PageId) {
+        let i = page as usize;
+        self.prev[i] = self.tail;
+        self.next[i] = NO_LINK;
+        if self.tail == NO_LINK {
+            self.head = page;
+        } else {
+            self.next[self.tail as usize] = page;
+        }
+        self.tail = page;
+        self.in_free_queue[i] = true;
+        self.num_in_free_queue += 1;
+    }
+
+    fn push_front(&mut self, page: PageId) {
+        let i = page as usize;
+        self.next[i] = self.head;
+        self.prev[i] = NO_LINK;
+        if self.head == NO_LINK {
+            self.tail = page;
+        } else {
+            self.prev[self.head as usize] = page;
+        }
+        self.head = page;
+        self.in_free_queue[i] = true;
+        self.num_in_free_queue += 1;
+    }
+
+    fn unlink(&mut self, page: PageId) {
+        let i = page as usize;
+        debug_assert!(self.in_free_queue[i]);
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p == NO_LINK {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NO_LINK {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[i] = NO_LINK;
+        self.next[i] = NO_LINK;
+        self.in_free_queue[i] = false;
+        self.num_in_free_queue -= 1;
+    }
+}

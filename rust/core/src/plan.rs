@@ -1,0 +1,214 @@
+//! The `BatchPlan`: everything a runner needs for one forward pass, built once per step.
+//!
+//! `S` = sequences (rows), `T` = new tokens. Rows are ordered decode rows first (one new
+//! token that is sampled), then prefill chunks. Arrays are plain `Vec`s the bindings
+//! hand to numpy without copying. Field meanings agree with `resin/_core.pyi` and
+//! `docs/batch_plan.md`.
+
+use std::sync::Arc;
+
+use crate::cache_manager::KvCacheManager;
+use crate::request::Request;
+
+/// Sampling parameters per row (struct of arrays, each `[S]`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingArrays {
+    /// f32[S]; 0 = greedy.
+    pub temperature: Vec<f32>,
+    /// f32[S]; 1 = disabled.
+    pub top_p: Vec<f32>,
+    /// i32[S]; 0 = disabled.
+    pub top_k: Vec<i32>,
+    /// f32[S]; 0 = disabled.
+    pub min_p: Vec<f32>,
+    /// i64[S]; -1 = no seed.
+    pub seed: Vec<i64>,
+    /// i32[S]; -1 = none, 0 = sampled token only, k = sampled token and top k.
+    pub num_logprobs: Vec<i32>,
+    /// f32[S]; 0 = disabled.
+    pub presence_penalty: Vec<f32>,
+    /// f32[S]; 0 = disabled.
+    pub frequency_penalty: Vec<f32>,
+    /// f32[S]; 1 = disabled.
+    pub repetition_penalty: Vec<f32>,
+}
+
+/// Page tables of one cache group for this step (FlashInfer CSR layout).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GroupPlan {
+    /// u32[S+1]: row i's pages are `kv_indices[kv_indptr[i]..kv_indptr[i+1]]`.
+    pub kv_indptr: Vec<u32>,
+    /// u32[nnz]: page ids in position order. A sliding-window group lists only pages
+    /// intersecting `[max(0, num_computed - window + 1), seq_len)`; the first listed
+    /// page of row i is logical page `ceil(seq_len/page_size) - (kv_indptr[i+1]-kv_indptr[i])`.
+    pub kv_indices: Vec<u32>,
+    /// u32[S]: tokens in the row's last page, 1..=page_size.
+    pub kv_last_page_len: Vec<u32>,
+    /// i64[T]: `page * page_size + offset` where each new token's KV is written; -1 = skip.
+    pub slot_mapping: Vec<i64>,
+}
+
+/// One step's plan. Immutable once built.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BatchPlan {
+    /// Monotone step id.
+    pub step: u64,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// S.
+    pub num_sequences: u32,
+    /// Rows `[0, num_decode_sequences)` are decode rows.
+    pub num_decode_sequences: u32,
+    /// T.
+    pub num_tokens: u32,
+    /// CUDA-graph bucket size; equals `num_sequences` (eager) until graphs land.
+    pub padded_num_sequences: u32,
+    /// [S] the caller's request ids.
+    pub request_ids: Vec<Arc<str>>,
+    /// u32[S]: stable row in `[0, max_num_seqs)` for per-request runner state.
+    pub request_slots: Vec<u32>,
+    /// u32[T]: new tokens, rows concatenated.
+    pub input_ids: Vec<u32>,
+    /// i64[T]: absolute position of each new token.
+    pub positions: Vec<i64>,
+    /// u32[S+1]: row i's tokens are `input_ids[query_indptr[i]..query_indptr[i+1]]`.
+    pub query_indptr: Vec<u32>,
+    /// u32[S]: tokens in the cache before this step (= position of the first new token).
+    pub num_computed_tokens: Vec<u32>,
+    /// u32[S]: `num_computed_tokens + query length`.
+    pub seq_lens: Vec<u32>,
+    /// u32[S+1]: rows to sample: +0 for a mid-prefill chunk, +1 otherwise.
+    pub sample_indptr: Vec<u32>,
+    /// u32[S]: drafts verified in the row (0: no speculative decoding yet).
+    pub num_draft_tokens: Vec<u32>,
+    pub sampling: SamplingArrays,
+    /// u32[S+1]: CSR offsets into `banned_token_ids`.
+    pub banned_token_indptr: Vec<u32>,
+    /// u32[nnz]: tokens row i must not sample this step (stop tokens before `min_tokens`).
+    pub banned_token_ids: Vec<u32>,
+    /// One per cache group.
+    pub groups: Vec<GroupPlan>,
+    /// u32[n]: slots that serve a new request from this plan on (apply after `finished_request_slots`).
+    pub new_request_slots: Vec<u32>,
+    /// u32[n]: slots whose request finished, was aborted or preempted since the last committed plan.
+    pub finished_request_slots: Vec<u32>,
+}
+
+/// One scheduled row: a request and how many new tokens it computes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ScheduledRow {
+    /// Index of the request in the scheduler's table.
+    pub req: usize,
+    pub num_new_tokens: u32,
+}
+
+impl BatchPlan {
+    /// Builds the plan for `rows` (already ordered decode first) of requests in `requests`.
+    pub fn build(
+        step: u64,
+        rows: &[ScheduledRow],
+        num_decode_sequences: u32,
+        requests: &[Option<Request>],
+        kv: &KvCacheManager,
+        eos_token_ids: &[u32],
+    ) -> BatchPlan {
+        let s = rows.len();
+        let t: usize = rows.iter().map(|r| r.num_new_tokens as usize).sum();
+        let ps = kv.page_size();
+        let mut plan = BatchPlan {
+            step,
+            page_size: ps,
+            num_sequences: s as u32,
+            num_decode_sequences,
+            num_tokens: t as u32,
+            padded_num_sequences: s as u32,
+            request_ids: Vec::with_capacity(s),
+            request_slots: Vec::with_capacity(s),
+            input_ids: Vec::with_capacity(t),
+            positions: Vec::with_capacity(t),
+            query_indptr: Vec::with_capacity(s + 1),
+            num_computed_tokens: Vec::with_capacity(s),
+            seq_lens: Vec::with_capacity(s),
+            sample_indptr: Vec::with_capacity(s + 1),
+            num_draft_tokens: vec![0; s],
+            banned_token_indptr: Vec::with_capacity(s + 1),
+            groups: (0..kv.num_groups())
+                .map(|_| GroupPlan {
+                    kv_indptr: Vec::with_capacity(s + 1),
+                    kv_indices: Vec::new(),
+                    kv_last_page_len: Vec::with_capacity(s),
+                    slot_mapping: Vec::with_capacity(t),
+                })
+                .collect(),
+            ..BatchPlan::default()
+        };
+        plan.query_indptr.push(0);
+        plan.sample_indptr.push(0);
+        plan.banned_token_indptr.push(0);
+        for g in &mut plan.groups {
+            g.kv_indptr.push(0);
+        }
+        for row in rows {
+            let req = requests[row.req].as_ref().expect("scheduled request exists");
+            let start = req.num_computed_tokens;
+            let seq_len = start + row.num_new_tokens;
+            plan.request_ids.push(req.record.request_id.clone());
+            plan.request_slots.push(req.slot.expect("running request has a slot"));
+            plan.input_ids.extend_from_slice(&req.token_ids[start as usize..seq_len as usize]);
+            plan.positions.extend((start..seq_len).map(i64::from));
+            plan.query_indptr.push(plan.input_ids.len() as u32);
+            plan.num_computed_tokens.push(start);
+            plan.seq_lens.push(seq_len);
+            let samples = seq_len == req.num_tokens();
+            plan.sample_indptr.push(plan.sample_indptr.last().unwrap() + u32::from(samples));
+            plan.push_sampling(req);
+            if samples && req.num_output_tokens() < req.params.min_tokens {
+                if !req.params.ignore_eos {
+                    plan.banned_token_ids.extend_from_slice(eos_token_ids);
+                }
+                plan.banned_token_ids.extend_from_slice(&req.params.stop_token_ids);
+            }
+            plan.banned_token_indptr.push(plan.banned_token_ids.len() as u32);
+            for (g, gp) in plan.groups.iter_mut().enumerate() {
+                let (_, listed) = kv.listed_pages(req, g, start, seq_len);
+                gp.kv_indices.extend_from_slice(listed);
+                gp.kv_indptr.push(gp.kv_indices.len() as u32);
+                gp.kv_last_page_len.push(seq_len - (seq_len.div_ceil(ps) - 1) * ps);
+                let pages = &req.pages[g];
+                gp.slot_mapping
+                    .extend((start..seq_len).map(|p| i64::from(pages[(p / ps) as usize]) * i64::from(ps) + i64::from(p % ps)));
+            }
+        }
+        plan
+    }
+
+    fn push_sampling(&mut self, req: &Request) {
+        let p = &req.params;
+        let sa = &mut self.sampling;
+        sa.temperature.push(p.temperature);
+        sa.top_p.push(p.top_p);
+        sa.top_k.push(p.top_k);
+        sa.min_p.push(p.min_p);
+        sa.seed.push(p.seed.map_or(-1, |s| s as i64));
+        sa.num_logprobs.push(p.logprobs.map_or(-1, |k| k as i32));
+        sa.presence_penalty.push(p.presence_penalty);
+        sa.frequency_penalty.push(p.frequency_penalty);
+        sa.repetition_penalty.push(p.repetition_penalty);
+    }
+
+    /// Dense page table of group `g`: (row-major u32[S * num_columns], num_columns).
+    /// Column j holds the page of positions `[j*page_size, (j+1)*page_size)`; entries
+    /// before a sliding window and past a row's end are 0, the null page.
+    pub fn block_table(&self, g: usize) -> (Vec<u32>, usize) {
+        let gp = &self.groups[g];
+        let ps = self.page_size;
+        let cols = self.seq_lens.iter().map(|&l| l.div_ceil(ps) as usize).max().unwrap_or(0);
+        let mut table = vec![0u32; self.num_sequences as usize * cols];
+        for i in 0..self.num_sequences as usize {
+            let listed = &gp.kv_indices[gp.kv_indptr[i] as usize..gp.kv_indptr[i + 1] as usize];
+            let first = self.seq_lens[i].div_ceil(ps) as usize - listed.len();
+            table[i * cols + first..i * cols + first + listed.len()].copy_from_slice(listed);
+        }
+        (table, cols)
+    }
+}

@@ -1,0 +1,247 @@
+//! A request: its tokens, sampling parameters, progress and cache pages.
+//!
+//! Progress follows one rule: `num_computed_tokens` (tokens whose KV is in the cache)
+//! catches up with `num_tokens()` (prompt + sampled tokens). Prefill, chunked prefill,
+//! decode, prefix hits and preemption-by-recompute are all just values of these two.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::block_hash::BlockHash;
+use crate::error::CoreError;
+use crate::page_pool::PageId;
+
+/// Why a request stopped.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// Sampled an EOS id (unless `ignore_eos`) or one of `stop_token_ids`.
+    Stop,
+    /// Reached `max_tokens` or `max_model_len`.
+    Length,
+    /// Aborted by the caller.
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Generation parameters of one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    pub max_tokens: u32,
+    pub min_tokens: u32,
+    /// 0 = greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 = disabled.
+    pub top_k: i32,
+    pub min_p: f32,
+    pub seed: Option<u64>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// None: no logprobs; Some(0): the sampled token's; Some(k): also the top k.
+    pub logprobs: Option<u32>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    /// Lower is served first under the priority policy.
+    pub priority: i32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            max_tokens: 16,
+            min_tokens: 0,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            priority: 0,
+        }
+    }
+}
+
+/// Largest `logprobs` value accepted (as vLLM's default cap).
+pub const MAX_LOGPROBS: u32 = 20;
+
+impl SamplingParams {
+    /// Checks every field's range; the error names the field. `top_k == -1` is
+    /// normalised to 0 (disabled).
+    pub fn validated(mut self) -> Result<Self, CoreError> {
+        let bad = |field: &str, why: String| Err(CoreError::invalid(format!("SamplingParams.{field}: {why}")));
+        if self.max_tokens == 0 {
+            return bad("max_tokens", "must be >= 1".into());
+        }
+        if self.min_tokens > self.max_tokens {
+            return bad("min_tokens", format!("{} is greater than max_tokens {}", self.min_tokens, self.max_tokens));
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad("temperature", format!("must be finite and >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
+        }
+        if self.top_k < -1 {
+            return bad("top_k", format!("must be -1 or 0 (disabled) or >= 1, got {}", self.top_k));
+        }
+        if self.top_k == -1 {
+            self.top_k = 0;
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", format!("must be in [0, 1], got {}", self.min_p));
+        }
+        if let Some(seed) = self.seed {
+            if seed > i64::MAX as u64 {
+                return bad("seed", format!("must be < 2**63, got {seed}"));
+            }
+        }
+        if let Some(k) = self.logprobs {
+            if k > MAX_LOGPROBS {
+                return bad("logprobs", format!("must be in [0, {MAX_LOGPROBS}], got {k}"));
+            }
+        }
+        for (field, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(field, format!("must be in [-2, 2], got {v}"));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad("repetition_penalty", format!("must be finite and > 0, got {}", self.repetition_penalty));
+        }
+        Ok(self)
+    }
+}
+
+/// What a request's outputs share with the `RequestOutput`s handed to callers, so an
+/// output can list all tokens so far without copying them every step.
+#[derive(Debug)]
+pub struct RequestRecord {
+    pub request_id: Arc<str>,
+    pub prompt_token_ids: Vec<u32>,
+    pub log: Mutex<OutputLog>,
+}
+
+/// Output tokens (and their logprobs when asked for), append-only.
+#[derive(Debug, Default)]
+pub struct OutputLog {
+    pub token_ids: Vec<u32>,
+    /// Per output token: (token id, logprob) pairs, the sampled token first.
+    pub logprobs: Vec<Vec<(u32, f32)>>,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+}
+
+/// A live request (waiting or running).
+#[derive(Debug)]
+pub struct Request {
+    pub record: Arc<RequestRecord>,
+    pub params: SamplingParams,
+    pub status: RequestStatus,
+    /// Prompt then sampled tokens.
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: u32,
+    /// Tokens whose KV is in the cache.
+    pub num_computed_tokens: u32,
+    /// Prompt tokens served by the prefix cache on first scheduling.
+    pub num_cached_tokens: u32,
+    /// Whether the prefix cache was already queried (metrics count first queries only).
+    pub prefix_queried: bool,
+    /// Chained hashes of every full page of `token_ids` (when prefix caching is on).
+    pub block_hashes: Vec<BlockHash>,
+    /// Per cache group: position-indexed page table (entry j holds positions
+    /// `[j*page_size, (j+1)*page_size)`; `NULL_PAGE` where a window page was released).
+    pub pages: Vec<Vec<PageId>>,
+    /// Per cache group: leading pages already released (sliding window) — all `NULL_PAGE`.
+    pub num_released_pages: Vec<u32>,
+    /// Per cache group: leading full pages already offered to the prefix cache.
+    pub num_hashed_pages: Vec<u32>,
+    /// Runner state row while running.
+    pub slot: Option<u32>,
+    /// Arrival order, for FCFS ties.
+    pub arrival_seq: u64,
+    pub arrival_time: Instant,
+    pub first_scheduled_time: Option<Instant>,
+    pub last_token_time: Option<Instant>,
+}
+
+impl Request {
+    pub fn new(
+        request_id: String,
+        prompt_token_ids: Vec<u32>,
+        params: SamplingParams,
+        num_groups: usize,
+        arrival_seq: u64,
+        now: Instant,
+    ) -> Self {
+        let num_prompt_tokens = prompt_token_ids.len() as u32;
+        Request {
+            token_ids: prompt_token_ids.clone(),
+            record: Arc::new(RequestRecord {
+                request_id: request_id.into(),
+                prompt_token_ids,
+                log: Mutex::new(OutputLog::default()),
+            }),
+            params,
+            status: RequestStatus::Waiting,
+            num_prompt_tokens,
+            num_computed_tokens: 0,
+            num_cached_tokens: 0,
+            prefix_queried: false,
+            block_hashes: Vec::new(),
+            pages: vec![Vec::new(); num_groups],
+            num_released_pages: vec![0; num_groups],
+            num_hashed_pages: vec![0; num_groups],
+            slot: None,
+            arrival_seq,
+            arrival_time: now,
+            first_scheduled_time: None,
+            last_token_time: None,
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.record.request_id
+    }
+
+    pub fn num_tokens(&self) -> u32 {
+        self.token_ids.len() as u32
+    }
+
+    pub fn num_output_tokens(&self) -> u32 {
+        self.num_tokens() - self.num_prompt_tokens
+    }
+
+    /// Extends `block_hashes` to cover every full page of `token_ids`.
+    pub fn update_block_hashes(&mut self, page_size: u32) {
+        let ps = page_size as usize;
+        while (self.block_hashes.len() + 1) * ps <= self.token_ids.len() {
+            let i = self.block_hashes.len();
+            let parent = self.block_hashes.last().copied();
+            self.block_hashes.push(BlockHash::chain(parent, &self.token_ids[i * ps..(i + 1) * ps], 0));
+        }
+    }
+
+    /// Whether sampling `token` (as the n-th output, counted after appending) stops the request.
+    pub fn is_stop_token(&self, token: u32, eos_token_ids: &[u32]) -> bool {
+        self.params.stop_token_ids.contains(&token) || (!self.params.ignore_eos && eos_token_ids.contains(&token))
+    }
+}

@@ -1,0 +1,291 @@
+//! The scheduler: which requests compute how many tokens this step.
+//!
+//! One rule, no phases: every request has `num_computed_tokens` and `num_tokens()`,
+//! and each step hands out a token budget (`max_num_batched_tokens`) so the former
+//! catches up with the latter. Running requests are served first, in order (decodes
+//! and unfinished prefill chunks alike), then waiting requests are admitted while
+//! budget, `max_num_seqs` and free pages allow; a long prompt gets a chunk of what is
+//! left (chunked prefill).
+//!
+//! When a running request cannot get pages, the scheduler preempts by recompute: the
+//! newest running request (FCFS) or the lowest-priority one (priority policy) loses
+//! its pages (tail first, so its cached prefix survives) and goes back to waiting. No
+//! waiting request is admitted in a step that preempted. Under FCFS the oldest request
+//! is never the victim while another runs, so every request finishes: nothing starves.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use crate::cache_manager::KvCacheManager;
+use crate::metrics::Metrics;
+use crate::plan::ScheduledRow;
+use crate::request::{Request, RequestStatus};
+
+/// Which request goes first.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SchedulingPolicy {
+    /// First come, first served; the newest running request is preempted first.
+    Fcfs,
+    /// Lowest `priority` value first (ties by arrival); the highest value is preempted first.
+    Priority,
+}
+
+/// Limits the scheduler works under.
+#[derive(Clone, Debug)]
+pub struct SchedulerLimits {
+    pub max_num_seqs: u32,
+    pub max_num_batched_tokens: u32,
+    pub policy: SchedulingPolicy,
+}
+
+pub struct Scheduler {
+    pub limits: SchedulerLimits,
+    pub kv: KvCacheManager,
+    /// Request table; `None` entries are free indices.
+    pub requests: Vec<Option<Request>>,
+    free_indices: Vec<usize>,
+    pub index_of: HashMap<String, usize>,
+    /// Waiting requests in service order.
+    pub waiting: VecDeque<usize>,
+    /// Running requests in admission order.
+    pub running: Vec<usize>,
+    /// Unused runner slots; popped from the back (lowest first).
+    free_slots: Vec<u32>,
+    /// Slots assigned since the last committed plan.
+    pub new_slots: Vec<u32>,
+    /// Slots released since the last committed plan.
+    pub released_slots: Vec<u32>,
+}
+
+impl Scheduler {
+    pub fn new(limits: SchedulerLimits, kv: KvCacheManager) -> Self {
+        Scheduler {
+            free_slots: (0..limits.max_num_seqs).rev().collect(),
+            limits,
+            kv,
+            requests: Vec::new(),
+            free_indices: Vec::new(),
+            index_of: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            new_slots: Vec::new(),
+            released_slots: Vec::new(),
+        }
+    }
+
+    pub fn request(&self, idx: usize) -> &Request {
+        self.requests[idx].as_ref().expect("live request index")
+    }
+
+    pub fn request_mut(&mut self, idx: usize) -> &mut Request {
+        self.requests[idx].as_mut().expect("live request index")
+    }
+
+    /// Stores a new request and queues it.
+    pub fn add(&mut self, req: Request) {
+        let id = req.id().to_string();
+        let idx = match self.free_indices.pop() {
+            Some(i) => {
+                self.requests[i] = Some(req);
+                i
+            }
+            None => {
+                self.requests.push(Some(req));
+                self.requests.len() - 1
+            }
+        };
+        self.index_of.insert(id, idx);
+        self.enqueue_waiting(idx, false);
+    }
+
+    /// Removes a request (finished or aborted): frees its pages and slot.
+    pub fn remove(&mut self, idx: usize) -> Request {
+        match self.request(idx).status {
+            RequestStatus::Waiting => self.waiting.retain(|&i| i != idx),
+            RequestStatus::Running => self.running.retain(|&i| i != idx),
+        }
+        self.release_resources(idx);
+        let req = self.requests[idx].take().expect("live request index");
+        self.index_of.remove(req.id());
+        self.free_indices.push(idx);
+        req
+    }
+
+    fn release_resources(&mut self, idx: usize) {
+        let req = self.requests[idx].as_mut().expect("live request index");
+        self.kv.free(req);
+        if let Some(slot) = req.slot.take() {
+            // A slot the runner was never told about needs no "finished" notice.
+            if let Some(pos) = self.new_slots.iter().position(|&s| s == slot) {
+                self.new_slots.remove(pos);
+            } else {
+                self.released_slots.push(slot);
+            }
+            self.free_slots.push(slot);
+        }
+    }
+
+    fn enqueue_waiting(&mut self, idx: usize, preempted: bool) {
+        match self.limits.policy {
+            SchedulingPolicy::Fcfs if preempted => self.waiting.push_front(idx),
+            SchedulingPolicy::Fcfs => self.waiting.push_back(idx),
+            SchedulingPolicy::Priority => {
+                let key = self.priority_key(idx);
+                let pos = self.waiting.partition_point(|&i| self.priority_key(i) < key);
+                self.waiting.insert(pos, idx);
+            }
+        }
+    }
+
+    fn priority_key(&self, idx: usize) -> (i32, u64) {
+        let r = self.request(idx);
+        (r.params.priority, r.arrival_seq)
+    }
+
+    /// Index into `running` of the request to preempt next.
+    fn pick_victim(&self) -> usize {
+        match self.limits.policy {
+            SchedulingPolicy::Fcfs => self.running.len() - 1,
+            SchedulingPolicy::Priority => {
+                (0..self.running.len()).max_by_key(|&i| self.priority_key(self.running[i])).expect("running is not empty")
+            }
+        }
+    }
+
+    /// Preempts `running[pos]` by recompute.
+    fn preempt(&mut self, pos: usize, metrics: &mut Metrics) {
+        let idx = self.running.remove(pos);
+        self.release_resources(idx);
+        let req = self.request_mut(idx);
+        req.num_computed_tokens = 0;
+        req.status = RequestStatus::Waiting;
+        metrics.num_preemptions += 1;
+        self.enqueue_waiting(idx, true);
+    }
+
+    /// Picks this step's rows, decode rows first. Returns (rows, number of decode rows).
+    pub fn schedule(&mut self, now: Instant, metrics: &mut Metrics) -> (Vec<ScheduledRow>, u32) {
+        let mut budget = self.limits.max_num_batched_tokens;
+        let mut rows: Vec<ScheduledRow> = Vec::with_capacity(self.running.len());
+        let mut preempted = false;
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let idx = self.running[i];
+            let req = self.requests[idx].as_mut().expect("live request index");
+            let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            if self.kv.allocate(req, num_new) {
+                rows.push(ScheduledRow { req: idx, num_new_tokens: num_new });
+                budget -= num_new;
+                i += 1;
+                continue;
+            }
+            let victim = self.pick_victim();
+            let victim_idx = self.running[victim];
+            if victim < i {
+                // Already scheduled this step (priority policy): give its tokens back.
+                let row = rows.iter().position(|r| r.req == victim_idx).expect("scheduled victim has a row");
+                budget += rows.remove(row).num_new_tokens;
+                i -= 1;
+            }
+            self.preempt(victim, metrics);
+            preempted = true;
+        }
+
+        while !preempted && budget > 0 && (self.running.len() as u32) < self.limits.max_num_seqs {
+            let Some(&idx) = self.waiting.front() else { break };
+            let req = self.requests[idx].as_mut().expect("live request index");
+            let hit = self.kv.find_prefix_hit(req);
+            let num_hit = hit.num_tokens;
+            let num_new = (req.num_tokens() - num_hit).min(budget);
+            if !self.kv.admit(req, hit, num_new) {
+                break;
+            }
+            if !req.prefix_queried {
+                req.prefix_queried = true;
+                req.num_cached_tokens = num_hit;
+                metrics.prefix_cache_queries_tokens += u64::from(req.num_tokens());
+                metrics.prefix_cache_hits_tokens += u64::from(num_hit);
+            }
+            if req.first_scheduled_time.is_none() {
+                req.first_scheduled_time = Some(now);
+                metrics.request_queue_time_s.observe(now.duration_since(req.arrival_time).as_secs_f64());
+            }
+            let slot = self.free_slots.pop().expect("max_num_seqs bounds running requests");
+            req.slot = Some(slot);
+            req.status = RequestStatus::Running;
+            self.new_slots.push(slot);
+            self.waiting.pop_front();
+            self.running.push(idx);
+            rows.push(ScheduledRow { req: idx, num_new_tokens: num_new });
+            budget -= num_new;
+        }
+
+        // Decode rows (one new token that is sampled) first, each part in schedule order.
+        let is_decode = |r: &ScheduledRow| {
+            let req = self.request(r.req);
+            r.num_new_tokens == 1 && req.num_computed_tokens + 1 == req.num_tokens()
+        };
+        let (mut decode, prefill): (Vec<_>, Vec<_>) = rows.into_iter().partition(is_decode);
+        let num_decode = decode.len() as u32;
+        decode.extend(prefill);
+        (decode, num_decode)
+    }
+
+    /// Page owners per page id (for integrity checks): how many page-table entries hold each page.
+    pub fn page_owner_counts(&self) -> Vec<u32> {
+        let mut counts = vec![0u32; self.kv.pool.num_pages() as usize];
+        for req in self.requests.iter().flatten() {
+            for pages in &req.pages {
+                for &p in pages {
+                    counts[p as usize] += 1;
+                }
+            }
+        }
+        counts[0] = 0;
+        counts
+    }
+
+    /// Scheduler-level invariants on top of the pool's own.
+    pub fn check_integrity(&self) -> Result<(), String> {
+        self.kv.pool.check_integrity(&self.page_owner_counts())?;
+        let num_live = self.requests.iter().flatten().count();
+        if num_live != self.waiting.len() + self.running.len() || num_live != self.index_of.len() {
+            return Err(format!(
+                "{num_live} live requests but {} waiting + {} running, {} ids",
+                self.waiting.len(),
+                self.running.len(),
+                self.index_of.len()
+            ));
+        }
+        let mut slots_in_use: Vec<u32> = Vec::new();
+        for &idx in &self.running {
+            let r = self.request(idx);
+            let slot = r.slot.ok_or_else(|| format!("running request {} has no slot", r.id()))?;
+            slots_in_use.push(slot);
+            let ps = self.kv.page_size();
+            for (g, pages) in r.pages.iter().enumerate() {
+                if (pages.len() as u32) < r.num_computed_tokens.div_ceil(ps) {
+                    return Err(format!("request {}: group {g} has too few pages for its computed tokens", r.id()));
+                }
+                if pages[r.num_released_pages[g] as usize..].contains(&0) {
+                    return Err(format!("request {}: group {g} holds the null page inside its window", r.id()));
+                }
+            }
+        }
+        for &idx in &self.waiting {
+            let r = self.request(idx);
+            if r.slot.is_some() || r.pages.iter().any(|p| !p.is_empty()) || r.num_computed_tokens != 0 {
+                return Err(format!("waiting request {} holds a slot, pages or computed tokens", r.id()));
+            }
+        }
+        slots_in_use.sort_unstable();
+        slots_in_use.dedup();
+        if slots_in_use.len() != self.running.len()
+            || slots_in_use.len() + self.free_slots.len() != self.limits.max_num_seqs as usize
+        {
+            return Err("runner slots are shared or lost".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,129 @@
+//! `LayerCacheSpec`, `CacheGroup`, `CacheLayout`: the runner ↔ engine cache handshake.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use resin_core::kv_spec;
+use resin_core::KvCacheSpec;
+
+#[pyclass(module = "resin._core", frozen, eq, from_py_object)]
+#[derive(Clone, PartialEq)]
+pub struct LayerCacheSpec {
+    pub spec: KvCacheSpec,
+}
+
+#[pymethods]
+impl LayerCacheSpec {
+    #[staticmethod]
+    fn full(bytes_per_token: u64) -> Self {
+        LayerCacheSpec { spec: KvCacheSpec::Full { bytes_per_token } }
+    }
+
+    #[staticmethod]
+    fn sliding_window(window: u32, bytes_per_token: u64) -> PyResult<Self> {
+        if window == 0 {
+            return Err(PyValueError::new_err("LayerCacheSpec.sliding_window: window must be >= 1 token"));
+        }
+        Ok(LayerCacheSpec { spec: KvCacheSpec::SlidingWindow { window, bytes_per_token } })
+    }
+
+    #[staticmethod]
+    fn recurrent(state_bytes: u64) -> Self {
+        LayerCacheSpec { spec: KvCacheSpec::Recurrent { state_bytes } }
+    }
+
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.spec.kind()
+    }
+
+    #[getter]
+    fn bytes_per_token(&self) -> u64 {
+        match self.spec {
+            KvCacheSpec::Full { bytes_per_token } | KvCacheSpec::SlidingWindow { bytes_per_token, .. } => bytes_per_token,
+            KvCacheSpec::Recurrent { .. } => 0,
+        }
+    }
+
+    #[getter]
+    fn window(&self) -> Option<u32> {
+        self.spec.window()
+    }
+
+    #[getter]
+    fn state_bytes(&self) -> Option<u64> {
+        match self.spec {
+            KvCacheSpec::Recurrent { state_bytes } => Some(state_bytes),
+            _ => None,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        match self.spec {
+            KvCacheSpec::Full { bytes_per_token } => format!("LayerCacheSpec.full({bytes_per_token})"),
+            KvCacheSpec::SlidingWindow { window, bytes_per_token } => {
+                format!("LayerCacheSpec.sliding_window({window}, {bytes_per_token})")
+            }
+            KvCacheSpec::Recurrent { state_bytes } => format!("LayerCacheSpec.recurrent({state_bytes})"),
+        }
+    }
+}
+
+#[pyclass(module = "resin._core", frozen)]
+pub struct CacheGroup {
+    group: kv_spec::CacheGroup,
+}
+
+#[pymethods]
+impl CacheGroup {
+    #[getter]
+    fn spec(&self) -> LayerCacheSpec {
+        LayerCacheSpec { spec: self.group.spec }
+    }
+
+    #[getter]
+    fn layer_indices(&self) -> Vec<u32> {
+        self.group.layer_indices.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("CacheGroup(spec={}, layer_indices={:?})", LayerCacheSpec { spec: self.group.spec }.__repr__(), self.group.layer_indices)
+    }
+}
+
+#[pyclass(module = "resin._core", frozen)]
+pub struct CacheLayout {
+    pub layout: kv_spec::CacheLayout,
+}
+
+#[pymethods]
+impl CacheLayout {
+    #[getter]
+    fn num_pages(&self) -> u32 {
+        self.layout.num_pages
+    }
+
+    #[getter]
+    fn page_size(&self) -> u32 {
+        self.layout.page_size
+    }
+
+    #[getter]
+    fn groups(&self) -> Vec<CacheGroup> {
+        self.layout.groups.iter().map(|g| CacheGroup { group: g.clone() }).collect()
+    }
+
+    fn group_of_layer(&self, layer_index: u32) -> PyResult<usize> {
+        self.layout
+            .group_of_layer(layer_index)
+            .ok_or_else(|| PyValueError::new_err(format!("CacheLayout.group_of_layer: no layer {layer_index}")))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "CacheLayout(num_pages={}, page_size={}, num_groups={})",
+            self.layout.num_pages,
+            self.layout.page_size,
+            self.layout.groups.len()
+        )
+    }
+}

@@ -1,0 +1,32 @@
+//! PyO3 bindings for `resin-core`, built by maturin as the private module `resin._core`.
+//!
+//! Thin by rule: no engine logic lives here. Each file wraps one noun: `params`
+//! (SamplingParams, EngineConfig), `cache` (LayerCacheSpec, CacheGroup, CacheLayout),
+//! `plan` (BatchPlan, SamplingArrays), `output` (ForwardOutput, RequestOutput) and
+//! `engine` (Engine). The GIL is released while Rust works; plan arrays are numpy views
+//! on memory the plan owns (no copy).
+
+mod cache;
+mod engine;
+mod errors;
+mod output;
+mod params;
+mod plan;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<params::SamplingParams>()?;
+    m.add_class::<params::EngineConfig>()?;
+    m.add_class::<cache::LayerCacheSpec>()?;
+    m.add_class::<cache::CacheGroup>()?;
+    m.add_class::<cache::CacheLayout>()?;
+    m.add_class::<plan::BatchPlan>()?;
+    m.add_class::<plan::SamplingArrays>()?;
+    m.add_class::<output::ForwardOutput>()?;
+    m.add_class::<output::RequestOutput>()?;
+    m.add_class::<engine::Engine>()?;
+    Ok(())
+}

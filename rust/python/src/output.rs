@@ -1,0 +1,184 @@
+//! `ForwardOutput` (runner → engine) and `RequestOutput` (engine → caller).
+
+use numpy::{Element, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use resin_core::output as core;
+
+/// What a runner returns. Holds the objects as given; the engine checks them in `update`.
+#[pyclass(module = "resin._core", frozen)]
+pub struct ForwardOutput {
+    #[pyo3(get)]
+    token_ids: Py<PyAny>,
+    #[pyo3(get)]
+    token_indptr: Py<PyAny>,
+    #[pyo3(get)]
+    logprobs: Option<Py<PyAny>>,
+    #[pyo3(get)]
+    top_logprob_ids: Option<Py<PyAny>>,
+    #[pyo3(get)]
+    top_logprobs: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl ForwardOutput {
+    #[new]
+    #[pyo3(signature = (token_ids, token_indptr, logprobs=None, top_logprob_ids=None, top_logprobs=None))]
+    fn new(
+        token_ids: Py<PyAny>,
+        token_indptr: Py<PyAny>,
+        logprobs: Option<Py<PyAny>>,
+        top_logprob_ids: Option<Py<PyAny>>,
+        top_logprobs: Option<Py<PyAny>>,
+    ) -> Self {
+        ForwardOutput { token_ids, token_indptr, logprobs, top_logprob_ids, top_logprobs }
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("ForwardOutput(token_ids={}, token_indptr={})", self.token_ids.bind(py), self.token_indptr.bind(py))
+    }
+}
+
+/// How `obj` differs from a C-contiguous numpy array of `dtype` with `ndim` dimensions.
+fn describe(obj: &Bound<'_, PyAny>) -> String {
+    match obj.cast::<PyUntypedArray>() {
+        Ok(a) => format!("a numpy array of dtype {} and shape {:?}", a.dtype(), a.shape()),
+        Err(_) => format!("an object of type {}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()),
+    }
+}
+
+fn array1<'py, T: Element>(obj: &Bound<'py, PyAny>, field: &str, dtype: &str) -> PyResult<PyReadonlyArray1<'py, T>> {
+    let array = obj.cast::<PyArray1<T>>().map_err(|_| {
+        PyValueError::new_err(format!("ForwardOutput.{field} must be a 1-D numpy array of dtype {dtype}, got {}", describe(obj)))
+    })?;
+    let ro = array.try_readonly().map_err(|e| PyValueError::new_err(format!("ForwardOutput.{field}: {e}")))?;
+    if !ro.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!("ForwardOutput.{field} must be C-contiguous")));
+    }
+    Ok(ro)
+}
+
+fn array2<'py, T: Element>(obj: &Bound<'py, PyAny>, field: &str, dtype: &str) -> PyResult<PyReadonlyArray2<'py, T>> {
+    let array = obj.cast::<PyArray2<T>>().map_err(|_| {
+        PyValueError::new_err(format!("ForwardOutput.{field} must be a 2-D numpy array of dtype {dtype}, got {}", describe(obj)))
+    })?;
+    let ro = array.try_readonly().map_err(|e| PyValueError::new_err(format!("ForwardOutput.{field}: {e}")))?;
+    if !ro.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!("ForwardOutput.{field} must be C-contiguous")));
+    }
+    Ok(ro)
+}
+
+/// Read-only borrows of a `ForwardOutput`'s arrays, checked for dtype and layout.
+pub struct BorrowedOutput<'py> {
+    token_ids: PyReadonlyArray1<'py, u32>,
+    token_indptr: PyReadonlyArray1<'py, u32>,
+    logprobs: Option<PyReadonlyArray1<'py, f32>>,
+    top_ids: Option<PyReadonlyArray2<'py, u32>>,
+    top_logprobs: Option<PyReadonlyArray2<'py, f32>>,
+}
+
+impl<'py> BorrowedOutput<'py> {
+    pub fn new(out: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let py = out.py();
+        let out = out.cast::<ForwardOutput>().map_err(|_| {
+            PyValueError::new_err(format!("runner.forward must return a resin.ForwardOutput, got {}", describe(out)))
+        })?;
+        let o = out.get();
+        let top_ids = o.top_logprob_ids.as_ref().map(|a| array2::<u32>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
+        let top_logprobs = o.top_logprobs.as_ref().map(|a| array2::<f32>(a.bind(py), "top_logprobs", "float32")).transpose()?;
+        if let (Some(ids), Some(lps)) = (&top_ids, &top_logprobs) {
+            if ids.shape() != lps.shape() {
+                return Err(PyValueError::new_err(format!(
+                    "ForwardOutput.top_logprob_ids has shape {:?} but top_logprobs has shape {:?}",
+                    ids.shape(),
+                    lps.shape()
+                )));
+            }
+        }
+        Ok(BorrowedOutput {
+            token_ids: array1(o.token_ids.bind(py), "token_ids", "uint32")?,
+            token_indptr: array1(o.token_indptr.bind(py), "token_indptr", "uint32")?,
+            logprobs: o.logprobs.as_ref().map(|a| array1::<f32>(a.bind(py), "logprobs", "float32")).transpose()?,
+            top_ids,
+            top_logprobs,
+        })
+    }
+
+    /// The core's view; slices stay valid while `self` lives.
+    pub fn as_ref(&self) -> core::ForwardOutputRef<'_> {
+        core::ForwardOutputRef {
+            token_ids: self.token_ids.as_slice().expect("contiguous"),
+            token_indptr: self.token_indptr.as_slice().expect("contiguous"),
+            logprobs: self.logprobs.as_ref().map(|a| a.as_slice().expect("contiguous")),
+            top_logprob_ids: self.top_ids.as_ref().map(|a| a.as_slice().expect("contiguous")),
+            top_logprobs: self.top_logprobs.as_ref().map(|a| a.as_slice().expect("contiguous")),
+            num_top_logprobs: self.top_ids.as_ref().map_or(0, |a| a.shape()[1]),
+        }
+    }
+}
+
+/// A request's state after a step. Lists are built on access from the shared token log.
+#[pyclass(module = "resin._core", frozen)]
+pub struct RequestOutput {
+    pub out: core::RequestOutput,
+}
+
+#[pymethods]
+impl RequestOutput {
+    #[getter]
+    fn request_id(&self) -> &str {
+        self.out.request_id()
+    }
+    #[getter]
+    fn prompt_token_ids(&self) -> Vec<u32> {
+        self.out.record.prompt_token_ids.clone()
+    }
+    #[getter]
+    fn token_ids(&self) -> Vec<u32> {
+        self.out.token_ids()
+    }
+    #[getter]
+    fn new_token_ids(&self) -> Vec<u32> {
+        self.out.new_token_ids()
+    }
+    #[getter]
+    fn finished(&self) -> bool {
+        self.out.finished
+    }
+    #[getter]
+    fn finish_reason(&self) -> Option<&'static str> {
+        self.out.finish_reason.map(|r| r.as_str())
+    }
+    #[getter]
+    fn num_cached_tokens(&self) -> u32 {
+        self.out.num_cached_tokens
+    }
+    #[getter]
+    fn logprobs<'py>(&self, py: Python<'py>) -> PyResult<Option<Vec<Bound<'py, PyDict>>>> {
+        let Some(per_token) = self.out.logprobs() else { return Ok(None) };
+        per_token
+            .into_iter()
+            .map(|pairs| {
+                let d = PyDict::new(py);
+                for (id, lp) in pairs {
+                    d.set_item(id, lp)?;
+                }
+                Ok(d)
+            })
+            .collect::<PyResult<Vec<_>>>()
+            .map(Some)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "RequestOutput(request_id={:?}, num_output_tokens={}, finished={}, finish_reason={:?}, num_cached_tokens={})",
+            self.out.request_id(),
+            self.out.num_output_tokens,
+            self.out.finished,
+            self.out.finish_reason.map(|r| r.as_str()),
+            self.out.num_cached_tokens
+        )
+    }
+}

@@ -1,0 +1,240 @@
+//! `SamplingParams` and `EngineConfig`: plain settings objects, validated on construction.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use resin_core::{engine, request};
+
+use crate::errors::to_py;
+
+#[pyclass(module = "resin._core", from_py_object)]
+#[derive(Clone)]
+pub struct SamplingParams {
+    #[pyo3(get, set)]
+    pub max_tokens: u32,
+    #[pyo3(get, set)]
+    pub min_tokens: u32,
+    #[pyo3(get, set)]
+    pub temperature: f32,
+    #[pyo3(get, set)]
+    pub top_p: f32,
+    #[pyo3(get, set)]
+    pub top_k: i32,
+    #[pyo3(get, set)]
+    pub min_p: f32,
+    #[pyo3(get, set)]
+    pub seed: Option<u64>,
+    #[pyo3(get, set)]
+    pub stop_token_ids: Vec<u32>,
+    #[pyo3(get, set)]
+    pub ignore_eos: bool,
+    #[pyo3(get, set)]
+    pub logprobs: Option<u32>,
+    #[pyo3(get, set)]
+    pub presence_penalty: f32,
+    #[pyo3(get, set)]
+    pub frequency_penalty: f32,
+    #[pyo3(get, set)]
+    pub repetition_penalty: f32,
+    #[pyo3(get, set)]
+    pub priority: i32,
+}
+
+impl SamplingParams {
+    /// The core params, range-checked (errors name the field).
+    pub fn to_core(&self) -> PyResult<request::SamplingParams> {
+        request::SamplingParams {
+            max_tokens: self.max_tokens,
+            min_tokens: self.min_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            seed: self.seed,
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+            logprobs: self.logprobs,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            priority: self.priority,
+        }
+        .validated()
+        .map_err(to_py)
+    }
+}
+
+#[pymethods]
+impl SamplingParams {
+    #[new]
+    #[pyo3(signature = (max_tokens=16, min_tokens=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
+        stop_token_ids=None, ignore_eos=false, logprobs=None, presence_penalty=0.0, frequency_penalty=0.0,
+        repetition_penalty=1.0, priority=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        max_tokens: i64,
+        min_tokens: i64,
+        temperature: f32,
+        top_p: f32,
+        top_k: i32,
+        min_p: f32,
+        seed: Option<i64>,
+        stop_token_ids: Option<Vec<i64>>,
+        ignore_eos: bool,
+        logprobs: Option<i64>,
+        presence_penalty: f32,
+        frequency_penalty: f32,
+        repetition_penalty: f32,
+        priority: i32,
+    ) -> PyResult<Self> {
+        let count = |field: &str, v: i64| -> PyResult<u32> {
+            u32::try_from(v).map_err(|_| PyValueError::new_err(format!("SamplingParams.{field}: must be in [0, 2**32), got {v}")))
+        };
+        let seed = seed
+            .map(|s| u64::try_from(s).map_err(|_| PyValueError::new_err(format!("SamplingParams.seed: must be >= 0, got {s}"))))
+            .transpose()?;
+        let stop_token_ids = stop_token_ids
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| count("stop_token_ids", t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let params = SamplingParams {
+            max_tokens: count("max_tokens", max_tokens)?,
+            min_tokens: count("min_tokens", min_tokens)?,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed,
+            stop_token_ids,
+            ignore_eos,
+            logprobs: logprobs.map(|k| count("logprobs", k)).transpose()?,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            priority,
+        };
+        let checked = params.to_core()?;
+        Ok(SamplingParams { top_k: checked.top_k, ..params })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SamplingParams(max_tokens={}, min_tokens={}, temperature={}, top_p={}, top_k={}, min_p={}, seed={:?}, \
+             stop_token_ids={:?}, ignore_eos={}, logprobs={:?}, presence_penalty={}, frequency_penalty={}, \
+             repetition_penalty={}, priority={})",
+            self.max_tokens,
+            self.min_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.seed,
+            self.stop_token_ids,
+            self.ignore_eos,
+            self.logprobs,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.priority
+        )
+    }
+}
+
+#[pyclass(module = "resin._core", from_py_object)]
+#[derive(Clone)]
+pub struct EngineConfig {
+    #[pyo3(get, set)]
+    pub page_size: u32,
+    #[pyo3(get, set)]
+    pub num_pages: u32,
+    #[pyo3(get, set)]
+    pub max_num_seqs: u32,
+    #[pyo3(get, set)]
+    pub max_num_batched_tokens: u32,
+    #[pyo3(get, set)]
+    pub max_model_len: u32,
+    #[pyo3(get, set)]
+    pub enable_prefix_caching: bool,
+    #[pyo3(get, set)]
+    pub eos_token_ids: Vec<u32>,
+    #[pyo3(get, set)]
+    pub vocab_size: Option<u32>,
+    #[pyo3(get, set)]
+    pub policy: String,
+}
+
+impl EngineConfig {
+    pub fn to_core(&self) -> PyResult<engine::EngineConfig> {
+        let policy = match self.policy.as_str() {
+            "fcfs" => engine::SchedulingPolicy::Fcfs,
+            "priority" => engine::SchedulingPolicy::Priority,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "EngineConfig.policy must be \"fcfs\" or \"priority\", got {other:?}"
+                )))
+            }
+        };
+        let config = engine::EngineConfig {
+            page_size: self.page_size,
+            num_pages: self.num_pages,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            enable_prefix_caching: self.enable_prefix_caching,
+            eos_token_ids: self.eos_token_ids.clone(),
+            vocab_size: self.vocab_size,
+            policy,
+        };
+        config.validate().map_err(to_py)?;
+        Ok(config)
+    }
+}
+
+#[pymethods]
+impl EngineConfig {
+    #[new]
+    #[pyo3(signature = (page_size=16, num_pages=4096, max_num_seqs=256, max_num_batched_tokens=2048,
+        max_model_len=4096, enable_prefix_caching=true, eos_token_ids=None, vocab_size=None, policy="fcfs"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        page_size: u32,
+        num_pages: u32,
+        max_num_seqs: u32,
+        max_num_batched_tokens: u32,
+        max_model_len: u32,
+        enable_prefix_caching: bool,
+        eos_token_ids: Option<Vec<u32>>,
+        vocab_size: Option<u32>,
+        policy: &str,
+    ) -> PyResult<Self> {
+        let config = EngineConfig {
+            page_size,
+            num_pages,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            enable_prefix_caching,
+            eos_token_ids: eos_token_ids.unwrap_or_default(),
+            vocab_size,
+            policy: policy.to_string(),
+        };
+        config.to_core()?;
+        Ok(config)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "EngineConfig(page_size={}, num_pages={}, max_num_seqs={}, max_num_batched_tokens={}, max_model_len={}, \
+             enable_prefix_caching={}, eos_token_ids={:?}, vocab_size={:?}, policy={:?})",
+            self.page_size,
+            self.num_pages,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            if self.enable_prefix_caching { "True" } else { "False" },
+            self.eos_token_ids,
+            self.vocab_size,
+            self.policy
+        )
+    }
+}
