@@ -357,7 +357,8 @@ impl Engine {
                 }
                 num_new += 1;
                 let num_output = req.num_output_tokens();
-                if req.is_stop_token(token, eos) && num_output >= req.params.min_tokens {
+                // As the plan's banned_token_ids: a stop token counts once min_tokens came before it.
+                if req.is_stop_token(token, eos) && num_output > req.params.min_tokens {
                     finish = Some(FinishReason::Stop);
                 } else if num_output >= req.params.max_tokens || req.num_tokens() >= max_model_len {
                     finish = Some(FinishReason::Length);
@@ -423,9 +424,9 @@ impl Engine {
         self.sched.kv.pool.num_cached_pages()
     }
 
-    /// The free queue front to back (for tests asserting eviction order).
-    pub fn free_queue(&self) -> Vec<u32> {
-        self.sched.kv.pool.free_queue()
+    /// The page pool (read-only: for tests and introspection).
+    pub fn pool(&self) -> &crate::page_pool::PagePool {
+        &self.sched.kv.pool
     }
 
     /// The pages request `request_id` holds in group `group`, position-indexed.

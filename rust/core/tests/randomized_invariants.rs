@@ -1,0 +1,165 @@
+//! Seeded randomized invariant test: ≥ 100,000 operations (add, step with random
+//! outputs, abort, bad output, discard, prefix-cache reset) over many engine shapes —
+//! page sizes, full / sliding-window / hybrid groups, prefix caching on and off, FCFS
+//! and priority, pools small enough to force preemption. After every operation:
+//! pages free + pages owned + pages cached = pool size - 1 (the null page), page 0
+//! never owned, refcounts equal owners (`check_integrity`), and at the end, once every
+//! request is finished and the prefix cache is reset, every page is free.
+
+mod common;
+use resin_core::{Engine, EngineConfig, ForwardOutputRef, KvCacheSpec, SamplingParams, SchedulingPolicy};
+
+/// xorshift64*: small, seeded, reproducible.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+const EOS: u32 = 1;
+const VOCAB: u32 = 12;
+
+fn check_pool_accounting(e: &Engine) {
+    e.check_integrity().unwrap_or_else(|err| panic!("{err}"));
+    let pool = e.pool();
+    let n = pool.num_pages();
+    let queue = pool.free_queue();
+    let cached_idle = queue.iter().filter(|&&p| pool.is_cached(p)).count() as u32;
+    let free = queue.len() as u32 - cached_idle;
+    let owned = (1..n).filter(|&p| pool.ref_count(p) > 0).count() as u32;
+    assert_eq!(free + owned + cached_idle, n - 1, "free {free} + owned {owned} + cached {cached_idle} != {}", n - 1);
+    assert_eq!(pool.ref_count(0), 0, "page 0 is never owned");
+    assert!(!queue.contains(&0), "page 0 is never free");
+}
+
+fn random_engine(rng: &mut Rng) -> Engine {
+    let page_size = [1, 2, 4, 8][rng.below(4) as usize];
+    let max_model_len = 16 + rng.below(48) as u32;
+    let max_num_batched_tokens = 1 + rng.below(32) as u32;
+    let window = 1 + rng.below(20) as u32;
+    let specs: Vec<KvCacheSpec> = match rng.below(4) {
+        0 => vec![],
+        1 => vec![KvCacheSpec::SlidingWindow { window, bytes_per_token: 2 }],
+        2 => vec![KvCacheSpec::Full { bytes_per_token: 2 }, KvCacheSpec::SlidingWindow { window, bytes_per_token: 2 }],
+        _ => vec![KvCacheSpec::SlidingWindow { window, bytes_per_token: 2 }, KvCacheSpec::SlidingWindow { window: window + 7, bytes_per_token: 2 }],
+    };
+    let mut config = EngineConfig {
+        page_size,
+        num_pages: 2,
+        max_num_seqs: 1 + rng.below(8) as u32,
+        max_num_batched_tokens,
+        max_model_len,
+        enable_prefix_caching: rng.chance(75),
+        eos_token_ids: vec![EOS],
+        vocab_size: Some(VOCAB),
+        policy: if rng.chance(50) { SchedulingPolicy::Fcfs } else { SchedulingPolicy::Priority },
+    };
+    // Smallest pool that fits one request, plus a little: preemption is common.
+    let min_pages = match Engine::new(config.clone(), &specs) {
+        Ok(_) => 2,
+        Err(err) => err.message().split("needs ").nth(1).unwrap().split(' ').next().unwrap().parse::<u32>().unwrap() + 1,
+    };
+    config.num_pages = min_pages + rng.below(3 * min_pages as u64) as u32;
+    Engine::new(config, &specs).expect("sized to fit")
+}
+
+fn random_prompt(rng: &mut Rng, max_len: u64) -> Vec<u32> {
+    // Few distinct prefixes so the prefix cache is hit often.
+    let prefix = rng.below(3) as u32;
+    let len = 1 + rng.below(max_len) as usize;
+    (0..len).map(|i| if i < 6 { 2 + prefix + (i as u32 % 2) } else { 2 + rng.below(VOCAB as u64 - 2) as u32 }).collect()
+}
+
+/// One random output for the pending plan: 1 token per row, sometimes EOS.
+fn random_output(rng: &mut Rng, num_rows: u32) -> (Vec<u32>, Vec<u32>) {
+    let ids = (0..num_rows).map(|_| if rng.chance(8) { EOS } else { rng.below(VOCAB as u64) as u32 }).collect();
+    (ids, (0..=num_rows).collect())
+}
+
+#[test]
+fn randomized_operations_keep_every_invariant() {
+    let mut rng = Rng(0x5EED_1234_ABCD_0001);
+    let mut num_ops = 0u64;
+    let mut num_engines = 0;
+    let mut num_preempting_engines = 0;
+    while num_ops < 100_000 {
+        let mut e = random_engine(&mut rng);
+        num_engines += 1;
+        let max_prompt = u64::from(e.config().max_model_len - 1);
+        let mut next_id = 0u64;
+        let mut live: Vec<String> = Vec::new();
+        for _ in 0..2_000 {
+            num_ops += 1;
+            match rng.below(100) {
+                0..=24 => {
+                    let id = format!("r{next_id}");
+                    next_id += 1;
+                    let params = SamplingParams {
+                        max_tokens: 1 + rng.below(24) as u32,
+                        min_tokens: rng.below(2) as u32,
+                        ignore_eos: rng.chance(20),
+                        priority: rng.below(3) as i32,
+                        ..SamplingParams::default()
+                    };
+                    e.add_request(&id, random_prompt(&mut rng, max_prompt), params).unwrap();
+                    live.push(id);
+                }
+                25..=29 if !live.is_empty() => {
+                    let id = live.swap_remove(rng.below(live.len() as u64) as usize);
+                    e.abort(&id);
+                }
+                30..=31 => e.reset_prefix_cache(),
+                _ => {
+                    let plan = e.schedule().unwrap();
+                    if plan.num_sequences > 0 && rng.chance(3) {
+                        // A bad output (wrong length) is refused and changes nothing.
+                        let free = e.num_free_pages();
+                        let bad = e.update(plan.step, &ForwardOutputRef { token_ids: &[], token_indptr: &[0], ..Default::default() });
+                        assert!(bad.is_err());
+                        assert_eq!(e.num_free_pages(), free);
+                    }
+                    if rng.chance(3) {
+                        e.discard_plan();
+                    } else {
+                        let (ids, indptr) = random_output(&mut rng, plan.num_sequences);
+                        let outs = e
+                            .update(plan.step, &ForwardOutputRef { token_ids: &ids, token_indptr: &indptr, ..Default::default() })
+                            .unwrap();
+                        for o in outs.iter().filter(|o| o.finished) {
+                            live.retain(|id| id != o.request_id());
+                        }
+                    }
+                }
+            }
+            check_pool_accounting(&e);
+        }
+        // Drain: everything finishes (no starvation), then every page is free.
+        let mut steps = 0;
+        while e.has_unfinished() {
+            let plan = e.schedule().unwrap();
+            let (ids, indptr) = random_output(&mut rng, plan.num_sequences);
+            e.update(plan.step, &ForwardOutputRef { token_ids: &ids, token_indptr: &indptr, ..Default::default() }).unwrap();
+            check_pool_accounting(&e);
+            steps += 1;
+            assert!(steps < 100_000, "requests starved");
+        }
+        if e.metrics().num_preemptions > 0 {
+            num_preempting_engines += 1;
+        }
+        e.reset_prefix_cache();
+        assert_eq!(e.num_free_pages(), e.pool().num_pages() - 1, "every page is free at the end");
+        assert_eq!(e.pool().num_cached_pages(), 0);
+    }
+    assert!(num_ops >= 100_000);
+    assert!(num_preempting_engines * 2 > num_engines, "most engines must have exercised preemption");
+}
