@@ -8,18 +8,32 @@ The field list agrees with ``docs/batch_plan.md`` and the Rust doc comments in
 ``rust/core/src/plan.rs``.
 """
 
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, final
 
 import numpy as np
 import numpy.typing as npt
 
 __version__: Final[str]
+__all__ = [
+    "BatchPlan",
+    "CacheGroup",
+    "CacheLayout",
+    "Engine",
+    "EngineConfig",
+    "ForwardOutput",
+    "LayerCacheSpec",
+    "RequestOutput",
+    "SamplingArrays",
+    "SamplingParams",
+    "__version__",
+]
 
-FinishReason = Literal["stop", "length", "abort"]
+_FinishReason = Literal["stop", "length", "abort"]
 
 class _RunnerLike(Protocol):
     def forward(self, plan: BatchPlan, /) -> ForwardOutput: ...
 
+@final
 class SamplingParams:
     """Per-request generation parameters; validated on construction (``ValueError`` names the field).
 
@@ -60,6 +74,7 @@ class SamplingParams:
         priority: int = 0,
     ) -> SamplingParams: ...
 
+@final
 class LayerCacheSpec:
     """What one layer keeps in the cache. Layers with equal specs form one cache group."""
 
@@ -80,6 +95,7 @@ class LayerCacheSpec:
     def recurrent(state_bytes: int) -> LayerCacheSpec:
         """Defined for the layout API; engines reject it until recurrent groups are implemented."""
 
+@final
 class CacheGroup:
     """Layers that share one page table (``kv_indptr[g]`` ... in the plan)."""
 
@@ -88,6 +104,7 @@ class CacheGroup:
     @property
     def layer_indices(self) -> list[int]: ...
 
+@final
 class CacheLayout:
     """Handed to ``runner.bind_cache`` once: how the runner must shape its cache buffers.
 
@@ -104,6 +121,7 @@ class CacheLayout:
     def groups(self) -> list[CacheGroup]: ...
     def group_of_layer(self, layer_index: int) -> int: ...
 
+@final
 class EngineConfig:
     """Engine settings; validated on construction and against the cache layout by ``Engine``."""
 
@@ -129,6 +147,7 @@ class EngineConfig:
         policy: Literal["fcfs", "priority"] = "fcfs",
     ) -> EngineConfig: ...
 
+@final
 class SamplingArrays:
     """Sampling parameters of each plan row (struct of arrays, each shape [S])."""
 
@@ -154,6 +173,7 @@ class SamplingArrays:
     @property
     def repetition_penalty(self) -> npt.NDArray[np.float32]: ...
 
+@final
 class BatchPlan:
     """One engine step: everything a runner needs for one forward pass. Immutable.
 
@@ -233,6 +253,7 @@ class BatchPlan:
         """uint32[n]: slots whose request finished, was aborted or preempted since the last committed plan."""
     def __len__(self) -> int: ...
 
+@final
 class ForwardOutput:
     """What a runner returns for a plan; validated by the engine in ``update``.
 
@@ -260,6 +281,7 @@ class ForwardOutput:
         top_logprobs: Any | None = None,
     ) -> ForwardOutput: ...
 
+@final
 class RequestOutput:
     """A request's state after a step. ``token_ids`` are all output tokens so far."""
 
@@ -275,7 +297,7 @@ class RequestOutput:
     @property
     def finished(self) -> bool: ...
     @property
-    def finish_reason(self) -> FinishReason | None: ...
+    def finish_reason(self) -> _FinishReason | None: ...
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache when the request was first scheduled."""
@@ -283,6 +305,7 @@ class RequestOutput:
     def logprobs(self) -> list[dict[int, float]] | None:
         """One dict per output token (sampled token and top-k), when requested."""
 
+@final
 class Engine:
     """The engine: scheduler, paged cache pool with prefix cache, metrics; drives a runner.
 
