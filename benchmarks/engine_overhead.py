@@ -1,8 +1,11 @@
 """Engine overhead: what the Rust engine costs per step when the runner costs nothing.
 
 A null runner (one token per row, no model) drives ``resin.Engine`` through the explicit
-loop ``schedule() -> runner.forward(plan) -> update(plan, output)``; each of the three
-calls is timed separately with ``time.perf_counter_ns``. A step is a *decode* step when
+loop ``schedule() -> runner.forward(plan) -> update(plan, output)``; each call is timed
+separately with ``time.perf_counter_ns``, and so is *drop*: freeing the plan (its numpy
+views), the output and the ``RequestOutput`` list at the end of the step, a cost that would
+otherwise land inside whichever call comes next. Engine time per step = schedule + forward
++ update + drop. A step is a *decode* step when
 every row is a decode row (``plan.num_decode_sequences == plan.num_sequences``); any
 other step carries at least one prefill chunk and is reported as a *prefill* step.
 
@@ -48,8 +51,8 @@ VOCAB_SIZE = 32000
 SEED = 0
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "engine_overhead.json"
 # Full size (issue 2) and --quick size; explicit flags override either.
-FULL = {"batch_sizes": "256,1024", "prompt_len": 512, "output_len": 256}
-QUICK = {"batch_sizes": "16,64", "prompt_len": 64, "output_len": 32}
+FULL = {"batch_sizes": "256,1024", "prompt_len": 512, "output_len": 256, "repeats": 3}
+QUICK = {"batch_sizes": "16,64", "prompt_len": 64, "output_len": 32, "repeats": 1}
 
 
 class NullRunner:
@@ -99,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="CI smoke size: " + json.dumps(QUICK)
     )
+    parser.add_argument(
+        "--repeats", type=int, help=f"runs per (batch size, runner), steps pooled (default {FULL['repeats']})"
+    )
     parser.add_argument("--disable-gc", action="store_true", help="gc.disable() while timing")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON path")
     args = parser.parse_args(argv)
@@ -111,8 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for runner in args.runners:
         if runner not in RUNNERS:
             parser.error(f"--runners: unknown runner {runner!r} (choose from {sorted(RUNNERS)})")
-    if min(args.batch_sizes, default=0) < 1 or args.prompt_len < 1 or args.output_len < 1:
+    if min(args.batch_sizes, default=0) < 1 or min(args.prompt_len, args.output_len) < 1:
         parser.error("--batch-sizes, --prompt-len and --output-len must be positive")
+    if args.repeats < 1 or args.max_num_batched_tokens < 1:
+        parser.error("--repeats and --max-num-batched-tokens must be positive")
     return args
 
 
@@ -153,6 +161,7 @@ def read_counter(metrics_text: str, name_part: str) -> float | None:
 
 
 def run_once(args: argparse.Namespace, batch_size: int, runner_name: str) -> dict[str, Any]:
+    """One full run; returns the raw per-step table and what the run checked."""
     config = make_config(batch_size, args.prompt_len, args.output_len, args.max_num_batched_tokens)
     runner = RUNNERS[runner_name]()
     engine = Engine(config, runner)
@@ -160,9 +169,11 @@ def run_once(args: argparse.Namespace, batch_size: int, runner_name: str) -> dic
     for i, prompt in enumerate(make_prompts(batch_size, args.prompt_len)):
         engine.add_request(f"req-{i}", prompt.tolist(), params)
 
-    steps = []  # (schedule_ns, forward_ns, update_ns, num_sequences, num_decode, num_tokens)
+    # Per step: schedule, forward, update, drop (ns), num_sequences, num_decode, num_tokens.
+    steps = []
     finished: dict[str, int] = {}
     num_cached_tokens = 0
+    num_empty_in_a_row = 0
     gc.collect()
     if args.disable_gc:
         gc.disable()
@@ -177,17 +188,22 @@ def run_once(args: argparse.Namespace, batch_size: int, runner_name: str) -> dic
             t2 = clock()
             request_outputs = engine.update(plan, output)
             t3 = clock()
-            num_sequences = plan.num_sequences
-            if num_sequences == 0:
-                raise RuntimeError("engine has unfinished requests but planned an empty step")
-            steps.append(
-                (t1 - t0, t2 - t1, t3 - t2, num_sequences, plan.num_decode_sequences,
-                 plan.num_tokens)
-            )
+            shape = (plan.num_sequences, plan.num_decode_sequences, plan.num_tokens)
             for request_output in request_outputs:
                 if request_output.finished:
                     finished[request_output.request_id] = len(request_output.token_ids)
                     num_cached_tokens += request_output.num_cached_tokens
+            t4 = clock()
+            del plan, output, request_outputs
+            t5 = clock()
+            if shape[0] == 0:
+                # Legal (e.g. a step that only reports aborts) but never expected here.
+                num_empty_in_a_row += 1
+                if num_empty_in_a_row > 1000:
+                    raise RuntimeError("engine has unfinished requests but plans only empty steps")
+                continue
+            num_empty_in_a_row = 0
+            steps.append((t1 - t0, t2 - t1, t3 - t2, t5 - t4, *shape))
     finally:
         if args.disable_gc:
             gc.enable()
@@ -199,18 +215,30 @@ def run_once(args: argparse.Namespace, batch_size: int, runner_name: str) -> dic
             f"expected {batch_size} requests with {args.output_len} tokens each, got "
             f"{len(finished)} finished with lengths {sorted(set(finished.values()))}"
         )
-    metrics = engine.metrics_text()
-    table = np.array(steps, dtype=np.int64).reshape(-1, 6)
-    is_decode = table[:, 4] == table[:, 3]
+    return {
+        "table": np.array(steps, dtype=np.int64).reshape(-1, 7),
+        "wall_s": wall_ns / 1e9,
+        "num_preemptions": read_counter(engine.metrics_text(), "num_preemptions"),
+        "num_cached_tokens": num_cached_tokens,
+    }
+
+
+def measure(args: argparse.Namespace, batch_size: int, runner_name: str) -> dict[str, Any]:
+    """``args.repeats`` runs of one (batch size, runner); statistics over the pooled steps."""
+    runs = [run_once(args, batch_size, runner_name) for _ in range(args.repeats)]
+    table = np.concatenate([run["table"] for run in runs])
+    is_decode = table[:, 5] == table[:, 4]
+    preemptions = [run["num_preemptions"] for run in runs]
     return {
         "batch_size": batch_size,
         "runner": runner_name,
-        "num_steps": len(table),
-        "wall_s": wall_ns / 1e9,
-        "num_preemptions": read_counter(metrics, "preemption"),
-        "num_cached_tokens": num_cached_tokens,
+        "num_runs": len(runs),
+        "num_steps": len(table) // len(runs),
+        "wall_s": float(np.median([run["wall_s"] for run in runs])),
+        "num_preemptions": None if None in preemptions else sum(preemptions),
+        "num_cached_tokens": sum(run["num_cached_tokens"] for run in runs),
         "decode": step_stats(table[is_decode]),
-        "decode_full": step_stats(table[is_decode & (table[:, 3] == batch_size)]),
+        "decode_full": step_stats(table[is_decode & (table[:, 4] == batch_size)]),
         "prefill": step_stats(table[~is_decode]),
     }
 
@@ -219,8 +247,8 @@ def step_stats(rows: np.ndarray) -> dict[str, Any] | None:
     """Timing statistics (µs) of a set of steps; None when the set is empty."""
     if len(rows) == 0:
         return None
-    parts = {"schedule": rows[:, 0], "forward": rows[:, 1], "update": rows[:, 2]}
-    total = rows[:, 0] + rows[:, 1] + rows[:, 2]
+    parts = {"schedule": rows[:, 0], "forward": rows[:, 1], "update": rows[:, 2], "drop": rows[:, 3]}
+    total = rows[:, :4].sum(axis=1)
 
     def summary(ns: np.ndarray) -> dict[str, float]:
         us = ns / 1e3
@@ -233,14 +261,14 @@ def step_stats(rows: np.ndarray) -> dict[str, Any] | None:
 
     return {
         "num_steps": int(len(rows)),
-        "mean_num_sequences": float(rows[:, 3].mean()),
-        "max_num_sequences": int(rows[:, 3].max()),
-        "mean_num_tokens": float(rows[:, 5].mean()),
+        "mean_num_sequences": float(rows[:, 4].mean()),
+        "max_num_sequences": int(rows[:, 4].max()),
+        "mean_num_tokens": float(rows[:, 6].mean()),
         "total_us": summary(total),
         **{f"{name}_us": summary(ns) for name, ns in parts.items()},
         "steps_per_s": float(1e9 / total.mean()),
-        "us_per_sequence": float(total.sum() / 1e3 / rows[:, 3].sum()),
-        "us_per_token": float(total.sum() / 1e3 / rows[:, 5].sum()),
+        "us_per_sequence": float(total.sum() / 1e3 / rows[:, 4].sum()),
+        "us_per_token": float(total.sum() / 1e3 / rows[:, 6].sum()),
     }
 
 
@@ -251,11 +279,11 @@ def fmt(value: float) -> str:
 def markdown(runs: list[dict[str, Any]]) -> str:
     header = (
         "| B | runner | steps | mean S | mean µs | p50 µs | p99 µs | schedule µs | forward µs "
-        "| update µs | steps/s | µs/seq |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| update µs | drop µs | steps/s | µs/seq |\n" + "|---" * 13 + "|\n"
     )
     sections = [
         ("decode_full", "Decode steps with all B sequences (steady state)"),
-        ("decode", "All decode steps (batch grows during prefill and drains at the end)"),
+        ("decode", "All decode steps (the batch fills during prefill and drains at the end)"),
         ("prefill", "Prefill steps (at least one prefill chunk; decode rows ride along)"),
     ]
     out = []
@@ -264,13 +292,13 @@ def markdown(runs: list[dict[str, Any]]) -> str:
         for run in runs:
             s = run[key]
             if s is None:
-                lines.append(f"| {run['batch_size']} | {run['runner']} | 0 |" + " n/a |" * 9 + "\n")
+                lines.append(f"| {run['batch_size']} | {run['runner']} | 0 |" + " n/a |" * 10 + "\n")
                 continue
             cells = [
                 str(run["batch_size"]), run["runner"], str(s["num_steps"]),
                 fmt(s["mean_num_sequences"]), fmt(s["total_us"]["mean"]), fmt(s["total_us"]["p50"]),
                 fmt(s["total_us"]["p99"]), fmt(s["schedule_us"]["mean"]),
-                fmt(s["forward_us"]["mean"]), fmt(s["update_us"]["mean"]),
+                fmt(s["forward_us"]["mean"]), fmt(s["update_us"]["mean"]), fmt(s["drop_us"]["mean"]),
                 fmt(s["steps_per_s"]), f"{s['us_per_sequence']:.3f}",
             ]
             lines.append("| " + " | ".join(cells) + " |\n")
@@ -295,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch_size in args.batch_sizes:
         for runner_name in args.runners:
             print(f"running B={batch_size} runner={runner_name} ...", file=sys.stderr, flush=True)
-            runs.append(run_once(args, batch_size, runner_name))
-    result = {
+            runs.append(measure(args, batch_size, runner_name))
+    result: dict[str, Any] = {
         "benchmark": "engine_overhead",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -310,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             "enable_prefix_caching": True,
             "vocab_size": VOCAB_SIZE,
             "seed": SEED,
+            "repeats": args.repeats,
             "gc_disabled": args.disable_gc,
             "runners": args.runners,
         },
@@ -317,11 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
-    cfg = result["config"]
     print(
-        f"engine overhead: prompt {cfg['prompt_len']}, output {cfg['output_len']}, page size "
-        f"{PAGE_SIZE}, max_num_batched_tokens {cfg['max_num_batched_tokens']}; µs per step = "
-        "schedule + forward (Python call) + update\n"
+        f"engine overhead: prompt {args.prompt_len}, output {args.output_len}, page size "
+        f"{PAGE_SIZE}, max_num_batched_tokens {args.max_num_batched_tokens}, {args.repeats} run(s) "
+        "each; µs per step = schedule + forward (Python call) + update + drop\n"
     )
     print(markdown(runs))
     print(f"JSON: {args.output}")

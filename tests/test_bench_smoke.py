@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_overhead.py"
-STAT_KEYS = {"total_us", "schedule_us", "forward_us", "update_us"}
+STAT_KEYS = {"total_us", "schedule_us", "forward_us", "update_us", "drop_us"}
 SUMMARY_KEYS = {"mean", "p50", "p99", "max"}
 
 

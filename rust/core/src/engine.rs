@@ -201,6 +201,7 @@ impl Engine {
             }
         }
         let params = params.validated()?;
+        let max_num_tokens = (len + params.max_tokens as usize).min(self.config.max_model_len as usize);
         let mut req = Request::new(
             request_id.to_string(),
             prompt_token_ids,
@@ -208,6 +209,7 @@ impl Engine {
             self.sched.kv.num_groups(),
             self.next_arrival_seq,
             Instant::now(),
+            max_num_tokens,
         );
         self.next_arrival_seq += 1;
         if self.config.enable_prefix_caching {
@@ -311,6 +313,7 @@ impl Engine {
         let pending = self.pending.take().expect("checked above");
         let now = Instant::now();
         let mut outputs = std::mem::take(&mut self.abort_outputs);
+        outputs.reserve(pending.rows.len());
         for (i, row) in pending.rows.iter().enumerate() {
             let live = matches!(&self.sched.requests.get(row.req), Some(Some(r)) if r.arrival_seq == row.arrival_seq);
             if !live {

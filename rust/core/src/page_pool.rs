@@ -57,7 +57,7 @@ impl PagePool {
             head: NO_LINK,
             tail: NO_LINK,
             num_in_free_queue: 0,
-            cached: (0..num_groups).map(|_| HashMap::default()).collect(),
+            cached: (0..num_groups).map(|_| HashMap::with_capacity_and_hasher(n, Default::default())).collect(),
         };
         for page in 1..num_pages {
             pool.push_back(page);

@@ -33,6 +33,22 @@ pub struct SamplingArrays {
     pub repetition_penalty: Vec<f32>,
 }
 
+impl SamplingArrays {
+    fn with_capacity(s: usize) -> Self {
+        SamplingArrays {
+            temperature: Vec::with_capacity(s),
+            top_p: Vec::with_capacity(s),
+            top_k: Vec::with_capacity(s),
+            min_p: Vec::with_capacity(s),
+            seed: Vec::with_capacity(s),
+            num_logprobs: Vec::with_capacity(s),
+            presence_penalty: Vec::with_capacity(s),
+            frequency_penalty: Vec::with_capacity(s),
+            repetition_penalty: Vec::with_capacity(s),
+        }
+    }
+}
+
 /// Page tables of one cache group for this step (FlashInfer CSR layout).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GroupPlan {
@@ -132,10 +148,11 @@ impl BatchPlan {
             sample_indptr: Vec::with_capacity(s + 1),
             num_draft_tokens: vec![0; s],
             banned_token_indptr: Vec::with_capacity(s + 1),
+            sampling: SamplingArrays::with_capacity(s),
             groups: (0..kv.num_groups())
-                .map(|_| GroupPlan {
+                .map(|g| GroupPlan {
                     kv_indptr: Vec::with_capacity(s + 1),
-                    kv_indices: Vec::new(),
+                    kv_indices: Vec::with_capacity(Self::num_listed_pages(rows, requests, kv, g)),
                     kv_last_page_len: Vec::with_capacity(s),
                     slot_mapping: Vec::with_capacity(t),
                 })
@@ -180,6 +197,17 @@ impl BatchPlan {
             }
         }
         plan
+    }
+
+    /// Exact length of group `g`'s `kv_indices`, so the array is allocated once.
+    fn num_listed_pages(rows: &[ScheduledRow], requests: &[Option<Request>], kv: &KvCacheManager, g: usize) -> usize {
+        rows.iter()
+            .map(|row| {
+                let req = requests[row.req].as_ref().expect("scheduled request exists");
+                let start = req.num_computed_tokens;
+                kv.listed_pages(req, g, start, start + row.num_new_tokens).1.len()
+            })
+            .sum()
     }
 
     fn push_sampling(&mut self, req: &Request) {

@@ -184,6 +184,8 @@ pub struct Request {
 }
 
 impl Request {
+    /// A waiting request. `max_num_tokens` (prompt + most outputs) sizes its token
+    /// vectors once, so decoding never reallocates them.
     pub fn new(
         request_id: String,
         prompt_token_ids: Vec<u32>,
@@ -191,14 +193,18 @@ impl Request {
         num_groups: usize,
         arrival_seq: u64,
         now: Instant,
+        max_num_tokens: usize,
     ) -> Self {
         let num_prompt_tokens = prompt_token_ids.len() as u32;
+        let mut token_ids = Vec::with_capacity(max_num_tokens.max(prompt_token_ids.len()));
+        token_ids.extend_from_slice(&prompt_token_ids);
+        let max_num_outputs = max_num_tokens.saturating_sub(prompt_token_ids.len());
         Request {
-            token_ids: prompt_token_ids.clone(),
+            token_ids,
             record: Arc::new(RequestRecord {
                 request_id: request_id.into(),
                 prompt_token_ids,
-                log: Mutex::new(OutputLog::default()),
+                log: Mutex::new(OutputLog { token_ids: Vec::with_capacity(max_num_outputs), logprobs: Vec::new() }),
             }),
             params,
             status: RequestStatus::Waiting,

@@ -226,10 +226,11 @@ impl Scheduler {
             let req = self.request(r.req);
             r.num_new_tokens == 1 && req.num_computed_tokens + 1 == req.num_tokens()
         };
-        let (mut decode, prefill): (Vec<_>, Vec<_>) = rows.into_iter().partition(is_decode);
-        let num_decode = decode.len() as u32;
-        decode.extend(prefill);
-        (decode, num_decode)
+        let mut ordered = Vec::with_capacity(rows.len());
+        ordered.extend(rows.iter().filter(|r| is_decode(r)));
+        let num_decode = ordered.len() as u32;
+        ordered.extend(rows.iter().filter(|r| !is_decode(r)));
+        (ordered, num_decode)
     }
 
     /// Page owners per page id (for integrity checks): how many page-table entries hold each page.

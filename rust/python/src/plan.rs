@@ -1,8 +1,13 @@
 //! `BatchPlan` and `SamplingArrays`: read-only numpy views on the plan Rust built.
 //!
-//! Each array is created on first access as a view whose base object is the plan, so
-//! no array is copied and a runner pays only for the fields it reads. The plan's
-//! vectors are never touched after construction, which keeps the views valid.
+//! Each array is created on first access as a view whose base object is a
+//! `PlanMemory` (an `Arc` of the Rust plan), so no array is copied and a runner pays
+//! only for the fields it reads. The plan's vectors are never touched after
+//! construction, which keeps the views valid. The views' base is not the `BatchPlan`
+//! itself: the plan caches its views, and a view pointing back at the plan would make
+//! a reference cycle the garbage collector cannot see (numpy arrays are not GC-tracked).
+
+use std::sync::Arc;
 
 use numpy::ndarray::{Array2, ArrayView1};
 use numpy::{Element, IntoPyArray, PyArray1, PyArrayMethods};
@@ -47,7 +52,7 @@ fn array_view<'py, T: Element>(
     data: fn(&core::BatchPlan) -> &Vec<T>,
 ) -> Bound<'py, PyAny> {
     let this = slf.get();
-    cached(cell(&this.views), slf.py(), || view(slf.clone().into_any(), data(&this.plan)))
+    cached(cell(&this.views), slf.py(), || view(this.memory(slf.py()), data(&this.plan)))
 }
 
 /// The cached tuple of per-group views of one group array.
@@ -58,7 +63,7 @@ fn group_views<'py, T: Element>(
 ) -> Bound<'py, PyAny> {
     let this = slf.get();
     cached(cell(&this.views), slf.py(), || {
-        let arrays = this.plan.groups.iter().map(|g| view(slf.clone().into_any(), data(g)));
+        let arrays = this.plan.groups.iter().map(|g| view(this.memory(slf.py()), data(g)));
         PyTuple::new(slf.py(), arrays).expect("tuple of arrays").into_any()
     })
 }
@@ -71,21 +76,37 @@ fn sampling_view<'py, T: Element>(
 ) -> Bound<'py, PyAny> {
     let this = slf.get();
     let plan = this.plan.bind(slf.py());
-    cached(cell(&this.views), slf.py(), || view(plan.clone().into_any(), data(&plan.get().plan.sampling)))
+    cached(cell(&this.views), slf.py(), || view(plan.get().memory(slf.py()), data(&plan.get().plan.sampling)))
 }
 
 // Lazily created numpy views, one per array field.
 views_struct!(Views { request_slots, input_ids, positions, query_indptr, num_computed_tokens, seq_lens, sample_indptr, num_draft_tokens, banned_token_indptr, banned_token_ids, new_request_slots, finished_request_slots, kv_indptr, kv_indices, kv_last_page_len, slot_mapping, block_table, request_ids });
 
+/// Keeps a plan's arrays alive for numpy: the base object of every view.
+#[pyclass(module = "resin._core", frozen)]
+pub struct PlanMemory {
+    _plan: Arc<core::BatchPlan>,
+}
+
 #[pyclass(module = "resin._core", frozen)]
 pub struct BatchPlan {
-    pub plan: core::BatchPlan,
+    pub plan: Arc<core::BatchPlan>,
+    memory: PyOnceLock<Py<PlanMemory>>,
     views: Views,
 }
 
 impl BatchPlan {
     pub fn new(plan: core::BatchPlan) -> Self {
-        BatchPlan { plan, views: Views::default() }
+        BatchPlan { plan: Arc::new(plan), memory: PyOnceLock::new(), views: Views::default() }
+    }
+
+    /// The owner object views borrow from (created on first use).
+    fn memory<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        self.memory
+            .get_or_init(py, || Py::new(py, PlanMemory { _plan: self.plan.clone() }).expect("PlanMemory"))
+            .bind(py)
+            .clone()
+            .into_any()
     }
 }
 
