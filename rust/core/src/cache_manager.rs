@@ -158,6 +158,9 @@ impl KvCacheManager {
             return;
         }
         let upto = (req.num_computed_tokens / self.page_size()).min(req.block_hashes.len() as u32);
+        if req.num_hashed_pages.iter().all(|&n| n >= upto) {
+            return; // the common decode step: no page filled up
+        }
         for g in 0..self.num_groups() {
             for j in req.num_hashed_pages[g]..upto {
                 let page = req.pages[g][j as usize];
@@ -173,6 +176,9 @@ impl KvCacheManager {
     pub fn release_out_of_window(&mut self, req: &mut Request) {
         let ps = self.page_size();
         for (g, group) in self.layout.groups.iter().enumerate() {
+            if group.spec.window().is_none() {
+                continue;
+            }
             let first = first_needed_position(&group.spec, req.num_computed_tokens) / ps;
             let pages = &mut req.pages[g];
             for j in req.num_released_pages[g]..first.min(pages.len() as u32) {

@@ -289,11 +289,14 @@ impl Engine {
     /// Drops the pending plan uncommitted. Its lifecycle notices are re-sent with the next plan.
     pub fn discard_plan(&mut self) {
         let Some(p) = self.pending.take() else { return };
+        // Slots still serving their request are announced again with the next plan; the
+        // rest were released meanwhile (abort), and that release is already queued.
         let mut new_slots: Vec<u32> = p
             .new_request_slots
             .into_iter()
             .filter(|s| self.sched.running.iter().any(|&i| self.sched.request(i).slot == Some(*s)))
             .collect();
+        self.sched.announced_slots.extend_from_slice(&new_slots);
         new_slots.append(&mut self.sched.new_slots);
         self.sched.new_slots = new_slots;
         let mut released = p.finished_request_slots;
@@ -311,6 +314,7 @@ impl Engine {
         let expectations: Vec<RowExpectation> = pending.rows.iter().map(|r| r.expect).collect();
         output.validate(&expectations, self.config.vocab_size)?;
         let pending = self.pending.take().expect("checked above");
+        self.sched.announced_slots.clear(); // the runner has now seen every new slot for good
         let now = Instant::now();
         let mut outputs = std::mem::take(&mut self.abort_outputs);
         outputs.reserve(pending.rows.len());

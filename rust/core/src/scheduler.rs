@@ -55,6 +55,9 @@ pub struct Scheduler {
     pub new_slots: Vec<u32>,
     /// Slots released since the last committed plan.
     pub released_slots: Vec<u32>,
+    /// Slots in `new_slots` that a discarded plan already announced: the runner may hold
+    /// state for them, so their release must be reported.
+    pub announced_slots: Vec<u32>,
 }
 
 impl Scheduler {
@@ -70,6 +73,7 @@ impl Scheduler {
             running: Vec::new(),
             new_slots: Vec::new(),
             released_slots: Vec::new(),
+            announced_slots: Vec::new(),
         }
     }
 
@@ -116,10 +120,16 @@ impl Scheduler {
         self.kv.free(req);
         if let Some(slot) = req.slot.take() {
             // A slot the runner was never told about needs no "finished" notice.
-            if let Some(pos) = self.new_slots.iter().position(|&s| s == slot) {
-                self.new_slots.remove(pos);
-            } else {
-                self.released_slots.push(slot);
+            let announced = self.announced_slots.iter().position(|&s| s == slot).map(|i| self.announced_slots.swap_remove(i));
+            match self.new_slots.iter().position(|&s| s == slot) {
+                Some(pos) if announced.is_none() => {
+                    self.new_slots.remove(pos);
+                }
+                Some(pos) => {
+                    self.new_slots.remove(pos);
+                    self.released_slots.push(slot);
+                }
+                None => self.released_slots.push(slot),
             }
             self.free_slots.push(slot);
         }

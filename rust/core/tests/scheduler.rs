@@ -272,3 +272,22 @@ fn logprobs_are_recorded_per_output_token() {
         .unwrap();
     assert_eq!(outs[0].logprobs().unwrap(), vec![vec![(4, -0.5), (4, -0.5)]], "k = 1 of the 2 columns");
 }
+
+#[test]
+fn a_slot_announced_by_a_discarded_plan_is_reported_when_its_request_ends() {
+    let mut e = engine(config(4, 32));
+    e.add_request("a", tokens(0..3), params(4)).unwrap();
+    let plan = e.schedule().unwrap();
+    assert_eq!(plan.new_request_slots, vec![0]);
+    e.discard_plan(); // the runner may have seen slot 0 already
+    assert!(e.abort("a"));
+    e.add_request("b", tokens(0..3), params(1)).unwrap();
+    let plan = e.schedule().unwrap();
+    assert_eq!(plan.finished_request_slots, vec![0], "the runner must drop slot 0's state");
+    assert_eq!(plan.new_request_slots, vec![0]);
+    commit(&mut e, &plan, 5); // b finishes: slot 0 is released again
+    e.add_request("c", tokens(0..3), params(1)).unwrap();
+    let plan = e.schedule().unwrap();
+    assert_eq!((plan.finished_request_slots.clone(), plan.new_request_slots.clone()), (vec![0], vec![0]));
+    commit(&mut e, &plan, 5);
+}
