@@ -349,18 +349,17 @@ impl Engine {
         let mut finish = None;
         let mut num_new = 0;
         if row.expect.samples {
-            let mut log = req.record.log.lock().unwrap();
             for n in range {
                 let token = output.token_ids[n];
+                req.record.log.set_token(req.num_output_tokens() as usize, token);
                 req.token_ids.push(token);
-                log.token_ids.push(token);
                 if let Some(k) = req.params.logprobs {
                     let mut entry = vec![(token, output.logprobs.expect("validated")[n])];
                     let cols = output.num_top_logprobs;
                     for j in 0..(k as usize).min(cols) {
                         entry.push((output.top_logprob_ids.unwrap()[n * cols + j], output.top_logprobs.unwrap()[n * cols + j]));
                     }
-                    log.logprobs.push(entry);
+                    req.record.log.push_logprobs(entry);
                 }
                 num_new += 1;
                 let num_output = req.num_output_tokens();
@@ -374,7 +373,6 @@ impl Engine {
                     break;
                 }
             }
-            drop(log);
             if self.config.enable_prefix_caching {
                 req.update_block_hashes(page_size);
             }

@@ -144,15 +144,15 @@ impl RequestOutput {
     }
 
     pub fn token_ids(&self) -> Vec<u32> {
-        self.record.log.lock().unwrap().token_ids[..self.num_output_tokens].to_vec()
+        self.record.log.tokens(0..self.num_output_tokens)
     }
 
     pub fn new_token_ids(&self) -> Vec<u32> {
-        self.record.log.lock().unwrap().token_ids[self.num_output_tokens - self.num_new_tokens..self.num_output_tokens].to_vec()
+        self.record.log.tokens(self.num_output_tokens - self.num_new_tokens..self.num_output_tokens)
     }
 
     /// Per output token, (token id, logprob) pairs with the sampled token first.
     pub fn logprobs(&self) -> Option<Vec<Vec<(u32, f32)>>> {
-        self.has_logprobs.then(|| self.record.log.lock().unwrap().logprobs[..self.num_output_tokens].to_vec())
+        self.has_logprobs.then(|| self.record.log.logprobs(self.num_output_tokens))
     }
 }

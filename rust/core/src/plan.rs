@@ -5,8 +5,6 @@
 //! hand to numpy without copying. Field meanings agree with `resin/_core.pyi` and
 //! `docs/batch_plan.md`.
 
-use std::sync::Arc;
-
 use crate::cache_manager::KvCacheManager;
 use crate::request::Request;
 
@@ -79,8 +77,11 @@ pub struct BatchPlan {
     pub num_tokens: u32,
     /// CUDA-graph bucket size; equals `num_sequences` (eager) until graphs land.
     pub padded_num_sequences: u32,
-    /// [S] the caller's request ids.
-    pub request_ids: Vec<Arc<str>>,
+    /// [S] the caller's request ids, packed (copying a few bytes per row is cheaper than
+    /// reference counting): row i's id is `request_id_bytes[request_id_ends[i-1]..request_id_ends[i]]`.
+    pub request_id_bytes: String,
+    /// u32[S]: end offset of each row's id in `request_id_bytes`.
+    pub request_id_ends: Vec<u32>,
     /// u32[S]: stable row in `[0, max_num_seqs)` for per-request runner state.
     pub request_slots: Vec<u32>,
     /// u32[T]: new tokens, rows concatenated.
@@ -138,7 +139,8 @@ impl BatchPlan {
             num_decode_sequences,
             num_tokens: t as u32,
             padded_num_sequences: s as u32,
-            request_ids: Vec::with_capacity(s),
+            request_id_bytes: String::with_capacity(s * 16),
+            request_id_ends: Vec::with_capacity(s),
             request_slots: Vec::with_capacity(s),
             input_ids: Vec::with_capacity(t),
             positions: Vec::with_capacity(t),
@@ -169,7 +171,8 @@ impl BatchPlan {
             let req = requests[row.req].as_ref().expect("scheduled request exists");
             let start = req.num_computed_tokens;
             let seq_len = start + row.num_new_tokens;
-            plan.request_ids.push(req.record.request_id.clone());
+            plan.request_id_bytes.push_str(req.id());
+            plan.request_id_ends.push(plan.request_id_bytes.len() as u32);
             plan.request_slots.push(req.slot.expect("running request has a slot"));
             plan.input_ids.extend_from_slice(&req.token_ids[start as usize..seq_len as usize]);
             plan.positions.extend((start..seq_len).map(i64::from));
@@ -222,6 +225,17 @@ impl BatchPlan {
         sa.presence_penalty.push(p.presence_penalty);
         sa.frequency_penalty.push(p.frequency_penalty);
         sa.repetition_penalty.push(p.repetition_penalty);
+    }
+
+    /// The request id of row `i`.
+    pub fn request_id(&self, i: usize) -> &str {
+        let start = if i == 0 { 0 } else { self.request_id_ends[i - 1] as usize };
+        &self.request_id_bytes[start..self.request_id_ends[i] as usize]
+    }
+
+    /// Request ids, row by row.
+    pub fn request_ids(&self) -> impl Iterator<Item = &str> {
+        (0..self.num_sequences as usize).map(|i| self.request_id(i))
     }
 
     /// Dense page table of group `g`: (row-major u32[S * num_columns], num_columns).

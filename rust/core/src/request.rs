@@ -4,6 +4,7 @@
 //! catches up with `num_tokens()` (prompt + sampled tokens). Prefill, chunked prefill,
 //! decode, prefix hits and preemption-by-recompute are all just values of these two.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -133,15 +134,46 @@ impl SamplingParams {
 pub struct RequestRecord {
     pub request_id: Arc<str>,
     pub prompt_token_ids: Vec<u32>,
-    pub log: Mutex<OutputLog>,
+    pub log: OutputLog,
 }
 
-/// Output tokens (and their logprobs when asked for), append-only.
-#[derive(Debug, Default)]
+/// Output tokens (and their logprobs when asked for), append-only, written by the engine.
+///
+/// Token slots are allocated once for the most outputs the request can produce, so an
+/// append is one plain store: no lock, no reallocation. A reader only reads the prefix
+/// a `RequestOutput` recorded, written before that output was created; handing the output
+/// to another thread (through Python or a channel) orders those writes before the read.
+#[derive(Debug)]
 pub struct OutputLog {
-    pub token_ids: Vec<u32>,
-    /// Per output token: (token id, logprob) pairs, the sampled token first.
-    pub logprobs: Vec<Vec<(u32, f32)>>,
+    token_ids: Box<[AtomicU32]>,
+    /// Per output token: (token id, logprob) pairs, the sampled token first. Locked only
+    /// for requests that asked for logprobs.
+    logprobs: Mutex<Vec<Vec<(u32, f32)>>>,
+}
+
+impl OutputLog {
+    pub fn with_capacity(max_num_outputs: usize) -> Self {
+        OutputLog { token_ids: (0..max_num_outputs).map(|_| AtomicU32::new(0)).collect(), logprobs: Mutex::default() }
+    }
+
+    /// Writes output token `index`; the engine writes each index once, in order.
+    pub fn set_token(&self, index: usize, token: u32) {
+        self.token_ids[index].store(token, Ordering::Relaxed);
+    }
+
+    pub fn push_logprobs(&self, entry: Vec<(u32, f32)>) {
+        self.logprobs.lock().unwrap_or_else(|e| e.into_inner()).push(entry);
+    }
+
+    /// Output tokens `range` (all already written).
+    pub fn tokens(&self, range: std::ops::Range<usize>) -> Vec<u32> {
+        self.token_ids[range].iter().map(|t| t.load(Ordering::Relaxed)).collect()
+    }
+
+    /// Logprob entries of the first `n` output tokens.
+    pub fn logprobs(&self, n: usize) -> Vec<Vec<(u32, f32)>> {
+        self.logprobs.lock().unwrap_or_else(|e| e.into_inner())[..n].to_vec()
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -204,7 +236,7 @@ impl Request {
             record: Arc::new(RequestRecord {
                 request_id: request_id.into(),
                 prompt_token_ids,
-                log: Mutex::new(OutputLog { token_ids: Vec::with_capacity(max_num_outputs), logprobs: Vec::new() }),
+                log: OutputLog::with_capacity(max_num_outputs),
             }),
             params,
             status: RequestStatus::Waiting,

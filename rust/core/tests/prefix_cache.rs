@@ -68,7 +68,7 @@ fn concurrent_identical_prompts_share_pages_with_refcounts() {
     e.add_request("b", tokens(0..9), params(3)).unwrap();
     let plan = e.schedule().unwrap();
     // Rows: a decodes (first), b prefills its last page.
-    assert_eq!(plan.request_ids.iter().map(|s| &**s).collect::<Vec<_>>(), vec!["a", "b"]);
+    assert_eq!(plan.request_ids().collect::<Vec<_>>(), vec!["a", "b"]);
     assert_eq!(row_pages(&plan, 0, 0), vec![1, 2, 3]);
     assert_eq!(row_pages(&plan, 0, 1), vec![1, 2, 4]);
     assert_eq!(e.pool().ref_count(1), 2);

@@ -7,7 +7,7 @@ use common::*;
 use resin_core::{EngineConfig, FinishReason, ForwardOutputRef, SamplingParams, SchedulingPolicy};
 
 fn ids(plan: &resin_core::BatchPlan) -> Vec<String> {
-    plan.request_ids.iter().map(|s| s.to_string()).collect()
+    plan.request_ids().map(str::to_string).collect()
 }
 
 #[test]

@@ -144,7 +144,7 @@ impl BatchPlan {
     fn request_ids<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
         let this = slf.get();
         cached(&this.views.request_ids, slf.py(), || {
-            let ids: Vec<&str> = this.plan.request_ids.iter().map(|s| &**s).collect();
+            let ids: Vec<&str> = this.plan.request_ids().collect();
             ids.into_pyobject(slf.py()).expect("list of str").into_any()
         })
     }
