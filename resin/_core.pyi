@@ -247,7 +247,8 @@ class BatchPlan:
         [j*page_size, (j+1)*page_size); 0 (the null page) before the window and past the end."""
     @property
     def new_request_slots(self) -> npt.NDArray[np.uint32]:
-        """uint32[n]: slots that start serving a request with this plan (reset their state)."""
+        """uint32[n]: slots that start serving a request with this plan (reset their state;
+        apply after finished_request_slots)."""
     @property
     def finished_request_slots(self) -> npt.NDArray[np.uint32]:
         """uint32[n]: slots whose request finished, was aborted or preempted since the last committed plan."""
@@ -334,8 +335,11 @@ class Engine:
     def discard_plan(self) -> None:
         """Drop the pending plan without committing it; the next schedule() plans the work again."""
     def step(self) -> list[RequestOutput]:
-        """schedule() + runner.forward(plan) + update(plan, output). If forward raises or its
-        output is invalid, the plan is discarded (state unchanged) and the error re-raised."""
+        """schedule() + runner.forward(plan) + update(plan, output). An empty plan (nothing to
+        run) is committed without calling the runner; it carries no lifecycle notices. If
+        forward raises or its output is invalid, the plan is discarded and the error re-raised:
+        no token is committed, the pages and slots it assigned stay with their requests, and
+        the next step() plans the same work again."""
     def has_unfinished(self) -> bool: ...
     @property
     def num_waiting(self) -> int: ...

@@ -55,7 +55,7 @@ SCALARS = ("step", "num_sequences", "num_decode_sequences", "num_tokens",
 
 def live_array_problems(plan: Any) -> list[str]:
     """Every plan array as handed to the runner: exact dtype, C-contiguous, read-only."""
-    arrays = [(n, getattr(plan, n), t) for n, t in PLAN_ARRAYS.items()]
+    arrays: list[tuple[str, Any, Any]] = [(n, getattr(plan, n), t) for n, t in PLAN_ARRAYS.items()]
     for name, dtype in GROUP_ARRAYS.items():
         arrays += [(f"{name}[{g}]", a, dtype) for g, a in enumerate(getattr(plan, name))]
     arrays += [(f"sampling.{n}", getattr(plan.sampling, n), t) for n, t in SAMPLING_ARRAYS.items()]
@@ -104,7 +104,14 @@ class RecordingRunner:
         ]
         token_ids = np.array([t for row in rec["returned"] for t in row], dtype=np.uint32)
         indptr = np.concatenate([[0], np.cumsum([len(r) for r in rec["returned"]])])
-        return resin.ForwardOutput(token_ids=token_ids, token_indptr=indptr.astype(np.uint32))
+        k = int(rec["sampling"]["num_logprobs"].max(initial=-1))
+        extra = {}
+        if k >= 0:  # some row asked for logprobs: answer every row (values are dummies)
+            n = len(token_ids)
+            extra = dict(logprobs=np.full(n, -1.0, np.float32),
+                         top_logprob_ids=np.tile(np.arange(k, dtype=np.uint32), (n, 1)),
+                         top_logprobs=np.full((n, k), -2.0, np.float32))
+        return resin.ForwardOutput(token_ids=token_ids, token_indptr=indptr.astype(np.uint32), **extra)
 
 
 class CacheRunner(RecordingRunner):
@@ -213,7 +220,10 @@ class Harness:
         bi = rec["banned_token_indptr"].astype(np.int64)
         assert bi[0] == 0 and bi[-1] == len(rec["banned_token_ids"]) and (np.diff(bi) >= 0).all()
         nd = rec["num_decode_sequences"]
+        preempted = self._check_lifecycle(rec, commit)
+        known = {k: v for k, v in self.pages.items() if k[0] not in preempted}
         group_pages: list[set[int]] = [set() for _ in self.windows]
+        seen_pages: dict[tuple[str, int, int], int] = {}
         for i, rid in enumerate(rids):
             seq = self.prompts[rid] + self.outputs[rid]
             c, sl, q = int(rec["num_computed_tokens"][i]), int(rec["seq_lens"][i]), int(qi[i + 1] - qi[i])
@@ -225,13 +235,13 @@ class Harness:
             assert (i < nd) == (q == 1 and samples), (rid, i, nd, q, samples)
             self._check_sampling(rec, i, rid, samples)
             for g, window in enumerate(self.windows):
-                group_pages[g] |= self._check_group(rec, g, window, i, rid, c, sl)
+                group_pages[g] |= self._check_group(rec, g, window, i, rid, c, sl, known, seen_pages)
         for g in range(len(self.windows)):
             for h in range(g):
                 assert not group_pages[g] & group_pages[h], ("page in two groups", g, h)
-        self._check_lifecycle(rec, commit)
         if commit:
             self.last_step = rec["step"]
+            self.pages = {**known, **seen_pages}
 
     def _check_sampling(self, rec: dict[str, Any], i: int, rid: str, samples: bool) -> None:
         p, sa = self.params[rid], rec["sampling"]
@@ -251,7 +261,8 @@ class Harness:
             assert banned == want, (rid, len(self.outputs[rid]), banned, want)
 
     def _check_group(self, rec: dict[str, Any], g: int, window: int | None, i: int, rid: str,
-                     c: int, sl: int) -> set[int]:
+                     c: int, sl: int, known: dict[tuple[str, int, int], int],
+                     seen_pages: dict[tuple[str, int, int], int]) -> set[int]:
         P = self.page_size
         indptr, indices = rec["kv_indptr"][g].astype(np.int64), rec["kv_indices"][g]
         s = rec["num_sequences"]
@@ -276,7 +287,8 @@ class Harness:
         assert slots == [pages[p // P - first] * P + p % P for p in range(c, sl)], (rid, g, slots)
         for k, page in enumerate(pages):
             key = (rid, g, first + k)
-            assert self.pages.setdefault(key, page) == page, ("page moved", key, page)
+            assert known.get(key, page) == page, ("page moved", key, known[key], page)
+            seen_pages[key] = page
         # A page shared with another row must be full and computed in both, at the same index.
         written = {p // P for p in slots}
         for j in range(s):
@@ -289,11 +301,13 @@ class Harness:
                     assert (first + k + 1) * P <= c, ("shared page not full", rid, page)
         return set(pages)
 
-    def _check_lifecycle(self, rec: dict[str, Any], commit: bool) -> None:
+    def _check_lifecycle(self, rec: dict[str, Any], commit: bool) -> list[str]:
         rids, slots = rec["request_ids"], rec["request_slots"].tolist()
         new, finished = rec["new_request_slots"].tolist(), rec["finished_request_slots"].tolist()
         assert len(set(new)) == len(new) and len(set(finished)) == len(finished), (new, finished)
-        assert self.pending_finished <= set(finished), (self.pending_finished, finished)
+        assert self.pending_finished <= set(finished), (
+            "finished_request_slots misses slots whose request ended since the last plan the runner saw",
+            sorted(self.pending_finished), finished)
         active = dict(self.slot_of)
         preempted = []
         for slot in set(finished) - self.pending_finished:
@@ -307,9 +321,8 @@ class Harness:
             assert active.setdefault(rid, slot) == slot, ("slot changed", rid)
         if commit:
             self.slot_of, self.pending_finished = active, set()
-            for rid in preempted:
-                self.preempted.append(rid)
-                self.pages = {k: v for k, v in self.pages.items() if k[0] != rid}
+            self.preempted += preempted
+        return preempted
 
     def apply(self, outs: list[Any], rec: dict[str, Any] | None) -> None:
         produced = {}
@@ -331,13 +344,16 @@ class Harness:
                 assert tokens[len(prev):] == produced[rid], (rid, tokens, produced[rid])
             self.outputs[rid] = tokens
             p = self.params[rid]
-            stopped = len(tokens) >= p.min_tokens and bool(tokens) and tokens[-1] in self.stop_ids(rid)
+            # A stop token ends the request once min_tokens are out; whether the stop token
+            # itself may be token number min_tokens is left open (see banned_token_ids).
+            last_stops = bool(tokens) and tokens[-1] in self.stop_ids(rid)
+            stopped = len(tokens) > p.min_tokens and last_stops
             capped = len(tokens) >= p.max_tokens or self.num_tokens(rid) >= self.config.max_model_len
             assert out.finished == (out.finish_reason is not None)
             if out.finish_reason == "length":
                 assert capped, (rid, len(tokens))
             elif out.finish_reason == "stop":
-                assert stopped, (rid, tokens)
+                assert last_stops and len(tokens) >= p.min_tokens, (rid, tokens)
             elif out.finish_reason is None:
                 assert not stopped and not capped, (rid, tokens)
             if out.finished:

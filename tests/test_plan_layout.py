@@ -10,6 +10,7 @@ groups and ``bind_cache``, banned tokens and sampling arrays.
 
 from __future__ import annotations
 
+import gc
 import re
 from typing import Any
 
@@ -23,7 +24,7 @@ from resin import LayerCacheSpec, SamplingParams
 
 def config(**kw: Any) -> resin.EngineConfig:
     base = dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
-                max_model_len=256)
+                max_model_len=128)
     return resin.EngineConfig(**{**base, **kw})
 
 
@@ -123,21 +124,28 @@ def test_plan_arrays_have_contract_dtypes_and_are_read_only() -> None:
         arrays = getattr(plan, name)
         assert isinstance(arrays, tuple) and len(arrays) == 2, name
     assert plan.block_table[0].shape[0] == 2 and plan.block_table[0].ndim == 2
-    targets = [plan.input_ids, plan.positions, plan.query_indptr, plan.seq_lens, plan.request_slots,
-               plan.num_computed_tokens, plan.sample_indptr, plan.new_request_slots,
-               plan.sampling.temperature, plan.sampling.seed, plan.kv_indptr[1], plan.kv_indices[0],
-               plan.kv_indices[1], plan.kv_last_page_len[0], plan.slot_mapping[1]]
+    targets: list[Any] = [
+        plan.input_ids, plan.positions, plan.query_indptr, plan.seq_lens, plan.request_slots,
+        plan.num_computed_tokens, plan.sample_indptr, plan.new_request_slots,
+        plan.sampling.temperature, plan.sampling.seed, plan.kv_indptr[1], plan.kv_indices[0],
+        plan.kv_indices[1], plan.kv_last_page_len[0], plan.slot_mapping[1]]
     for array in targets:
         with pytest.raises(ValueError):
             array[0] = 1
     with pytest.raises(ValueError):
         plan.block_table[0][0, 0] = 1
     assert plan.input_ids.tolist() == list(range(1, 7)) + list(range(1, 10))
+    assert np.shares_memory(plan.input_ids, plan.input_ids)  # no copy per access
     with pytest.raises(RuntimeError):
         engine.schedule()  # a plan is pending
+    kept = (plan.input_ids, plan.kv_indices[1], plan.sampling.top_p)
+    del targets, arrays, plan
     engine.discard_plan()
     again = engine.schedule()
-    assert again.request_ids == ["a", "b"] and again.input_ids.tolist() == plan.input_ids.tolist()
+    gc.collect()  # the arrays keep the dropped plan's memory alive
+    assert kept[0].tolist() == again.input_ids.tolist() == list(range(1, 7)) + list(range(1, 10))
+    assert len(kept[1]) > 0 and kept[2].tolist() == [1.0, 1.0]
+    assert again.request_ids == ["a", "b"]
 
 
 def test_request_slots_and_lifecycle_diff() -> None:
@@ -159,9 +167,25 @@ def test_request_slots_and_lifecycle_diff() -> None:
     diff = [(sorted(p["new_request_slots"].tolist()), p["finished_request_slots"].tolist()) for p in plans]
     assert diff == [([0, 1], []), ([], []), ([slot["r0"]], [slot["r0"]]),
                     ([slot["r1"]], [slot["r1"]]), ([], [slot["r3"]])]
-    assert [p["request_ids"] for p in plans] == [["r0", "r1"], ["r0", "r1"], ["r1", "r2"], ["r2", "r3"], ["r2"]]
+    assert [p["request_ids"] for p in plans] == [
+        ["r0", "r1"], ["r0", "r1"], ["r1", "r2"], ["r2", "r3"], ["r2"]]
     assert {r: (o.finish_reason, len(o.token_ids)) for r, o in h.final.items()} == {
         "r0": ("length", 2), "r1": ("abort", 3), "r2": ("length", 3), "r3": ("length", 1)}
+
+
+def test_finished_slots_reach_the_runner_across_idle_steps() -> None:
+    h = Harness(config())
+    h.add("a", [1, 2, 3], SamplingParams(max_tokens=1))
+    h.add("b", [4, 5, 6], SamplingParams(max_tokens=2))
+    h.step()
+    slots = dict(zip(h.runner.plans[0]["request_ids"], h.runner.plans[0]["request_slots"].tolist()))
+    h.step()  # b finishes; a finished in the step before
+    assert not h.engine.has_unfinished()
+    h.engine.step()  # nothing to run: an idle step
+    h.add("c", [7, 8, 9], SamplingParams(max_tokens=1))
+    h.engine.step()
+    assert sorted(h.runner.plans[-1]["finished_request_slots"].tolist()) == [slots["b"]]
+    assert sorted(h.runner.plans[1]["finished_request_slots"].tolist()) == [slots["a"]]
 
 
 @pytest.mark.parametrize("length", [17, 16, 9, 4])
@@ -182,7 +206,7 @@ def test_prefix_cache_hit_on_identical_prompt(length: int) -> None:
 
 
 @pytest.mark.parametrize(("variant", "hit"), [("tail_differs", 12), ("head_differs", 0),
-                                              ("extends", 16), ("caching_off", 0)])
+                                              ("extends", 16), ("caching_off", 0), ("reset", 0)])
 def test_prefix_cache_hit_is_the_longest_matching_chain(variant: str, hit: int) -> None:
     h = Harness(config(enable_prefix_caching=variant != "caching_off"))
     prompt = prompt_of(16, 8)
@@ -190,7 +214,10 @@ def test_prefix_cache_hit_is_the_longest_matching_chain(variant: str, hit: int) 
     h.run()
     other = {"tail_differs": prompt[:12] + [901, 902, 903, 904, 905],
              "head_differs": [prompt[0] + 1] + prompt[1:] + [7],
-             "extends": prompt + [5, 6, 7, 8, 9], "caching_off": prompt + [3]}[variant]
+             "extends": prompt + [5, 6, 7, 8, 9], "caching_off": prompt + [3],
+             "reset": prompt + [3]}[variant]
+    if variant == "reset":
+        h.engine.reset_prefix_cache()
     h.add("b", other, SamplingParams(max_tokens=1))
     h.run()
     (pa, ia), (pb, ib) = rows_of(h.runner.plans, "a")[0], rows_of(h.runner.plans, "b")[0]
@@ -213,6 +240,39 @@ def test_prefix_pages_shared_with_a_running_request() -> None:
     assert row_pages(plan, 0, ib)[4] not in row_pages(plan, 0, ia)
     h.run()
     assert h.final["b"].num_cached_tokens == 16
+
+
+def test_prefix_cache_evicts_the_tail_first() -> None:
+    # 8 usable pages. "a" fills pages with 16 tokens and ends: its pages are freed tail
+    # first, behind the 4 never-used ones. "b" needs 6 pages: the 4 unused, then a's
+    # last two. a's first two pages keep their hashes, so "c" (a's prompt) hits 8 tokens.
+    h = Harness(config(num_pages=9, max_model_len=32))
+    prompt = prompt_of(16, 20)
+    h.add("a", prompt, SamplingParams(max_tokens=1))
+    h.run()
+    h.add("b", prompt_of(21, 21), SamplingParams(max_tokens=1))
+    h.run()
+    h.add("c", prompt, SamplingParams(max_tokens=1))
+    h.run()
+    (pa, ia), (pc, ic) = rows_of(h.runner.plans, "a")[0], rows_of(h.runner.plans, "c")[0]
+    assert h.final["c"].num_cached_tokens == 8 == int(pc["num_computed_tokens"][ic])
+    assert row_pages(pc, 0, ic)[:2] == row_pages(pa, 0, ia)[:2]
+    assert h.engine.num_free_pages == 8
+
+
+def test_prefix_cache_hit_with_a_sliding_window_group() -> None:
+    runner = CacheRunner([LayerCacheSpec.full(64), LayerCacheSpec.sliding_window(8, 64)])
+    h = Harness(config(num_pages=128), runner)
+    prompt = prompt_of(30, 22)
+    h.add("a", prompt, SamplingParams(max_tokens=1))
+    h.run()
+    h.add("b", prompt, SamplingParams(max_tokens=1))
+    h.run()
+    (pa, ia), (pb, ib) = rows_of(h.runner.plans, "a")[0], rows_of(h.runner.plans, "b")[0]
+    assert int(pb["num_computed_tokens"][ib]) == 28 == h.final["b"].num_cached_tokens
+    assert row_pages(pb, 0, ib)[:7] == row_pages(pa, 0, ia)[:7]
+    # b reads window [21, 30): logical pages 5..7; 5 and 6 are a's cached pages.
+    assert row_pages(pb, 1, ib)[:2] == row_pages(pa, 1, ia)[5:7]
 
 
 def test_sliding_window_group_lists_only_window_pages() -> None:
@@ -241,15 +301,15 @@ def test_sliding_window_group_lists_only_window_pages() -> None:
             assert len(row_pages(plan, 1, i)) == (sl - 1) // 4 - first + 1
             narrower += len(row_pages(plan, 1, i)) < len(row_pages(plan, 0, i))
     assert narrower > 10
-    last = h.runner.plans[-1]  # "short" decoding at position 26: window [19, 27) -> pages 4..6
-    assert last["request_ids"] == ["short"] and int(last["seq_lens"][0]) == 27
+    last = h.runner.plans[-1]  # "short" samples its 20th token: c=25, window [18, 26) -> pages 4..6
+    assert last["request_ids"] == ["short"] and int(last["seq_lens"][0]) == 7 + 19
     assert row_pages(last, 1, 0) == last["block_table"][1][0, 4:7].tolist()
     assert not last["block_table"][1][0, :4].any()
 
 
 def test_sliding_window_frees_pages_behind_the_window() -> None:
     runner = CacheRunner([LayerCacheSpec.sliding_window(8, 64)])
-    h = Harness(config(num_pages=8), runner)
+    h = Harness(config(num_pages=8, max_num_batched_tokens=8), runner)
     h.add("r", prompt_of(8, 12), SamplingParams(max_tokens=60))
     while h.engine.has_unfinished():
         h.step()
@@ -260,7 +320,8 @@ def test_sliding_window_frees_pages_behind_the_window() -> None:
 
 
 def test_layer_cache_spec_properties_and_recurrent_rejected() -> None:
-    full, sw, rec = LayerCacheSpec.full(64), LayerCacheSpec.sliding_window(8, 32), LayerCacheSpec.recurrent(4096)
+    full, sw = LayerCacheSpec.full(64), LayerCacheSpec.sliding_window(8, 32)
+    rec = LayerCacheSpec.recurrent(4096)
     assert (full.kind, full.bytes_per_token, full.window, full.state_bytes) == ("full", 64, None, None)
     assert (sw.kind, sw.bytes_per_token, sw.window) == ("sliding_window", 32, 8)
     assert (rec.kind, rec.state_bytes) == ("recurrent", 4096)

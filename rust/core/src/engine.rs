@@ -253,8 +253,12 @@ impl Engine {
         self.next_step += 1;
         let mut plan =
             BatchPlan::build(step, &rows, num_decode, &self.sched.requests, &self.sched.kv, &self.config.eos_token_ids);
-        plan.new_request_slots = std::mem::take(&mut self.sched.new_slots);
-        plan.finished_request_slots = std::mem::take(&mut self.sched.released_slots);
+        // Lifecycle notices ride only on plans with rows: an empty plan reaches no runner
+        // (step() skips forward), so its notices wait for the next real plan.
+        if !rows.is_empty() {
+            plan.new_request_slots = std::mem::take(&mut self.sched.new_slots);
+            plan.finished_request_slots = std::mem::take(&mut self.sched.released_slots);
+        }
         let pending_rows = rows
             .iter()
             .map(|r| {

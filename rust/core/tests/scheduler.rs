@@ -291,3 +291,17 @@ fn a_slot_announced_by_a_discarded_plan_is_reported_when_its_request_ends() {
     assert_eq!((plan.finished_request_slots.clone(), plan.new_request_slots.clone()), (vec![0], vec![0]));
     commit(&mut e, &plan, 5);
 }
+
+#[test]
+fn empty_plans_keep_lifecycle_notices_for_the_next_plan_with_rows() {
+    let mut e = engine(config(4, 32));
+    e.add_request("a", tokens(0..3), params(1)).unwrap();
+    step(&mut e, 5); // a finishes, slot 0 released
+    let (idle, _) = step(&mut e, 5);
+    assert_eq!(idle.num_sequences, 0);
+    assert!(idle.finished_request_slots.is_empty(), "no runner sees an empty plan");
+    e.add_request("b", tokens(0..3), params(1)).unwrap();
+    let (plan, _) = step(&mut e, 5);
+    assert_eq!(plan.finished_request_slots, vec![0]);
+    assert_eq!(plan.new_request_slots, vec![0]);
+}

@@ -6,13 +6,15 @@ use resin_core::{engine, request};
 
 use crate::errors::to_py;
 
+/// Integer fields are stored as Python gives them (i64) and range-checked in `to_core`,
+/// so a bad value set as an attribute still fails with a ValueError naming the field.
 #[pyclass(module = "resin._core", from_py_object)]
 #[derive(Clone)]
 pub struct SamplingParams {
     #[pyo3(get, set)]
-    pub max_tokens: u32,
+    pub max_tokens: i64,
     #[pyo3(get, set)]
-    pub min_tokens: u32,
+    pub min_tokens: i64,
     #[pyo3(get, set)]
     pub temperature: f32,
     #[pyo3(get, set)]
@@ -22,13 +24,13 @@ pub struct SamplingParams {
     #[pyo3(get, set)]
     pub min_p: f32,
     #[pyo3(get, set)]
-    pub seed: Option<u64>,
+    pub seed: Option<i64>,
     #[pyo3(get, set)]
-    pub stop_token_ids: Vec<u32>,
+    pub stop_token_ids: Vec<i64>,
     #[pyo3(get, set)]
     pub ignore_eos: bool,
     #[pyo3(get, set)]
-    pub logprobs: Option<u32>,
+    pub logprobs: Option<i64>,
     #[pyo3(get, set)]
     pub presence_penalty: f32,
     #[pyo3(get, set)]
@@ -39,20 +41,30 @@ pub struct SamplingParams {
     pub priority: i32,
 }
 
+/// `value` as a u32, or a ValueError naming `owner.field`.
+pub fn to_u32(owner: &str, field: &str, value: i64) -> PyResult<u32> {
+    u32::try_from(value).map_err(|_| PyValueError::new_err(format!("{owner}.{field}: must be in [0, 2**32), got {value}")))
+}
+
 impl SamplingParams {
     /// The core params, range-checked (errors name the field).
     pub fn to_core(&self) -> PyResult<request::SamplingParams> {
+        let field = |name: &str, v: i64| to_u32("SamplingParams", name, v);
+        let seed = self
+            .seed
+            .map(|s| u64::try_from(s).map_err(|_| PyValueError::new_err(format!("SamplingParams.seed: must be >= 0, got {s}"))))
+            .transpose()?;
         request::SamplingParams {
-            max_tokens: self.max_tokens,
-            min_tokens: self.min_tokens,
+            max_tokens: field("max_tokens", self.max_tokens)?,
+            min_tokens: field("min_tokens", self.min_tokens)?,
             temperature: self.temperature,
             top_p: self.top_p,
             top_k: self.top_k,
             min_p: self.min_p,
-            seed: self.seed,
-            stop_token_ids: self.stop_token_ids.clone(),
+            seed,
+            stop_token_ids: self.stop_token_ids.iter().map(|&t| field("stop_token_ids", t)).collect::<PyResult<_>>()?,
             ignore_eos: self.ignore_eos,
-            logprobs: self.logprobs,
+            logprobs: self.logprobs.map(|k| field("logprobs", k)).transpose()?,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             repetition_penalty: self.repetition_penalty,
@@ -86,28 +98,17 @@ impl SamplingParams {
         repetition_penalty: f32,
         priority: i32,
     ) -> PyResult<Self> {
-        let count = |field: &str, v: i64| -> PyResult<u32> {
-            u32::try_from(v).map_err(|_| PyValueError::new_err(format!("SamplingParams.{field}: must be in [0, 2**32), got {v}")))
-        };
-        let seed = seed
-            .map(|s| u64::try_from(s).map_err(|_| PyValueError::new_err(format!("SamplingParams.seed: must be >= 0, got {s}"))))
-            .transpose()?;
-        let stop_token_ids = stop_token_ids
-            .unwrap_or_default()
-            .into_iter()
-            .map(|t| count("stop_token_ids", t))
-            .collect::<PyResult<Vec<u32>>>()?;
         let params = SamplingParams {
-            max_tokens: count("max_tokens", max_tokens)?,
-            min_tokens: count("min_tokens", min_tokens)?,
+            max_tokens,
+            min_tokens,
             temperature,
             top_p,
             top_k,
             min_p,
             seed,
-            stop_token_ids,
+            stop_token_ids: stop_token_ids.unwrap_or_default(),
             ignore_eos,
-            logprobs: logprobs.map(|k| count("logprobs", k)).transpose()?,
+            logprobs,
             presence_penalty,
             frequency_penalty,
             repetition_penalty,
@@ -144,21 +145,21 @@ impl SamplingParams {
 #[derive(Clone)]
 pub struct EngineConfig {
     #[pyo3(get, set)]
-    pub page_size: u32,
+    pub page_size: i64,
     #[pyo3(get, set)]
-    pub num_pages: u32,
+    pub num_pages: i64,
     #[pyo3(get, set)]
-    pub max_num_seqs: u32,
+    pub max_num_seqs: i64,
     #[pyo3(get, set)]
-    pub max_num_batched_tokens: u32,
+    pub max_num_batched_tokens: i64,
     #[pyo3(get, set)]
-    pub max_model_len: u32,
+    pub max_model_len: i64,
     #[pyo3(get, set)]
     pub enable_prefix_caching: bool,
     #[pyo3(get, set)]
-    pub eos_token_ids: Vec<u32>,
+    pub eos_token_ids: Vec<i64>,
     #[pyo3(get, set)]
-    pub vocab_size: Option<u32>,
+    pub vocab_size: Option<i64>,
     #[pyo3(get, set)]
     pub policy: String,
 }
@@ -174,15 +175,16 @@ impl EngineConfig {
                 )))
             }
         };
+        let field = |name: &str, v: i64| to_u32("EngineConfig", name, v);
         let config = engine::EngineConfig {
-            page_size: self.page_size,
-            num_pages: self.num_pages,
-            max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            max_model_len: self.max_model_len,
+            page_size: field("page_size", self.page_size)?,
+            num_pages: field("num_pages", self.num_pages)?,
+            max_num_seqs: field("max_num_seqs", self.max_num_seqs)?,
+            max_num_batched_tokens: field("max_num_batched_tokens", self.max_num_batched_tokens)?,
+            max_model_len: field("max_model_len", self.max_model_len)?,
             enable_prefix_caching: self.enable_prefix_caching,
-            eos_token_ids: self.eos_token_ids.clone(),
-            vocab_size: self.vocab_size,
+            eos_token_ids: self.eos_token_ids.iter().map(|&t| field("eos_token_ids", t)).collect::<PyResult<_>>()?,
+            vocab_size: self.vocab_size.map(|v| field("vocab_size", v)).transpose()?,
             policy,
         };
         config.validate().map_err(to_py)?;
@@ -197,14 +199,14 @@ impl EngineConfig {
         max_model_len=4096, enable_prefix_caching=true, eos_token_ids=None, vocab_size=None, policy="fcfs"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        page_size: u32,
-        num_pages: u32,
-        max_num_seqs: u32,
-        max_num_batched_tokens: u32,
-        max_model_len: u32,
+        page_size: i64,
+        num_pages: i64,
+        max_num_seqs: i64,
+        max_num_batched_tokens: i64,
+        max_model_len: i64,
         enable_prefix_caching: bool,
-        eos_token_ids: Option<Vec<u32>>,
-        vocab_size: Option<u32>,
+        eos_token_ids: Option<Vec<i64>>,
+        vocab_size: Option<i64>,
         policy: &str,
     ) -> PyResult<Self> {
         let config = EngineConfig {
