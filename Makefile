@@ -31,8 +31,10 @@ test-python: install
 
 test: test-rust test-python
 
+# Engine overhead per step: through Python (the issue's measure), then the Rust core alone.
 bench: install
 	$(VPY) benchmarks/engine_overhead.py
+	cargo run -q --release -p resin-core --example decode_overhead -- 256 1024
 
 serve: install
 	@echo "resin serve arrives with the HTTP server issue; the engine core is installed in $(VENV)." >&2
