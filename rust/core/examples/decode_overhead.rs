@@ -39,7 +39,9 @@ fn main() {
             let out = ForwardOutputRef { token_ids: &ids[..s], token_indptr: &indptr[..=s], ..Default::default() };
             engine.update(plan.step, &out).unwrap();
             let t2 = Instant::now();
-            if plan.num_decode_sequences == b {
+            let (num_decode, step_plan) = (plan.num_decode_sequences, plan);
+            engine.recycle(step_plan);
+            if num_decode == b {
                 sched_ns += (t1 - t0).as_nanos();
                 update_ns += (t2 - t1).as_nanos();
                 totals.push((t2 - t0).as_nanos());

@@ -19,7 +19,7 @@ use crate::error::CoreError;
 use crate::kv_spec::{CacheLayout, KvCacheSpec};
 use crate::metrics::{Gauges, Metrics};
 use crate::output::{ForwardOutputRef, RequestOutput, RowExpectation};
-use crate::plan::BatchPlan;
+use crate::plan::{BatchPlan, PlanRecycler};
 pub use crate::scheduler::SchedulingPolicy;
 use crate::request::{FinishReason, Request, SamplingParams};
 use crate::scheduler::{Scheduler, SchedulerLimits};
@@ -121,6 +121,7 @@ pub struct Engine {
     pending: Option<PendingStep>,
     /// Outputs of aborted requests, reported by the next `update`.
     abort_outputs: Vec<RequestOutput>,
+    recycler: PlanRecycler,
 }
 
 impl Engine {
@@ -157,6 +158,7 @@ impl Engine {
             next_arrival_seq: 0,
             pending: None,
             abort_outputs: Vec::new(),
+            recycler: PlanRecycler::default(),
         })
     }
 
@@ -251,8 +253,16 @@ impl Engine {
         let (rows, num_decode) = self.sched.schedule(now, &mut self.metrics);
         let step = self.next_step;
         self.next_step += 1;
-        let mut plan =
-            BatchPlan::build(step, &rows, num_decode, &self.sched.requests, &self.sched.kv, &self.config.eos_token_ids);
+        let recycled = self.recycler.take();
+        let mut plan = BatchPlan::build(
+            step,
+            &rows,
+            num_decode,
+            &self.sched.requests,
+            &self.sched.kv,
+            &self.config.eos_token_ids,
+            recycled,
+        );
         // Lifecycle notices ride only on plans with rows: an empty plan reaches no runner
         // (step() skips forward), so its notices wait for the next real plan.
         if !rows.is_empty() {
@@ -283,6 +293,17 @@ impl Engine {
         });
         self.debug_check();
         Ok(plan)
+    }
+
+    /// Hands a plan the caller is done with back for reuse (optional: saves allocation).
+    pub fn recycle(&self, plan: BatchPlan) {
+        self.recycler.put(plan);
+    }
+
+    /// A handle that recycles plans into this engine, for owners that outlive a borrow
+    /// of the engine (the Python bindings drop plans whenever Python frees them).
+    pub fn recycler(&self) -> PlanRecycler {
+        self.recycler.clone()
     }
 
     /// The step id of the pending plan, if any.

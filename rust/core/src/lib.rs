@@ -40,5 +40,5 @@ pub use error::CoreError;
 pub use kv_spec::{CacheGroup, CacheLayout, KvCacheSpec};
 pub use output::{ForwardOutputRef, RequestOutput};
 pub use page_pool::{PageId, PagePool, NULL_PAGE};
-pub use plan::{BatchPlan, GroupPlan, SamplingArrays};
+pub use plan::{BatchPlan, GroupPlan, PlanRecycler, SamplingArrays};
 pub use request::{FinishReason, SamplingParams};

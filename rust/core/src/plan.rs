@@ -5,6 +5,8 @@
 //! hand to numpy without copying. Field meanings agree with `resin/_core.pyi` and
 //! `docs/batch_plan.md`.
 
+use std::sync::{Arc, Mutex};
+
 use crate::cache_manager::KvCacheManager;
 use crate::request::Request;
 
@@ -32,18 +34,51 @@ pub struct SamplingArrays {
 }
 
 impl SamplingArrays {
-    fn with_capacity(s: usize) -> Self {
-        SamplingArrays {
-            temperature: Vec::with_capacity(s),
-            top_p: Vec::with_capacity(s),
-            top_k: Vec::with_capacity(s),
-            min_p: Vec::with_capacity(s),
-            seed: Vec::with_capacity(s),
-            num_logprobs: Vec::with_capacity(s),
-            presence_penalty: Vec::with_capacity(s),
-            frequency_penalty: Vec::with_capacity(s),
-            repetition_penalty: Vec::with_capacity(s),
+    fn f32_arrays(&mut self) -> [&mut Vec<f32>; 6] {
+        [
+            &mut self.temperature,
+            &mut self.top_p,
+            &mut self.min_p,
+            &mut self.presence_penalty,
+            &mut self.frequency_penalty,
+            &mut self.repetition_penalty,
+        ]
+    }
+
+    fn clear(&mut self) {
+        self.f32_arrays().into_iter().for_each(Vec::clear);
+        self.top_k.clear();
+        self.seed.clear();
+        self.num_logprobs.clear();
+    }
+
+    fn reserve(&mut self, s: usize) {
+        self.f32_arrays().into_iter().for_each(|v| v.reserve(s));
+        self.top_k.reserve(s);
+        self.seed.reserve(s);
+        self.num_logprobs.reserve(s);
+    }
+}
+
+/// Spare plans, so building a plan writes into arrays that are already allocated (and
+/// warm in cache) instead of fresh memory every step. Whoever drops a plan may hand it
+/// back with `put`; the engine takes one per `schedule()`.
+#[derive(Clone, Default)]
+pub struct PlanRecycler(Arc<Mutex<Vec<BatchPlan>>>);
+
+impl PlanRecycler {
+    /// Spare plans kept at most (a runner may hold a plan or two across steps).
+    const MAX_SPARE: usize = 4;
+
+    pub fn put(&self, plan: BatchPlan) {
+        let mut spare = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if spare.len() < Self::MAX_SPARE {
+            spare.push(plan);
         }
+    }
+
+    pub fn take(&self) -> BatchPlan {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default()
     }
 }
 
@@ -128,39 +163,36 @@ impl BatchPlan {
         requests: &[Option<Request>],
         kv: &KvCacheManager,
         eos_token_ids: &[u32],
+        recycled: BatchPlan,
     ) -> BatchPlan {
         let s = rows.len();
         let t: usize = rows.iter().map(|r| r.num_new_tokens as usize).sum();
         let ps = kv.page_size();
-        let mut plan = BatchPlan {
-            step,
-            page_size: ps,
-            num_sequences: s as u32,
-            num_decode_sequences,
-            num_tokens: t as u32,
-            padded_num_sequences: s as u32,
-            request_id_bytes: String::with_capacity(s * 16),
-            request_id_ends: Vec::with_capacity(s),
-            request_slots: Vec::with_capacity(s),
-            input_ids: Vec::with_capacity(t),
-            positions: Vec::with_capacity(t),
-            query_indptr: Vec::with_capacity(s + 1),
-            num_computed_tokens: Vec::with_capacity(s),
-            seq_lens: Vec::with_capacity(s),
-            sample_indptr: Vec::with_capacity(s + 1),
-            num_draft_tokens: vec![0; s],
-            banned_token_indptr: Vec::with_capacity(s + 1),
-            sampling: SamplingArrays::with_capacity(s),
-            groups: (0..kv.num_groups())
-                .map(|g| GroupPlan {
-                    kv_indptr: Vec::with_capacity(s + 1),
-                    kv_indices: Vec::with_capacity(Self::num_listed_pages(rows, requests, kv, g)),
-                    kv_last_page_len: Vec::with_capacity(s),
-                    slot_mapping: Vec::with_capacity(t),
-                })
-                .collect(),
-            ..BatchPlan::default()
-        };
+        let mut plan = recycled;
+        plan.clear(kv.num_groups());
+        plan.step = step;
+        plan.page_size = ps;
+        plan.num_sequences = s as u32;
+        plan.num_decode_sequences = num_decode_sequences;
+        plan.num_tokens = t as u32;
+        plan.padded_num_sequences = s as u32;
+        plan.request_id_bytes.reserve(s * 16);
+        for v in [&mut plan.request_id_ends, &mut plan.request_slots, &mut plan.num_computed_tokens, &mut plan.seq_lens] {
+            v.reserve(s);
+        }
+        for v in [&mut plan.query_indptr, &mut plan.sample_indptr, &mut plan.banned_token_indptr] {
+            v.reserve(s + 1);
+        }
+        plan.input_ids.reserve(t);
+        plan.positions.reserve(t);
+        plan.num_draft_tokens.resize(s, 0);
+        plan.sampling.reserve(s);
+        for (g, gp) in plan.groups.iter_mut().enumerate() {
+            gp.kv_indptr.reserve(s + 1);
+            gp.kv_indices.reserve(Self::num_listed_pages(rows, requests, kv, g));
+            gp.kv_last_page_len.reserve(s);
+            gp.slot_mapping.reserve(t);
+        }
         plan.query_indptr.push(0);
         plan.sample_indptr.push(0);
         plan.banned_token_indptr.push(0);
@@ -225,6 +257,36 @@ impl BatchPlan {
         sa.presence_penalty.push(p.presence_penalty);
         sa.frequency_penalty.push(p.frequency_penalty);
         sa.repetition_penalty.push(p.repetition_penalty);
+    }
+
+    /// Empties every array (keeping its allocation) for `num_groups` cache groups.
+    fn clear(&mut self, num_groups: usize) {
+        self.request_id_bytes.clear();
+        for v in [
+            &mut self.request_id_ends,
+            &mut self.request_slots,
+            &mut self.input_ids,
+            &mut self.query_indptr,
+            &mut self.num_computed_tokens,
+            &mut self.seq_lens,
+            &mut self.sample_indptr,
+            &mut self.num_draft_tokens,
+            &mut self.banned_token_indptr,
+            &mut self.banned_token_ids,
+            &mut self.new_request_slots,
+            &mut self.finished_request_slots,
+        ] {
+            v.clear();
+        }
+        self.positions.clear();
+        self.sampling.clear();
+        self.groups.resize_with(num_groups, GroupPlan::default);
+        for g in &mut self.groups {
+            g.kv_indptr.clear();
+            g.kv_indices.clear();
+            g.kv_last_page_len.clear();
+            g.slot_mapping.clear();
+        }
     }
 
     /// The request id of row `i`.

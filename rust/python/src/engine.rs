@@ -115,8 +115,8 @@ impl Engine {
     }
 
     fn schedule(&self, py: Python<'_>) -> PyResult<Py<BatchPlan>> {
-        let plan = self.with_core(py, |e| e.schedule()).map_err(to_py)?;
-        Py::new(py, BatchPlan::new(plan))
+        let (plan, recycler) = self.with_core(py, |e| e.schedule().map(|p| (p, e.recycler()))).map_err(to_py)?;
+        Py::new(py, BatchPlan::new(plan, recycler))
     }
 
     fn update(&self, py: Python<'_>, plan: &Bound<'_, BatchPlan>, output: &Bound<'_, PyAny>) -> PyResult<Vec<Py<RequestOutput>>> {
@@ -128,16 +128,17 @@ impl Engine {
     }
 
     fn step(&self, py: Python<'_>) -> PyResult<Vec<Py<RequestOutput>>> {
-        let plan = self.with_core(py, |e| e.schedule()).map_err(to_py)?;
+        let (plan, recycler) = self.with_core(py, |e| e.schedule().map(|p| (p, e.recycler()))).map_err(to_py)?;
         let step = plan.step;
         if plan.num_sequences == 0 {
             // Nothing to run: commit the empty step without calling the runner.
             let outputs = self
                 .with_core(py, |e| e.update(step, &resin_core::ForwardOutputRef { token_indptr: &[0], ..Default::default() }))
                 .map_err(to_py)?;
+            recycler.put(plan);
             return Self::wrap_outputs(py, outputs);
         }
-        let plan = Bound::new(py, BatchPlan::new(plan))?;
+        let plan = Bound::new(py, BatchPlan::new(plan, recycler))?;
         let result = self
             .runner
             .bind(py)

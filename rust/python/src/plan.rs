@@ -106,22 +106,42 @@ fn sampling_view<'py, T: Element>(
 // Lazily created numpy views, one per array field.
 views_struct!(Views { request_slots, input_ids, positions, query_indptr, num_computed_tokens, seq_lens, sample_indptr, num_draft_tokens, banned_token_indptr, banned_token_ids, new_request_slots, finished_request_slots, kv_indptr, kv_indices, kv_last_page_len, slot_mapping, block_table, request_ids });
 
+/// A plan that goes back to its engine's recycler when the last reference (the Python
+/// `BatchPlan` or a view's `PlanMemory`) is dropped, so its arrays are reused.
+pub struct OwnedPlan {
+    plan: core::BatchPlan,
+    recycler: core::PlanRecycler,
+}
+
+impl Drop for OwnedPlan {
+    fn drop(&mut self) {
+        self.recycler.put(std::mem::take(&mut self.plan));
+    }
+}
+
+impl std::ops::Deref for OwnedPlan {
+    type Target = core::BatchPlan;
+    fn deref(&self) -> &core::BatchPlan {
+        &self.plan
+    }
+}
+
 /// Keeps a plan's arrays alive for numpy: the base object of every view.
 #[pyclass(module = "resin._core", frozen)]
 pub struct PlanMemory {
-    _plan: Arc<core::BatchPlan>,
+    _plan: Arc<OwnedPlan>,
 }
 
 #[pyclass(module = "resin._core", frozen)]
 pub struct BatchPlan {
-    pub plan: Arc<core::BatchPlan>,
+    pub plan: Arc<OwnedPlan>,
     memory: PyOnceLock<Py<PlanMemory>>,
     views: Views,
 }
 
 impl BatchPlan {
-    pub fn new(plan: core::BatchPlan) -> Self {
-        BatchPlan { plan: Arc::new(plan), memory: PyOnceLock::new(), views: Views::default() }
+    pub fn new(plan: core::BatchPlan, recycler: core::PlanRecycler) -> Self {
+        BatchPlan { plan: Arc::new(OwnedPlan { plan, recycler }), memory: PyOnceLock::new(), views: Views::default() }
     }
 
     /// The owner object views borrow from (created on first use).
