@@ -279,7 +279,7 @@ impl Engine {
                     num_new_tokens: r.num_new_tokens,
                     expect: RowExpectation {
                         samples: req.num_computed_tokens + r.num_new_tokens == req.num_tokens(),
-                        max_tokens: 1,
+                        max_returned_tokens: 1,
                         num_logprobs: req.params.logprobs.map_or(-1, |k| k as i32),
                     },
                 }

@@ -26,10 +26,11 @@ pub struct ForwardOutputRef<'a> {
 /// What the engine needs to know about one row of the pending plan to check the output.
 #[derive(Copy, Clone, Debug)]
 pub struct RowExpectation {
-    /// Tokens the row must return: 0 for a mid-prefill chunk (anything up to `max` is
-    /// ignored), else between 1 and `max`.
+    /// Whether the row samples: then it must return 1..=`max_returned_tokens` tokens; a
+    /// mid-prefill chunk may return up to that many, which are ignored.
     pub samples: bool,
-    pub max_tokens: u32,
+    /// 1 + drafts being verified in the row.
+    pub max_returned_tokens: u32,
     /// -1: no logprobs wanted; k >= 0: logprobs and k top entries wanted.
     pub num_logprobs: i32,
 }
@@ -68,8 +69,8 @@ impl<'a> ForwardOutputRef<'a> {
         }
         for (i, row) in rows.iter().enumerate() {
             let count = indptr[i + 1] - indptr[i];
-            if count > row.max_tokens || (row.samples && count == 0) {
-                let want = if row.samples { format!("1..={}", row.max_tokens) } else { format!("0..={}", row.max_tokens) };
+            if count > row.max_returned_tokens || (row.samples && count == 0) {
+                let want = if row.samples { format!("1..={}", row.max_returned_tokens) } else { format!("0..={}", row.max_returned_tokens) };
                 return Err(CoreError::invalid(format!(
                     "ForwardOutput.token_indptr: row {i} returned {count} tokens, expected {want}"
                 )));

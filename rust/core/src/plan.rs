@@ -187,9 +187,9 @@ impl BatchPlan {
         plan.positions.reserve(t);
         plan.num_draft_tokens.resize(s, 0);
         plan.sampling.reserve(s);
-        for (g, gp) in plan.groups.iter_mut().enumerate() {
+        // kv_indices grows as rows are added; a recycled plan already has the capacity.
+        for gp in &mut plan.groups {
             gp.kv_indptr.reserve(s + 1);
-            gp.kv_indices.reserve(Self::num_listed_pages(rows, requests, kv, g));
             gp.kv_last_page_len.reserve(s);
             gp.slot_mapping.reserve(t);
         }
@@ -232,17 +232,6 @@ impl BatchPlan {
             }
         }
         plan
-    }
-
-    /// Exact length of group `g`'s `kv_indices`, so the array is allocated once.
-    fn num_listed_pages(rows: &[ScheduledRow], requests: &[Option<Request>], kv: &KvCacheManager, g: usize) -> usize {
-        rows.iter()
-            .map(|row| {
-                let req = requests[row.req].as_ref().expect("scheduled request exists");
-                let start = req.num_computed_tokens;
-                kv.listed_pages(req, g, start, start + row.num_new_tokens).1.len()
-            })
-            .sum()
     }
 
     fn push_sampling(&mut self, req: &Request) {

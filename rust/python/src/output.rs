@@ -1,6 +1,7 @@
 //! `ForwardOutput` (runner → engine) and `RequestOutput` (engine → caller).
 
-use numpy::{Element, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::ndarray::{Dimension, Ix1, Ix2};
+use numpy::{Element, PyArray, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -40,7 +41,7 @@ impl ForwardOutput {
     }
 }
 
-/// How `obj` differs from a C-contiguous numpy array of `dtype` with `ndim` dimensions.
+/// What `obj` is, for error messages.
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     match obj.cast::<PyUntypedArray>() {
         Ok(a) => format!("a numpy array of dtype {} and shape {:?}", a.dtype(), a.shape()),
@@ -48,20 +49,16 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
-fn array1<'py, T: Element>(obj: &Bound<'py, PyAny>, field: &str, dtype: &str) -> PyResult<PyReadonlyArray1<'py, T>> {
-    let array = obj.cast::<PyArray1<T>>().map_err(|_| {
-        PyValueError::new_err(format!("ForwardOutput.{field} must be a 1-D numpy array of dtype {dtype}, got {}", describe(obj)))
-    })?;
-    let ro = array.try_readonly().map_err(|e| PyValueError::new_err(format!("ForwardOutput.{field}: {e}")))?;
-    if !ro.is_c_contiguous() {
-        return Err(PyValueError::new_err(format!("ForwardOutput.{field} must be C-contiguous")));
-    }
-    Ok(ro)
-}
-
-fn array2<'py, T: Element>(obj: &Bound<'py, PyAny>, field: &str, dtype: &str) -> PyResult<PyReadonlyArray2<'py, T>> {
-    let array = obj.cast::<PyArray2<T>>().map_err(|_| {
-        PyValueError::new_err(format!("ForwardOutput.{field} must be a 2-D numpy array of dtype {dtype}, got {}", describe(obj)))
+/// `obj` as a read-only, C-contiguous numpy array of element `T` and dimension `D`, or a
+/// ValueError naming `ForwardOutput.{field}` and saying what was given instead.
+fn checked_array<'py, T: Element, D: Dimension>(
+    obj: &Bound<'py, PyAny>,
+    field: &str,
+    dtype: &str,
+) -> PyResult<PyReadonlyArray<'py, T, D>> {
+    let ndim = D::NDIM.unwrap_or(0);
+    let array = obj.cast::<PyArray<T, D>>().map_err(|_| {
+        PyValueError::new_err(format!("ForwardOutput.{field} must be a {ndim}-D numpy array of dtype {dtype}, got {}", describe(obj)))
     })?;
     let ro = array.try_readonly().map_err(|e| PyValueError::new_err(format!("ForwardOutput.{field}: {e}")))?;
     if !ro.is_c_contiguous() {
@@ -86,8 +83,8 @@ impl<'py> BorrowedOutput<'py> {
             PyValueError::new_err(format!("runner.forward must return a resin.ForwardOutput, got {}", describe(out)))
         })?;
         let o = out.get();
-        let top_ids = o.top_logprob_ids.as_ref().map(|a| array2::<u32>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
-        let top_logprobs = o.top_logprobs.as_ref().map(|a| array2::<f32>(a.bind(py), "top_logprobs", "float32")).transpose()?;
+        let top_ids = o.top_logprob_ids.as_ref().map(|a| checked_array::<u32, Ix2>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
+        let top_logprobs = o.top_logprobs.as_ref().map(|a| checked_array::<f32, Ix2>(a.bind(py), "top_logprobs", "float32")).transpose()?;
         if let (Some(ids), Some(lps)) = (&top_ids, &top_logprobs) {
             if ids.shape() != lps.shape() {
                 return Err(PyValueError::new_err(format!(
@@ -98,9 +95,9 @@ impl<'py> BorrowedOutput<'py> {
             }
         }
         Ok(BorrowedOutput {
-            token_ids: array1(o.token_ids.bind(py), "token_ids", "uint32")?,
-            token_indptr: array1(o.token_indptr.bind(py), "token_indptr", "uint32")?,
-            logprobs: o.logprobs.as_ref().map(|a| array1::<f32>(a.bind(py), "logprobs", "float32")).transpose()?,
+            token_ids: checked_array(o.token_ids.bind(py), "token_ids", "uint32")?,
+            token_indptr: checked_array(o.token_indptr.bind(py), "token_indptr", "uint32")?,
+            logprobs: o.logprobs.as_ref().map(|a| checked_array::<f32, Ix1>(a.bind(py), "logprobs", "float32")).transpose()?,
             top_ids,
             top_logprobs,
         })
