@@ -15,86 +15,14 @@
 use std::time::Instant;
 
 use crate::cache_manager::KvCacheManager;
+use crate::engine_config::EngineConfig;
 use crate::error::CoreError;
 use crate::kv_spec::{CacheLayout, KvCacheSpec};
 use crate::metrics::{Gauges, Metrics};
 use crate::output::{ForwardOutputRef, RequestOutput, RowExpectation};
 use crate::plan::{BatchPlan, PlanRecycler};
-pub use crate::scheduler::SchedulingPolicy;
 use crate::request::{FinishReason, Request, SamplingParams};
 use crate::scheduler::{Scheduler, SchedulerLimits};
-
-/// Engine settings. See `resin/_core.pyi` for the Python names and defaults.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineConfig {
-    /// Tokens per page.
-    pub page_size: u32,
-    /// Pages in the pool, the null page 0 included.
-    pub num_pages: u32,
-    pub max_num_seqs: u32,
-    /// Token budget of one step (chunked prefill splits prompts to fit).
-    pub max_num_batched_tokens: u32,
-    /// Longest sequence (prompt + output) in tokens.
-    pub max_model_len: u32,
-    pub enable_prefix_caching: bool,
-    pub eos_token_ids: Vec<u32>,
-    /// When known, token ids (prompts, stop ids, runner output) must be below it.
-    pub vocab_size: Option<u32>,
-    pub policy: SchedulingPolicy,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            page_size: 16,
-            num_pages: 4096,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 2048,
-            max_model_len: 4096,
-            enable_prefix_caching: true,
-            eos_token_ids: Vec::new(),
-            vocab_size: None,
-            policy: SchedulingPolicy::Fcfs,
-        }
-    }
-}
-
-impl EngineConfig {
-    /// Checks each field on its own; `Engine::new` also checks them against the layout.
-    pub fn validate(&self) -> Result<(), CoreError> {
-        let positive = [
-            ("page_size", self.page_size),
-            ("max_num_seqs", self.max_num_seqs),
-            ("max_num_batched_tokens", self.max_num_batched_tokens),
-        ];
-        for (field, value) in positive {
-            if value == 0 {
-                return Err(CoreError::invalid(format!("EngineConfig.{field} must be >= 1")));
-            }
-        }
-        if self.num_pages < 2 {
-            return Err(CoreError::invalid(format!(
-                "EngineConfig.num_pages must be >= 2 (page 0 is the reserved null page), got {}",
-                self.num_pages
-            )));
-        }
-        if self.max_model_len < 2 {
-            return Err(CoreError::invalid(format!(
-                "EngineConfig.max_model_len must be >= 2 (one prompt token and one output token), got {}",
-                self.max_model_len
-            )));
-        }
-        if let Some(vocab) = self.vocab_size {
-            if vocab == 0 {
-                return Err(CoreError::invalid("EngineConfig.vocab_size must be >= 1"));
-            }
-            if let Some(&t) = self.eos_token_ids.iter().find(|&&t| t >= vocab) {
-                return Err(CoreError::invalid(format!("EngineConfig.eos_token_ids: {t} is not below vocab_size {vocab}")));
-            }
-        }
-        Ok(())
-    }
-}
 
 #[derive(Copy, Clone, Debug)]
 struct PendingRow {
@@ -375,27 +303,11 @@ impl Engine {
         let mut num_new = 0;
         if row.expect.samples {
             for n in range {
-                let token = output.token_ids[n];
-                req.record.log.set_token(req.num_output_tokens() as usize, token);
-                req.token_ids.push(token);
-                if let Some(k) = req.params.logprobs {
-                    let mut entry = vec![(token, output.logprobs.expect("validated")[n])];
-                    let cols = output.num_top_logprobs;
-                    for j in 0..(k as usize).min(cols) {
-                        entry.push((output.top_logprob_ids.unwrap()[n * cols + j], output.top_logprobs.unwrap()[n * cols + j]));
-                    }
-                    req.record.log.push_logprobs(entry);
-                }
+                let logprobs = req.params.logprobs.map(|k| output.logprob_entry(n, k as usize));
+                finish = req.append_output(output.token_ids[n], logprobs, eos, max_model_len);
                 num_new += 1;
-                let num_output = req.num_output_tokens();
-                // As the plan's banned_token_ids: a stop token counts once min_tokens came before it.
-                if req.is_stop_token(token, eos) && num_output > req.params.min_tokens {
-                    finish = Some(FinishReason::Stop);
-                } else if num_output >= req.params.max_tokens || req.num_tokens() >= max_model_len {
-                    finish = Some(FinishReason::Length);
-                }
                 if finish.is_some() {
-                    break;
+                    break; // tokens after a stop are dropped
                 }
             }
             if self.config.enable_prefix_caching {

@@ -20,11 +20,13 @@
 //! - [`plan`]: the immutable `BatchPlan` handed to the runner;
 //! - [`output`]: `ForwardOutputRef` validation and `RequestOutput`;
 //! - [`engine`]: ties them together (`schedule`, `update`, `abort`, ...);
+//! - [`engine_config`]: the engine's settings and their checks;
 //! - [`metrics`]: counters, gauges and histograms in Prometheus text format.
 
 pub mod block_hash;
 pub mod cache_manager;
 pub mod engine;
+pub mod engine_config;
 pub mod error;
 pub mod kv_spec;
 pub mod metrics;
@@ -35,7 +37,8 @@ pub mod request;
 pub mod scheduler;
 
 pub use block_hash::BlockHash;
-pub use engine::{Engine, EngineConfig, SchedulingPolicy};
+pub use engine::Engine;
+pub use engine_config::{EngineConfig, SchedulingPolicy};
 pub use error::CoreError;
 pub use kv_spec::{CacheGroup, CacheLayout, KvCacheSpec};
 pub use output::{ForwardOutputRef, RequestOutput};

@@ -124,6 +124,19 @@ impl<'a> ForwardOutputRef<'a> {
     }
 }
 
+impl ForwardOutputRef<'_> {
+    /// Logprob entry of output token `n`: the sampled token first, then up to `k` top
+    /// entries (call only after `validate`, which checks the arrays exist and are wide enough).
+    pub fn logprob_entry(&self, n: usize, k: usize) -> Vec<(u32, f32)> {
+        let mut entry = vec![(self.token_ids[n], self.logprobs.expect("validated")[n])];
+        let cols = self.num_top_logprobs;
+        if let (Some(ids), Some(lps)) = (self.top_logprob_ids, self.top_logprobs) {
+            entry.extend((0..k.min(cols)).map(|j| (ids[n * cols + j], lps[n * cols + j])));
+        }
+        entry
+    }
+}
+
 /// A request's state after a step. `token_ids()` lists every output token so far
 /// without the engine copying them each step: the record is shared and append-only.
 #[derive(Clone, Debug)]

@@ -278,8 +278,34 @@ impl Request {
         }
     }
 
-    /// Whether sampling `token` (as the n-th output, counted after appending) stops the request.
+    /// Whether `token` is one of this request's stop tokens (EOS unless `ignore_eos`, or a
+    /// `stop_token_ids` entry).
     pub fn is_stop_token(&self, token: u32, eos_token_ids: &[u32]) -> bool {
         self.params.stop_token_ids.contains(&token) || (!self.params.ignore_eos && eos_token_ids.contains(&token))
+    }
+
+    /// Appends a sampled token (and its logprob entry, when asked for) and says whether it
+    /// finishes the request. A stop token counts once `min_tokens` outputs came before it,
+    /// the same rule as the plan's `banned_token_ids`; the stop token itself is kept.
+    pub fn append_output(
+        &mut self,
+        token: u32,
+        logprobs: Option<Vec<(u32, f32)>>,
+        eos_token_ids: &[u32],
+        max_model_len: u32,
+    ) -> Option<FinishReason> {
+        self.record.log.set_token(self.num_output_tokens() as usize, token);
+        self.token_ids.push(token);
+        if let Some(entry) = logprobs {
+            self.record.log.push_logprobs(entry);
+        }
+        let num_output = self.num_output_tokens();
+        if self.is_stop_token(token, eos_token_ids) && num_output > self.params.min_tokens {
+            Some(FinishReason::Stop)
+        } else if num_output >= self.params.max_tokens || self.num_tokens() >= max_model_len {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
     }
 }

@@ -2,7 +2,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use resin_core::{engine, request};
+use resin_core::{engine_config, request};
 
 use crate::errors::to_py;
 
@@ -165,10 +165,10 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    pub fn to_core(&self) -> PyResult<engine::EngineConfig> {
+    pub fn to_core(&self) -> PyResult<engine_config::EngineConfig> {
         let policy = match self.policy.as_str() {
-            "fcfs" => engine::SchedulingPolicy::Fcfs,
-            "priority" => engine::SchedulingPolicy::Priority,
+            "fcfs" => engine_config::SchedulingPolicy::Fcfs,
+            "priority" => engine_config::SchedulingPolicy::Priority,
             other => {
                 return Err(PyValueError::new_err(format!(
                     "EngineConfig.policy must be \"fcfs\" or \"priority\", got {other:?}"
@@ -176,7 +176,7 @@ impl EngineConfig {
             }
         };
         let field = |name: &str, v: i64| to_u32("EngineConfig", name, v);
-        let config = engine::EngineConfig {
+        let config = engine_config::EngineConfig {
             page_size: field("page_size", self.page_size)?,
             num_pages: field("num_pages", self.num_pages)?,
             max_num_seqs: field("max_num_seqs", self.max_num_seqs)?,

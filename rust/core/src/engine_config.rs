@@ -1,0 +1,77 @@
+//! `EngineConfig`: the engine's settings, each checked on its own (`Engine::new` also
+//! checks them against the cache layout).
+
+use crate::error::CoreError;
+pub use crate::scheduler::SchedulingPolicy;
+
+/// Engine settings. See `resin/_core.pyi` for the Python names and defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Pages in the pool, the null page 0 included.
+    pub num_pages: u32,
+    pub max_num_seqs: u32,
+    /// Token budget of one step (chunked prefill splits prompts to fit).
+    pub max_num_batched_tokens: u32,
+    /// Longest sequence (prompt + output) in tokens.
+    pub max_model_len: u32,
+    pub enable_prefix_caching: bool,
+    pub eos_token_ids: Vec<u32>,
+    /// When known, token ids (prompts, stop ids, runner output) must be below it.
+    pub vocab_size: Option<u32>,
+    pub policy: SchedulingPolicy,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            page_size: 16,
+            num_pages: 4096,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 4096,
+            enable_prefix_caching: true,
+            eos_token_ids: Vec::new(),
+            vocab_size: None,
+            policy: SchedulingPolicy::Fcfs,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks each field on its own; `Engine::new` also checks them against the layout.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let positive = [
+            ("page_size", self.page_size),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err(CoreError::invalid(format!("EngineConfig.{field} must be >= 1")));
+            }
+        }
+        if self.num_pages < 2 {
+            return Err(CoreError::invalid(format!(
+                "EngineConfig.num_pages must be >= 2 (page 0 is the reserved null page), got {}",
+                self.num_pages
+            )));
+        }
+        if self.max_model_len < 2 {
+            return Err(CoreError::invalid(format!(
+                "EngineConfig.max_model_len must be >= 2 (one prompt token and one output token), got {}",
+                self.max_model_len
+            )));
+        }
+        if let Some(vocab) = self.vocab_size {
+            if vocab == 0 {
+                return Err(CoreError::invalid("EngineConfig.vocab_size must be >= 1"));
+            }
+            if let Some(&t) = self.eos_token_ids.iter().find(|&&t| t >= vocab) {
+                return Err(CoreError::invalid(format!("EngineConfig.eos_token_ids: {t} is not below vocab_size {vocab}")));
+            }
+        }
+        Ok(())
+    }
+}
