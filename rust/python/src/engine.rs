@@ -39,8 +39,19 @@ impl Engine {
         py.detach(|| f(&mut self.lock()))
     }
 
+    /// One Python object per output. They hold no Python references, so they can never be
+    /// part of a reference cycle: untracking them keeps the cyclic GC from scanning (and
+    /// promoting) the thousand objects a large step makes, as CPython does for tuples of atoms.
     fn wrap_outputs(py: Python<'_>, outputs: Vec<resin_core::RequestOutput>) -> PyResult<Vec<Py<RequestOutput>>> {
-        outputs.into_iter().map(|out| Py::new(py, RequestOutput { out })).collect()
+        outputs
+            .into_iter()
+            .map(|out| {
+                let obj = Py::new(py, RequestOutput { out })?;
+                // SAFETY: a live object we own; untracking is always allowed (dealloc untracks again, a no-op).
+                unsafe { pyo3::ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) };
+                Ok(obj)
+            })
+            .collect()
     }
 
     /// Checks `output` for `plan` and commits it. Leaves the plan pending on error.
