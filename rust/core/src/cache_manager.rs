@@ -7,6 +7,7 @@
 //! returns those pages to the pool. The scheduler asks this manager for pages; nothing
 //! else touches the pool.
 
+use crate::error::CoreError;
 use crate::kv_spec::{CacheLayout, KvCacheSpec};
 use crate::page_pool::{PageId, PagePool, NULL_PAGE};
 use crate::request::Request;
@@ -36,8 +37,9 @@ fn first_needed_position(spec: &KvCacheSpec, num_computed: u32) -> u32 {
 }
 
 impl KvCacheManager {
-    pub fn new(layout: CacheLayout, enable_prefix_caching: bool) -> Self {
-        KvCacheManager { pool: PagePool::new(layout.num_pages, layout.groups.len()), layout, enable_prefix_caching }
+    pub fn new(layout: CacheLayout, enable_prefix_caching: bool) -> Result<Self, CoreError> {
+        let pool = PagePool::new(layout.num_pages, layout.groups.len())?;
+        Ok(KvCacheManager { pool, layout, enable_prefix_caching })
     }
 
     pub fn page_size(&self) -> u32 {

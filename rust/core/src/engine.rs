@@ -77,7 +77,7 @@ impl Engine {
             max_num_batched_tokens: config.max_num_batched_tokens,
             policy: config.policy,
         };
-        let kv = KvCacheManager::new(layout, config.enable_prefix_caching);
+        let kv = KvCacheManager::new(layout, config.enable_prefix_caching)?;
         Ok(Engine {
             sched: Scheduler::new(limits, kv),
             config,

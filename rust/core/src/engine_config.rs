@@ -4,6 +4,11 @@
 use crate::error::CoreError;
 pub use crate::scheduler::SchedulingPolicy;
 
+/// Most pages a pool may have: far above any device's cache today (141 GB in 16-token
+/// pages of 1 KB per token is ~9M pages), low enough that the pool's host bookkeeping
+/// (~50 bytes a page) cannot exhaust the host.
+pub const MAX_NUM_PAGES: u32 = 1 << 27;
+
 /// Engine settings. See `resin/_core.pyi` for the Python names and defaults.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
@@ -55,6 +60,12 @@ impl EngineConfig {
         if self.num_pages < 2 {
             return Err(CoreError::invalid(format!(
                 "EngineConfig.num_pages must be >= 2 (page 0 is the reserved null page), got {}",
+                self.num_pages
+            )));
+        }
+        if self.num_pages > MAX_NUM_PAGES {
+            return Err(CoreError::invalid(format!(
+                "EngineConfig.num_pages must be <= {MAX_NUM_PAGES} (2**27: ~7 GB of host bookkeeping), got {}",
                 self.num_pages
             )));
         }

@@ -42,9 +42,12 @@ impl KvCacheSpec {
         let full = max_model_len.div_ceil(page_size);
         match self {
             KvCacheSpec::Full { .. } => full,
-            // The window behind the first new token plus the largest chunk, on unaligned pages.
+            // The window behind the first new token plus the largest chunk, on unaligned
+            // pages (in u64: window + budget can pass u32::MAX).
             KvCacheSpec::SlidingWindow { window, .. } => {
-                full.min((window - 1 + max_num_batched_tokens).div_ceil(page_size) + 1)
+                let tokens = u64::from(*window) - 1 + u64::from(max_num_batched_tokens);
+                let pages = tokens.div_ceil(u64::from(page_size)) + 1;
+                full.min(u32::try_from(pages).unwrap_or(u32::MAX))
             }
             KvCacheSpec::Recurrent { .. } => 1,
         }
@@ -143,5 +146,8 @@ mod tests {
         // (8 - 1 + 4) / 4 rounded up = 3, + 1 for an unaligned window start.
         assert_eq!(swa.max_pages_per_request(1000, 4, 4), 4);
         assert_eq!(swa.max_pages_per_request(8, 4, 4), 2);
+        // window + budget past u32::MAX must not wrap to a small bound.
+        let wide = KvCacheSpec::SlidingWindow { window: 4096, bytes_per_token: 1 };
+        assert_eq!(wide.max_pages_per_request(8192, u32::MAX, 16), 512);
     }
 }

@@ -77,11 +77,13 @@ impl<'a> ForwardOutputRef<'a> {
             }
         }
         if let Some(vocab) = vocab_size {
-            if let Some(pos) = self.token_ids.iter().position(|&t| t >= vocab) {
-                return Err(CoreError::invalid(format!(
-                    "ForwardOutput.token_ids[{pos}] = {} is out of vocabulary range [0, {vocab})",
-                    self.token_ids[pos]
-                )));
+            for (field, ids) in [("token_ids", Some(self.token_ids)), ("top_logprob_ids", self.top_logprob_ids)] {
+                if let Some(pos) = ids.and_then(|ids| ids.iter().position(|&t| t >= vocab)) {
+                    return Err(CoreError::invalid(format!(
+                        "ForwardOutput.{field}[{pos}] = {} is out of vocabulary range [0, {vocab})",
+                        ids.unwrap()[pos]
+                    )));
+                }
             }
         }
         if let Some(lp) = self.logprobs {

@@ -15,7 +15,10 @@
 
 use std::collections::HashMap;
 
+use std::collections::TryReserveError;
+
 use crate::block_hash::{BlockHash, BlockHashBuilder};
+use crate::error::CoreError;
 
 /// A page id: an index into the runner's cache buffers.
 pub type PageId = u32;
@@ -45,24 +48,31 @@ pub struct PagePool {
 
 impl PagePool {
     /// A pool of `num_pages` pages (page 0 included) serving `num_groups` cache groups.
-    /// The free queue starts as `1, 2, ..., num_pages - 1`.
-    pub fn new(num_pages: u32, num_groups: usize) -> Self {
+    /// The free queue starts as `1, 2, ..., num_pages - 1`. Fails (instead of aborting the
+    /// process) when the host cannot hold the pool's bookkeeping.
+    pub fn new(num_pages: u32, num_groups: usize) -> Result<Self, CoreError> {
         let n = num_pages as usize;
+        let too_big = |_| {
+            CoreError::invalid(format!("num_pages = {num_pages}: not enough host memory for the page pool's bookkeeping"))
+        };
+        let hashes = filled(n, None).map_err(too_big)?; // the largest: fail before filling the rest
         let mut pool = PagePool {
-            ref_counts: vec![0; n],
-            hashes: vec![None; n],
-            prev: vec![NO_LINK; n],
-            next: vec![NO_LINK; n],
-            in_free_queue: vec![false; n],
+            ref_counts: filled(n, 0).map_err(too_big)?,
+            hashes,
+            prev: filled(n, NO_LINK).map_err(too_big)?,
+            next: filled(n, NO_LINK).map_err(too_big)?,
+            in_free_queue: filled(n, false).map_err(too_big)?,
             head: NO_LINK,
             tail: NO_LINK,
             num_in_free_queue: 0,
-            cached: (0..num_groups).map(|_| HashMap::with_capacity_and_hasher(n, Default::default())).collect(),
+            // Grows with the cache; a modest start avoids early rehashing without
+            // reserving the whole pool once per group.
+            cached: (0..num_groups).map(|_| HashMap::with_capacity_and_hasher(n.min(1 << 16), Default::default())).collect(),
         };
         for page in 1..num_pages {
             pool.push_back(page);
         }
-        pool
+        Ok(pool)
     }
 
     pub fn num_pages(&self) -> u32 {
@@ -283,4 +293,12 @@ impl PagePool {
         self.in_free_queue[i] = false;
         self.num_in_free_queue -= 1;
     }
+}
+
+/// `vec![value; n]`, but an allocation failure is an error rather than an abort.
+fn filled<T: Clone>(n: usize, value: T) -> Result<Vec<T>, TryReserveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)?;
+    v.resize(n, value);
+    Ok(v)
 }

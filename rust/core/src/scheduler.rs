@@ -62,8 +62,11 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(limits: SchedulerLimits, kv: KvCacheManager) -> Self {
+        // Every running request holds at least one page, so no more than num_pages - 1 run
+        // at once whatever max_num_seqs says: that bounds the slot table.
+        let num_slots = limits.max_num_seqs.min(kv.pool.num_pages() - 1);
         Scheduler {
-            free_slots: (0..limits.max_num_seqs).rev().collect(),
+            free_slots: (0..num_slots).rev().collect(),
             limits,
             kv,
             requests: Vec::new(),
@@ -214,8 +217,10 @@ impl Scheduler {
             if !req.prefix_queried {
                 req.prefix_queried = true;
                 req.num_cached_tokens = num_hit;
-                metrics.prefix_cache_queries_tokens += u64::from(req.num_tokens());
-                metrics.prefix_cache_hits_tokens += u64::from(num_hit);
+                if self.kv.enable_prefix_caching {
+                    metrics.prefix_cache_queries_tokens += u64::from(req.num_tokens());
+                    metrics.prefix_cache_hits_tokens += u64::from(num_hit);
+                }
             }
             if req.first_scheduled_time.is_none() {
                 req.first_scheduled_time = Some(now);
@@ -292,9 +297,8 @@ impl Scheduler {
         }
         slots_in_use.sort_unstable();
         slots_in_use.dedup();
-        if slots_in_use.len() != self.running.len()
-            || slots_in_use.len() + self.free_slots.len() != self.limits.max_num_seqs as usize
-        {
+        let num_slots = self.limits.max_num_seqs.min(self.kv.pool.num_pages() - 1) as usize;
+        if slots_in_use.len() != self.running.len() || slots_in_use.len() + self.free_slots.len() != num_slots {
             return Err("runner slots are shared or lost".into());
         }
         Ok(())

@@ -9,7 +9,7 @@ fn h(n: u32) -> BlockHash {
 
 #[test]
 fn fresh_pool_hands_out_pages_in_order_and_never_page_zero() {
-    let mut pool = PagePool::new(5, 1);
+    let mut pool = PagePool::new(5, 1).unwrap();
     assert_eq!(pool.free_queue(), vec![1, 2, 3, 4]);
     assert_eq!(pool.num_free_pages(), 4);
     let got: Vec<u32> = (0..4).map(|_| pool.allocate().unwrap()).collect();
@@ -21,7 +21,7 @@ fn fresh_pool_hands_out_pages_in_order_and_never_page_zero() {
 
 #[test]
 fn unhashed_pages_go_to_the_front_cached_pages_to_the_back() {
-    let mut pool = PagePool::new(8, 1);
+    let mut pool = PagePool::new(8, 1).unwrap();
     let (a, b, c) = (pool.allocate().unwrap(), pool.allocate().unwrap(), pool.allocate().unwrap());
     assert_eq!((a, b, c), (1, 2, 3));
     assert!(pool.cache_page(a, 0, h(1)));
@@ -39,7 +39,7 @@ fn unhashed_pages_go_to_the_front_cached_pages_to_the_back() {
 
 #[test]
 fn allocating_a_cached_page_evicts_its_hash() {
-    let mut pool = PagePool::new(3, 1);
+    let mut pool = PagePool::new(3, 1).unwrap();
     let a = pool.allocate().unwrap();
     pool.cache_page(a, 0, h(9));
     pool.release(a);
@@ -53,7 +53,7 @@ fn allocating_a_cached_page_evicts_its_hash() {
 
 #[test]
 fn touch_revives_an_idle_cached_page_and_counts_owners() {
-    let mut pool = PagePool::new(4, 1);
+    let mut pool = PagePool::new(4, 1).unwrap();
     let a = pool.allocate().unwrap();
     pool.cache_page(a, 0, h(1));
     pool.release(a);
@@ -71,7 +71,7 @@ fn touch_revives_an_idle_cached_page_and_counts_owners() {
 
 #[test]
 fn duplicate_hash_keeps_the_first_page_and_groups_are_separate() {
-    let mut pool = PagePool::new(5, 2);
+    let mut pool = PagePool::new(5, 2).unwrap();
     let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
     assert!(pool.cache_page(a, 0, h(1)));
     assert!(!pool.cache_page(b, 0, h(1)), "second page with the same hash stays unhashed");

@@ -9,11 +9,12 @@ use std::sync::{Mutex, MutexGuard};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
 use resin_core::{engine as core, KvCacheSpec};
 
 use crate::cache::{CacheLayout, LayerCacheSpec};
 use crate::errors::to_py;
-use crate::output::{BorrowedOutput, RequestOutput};
+use crate::output::{CopiedOutput, RequestOutput};
 use crate::params::{EngineConfig, SamplingParams};
 use crate::plan::BatchPlan;
 
@@ -56,8 +57,8 @@ impl Engine {
 
     /// Checks `output` for `plan` and commits it. Leaves the plan pending on error.
     fn update_inner(&self, py: Python<'_>, step: u64, output: &Bound<'_, PyAny>) -> PyResult<Vec<Py<RequestOutput>>> {
-        let borrowed = BorrowedOutput::new(output)?;
-        let view = borrowed.as_ref();
+        let copied = CopiedOutput::new(output)?;
+        let view = copied.as_ref();
         let outputs = self.with_core(py, |e| e.update(step, &view)).map_err(to_py)?;
         Self::wrap_outputs(py, outputs)
     }
@@ -158,9 +159,22 @@ impl Engine {
         if result.is_err() {
             // Forward raised or returned a bad output: nothing was committed, so dropping
             // the plan leaves the engine as it was and the next step plans the work again.
-            self.with_core(py, |e| e.discard_plan());
+            // Only this step's plan: another thread may have replaced it meanwhile.
+            self.with_core(py, |e| {
+                if e.pending_step() == Some(step) {
+                    e.discard_plan();
+                }
+            });
         }
         result
+    }
+
+    /// The engine holds the runner, and runners often hold their engine: let the cycle
+    /// collector see the references so such a pair is freed.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.runner)?;
+        visit.call(&self.config)?;
+        visit.call(&self.layout)
     }
 
     fn has_unfinished(&self, py: Python<'_>) -> bool {

@@ -1,7 +1,7 @@
 //! `ForwardOutput` (runner → engine) and `RequestOutput` (engine → caller).
 
 use numpy::ndarray::{Dimension, Ix1, Ix2};
-use numpy::{Element, PyArray, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{Element, PyArray, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -49,69 +49,75 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
-/// `obj` as a read-only, C-contiguous numpy array of element `T` and dimension `D`, or a
-/// ValueError naming `ForwardOutput.{field}` and saying what was given instead.
-fn checked_array<'py, T: Element, D: Dimension>(
-    obj: &Bound<'py, PyAny>,
-    field: &str,
-    dtype: &str,
-) -> PyResult<PyReadonlyArray<'py, T, D>> {
+/// The elements and shape of `obj`, a numpy array of element `T` and dimension `D`, copied
+/// out while the GIL is held; or a ValueError naming `ForwardOutput.{field}` and saying what
+/// was given instead. Copying (a few KB per step) is what lets the engine validate and
+/// commit with the GIL released: another Python thread may write to the runner's arrays
+/// meanwhile, and the engine must commit exactly what it validated.
+fn copied_array<T: Element + Copy, D: Dimension>(obj: &Bound<'_, PyAny>, field: &str, dtype: &str) -> PyResult<(Vec<T>, Vec<usize>)> {
     let ndim = D::NDIM.unwrap_or(0);
     let array = obj.cast::<PyArray<T, D>>().map_err(|_| {
         PyValueError::new_err(format!("ForwardOutput.{field} must be a {ndim}-D numpy array of dtype {dtype}, got {}", describe(obj)))
     })?;
     let ro = array.try_readonly().map_err(|e| PyValueError::new_err(format!("ForwardOutput.{field}: {e}")))?;
-    if !ro.is_c_contiguous() {
-        return Err(PyValueError::new_err(format!("ForwardOutput.{field} must be C-contiguous")));
-    }
-    Ok(ro)
+    let data = ro
+        .as_slice()
+        .map_err(|_| PyValueError::new_err(format!("ForwardOutput.{field} must be C-contiguous and aligned (use np.ascontiguousarray)")))?
+        .to_vec();
+    Ok((data, ro.shape().to_vec()))
 }
 
-/// Read-only borrows of a `ForwardOutput`'s arrays, checked for dtype and layout.
-pub struct BorrowedOutput<'py> {
-    token_ids: PyReadonlyArray1<'py, u32>,
-    token_indptr: PyReadonlyArray1<'py, u32>,
-    logprobs: Option<PyReadonlyArray1<'py, f32>>,
-    top_ids: Option<PyReadonlyArray2<'py, u32>>,
-    top_logprobs: Option<PyReadonlyArray2<'py, f32>>,
+/// A `ForwardOutput`'s arrays, checked for dtype and layout and copied out of numpy.
+pub struct CopiedOutput {
+    token_ids: Vec<u32>,
+    token_indptr: Vec<u32>,
+    logprobs: Option<Vec<f32>>,
+    /// (top_logprob_ids, top_logprobs, k) with both arrays [N, k].
+    top: Option<(Vec<u32>, Vec<f32>, usize)>,
 }
 
-impl<'py> BorrowedOutput<'py> {
-    pub fn new(out: &Bound<'py, PyAny>) -> PyResult<Self> {
+impl CopiedOutput {
+    pub fn new(out: &Bound<'_, PyAny>) -> PyResult<Self> {
         let py = out.py();
         let out = out.cast::<ForwardOutput>().map_err(|_| {
             PyValueError::new_err(format!("runner.forward must return a resin.ForwardOutput, got {}", describe(out)))
         })?;
         let o = out.get();
-        let top_ids = o.top_logprob_ids.as_ref().map(|a| checked_array::<u32, Ix2>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
-        let top_logprobs = o.top_logprobs.as_ref().map(|a| checked_array::<f32, Ix2>(a.bind(py), "top_logprobs", "float32")).transpose()?;
-        if let (Some(ids), Some(lps)) = (&top_ids, &top_logprobs) {
-            if ids.shape() != lps.shape() {
-                return Err(PyValueError::new_err(format!(
-                    "ForwardOutput.top_logprob_ids has shape {:?} but top_logprobs has shape {:?}",
-                    ids.shape(),
-                    lps.shape()
-                )));
+        let top_ids = o.top_logprob_ids.as_ref().map(|a| copied_array::<u32, Ix2>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
+        let top_lps = o.top_logprobs.as_ref().map(|a| copied_array::<f32, Ix2>(a.bind(py), "top_logprobs", "float32")).transpose()?;
+        let top = match (top_ids, top_lps) {
+            (Some((ids, ids_shape)), Some((lps, lps_shape))) => {
+                if ids_shape != lps_shape {
+                    return Err(PyValueError::new_err(format!(
+                        "ForwardOutput.top_logprob_ids has shape {ids_shape:?} but top_logprobs has shape {lps_shape:?}"
+                    )));
+                }
+                Some((ids, lps, ids_shape[1]))
             }
-        }
-        Ok(BorrowedOutput {
-            token_ids: checked_array(o.token_ids.bind(py), "token_ids", "uint32")?,
-            token_indptr: checked_array(o.token_indptr.bind(py), "token_indptr", "uint32")?,
-            logprobs: o.logprobs.as_ref().map(|a| checked_array::<f32, Ix1>(a.bind(py), "logprobs", "float32")).transpose()?,
-            top_ids,
-            top_logprobs,
+            (None, None) => None,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "ForwardOutput.top_logprob_ids and ForwardOutput.top_logprobs must be given together",
+                ))
+            }
+        };
+        Ok(CopiedOutput {
+            token_ids: copied_array::<u32, Ix1>(o.token_ids.bind(py), "token_ids", "uint32")?.0,
+            token_indptr: copied_array::<u32, Ix1>(o.token_indptr.bind(py), "token_indptr", "uint32")?.0,
+            logprobs: o.logprobs.as_ref().map(|a| copied_array::<f32, Ix1>(a.bind(py), "logprobs", "float32")).transpose()?.map(|a| a.0),
+            top,
         })
     }
 
-    /// The core's view; slices stay valid while `self` lives.
+    /// The core's view of the copies.
     pub fn as_ref(&self) -> core::ForwardOutputRef<'_> {
         core::ForwardOutputRef {
-            token_ids: self.token_ids.as_slice().expect("contiguous"),
-            token_indptr: self.token_indptr.as_slice().expect("contiguous"),
-            logprobs: self.logprobs.as_ref().map(|a| a.as_slice().expect("contiguous")),
-            top_logprob_ids: self.top_ids.as_ref().map(|a| a.as_slice().expect("contiguous")),
-            top_logprobs: self.top_logprobs.as_ref().map(|a| a.as_slice().expect("contiguous")),
-            num_top_logprobs: self.top_ids.as_ref().map_or(0, |a| a.shape()[1]),
+            token_ids: &self.token_ids,
+            token_indptr: &self.token_indptr,
+            logprobs: self.logprobs.as_deref(),
+            top_logprob_ids: self.top.as_ref().map(|t| t.0.as_slice()),
+            top_logprobs: self.top.as_ref().map(|t| t.1.as_slice()),
+            num_top_logprobs: self.top.as_ref().map_or(0, |t| t.2),
         }
     }
 }
