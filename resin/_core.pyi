@@ -244,7 +244,8 @@ class BatchPlan:
     @property
     def block_table(self) -> tuple[npt.NDArray[np.uint32], ...]:
         """Per cache group: uint32[S, max_pages], column j = page holding positions
-        [j*page_size, (j+1)*page_size); 0 (the null page) before the window and past the end."""
+        [j*page_size, (j+1)*page_size); 0 (the null page) before the window and past the end.
+        Derived from kv_indices on first access (the one plan array that is a new array)."""
     @property
     def new_request_slots(self) -> npt.NDArray[np.uint32]:
         """uint32[n]: slots that start serving a request with this plan (reset their state;
