@@ -1,0 +1,41 @@
+"""Typed reads from a parsed ``config.json`` dict, and :class:`ConfigError`.
+
+Owns the one error type of :mod:`resin.loading` and the field readers that raise it with the
+field's name, so every message says which key is missing or malformed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A checkpoint config Resin cannot load; the message names what is wrong."""
+
+
+def read_field(raw: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
+               default: Any = ..., where: str = "config") -> Any:
+    """``raw[name]`` checked against ``kind``; ``default`` when absent (... = required)."""
+    if name not in raw:
+        if default is ...:
+            raise ConfigError(f"{where}: missing required field {name!r}")
+        return default
+    value = raw[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if value is None and type(None) in kinds:
+        return None
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(f"{where}: field {name!r} must be {expected}, got {value!r}")
+    return value
+
+
+def read_positive(raw: Mapping[str, Any], name: str, default: Any = ...) -> int:
+    """A strictly positive int field (a count or a size)."""
+    value: int = read_field(raw, name, int, default)
+    if value <= 0:
+        raise ConfigError(f"config: field {name!r} must be positive, got {value}")
+    return value

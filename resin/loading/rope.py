@@ -1,0 +1,198 @@
+"""Rotary position embeddings: :class:`RopeConfig` parsed from either config spelling, and
+:func:`rope_inv_freq`, the inverse frequencies of transformers' RoPE init functions.
+
+Owns the RoPE semantics of ``transformers/modeling_rope_utils.py`` (``ROPE_INIT_FUNCTIONS``,
+``RotaryEmbeddingConfigMixin.standardize_rope_params``) for the rope types Resin supports:
+``default``, ``linear``, ``llama3`` and ``yarn``. numpy only; computed in float64.
+Both spellings — top-level ``rope_theta`` + ``rope_scaling`` (legacy key ``type`` allowed)
+and transformers 5's ``rope_parameters`` — normalise to the same :class:`RopeConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from resin.loading.fields import ConfigError, read_field
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised: fields a rope type does not use are None.
+
+    ``theta`` is the base wavelength; ``factor`` the context-extension factor (linear, llama3,
+    yarn); ``original_max_position_embeddings`` the pretraining length in tokens (llama3,
+    yarn); ``low_freq_factor``/``high_freq_factor`` llama3's band edges; ``beta_fast``/
+    ``beta_slow`` yarn's ramp bounds in rotations; ``attention_factor`` yarn's explicit cos/sin
+    scale (None = derived from ``factor``, ``mscale``, ``mscale_all_dim``); ``truncate`` yarn's
+    floor/ceil of the correction range; ``partial_rotary_factor`` the rotated fraction of a head.
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None
+    partial_rotary_factor: float = 1.0
+
+
+def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
+                      max_position_embeddings: int) -> RopeConfig:
+    """The RoPE of a whole config dict ``raw``; ``default_theta`` is the architecture's
+    ``RotaryEmbeddingConfigMixin.default_theta``, used when no ``rope_theta`` is given."""
+    # transformers' convert_rope_params_to_dict + standardize_rope_params: the legacy
+    # `rope_scaling` dict wins over `rope_parameters`; top-level `rope_theta` and
+    # `partial_rotary_factor` fill in keys the dict lacks; `rope_type` wins over legacy `type`.
+    where = "rope parameters"
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{where}: expected a dict, got {params!r}")
+    if any(key in _LAYER_TYPE_KEYS for key in params):
+        raise ConfigError(f"{where}: per-layer-type rope parameters are not supported for this "
+                          f"architecture (keys {sorted(params)})")
+    params = dict(params)
+    params.setdefault("rope_theta", read_field(raw, "rope_theta", float, default_theta))
+    if "partial_rotary_factor" in raw:
+        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(_unsupported_rope(rope_type))
+    theta = read_field(params, "rope_theta", float, where=where)
+    if theta is None or theta <= 1.0:
+        raise ConfigError(f"{where}: field 'rope_theta' must be > 1, got {theta!r}")
+    partial = read_field(params, "partial_rotary_factor", (float, type(None)), None, where) or 1.0
+    if partial != 1.0:
+        # The supported modeling files rotate the whole head; HF would fail on a partial rotary.
+        raise ConfigError(f"{where}: partial_rotary_factor {partial} is not supported for this "
+                          "architecture (it rotates the whole head)")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig("linear", theta, factor=read_field(params, "factor", float, where=where))
+    # llama3 / yarn read the pretraining length; a top-level original_max_position_embeddings
+    # overrides the dict's (standardize_rope_params, re-run inside each init function).
+    orig_len = read_field(params, "original_max_position_embeddings", int,
+                          max_position_embeddings, where)
+    orig_len = read_field(raw, "original_max_position_embeddings", int, orig_len)
+    if rope_type == "llama3":
+        return RopeConfig(
+            "llama3", theta, factor=read_field(params, "factor", float, where=where),
+            original_max_position_embeddings=orig_len,
+            low_freq_factor=read_field(params, "low_freq_factor", float, where=where),
+            high_freq_factor=read_field(params, "high_freq_factor", float, where=where))
+    factor = read_field(params, "factor", (float, type(None)), None, where)
+    if factor is None:  # DeepSeek-V3 style: the extension ratio is implied by the lengths
+        factor = max_position_embeddings / orig_len
+    optional = {name: read_field(params, name, (float, type(None)), None, where)
+                for name in ("attention_factor", "beta_fast", "beta_slow", "mscale",
+                             "mscale_all_dim")}
+    return RopeConfig(
+        "yarn", theta, factor=factor, original_max_position_embeddings=orig_len,
+        beta_fast=optional["beta_fast"] or 32.0, beta_slow=optional["beta_slow"] or 1.0,
+        attention_factor=optional["attention_factor"], mscale=optional["mscale"],
+        mscale_all_dim=optional["mscale_all_dim"],
+        truncate=read_field(params, "truncate", bool, True, where))
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies and the cos/sin scale, as transformers' RoPE init functions.
+
+    Returns ``(inv_freq, attention_scaling)``: ``inv_freq`` is float64, shape
+    ``[int(head_dim * partial_rotary_factor) // 2]`` (radians per token); multiply positions
+    by it, take cos/sin, and scale both by ``attention_scaling``. transformers computes the
+    same formulas in float32; casting this array to float32 agrees with it to within a few
+    ulps, so a runner should cast once and then do what HF does.
+    """
+    if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(_unsupported_rope(rope.rope_type))
+    dim = int(head_dim * rope.partial_rotary_factor)
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    factor = float(_need(rope.factor, "factor"))
+    if rope.rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(rope, inv_freq, factor), 1.0
+    return _yarn_inv_freq(rope, inv_freq, factor, dim)
+
+
+def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray, factor: float) -> np.ndarray:
+    # Wavelengths shorter than the high-frequency edge stay; longer than the low-frequency
+    # edge are divided by factor; in between, interpolate (transformers _compute_llama3_parameters).
+    low_freq_factor = float(_need(rope.low_freq_factor, "low_freq_factor"))
+    high_freq_factor = float(_need(rope.high_freq_factor, "high_freq_factor"))
+    old_context_len = float(_need(rope.original_max_position_embeddings,
+                                  "original_max_position_embeddings"))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(rope: RopeConfig, inv_freq: np.ndarray, factor: float,
+                   dim: int) -> tuple[np.ndarray, float]:
+    # transformers _compute_yarn_parameters: blend interpolated (1/factor) and extrapolated
+    # frequencies with a linear ramp over the dimensions that make between beta_fast and
+    # beta_slow rotations in the pretraining context.
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, rope.mscale)
+                                     / _yarn_mscale(factor, rope.mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = rope.beta_fast or 32
+    beta_slow = rope.beta_slow or 1
+    base = rope.theta
+    orig_len = _need(rope.original_max_position_embeddings, "original_max_position_embeddings")
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.truncate is None or rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    interpolated = inv_freq / factor
+    blended = interpolated * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+    return blended, float(attention_factor)
+
+
+def _need(value: Any, name: str) -> Any:
+    if value is None:
+        raise ConfigError(f"rope parameters: missing required field {name!r}")
+    return value
+
+
+def _unsupported_rope(rope_type: object) -> str:
+    return (f"unsupported rope type {rope_type!r}; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}")
