@@ -38,7 +38,7 @@ from resin.loading import (
     rope_inv_freq,
 )
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (test dependency, installed by make; fail loudly if missing)
 
 
 def hf_config(model_type: str, raw: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from hf_configs import LLAMA31_8B, MIXTRAL_8X7B, QWEN25_7B
 
 from resin.loading import RopeConfig, load_model_config, rope_inv_freq
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (test dependency, installed by make; fail loudly if missing)
 
 
 ROPE_SPELLINGS = [
