@@ -251,6 +251,17 @@ class BatchPlan:
         """uint32[n]: slots that start serving a request with this plan (reset their state;
         apply after finished_request_slots)."""
     @property
+    def new_request_token_indptr(self) -> npt.NDArray[np.uint32]:
+        """uint32[n+1]: CSR offsets into new_request_token_ids, in new_request_slots order."""
+    @property
+    def new_request_token_ids(self) -> npt.NDArray[np.uint32]:
+        """uint32[nnz]: every token each new slot's request has so far (prompt, then outputs
+        already sampled if it resumes after preemption) — the start of per-request sampler
+        state such as penalties; prefix-cache hits never show these tokens in input_ids."""
+    @property
+    def new_request_num_prompt_tokens(self) -> npt.NDArray[np.uint32]:
+        """uint32[n]: how many of each new request's tokens are its prompt."""
+    @property
     def finished_request_slots(self) -> npt.NDArray[np.uint32]:
         """uint32[n]: slots whose request finished, was aborted or preempted since the last committed plan."""
     def __len__(self) -> int: ...

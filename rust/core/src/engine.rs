@@ -193,10 +193,12 @@ impl Engine {
         );
         // Lifecycle notices ride only on plans with rows: an empty plan reaches no runner
         // (step() skips forward), so its notices wait for the next real plan.
-        if !rows.is_empty() {
-            plan.new_request_slots = std::mem::take(&mut self.sched.new_slots);
-            plan.finished_request_slots = std::mem::take(&mut self.sched.released_slots);
-        }
+        let (new_slots, finished_slots) = if rows.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            (std::mem::take(&mut self.sched.new_slots), std::mem::take(&mut self.sched.released_slots))
+        };
+        plan.set_lifecycle(new_slots, finished_slots, &self.sched.running, &self.sched.requests);
         let pending_rows = rows
             .iter()
             .map(|r| {

@@ -142,6 +142,14 @@ pub struct BatchPlan {
     pub groups: Vec<GroupPlan>,
     /// u32[n]: slots that serve a new request from this plan on (apply after `finished_request_slots`).
     pub new_request_slots: Vec<u32>,
+    /// u32[n+1]: CSR offsets into `new_request_token_ids`, in `new_request_slots` order.
+    pub new_request_token_indptr: Vec<u32>,
+    /// u32[nnz]: every token each new slot's request has so far (its prompt, then outputs
+    /// already sampled if it resumes after preemption): what penalties and per-request
+    /// sampler state start from, since prefix-cache hits never show those tokens in `input_ids`.
+    pub new_request_token_ids: Vec<u32>,
+    /// u32[n]: how many of those tokens are the prompt.
+    pub new_request_num_prompt_tokens: Vec<u32>,
     /// u32[n]: slots whose request finished, was aborted or preempted since the last committed plan.
     pub finished_request_slots: Vec<u32>,
 }
@@ -263,6 +271,9 @@ impl BatchPlan {
             &mut self.banned_token_indptr,
             &mut self.banned_token_ids,
             &mut self.new_request_slots,
+            &mut self.new_request_token_indptr,
+            &mut self.new_request_token_ids,
+            &mut self.new_request_num_prompt_tokens,
             &mut self.finished_request_slots,
         ] {
             v.clear();
@@ -276,6 +287,24 @@ impl BatchPlan {
             g.kv_last_page_len.clear();
             g.slot_mapping.clear();
         }
+    }
+
+    /// Sets the lifecycle diff: `new_slots` with each one's request tokens (from `requests`,
+    /// found among `running`), and `finished_slots`.
+    pub fn set_lifecycle(&mut self, new_slots: Vec<u32>, finished_slots: Vec<u32>, running: &[usize], requests: &[Option<Request>]) {
+        self.new_request_token_indptr.push(0);
+        for &slot in &new_slots {
+            let req = running
+                .iter()
+                .filter_map(|&i| requests[i].as_ref())
+                .find(|r| r.slot == Some(slot))
+                .expect("a new slot belongs to a running request");
+            self.new_request_token_ids.extend_from_slice(&req.token_ids);
+            self.new_request_token_indptr.push(self.new_request_token_ids.len() as u32);
+            self.new_request_num_prompt_tokens.push(req.num_prompt_tokens);
+        }
+        self.new_request_slots = new_slots;
+        self.finished_request_slots = finished_slots;
     }
 
     /// The request id of row `i`.

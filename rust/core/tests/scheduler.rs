@@ -305,3 +305,35 @@ fn empty_plans_keep_lifecycle_notices_for_the_next_plan_with_rows() {
     assert_eq!(plan.finished_request_slots, vec![0]);
     assert_eq!(plan.new_request_slots, vec![0]);
 }
+
+#[test]
+fn new_slots_carry_their_requests_tokens_including_outputs_after_preemption() {
+    let mut e = engine(config(4, 32));
+    e.add_request("a", tokens(10..13), params(3)).unwrap();
+    let (plan, _) = step(&mut e, 7);
+    assert_eq!(plan.new_request_slots, vec![0]);
+    assert_eq!(plan.new_request_token_indptr, vec![0, 3]);
+    assert_eq!(plan.new_request_token_ids, vec![10, 11, 12]);
+    assert_eq!(plan.new_request_num_prompt_tokens, vec![3]);
+    let (plan, _) = step(&mut e, 8);
+    assert!(plan.new_request_token_ids.is_empty() && plan.new_request_token_indptr == vec![0]);
+
+    // A preempted request comes back with its prompt and the outputs it already has.
+    let mut e = engine(EngineConfig { max_model_len: 24, ..config(4, 7) });
+    e.add_request("old", tokens(0..8), params(8)).unwrap();
+    e.add_request("new", tokens(100..108), params(8)).unwrap();
+    let mut resumed = None;
+    for _ in 0..20 {
+        let (plan, _) = step(&mut e, 5);
+        if plan.finished_request_slots.is_empty() || plan.new_request_slots.is_empty() {
+            continue;
+        }
+        resumed = Some(plan);
+        break;
+    }
+    let plan = resumed.expect("new is preempted and re-admitted");
+    let n = plan.new_request_token_indptr[1] as usize;
+    assert_eq!(plan.new_request_num_prompt_tokens, vec![8]);
+    assert_eq!(&plan.new_request_token_ids[..8], &tokens(100..108)[..]);
+    assert!(n > 8 && plan.new_request_token_ids[8..n].iter().all(|&t| t == 5), "outputs so far follow the prompt");
+}

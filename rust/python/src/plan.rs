@@ -104,7 +104,7 @@ fn sampling_view<'py, T: Element>(
 }
 
 // Lazily created numpy views, one per array field.
-views_struct!(Views { request_slots, input_ids, positions, query_indptr, num_computed_tokens, seq_lens, sample_indptr, num_draft_tokens, banned_token_indptr, banned_token_ids, new_request_slots, finished_request_slots, kv_indptr, kv_indices, kv_last_page_len, slot_mapping, block_table, request_ids });
+views_struct!(Views { request_slots, input_ids, positions, query_indptr, num_computed_tokens, seq_lens, sample_indptr, num_draft_tokens, banned_token_indptr, banned_token_ids, new_request_slots, new_request_token_indptr, new_request_token_ids, new_request_num_prompt_tokens, finished_request_slots, kv_indptr, kv_indices, kv_last_page_len, slot_mapping, block_table, request_ids });
 
 /// A plan that goes back to its engine's recycler when the last reference (the Python
 /// `BatchPlan` or a view's `PlanMemory`) is dropped, so its arrays are reused.
@@ -235,6 +235,18 @@ impl BatchPlan {
     #[getter]
     fn new_request_slots<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
         array_view(slf, |v| &v.new_request_slots, |p| &p.new_request_slots)
+    }
+    #[getter]
+    fn new_request_token_indptr<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.new_request_token_indptr, |p| &p.new_request_token_indptr)
+    }
+    #[getter]
+    fn new_request_token_ids<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.new_request_token_ids, |p| &p.new_request_token_ids)
+    }
+    #[getter]
+    fn new_request_num_prompt_tokens<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.new_request_num_prompt_tokens, |p| &p.new_request_num_prompt_tokens)
     }
     #[getter]
     fn finished_request_slots<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
