@@ -14,7 +14,7 @@ $(VPY):
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "maturin>=1.7,<2" "numpy>=1.26" "typer>=0.12" "pytest>=8" "mypy>=1.10" \
-		"jinja2>=3.1" "tokenizers>=0.20" "safetensors>=0.4" "transformers>=4.45"
+		"jinja2>=3.1" "tokenizers>=0.20" "safetensors>=0.4" "transformers>=4.45" "torch>=2.4"
 	touch $(STAMP)
 
 # Editable install with a release build of the extension (resin/_core.*.so).

@@ -1,0 +1,192 @@
+"""Load a Hugging Face checkpoint's safetensors weights, checked against its :class:`ModelConfig`.
+
+This module owns three things: which tensors a supported architecture must have and with
+which shapes (:func:`expected_tensor_shapes`, named as HF checkpoints name them), finding them
+in ``model.safetensors`` or in the shards a ``model.safetensors.index.json`` lists, and
+reading them memory-mapped (``safetensors.safe_open``) straight to the target device and
+dtype (bf16, fp16 or fp32). Tensors the config does not imply (rotary ``inv_freq`` buffers,
+MTP heads) are ignored. Tied embeddings: ``lm_head.weight`` may be absent, and is then
+not returned (the runner uses ``model.embed_tokens.weight``).
+
+Guarantees: every problem raises :class:`WeightsError` (a ``ValueError``) naming the file, the
+tensor and, for a shape mismatch, both shapes and the config fields that imply the expected
+one — before any tensor is copied.
+
+Imports torch; ``import resin`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from resin.loading.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class WeightsError(ValueError):
+    """A checkpoint's weights are missing, unreadable or do not match its config."""
+
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, for every tensor the runner needs.
+
+    ``lm_head.weight`` is listed even with tied embeddings; :func:`load_weights` then
+    accepts its absence.
+    """
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_size = config.num_attention_heads * head_dim
+    kv_size = config.num_key_value_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (config.vocab_size, hidden),
+    }
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
+        attn = f"{layer}.self_attn"
+        for name, out_size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+            shapes[f"{attn}.{name}.weight"] = (out_size, hidden)
+            if config.qkv_bias:
+                shapes[f"{attn}.{name}.bias"] = (out_size,)
+        shapes[f"{attn}.o_proj.weight"] = (hidden, q_size)
+        if config.o_proj_bias:
+            shapes[f"{attn}.o_proj.bias"] = (hidden,)
+        if config.qk_norm:
+            shapes[f"{attn}.q_norm.weight"] = (head_dim,)
+            shapes[f"{attn}.k_norm.weight"] = (head_dim,)
+        if config.is_moe_layer(i):
+            shapes.update(_moe_shapes(config, i))
+        else:
+            shapes.update(_mlp_shapes(f"{layer}.mlp", hidden, config.intermediate_size,
+                                      config.mlp_bias))
+    return shapes
+
+
+def moe_expert_names(config: ModelConfig, layer_index: int, expert_index: int) -> tuple[str, str, str]:
+    """Checkpoint names of one expert's (gate, up, down) weights. Mixtral calls them w1, w3, w2."""
+    if config.architecture == "MixtralForCausalLM":
+        prefix = f"model.layers.{layer_index}.block_sparse_moe.experts.{expert_index}"
+        return f"{prefix}.w1.weight", f"{prefix}.w3.weight", f"{prefix}.w2.weight"
+    prefix = f"model.layers.{layer_index}.mlp.experts.{expert_index}"
+    return f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight", f"{prefix}.down_proj.weight"
+
+
+def moe_router_name(config: ModelConfig, layer_index: int) -> str:
+    block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer_index}.{block}.gate.weight"
+
+
+def load_weights(model_dir: str | os.PathLike[str], config: ModelConfig, *,
+                 device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor of :func:`expected_tensor_shapes`, on ``device`` in ``dtype``.
+
+    Reads ``model.safetensors`` or the shards of ``model.safetensors.index.json`` in
+    ``model_dir``, memory-mapped; each tensor is read once and converted on the way.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise WeightsError(f"unsupported dtype {dtype}; supported: "
+                           f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    directory = Path(model_dir)
+    file_of_tensor = _locate_tensors(directory)
+    expected = expected_tensor_shapes(config)
+    if config.tie_word_embeddings and "lm_head.weight" not in file_of_tensor:
+        del expected["lm_head.weight"]
+    _check_present(expected, file_of_tensor, directory)
+
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(file_of_tensor[name], []).append(name)
+    weights: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        with _open(path, device) as handle:
+            for name in names:   # check every shape before copying anything from this file
+                _check_shape(name, list(handle.get_slice(name).get_shape()), expected[name],
+                             path, config)
+            for name in names:
+                weights[name] = handle.get_tensor(name).to(dtype=dtype)
+    return weights
+
+
+def _locate_tensors(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it."""
+    if not directory.is_dir():
+        raise WeightsError(f"checkpoint directory not found: {directory}")
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise WeightsError(f"{index_path}: cannot read its 'weight_map' ({exc})") from exc
+        files = {name: directory / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise WeightsError(f"{index_path} lists shard {shard.name}, which is missing "
+                                   f"from {directory}")
+        return files
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        raise WeightsError(f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE}")
+    with _open(single, "cpu") as handle:
+        return {name: single for name in handle.keys()}
+
+
+def _open(path: Path, device: str | torch.device):  # type: ignore[no-untyped-def]
+    try:
+        return safe_open(str(path), framework="pt", device=str(device))
+    except Exception as exc:  # safetensors raises its own error types
+        raise WeightsError(f"cannot open {path}: {exc}") from exc
+
+
+def _check_present(expected: dict[str, tuple[int, ...]], file_of_tensor: dict[str, Path],
+                   directory: Path) -> None:
+    missing = [name for name in expected if name not in file_of_tensor]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                           else "")
+        raise WeightsError(f"{directory}: missing tensor(s) {shown} "
+                           f"(required by its config.json)")
+
+
+def _check_shape(name: str, actual: list[int], expected: tuple[int, ...], path: Path,
+                 config: ModelConfig) -> None:
+    if tuple(actual) != expected:
+        raise WeightsError(
+            f"{path.name}: tensor {name} has shape {tuple(actual)}, but config.json implies "
+            f"{expected} (hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, "
+            f"num_attention_heads={config.num_attention_heads}, "
+            f"num_key_value_heads={config.num_key_value_heads}, head_dim={config.head_dim}, "
+            f"intermediate_size={config.intermediate_size})")
+
+
+def _mlp_shapes(prefix: str, hidden: int, width: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{prefix}.gate_proj.weight": (width, hidden),
+        f"{prefix}.up_proj.weight": (width, hidden),
+        f"{prefix}.down_proj.weight": (hidden, width),
+    }
+    if bias:
+        shapes.update({f"{prefix}.gate_proj.bias": (width,), f"{prefix}.up_proj.bias": (width,),
+                       f"{prefix}.down_proj.bias": (hidden,)})
+    return shapes
+
+
+def _moe_shapes(config: ModelConfig, layer_index: int) -> dict[str, tuple[int, ...]]:
+    assert config.moe is not None
+    hidden, width = config.hidden_size, config.moe.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        moe_router_name(config, layer_index): (config.moe.num_experts, hidden)}
+    for expert in range(config.moe.num_experts):
+        gate, up, down = moe_expert_names(config, layer_index, expert)
+        shapes.update({gate: (width, hidden), up: (width, hidden), down: (hidden, width)})
+    return shapes
