@@ -1,0 +1,166 @@
+"""The building blocks of the torch reference runner, in plain torch, one function each.
+
+Owns the math of the supported decoder layers, written to match transformers' modeling code
+op for op (so fp32 results agree to rounding): RMSNorm, rotary embeddings at arbitrary
+positions, the SwiGLU MLP, top-k MoE routing (Qwen3-MoE with and without ``norm_topk_prob``,
+Mixtral), and paged attention that reads K/V through a plan's page tables and writes new K/V
+through its slot mapping. Tensors are token-major: ``[T, ...]`` with T = tokens in the step.
+
+Readability beats speed here: attention loops over sequences. Faster runners are checked
+against this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, in fp32, as ``LlamaRMSNorm``."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for any positions, from ``rope_inv_freq``'s inverse frequencies."""
+
+    def __init__(self, inv_freq: np.ndarray, attention_scaling: float, device: torch.device):
+        # transformers keeps inv_freq in fp32 and multiplies positions in fp32; so do we.
+        self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)
+        self.attention_scaling = attention_scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` int64[T] -> (cos, sin), each [T, head_dim] in ``dtype``."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = angles.cos() * self.attention_scaling
+        sin = angles.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, head_dim] by the per-token angles (HF ``rotate_half`` layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+               gate_b: torch.Tensor | None = None, up_b: torch.Tensor | None = None,
+               down_b: torch.Tensor | None = None) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``."""
+    return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+
+
+@dataclass
+class MoeWeights:
+    """One sparse MLP: router [E, hidden]; per expert gate/up [width, hidden], down [hidden, width]."""
+
+    router: torch.Tensor
+    gate: list[torch.Tensor]
+    up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+
+
+def moe_mlp(x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
+    """Top-k routed SwiGLU experts, as ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``.
+
+    Softmax over all experts in fp32, keep the top k, renormalise iff ``norm_topk_prob``
+    (always for Mixtral), weight each chosen expert's output and sum.
+    """
+    router_logits = F.linear(x, moe.router)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    top_weights, top_experts = torch.topk(probs, moe.num_experts_per_tok, dim=-1)
+    if moe.norm_topk_prob:
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    top_weights = top_weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    for expert in range(len(moe.gate)):
+        token_index, slot = torch.where(top_experts == expert)
+        if token_index.numel() == 0:
+            continue
+        y = swiglu_mlp(x[token_index], moe.gate[expert], moe.up[expert], moe.down[expert])
+        out.index_add_(0, token_index, y * top_weights[token_index, slot, None])
+    return out
+
+
+@dataclass
+class SequenceView:
+    """What one sequence (plan row) reads in one cache group this step.
+
+    ``query``: slice of the step's tokens; ``slots``: int64[K] cache slots (page * page_size +
+    offset) of the K keys it may read, in position order; ``mask``: bool[query_len, K], True
+    where the query may attend the key (causal, inside the sliding window, not past seq_len).
+    """
+
+    query: slice
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def build_sequence_views(query_indptr: np.ndarray, seq_lens: np.ndarray, kv_indptr: np.ndarray,
+                         kv_indices: np.ndarray, positions: torch.Tensor, page_size: int,
+                         window_tokens: int | None, device: torch.device) -> list[SequenceView]:
+    """Per row: the cache slots its listed pages cover and its attention mask.
+
+    A sliding-window group lists only the pages that intersect the window, so the first
+    listed page is logical page ``ceil(seq_len / page_size) - num_listed``
+    (docs/batch_plan.md, "Sliding-window group"). Built once per step and cache group.
+    """
+    views = []
+    offsets = torch.arange(page_size, device=device)
+    for row in range(len(seq_lens)):
+        seq_len = int(seq_lens[row])
+        pages = torch.as_tensor(kv_indices[kv_indptr[row]:kv_indptr[row + 1]].astype(np.int64),
+                                device=device)
+        first_page = -(-seq_len // page_size) - len(pages)
+        slots = (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
+        key_positions = first_page * page_size + torch.arange(len(slots), device=device)
+        query = slice(int(query_indptr[row]), int(query_indptr[row + 1]))
+        query_positions = positions[query][:, None]
+        mask = (key_positions[None, :] <= query_positions) & (key_positions[None, :] < seq_len)
+        if window_tokens is not None:
+            mask &= key_positions[None, :] > query_positions - window_tokens
+        views.append(SequenceView(query, slots, mask))
+    return views
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new K/V [T, kv_heads, head_dim] at ``slot_mapping`` (int64[T]); skip slot -1.
+
+    Caches are [num_pages, page_size, kv_heads, head_dim]; slot = page * page_size + offset.
+    -1 must never be used as an index (it would be the pool's last slot).
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    views: list[SequenceView], scale: float) -> torch.Tensor:
+    """Attention of q [T, heads, head_dim] over each sequence's cached keys -> [T, heads, head_dim].
+
+    K/V are gathered from the cache by slot (so they include this step's tokens, written
+    first by :func:`write_kv`); grouped KV heads are repeated to the query heads; softmax in fp32.
+    """
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    out = torch.empty_like(q)
+    for view in views:
+        k = k_flat[view.slots].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [K, H, D]
+        v = v_flat[view.slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[view.query], k) * scale
+        scores = scores.masked_fill(~view.mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[view.query] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out

@@ -1,0 +1,190 @@
+"""Token sampling for torch runners: :class:`Sampler` turns each sampling row's logits into a token.
+
+Owns the per-request sampler state (the token history penalties need, keyed by
+``plan.request_slots``) and the sampling semantics, applied in this order:
+
+1. penalties on the raw logits — repetition (prompt + output tokens, HF/vLLM: a positive
+   logit is divided by the penalty, a negative one multiplied), then frequency and presence
+   (output tokens only, OpenAI/vLLM: ``logit -= frequency * count + presence * (count > 0)``);
+2. ``banned_token_ids`` set to ``-inf`` (stop tokens before ``min_tokens``);
+3. temperature 0 = greedy (argmax of the penalised logits); otherwise divide by the
+   temperature, then top-k (0 = off), top-p, min-p (each keeps at least one token, in
+   transformers' order), softmax and draw.
+
+Seeds: a row with ``seed >= 0`` draws with its own ``torch.Generator`` seeded from
+``(seed, number of output tokens so far)``, so a seeded request yields the same tokens
+whatever else is in the batch, and again after preemption. Unseeded rows share one generator.
+
+Logprobs (``num_logprobs >= 0``) are ``log_softmax`` of the raw model logits (before penalties,
+bans and temperature; vLLM's default "raw" mode), in float32. ``top_logprob_ids`` has
+``k = max num_logprobs`` of the batch columns; rows asking fewer just carry extra columns.
+
+Imports torch; ``import resin`` does not import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from resin._core import BatchPlan, ForwardOutput
+
+_SEED_MIX = 0x9E3779B97F4A7C15   # odd 64-bit constant: distinct (seed, step) -> distinct seeds
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class SlotState:
+    """One live request: every token it has (prompt, then outputs) and how many are prompt."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class Sampler:
+    """Samples one token per sampling row; keeps per-request state across plans."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.slots: dict[int, SlotState] = {}
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
+
+    def begin_step(self, plan: BatchPlan) -> None:
+        """Apply the plan's lifecycle diff, then extend histories with the plan's new tokens.
+
+        Call once per plan, before :meth:`sample`. Idempotent for a re-sent diff: a slot reset
+        twice starts from the same ``new_request_token_ids``.
+        """
+        for slot in plan.finished_request_slots.tolist():
+            self.slots.pop(slot, None)
+        indptr, token_ids = plan.new_request_token_indptr, plan.new_request_token_ids
+        for j, slot in enumerate(plan.new_request_slots.tolist()):
+            self.slots[slot] = SlotState(token_ids[indptr[j]:indptr[j + 1]].tolist(),
+                                         int(plan.new_request_num_prompt_tokens[j]))
+        # A token at a position past the history is one sampled since (a decode row's input).
+        for row, slot in enumerate(plan.request_slots.tolist()):
+            state = self.slots.get(slot)
+            if state is None:
+                continue
+            start, end = int(plan.query_indptr[row]), int(plan.query_indptr[row + 1])
+            first_new = len(state.token_ids) - int(plan.num_computed_tokens[row])
+            if 0 <= first_new < end - start:
+                state.token_ids.extend(plan.input_ids[start + first_new:end].tolist())
+
+    def sample(self, logits: torch.Tensor, plan: BatchPlan, rows: np.ndarray) -> ForwardOutput:
+        """Sample rows ``rows`` of the plan from ``logits`` float32[len(rows), vocab].
+
+        Returns one token per plan row (0 for rows that do not sample, which the engine
+        ignores), with logprobs when any sampling row asks for them.
+        """
+        sampling = plan.sampling
+        slots = plan.request_slots[rows].tolist()
+        temperature = torch.as_tensor(np.array(sampling.temperature[rows]), device=self.device)
+        processed = logits.clone()
+        for r, row in enumerate(rows.tolist()):
+            self._penalise(processed[r], slots[r], float(sampling.repetition_penalty[row]),
+                           float(sampling.frequency_penalty[row]),
+                           float(sampling.presence_penalty[row]))
+            banned = plan.banned_token_ids[plan.banned_token_indptr[row]:
+                                           plan.banned_token_indptr[row + 1]]
+            if len(banned):
+                processed[r, torch.as_tensor(banned.astype(np.int64), device=self.device)] = -torch.inf
+
+        greedy = temperature == 0
+        scaled = processed / torch.where(greedy, 1.0, temperature)[:, None]
+        scaled = apply_top_k(scaled, torch.as_tensor(np.array(sampling.top_k[rows]), device=self.device))
+        scaled = apply_top_p(scaled, torch.as_tensor(np.array(sampling.top_p[rows]), device=self.device))
+        scaled = apply_min_p(scaled, torch.as_tensor(np.array(sampling.min_p[rows]), device=self.device))
+        probs = torch.softmax(scaled, dim=-1)
+
+        tokens = processed.argmax(dim=-1)
+        for r, row in enumerate(rows.tolist()):
+            if greedy[r]:
+                continue
+            seed = int(sampling.seed[row])
+            generator = self.generator if seed < 0 else self._seeded(seed, slots[r])
+            tokens[r] = torch.multinomial(probs[r], 1, generator=generator)[0]
+        return self._output(plan, rows, tokens, logits)
+
+    def _penalise(self, logits: torch.Tensor, slot: int, repetition: float, frequency: float,
+                  presence: float) -> None:
+        """Apply the row's penalties to its logits [vocab] in place."""
+        if repetition == 1.0 and frequency == 0.0 and presence == 0.0:
+            return
+        state = self.slots[slot]
+        if repetition != 1.0:
+            seen = self._counts(state.token_ids) > 0
+            penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+            logits.copy_(torch.where(seen, penalised, logits))
+        if frequency != 0.0 or presence != 0.0:
+            counts = self._counts(state.output_token_ids).to(logits.dtype)
+            logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+
+    def _counts(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        return torch.bincount(ids, minlength=self.vocab_size)[:self.vocab_size]
+
+    def _seeded(self, seed: int, slot: int) -> torch.Generator:
+        num_output_tokens = len(self.slots[slot].output_token_ids) if slot in self.slots else 0
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(((seed * _SEED_MIX) + num_output_tokens) & _SEED_MASK)
+        return generator
+
+    def _output(self, plan: BatchPlan, rows: np.ndarray, tokens: torch.Tensor,
+                logits: torch.Tensor) -> ForwardOutput:
+        num_rows = plan.num_sequences
+        token_ids = np.zeros(num_rows, dtype=np.uint32)
+        token_ids[rows] = tokens.cpu().numpy().astype(np.uint32)
+        token_indptr = np.arange(num_rows + 1, dtype=np.uint32)
+        num_logprobs = plan.sampling.num_logprobs[rows]
+        if len(rows) == 0 or num_logprobs.max() < 0:
+            return ForwardOutput(token_ids, token_indptr)
+        k = int(num_logprobs.max())
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top_values, top_ids = torch.topk(logprobs, k, dim=-1)
+        sampled = logprobs.gather(1, tokens[:, None])[:, 0]
+        out_logprobs = np.zeros(num_rows, dtype=np.float32)
+        out_top_ids = np.zeros((num_rows, k), dtype=np.uint32)
+        out_top_logprobs = np.zeros((num_rows, k), dtype=np.float32)
+        out_logprobs[rows] = sampled.cpu().numpy()
+        out_top_ids[rows] = top_ids.cpu().numpy().astype(np.uint32)
+        out_top_logprobs[rows] = top_values.cpu().numpy()
+        return ForwardOutput(token_ids, token_indptr, out_logprobs, out_top_ids, out_top_logprobs)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (ties at the k-th kept); 0 = keep all."""
+    vocab_size = logits.shape[-1]
+    k = top_k.to(torch.int64).clamp(1, vocab_size)
+    kth_largest = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    remove = (logits < kth_largest) & (top_k > 0)[:, None]
+    return logits.masked_fill(remove, -torch.inf)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``.
+
+    transformers' ``TopPLogitsWarper``: ascending sort, drop tokens whose cumulative
+    probability is <= 1 - top_p, always keep the most likely token.
+    """
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)[:, None]
+    remove_sorted[:, -1] = False
+    remove = remove_sorted.scatter(1, sorted_index, remove_sorted)
+    return logits.masked_fill(remove, -torch.inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, -torch.inf)
