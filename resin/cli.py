@@ -1,6 +1,15 @@
-"""The ``resin`` command line (typer). Later issues add serve, generate, new-model, eval, bench."""
+"""The ``resin`` command line (typer): ``version``, ``info``, ``generate`` and the ``eval`` group.
+
+Later issues add serve, new-model and bench. Importing this module (and ``import resin``) never
+imports torch: commands that need it import what they use inside the command function. The
+``eval`` sub-commands live in ``resin.evals.cli`` (a typer app named ``eval_app``) and are
+registered only when that module imports.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -32,6 +41,60 @@ def info() -> None:
     typer.echo(f"resin {resin.__version__}")
     typer.echo(f"python {platform.python_version()}  numpy {np.__version__}")
     typer.echo(f"engine core: {resin._core.__file__}")
+
+
+@app.command()
+def generate(
+    model: Path = typer.Argument(..., help="Checkpoint directory (config.json, safetensors, "
+                                 "tokenizer.json)."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (or the user message "
+                               "with --chat)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=1, help="Tokens to generate."),
+    temperature: float | None = typer.Option(
+        None, "--temperature", "-t", min=0.0,
+        help="Sampling temperature; 0 = greedy. Default: the checkpoint's generation config."),
+    seed: int | None = typer.Option(None, "--seed", help="Sampling seed (reproducible output)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the "
+                              "chat template."),
+    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+) -> None:
+    """Generate text from MODEL for one prompt and print it."""
+    import resin
+    from resin.llm import LLM
+
+    try:
+        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1)
+    except (FileNotFoundError, ValueError) as exc:  # missing files, unsupported architecture
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from exc
+    settings: dict[str, Any] = {**llm.tokenizer.sampling_defaults, "max_tokens": max_tokens}
+    if temperature is not None:
+        settings["temperature"] = temperature
+    if seed is not None:
+        settings["seed"] = seed
+    try:
+        params = resin.SamplingParams(**settings)
+        if chat:
+            output = llm.chat([{"role": "user", "content": prompt}], params)[0]
+        else:
+            output = llm.generate(prompt, params)[0]
+    except ValueError as exc:  # bad sampling values, a prompt longer than max_model_len
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from exc
+    typer.echo(output.text)
+
+
+def _register_eval_commands() -> None:
+    """Add ``resin eval ...`` from ``resin.evals.cli`` when it is installed (it may not exist yet)."""
+    try:
+        from resin.evals.cli import eval_app
+    except ImportError:
+        return
+    app.add_typer(eval_app, name="eval", help="Evaluations: parity against HF transformers.")
+
+
+_register_eval_commands()
 
 
 def main() -> None:

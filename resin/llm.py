@@ -1,0 +1,252 @@
+"""The offline API: ``LLM(model_dir).generate(prompts, params)`` and ``LLM.chat(messages)``.
+
+``LLM`` loads one Hugging Face checkpoint directory — ``config.json``
+(:func:`resin.loading.load_model_config`), the tokenizer (:class:`resin.tokenizer.Tokenizer`),
+the chat template (:class:`resin.chat_template.ChatTemplate`) and a runner (the torch reference
+runner unless one is passed) — and drives a :class:`resin.Engine` over it. ``generate`` adds
+every prompt as a request, steps the engine until all are finished and returns one
+:class:`LLMOutput` per prompt, in prompt order, like vLLM's ``LLM.generate``.
+
+Engine defaults (each can be overridden with a keyword of :class:`resin.EngineConfig`):
+
+- ``max_model_len``: the checkpoint's ``max_position_embeddings``, capped at
+  :data:`DEFAULT_MAX_MODEL_LEN` so a 128k-context config does not size the cache for 128k.
+- ``num_pages``: enough pages for ``max_num_seqs`` sequences of ``max_model_len`` tokens, but
+  no more than fit in ``kv_cache_bytes`` (default :data:`DEFAULT_KV_CACHE_BYTES`), counting a
+  page as ``page_size`` tokens of every layer's KV; and never fewer than one full-length
+  sequence needs. Plus one for the null page.
+- ``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s (vLLM's rule);
+  ``vocab_size``: ``config.json``'s.
+
+Sampling: with no ``sampling_params`` the request defaults are ``SamplingParams()`` updated with
+the checkpoint's ``generation_config.json`` fields (``Tokenizer.sampling_defaults``), as vLLM does.
+``text`` is decoded with ``skip_special_tokens=True`` and leaves out the stop token that ended
+the request (``token_ids`` keep it), as vLLM does.
+
+Importing this module does not import torch; building the default runner does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resin._core import Engine, EngineConfig, RequestOutput, SamplingParams
+from resin.chat_template import ChatTemplate
+from resin.loading import ModelConfig, layer_cache_specs, load_model_config
+from resin.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_KV_CACHE_BYTES = 2 << 30  # 2 GiB of KV cache unless the caller says otherwise
+DEFAULT_MAX_NUM_SEQS = 64
+MAX_IDLE_STEPS = 10_000  # consecutive steps without any output before generate gives up
+
+Prompt = str | list[int]
+
+
+@dataclass
+class LLMOutput:
+    """One finished request. ``prompt`` is the text prompt (None for a token-id prompt);
+    ``token_ids`` are all generated tokens (a final stop token included); ``logprobs`` is one
+    ``{token_id: logprob}`` dict per generated token when requested, else None."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[dict[int, float]] | None
+
+
+class LLM:
+    """A checkpoint, its tokenizer and chat template, a runner and an engine, for offline use.
+
+    ``runner``: any :class:`resin.Runner`; default ``TorchRunner.from_pretrained(model_dir,
+    device=device, dtype=dtype)``. ``dtype``: a torch dtype or its name (``"float32"``,
+    ``"bfloat16"``, ``"float16"``). ``engine_config``: :class:`resin.EngineConfig` fields.
+    """
+
+    def __init__(self, model_dir: str | Path, *, runner: Any = None, device: str = "cpu",
+                 dtype: Any = "float32", kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                 **engine_config: Any) -> None:
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {self.model_dir} does not exist")
+        self.model_config: ModelConfig = load_model_config(self.model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.chat_template = ChatTemplate.from_pretrained(
+            self.model_dir, self.tokenizer.special_tokens_map)
+        if runner is None:
+            runner = self._default_runner(device, dtype)
+        self.runner = runner
+        config = self._engine_config(runner, kv_cache_bytes, engine_config)
+        self.engine = Engine(config, runner)
+        self._request_counter = itertools.count()
+
+    # -- construction ---------------------------------------------------------------------
+    def _default_runner(self, device: str, dtype: Any) -> Any:
+        import torch
+
+        from resin.runners.torch import TorchRunner
+
+        if isinstance(dtype, str):
+            resolved = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(resolved, torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+            dtype = resolved
+        return TorchRunner.from_pretrained(self.model_dir, device=device, dtype=dtype)
+
+    def _engine_config(self, runner: Any, kv_cache_bytes: int,
+                       overrides: Mapping[str, Any]) -> EngineConfig:
+        fields = set(dir(EngineConfig)) - set(dir(object))
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; EngineConfig fields are "
+                            f"{sorted(f for f in fields if not f.startswith('_'))}")
+        settings: dict[str, Any] = dict(overrides)
+        settings.setdefault("max_model_len", min(self.model_config.max_position_embeddings,
+                                                 DEFAULT_MAX_MODEL_LEN))
+        settings.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        settings.setdefault("page_size", 16)
+        settings.setdefault("max_num_batched_tokens", max(2048, min(settings["max_model_len"],
+                                                                    8192)))
+        settings.setdefault("eos_token_ids", self.tokenizer.eos_token_ids)
+        settings.setdefault("vocab_size", self.model_config.vocab_size)
+        if "num_pages" not in settings:
+            specs = runner.cache_spec() if hasattr(runner, "cache_spec") else \
+                layer_cache_specs(self.model_config, 4)
+            settings["num_pages"] = default_num_pages(
+                [s.bytes_per_token for s in specs], settings["page_size"],
+                settings["max_model_len"], settings["max_num_seqs"], kv_cache_bytes)
+        return EngineConfig(**settings)
+
+    # -- generation -------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the checkpoint's generation-config defaults applied."""
+        defaults: dict[str, Any] = dict(self.tokenizer.sampling_defaults)
+        return SamplingParams(**defaults)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[LLMOutput]:
+        """Generate for one prompt or a batch (strings and/or token-id lists), in one engine
+        batch; outputs come back in prompt order. ``sampling_params``: one for all, or one per
+        prompt."""
+        batch = _as_prompt_list(prompts)
+        encoded: list[tuple[str | None, list[int]]] = []
+        for prompt in batch:
+            if isinstance(prompt, str):
+                encoded.append((prompt, self.tokenizer.encode(prompt)))
+            else:
+                encoded.append((None, [int(t) for t in prompt]))
+        return self._run(encoded, sampling_params)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **chat_template_kwargs: Any) -> list[LLMOutput]:
+        """Render one conversation (a list of messages) or several (a list of lists) with the
+        chat template (``add_generation_prompt=True``; extra kwargs such as ``tools`` or
+        ``enable_thinking`` go to the template), then generate. The rendered text is tokenized
+        without adding special tokens: the template supplies them (vLLM's choice)."""
+        if not messages:
+            raise ValueError("chat() needs at least one message")
+        conversations: list[Any] = [messages] if isinstance(messages[0], Mapping) \
+            else list(messages)
+        chat_template_kwargs.setdefault("add_generation_prompt", True)
+        encoded: list[tuple[str | None, list[int]]] = []
+        for conversation in conversations:
+            text = self.chat_template.render(conversation, **chat_template_kwargs)
+            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(encoded, sampling_params)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             ) -> list[LLMOutput]:
+        if sampling_params is None:
+            params_list = [self.default_sampling_params()] * len(encoded)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(encoded)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(encoded):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(encoded)} "
+                                 "prompts; pass one, or one per prompt")
+        ids = [str(next(self._request_counter)) for _ in encoded]
+        wanted = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        added: list[str] = []
+        try:
+            for request_id, (_, token_ids), params in zip(ids, encoded, params_list):
+                if not token_ids:
+                    raise ValueError("prompt is empty: it has no tokens")
+                self.engine.add_request(request_id, token_ids, params)
+                added.append(request_id)
+            idle = 0
+            while len(finished) < len(ids):
+                if not self.engine.has_unfinished():
+                    missing = sorted(set(ids) - set(finished))
+                    raise RuntimeError(f"engine stopped without finishing requests {missing}")
+                outputs = self.engine.step()
+                idle = 0 if outputs else idle + 1
+                if idle > MAX_IDLE_STEPS:
+                    raise RuntimeError(f"engine made no progress in {MAX_IDLE_STEPS} steps "
+                                       f"({self.engine.num_waiting} waiting, "
+                                       f"{self.engine.num_running} running)")
+                for output in outputs:
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+        except BaseException:
+            for request_id in added:
+                if request_id not in finished:
+                    self.engine.abort(request_id)
+            if self.engine.has_unfinished():  # drain the abort notices
+                self.engine.step()
+            raise
+        return [self._to_output(finished[request_id], prompt)
+                for request_id, (prompt, _) in zip(ids, encoded)]
+
+    def _to_output(self, output: RequestOutput, prompt: str | None) -> LLMOutput:
+        token_ids = list(output.token_ids)
+        text_ids = token_ids[:-1] if output.finish_reason == "stop" and token_ids else token_ids
+        logprobs = output.logprobs
+        return LLMOutput(
+            request_id=output.request_id, prompt=prompt,
+            prompt_token_ids=list(output.prompt_token_ids), token_ids=token_ids,
+            text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+            finish_reason=output.finish_reason, num_cached_tokens=output.num_cached_tokens,
+            logprobs=None if logprobs is None else [
+                {int(k): float(v) for k, v in entry.items()} for entry in logprobs])
+
+
+def default_num_pages(bytes_per_token: Sequence[int], page_size: int, max_model_len: int,
+                      max_num_seqs: int, kv_cache_bytes: int) -> int:
+    """Pages for the cache pool: all ``max_num_seqs`` sequences at full length if that fits in
+    ``kv_cache_bytes`` (a page holds ``page_size`` tokens of every layer), else as many as fit,
+    but at least one full-length sequence; plus the null page."""
+    pages_per_seq = math.ceil(max_model_len / page_size)
+    page_bytes = max(1, page_size * sum(bytes_per_token))
+    fit = kv_cache_bytes // page_bytes
+    return 1 + max(pages_per_seq, min(pages_per_seq * max_num_seqs, fit))
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a str, a list of token ids, or a list of those; "
+                        f"got {type(prompts).__name__}")
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
+        return [list(items)]  # one token-id prompt
+    for prompt in items:
+        if not isinstance(prompt, (str, list, tuple)) or (
+                not isinstance(prompt, str)
+                and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            raise TypeError(f"each prompt must be a str or a list of token ids, got {prompt!r}")
+    return [p if isinstance(p, str) else list(p) for p in items]
