@@ -1,0 +1,129 @@
+"""Offline throughput: tokens/s of `resin.LLM.generate` against HF `transformers` `generate()`.
+
+A ~23M-parameter random Llama checkpoint (8 layers, hidden 512, GQA 8/4 heads) is written
+once to `benchmarks/results/llama_23m/` (git-ignored) with the tiny fixture tokenizer from
+`tests/fixtures/llama`. Each run generates `--output-len` greedy tokens (EOS ignored) after
+`--prompt-len`-token random prompts, on CPU in float32:
+
+- resin: `LLM.generate` with C concurrent requests (one engine, continuous batching);
+- HF sequential: `model.generate` one request at a time (C requests);
+- HF padded: one `model.generate` call on a left-padded batch of C prompts.
+
+Throughput = generated tokens / wall seconds. Prints a markdown table, writes JSON.
+
+    .venv/bin/python benchmarks/offline_throughput.py --concurrency 1,8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHECKPOINT = REPO / "benchmarks" / "results" / "llama_23m"
+TOKENIZER_SOURCE = REPO / "tests" / "fixtures" / "llama"
+
+
+def make_checkpoint() -> Path:
+    """Writes the random checkpoint once (seeded, so every run measures the same model)."""
+    if (CHECKPOINT / "model.safetensors").exists():
+        return CHECKPOINT
+    import torch
+    import transformers
+
+    vocab_size = json.loads((TOKENIZER_SOURCE / "config.json").read_text())["vocab_size"]
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=512, intermediate_size=1376,
+                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                      max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    CHECKPOINT.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(CHECKPOINT, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (TOKENIZER_SOURCE / name).exists():
+            shutil.copy(TOKENIZER_SOURCE / name, CHECKPOINT / name)
+    return CHECKPOINT
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    # Stay clear of the special tokens at the bottom of the fixture vocabulary.
+    return [rng.integers(16, vocab_size, length).tolist() for _ in range(count)]
+
+
+def bench_resin(prompts: list[list[int]], output_len: int) -> float:
+    import resin
+    from resin.llm import LLM
+
+    llm = LLM(CHECKPOINT, max_num_seqs=max(len(prompts), 1), max_model_len=1024)
+    params = resin.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], params)  # warm-up: allocator, first-call costs
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    assert all(len(o.token_ids) == output_len for o in outputs)
+    return len(prompts) * output_len / seconds
+
+
+def bench_hf(prompts: list[list[int]], output_len: int, padded: bool) -> float:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                  pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), **kwargs)  # warm-up
+        start = time.perf_counter()
+        if padded:
+            ids = torch.tensor(prompts)  # equal lengths: no padding needed, mask all ones
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            assert out.shape[1] == ids.shape[1] + output_len
+        else:
+            for prompt in prompts:
+                model.generate(torch.tensor([prompt]), **kwargs)
+        seconds = time.perf_counter() - start
+    return len(prompts) * output_len / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "offline_throughput.json"))
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(2)
+    make_checkpoint()
+    vocab_size = json.loads((CHECKPOINT / "config.json").read_text())["vocab_size"]
+    rows = []
+    for c in (int(x) for x in args.concurrency.split(",")):
+        prompts = random_prompts(c, args.prompt_len, vocab_size, seed=c)
+        row = {"concurrency": c, "resin_tok_s": bench_resin(prompts, args.output_len),
+               "hf_sequential_tok_s": bench_hf(prompts, args.output_len, padded=False),
+               "hf_padded_tok_s": bench_hf(prompts, args.output_len, padded=True)}
+        rows.append(row)
+        print(f"C={c}: {row}", file=sys.stderr)
+    print(f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, CPU float32, 23M-param Llama\n")
+    print("| concurrent requests | resin tok/s | HF one at a time tok/s | HF padded batch tok/s | resin / HF best |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        best = max(r["hf_sequential_tok_s"], r["hf_padded_tok_s"])
+        print(f"| {r['concurrency']} | {r['resin_tok_s']:.0f} | {r['hf_sequential_tok_s']:.0f} | "
+              f"{r['hf_padded_tok_s']:.0f} | {r['resin_tok_s'] / best:.2f}x |")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps({"rows": rows, "prompt_len": args.prompt_len,
+                                             "output_len": args.output_len}, indent=2))
+    print(f"\nJSON: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
