@@ -1,0 +1,253 @@
+"""Greedy-token parity through the full engine under stress settings (stage 3 of the harness).
+
+The reference is an HF greedy loop (in the runner's dtype; one prefill, then incremental
+decoding on HF's own ``DynamicCache``, argmax per step). EOS is ignored on both sides, so every
+request produces exactly ``max_new_tokens`` tokens. Each stage builds a fresh
+:class:`resin.Engine` around the same runner (``bind_cache`` is called again), submits every
+prompt in one batch, steps to completion and compares tokens.
+A mismatch where the HF top-1/top-2 logit gap is below ``tie_margin`` is a near-tie: it is
+counted, not failed, and that request is compared no further (it has legitimately diverged).
+
+Also here: :func:`runner_capture_prefill`, the one-request engine step that stages 1 and 2
+read the runner's activations from.
+
+Stages: ``greedy/page_size=1``, ``=16``, ``=64``; ``greedy/chunked_prefill`` (token budget 13,
+so prompts split across steps and page boundaries); ``greedy/prefix_cache`` (the batch twice;
+the second pass must hit the prefix cache); ``greedy/preemption`` (4-token pages and a pool
+that holds one max-length request, so the scheduler must preempt and recompute; the stage
+fails if no preemption happened, since the setting was then not exercised).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+CHUNK_BUDGET_TOKENS = 13
+# Small pages: every decoding request soon needs a fresh page, so a minimal pool must preempt.
+PREEMPTION_PAGE_SIZE = 4
+MAX_STEPS = 20000
+
+
+@dataclass
+class GreedyReference:
+    """HF greedy continuations and the top-1/top-2 logit gap at each generated position."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    gaps: list[list[float]]
+    max_new_tokens: int
+
+    @classmethod
+    def compute(cls, model: Any, prompts: Sequence[list[int]], max_new_tokens: int) -> GreedyReference:
+        """Greedy decode each prompt alone: one prefill, then incremental steps on HF's cache."""
+        import inspect
+
+        import torch
+        import transformers
+
+        params = inspect.signature(model.forward).parameters
+        cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        tokens: list[list[int]] = []
+        gaps: list[list[float]] = []
+        with torch.no_grad():
+            for prompt in prompts:
+                cache = transformers.DynamicCache(config=model.config)
+                step_ids = list(prompt)
+                out: list[int] = []
+                gap: list[float] = []
+                for _ in range(max_new_tokens):
+                    logits = model(torch.tensor([step_ids]), use_cache=True,
+                                   **{cache_kwarg: cache}).logits[0, -1].float()
+                    top = logits.topk(2)
+                    out.append(int(top.indices[0]))
+                    gap.append(float(top.values[0] - top.values[1]))
+                    step_ids = [out[-1]]
+                tokens.append(out)
+                gaps.append(gap)
+        return cls([list(p) for p in prompts], tokens, gaps, max_new_tokens)
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^resin:{name}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _num_groups(runner: Any) -> int:
+    specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
+    return max(1, len({(s.kind, s.bytes_per_token, s.window) for s in specs}))
+
+
+def _make_engine(runner: Any, vocab_size: int, page_size: int, num_pages: int,
+                 max_batched: int, max_model_len: int) -> Any:
+    import resin
+
+    config = resin.EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=64,
+                                max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+                                enable_prefix_caching=True, eos_token_ids=[], vocab_size=vocab_size)
+    return resin.Engine(config, runner)
+
+
+def _smallest_engine(runner: Any, vocab_size: int, page_size: int, max_batched: int,
+                     max_model_len: int) -> Any:
+    """The engine with the fewest pages the engine accepts (one max-length request)."""
+    num_pages = -(-max_model_len // page_size) + 1
+    last: Exception | None = None
+    for extra in range(0, 64):
+        try:
+            return _make_engine(runner, vocab_size, page_size, num_pages + extra, max_batched,
+                                max_model_len)
+        except ValueError as exc:
+            last = exc
+    raise RuntimeError(f"no small pool accepted: {last}")
+
+
+def _drive(engine: Any, ref: GreedyReference, prefix: str) -> dict[str, Any]:
+    import resin
+
+    params = resin.SamplingParams(max_tokens=ref.max_new_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(ref.prompts):
+        engine.add_request(f"{prefix}{i}", prompt, params)
+    finished: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps > MAX_STEPS:
+            raise RuntimeError(f"engine did not finish in {MAX_STEPS} steps")
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def _compare(ref: GreedyReference, outputs: dict[str, Any], prefix: str,
+             tie_margin: float) -> tuple[dict[str, Any] | None, int, int]:
+    """(first real mismatch or None, near-ties, tokens that matched before either)."""
+    ties = compared = 0
+    for i, expected in enumerate(ref.tokens):
+        rid = f"{prefix}{i}"
+        out = outputs.get(rid)
+        got = list(out.token_ids) if out is not None else []
+        for pos, want in enumerate(expected):
+            have = got[pos] if pos < len(got) else None
+            if have == want:
+                compared += 1
+                continue
+            if have is not None and ref.gaps[i][pos] < tie_margin:
+                ties += 1
+                break
+            return ({"request": rid, "prompt_index": i, "prompt_len": len(ref.prompts[i]),
+                     "position": pos, "expected": want, "got": have,
+                     "hf_top2_gap": ref.gaps[i][pos]}, ties, compared)
+    return None, ties, compared
+
+
+def _stage(name: str, runner: Any, ref: GreedyReference, vocab_size: int, tie_margin: float,
+           page_size: int, max_batched: int, small_pool: bool = False,
+           passes: int = 1) -> Any:
+    from resin.evals.parity import StageResult
+
+    max_model_len = max(len(p) for p in ref.prompts) + ref.max_new_tokens + 1
+    try:
+        if small_pool:
+            engine = _smallest_engine(runner, vocab_size, page_size, max_batched, max_model_len)
+        else:
+            need = sum(-(-(len(p) + ref.max_new_tokens) // page_size) + 1 for p in ref.prompts)
+            num_pages = (need + -(-max(max_model_len, max_batched) // page_size) + 8) \
+                * _num_groups(runner)
+            engine = _make_engine(runner, vocab_size, page_size, num_pages, max_batched,
+                                  max_model_len)
+        metrics: dict[str, Any] = {"page_size": page_size, "max_num_batched_tokens": max_batched,
+                                   "num_pages": engine.config.num_pages}
+        first = None
+        ties = compared = 0
+        for p in range(passes):
+            outputs = _drive(engine, ref, f"p{p}-")
+            first, t, c = _compare(ref, outputs, f"p{p}-", tie_margin)
+            ties, compared = ties + t, compared + c
+            if p == passes - 1:
+                metrics["num_cached_tokens"] = sum(o.num_cached_tokens for o in outputs.values())
+            if first is not None:
+                first["pass"] = p
+                break
+        text = engine.metrics_text()
+        metrics.update(num_preemptions=_metric(text, "num_preemptions_total"),
+                       prefix_cache_hit_tokens=_metric(text, "prefix_cache_hits_total"),
+                       near_ties=ties, tokens_matched=compared)
+        engine.check_integrity()
+    except Exception as exc:  # noqa: BLE001 - a crash is a finding
+        return StageResult(name, False, f"crashed: {exc!r}")
+    if first is not None:
+        return StageResult(name, False, f"request {first['request']} departs at output position "
+                           f"{first['position']}", first, metrics)
+    if passes > 1 and metrics["num_cached_tokens"] == 0 and \
+            any(len(p) > page_size for p in ref.prompts):
+        return StageResult(name, False, "second pass did not hit the prefix cache", None, metrics)
+    if small_pool and metrics["num_preemptions"] == 0 and len(ref.prompts) > 1:
+        return StageResult(name, False, "pool did not force a preemption (setting not exercised)",
+                           None, metrics)
+    detail = f"{compared} tokens match"
+    if ties:
+        detail += f" ({ties} near-tie divergences skipped)"
+    return StageResult(name, True, detail, None, metrics)
+
+
+def run_greedy_stages(runner: Any, ref: GreedyReference, vocab_size: int,
+                      tie_margin: float) -> list[Any]:
+    """All stress stages, in order; each is independent (a fresh engine)."""
+    big = max(len(p) for p in ref.prompts) * len(ref.prompts) + 64
+    stages = [_stage(f"greedy/page_size={ps}", runner, ref, vocab_size, tie_margin, ps, big)
+              for ps in (1, 16, 64)]
+    stages.append(_stage("greedy/chunked_prefill", runner, ref, vocab_size, tie_margin, 16,
+                         CHUNK_BUDGET_TOKENS))
+    stages.append(_stage("greedy/prefix_cache", runner, ref, vocab_size, tie_margin, 16, big,
+                         passes=2))
+    stages.append(_stage("greedy/preemption", runner, ref, vocab_size, tie_margin,
+                         PREEMPTION_PAGE_SIZE, 64, small_pool=True))
+    return stages
+
+
+def runner_capture_prefill(runner: Any, prompt: list[int], vocab_size: int, top_k: int = 5) -> tuple[
+        dict[str, Any] | None, dict[int, float] | None, int | None]:
+    """One-request engine prefill with the runner's capture hook on.
+
+    The capture protocol (the torch reference runner's): ``runner.capture`` is None or a dict;
+    set to a dict, each forward stores ``{module_name: tensor [T, ...]}`` under transformers'
+    module names (``model.layers.{i}.self_attn``, ``model.norm``, ``lm_head`` = logits of every
+    token). Returns (activations or None if the runner has no ``capture`` attribute, the
+    engine's top-k log-probs for the first sampled token, the sampled token)."""
+    import resin
+
+    page_size = 16
+    pages = -(-(len(prompt) + 2) // page_size) * 4 + 4
+    config = resin.EngineConfig(page_size=page_size, num_pages=pages, max_num_seqs=4,
+                                max_num_batched_tokens=max(len(prompt), 16),
+                                max_model_len=len(prompt) + 2, enable_prefix_caching=False,
+                                eos_token_ids=[], vocab_size=vocab_size)
+    engine = resin.Engine(config, runner)
+    engine.add_request("parity-prefill", prompt, resin.SamplingParams(
+        max_tokens=1, temperature=0.0, logprobs=top_k, ignore_eos=True))
+    if not hasattr(runner, "capture"):
+        return None, *_first_token(engine.step())
+    captured: dict[str, Any] = {}
+    previous, runner.capture = runner.capture, captured
+    try:
+        outs = engine.step()
+    finally:
+        runner.capture = previous
+    return {_normalise(k): v for k, v in captured.items()}, *_first_token(outs)
+
+
+def _first_token(outs: list[Any]) -> tuple[dict[int, float] | None, int | None]:
+    out = next(o for o in outs if o.request_id == "parity-prefill")
+    logprobs = out.logprobs[0] if out.logprobs else None
+    return logprobs, (out.token_ids[0] if out.token_ids else None)
+
+
+def _normalise(name: str) -> str:
+    """Runner capture names (transformers module names) -> checkpoint names."""
+    if name == "lm_head":
+        return "logits"
+    return name[len("model."):] if name.startswith("model.") else name
