@@ -18,6 +18,7 @@ token, not only the sampled ones).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -136,11 +137,11 @@ class TorchRunner:
             raise RuntimeError("TorchRunner.forward before bind_cache: create the runner's "
                                "resin.Engine first (it calls bind_cache)")
         self.sampler.begin_step(plan)
-        # Plan arrays are read-only views of Rust memory; torch.from_numpy would warn on them,
-        # so each is copied once per step (a few KB) into a writable array of the dtype torch
-        # indexes with (int64), then moved to the device.
+        # Plan arrays become tensors with torch.from_numpy (no host copy), moved to the
+        # device once per step.
         input_ids = _tensor(plan.input_ids, self.device)
         positions = _tensor(plan.positions, self.device)
+        slot_mappings = [_tensor(plan.slot_mapping[g], self.device) for g in range(plan.num_cache_groups)]
         views = self._sequence_views(plan, positions)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
 
@@ -148,8 +149,7 @@ class TorchRunner:
         self._emit("model.embed_tokens", hidden)
         for i, layer in enumerate(self.layers):
             group = self.group_of_layer[i]
-            hidden = self._decoder_layer(i, layer, hidden, cos, sin, views[group],
-                                         _tensor(plan.slot_mapping[group], self.device))
+            hidden = self._decoder_layer(i, layer, hidden, cos, sin, views[group], slot_mappings[group])
 
         sample_counts = np.diff(plan.sample_indptr)
         if (sample_counts > 1).any():
@@ -227,8 +227,15 @@ class TorchRunner:
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A writable int64 copy of a (read-only, uint32 or int64) plan array, on ``device``."""
-    return torch.from_numpy(np.array(array, dtype=np.int64)).to(device)
+    """A plan array as a tensor on ``device`` without a host copy: ``torch.from_numpy`` over the
+    Rust-owned memory (uint32 arrays viewed as int32, same bits for values < 2**31). The plan
+    is read-only and so are these tensors: torch's "not writable" warning is expected and
+    silenced here, and the runner never writes them."""
+    if array.dtype == np.uint32:
+        array = array.view(np.int32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array).to(device)
 
 
 def _layer_weights(config: ModelConfig, weights: dict[str, torch.Tensor],

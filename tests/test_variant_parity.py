@@ -1,7 +1,7 @@
-"""RoPE scaling variants end to end: a tiny Llama with llama3 scaling and a tiny Qwen2 with
-YaRN, both with prompts past `original_max_position_embeddings`, pass the parity harness
-(every layer and the logits against transformers), so `rope_inv_freq` and the runner's
-attention scaling agree with HF where it matters, not only in unit tests."""
+"""Config variants end to end through the parity harness (every layer and the logits against
+transformers): RoPE scaling — a tiny Llama with llama3 scaling and a tiny Qwen2 with YaRN, with
+prompts past `original_max_position_embeddings` — and Qwen3-MoE routing without
+renormalisation (`norm_topk_prob=False`; the fixtures cover the renormalised case)."""
 
 from pathlib import Path
 
@@ -18,7 +18,11 @@ def save_tiny(tmp_path: Path, kind: str) -> Path:
     torch.manual_seed(0)
     common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    if kind == "llama3":
+    if kind == "moe_unnormalised":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=False))
+    elif kind == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope))
@@ -37,5 +41,12 @@ def test_scaled_rope_matches_transformers_layer_by_layer(tmp_path: Path, kind: s
     model_dir = save_tiny(tmp_path, kind)
     saved = transformers.AutoConfig.from_pretrained(model_dir)
     assert saved.rope_parameters["rope_type"] == kind  # the checkpoint really carries the variant
+    report = run_parity(model_dir, prompts=PROMPTS, checks=("layers",))
+    assert report.passed, report.summary()
+
+
+def test_moe_without_renormalisation_matches_transformers(tmp_path: Path) -> None:
+    model_dir = save_tiny(tmp_path, "moe_unnormalised")
+    assert transformers.AutoConfig.from_pretrained(model_dir).norm_topk_prob is False
     report = run_parity(model_dir, prompts=PROMPTS, checks=("layers",))
     assert report.passed, report.summary()
