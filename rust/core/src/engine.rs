@@ -29,13 +29,14 @@ struct PendingRow {
     req: usize,
     arrival_seq: u64,
     num_new_tokens: u32,
-    expect: RowExpectation,
 }
 
 /// The plan handed out and not yet committed.
 struct PendingStep {
     step: u64,
     rows: Vec<PendingRow>,
+    /// Per row, what the runner's output must look like (read off the plan).
+    expectations: Vec<RowExpectation>,
     new_request_slots: Vec<u32>,
     finished_request_slots: Vec<u32>,
 }
@@ -201,23 +202,24 @@ impl Engine {
         plan.set_lifecycle(new_slots, finished_slots, &self.sched.running, &self.sched.requests);
         let pending_rows = rows
             .iter()
-            .map(|r| {
-                let req = self.sched.request(r.req);
-                PendingRow {
-                    req: r.req,
-                    arrival_seq: req.arrival_seq,
-                    num_new_tokens: r.num_new_tokens,
-                    expect: RowExpectation {
-                        samples: req.num_computed_tokens + r.num_new_tokens == req.num_tokens(),
-                        max_returned_tokens: 1,
-                        num_logprobs: req.params.logprobs.map_or(-1, |k| k as i32),
-                    },
-                }
+            .map(|r| PendingRow {
+                req: r.req,
+                arrival_seq: self.sched.request(r.req).arrival_seq,
+                num_new_tokens: r.num_new_tokens,
+            })
+            .collect();
+        // What the output must look like, read off the plan itself.
+        let expectations = (0..rows.len())
+            .map(|i| RowExpectation {
+                samples: plan.sample_indptr[i + 1] > plan.sample_indptr[i],
+                max_returned_tokens: 1 + plan.num_draft_tokens[i],
+                num_logprobs: plan.sampling.num_logprobs[i],
             })
             .collect();
         self.pending = Some(PendingStep {
             step,
             rows: pending_rows,
+            expectations,
             new_request_slots: plan.new_request_slots.clone(),
             finished_request_slots: plan.finished_request_slots.clone(),
         });
@@ -266,8 +268,7 @@ impl Engine {
         if pending.step != step {
             return Err(CoreError::invalid(format!("plan {step} is not the pending plan (that is plan {})", pending.step)));
         }
-        let expectations: Vec<RowExpectation> = pending.rows.iter().map(|r| r.expect).collect();
-        output.validate(&expectations, self.config.vocab_size)?;
+        output.validate(&pending.expectations, self.config.vocab_size)?;
         let pending = self.pending.take().expect("checked above");
         self.sched.announced_slots.clear(); // the runner has now seen every new slot for good
         let now = Instant::now();
@@ -280,7 +281,7 @@ impl Engine {
             }
             let lo = output.token_indptr[i] as usize;
             let hi = output.token_indptr[i + 1] as usize;
-            if let Some(out) = self.commit_row(row, output, lo..hi, now) {
+            if let Some(out) = self.commit_row(row, pending.expectations[i].samples, output, lo..hi, now) {
                 outputs.push(out);
             }
         }
@@ -291,6 +292,7 @@ impl Engine {
     fn commit_row(
         &mut self,
         row: &PendingRow,
+        samples: bool,
         output: &ForwardOutputRef,
         range: std::ops::Range<usize>,
         now: Instant,
@@ -303,7 +305,7 @@ impl Engine {
         req.num_computed_tokens += row.num_new_tokens;
         let mut finish = None;
         let mut num_new = 0;
-        if row.expect.samples {
+        if samples {
             for n in range {
                 let logprobs = req.params.logprobs.map(|k| output.logprob_entry(n, k as usize));
                 finish = req.append_output(output.token_ids[n], logprobs, eos, max_model_len);

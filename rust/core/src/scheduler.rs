@@ -241,11 +241,11 @@ impl Scheduler {
             let req = self.request(r.req);
             r.num_new_tokens == 1 && req.num_computed_tokens + 1 == req.num_tokens()
         };
-        let mut ordered = Vec::with_capacity(rows.len());
-        ordered.extend(rows.iter().filter(|r| is_decode(r)));
-        let num_decode = ordered.len() as u32;
-        ordered.extend(rows.iter().filter(|r| !is_decode(r)));
-        (ordered, num_decode)
+        // A stable sort on one flag per row: each request is looked at once.
+        let mut keyed: Vec<(bool, ScheduledRow)> = rows.into_iter().map(|r| (!is_decode(&r), r)).collect();
+        keyed.sort_by_key(|&(is_prefill, _)| is_prefill);
+        let num_decode = keyed.iter().take_while(|(is_prefill, _)| !is_prefill).count() as u32;
+        (keyed.into_iter().map(|(_, r)| r).collect(), num_decode)
     }
 
     /// Page owners per page id (for integrity checks): how many page-table entries hold each page.

@@ -72,8 +72,10 @@ pub struct CopiedOutput {
     token_ids: Vec<u32>,
     token_indptr: Vec<u32>,
     logprobs: Option<Vec<f32>>,
-    /// (top_logprob_ids, top_logprobs, k) with both arrays [N, k].
-    top: Option<(Vec<u32>, Vec<f32>, usize)>,
+    top_logprob_ids: Option<Vec<u32>>,
+    top_logprobs: Option<Vec<f32>>,
+    /// k: columns of the [N, k] top arrays (0 without them).
+    num_top_logprobs: usize,
 }
 
 impl CopiedOutput {
@@ -85,27 +87,25 @@ impl CopiedOutput {
         let o = out.get();
         let top_ids = o.top_logprob_ids.as_ref().map(|a| copied_array::<u32, Ix2>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
         let top_lps = o.top_logprobs.as_ref().map(|a| copied_array::<f32, Ix2>(a.bind(py), "top_logprobs", "float32")).transpose()?;
-        let top = match (top_ids, top_lps) {
-            (Some((ids, ids_shape)), Some((lps, lps_shape))) => {
-                if ids_shape != lps_shape {
-                    return Err(PyValueError::new_err(format!(
-                        "ForwardOutput.top_logprob_ids has shape {ids_shape:?} but top_logprobs has shape {lps_shape:?}"
-                    )));
-                }
-                Some((ids, lps, ids_shape[1]))
+        if let (Some((_, ids_shape)), Some((_, lps_shape))) = (&top_ids, &top_lps) {
+            if ids_shape != lps_shape {
+                return Err(PyValueError::new_err(format!(
+                    "ForwardOutput.top_logprob_ids has shape {ids_shape:?} but top_logprobs has shape {lps_shape:?}"
+                )));
             }
-            (None, None) => None,
-            _ => {
-                return Err(PyValueError::new_err(
-                    "ForwardOutput.top_logprob_ids and ForwardOutput.top_logprobs must be given together",
-                ))
-            }
+        }
+        // Whether both are given is the core's check (ForwardOutputRef::validate).
+        let num_top_logprobs = match (&top_ids, &top_lps) {
+            (Some((_, shape)), _) | (None, Some((_, shape))) => shape[1],
+            (None, None) => 0,
         };
         Ok(CopiedOutput {
             token_ids: copied_array::<u32, Ix1>(o.token_ids.bind(py), "token_ids", "uint32")?.0,
             token_indptr: copied_array::<u32, Ix1>(o.token_indptr.bind(py), "token_indptr", "uint32")?.0,
             logprobs: o.logprobs.as_ref().map(|a| copied_array::<f32, Ix1>(a.bind(py), "logprobs", "float32")).transpose()?.map(|a| a.0),
-            top,
+            top_logprob_ids: top_ids.map(|a| a.0),
+            top_logprobs: top_lps.map(|a| a.0),
+            num_top_logprobs,
         })
     }
 
@@ -115,9 +115,9 @@ impl CopiedOutput {
             token_ids: &self.token_ids,
             token_indptr: &self.token_indptr,
             logprobs: self.logprobs.as_deref(),
-            top_logprob_ids: self.top.as_ref().map(|t| t.0.as_slice()),
-            top_logprobs: self.top.as_ref().map(|t| t.1.as_slice()),
-            num_top_logprobs: self.top.as_ref().map_or(0, |t| t.2),
+            top_logprob_ids: self.top_logprob_ids.as_deref(),
+            top_logprobs: self.top_logprobs.as_deref(),
+            num_top_logprobs: self.num_top_logprobs,
         }
     }
 }
