@@ -1,0 +1,175 @@
+"""Model references: what ``resin eval parity MODEL`` and ``resin bench MODEL`` accept as MODEL.
+
+Owns turning one spec string into a :class:`ModelRef` — the checkpoint to run, the runner that
+runs it, and the model's parity and perf specs — so every bring-up command resolves a model the
+same way. A spec is one of:
+
+- an HF checkpoint directory (``config.json`` + safetensors) or its ``config.json`` path: the
+  torch reference runner (:class:`resin.runners.torch.TorchRunner`) on that checkpoint; no specs;
+- a model directory made by ``resin new-model`` (holds ``runner.py``), given as a path or as a
+  name ``NAME`` looked up as ``models/NAME`` (under ``models_root``, else ``./models``, else the
+  ``models/`` beside the ``resin`` package): that directory's ``runner.py`` ``Runner`` on the
+  checkpoint named by ``parity.toml`` ``[reference] checkpoint`` (relative to the model
+  directory; default ``tiny``), with ``parity.toml`` / ``perf.toml`` parsed into
+  ``parity_spec`` / ``perf_spec`` (``{}`` when a file is absent).
+
+``models/`` is not a Python package: :meth:`ModelRef.load_runner` imports ``models/NAME`` as a
+synthetic package ``resin_models.NAME`` (so ``runner.py`` may import its siblings with
+``from .blocks import ...``). Pure stdlib here; torch is imported only by ``load_runner``.
+
+>>> ref = resolve_model("tests/fixtures/llama")           # doctest: +SKIP
+>>> ref.name, ref.model_dir, ref.parity_spec
+('llama', None, {})
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+import tomllib
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RUNNER_FILE = "runner.py"
+PARITY_FILE = "parity.toml"
+PERF_FILE = "perf.toml"
+DEFAULT_CHECKPOINT = "tiny"
+_PACKAGE_ROOT = "resin_models"
+
+
+class ModelRefError(ValueError):
+    """A model spec names nothing usable: no such directory or name, or a broken spec file."""
+
+
+@dataclass
+class ModelRef:
+    """One resolved model. ``model_dir`` is None for a plain checkpoint (torch reference runner).
+
+    ``runner_name`` is ``"torch"`` for a checkpoint and ``"model:NAME"`` for a model directory.
+    """
+
+    name: str
+    checkpoint_dir: Path
+    model_dir: Path | None = None
+    parity_spec: dict[str, Any] = field(default_factory=dict)
+    perf_spec: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def runner_name(self) -> str:
+        return "torch" if self.model_dir is None else f"model:{self.name}"
+
+    def runner_class(self) -> Any:
+        """The class whose ``from_pretrained(checkpoint_dir, device=, dtype=)`` builds the runner."""
+        if self.model_dir is None:
+            from resin.runners.torch import TorchRunner
+
+            return TorchRunner
+        module = import_model_module(self.model_dir, "runner", self.name)
+        runner_cls = getattr(module, "Runner", None)
+        if runner_cls is None:
+            raise ModelRefError(f"{self.model_dir / RUNNER_FILE} defines no class Runner")
+        return runner_cls
+
+    def load_runner(self, device: str = "cpu", dtype: Any = "float32") -> Any:
+        """A runner on ``checkpoint_dir``; ``dtype`` is a torch dtype or its name (``"bfloat16"``)."""
+        return self.runner_factory(device, dtype)(str(self.checkpoint_dir))
+
+    def runner_factory(self, device: str = "cpu", dtype: Any = "float32") -> Any:
+        """``factory(checkpoint_dir) -> runner``, the shape ``run_parity(runner_factory=...)`` takes."""
+        import torch
+
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        runner_cls = self.runner_class()
+
+        def factory(checkpoint_dir: str) -> Any:
+            return runner_cls.from_pretrained(checkpoint_dir, device=device, dtype=torch_dtype)
+
+        return factory
+
+
+def resolve_model(spec: str | Path, models_root: str | Path | None = None) -> ModelRef:
+    """Resolve a checkpoint path, a model directory path, or a model name (see module doc)."""
+    path = Path(spec)
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if path.is_dir() and (path / RUNNER_FILE).is_file():
+        return _model_ref(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelRef(name=path.resolve().name, checkpoint_dir=path)
+    if path.is_dir():
+        raise ModelRefError(f"{path} is neither a checkpoint (no config.json) nor a model "
+                            f"directory (no {RUNNER_FILE})")
+    name = str(spec)
+    if "/" in name or "\\" in name or not name:
+        raise ModelRefError(f"no such checkpoint or model directory: {spec}")
+    searched = []
+    for root in _models_roots(models_root):
+        candidate = root / name
+        searched.append(str(candidate))
+        if (candidate / RUNNER_FILE).is_file():
+            return _model_ref(candidate)
+    raise ModelRefError(f"unknown model {name!r}: not a directory, and none of "
+                        f"{', '.join(searched)} holds a {RUNNER_FILE} "
+                        f"(create one with `resin new-model SOURCE --name {name}`)")
+
+
+def import_model_module(model_dir: Path, module: str, name: str | None = None) -> types.ModuleType:
+    """Import ``model_dir/<module>.py`` as ``resin_models.<name>.<module>`` (re-imported when the
+    directory was registered under the same name from another path)."""
+    model_dir = model_dir.resolve()
+    package = f"{_PACKAGE_ROOT}.{_identifier(name or model_dir.name)}"
+    if _PACKAGE_ROOT not in sys.modules:
+        root = types.ModuleType(_PACKAGE_ROOT)
+        root.__path__ = []
+        sys.modules[_PACKAGE_ROOT] = root
+    existing = sys.modules.get(package)
+    if existing is None or list(getattr(existing, "__path__", [])) != [str(model_dir)]:
+        for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+            del sys.modules[key]
+        pkg = types.ModuleType(package)
+        pkg.__path__ = [str(model_dir)]
+        pkg.__file__ = None
+        sys.modules[package] = pkg
+    if not (model_dir / f"{module}.py").is_file():
+        raise ModelRefError(f"{model_dir} has no {module}.py")
+    importlib.invalidate_caches()
+    return importlib.import_module(f"{package}.{module}")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file as a dict; ``{}`` when it does not exist; ModelRefError when it does not parse."""
+    if not path.is_file():
+        return {}
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ModelRefError(f"cannot read {path}: {exc}") from exc
+
+
+def _model_ref(model_dir: Path) -> ModelRef:
+    parity_spec = read_toml(model_dir / PARITY_FILE)
+    perf_spec = read_toml(model_dir / PERF_FILE)
+    reference = parity_spec.get("reference", {})
+    checkpoint = Path(reference.get("checkpoint", DEFAULT_CHECKPOINT)).expanduser()
+    checkpoint_dir = checkpoint if checkpoint.is_absolute() else model_dir / checkpoint
+    if not (checkpoint_dir / "config.json").is_file():
+        raise ModelRefError(f"{model_dir / PARITY_FILE}: [reference] checkpoint = "
+                            f"{str(checkpoint)!r} -> {checkpoint_dir}, which has no config.json")
+    return ModelRef(name=model_dir.resolve().name, checkpoint_dir=checkpoint_dir,
+                    model_dir=model_dir, parity_spec=parity_spec, perf_spec=perf_spec)
+
+
+def _models_roots(models_root: str | Path | None) -> list[Path]:
+    if models_root is not None:
+        return [Path(models_root)]
+    roots = [Path.cwd() / "models", Path(__file__).resolve().parents[2] / "models"]
+    return list(dict.fromkeys(roots))
+
+
+def _identifier(name: str) -> str:
+    ident = re.sub(r"\W", "_", name)
+    return ident if not ident[:1].isdigit() else f"m_{ident}"
