@@ -97,6 +97,19 @@ def _register_eval_commands() -> None:
 _register_eval_commands()
 
 
+def _register_bench_command() -> None:
+    """Add ``resin bench`` from ``resin.evals.perf`` when it is installed (torch and matplotlib
+    are imported only when the command runs)."""
+    try:
+        from resin.evals.perf import bench
+    except ImportError:
+        return
+    app.command("bench")(bench)
+
+
+_register_bench_command()
+
+
 def main() -> None:
     app()
 

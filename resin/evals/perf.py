@@ -1,0 +1,207 @@
+"""``resin bench MODEL``: the perf harness — step times, tokens/s, engine overhead and the
+roofline per shape, written as a report and compared with a baseline.
+
+Owns the command and the run: resolve MODEL (:func:`resin.evals.model_ref.resolve_model`:
+a checkpoint directory or a model under ``models/``), settle the settings (command line, then
+the model's ``perf.toml``, then defaults), load the runner once, calibrate the device's peaks
+(:func:`resin.evals.roofline.calibrate`), time every shape through a real engine
+(:mod:`resin.evals.perf_measure`), write ``report.json`` / ``report.md`` / ``report.png``
+(:mod:`resin.evals.perf_report`) into ``evals/perf/reports/<model>-<UTC timestamp>/`` (or
+``--out``), and compare with ``--baseline`` (:mod:`resin.evals.perf_compare`).
+
+Exit status: 0 ok; 1 a shape regressed against the baseline (named in the summary and in
+``report.json`` ``comparison.regressed``); 2 bad usage (unknown model, bad shapes, unreadable
+baseline); 3 the run itself failed (the runner or engine raised). Importing this module
+imports neither torch nor matplotlib.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import shlex
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from resin.evals.perf_compare import DEFAULT_THRESHOLD, compare
+from resin.evals.perf_report import SCHEMA, shape_entry, summary, write_report
+from resin.evals.perf_shapes import DEFAULT_SHAPES, Shape, load_perf_spec, parse_shapes
+from resin.evals.roofline import DTYPE_BYTES
+
+DEFAULT_REPEATS = 10
+DEFAULT_WARMUP = 2
+DEFAULT_REPORTS_DIR = Path("evals/perf/reports")
+EXIT_REGRESSION, EXIT_USAGE, EXIT_FAILED = 1, 2, 3
+
+
+@dataclass
+class BenchSettings:
+    """Everything one run uses, after the command line, ``perf.toml`` and defaults are merged."""
+
+    shapes: list[Shape]
+    repeats: int
+    warmup: int
+    threshold: float
+    device: str
+    dtype: str
+    num_threads: int | None
+
+
+def run_bench(model: str, settings: BenchSettings, load_runner: Callable[[], Any],
+              model_config: Any, checkpoint_dir: str, command: str) -> dict[str, Any]:
+    """Calibrate, measure every shape, and return the report dict (not yet compared or written).
+    Shapes too long for the checkpoint's ``max_position_embeddings`` are skipped with a note."""
+    import torch
+
+    from resin.evals.perf_measure import ShapeRunner
+    from resin.evals.roofline import calibrate
+
+    if settings.num_threads is not None and settings.device == "cpu":
+        torch.set_num_threads(settings.num_threads)
+    notes, shapes = [], []
+    max_len = model_config.max_position_embeddings
+    for shape in settings.shapes:
+        needed = shape.max_len_tokens + settings.warmup + settings.repeats + 2
+        if needed > max_len:
+            notes.append(f"skipped {shape.id}: needs ~{needed} positions, the checkpoint has "
+                         f"max_position_embeddings {max_len}")
+        else:
+            shapes.append(shape)
+    if not shapes:
+        raise ValueError("every shape is longer than the checkpoint allows: " + "; ".join(notes))
+    runner = load_runner()
+    peaks = calibrate(settings.device, settings.dtype)
+    measurer = ShapeRunner(runner, model_config, settings.device, DTYPE_BYTES[settings.dtype])
+    entries = [shape_entry(measurer.measure(s, settings.repeats, settings.warmup), peaks)
+               for s in shapes]
+    device_name = (torch.cuda.get_device_name(settings.device)
+                   if settings.device.startswith("cuda") else platform.processor() or "cpu")
+    return {
+        "schema": SCHEMA, "model": model, "checkpoint_dir": checkpoint_dir,
+        "device": settings.device, "dtype": settings.dtype,
+        "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "git_commit": _git_commit(), "command": command,
+        "host": {"python": platform.python_version(), "torch": torch.__version__,
+                 "torch_num_threads": torch.get_num_threads(), "device_name": device_name,
+                 "platform": platform.platform()},
+        "settings": {"repeats": settings.repeats, "warmup": settings.warmup,
+                     "threshold": settings.threshold, "shapes": " ".join(s.id for s in shapes)},
+        "calibration": peaks.to_dict(), "shapes": entries, "notes": notes, "comparison": None,
+    }
+
+
+def _git_commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=False)
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None (command line, then perf.toml, then the default)."""
+    return next(v for v in values if v is not None)
+
+
+def _usage_error(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(EXIT_USAGE)
+
+
+def _default_out_dir(model: str) -> Path:
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out, n = DEFAULT_REPORTS_DIR / f"{model}-{stamp}", 1
+    while out.exists():
+        n += 1
+        out = DEFAULT_REPORTS_DIR / f"{model}-{stamp}-{n}"
+    return out
+
+
+def bench(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, or a model name under "
+                                         "models/ (see resin.evals.model_ref).")],
+    baseline: Annotated[Path | None, typer.Option(
+        help="A previous report.json to compare with; exit 1 on a regression.")] = None,
+    shapes: Annotated[str | None, typer.Option(
+        help="Shapes, e.g. 'decode:1,8,64@128,512 prefill:128,512 e2e:8@64+32'. Default: "
+             f"perf.toml's, else {DEFAULT_SHAPES!r}.")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Report directory. Default: evals/perf/reports/<model>-<UTC timestamp>/.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda[:N]. Default: perf.toml's, "
+                                               "else cpu.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16. Default: "
+                                              "perf.toml's, else float32.")] = None,
+    threshold: Annotated[float | None, typer.Option(
+        help=f"Regression threshold, a fraction of the baseline median (default "
+             f"{DEFAULT_THRESHOLD}); a regression must also exceed the measured noise.")] = None,
+    repeats: Annotated[int | None, typer.Option(
+        help=f"Timed repeats per shape (default {DEFAULT_REPEATS}).")] = None,
+    warmup: Annotated[int | None, typer.Option(
+        help=f"Untimed repeats per shape first (default {DEFAULT_WARMUP}).")] = None,
+    num_threads: Annotated[int | None, typer.Option(
+        help="CPU only: torch threads (default: torch's). 1 is steadier on a shared machine.")
+    ] = None,
+) -> None:
+    """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline."""
+    from resin.evals.model_ref import ModelRefError, resolve_model
+    from resin.loading import load_model_config
+
+    try:
+        ref = resolve_model(model)
+        spec = load_perf_spec(ref.perf_spec or None)
+        chosen = parse_shapes(shapes) if shapes is not None else (
+            spec.shapes or parse_shapes(DEFAULT_SHAPES))
+        model_config = load_model_config(ref.checkpoint_dir)
+    except (ModelRefError, ValueError) as exc:   # ConfigError is a ValueError
+        raise _usage_error(str(exc)) from exc
+    settings = BenchSettings(
+        shapes=chosen, repeats=_first(repeats, spec.repeats, DEFAULT_REPEATS),
+        warmup=_first(warmup, spec.warmup, DEFAULT_WARMUP),
+        threshold=_first(threshold, spec.threshold, DEFAULT_THRESHOLD),
+        device=_first(device, spec.device, "cpu"), dtype=_first(dtype, spec.dtype, "float32"),
+        num_threads=num_threads)
+    if settings.dtype not in DTYPE_BYTES:
+        raise _usage_error(f"--dtype {settings.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    if not (settings.device == "cpu" or settings.device.startswith("cuda")):
+        raise _usage_error(f"--device {settings.device!r}: use cpu or cuda[:N]")
+    if settings.repeats < 2 or settings.warmup < 0 or settings.threshold < 0:
+        raise _usage_error("--repeats must be >= 2 (the noise needs two samples), --warmup and "
+                           "--threshold >= 0")
+    base_report = None
+    if baseline is not None:
+        try:
+            base_report = json.loads(baseline.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise _usage_error(f"cannot read baseline {baseline}: {exc}") from exc
+        if base_report.get("schema") != SCHEMA:
+            raise _usage_error(f"{baseline} is not a resin bench report (schema "
+                               f"{base_report.get('schema')!r}, expected {SCHEMA!r})")
+    command = shlex.join(["resin", "bench", model, "--shapes",
+                          " ".join(s.id for s in settings.shapes), "--device", settings.device,
+                          "--dtype", settings.dtype, "--repeats", str(settings.repeats),
+                          "--warmup", str(settings.warmup)]
+                         + ([] if num_threads is None else ["--num-threads", str(num_threads)]))
+    try:
+        report = run_bench(ref.name, settings,
+                           lambda: ref.load_runner(settings.device, settings.dtype),
+                           model_config, str(ref.checkpoint_dir), command)
+    except ValueError as exc:
+        raise _usage_error(str(exc)) from exc
+    except RuntimeError as exc:
+        typer.echo(f"error: the run failed: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    if base_report is not None:
+        comparison = compare(report, base_report, settings.threshold, str(baseline))
+        report["comparison"] = {**comparison.to_dict(), "summary": comparison.summary()}
+    out_dir = out or _default_out_dir(ref.name)
+    write_report(report, out_dir)
+    typer.echo(summary(report, out_dir))
+    if report["comparison"] is not None and not report["comparison"]["passed"]:
+        raise typer.Exit(EXIT_REGRESSION)

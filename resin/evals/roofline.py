@@ -1,0 +1,208 @@
+"""The roofline: FLOPs and bytes moved by one engine step, and the device peaks they are held to.
+
+Owns the cost model ``resin bench`` reports against, computed from the model config
+(:class:`resin.loading.ModelConfig`) and a step's plan arrays, not from the runner, so a
+faster runner is measured against the same work. Per step with ``T`` new tokens, ``S`` rows,
+``R`` sampled rows, in the runner's element size ``e`` bytes (``h`` hidden, ``d`` head_dim,
+``nq``/``nkv`` query/KV heads, ``I`` MLP width, ``V`` vocab, ``L`` layers):
+
+FLOPs (multiply-add = 2)
+  * matmuls: ``2 * T * P_active`` with ``P_active`` = per-layer q/k/v/o projections
+    ``h*d*(2*nq + 2*nkv)`` + MLP ``3*h*I`` (MoE: router ``h*E`` + ``top_k * 3*h*I_moe``),
+    summed over layers; plus the LM head ``2 * R * h * V`` (logits only for sampled rows).
+  * attention: ``4 * nq * d`` per (query token, attended key) pair per layer (QK^T and PV);
+    a query at position ``p`` attends ``min(p + 1, window)`` keys (causal; counted exactly,
+    the masked half of a prefill chunk is not work).
+
+Bytes (lower bound on traffic to device memory, every tensor read or written once)
+  * weights: every projection, norm and the LM head once per step; MoE experts: the
+    expected number touched by ``T`` tokens, ``E * (1 - (1 - top_k/E)^T)``; embedding rows ``T*h``.
+  * KV cache: read each row's visible context once per layer (``min(seq_len, window)`` tokens
+    of ``2*nkv*d*e`` bytes), write ``T`` new tokens per layer.
+  * activations: each linear reads its input and writes its output, each norm and residual
+    add reads and writes ``h``, attention reads q and writes its output (per token per layer).
+
+Roofline time = ``max(flops / peak_flops_per_s, bytes / peak_bytes_per_s)``; ``% of roofline``
+= roofline time / measured time. The peaks come from :func:`calibrate`: the best of a few
+large matmuls (FLOP/s, in the runner's dtype) and large tensor copies (bytes/s counts the read
+and the write). They are what torch reaches on this device, not the datasheet.
+
+Only :func:`calibrate` imports torch (inside the function).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, astuple, dataclass
+from typing import Any
+
+import numpy as np
+
+from resin.loading import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Work of one step (or the sum over several): FLOPs and bytes moved, split by source."""
+
+    matmul_flops: float
+    attention_flops: float
+    weight_bytes: float
+    kv_bytes: float
+    activation_bytes: float
+
+    @property
+    def flops(self) -> float:
+        return self.matmul_flops + self.attention_flops
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes
+
+    def __add__(self, other: StepCost) -> StepCost:
+        return StepCost(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "flops": self.flops, "bytes": self.bytes}
+
+
+ZERO_COST = StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    """What :func:`calibrate` measured: ``peak_flops_per_s`` (matmul, ``dtype``) and
+    ``peak_bytes_per_s`` (copy; read + write bytes)."""
+
+    device: str
+    dtype: str
+    peak_flops_per_s: float
+    peak_bytes_per_s: float
+    matmul_n: int
+    copy_bytes: int
+    calibration_s: float
+
+    def roofline_s(self, cost: StepCost) -> float:
+        return max(cost.flops / self.peak_flops_per_s, cost.bytes / self.peak_bytes_per_s)
+
+    def bound(self, cost: StepCost) -> str:
+        """"compute" or "memory": which roof the step sits under."""
+        compute_s = cost.flops / self.peak_flops_per_s
+        return "compute" if compute_s >= cost.bytes / self.peak_bytes_per_s else "memory"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _attended_keys(num_tokens: np.ndarray, window: int | None) -> np.ndarray:
+    """``sum_{j=1..n} min(j, window)`` for each n: keys attended by positions 0..n-1."""
+    n = num_tokens.astype(np.float64)
+    if window is None:
+        return n * (n + 1) / 2
+    w = float(window)
+    return np.where(n <= w, n * (n + 1) / 2, w * (w + 1) / 2 + (n - w) * w)
+
+
+def step_cost(config: ModelConfig, query_lens: np.ndarray, context_lens: np.ndarray,
+              num_sampled: int, dtype_bytes: int) -> StepCost:
+    """FLOPs and bytes of one step (module doc). ``query_lens`` int[S]: new tokens per row;
+    ``context_lens`` int[S]: tokens already cached per row; ``num_sampled``: rows that sample
+    (the LM head runs only for those); ``dtype_bytes``: element size of weights, KV and
+    activations."""
+    c = config
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    seq_lens = context_lens + query_lens
+    num_tokens = float(query_lens.sum())
+    h, d, nq, nkv, e = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, \
+        dtype_bytes
+    attn_params = h * d * (2 * nq + 2 * nkv)
+    kv_token_bytes = 2 * nkv * d * e
+    matmul_flops = attention_flops = weight_bytes = kv_bytes = activation_bytes = 0.0
+    for layer in range(c.num_hidden_layers):
+        window = c.layer_window_tokens(layer)
+        if c.is_moe_layer(layer):
+            assert c.moe is not None
+            m = c.moe
+            expert_params = 3 * h * m.moe_intermediate_size
+            active_params = h * m.num_experts + m.num_experts_per_tok * expert_params
+            touched = m.num_experts * (1 - (1 - m.num_experts_per_tok / m.num_experts)
+                                       ** num_tokens)
+            mlp_weight_params = h * m.num_experts + touched * expert_params
+            mlp_act = h + m.num_experts + m.num_experts_per_tok * (
+                h + 3 * m.moe_intermediate_size + h)
+        else:
+            active_params = mlp_weight_params = 3 * h * c.intermediate_size
+            mlp_act = h + 3 * c.intermediate_size + h   # gate/up in, 2I out, act I, down -> h
+        matmul_flops += 2 * num_tokens * (attn_params + active_params)
+        pairs = float((_attended_keys(seq_lens, window) - _attended_keys(context_lens, window))
+                      .sum())
+        attention_flops += 4 * nq * d * pairs
+        weight_bytes += (attn_params + mlp_weight_params + 2 * h) * e   # + two norm weights
+        visible = seq_lens if window is None else np.minimum(seq_lens, window)
+        kv_bytes += float(visible.sum()) * kv_token_bytes + num_tokens * kv_token_bytes
+        per_token = (h + (nq + 2 * nkv) * d      # qkv projection in, out
+                     + 2 * nq * d                # attention reads q, writes its output
+                     + nq * d + h                # o projection in, out
+                     + 2 * 2 * h + 2 * 3 * h     # two norms (in, out), two residual adds
+                     + mlp_act)
+        activation_bytes += num_tokens * per_token * e
+    matmul_flops += 2 * num_sampled * h * c.vocab_size
+    weight_bytes += (h * c.vocab_size + h) * e + num_tokens * h * e   # LM head, final norm, embed
+    activation_bytes += num_sampled * (h + c.vocab_size) * e
+    return StepCost(matmul_flops, attention_flops, weight_bytes, kv_bytes, activation_bytes)
+
+
+def plan_cost(config: ModelConfig, plan: Any, dtype_bytes: int) -> StepCost:
+    """:func:`step_cost` of a :class:`resin.BatchPlan` (its rows' query and context lengths)."""
+    return step_cost(config, np.diff(plan.query_indptr.astype(np.int64)),
+                     plan.num_computed_tokens, int(plan.sample_indptr[-1]), dtype_bytes)
+
+
+def calibrate(device: str, dtype: str, repeats: int = 3) -> DevicePeaks:
+    """Measure the device's matmul FLOP/s and copy bytes/s (best of ``repeats`` after one
+    warm-up). Sizes: 1024^2 matmul and 64 MiB copy on CPU; 8192^2 and 1 GiB on CUDA."""
+    import torch
+
+    started = time.perf_counter()
+    torch_device = torch.device(device)
+    torch_dtype = getattr(torch, dtype)
+    cuda = torch_device.type == "cuda"
+    n = 8192 if cuda else 1024
+    copy_bytes = (1 << 30) if cuda else (64 << 20)
+
+    def best_time(fn: Any) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(torch_device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    with torch.inference_mode():
+        a = torch.randn(n, n, device=torch_device).to(torch_dtype)
+        b = torch.randn(n, n, device=torch_device).to(torch_dtype)
+        out = torch.empty(n, n, device=torch_device, dtype=torch_dtype)
+        matmul_s = best_time(lambda: torch.matmul(a, b, out=out))
+        del a, b, out
+        src = torch.ones(copy_bytes // 4, device=torch_device, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        copy_s = best_time(lambda: dst.copy_(src))
+        del src, dst
+    return DevicePeaks(device=str(torch_device), dtype=dtype,
+                       peak_flops_per_s=2 * n ** 3 / matmul_s,
+                       peak_bytes_per_s=2 * copy_bytes / copy_s,
+                       matmul_n=n, copy_bytes=copy_bytes,
+                       calibration_s=time.perf_counter() - started)
