@@ -1,0 +1,109 @@
+"""GLM-4.5 / 4.6 XML tool calls (parser ``glm45``)::
+
+    <tool_call>NAME
+    <arg_key>city</arg_key>
+    <arg_value>SF</arg_value>
+    </tool_call>
+
+Streams: ``ToolCallStart`` once the name line ends (at a newline, ``<arg_key>`` or
+``</tool_call>``), one arguments fragment per finished key/value pair, and ``}`` (or ``{}``) with
+the end at ``</tool_call>``. Values are converted by the tool's JSON schema
+(``schema.convert_value``: JSON-parsed unless the parameter is a string or unknown). A value ends
+only at ``</arg_value>``. Text between pairs is ignored.
+
+A name that is empty or does not look like a function name (``{``, ``<``, spaces) means this is
+not a call: its raw text is content. At ``finish`` a call whose name is known is closed with the
+pairs read so far (a value cut off mid-way keeps the partial text; a key without a value is
+dropped); a call still inside its name line becomes content.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .events import OutputEvent
+from .holdback import expect_marker, split_at_marker
+from .schema import convert_value
+from .tool_parser import ToolParser
+
+TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+KEY, KEY_END = "<arg_key>", "</arg_key>"
+VALUE, VALUE_END = "<arg_value>", "</arg_value>"
+_NAME = re.compile(r"[A-Za-z0-9_.:/\-]+")
+
+
+class Glm45ToolParser(ToolParser):
+    start_markers = (TOOL_CALL,)
+
+    def _open_call(self, marker: str) -> None:
+        self._state = "name"
+
+    def _step_name(self, out: list[OutputEvent], final: bool) -> bool:
+        before, marker, after = split_at_marker(self._buf, ("\n", KEY, TOOL_CALL_END))
+        if marker == "\n" and not before.strip():
+            self._raw += before + marker  # a newline right after <tool_call>
+            self._buf = after
+            return True
+        if marker is None:
+            if not final:
+                return False
+            return self._fallback(out)
+        name = before.strip()
+        if not _NAME.fullmatch(name):
+            return self._fallback(out)  # the rest is scanned again as content
+        self._buf = after
+        self._tool = name
+        self._start_call(out, name)
+        if marker == TOOL_CALL_END:
+            self._close_params(out)
+            self._state = "content"
+        else:
+            self._state = "key" if marker == KEY else "args"
+        return True
+
+    def _step_args(self, out: list[OutputEvent], final: bool) -> bool:
+        _, marker, after = split_at_marker(self._buf, (KEY, TOOL_CALL_END))
+        self._buf = after
+        if marker is None and not final:
+            return False
+        if marker == KEY:
+            self._state = "key"
+            return True
+        self._buf = "" if marker is None else after
+        self._close_params(out)
+        self._state = "content"
+        return True
+
+    def _step_key(self, out: list[OutputEvent], final: bool) -> bool:
+        at = self._find(KEY_END)
+        if at == -1:
+            if not final:
+                return False
+            self._buf = ""
+            self._state = "args"  # a key cut off mid-way is dropped
+            return True
+        self._key = self._buf[:at].strip()
+        self._buf = self._buf[at + len(KEY_END):]
+        self._state = "value_open"
+        return True
+
+    def _step_value_open(self, out: list[OutputEvent], final: bool) -> bool:
+        found = expect_marker(self._buf, VALUE, final)
+        if found is None:
+            return False
+        if found:
+            self._buf = self._buf.lstrip()[len(VALUE):]
+            self._state = "value"
+        else:
+            self._state = "args"  # a key without a value is dropped
+        return True
+
+    def _step_value(self, out: list[OutputEvent], final: bool) -> bool:
+        at = self._find(VALUE_END)
+        if at == -1 and not final:
+            return False
+        value = self._buf if at == -1 else self._buf[:at]
+        self._buf = "" if at == -1 else self._buf[at + len(VALUE_END):]
+        self._add_param(out, self._key, convert_value(value, self.param_schema(self._tool, self._key)))
+        self._state = "args"
+        return True

@@ -1,0 +1,107 @@
+"""``OutputParser``: one choice's streamed text split into reasoning, content and tool calls.
+
+The pipeline is reasoning first, tool calls second: the reasoning parser separates
+``<think>...</think>`` text, and only the content that comes out of it is given to the tool
+parser, so a tool call written inside reasoning stays reasoning text. With no tool parser (or
+``enable_tools=False``, used for ``tool_choice="none"`` and requests without tools) content
+passes through untouched, markers and all.
+
+Guarantee: for any split of the same text into ``feed`` calls, the events concatenate to the
+same reasoning, the same content and the same calls (names and argument JSON); only the
+``call_id`` values differ between runs. Each returned list has adjacent content (and adjacent
+reasoning) deltas merged and no empty deltas.
+"""
+
+from __future__ import annotations
+
+from .events import (
+    ContentDelta,
+    OutputEvent,
+    ParsedToolCall,
+    ReasoningDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from .registry import REASONING_PARSERS, TOOL_PARSERS
+
+
+class OutputParser:
+    """Splits one choice's streamed text into reasoning, content and tool calls."""
+
+    def __init__(
+        self,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        *,
+        tools: list[dict] | None = None,
+        reasoning_started: bool = False,
+        enable_tools: bool = True,
+    ) -> None:
+        if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser {tool_parser!r} is not one of {sorted(TOOL_PARSERS)}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser {reasoning_parser!r} is not one of {sorted(REASONING_PARSERS)}")
+        self._reasoning = REASONING_PARSERS[reasoning_parser](reasoning_started) if reasoning_parser else None
+        self._tools = TOOL_PARSERS[tool_parser](tools) if tool_parser and enable_tools else None
+        self._reasoning_parts: list[str] = []
+        self._content_parts: list[str] = []
+        self._calls: list[ParsedToolCall] = []
+        self._started: dict[int, ToolCallStart] = {}
+        self._finished = False
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        """Events for one detokenized delta (any split, even one character)."""
+        if self._finished:
+            raise RuntimeError("OutputParser.feed() called after finish()")
+        pieces = self._reasoning.feed(text) if self._reasoning else [ContentDelta(text)]
+        return self._route(pieces, final=False)
+
+    def finish(self) -> list[OutputEvent]:
+        """Events for the end of generation: held-back text flushed, open calls resolved."""
+        if self._finished:
+            return []
+        self._finished = True
+        pieces = self._reasoning.finish() if self._reasoning else []
+        return self._route(pieces, final=True)
+
+    def _route(self, pieces: list[OutputEvent], final: bool) -> list[OutputEvent]:
+        events: list[OutputEvent] = []
+        for piece in pieces:
+            if isinstance(piece, ContentDelta) and self._tools is not None:
+                events.extend(self._tools.feed(piece.text))
+            else:
+                events.append(piece)
+        if final and self._tools is not None:
+            events.extend(self._tools.finish())
+        return self._record(events)
+
+    def _record(self, events: list[OutputEvent]) -> list[OutputEvent]:
+        merged: list[OutputEvent] = []
+        for event in events:
+            if isinstance(event, (ContentDelta, ReasoningDelta)):
+                if not event.text:
+                    continue
+                parts = self._content_parts if isinstance(event, ContentDelta) else self._reasoning_parts
+                parts.append(event.text)
+                if merged and type(merged[-1]) is type(event):
+                    event = type(event)(merged.pop().text + event.text)  # type: ignore[union-attr]
+            elif isinstance(event, ToolCallStart):
+                self._started[event.index] = event
+            elif isinstance(event, ToolCallEnd):
+                start = self._started[event.index]
+                self._calls.append(ParsedToolCall(start.call_id, start.name, event.arguments))
+            merged.append(event)
+        return merged
+
+    @property
+    def tool_calls(self) -> list[ParsedToolCall]:
+        """Every completed call so far, in index order."""
+        return list(self._calls)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self._reasoning_parts)
+
+    @property
+    def content_text(self) -> str:
+        return "".join(self._content_parts)

@@ -1,0 +1,58 @@
+"""Parser names (as vLLM spells them) and the defaults for a Hugging Face ``model_type``."""
+
+from __future__ import annotations
+
+from .deepseek import DeepSeekToolParser
+from .glm45 import Glm45ToolParser
+from .hermes import HermesToolParser
+from .llama3_json import Llama3JsonToolParser
+from .qwen3_coder import Qwen3CoderToolParser
+from .reasoning import DeepSeekR1ReasoningParser, ThinkReasoningParser
+
+TOOL_PARSERS: dict[str, type] = {
+    "hermes": HermesToolParser,
+    "qwen25": HermesToolParser,
+    "qwen3": HermesToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3CoderToolParser,
+    "deepseek_v3": DeepSeekToolParser,  # reads the V3.1 body shape too
+    "deepseek_v31": DeepSeekToolParser,  # reads the V3 body shape too
+    "glm45": Glm45ToolParser,
+    "llama3_json": Llama3JsonToolParser,
+}
+
+REASONING_PARSERS: dict[str, type] = {
+    "qwen3": ThinkReasoningParser,
+    "glm45": ThinkReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+}
+
+# model_type -> (tool parser, reasoning parser). Qwen3-Coder shares "qwen3_moe" with the
+# thinking Qwen3 MoE models, so it is told apart by the model id (see default_parsers).
+_DEFAULTS: dict[str, tuple[str | None, str | None]] = {
+    "qwen2": ("hermes", None),  # Qwen2.5 does not think
+    "qwen2_moe": ("hermes", None),
+    "qwen3": ("hermes", "qwen3"),
+    "qwen3_moe": ("hermes", "qwen3"),
+    "qwen3_next": ("hermes", "qwen3"),
+    "qwen3_5": ("qwen3_coder", "qwen3"),
+    "qwen3_5_moe": ("qwen3_coder", "qwen3"),
+    "qwen3_coder": ("qwen3_coder", None),
+    "deepseek_v3": ("deepseek_v3", "deepseek_r1"),
+    "deepseek_v32": ("deepseek_v31", "deepseek_r1"),
+    "glm4_moe": ("glm45", "glm45"),
+    "llama": ("llama3_json", None),
+}
+
+
+def default_parsers(model_type: str, *, model_id: str | None = None) -> tuple[str | None, str | None]:
+    """``(tool_parser, reasoning_parser)`` for a config's ``model_type``; ``(None, None)`` when
+    Resin knows no format for it (mistral, mixtral, gemma, gpt_oss, ...).
+
+    ``model_id`` (a path or hub id) is optional: a Qwen3 id containing "coder" selects
+    ``qwen3_coder`` without reasoning, since Qwen3-Coder's config says ``qwen3_moe``.
+    """
+    tool, reasoning = _DEFAULTS.get(model_type, (None, None))
+    if model_id and "coder" in model_id.lower() and model_type.startswith("qwen3"):
+        return "qwen3_coder", None
+    return tool, reasoning

@@ -1,0 +1,181 @@
+"""The base every tool-call parser builds on: content scanning, call bookkeeping, event emission.
+
+A tool parser sees the content part of one choice's text (reasoning already split off) as a
+stream of deltas and turns it into ``ContentDelta`` and ``ToolCall*`` events. It is a small state
+machine: the ``content`` state looks for the format's start markers (holding back a possible
+partial marker, so none leaks into content), and each subclass adds the states that read a call
+body. ``feed`` runs the steps until one has to wait for more text; ``finish`` runs them in *final*
+mode, where no state may wait: an unterminated call is completed if it can be, else its raw text
+goes out as content.
+
+Because every decision depends only on the text seen so far (never on how it was split), any
+chunking of the same text gives the same content and the same calls.
+
+Whitespace: trailing whitespace of content is held until more content follows. It is dropped
+when a tool call starts right after it, and at the end once any call was made (vLLM likewise
+drops the blank lines around calls); with no calls it is released at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .events import (
+    ContentDelta,
+    OutputEvent,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    new_call_id,
+)
+from .holdback import split_at_marker
+from .schema import ToolSchemas, tool_schemas
+
+
+def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` from a decoded ``{"name": ..., "arguments": {...}}`` object.
+
+    The arguments may sit under any of ``args_keys``, be absent (``{}``) or be a JSON string that
+    holds an object. Anything else (no string name, arguments not an object) is ``None``.
+    """
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    args: Any = {}
+    for key in args_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return name.strip(), json.dumps(args, ensure_ascii=False)
+
+
+class ToolParser:
+    """Base class: subclasses set ``start_markers`` (and ``drop_markers``), implement
+    ``_open_call(marker)`` to enter their first call state and one ``_step_<state>`` method per
+    state. A step returns True when it changed something and the loop should run again."""
+
+    start_markers: tuple[str, ...] = ()
+    drop_markers: tuple[str, ...] = ()  # removed from content, start nothing (DeepSeek's outer block)
+    initial_state = "content"
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self.schemas: ToolSchemas = tool_schemas(tools)
+        self._buf = ""  # text received, not yet consumed by a state
+        self._state = self.initial_state
+        self._pending_ws = ""  # trailing whitespace of content, held (see module doc)
+        self._raw = ""  # raw text of the call being read, for the fallback to content
+        self.num_calls = 0
+        self._args_parts: list[str] = []
+        self._num_params = 0
+        self._scan_from = 0  # the buffer before this offset holds no whole ``_find`` marker
+
+    # -- driving -----------------------------------------------------------------------------
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        self._buf += text
+        while getattr(self, "_step_" + self._state)(out, False):
+            pass
+        return out
+
+    def finish(self) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        while getattr(self, "_step_" + self._state)(out, True):
+            pass
+        if self._pending_ws and self.num_calls == 0:
+            out.append(ContentDelta(self._pending_ws))
+        self._pending_ws = ""
+        return out
+
+    # -- content -----------------------------------------------------------------------------
+
+    def _step_content(self, out: list[OutputEvent], final: bool) -> bool:
+        before, marker, after = split_at_marker(self._buf, self.start_markers + self.drop_markers)
+        if marker is None:
+            self._content(out, self._buf if final else before)
+            self._buf = "" if final else after
+            return False
+        self._content(out, before)
+        self._buf = after
+        self._scan_from = 0
+        if marker not in self.drop_markers:
+            self._raw = marker
+            self._open_call(marker)
+        return True
+
+    def _open_call(self, marker: str) -> None:
+        raise NotImplementedError
+
+    def _find(self, marker: str) -> int:
+        """``self._buf.find(marker)``, resuming where the last miss left off.
+
+        A call body can be long (a file written through a tool) and arrives a few characters
+        per delta; searching only the new tail keeps a whole body O(length), not O(length^2).
+        Only valid while the buffer is appended to, so every hit resets the resume point.
+        """
+        at = self._buf.find(marker, max(0, self._scan_from - len(marker) + 1))
+        self._scan_from = 0 if at != -1 else len(self._buf)
+        return at
+
+    def _content(self, out: list[OutputEvent], text: str) -> None:
+        text = self._pending_ws + text
+        body = text.rstrip()
+        if body:
+            out.append(ContentDelta(body))
+        self._pending_ws = text[len(body):]
+
+    def _fallback(self, out: list[OutputEvent], rest: str = "") -> bool:
+        """Give up on the call being read: its raw text (plus ``rest``) becomes content."""
+        self._content(out, self._raw + rest)
+        self._raw = ""
+        self._state = "content"
+        return True
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _start_call(self, out: list[OutputEvent], name: str) -> None:
+        self._pending_ws = ""
+        out.append(ToolCallStart(self.num_calls, new_call_id(), name))
+        self.num_calls += 1
+        self._args_parts = []
+        self._num_params = 0
+        self._raw = ""
+
+    def _args(self, out: list[OutputEvent], text: str) -> None:
+        self._args_parts.append(text)
+        out.append(ToolCallArgumentsDelta(self.num_calls - 1, text))
+
+    def _end_call(self, out: list[OutputEvent]) -> None:
+        out.append(ToolCallEnd(self.num_calls - 1, "".join(self._args_parts)))
+        self._args_parts = []
+
+    def _emit_call(self, out: list[OutputEvent], name: str, arguments: str) -> None:
+        """A whole call at once (JSON formats): start, one arguments fragment, end."""
+        self._start_call(out, name)
+        self._args(out, arguments)
+        self._end_call(out)
+
+    def _add_param(self, out: list[OutputEvent], key: str, value: Any) -> None:
+        """One parameter of a call streamed parameter by parameter (XML formats)."""
+        sep = ", " if self._num_params else "{"
+        self._args(out, sep + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
+        self._num_params += 1
+
+    def _close_params(self, out: list[OutputEvent]) -> None:
+        self._args(out, "}" if self._num_params else "{}")
+        self._end_call(out)
+
+    def param_schema(self, tool: str, param: str) -> dict | None:
+        return self.schemas.get(tool, {}).get(param)

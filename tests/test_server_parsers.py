@@ -1,0 +1,420 @@
+"""Output parsers (resin/server/parsers): reasoning, content and tool calls out of streamed text.
+
+The central property: for every parser, feeding the text whole, one character at a time, or at
+random split points gives the same content, reasoning and calls, and the event stream is
+well-formed (one start per call, indices 0, 1, 2, ..., argument fragments that concatenate to
+the end's JSON object). ``check`` asserts all of that for each case.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from resin.server.parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    ContentDelta,
+    OutputParser,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    default_parsers,
+)
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "scale": {"type": "number"},
+                    "metric": {"type": "boolean"},
+                    "opts": {"type": "object"},
+                    "tags": {"type": "array"},
+                    "zip": {"type": "string"},
+                    "note": {"type": ["string", "null"]},
+                },
+            },
+        },
+    }
+]
+
+
+@dataclass
+class Result:
+    content: str
+    reasoning: str
+    calls: list[tuple[str, str]]  # (name, arguments JSON)
+    events: list
+
+
+def _summarize(events: list, parser: OutputParser) -> Result:
+    open_calls: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    ended: list[int] = []
+    calls = []
+    for event in events:
+        if isinstance(event, (ContentDelta, ReasoningDelta)):
+            assert event.text, "empty delta"
+        elif isinstance(event, ToolCallStart):
+            assert event.index == len(names), "call indices must be 0, 1, 2, ... in order"
+            assert event.call_id.startswith("call_") and len(event.call_id) == 29
+            int(event.call_id[5:], 16)
+            names[event.index] = event.name
+            open_calls[event.index] = []
+        elif isinstance(event, ToolCallArgumentsDelta):
+            assert event.index in open_calls, "arguments before start or after end"
+            open_calls[event.index].append(event.text)
+        elif isinstance(event, ToolCallEnd):
+            parts = open_calls.pop(event.index)
+            assert "".join(parts) == event.arguments
+            assert isinstance(json.loads(event.arguments), dict)
+            ended.append(event.index)
+            calls.append((names[event.index], event.arguments))
+    assert not open_calls, "a started call was never ended"
+    assert ended == sorted(ended)
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    assert content == parser.content_text and reasoning == parser.reasoning_text
+    assert [(c.name, c.arguments) for c in parser.tool_calls] == calls
+    return Result(content, reasoning, calls, events)
+
+
+def run(chunks: list[str], tool: str | None = None, reasoning: str | None = None, **kw) -> Result:
+    parser = OutputParser(tool, reasoning, **kw)
+    events: list = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+    events += parser.finish()
+    assert parser.finish() == []
+    return _summarize(events, parser)
+
+
+def random_splits(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(len(text) - 1, 12)))) if len(text) > 1 else []
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def check(text: str, tool: str | None = None, reasoning: str | None = None, seed: int = 0, **kw) -> Result:
+    """The result of ``text`` fed whole, after asserting every other chunking agrees with it."""
+    whole = run([text], tool, reasoning, **kw)
+    key = (whole.content, whole.reasoning, whole.calls)
+    by_char = run(list(text), tool, reasoning, **kw)
+    assert (by_char.content, by_char.reasoning, by_char.calls) == key, "char-by-char differs"
+    rng = random.Random(seed)
+    for _ in range(40):
+        split = run(random_splits(text, rng), tool, reasoning, **kw)
+        assert (split.content, split.reasoning, split.calls) == key, "random split differs"
+    return whole
+
+
+def no_markers(content: str) -> None:
+    for marker in ("<tool", "</tool", "<｜", "<function", "<parameter", "<arg_", "<|python_tag", "<think", "</think"):
+        assert marker not in content
+
+
+# --- hermes ------------------------------------------------------------------------------------
+
+HERMES_ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "São Paulo", "days": 2}}\n</tool_call>'
+
+
+def test_hermes_single_call():
+    r = check(HERMES_ONE, "hermes")
+    assert r.calls == [("get_weather", '{"city": "São Paulo", "days": 2}')]
+    assert r.content == ""
+
+
+def test_hermes_content_before_and_multiple_calls():
+    text = "Sure, checking both.\n\n" + HERMES_ONE + "\n" + HERMES_ONE.replace("São Paulo", "Oslo") + "\n"
+    r = check(text, "qwen25")
+    assert r.content == "Sure, checking both."
+    assert [c[0] for c in r.calls] == ["get_weather", "get_weather"]
+    assert json.loads(r.calls[1][1]) == {"city": "Oslo", "days": 2}
+
+
+def test_hermes_reasoning_and_call():
+    text = "<think>\nThe user wants weather. <tool_call>not parsed</tool_call>\n</think>\n\n" + HERMES_ONE
+    r = check(text, "hermes", "qwen3")
+    assert r.reasoning == "\nThe user wants weather. <tool_call>not parsed</tool_call>\n"
+    assert r.content == ""
+    assert len(r.calls) == 1
+
+
+def test_hermes_arguments_variants():
+    text = (
+        '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>'
+        '<tool_call>{"name": "b"}</tool_call>'
+        '<tool_call>{"name": "c", "parameters": {"y": [1, 2]}}</tool_call>'
+        '<tool_call>[{"name": "d", "arguments": {}}, {"name": "e", "arguments": {"z": null}}]</tool_call>'
+    )
+    r = check(text, "hermes")
+    assert r.calls == [("a", '{"x": 1}'), ("b", "{}"), ("c", '{"y": [1, 2]}'), ("d", "{}"), ("e", '{"z": null}')]
+
+
+def test_hermes_malformed_json_is_content():
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    r = check("Hi " + bad + " " + HERMES_ONE, "hermes")
+    assert r.content == "Hi " + bad
+    assert [c[0] for c in r.calls] == ["get_weather"]
+    assert check('<tool_call>{"arguments": {}}</tool_call>', "hermes").content == '<tool_call>{"arguments": {}}</tool_call>'
+
+
+def test_hermes_unterminated_call_at_finish():
+    complete = check('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', "hermes")
+    assert complete.calls == [("f", '{"a": 1}')] and complete.content == ""
+    cut = check('Let me.\n<tool_call>\n{"name": "f", "argu', "hermes")
+    assert cut.calls == [] and cut.content == 'Let me.\n<tool_call>\n{"name": "f", "argu'
+
+
+def test_partial_markers_are_held_then_released():
+    parser = OutputParser("hermes")
+    assert parser.feed("x <to") == [ContentDelta("x")]
+    assert parser.feed("y") == [ContentDelta(" <toy")]  # "<toy" can no longer become a marker
+    parser = OutputParser("hermes")
+    parser.feed("a <")
+    assert parser.content_text == "a"
+    parser.feed("b")
+    assert parser.content_text == "a <b"  # "<b" starts no marker: not held
+    parser.feed(" <tool_c")
+    assert parser.content_text == "a <b"
+    assert parser.finish() == [ContentDelta(" <tool_c")]  # never lose text
+
+
+def test_tools_disabled_pass_markers_through():
+    text = "<think>r</think>" + HERMES_ONE
+    r = check(text, "hermes", "qwen3", enable_tools=False)
+    assert r.reasoning == "r" and r.content == HERMES_ONE and r.calls == []
+    assert check(HERMES_ONE, None).content == HERMES_ONE
+
+
+def test_tool_call_start_streams_before_later_content():
+    parser = OutputParser("hermes")
+    events = parser.feed(HERMES_ONE)
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd]
+    assert events[0].index == 0 and events[0].name == "get_weather"
+
+
+# --- qwen3_coder -------------------------------------------------------------------------------
+
+def coder_call(name: str, params: dict[str, str]) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_schema_conversion():
+    text = coder_call(
+        "get_weather",
+        {"city": "Paris", "days": "3", "scale": "1.5", "metric": "True", "opts": '{"a": [1]}',
+         "tags": '["x", "y"]', "zip": "02139", "note": "null", "extra": "42"},
+    )
+    r = check(text, "qwen3_coder", tools=WEATHER_TOOLS)
+    assert len(r.calls) == 1 and r.calls[0][0] == "get_weather"
+    assert json.loads(r.calls[0][1]) == {
+        "city": "Paris", "days": 3, "scale": 1.5, "metric": True, "opts": {"a": [1]},
+        "tags": ["x", "y"], "zip": "02139", "note": None, "extra": "42",
+    }
+    assert r.content == ""
+    # Without a schema every value is a string; a bad integer stays a string.
+    assert json.loads(check(coder_call("get_weather", {"days": "soon"}), "qwen3_xml", tools=WEATHER_TOOLS).calls[0][1]) == {"days": "soon"}
+    assert json.loads(check(coder_call("other", {"days": "3"}), "qwen3_coder", tools=WEATHER_TOOLS).calls[0][1]) == {"days": "3"}
+
+
+def test_qwen3_coder_streams_per_parameter():
+    parser = OutputParser("qwen3_coder", tools=WEATHER_TOOLS)
+    events = parser.feed("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n")
+    assert events[0] == ContentDelta("Checking.")
+    assert isinstance(events[1], ToolCallStart) and events[1].name == "get_weather"
+    assert events[2] == ToolCallArgumentsDelta(0, '{"days": 2')
+    events = parser.feed("<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
+    assert events == [ToolCallArgumentsDelta(0, ', "city": "Rome"'), ToolCallArgumentsDelta(0, "}"), ToolCallEnd(0, '{"days": 2, "city": "Rome"}')]
+
+
+def test_qwen3_coder_multiple_calls_content_and_multiline_values():
+    code = "def f():\n    return '</function>'\n"
+    text = (
+        "I'll write it.\n\n" + coder_call("write", {"path": "a.py", "content": code}) + "\n"
+        + coder_call("noargs", {}) + "\n\n"
+    )
+    r = check(text, "qwen3_coder", "qwen3")
+    assert r.content == "I'll write it."
+    assert r.calls[0][0] == "write" and json.loads(r.calls[0][1]) == {"path": "a.py", "content": code}
+    assert r.calls[1] == ("noargs", "{}")
+    no_markers(r.content)
+
+
+def test_qwen3_coder_lenient_forms():
+    # No <tool_call> wrapper; missing </function>; next call starts before the previous closed.
+    text = "<function=a>\n<parameter=x>\n1\n</parameter>\n</tool_call>\n<tool_call>\n<function=b>\n<function=c>\n</function>"
+    r = check(text, "qwen3_coder")
+    assert r.calls == [("a", '{"x": "1"}'), ("b", "{}"), ("c", "{}")]
+    assert r.content == ""
+
+
+def test_qwen3_coder_malformed_and_unterminated():
+    assert check("<tool_call>\nhello</tool_call>", "qwen3_coder").content == "<tool_call>\nhello</tool_call>"
+    r = check("<tool_call>\n<function=get_weather>\n<parameter=city>\nBer", "qwen3_coder", tools=WEATHER_TOOLS)
+    assert r.calls == [("get_weather", '{"city": "Ber"}')]
+    r = check("ok <tool_call>\n<function=get_wea", "qwen3_coder")
+    assert r.calls == [] and r.content == "ok <tool_call>\n<function=get_wea"
+
+
+# --- deepseek ----------------------------------------------------------------------------------
+
+def ds_v3(name: str, args: str) -> str:
+    return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"
+
+
+def ds_v31(name: str, args: str) -> str:
+    return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
+def test_deepseek_both_shapes(parser):
+    text = (
+        "Let me look.\n<｜tool▁calls▁begin｜>" + ds_v3("get_weather", '{"city": "Tokyo"}') + "\n"
+        + ds_v31("function", '{"k": [1, {"a": "日本"}]}') + "<｜tool▁calls▁end｜>"
+    )
+    r = check(text, parser)
+    assert r.content == "Let me look."
+    assert r.calls == [("get_weather", '{"city": "Tokyo"}'), ("function", '{"k": [1, {"a": "日本"}]}')]
+    no_markers(r.content)
+
+
+def test_deepseek_with_r1_reasoning_without_think_tag():
+    text = "I should call it.\n</think>\n\n<｜tool▁calls▁begin｜>" + ds_v31("f", "{}") + "<｜tool▁calls▁end｜>"
+    r = check(text, "deepseek_v31", "deepseek_r1")
+    assert r.reasoning == "I should call it.\n" and r.content == "" and r.calls == [("f", "{}")]
+
+
+def test_deepseek_malformed_and_unterminated():
+    bad = ds_v31("f", '{"a": ')
+    r = check("<｜tool▁calls▁begin｜>" + bad + ds_v31("g", '{"b": 2}') + "<｜tool▁calls▁end｜>", "deepseek_v3")
+    assert r.content == bad and r.calls == [("g", '{"b": 2}')]
+    r = check("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{\"b\": 2}", "deepseek_v3")
+    assert r.calls == [("g", '{"b": 2}')] and r.content == ""
+    text = "x <｜end▁of▁sentence｜>"
+    assert check(text, "deepseek_v3").content == text  # other <｜...｜> tokens are content
+
+
+# --- glm45 -------------------------------------------------------------------------------------
+
+def glm_call(name: str, pairs: dict[str, str]) -> str:
+    return f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in pairs.items()) + "</tool_call>"
+
+
+def test_glm45_calls_with_reasoning_and_schema():
+    text = (
+        "<think>Need weather.</think>\nChecking.\n"
+        + glm_call("get_weather", {"city": "Beijing", "days": "5", "metric": "false", "tags": '["a"]', "zip": "007"})
+        + "\n" + glm_call("ping", {}) + "\n"
+    )
+    r = check(text, "glm45", "glm45", tools=WEATHER_TOOLS)
+    assert r.reasoning == "Need weather." and r.content == "\nChecking."
+    assert json.loads(r.calls[0][1]) == {"city": "Beijing", "days": 5, "metric": False, "tags": ["a"], "zip": "007"}
+    assert r.calls[1] == ("ping", "{}")
+    no_markers(r.content)
+
+
+def test_glm45_name_then_key_on_same_line_and_malformed():
+    r = check("<tool_call>f<arg_key>a</arg_key><arg_value>x y</arg_value></tool_call>", "glm45")
+    assert r.calls == [("f", '{"a": "x y"}')]
+    bad = '<tool_call>{"name": "f"}</tool_call>'
+    assert check(bad, "glm45").content == bad
+    r = check("<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>par", "glm45")
+    assert r.calls == [("f", '{"a": "par"}')]
+
+
+# --- llama3_json -------------------------------------------------------------------------------
+
+def test_llama3_json_calls():
+    r = check('{"name": "get_weather", "parameters": {"city": "SF"}}', "llama3_json")
+    assert r.calls == [("get_weather", '{"city": "SF"}')] and r.content == ""
+    r = check(' <|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": "}{"}}\n', "llama3_json")
+    assert r.calls == [("a", "{}"), ("b", '{"x": "}{"}')] and r.content == ""
+    r = check('{"name": "a", "parameters": {"s": "q\\"}]\\\\", "n": [1, {"m": 2}]}}', "llama3_json")
+    assert json.loads(r.calls[0][1]) == {"s": 'q"}]\\', "n": [1, {"m": 2}]}
+
+
+def test_llama3_json_content_and_non_calls():
+    text = 'The JSON is {"name": "x", "parameters": {}}.'
+    assert check(text, "llama3_json").content == text
+    assert check('{"answer": 42}', "llama3_json").content == '{"answer": 42}'
+    r = check('{"name": "a", "parameters": {}} and then some text', "llama3_json")
+    assert r.calls == [("a", "{}")] and r.content == " and then some text"
+    assert check('{"name": "a", "parameters": {"x": ', "llama3_json").content == '{"name": "a", "parameters": {"x": '
+
+
+def test_llama3_json_streams_each_call_when_complete():
+    parser = OutputParser("llama3_json")
+    assert parser.feed('{"name": "a", "parameters": {"q": 1}') == []
+    events = parser.feed('};{"name": "b",')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd]
+
+
+# --- reasoning ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_reasoning_with_think_tags(name):
+    r = check("\n<think>\nstep 1\n</think>\n\nAnswer: 4", None, name)
+    assert r.reasoning == "\nstep 1\n" and r.content == "\n\nAnswer: 4"
+    r = check("<think>cut off", None, name)
+    assert r.reasoning == "cut off" and r.content == ""
+
+
+def test_reasoning_without_start_tag():
+    assert check("plain answer </think> x", None, "qwen3").content == "plain answer </think> x"
+    r = check("thinking...</think>answer", None, "deepseek_r1")
+    assert (r.reasoning, r.content) == ("thinking...", "answer")
+    r = check("thinking...</think>answer <think>", None, "qwen3", reasoning_started=True)
+    assert (r.reasoning, r.content) == ("thinking...", "answer <think>")
+    assert check("all reasoning </thin", None, "deepseek_r1").reasoning == "all reasoning </thin"
+    assert check("a <think>b</think>", None, "glm45").content == "a <think>b</think>"
+
+
+# --- registry ----------------------------------------------------------------------------------
+
+def test_default_parsers():
+    assert default_parsers("qwen2") == ("hermes", None)
+    assert default_parsers("qwen3") == ("hermes", "qwen3")
+    assert default_parsers("qwen3_moe") == ("hermes", "qwen3")
+    assert default_parsers("qwen3_moe", model_id="Qwen/Qwen3-Coder-30B-A3B-Instruct") == ("qwen3_coder", None)
+    assert default_parsers("deepseek_v3") == ("deepseek_v3", "deepseek_r1")
+    assert default_parsers("glm4_moe") == ("glm45", "glm45")
+    assert default_parsers("llama") == ("llama3_json", None)
+    assert default_parsers("mistral") == (None, None) and default_parsers("mixtral") == (None, None)
+    for tool, reasoning in [default_parsers(t) for t in ("qwen2", "qwen3", "deepseek_v3", "glm4_moe", "llama", "qwen3_5")]:
+        assert tool in TOOL_PARSERS and (reasoning is None or reasoning in REASONING_PARSERS)
+    with pytest.raises(ValueError, match="tool_parser"):
+        OutputParser("nope")
+
+
+# --- randomized: arbitrary mixes of pieces, every parser --------------------------------------
+
+PIECES = {
+    "hermes": [HERMES_ONE, "<tool_call>{bad}</tool_call>", "<tool_call>", "</tool_call>", '{"name": "x"}'],
+    "qwen3_coder": [coder_call("f", {"a": "1", "b": "<x>"}), "<function=", "</parameter>", "<parameter=p>", "<tool_call>\n"],
+    "deepseek_v3": [ds_v3("f", '{"a": 1}'), ds_v31("g", "{}"), "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜", "```"],
+    "glm45": [glm_call("f", {"days": "2"}), "<arg_key>", "<arg_value>", "<tool_call>", "</tool_call>"],
+    "llama3_json": ['{"name": "f", "parameters": {"a": 1}}', ";", "<|python_tag|>", "{", "}", '"'],
+}
+COMMON = ["Hello", " ", "\n", "<", "<b>", "<think>", "</think>", "x < y", "é", "}"]
+
+
+@pytest.mark.parametrize("tool", sorted(PIECES))
+@pytest.mark.parametrize("reasoning", [None, "qwen3", "deepseek_r1"])
+def test_random_mixtures_are_split_invariant(tool, reasoning):
+    rng = random.Random(f"{tool}-{reasoning}")
+    for trial in range(60):
+        pieces = PIECES[tool] + COMMON
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+        check(text, tool, reasoning, seed=trial, tools=WEATHER_TOOLS)
