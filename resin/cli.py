@@ -110,6 +110,16 @@ def _register_bench_command() -> None:
 _register_bench_command()
 
 
+def _register_serve_command() -> None:
+    """Add ``resin serve`` from ``resin.server.cli`` (FastAPI and uvicorn load when it runs)."""
+    from resin.server.cli import serve
+
+    app.command("serve")(serve)
+
+
+_register_serve_command()
+
+
 def main() -> None:
     app()
 

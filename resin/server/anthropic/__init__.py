@@ -1,0 +1,1 @@
+"""Anthropic-compatible endpoints: messages and count_tokens."""

@@ -1,0 +1,213 @@
+"""The FastAPI application: routes, auth, error bodies, metrics — no generation logic.
+
+Routes (query strings are ignored everywhere, conformance 0.1):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``  (:mod:`resin.server.openai`)
+- ``POST /v1/responses``                                      (:mod:`resin.server.openai.responses`)
+- ``POST /v1/messages``, ``POST /v1/messages/count_tokens``   (:mod:`resin.server.anthropic`)
+- ``GET /v1/models`` (OpenAI list; Anthropic's shape when ``anthropic-version`` is sent),
+  ``GET /health`` (200 ``{}``; 503 once the engine loop died), ``GET /metrics``, ``GET /version``.
+
+Bodies are read as JSON dicts (unknown fields ignored); malformed JSON, wrong types and every
+other client error become 400 in the API's own error shape (Anthropic's under
+``/v1/messages``), FastAPI's 422 included. With ``--api-key``, ``/v1/*`` needs
+``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import resin
+from resin.server.context import ServerContext
+from resin.server.errors import APIError
+from resin.server.http_metrics import HttpMetrics
+from resin.server.sse import sse_response
+
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+             "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/version"]
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_response(path: str, error: APIError) -> JSONResponse:
+    body = error.anthropic_body() if _is_anthropic(path) else error.openai_body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+class AuthAndMetrics:
+    """ASGI middleware: API-key check on ``/v1/*`` and the HTTP request counter."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: HttpMetrics) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        started = time.perf_counter()
+        if self.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
+            error = APIError(401, "Invalid API key: send it as 'Authorization: Bearer <key>' or "
+                             "'x-api-key: <key>'.", code="invalid_api_key")
+            response = error_response(path, error)
+            self.metrics.observe(path, scope["method"], 401, time.perf_counter() - started)
+            await response(scope, receive, send)
+            return
+        recorded = False
+
+        async def send_and_count(message: Message) -> None:
+            nonlocal recorded
+            if message["type"] == "http.response.start" and not recorded:
+                recorded = True
+                self.metrics.observe(path, scope["method"], message["status"],
+                                     time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, send_and_count)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                text = value.decode("latin-1")
+                if text.lower().startswith("bearer ") and text[7:].strip() == self.api_key:
+                    return True
+            elif name == b"x-api-key" and value.decode("latin-1").strip() == self.api_key:
+                return True
+        return False
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    metrics = HttpMetrics(ENDPOINTS)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        ctx.loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            ctx.loop.stop()
+
+    app = FastAPI(title="Resin", version=resin.__version__, lifespan=lifespan)
+    app.add_middleware(AuthAndMetrics, api_key=ctx.options.api_key, metrics=metrics)
+    app.state.ctx = ctx
+    app.state.http_metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request.url.path, APIError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = "no such route" if exc.status_code == 404 else str(exc.detail)
+        return error_response(request.url.path,
+                              APIError(exc.status_code, f"{message}: {request.url.path}"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request.url.path, APIError(500, f"internal error: {exc!r}"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        from resin.server.openai import chat
+
+        body = await read_json(request)
+        model, gen_request, prompt, tool_choice = chat.prepare_chat(ctx, body)
+        generation = chat.start(ctx, gen_request, "chatcmpl")
+        if body.get("stream"):
+            return sse_response(chat.stream_chat(ctx, model, generation, prompt, tool_choice,
+                                                 body))
+        try:
+            return JSONResponse(await chat.complete_chat(ctx, model, generation, prompt,
+                                                         tool_choice))
+        finally:
+            generation.abort()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        from resin.server.openai import completions as legacy
+
+        body = await read_json(request)
+        completion = legacy.CompletionRequest(ctx, body)
+        if body.get("stream"):
+            return sse_response(legacy.stream_completion(completion, body))
+        return JSONResponse(await legacy.complete(completion))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        from resin.server.openai import responses as responses_api
+
+        return await responses_api.create_response(ctx, await read_json(request))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        from resin.server.anthropic import messages as messages_api
+
+        return await messages_api.create_message(ctx, await read_json(request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        from resin.server.anthropic import messages as messages_api
+
+        return JSONResponse(messages_api.count_tokens(ctx, await read_json(request)))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if request.headers.get("anthropic-version"):
+            data = [{"type": "model", "id": name, "display_name": name,
+                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                 time.gmtime(ctx.created))}
+                    for name in ctx.options.served_model_names]
+            return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"],
+                                 "last_id": data[-1]["id"]})
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": ctx.created, "owned_by": "resin",
+             "root": name, "parent": None, "max_model_len": ctx.max_model_len}
+            for name in ctx.options.served_model_names]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.loop.alive:
+            return JSONResponse({"error": "the engine loop is not running"}, status_code=503)
+        return JSONResponse({})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": resin.__version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        text = ctx.loop.engine.metrics_text() + metrics.render()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

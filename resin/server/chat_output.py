@@ -1,0 +1,80 @@
+"""One chat choice's output: generated text → reasoning, content and tool calls, for any API.
+
+``ChatChoice`` wraps a :class:`resin.server.parsers.OutputParser` (tool parser and reasoning
+parser chosen by ``--tool-parser`` / ``--reasoning-parser``, defaulted from the model type) and
+accumulates what the non-streaming responses need: the content, the reasoning, the completed
+tool calls, the finish reason and logprobs. Streaming adapters take the events of each
+:class:`ChoiceDelta` from :meth:`ChatChoice.events`; non-streaming ones read the totals.
+
+``tool_choice`` rules: ``"none"`` (or no tools) turns tool parsing off — markers stay text;
+``"auto"``, ``"required"`` and a named function parse tool calls (Resin does not force the call
+with constrained decoding; the model's own output decides). ``finish_reason`` becomes
+``"tool_calls"`` when at least one call was parsed and generation stopped normally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from resin.server.chat_prompt import ChatPrompt
+from resin.server.context import ServerContext
+from resin.server.errors import APIError
+from resin.server.generation import ChoiceDelta, TokenLogprob
+from resin.server.parsers import OutputEvent, OutputParser, ToolCallEnd
+
+
+def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
+    """``none`` / ``auto`` / ``required`` or ``{"type": "function", "name": ...}``."""
+    if value is None:
+        return "auto" if tools else "none"
+    if value in ("none", "auto", "required"):
+        return str(value)
+    if isinstance(value, dict):
+        name = value.get("name")
+        if name is None and isinstance(value.get("function"), dict):
+            name = value["function"].get("name")
+        if value.get("type") == "allowed_tools":
+            return "auto"
+        if isinstance(name, str):
+            if not any(t["function"]["name"] == name for t in tools or ()):
+                raise APIError(400, f"tool_choice names function {name!r}, which is not in "
+                               "'tools'", param="tool_choice")
+            return {"type": "function", "name": name}
+    raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or a named function",
+                   param="tool_choice")
+
+
+class ChatChoice:
+    """Parser and totals of one choice."""
+
+    def __init__(self, ctx: ServerContext, prompt: ChatPrompt, tool_choice: Any) -> None:
+        enable_tools = bool(prompt.tools) and tool_choice != "none"
+        self.parser = OutputParser(
+            ctx.options.tool_parser if enable_tools else None, ctx.options.reasoning_parser,
+            tools=prompt.tools, reasoning_started=prompt.reasoning_started,
+            enable_tools=enable_tools and ctx.options.tool_parser is not None)
+        self.finish_reason: str | None = None
+        self.stop_string: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.num_tool_calls = 0
+
+    def events(self, delta: ChoiceDelta) -> list[OutputEvent]:
+        events = self.parser.feed(delta.text) if delta.text else []
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            events.extend(self.parser.finish())
+            self.stop_string = delta.stop_string
+            self.finish_reason = delta.finish_reason
+        self.num_tool_calls += sum(1 for e in events if isinstance(e, ToolCallEnd))
+        if delta.finish_reason == "stop" and self.num_tool_calls:
+            self.finish_reason = "tool_calls"
+        return events
+
+    @property
+    def content(self) -> str:
+        return self.parser.content_text
+
+    @property
+    def reasoning(self) -> str:
+        return self.parser.reasoning_text

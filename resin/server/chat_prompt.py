@@ -1,0 +1,185 @@
+"""OpenAI-style chat messages + tools → the prompt's token ids, through the model's chat template.
+
+Every chat API ends here: ``/v1/chat/completions`` directly, ``/v1/responses`` and
+``/v1/messages`` after converting their input to OpenAI-style messages. ``build_chat_prompt``:
+
+1. normalises messages (conformance §8.2): ``developer`` → ``system``; leading system messages
+   merge into one; a later ``system`` message (Codex after compaction, Claude Code's mid-turn
+   reminders) becomes ``<system-reminder>…</system-reminder>`` text in a user turn, because
+   Qwen-family templates reject a system message that is not first; text parts flatten to a
+   string; assistant ``tool_calls[].function.arguments`` are parsed from JSON strings to
+   objects (templates ``tojson`` them); ``reasoning`` → ``reasoning_content``;
+2. renders with ``add_generation_prompt=True`` plus ``tools`` and ``chat_template_kwargs``;
+3. tokenizes without adding special tokens (the template has them), as ``LLM.chat`` does — so
+   the server and ``resin.LLM.chat`` build identical prompts.
+
+It also reports whether the prompt ends inside an open ``<think>`` block (a template that
+pre-fills ``<think>\\n``), which tells the reasoning parser that output starts as reasoning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from resin.chat_template import ChatTemplateError
+from resin.server.context import ServerContext
+from resin.server.errors import APIError
+
+SYSTEM_REMINDER = "<system-reminder>\n{}\n</system-reminder>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass
+class ChatPrompt:
+    text: str
+    token_ids: list[int]
+    tools: list[dict[str, Any]] | None  # OpenAI function tools, as rendered
+    reasoning_started: bool
+
+
+def flatten_content(content: Any, where: str) -> str:
+    """A message's content (string, or a list of text parts) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or an array of parts",
+                       param="messages")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, Mapping):
+            raise APIError(400, f"{where}: each content part must be an object", param="messages")
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("image_url", "input_image", "image", "input_audio", "file", "input_file"):
+            raise APIError(400, f"{where}: this model accepts text only; '{kind}' content parts "
+                           "are not supported", param="messages")
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            raise APIError(400, f"{where}: unsupported content part type {kind!r}",
+                           param="messages")
+    return "\n".join(texts)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where}: tool_calls must be an array", param="messages")
+    result = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise APIError(400, f"{where}: each tool call needs function.name", param="messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                pass  # keep the raw string; templates print strings as they are
+        result.append({"id": call.get("id"), "type": "function",
+                       "function": {"name": function["name"], "arguments": arguments}})
+    return result
+
+
+def normalize_chat_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty array", param="messages")
+    system_texts: list[str] = []
+    turns: list[dict[str, Any]] = []
+    for position, message in enumerate(messages):
+        where = f"messages[{position}]"
+        if not isinstance(message, Mapping):
+            raise APIError(400, f"{where} must be an object", param="messages")
+        role = message.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool", "function"):
+            raise APIError(400, f"{where}: unknown role {role!r}", param="messages")
+        if role == "system":
+            text = flatten_content(message.get("content"), where)
+            if not turns:
+                system_texts.append(text)
+            else:
+                _append_user_text(turns, SYSTEM_REMINDER.format(text))
+            continue
+        turn: dict[str, Any] = {"role": "tool" if role == "function" else role,
+                                "content": flatten_content(message.get("content"), where)}
+        if role == "assistant":
+            if message.get("tool_calls"):
+                turn["tool_calls"] = _tool_calls(message["tool_calls"], where)
+            reasoning = message.get("reasoning_content") or message.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                turn["reasoning_content"] = reasoning
+        if turn["role"] == "tool":
+            turn["tool_call_id"] = message.get("tool_call_id")
+            if message.get("name"):
+                turn["name"] = message["name"]
+        turns.append(turn)
+    if system_texts:
+        turns.insert(0, {"role": "system", "content": "\n\n".join(system_texts)})
+    return turns
+
+
+def _append_user_text(turns: list[dict[str, Any]], text: str) -> None:
+    if turns and turns[-1]["role"] == "user":
+        turns[-1]["content"] = f"{turns[-1]['content']}\n\n{text}" if turns[-1]["content"] \
+            else text
+    else:
+        turns.append({"role": "user", "content": text})
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI chat tools; unknown tool types are skipped, not rejected (conformance §2.4)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "'tools' must be an array", param="tools")
+    result = []
+    for position, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise APIError(400, f"tools[{position}] must be an object", param="tools")
+        if tool.get("type", "function") != "function":
+            continue
+        function = tool.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise APIError(400, f"tools[{position}].function.name is required", param="tools")
+        entry = {"name": function["name"], "description": function.get("description", ""),
+                 "parameters": function.get("parameters") or {"type": "object", "properties": {}}}
+        result.append({"type": "function", "function": entry})
+    return result or None
+
+
+def build_chat_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None,
+                      chat_template_kwargs: Mapping[str, Any] | None = None,
+                      chat_template: str | None = None) -> ChatPrompt:
+    """Render normalised messages (see :func:`normalize_chat_messages`) and tokenize."""
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("messages", "tools", "add_generation_prompt"):
+        kwargs.pop(reserved, None)
+    try:
+        text = ctx.chat_template.render(
+            messages, tools=tools, add_generation_prompt=True,
+            chat_template=chat_template or ctx.options.chat_template, **kwargs)
+    except (ChatTemplateError, ValueError, TypeError) as exc:
+        raise APIError(400, f"chat template error: {exc}", param="messages",
+                       headers={"x-should-retry": "false"}) from exc
+    token_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    if not token_ids:
+        raise APIError(400, "the rendered prompt is empty", param="messages")
+    tail = text.rstrip()
+    reasoning_started = tail.endswith(THINK_OPEN)
+    return ChatPrompt(text, token_ids, tools, reasoning_started)
+
+
+def tool_names(tools: Sequence[Mapping[str, Any]] | None) -> set[str]:
+    return {t["function"]["name"] for t in tools or ()}

@@ -1,0 +1,84 @@
+"""``resin serve MODEL``: the typer command that starts the HTTP server (vLLM's option names).
+
+The command only parses options; :mod:`resin.server.serve` builds the engine and app. FastAPI,
+uvicorn and torch are imported when the command runs, never by ``import resin``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def serve(
+    model: Annotated[Path, typer.Argument(help="HF checkpoint directory (config.json, "
+                                          "safetensors, tokenizer.json).")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    runner: Annotated[str, typer.Option(
+        help="Runner: 'torch' (reference runner), 'null' (no model compute: emits fixed "
+             "ordinary tokens, for measuring the server), a model name under models/, or "
+             "'module:Class'.")] = "torch",
+    served_model_name: Annotated[list[str] | None, typer.Option(
+        "--served-model-name", help="Name(s) clients use in 'model' (repeatable); the first "
+        "is reported by /v1/models. Default: the MODEL path.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        envvar="RESIN_API_KEY", help="Require this key on /v1/* as 'Authorization: Bearer' or "
+        "'x-api-key'. Default: no authentication.")] = None,
+    page_size: Annotated[int, typer.Option(help="KV cache page size in tokens.")] = 16,
+    num_pages: Annotated[int | None, typer.Option(
+        help="KV cache pages (default: sized from --kv-cache-memory-bytes).")] = None,
+    kv_cache_memory_bytes: Annotated[int | None, typer.Option(
+        help="KV cache memory budget in bytes when --num-pages is not given "
+             "(default 2 GiB).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one step.")] = 256,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(
+        help="Most tokens in one step (prefill chunks are cut to fit).")] = None,
+    max_model_len: Annotated[int | None, typer.Option(
+        help="Context length: prompt + output tokens (default: the checkpoint's, at most "
+             "8192).")] = None,
+    enable_prefix_caching: Annotated[bool, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse cached KV pages of shared prompt prefixes.")] = True,
+    tool_parser: Annotated[str | None, typer.Option(
+        help="Tool-call parser: hermes, qwen3_coder, deepseek_v3, deepseek_v31, glm45, "
+             "llama3_json, or none. Default: from the model type.")] = None,
+    reasoning_parser: Annotated[str | None, typer.Option(
+        help="Reasoning parser: qwen3, deepseek_r1, glm45, or none. Default: from the model "
+             "type.")] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        help="Chat template (a file path or the template text) to use instead of the "
+             "checkpoint's.")] = None,
+    max_queued_requests: Annotated[int, typer.Option(
+        help="Requests allowed to wait beyond --max-num-seqs before 429.")] = 4096,
+    device: Annotated[str, typer.Option(help="torch device for the runner.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve MODEL over HTTP: OpenAI /v1/chat/completions, /v1/completions, /v1/responses,
+    Anthropic /v1/messages, plus /v1/models, /health, /metrics and /version."""
+    from resin.server.context import ServerOptions
+    from resin.server.serve import build_context, run_server
+
+    engine_config: dict[str, object] = {"page_size": page_size, "max_num_seqs": max_num_seqs,
+                                        "enable_prefix_caching": enable_prefix_caching}
+    for name, value in (("num_pages", num_pages), ("max_model_len", max_model_len),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if value is not None:
+            engine_config[name] = value
+    options = ServerOptions(served_model_names=list(served_model_name or [str(model)]),
+                            api_key=api_key, tool_parser=tool_parser,
+                            reasoning_parser=reasoning_parser, chat_template=chat_template,
+                            max_queued_requests=max_queued_requests)
+    try:
+        ctx = build_context(model, runner=runner, options=options, device=device, dtype=dtype,
+                            kv_cache_bytes=kv_cache_memory_bytes, **engine_config)
+    except (FileNotFoundError, ValueError, TypeError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    typer.echo(f"resin: serving {model} as {options.served_model_names[0]!r} on "
+               f"http://{host}:{port} (runner {runner}, tool parser {options.tool_parser}, "
+               f"reasoning parser {options.reasoning_parser})", err=True)
+    run_server(ctx, host, port, log_level)

@@ -1,0 +1,224 @@
+"""The engine loop: one thread that owns ``engine.step()``, and the asyncio side that feeds it.
+
+``EngineLoop`` runs the engine's schedule → ``runner.forward`` → update cycle in a daemon
+thread and hands each step's :class:`resin.RequestOutput` objects to the asyncio event loop of
+the HTTP server. Its guarantees:
+
+- ``add`` registers the request's :class:`OutputQueue` *before* calling
+  ``engine.add_request`` (on the caller's thread; the binding takes the engine lock with the GIL
+  released), so validation errors (a prompt over ``max_model_len``, bad sampling values) raise
+  synchronously, and no output can arrive for an unregistered request.
+- One ``call_soon_threadsafe`` per burst of steps, not per step or per token: the engine thread
+  appends outputs to a deque and schedules a dispatch only when none is pending, so a slow event
+  loop receives several steps' outputs at once (and streams them as one chunk).
+- A runner that raises, or returns output the engine rejects, fails only the requests of that
+  plan: they are aborted (their pages return to the pool) and their queues receive the error;
+  the loop keeps serving everyone else.
+- ``abort`` (a client went away) frees the request's pages at once; the engine reports the
+  abort on its next step, and the queue is dropped.
+
+It never touches HTTP, text or JSON: that is :mod:`resin.server.generation`'s job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from resin._core import Engine, ForwardOutput, RequestOutput, SamplingParams
+
+EMPTY_OUTPUT_TOKEN_IDS = np.zeros(0, dtype=np.uint32)
+EMPTY_OUTPUT_INDPTR = np.zeros(1, dtype=np.uint32)
+IDLE_WAIT_S = 0.5  # the engine thread re-checks ``running`` this often when there is no work
+
+
+class RunnerFailure(RuntimeError):
+    """The runner raised, or returned output the engine rejected, while running a request."""
+
+
+class OutputQueue:
+    """Outputs of one or more engine requests (the ``n`` choices of one API request), consumed
+    by one coroutine. ``choice_of`` maps engine request id → choice index."""
+
+    __slots__ = ("choice_of", "items", "event", "error")
+
+    def __init__(self) -> None:
+        self.choice_of: dict[str, int] = {}
+        self.items: collections.deque[RequestOutput] = collections.deque()
+        self.event = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def push(self, output: RequestOutput) -> None:
+        self.items.append(output)
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    async def drain(self) -> list[RequestOutput]:
+        """Everything that arrived since the last call (waits for at least one output)."""
+        while not self.items:
+            if self.error is not None:
+                raise self.error
+            self.event.clear()
+            await self.event.wait()
+        items = list(self.items)
+        self.items.clear()
+        return items
+
+
+class EngineLoop:
+    """Drives ``engine`` in a background thread and routes outputs to asyncio queues."""
+
+    def __init__(self, engine: Engine, runner: Any) -> None:
+        self.engine = engine
+        self.runner = runner
+        self._queues: dict[str, OutputQueue] = {}
+        self._outbox: collections.deque[tuple[list[RequestOutput], dict[str, BaseException]]] = (
+            collections.deque())
+        self._dispatch_pending = False
+        self._dispatch_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.fatal_error: BaseException | None = None
+        self.num_steps = 0
+        self.busy_time_s = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="resin-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.fatal_error is None
+
+    @property
+    def num_active_requests(self) -> int:
+        """Engine requests added and not yet reported finished (waiting or running)."""
+        return len(self._queues)
+
+    # -- called on the event loop's thread ----------------------------------------------------
+    def add(self, request_ids: Iterable[str], prompt_token_ids: list[int],
+            params: list[SamplingParams]) -> OutputQueue:
+        """Add one engine request per id (the choices of one API request) sharing one queue.
+        Raises the engine's ValueError (nothing stays added) if any is rejected."""
+        queue = OutputQueue()
+        added: list[str] = []
+        try:
+            for index, (request_id, request_params) in enumerate(zip(request_ids, params)):
+                queue.choice_of[request_id] = index
+                self._queues[request_id] = queue
+                self.engine.add_request(request_id, prompt_token_ids, request_params)
+                added.append(request_id)
+        except BaseException:
+            for request_id in queue.choice_of:
+                self._queues.pop(request_id, None)
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        self._wake.set()
+        return queue
+
+    def abort(self, queue: OutputQueue) -> None:
+        """Abort every unfinished request of ``queue``; their pages return to the pool now."""
+        for request_id in queue.choice_of:
+            if self._queues.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+        self._wake.set()
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort one engine request (a choice that hit a stop string); the others go on."""
+        if self._queues.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self._wake.set()
+
+    def _dispatch(self) -> None:
+        with self._dispatch_lock:
+            self._dispatch_pending = False
+            batches = list(self._outbox)
+            self._outbox.clear()
+        for outputs, errors in batches:
+            for request_id, error in errors.items():
+                queue = self._queues.pop(request_id, None)
+                if queue is not None:
+                    queue.fail(error)
+            for output in outputs:
+                request_id = output.request_id
+                queue = self._queues.get(request_id)
+                if queue is None:
+                    continue  # aborted by its client: nobody is listening
+                if output.finished:
+                    del self._queues[request_id]
+                queue.push(output)
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:
+        assert self._loop is not None
+        with self._dispatch_lock:
+            self._outbox.append((outputs, errors))
+            if self._dispatch_pending:
+                return
+            self._dispatch_pending = True
+        self._loop.call_soon_threadsafe(self._dispatch)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while self._running:
+                if not engine.has_unfinished():
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                started = time.perf_counter()
+                outputs, errors = self._step()
+                self.busy_time_s += time.perf_counter() - started
+                self.num_steps += 1
+                if outputs or errors:
+                    self._post(outputs, errors)
+        except BaseException as exc:  # an engine bug: fail everyone, /health turns 503
+            self.fatal_error = exc
+            if self._loop is not None and not self._loop.is_closed():
+                error = RuntimeError(f"the engine loop stopped: {exc!r}")
+                self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _step(self) -> tuple[list[RequestOutput], dict[str, BaseException]]:
+        engine = self.engine
+        plan = engine.schedule()
+        if plan.num_sequences == 0:  # only lifecycle notices (aborts, finishes) to commit
+            return engine.update(plan, ForwardOutput(token_ids=EMPTY_OUTPUT_TOKEN_IDS,
+                                                     token_indptr=EMPTY_OUTPUT_INDPTR)), {}
+        try:
+            output = self.runner.forward(plan)
+            return engine.update(plan, output), {}
+        except Exception as exc:  # noqa: BLE001 - any runner failure fails this plan's requests
+            request_ids = list(plan.request_ids)
+            engine.discard_plan()
+            error = RunnerFailure(f"the runner failed on this request: {exc}")
+            error.__cause__ = exc
+            for request_id in request_ids:
+                engine.abort(request_id)
+            return [], {request_id: error for request_id in request_ids}
+
+    def _fail_all(self, error: BaseException) -> None:
+        queues = set(self._queues.values())
+        self._queues.clear()
+        for queue in queues:
+            queue.fail(error)

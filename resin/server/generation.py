@@ -1,0 +1,218 @@
+"""One API request's generation: engine outputs → per-choice text deltas, stop strings, usage.
+
+``Generator.start(request)`` adds the request's ``n`` choices to the :class:`EngineLoop`; the
+returned :class:`Generation`'s ``deltas()`` yields lists of :class:`ChoiceDelta` — everything that arrived since the last yield, at most one
+delta per choice (several engine steps are merged when the HTTP side falls behind, so a slow
+client costs fewer, larger chunks, never lost tokens). Per choice it owns:
+
+- incremental detokenization (``resin.tokenizer.IncrementalDetokenizer``: whole characters only);
+- the stop token: when the engine stops on EOS / ``stop_token_ids``, that token counts in
+  ``usage.completion_tokens`` but not in the text (vLLM's behaviour);
+- stop strings (:class:`StopStringMatcher`): the text ends before the match, ``finish_reason``
+  is ``"stop"``, ``stop_string`` names it, and the engine request is aborted at once;
+- logprobs: the sampled token's logprob and the top ``num_top_logprobs``, with token text.
+
+When the consumer stops iterating early (a client disconnected, an exception), every unfinished
+choice is aborted in ``finally`` — the pages go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from resin._core import RequestOutput, SamplingParams
+from resin.server.engine_loop import EngineLoop
+from resin.server.stop_strings import StopStringMatcher
+from resin.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token: its id, text and logprob, and the ``top`` alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]]
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """New output of one choice. ``finish_reason`` is None while it runs, then ``"stop"``,
+    ``"length"`` or ``"abort"``; ``stop_string`` is the matched stop string, if any."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_string: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """What to generate: ``params`` applies to every choice (choice ``i`` gets ``seed + i``)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    num_top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class _ChoiceState:
+    __slots__ = ("index", "request_id", "detokenizer", "matcher", "num_tokens", "finished",
+                 "text")
+
+    def __init__(self, index: int, request_id: str, detokenizer: IncrementalDetokenizer,
+                 matcher: StopStringMatcher) -> None:
+        self.index = index
+        self.request_id = request_id
+        self.detokenizer = detokenizer
+        self.matcher = matcher
+        self.num_tokens = 0
+        self.finished = False
+        self.text = ""
+
+
+class Generator:
+    """Turns :class:`GenerationRequest` into streams of :class:`ChoiceDelta` via an EngineLoop."""
+
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer) -> None:
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self._ids = itertools.count()
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def start(self, request: GenerationRequest, request_id: str) -> Generation:
+        """Add the request's choices to the engine now (ValueError if the engine rejects it,
+        with nothing added) and return the :class:`Generation` to iterate."""
+        return Generation(self, request, request_id)
+
+
+class Generation:
+    """One started API request: iterate :meth:`deltas`; ``usage`` fills in as it runs.
+    Leaving the iteration early (or calling :meth:`abort`) aborts every unfinished choice."""
+
+    def __init__(self, generator: Generator, request: GenerationRequest, request_id: str) -> None:
+        self.loop = generator.loop
+        self.tokenizer = generator.tokenizer
+        self.request = request
+        self.request_id = request_id
+        self.usage = Usage(prompt_tokens=len(request.prompt_token_ids))
+        ids = [request_id if request.n == 1 else f"{request_id}.{i}" for i in range(request.n)]
+        params = [request.params] + [_with_seed_offset(request.params, i)
+                                     for i in range(1, request.n)]
+        self._queue = self.loop.add(ids, request.prompt_token_ids, params)
+        self._states = {rid: _ChoiceState(i, rid, self.tokenizer.incremental_detokenizer(
+            request.prompt_token_ids, request.skip_special_tokens),
+            StopStringMatcher(request.stop, request.include_stop_str_in_output))
+            for i, rid in enumerate(ids)}
+        self._num_unfinished = len(ids)
+
+    @property
+    def finished(self) -> bool:
+        return self._num_unfinished == 0
+
+    def abort(self) -> None:
+        if self._num_unfinished:
+            self._num_unfinished = 0
+            self.loop.abort(self._queue)
+
+    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Delta batches (at most one per choice, in choice order) until every choice ends."""
+        try:
+            while self._num_unfinished:
+                deltas: dict[int, ChoiceDelta] = {}
+                for output in await self._queue.drain():
+                    state = self._states[output.request_id]
+                    if state.finished:
+                        continue
+                    delta = self._advance(state, output)
+                    if state.finished:
+                        self._num_unfinished -= 1
+                    merged = deltas.get(state.index)
+                    if merged is None:
+                        deltas[state.index] = delta
+                    else:
+                        _merge(merged, delta)
+                if deltas:
+                    yield [deltas[i] for i in sorted(deltas)]
+        finally:
+            self.abort()
+
+    def _advance(self, state: _ChoiceState, output: RequestOutput) -> ChoiceDelta:
+        num_top_logprobs = self.request.num_top_logprobs
+        usage = self.usage
+        new_ids = output.new_token_ids
+        state.num_tokens += len(new_ids)
+        usage.completion_tokens += len(new_ids)
+        if state.index == 0:
+            usage.cached_tokens = output.num_cached_tokens
+        finish_reason = output.finish_reason if output.finished else None
+        text_ids = new_ids[:-1] if finish_reason == "stop" and new_ids else new_ids
+        text = state.matcher.feed(state.detokenizer.add_tokens(text_ids)) if text_ids else ""
+        if state.matcher.matched is None and finish_reason is not None:
+            text += state.matcher.feed(state.detokenizer.finish())
+            text += state.matcher.flush()
+        stop_string = state.matcher.matched
+        if stop_string is not None:
+            if finish_reason is None:
+                self.loop.abort_request(state.request_id)
+            finish_reason = "stop"
+        state.finished = finish_reason is not None
+        state.text += text
+        logprobs = None
+        if num_top_logprobs is not None:
+            logprobs = self._logprobs(output, new_ids, num_top_logprobs)
+        return ChoiceDelta(state.index, text, list(new_ids), logprobs, finish_reason,
+                           stop_string)
+
+    def _logprobs(self, output: RequestOutput, new_ids: list[int],
+                  num_top: int) -> list[TokenLogprob]:
+        entries = output.logprobs or []
+        entries = entries[len(entries) - len(new_ids):]
+        decode = self.tokenizer.decode
+        result = []
+        for token_id, entry in zip(new_ids, entries):
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+            result.append(TokenLogprob(
+                token_id, decode([token_id]), float(entry.get(token_id, float("-inf"))),
+                [(int(t), decode([int(t)]), float(lp)) for t, lp in top]))
+        return result
+
+
+def _merge(into: ChoiceDelta, delta: ChoiceDelta) -> None:
+    into.text += delta.text
+    into.token_ids.extend(delta.token_ids)
+    if delta.logprobs is not None:
+        into.logprobs = (into.logprobs or []) + delta.logprobs
+    into.finish_reason = delta.finish_reason
+    into.stop_string = delta.stop_string
+
+
+def _with_seed_offset(params: SamplingParams, offset: int) -> SamplingParams:
+    if params.seed is None:
+        return params
+    fields = {name: getattr(params, name) for name in (
+        "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids",
+        "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "priority")}
+    return SamplingParams(seed=params.seed + offset, **fields)

@@ -1,0 +1,196 @@
+"""``POST /v1/chat/completions``: OpenAI Chat Completions, streaming and not (conformance §1).
+
+Request → normalised messages and tools → chat template → :class:`GenerationRequest` (``n``
+choices, stop strings, logprobs) → :class:`Generation`; each choice's text goes through a
+:class:`ChatChoice` (reasoning and tool-call parsers) and comes back as ``message`` (with
+``tool_calls``, ``reasoning`` and ``reasoning_content``) or as ``chat.completion.chunk`` deltas:
+role first (with the first token), then content / reasoning / tool-call fragments, a final
+``delta: {}`` chunk with ``finish_reason`` per choice, the usage chunk only when
+``stream_options.include_usage`` is set, and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from resin.server.chat_output import ChatChoice, parse_tool_choice
+from resin.server.chat_prompt import build_chat_prompt, normalize_chat_messages, normalize_tools
+from resin.server.context import ServerContext
+from resin.server.errors import APIError
+from resin.server.generation import Generation, GenerationRequest, TokenLogprob, Usage
+from resin.server.parsers import (
+    ContentDelta,
+    OutputEvent,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+)
+from resin.server.request_fields import get_bool, get_dict, get_int, get_stop
+from resin.server.sampling_request import MAX_TOP_LOGPROBS, max_tokens_for, sampling_params
+from resin.server.sse import DONE, data_event, dumps
+
+MAX_N = 128
+
+
+def logprobs_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                              for _, t, lp in e.top]} for e in entries]
+
+
+def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+
+
+def prepare_chat(ctx: ServerContext, body: dict[str, Any]) -> tuple[
+        str, GenerationRequest, Any, Any]:
+    """Validate a chat request; return (model, generation request, prompt, tool_choice)."""
+    model = ctx.check_model(body.get("model"))
+    messages = normalize_chat_messages(body.get("messages"))
+    tools = normalize_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    prompt = build_chat_prompt(ctx, messages, tools, get_dict(body, "chat_template_kwargs"),
+                               body.get("chat_template") if isinstance(
+                                   body.get("chat_template"), str) else None)
+    n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
+    num_logprobs = None
+    if get_bool(body, "logprobs", False):
+        num_logprobs = get_int(body, "top_logprobs", 0, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    requested = get_int(body, "max_completion_tokens", minimum=1)
+    if requested is None:
+        requested = get_int(body, "max_tokens", minimum=1)
+    max_tokens = max_tokens_for(requested, len(prompt.token_ids), ctx.max_model_len)
+    params = sampling_params(ctx.sampling_defaults, body, max_tokens=max_tokens,
+                             num_logprobs=num_logprobs)
+    request = GenerationRequest(
+        prompt.token_ids, params, n=n or 1, stop=get_stop(body, "stop"),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        num_top_logprobs=num_logprobs)
+    return model, request, prompt, tool_choice
+
+
+def start(ctx: ServerContext, request: GenerationRequest, prefix: str) -> Generation:
+    ctx.check_capacity(request.n)
+    request_id = ctx.generator.new_request_id(prefix)
+    try:
+        return ctx.generator.start(request, request_id)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def delta_body(events: list[OutputEvent], emit_reasoning_content: bool) -> dict[str, Any]:
+    """The ``delta`` of one chunk from one choice's parser events."""
+    content, reasoning = [], []
+    calls: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if isinstance(event, ContentDelta):
+            content.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            reasoning.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            calls[event.index] = {"index": event.index, "id": event.call_id, "type": "function",
+                                  "function": {"name": event.name, "arguments": ""}}
+        elif isinstance(event, ToolCallArgumentsDelta):
+            call = calls.setdefault(event.index, {"index": event.index,
+                                                  "function": {"arguments": ""}})
+            call["function"]["arguments"] += event.text
+    delta: dict[str, Any] = {}
+    if content:
+        delta["content"] = "".join(content)
+    if reasoning:
+        delta["reasoning"] = "".join(reasoning)
+        if emit_reasoning_content:
+            delta["reasoning_content"] = delta["reasoning"]
+    if calls:
+        delta["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return delta
+
+
+async def stream_chat(ctx: ServerContext, model: str, generation: Generation, prompt: Any,
+                      tool_choice: Any, body: dict[str, Any]) -> AsyncIterator[str]:
+    chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
+    options = get_dict(body, "stream_options") or {}
+    include_usage = bool(options.get("include_usage"))
+    head = dumps({"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                  "model": model, "system_fingerprint": None})[:-1]
+    tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+    choices = [ChatChoice(ctx, prompt, tool_choice) for _ in range(generation.request.n)]
+    started = [False] * len(choices)
+    emit_rc = ctx.options.emit_reasoning_content
+    try:
+        async for batch in generation.deltas():
+            for delta in batch:
+                choice = choices[delta.index]
+                body_delta = delta_body(choice.events(delta), emit_rc)
+                if not started[delta.index]:
+                    started[delta.index] = True
+                    body_delta = {"role": "assistant", "content": "", **body_delta}
+                if body_delta:
+                    entry: dict[str, Any] = {"index": delta.index, "delta": body_delta,
+                                             "logprobs": None, "finish_reason": None}
+                    if delta.logprobs:
+                        entry["logprobs"] = {"content": logprobs_content(delta.logprobs),
+                                             "refusal": None}
+                    yield f'data: {head},"choices":[{dumps(entry)}]{tail}'
+                if choice.finish_reason is not None:
+                    final = {"index": delta.index, "delta": {}, "logprobs": None,
+                             "finish_reason": _finish_reason(choice.finish_reason)}
+                    if choice.stop_string is not None:
+                        final["stop_reason"] = choice.stop_string
+                    yield f'data: {head},"choices":[{dumps(final)}]{tail}'
+    except Exception as exc:  # noqa: BLE001 - the runner failed: report it in-stream
+        yield data_event({"error": {"message": str(exc), "type": "server_error",
+                                    "param": None, "code": 500}})
+        return
+    if include_usage:
+        reasoning_tokens = sum(_count_tokens(ctx, c.reasoning) for c in choices)
+        yield (f'data: {head},"choices":[],"usage":'
+               f'{dumps(usage_body(generation.usage, reasoning_tokens))}}}\n\n')
+    yield DONE
+
+
+def _finish_reason(reason: str) -> str:
+    return "stop" if reason == "abort" else reason
+
+
+def _count_tokens(ctx: ServerContext, text: str) -> int:
+    return len(ctx.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+
+async def complete_chat(ctx: ServerContext, model: str, generation: Generation, prompt: Any,
+                        tool_choice: Any) -> dict[str, Any]:
+    choices = [ChatChoice(ctx, prompt, tool_choice) for _ in range(generation.request.n)]
+    async for batch in generation.deltas():
+        for delta in batch:
+            choices[delta.index].events(delta)
+    result_choices = []
+    for index, choice in enumerate(choices):
+        calls = [{"id": c.call_id, "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in choice.parser.tool_calls]
+        content = choice.content
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": content if content or not calls else None,
+                                   "refusal": None, "tool_calls": calls}
+        if choice.reasoning:
+            message["reasoning"] = choice.reasoning
+            if ctx.options.emit_reasoning_content:
+                message["reasoning_content"] = choice.reasoning
+        entry: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
+                                 "finish_reason": _finish_reason(choice.finish_reason or "stop")}
+        if choice.stop_string is not None:
+            entry["stop_reason"] = choice.stop_string
+        if generation.request.num_top_logprobs is not None:
+            entry["logprobs"] = {"content": logprobs_content(choice.logprobs), "refusal": None}
+        result_choices.append(entry)
+    reasoning_tokens = sum(_count_tokens(ctx, c.reasoning) for c in choices)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": model, "system_fingerprint": None,
+            "choices": result_choices, "usage": usage_body(generation.usage, reasoning_tokens)}

@@ -1,0 +1,226 @@
+"""``POST /v1/completions``: the legacy OpenAI Completions API, streaming and not (conformance §1).
+
+``prompt`` may be a string, a list of strings, a list of token ids or a list of token-id lists
+(vllm/sglang benchmarks send token ids). Each prompt gets ``n`` choices, numbered
+``prompt_index * n + j`` as vLLM does; ``max_tokens`` defaults to 16 (OpenAI's default);
+``echo`` prepends the prompt text; ``logprobs`` (0–5) uses the legacy shape (``tokens``,
+``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``, ``text_offset``). Several
+prompts run concurrently; their streams are merged as chunks arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from resin.server.context import ServerContext
+from resin.server.errors import APIError
+from resin.server.generation import ChoiceDelta, Generation, GenerationRequest, TokenLogprob, Usage
+from resin.server.openai.chat import start, usage_body
+from resin.server.request_fields import get_bool, get_dict, get_int, get_stop
+from resin.server.sampling_request import max_tokens_for, sampling_params
+from resin.server.sse import DONE, data_event, dumps
+
+DEFAULT_MAX_TOKENS = 16
+MAX_LEGACY_LOGPROBS = 5
+
+
+def parse_prompts(ctx: ServerContext, value: Any) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt."""
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif is_ids(value):
+        items = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) or is_ids(v) for v in value):
+        items = value
+    else:
+        raise APIError(400, "'prompt' must be a string, an array of strings, an array of token "
+                       "ids or an array of token-id arrays, and not empty", param="prompt")
+    prompts = []
+    vocab_size = ctx.tokenizer.vocab_size
+    for item in items:
+        if isinstance(item, str):
+            token_ids = ctx.tokenizer.encode(item)
+            if not token_ids:
+                raise APIError(400, "'prompt' is empty: it has no tokens", param="prompt")
+            prompts.append((item, token_ids))
+        else:
+            bad = [t for t in item if t < 0 or t >= vocab_size]
+            if bad:
+                raise APIError(400, f"'prompt' has token ids outside the vocabulary "
+                               f"[0, {vocab_size}): {bad[:5]}", param="prompt")
+            prompts.append((ctx.tokenizer.decode(item), list(item)))
+    return prompts
+
+
+def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    for entry in entries:
+        tokens.append(entry.token)
+        token_logprobs.append(entry.logprob)
+        top.append({t: lp for _, t, lp in entry.top})
+        text_offset.append(offset)
+        offset += len(entry.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": text_offset}
+
+
+class CompletionRequest:
+    """A validated completions request: one :class:`GenerationRequest` per prompt."""
+
+    def __init__(self, ctx: ServerContext, body: dict[str, Any]) -> None:
+        self.model = ctx.check_model(body.get("model"))
+        if body.get("suffix"):
+            raise APIError(400, "'suffix' is not supported", param="suffix")
+        self.prompts = parse_prompts(ctx, body.get("prompt"))
+        self.n = get_int(body, "n", 1, minimum=1, maximum=128) or 1
+        self.echo = get_bool(body, "echo", False)
+        logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_LEGACY_LOGPROBS)
+        self.num_logprobs = logprobs
+        requested = get_int(body, "max_tokens", minimum=1)
+        stop = get_stop(body, "stop")
+        self.requests = []
+        for _, token_ids in self.prompts:
+            max_tokens = max_tokens_for(requested, len(token_ids), ctx.max_model_len,
+                                        default=DEFAULT_MAX_TOKENS, param="prompt")
+            params = sampling_params(ctx.sampling_defaults, body, max_tokens=max_tokens,
+                                     num_logprobs=logprobs)
+            self.requests.append(GenerationRequest(
+                token_ids, params, n=self.n, stop=stop,
+                include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+                skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+                num_top_logprobs=logprobs))
+        ctx.check_capacity(self.n * len(self.requests))
+        self.generations: list[Generation] = []
+        try:
+            for request in self.requests:
+                self.generations.append(start(ctx, request, "cmpl"))
+        except BaseException:
+            for generation in self.generations:
+                generation.abort()
+            raise
+
+    def usage(self) -> Usage:
+        total = Usage()
+        for generation in self.generations:
+            total.prompt_tokens += generation.usage.prompt_tokens
+            total.completion_tokens += generation.usage.completion_tokens
+            total.cached_tokens += generation.usage.cached_tokens
+        return total
+
+    def abort(self) -> None:
+        for generation in self.generations:
+            generation.abort()
+
+
+async def merged_deltas(generations: list[Generation]) -> AsyncIterator[
+        tuple[int, list[ChoiceDelta]]]:
+    """(prompt index, deltas) from every generation, as they arrive."""
+    if len(generations) == 1:
+        async for batch in generations[0].deltas():
+            yield 0, batch
+        return
+    queue: asyncio.Queue[tuple[int, list[ChoiceDelta] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for batch in generation.deltas():
+                await queue.put((index, batch))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream_completion(request: CompletionRequest, body: dict[str, Any]) -> AsyncIterator[str]:
+    options = get_dict(body, "stream_options") or {}
+    include_usage = bool(options.get("include_usage"))
+    head = dumps({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                  "created": int(time.time()), "model": request.model})[:-1]
+    tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+    offsets = [0] * (len(request.prompts) * request.n)
+    echoed = [False] * len(offsets)
+    try:
+        async for prompt_index, batch in merged_deltas(request.generations):
+            for delta in batch:
+                index = prompt_index * request.n + delta.index
+                text = delta.text
+                if request.echo and not echoed[index]:
+                    echoed[index] = True
+                    text = request.prompts[prompt_index][0] + text
+                entry: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
+                                         "finish_reason": delta.finish_reason}
+                if delta.finish_reason == "abort":
+                    entry["finish_reason"] = "stop"
+                if delta.stop_string is not None:
+                    entry["stop_reason"] = delta.stop_string
+                if request.num_logprobs is not None and delta.logprobs:
+                    entry["logprobs"] = legacy_logprobs(delta.logprobs, offsets[index])
+                    offsets[index] += sum(len(e.token) for e in delta.logprobs)
+                yield f'data: {head},"choices":[{dumps(entry)}]{tail}'
+    except Exception as exc:  # noqa: BLE001 - the runner failed: report it in-stream
+        yield data_event({"error": {"message": str(exc), "type": "server_error",
+                                    "param": None, "code": 500}})
+        return
+    finally:
+        request.abort()
+    if include_usage:
+        yield f'data: {head},"choices":[],"usage":{dumps(usage_body(request.usage()))}}}\n\n'
+    yield DONE
+
+
+async def complete(request: CompletionRequest) -> dict[str, Any]:
+    size = len(request.prompts) * request.n
+    texts = [""] * size
+    finish: list[str | None] = [None] * size
+    stops: list[str | None] = [None] * size
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(size)]
+    try:
+        async for prompt_index, batch in merged_deltas(request.generations):
+            for delta in batch:
+                index = prompt_index * request.n + delta.index
+                texts[index] += delta.text
+                finish[index] = delta.finish_reason
+                stops[index] = delta.stop_string
+                if delta.logprobs:
+                    logprobs[index].extend(delta.logprobs)
+    finally:
+        request.abort()
+    choices = []
+    for index in range(size):
+        prompt_text = request.prompts[index // request.n][0]
+        entry: dict[str, Any] = {
+            "index": index, "text": (prompt_text if request.echo else "") + texts[index],
+            "logprobs": None, "finish_reason": "stop" if finish[index] in (None, "abort")
+            else finish[index]}
+        if stops[index] is not None:
+            entry["stop_reason"] = stops[index]
+        if request.num_logprobs is not None:
+            entry["logprobs"] = legacy_logprobs(
+                logprobs[index], len(prompt_text) if request.echo else 0)
+        choices.append(entry)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": request.model, "choices": choices,
+            "usage": usage_body(request.usage())}

@@ -1,0 +1,88 @@
+"""Sampling fields shared by every endpoint → :class:`resin.SamplingParams`, and the token budget.
+
+``sampling_params(ctx, body, ...)`` reads ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``seed``, the three penalties, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and the
+logprob count from a request body, on top of the checkpoint's ``generation_config.json``
+defaults (vLLM's rule), and checks their ranges (400 naming the field).
+
+``max_tokens_for(...)`` turns a requested completion length into the engine's ``max_tokens``:
+absent → the room left in the context (or an endpoint default such as completions' 16, capped
+by that room); too large → ``context_length_exceeded`` (OpenAI) or clamped to the room
+(Anthropic: Claude Code asks for 32k regardless of the model's context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from resin._core import SamplingParams
+from resin.server.errors import APIError, context_length_exceeded
+from resin.server.request_fields import get_bool, get_float, get_int, get_int_list
+
+MAX_TOP_LOGPROBS = 20
+
+
+def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int, *,
+                   default: int | None = None, clamp: bool = False, anthropic: bool = False,
+                   param: str = "messages") -> int:
+    if num_prompt_tokens >= max_model_len:
+        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested,
+                                      anthropic=anthropic, param=param)
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        if clamp:
+            return room
+        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested,
+                                      anthropic=anthropic, param=param)
+    return requested
+
+
+def sampling_params(defaults: Mapping[str, Any], body: Mapping[str, Any], *, max_tokens: int,
+                    num_logprobs: int | None, temperature_max: float = 2.0) -> SamplingParams:
+    """SamplingParams from the request's fields over the checkpoint ``defaults``."""
+    settings: dict[str, Any] = dict(defaults)
+    settings["max_tokens"] = max_tokens
+    temperature = get_float(body, "temperature", minimum=0.0, maximum=temperature_max)
+    if temperature is not None:
+        settings["temperature"] = temperature
+    top_p = get_float(body, "top_p", minimum=0.0, maximum=1.0)
+    if top_p is not None:
+        if top_p == 0.0:  # some clients send 0 for "greedy"; the sampler needs > 0
+            settings["temperature"] = 0.0
+        else:
+            settings["top_p"] = top_p
+    top_k = get_int(body, "top_k", minimum=-1)
+    if top_k is not None:
+        settings["top_k"] = max(top_k, 0)  # -1 (vLLM) and 0 both mean "off"
+    min_p = get_float(body, "min_p", minimum=0.0, maximum=1.0)
+    if min_p is not None:
+        settings["min_p"] = min_p
+    seed = get_int(body, "seed")
+    if seed is not None:
+        settings["seed"] = seed
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = get_float(body, name, minimum=-2.0, maximum=2.0)
+        if value is not None:
+            settings[name] = value
+    repetition_penalty = get_float(body, "repetition_penalty", minimum=0.0)
+    if repetition_penalty is not None:
+        if repetition_penalty == 0.0:
+            raise APIError(400, "'repetition_penalty' must be greater than 0",
+                           param="repetition_penalty")
+        settings["repetition_penalty"] = repetition_penalty
+    settings["ignore_eos"] = get_bool(body, "ignore_eos", False)
+    min_tokens = get_int(body, "min_tokens", minimum=0)
+    if min_tokens is not None:
+        settings["min_tokens"] = min(min_tokens, max_tokens)
+    stop_token_ids = get_int_list(body, "stop_token_ids")
+    if stop_token_ids:
+        settings["stop_token_ids"] = stop_token_ids
+    if num_logprobs is not None:
+        settings["logprobs"] = num_logprobs
+    try:
+        return SamplingParams(**settings)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise APIError(400, f"invalid sampling parameters: {exc}") from exc
