@@ -1,0 +1,244 @@
+"""The perf harness (``resin bench``): shapes, the roofline cost model, the regression rule, the
+command end to end on ``tests/fixtures/llama``, a deliberately slowed runner caught against a
+baseline, and the commands of ``skills/optimize-perf/SKILL.md`` run as written.
+
+Timing tests never assert on absolute times. The slowed runner is 4x slower on exactly the
+decode steps with >= 8 sequences (it sleeps 3x the measured forward), the runs use one torch
+thread and a 50% threshold, so a noisy shared 2-core machine neither hides the slowdown nor
+flags the clean rerun; the 5% default rule itself is tested on synthetic reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from resin.evals.perf_compare import compare
+from resin.evals.perf_shapes import Shape, load_perf_spec, parse_shapes
+from resin.evals.roofline import step_cost
+from resin.loading import load_model_config
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA = REPO / "tests" / "fixtures" / "llama"
+SKILL = REPO / "skills" / "optimize-perf" / "SKILL.md"
+SHAPES = "decode:1,8,16@16 prefill:16 e2e:4@16+4"
+SLOWED = ["decode:8@16", "decode:16@16"]   # decode steps of >= 8 sequences
+
+
+# -- shapes and perf.toml ------------------------------------------------------------------
+
+def test_parse_shapes_ids_round_trip() -> None:
+    shapes = parse_shapes("decode:1,8@128,512 prefill:64 e2e:2@16+4 decode:1@128")
+    assert [s.id for s in shapes] == ["decode:1@128", "decode:1@512", "decode:8@128",
+                                      "decode:8@512", "prefill:64", "e2e:2@16+4"]
+    assert parse_shapes(" ".join(s.id for s in shapes)) == shapes
+    assert shapes[-1] == Shape("e2e", batch_size=2, context_len=16, num_output_tokens=4)
+
+
+@pytest.mark.parametrize("bad", ["decode:8", "decode:0@16", "prefill:16@4", "warp:1@2",
+                                 "e2e:2@16", "decode:a@16", ""])
+def test_parse_shapes_rejects_bad_specs(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_shapes(bad)
+
+
+def test_perf_toml(tmp_path: Path) -> None:
+    (tmp_path / "perf.toml").write_text('shapes = "decode:2@8 prefill:8"\nrepeats = 3\n'
+                                        'threshold = 0.1\n')
+    spec = load_perf_spec(tmp_path)
+    assert [s.id for s in spec.shapes] == ["decode:2@8", "prefill:8"]
+    assert (spec.repeats, spec.threshold, spec.warmup) == (3, 0.1, None)
+    with pytest.raises(ValueError, match="unknown key"):
+        load_perf_spec({"shape": "decode:1@8"})
+    assert load_perf_spec(tmp_path / "absent").shapes == []
+
+
+# -- the cost model ------------------------------------------------------------------------
+
+def test_step_cost_decode_by_hand() -> None:
+    c = load_model_config(LLAMA)   # h 64, I 128, 4 layers, 4 q / 2 kv heads of 16, vocab 384
+    cost = step_cost(c, np.ones(8), np.full(8, 128), num_sampled=8, dtype_bytes=4)
+    params_per_layer = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
+    assert cost.matmul_flops == 2 * 8 * 4 * params_per_layer + 2 * 8 * 64 * 384
+    assert cost.attention_flops == 4 * 4 * 16 * (8 * 129) * 4      # each row attends 129 keys
+    kv_token = 2 * 2 * 16 * 4
+    assert cost.kv_bytes == 4 * (8 * 129 + 8) * kv_token            # read context, write 8
+    assert cost.weight_bytes == 4 * (4 * (params_per_layer + 2 * 64) + 64 * 384 + 64 + 8 * 64)
+
+
+def test_step_cost_sliding_window_and_moe() -> None:
+    mistral = load_model_config(REPO / "tests" / "fixtures" / "mistral")   # window 32
+    assert mistral.sliding_window_tokens == 32
+    cost = step_cost(mistral, np.array([40]), np.array([0]), num_sampled=1, dtype_bytes=2)
+    pairs = 32 * 33 // 2 + 8 * 32                  # keys attended by positions 0..39, window 32
+    assert cost.attention_flops == 4 * 4 * 16 * pairs * 3
+    moe = load_model_config(REPO / "tests" / "fixtures" / "qwen3_moe")
+    assert moe.moe is not None
+    one = step_cost(moe, np.ones(1), np.zeros(1), 1, 2)
+    many = step_cost(moe, np.ones(4096), np.zeros(4096), 1, 2)
+    m, h = moe.moe, moe.hidden_size
+    expert_bytes = 3 * h * m.moe_intermediate_size * 2 * len(m.moe_layer_indices)
+    # One token reads exactly top_k experts per MoE layer; 4096 tokens read all of them.
+    assert many.weight_bytes - one.weight_bytes == pytest.approx(
+        (m.num_experts - m.num_experts_per_tok) * expert_bytes + 4095 * h * 2, rel=1e-6)
+
+
+# -- the regression rule -------------------------------------------------------------------
+
+def _report(times: dict[str, tuple[float, float]], **top: Any) -> dict[str, Any]:
+    return {"model": "m", "device": "cpu", "dtype": "float32", **top,
+            "shapes": [{"id": i, "time": {"median_s": m, "spread_s": s}}
+                       for i, (m, s) in times.items()]}
+
+
+def test_compare_needs_threshold_and_noise() -> None:
+    base = _report({"a": (1.0, 0.01), "b": (1.0, 0.01), "c": (1.0, 0.2), "d": (1.0, 0.01),
+                    "gone": (1.0, 0.0)})
+    new = _report({"a": (1.04, 0.01), "b": (1.08, 0.01), "c": (1.3, 0.2), "d": (0.5, 0.01),
+                   "new": (1.0, 0.0)}, dtype="bfloat16")
+    result = compare(new, base)   # default threshold 5%
+    # a: within 5%; b: 8% slower, beyond noise; c: 30% slower but inside the 0.4 s noise band.
+    assert result.regressed == ["b"] and result.improved == ["d"] and not result.passed
+    assert result.missing_in_baseline == ["new"] and result.missing_in_new == ["gone"]
+    assert any("dtype differs" in w for w in result.warnings)
+    assert "REGRESSED 1 shape(s): b x1.08" in result.summary()
+    assert compare(new, base, threshold=0.1).regressed == []
+
+
+# -- the command ---------------------------------------------------------------------------
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run ``resin ...`` in-process (so a test can monkeypatch the runner); restores torch's
+    thread count, which ``--num-threads`` changes."""
+    torch = pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    from resin.cli import app
+
+    threads = torch.get_num_threads()
+    monkeypatch.chdir(REPO)
+
+    def run(*args: str) -> Any:
+        return CliRunner().invoke(app, list(args))
+
+    yield run
+    torch.set_num_threads(threads)
+
+
+def _bench(cli: Any, out: Path, *extra: str) -> tuple[Any, dict[str, Any]]:
+    result = cli("bench", str(LLAMA), "--shapes", SHAPES, "--repeats", "12", "--warmup", "2",
+                 "--num-threads", "1", "--out", str(out), *extra)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() \
+        else {}
+    return result, report
+
+
+def test_bench_writes_report(cli: Any, tmp_path: Path) -> None:
+    result, report = _bench(cli, tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in (tmp_path / "r").iterdir()} == {"report.json", "report.md",
+                                                            "report.png"}
+    assert (tmp_path / "r" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert [s["id"] for s in report["shapes"]] == [s.id for s in parse_shapes(SHAPES)]
+    assert report["model"] == "llama" and report["device"] == "cpu" and report["comparison"] is None
+    assert report["calibration"]["peak_flops_per_s"] > 0 < report["calibration"]["peak_bytes_per_s"]
+    for shape in report["shapes"]:
+        t = shape["time"]
+        assert t["num_samples"] == 12 and len(shape["samples_s"]) == 12
+        assert 0 < t["min_s"] <= t["p10_s"] <= t["median_s"] <= t["p90_s"] <= t["max_s"]
+        assert 0 <= shape["engine_overhead_frac"] < 1 and shape["tokens_per_s"] > 0
+        assert shape["flops"] > 0 and shape["bytes"] > 0 and shape["roofline_pct"] > 0
+    decode8 = next(s for s in report["shapes"] if s["id"] == "decode:8@16")
+    assert decode8["num_tokens"] == 8 and decode8["mean_context_len"] >= 16
+    e2e = next(s for s in report["shapes"] if s["id"] == "e2e:4@16+4")
+    assert e2e["num_generated"] == 16 and e2e["num_steps_per_sample"] >= 4
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "| decode:16@16 |" in md and "result: ok" in result.output
+    assert "decode:1@16" in result.output.splitlines()[2]
+
+
+def test_bench_catches_injected_slowdown(cli: Any, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from resin.runners.torch import TorchRunner
+
+    result, _ = _bench(cli, tmp_path / "base")
+    assert result.exit_code == 0, result.output
+    baseline = str(tmp_path / "base" / "report.json")
+
+    original = TorchRunner.forward
+
+    def slow_forward(self: Any, plan: Any) -> Any:
+        start = time.perf_counter()
+        output = original(self, plan)
+        if plan.num_decode_sequences >= 8:   # 4x slower decode steps of >= 8 sequences
+            time.sleep(3 * (time.perf_counter() - start))
+        return output
+
+    monkeypatch.setattr(TorchRunner, "forward", slow_forward)
+    result, report = _bench(cli, tmp_path / "slow", "--baseline", baseline, "--threshold", "0.5")
+    assert result.exit_code == 1, result.output
+    assert report["comparison"]["regressed"] == SLOWED
+    assert f"REGRESSED 2 shape(s): {SLOWED[0]} x" in result.output
+    assert "result: REGRESSION" in result.output
+
+    monkeypatch.setattr(TorchRunner, "forward", original)
+    result, report = _bench(cli, tmp_path / "clean", "--baseline", baseline, "--threshold", "0.5")
+    assert result.exit_code == 0, result.output
+    assert report["comparison"]["passed"] and report["comparison"]["regressed"] == []
+
+
+def test_bench_usage_errors(cli: Any, tmp_path: Path) -> None:
+    assert cli("bench", str(tmp_path / "nope")).exit_code == 2
+    assert cli("bench", str(LLAMA), "--shapes", "decode:8").exit_code == 2
+    (tmp_path / "bad.json").write_text('{"schema": "other"}')
+    result = cli("bench", str(LLAMA), "--baseline", str(tmp_path / "bad.json"))
+    assert result.exit_code == 2 and "not a resin bench report" in result.output
+    # Every shape longer than max_position_embeddings (512): a usage error, nothing measured.
+    assert cli("bench", str(LLAMA), "--shapes", "prefill:600", "--out",
+               str(tmp_path / "x")).exit_code == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_bench_reads_model_perf_toml(cli: Any, tmp_path: Path) -> None:
+    """A model directory (``models/NAME`` layout): shapes and repeats come from its perf.toml."""
+    model = tmp_path / "tiny_llama"
+    model.mkdir()
+    (model / "runner.py").write_text("from resin.runners.torch import TorchRunner as Runner\n")
+    (model / "parity.toml").write_text(f'[reference]\ncheckpoint = "{LLAMA}"\n')
+    (model / "perf.toml").write_text('shapes = "decode:2@8 prefill:8"\nrepeats = 3\n')
+    result = cli("bench", str(model), "--out", str(tmp_path / "r"), "--warmup", "0")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["model"] == "tiny_llama"
+    assert [s["id"] for s in report["shapes"]] == ["decode:2@8", "prefill:8"]
+    assert all(s["time"]["num_samples"] == 3 for s in report["shapes"])
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_bench_cuda(cli: Any, tmp_path: Path) -> None:
+    result = cli("bench", str(LLAMA), "--device", "cuda", "--shapes", "decode:1,8@16 prefill:16",
+                 "--repeats", "5", "--out", str(tmp_path / "r"))
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["device"] == "cuda" and report["calibration"]["matmul_n"] == 8192
+    assert all(s["time"]["median_s"] > 0 for s in report["shapes"])
+
+
+def test_import_perf_loads_no_torch_or_matplotlib() -> None:
+    code = ("import sys, resin.cli, resin.evals.perf; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
