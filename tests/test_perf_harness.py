@@ -60,7 +60,23 @@ def test_perf_toml(tmp_path: Path) -> None:
     assert (spec.repeats, spec.threshold, spec.warmup) == (3, 0.1, None)
     with pytest.raises(ValueError, match="unknown key"):
         load_perf_spec({"shape": "decode:1@8"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['batch_size'\] in \[decode\]"):
+        load_perf_spec({"decode": {"batch_size": [1], "context_lens": [8]}})
+    with pytest.raises(ValueError, match="chunk_sizes"):
+        load_perf_spec({"prefill": {"chunk_sizes": []}})
     assert load_perf_spec(tmp_path / "absent").shapes == []
+
+
+def test_perf_toml_tables(tmp_path: Path) -> None:
+    """The table layout ``resin new-model`` renders: [reference], [decode], [prefill], [model]."""
+    (tmp_path / "perf.toml").write_text(
+        'shapes = "e2e:2@8+4"\n[reference]\ncheckpoint = "ckpt"\ndtype = "bfloat16"\n'
+        'device = "cuda"\n[decode]\nbatch_sizes = [1, 4]\ncontext_lens = [16]\n'
+        '[prefill]\nchunk_sizes = [32]\n[model]\nnum_layers = 2\nhidden_size = 64\n')
+    spec = load_perf_spec(tmp_path / "perf.toml")
+    assert [s.id for s in spec.shapes] == ["e2e:2@8+4", "decode:1@16", "decode:4@16",
+                                           "prefill:32"]
+    assert (spec.dtype, spec.device, spec.checkpoint) == ("bfloat16", "cuda", tmp_path / "ckpt")
 
 
 # -- the cost model ------------------------------------------------------------------------
@@ -216,7 +232,8 @@ def test_bench_reads_model_perf_toml(cli: Any, tmp_path: Path) -> None:
     model.mkdir()
     (model / "runner.py").write_text("from resin.runners.torch import TorchRunner as Runner\n")
     (model / "parity.toml").write_text(f'[reference]\ncheckpoint = "{LLAMA}"\n')
-    (model / "perf.toml").write_text('shapes = "decode:2@8 prefill:8"\nrepeats = 3\n')
+    (model / "perf.toml").write_text('repeats = 3\n[decode]\nbatch_sizes = [2]\n'
+                                     'context_lens = [8]\n[prefill]\nchunk_sizes = [8]\n')
     result = cli("bench", str(model), "--out", str(tmp_path / "r"), "--warmup", "0")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "r" / "report.json").read_text())

@@ -3,7 +3,7 @@ roofline per shape, written as a report and compared with a baseline.
 
 Owns the command and the run: resolve MODEL (:func:`resin.evals.model_ref.resolve_model`:
 a checkpoint directory or a model under ``models/``), settle the settings (command line, then
-the model's ``perf.toml``, then defaults), load the runner once, calibrate the device's peaks
+``--spec`` or else the model's ``perf.toml``, then defaults), load the runner once, calibrate the device's peaks
 (:func:`resin.evals.roofline.calibrate`), time every shape through a real engine
 (:mod:`resin.evals.perf_measure`), write ``report.json`` / ``report.md`` / ``report.png``
 (:mod:`resin.evals.perf_report`) into ``evals/perf/reports/<model>-<UTC timestamp>/`` (or
@@ -129,6 +129,9 @@ def bench(
                                          "models/ (see resin.evals.model_ref).")],
     baseline: Annotated[Path | None, typer.Option(
         help="A previous report.json to compare with; exit 1 on a regression.")] = None,
+    spec_path: Annotated[Path | None, typer.Option(
+        "--spec", help="A perf.toml to use instead of the model's own (e.g. a suite under "
+                       "evals/perf/suites/).")] = None,
     shapes: Annotated[str | None, typer.Option(
         help="Shapes, e.g. 'decode:1,8,64@128,512 prefill:128,512 e2e:8@64+32'. Default: "
              f"perf.toml's, else {DEFAULT_SHAPES!r}.")] = None,
@@ -155,10 +158,17 @@ def bench(
 
     try:
         ref = resolve_model(model)
-        spec = load_perf_spec(ref.perf_spec or None)
+        if spec_path is not None and not spec_path.is_file():
+            raise ValueError(f"--spec {spec_path}: no such file")
+        spec = (load_perf_spec(spec_path) if spec_path is not None
+                else load_perf_spec(ref.perf_spec or None, base_dir=ref.model_dir))
+        checkpoint_dir = spec.checkpoint or ref.checkpoint_dir
+        if not (Path(checkpoint_dir) / "config.json").is_file():
+            raise ValueError(f"{spec.source or 'perf spec'}: [reference] checkpoint "
+                             f"{checkpoint_dir} has no config.json")
         chosen = parse_shapes(shapes) if shapes is not None else (
             spec.shapes or parse_shapes(DEFAULT_SHAPES))
-        model_config = load_model_config(ref.checkpoint_dir)
+        model_config = load_model_config(checkpoint_dir)
     except (ModelRefError, ValueError) as exc:   # ConfigError is a ValueError
         raise _usage_error(str(exc)) from exc
     settings = BenchSettings(
@@ -166,7 +176,7 @@ def bench(
         warmup=_first(warmup, spec.warmup, DEFAULT_WARMUP),
         threshold=_first(threshold, spec.threshold, DEFAULT_THRESHOLD),
         device=_first(device, spec.device, "cpu"), dtype=_first(dtype, spec.dtype, "float32"),
-        num_threads=num_threads)
+        num_threads=_first(num_threads, spec.num_threads, 0) or None)
     if settings.dtype not in DTYPE_BYTES:
         raise _usage_error(f"--dtype {settings.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     if not (settings.device == "cpu" or settings.device.startswith("cuda")):
@@ -187,11 +197,12 @@ def bench(
                           " ".join(s.id for s in settings.shapes), "--device", settings.device,
                           "--dtype", settings.dtype, "--repeats", str(settings.repeats),
                           "--warmup", str(settings.warmup)]
-                         + ([] if num_threads is None else ["--num-threads", str(num_threads)]))
+                         + ([] if settings.num_threads is None
+                            else ["--num-threads", str(settings.num_threads)]))
     try:
-        report = run_bench(ref.name, settings,
-                           lambda: ref.load_runner(settings.device, settings.dtype),
-                           model_config, str(ref.checkpoint_dir), command)
+        factory = ref.runner_factory(settings.device, settings.dtype)
+        report = run_bench(ref.name, settings, lambda: factory(str(checkpoint_dir)),
+                           model_config, str(checkpoint_dir), command)
     except ValueError as exc:
         raise _usage_error(str(exc)) from exc
     except RuntimeError as exc:
