@@ -260,6 +260,12 @@ def test_qwen3_coder_lenient_forms():
     assert r.content == ""
 
 
+def test_qwen3_coder_reads_hermes_json_body():
+    r = check("Ok.\n" + HERMES_ONE + "\n" + coder_call("f", {"a": "1"}), "qwen3_coder", tools=WEATHER_TOOLS)
+    assert r.content == "Ok."
+    assert r.calls == [("get_weather", '{"city": "São Paulo", "days": 2}'), ("f", '{"a": "1"}')]
+
+
 def test_qwen3_coder_malformed_and_unterminated():
     assert check("<tool_call>\nhello</tool_call>", "qwen3_coder").content == "<tool_call>\nhello</tool_call>"
     r = check("<tool_call>\n<function=get_weather>\n<parameter=city>\nBer", "qwen3_coder", tools=WEATHER_TOOLS)
@@ -328,8 +334,12 @@ def test_glm45_calls_with_reasoning_and_schema():
 def test_glm45_name_then_key_on_same_line_and_malformed():
     r = check("<tool_call>f<arg_key>a</arg_key><arg_value>x y</arg_value></tool_call>", "glm45")
     assert r.calls == [("f", '{"a": "x y"}')]
-    bad = '<tool_call>{"name": "f"}</tool_call>'
+    bad = "<tool_call>not a name\n<arg_key>a</arg_key></tool_call>"
     assert check(bad, "glm45").content == bad
+    bad = '<tool_call>\n{"name": "f", "arguments": [1]}</tool_call>'
+    assert check(bad, "glm45").content == bad
+    # A hermes JSON body inside the GLM markers is still a call.
+    assert check('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "glm45").calls == [("f", '{"a": 1}')]
     r = check("<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>par", "glm45")
     assert r.calls == [("f", '{"a": "par"}')]
 
@@ -418,3 +428,55 @@ def test_random_mixtures_are_split_invariant(tool, reasoning):
         pieces = PIECES[tool] + COMMON
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
         check(text, tool, reasoning, seed=trial, tools=WEATHER_TOOLS)
+
+
+# --- randomized: well-formed outputs parse to exactly what was rendered ------------------------
+
+WORDS = ["Sure", " thing", ".", "\n", " a < b", " <b>", " {x}", " é日本", " 100%", ' "quoted"', " \\", " ;"]
+VALUE_CHARS = 'ab "\\\n<>{}[],:;é日\t/'
+
+
+def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
+    if tool == "hermes":
+        return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=rng.random() < 0.5) + "\n</tool_call>"
+    if tool == "deepseek_v3":
+        if rng.random() < 0.5:
+            return ds_v3(name, json.dumps(args, indent=rng.choice([None, 2])))
+        return ds_v31(name, json.dumps(args))
+    if tool == "llama3_json":
+        return json.dumps({"name": name, rng.choice(["parameters", "arguments"]): args})
+    if tool == "qwen3_coder":
+        return coder_call(name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()})
+    return glm_call(name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()})
+
+
+@pytest.mark.parametrize("tool", ["hermes", "qwen3_coder", "deepseek_v3", "glm45", "llama3_json"])
+def test_random_well_formed_outputs(tool):
+    rng = random.Random(tool)
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"properties": {
+        "s": {"type": "string"}, "n": {"type": "integer"}, "l": {"type": "array"}}}}} for i in range(3)]
+    for trial in range(40):
+        thinking = rng.random() < 0.4
+        reasoning = "".join(rng.choice(WORDS + ["<tool_call>", "<function="]) for _ in range(rng.randint(0, 4)))
+        content = "" if tool == "llama3_json" else "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 5)))
+        calls = []
+        for _ in range(rng.randint(1, 3)):
+            args: dict = {}
+            if rng.random() < 0.8:
+                args["s"] = "".join(rng.choice(VALUE_CHARS) for _ in range(rng.randint(0, 12)))
+            if rng.random() < 0.5:
+                args["n"] = rng.randint(-5, 10**6)
+            if rng.random() < 0.3:
+                args["l"] = [1, "x", {"y": None}]
+            calls.append((f"t{rng.randint(0, 2)}", args))
+        sep = "; " if tool == "llama3_json" else "\n"
+        text = ("<think>" + reasoning + "</think>" if thinking else "") + content
+        text += sep.join(_render(tool, name, args, rng) for name, args in calls)
+        # Text after the calls keeps its leading whitespace; whitespace-only text is dropped.
+        tail = rng.choice(["", "\n", "\n\nDone.\n", " Done.", "\n" + rng.choice(WORDS[:3])])
+        text += tail
+        r = check(text, tool, "qwen3", seed=trial, tools=tools)
+        assert r.reasoning == (reasoning if thinking else "")
+        assert r.content == content.rstrip() + tail.rstrip()
+        assert r.calls == [(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
+        no_markers(r.content)

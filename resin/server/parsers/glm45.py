@@ -11,8 +11,8 @@ the end at ``</tool_call>``. Values are converted by the tool's JSON schema
 (``schema.convert_value``: JSON-parsed unless the parameter is a string or unknown). A value ends
 only at ``</arg_value>``. Text between pairs is ignored.
 
-A name that is empty or does not look like a function name (``{``, ``<``, spaces) means this is
-not a call: its raw text is content. At ``finish`` a call whose name is known is closed with the
+A hermes JSON body (``<tool_call>{"name": ...}</tool_call>``) is read as hermes does. A name
+that is empty or does not look like a function name (``<``, spaces, quotes) means this is not a call: its raw text is content. At ``finish`` a call whose name is known is closed with the
 pairs read so far (a value cut off mid-way keeps the partial text; a key without a value is
 dropped); a call still inside its name line becomes content.
 """
@@ -34,11 +34,16 @@ _NAME = re.compile(r"[A-Za-z0-9_.:/\-]+")
 
 class Glm45ToolParser(ToolParser):
     start_markers = (TOOL_CALL,)
+    _tool = ""  # the call being read
+    _key = ""  # the argument being read
 
     def _open_call(self, marker: str) -> None:
         self._state = "name"
 
     def _step_name(self, out: list[OutputEvent], final: bool) -> bool:
+        if self._buf.lstrip().startswith("{"):
+            self._state = "json_body"  # a hermes JSON body instead of the XML form
+            return True
         before, marker, after = split_at_marker(self._buf, ("\n", KEY, TOOL_CALL_END))
         if marker == "\n" and not before.strip():
             self._raw += before + marker  # a newline right after <tool_call>

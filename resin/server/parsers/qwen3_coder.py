@@ -15,8 +15,9 @@ tool's JSON schema (``schema.convert_value``). A value ends only at ``</paramete
 that contains ``</function>`` stays inside the value.
 
 Lenient where Qwen models are known to slip: ``<function=`` without ``<tool_call>`` starts a
-call; a missing ``</function>`` is closed by ``</tool_call>`` or by the next call. Text between
-parameters is ignored. ``<tool_call>`` followed by something other than ``<function=`` is not a
+call; a missing ``</function>`` is closed by ``</tool_call>`` or by the next call; a hermes JSON
+body (``<tool_call>{"name": ...}</tool_call>``) is read as hermes does. Text between parameters
+is ignored. ``<tool_call>`` followed by something other than ``<function=`` is not a
 call: its raw text is content. At ``finish`` a call whose name is known is closed with the
 parameters read so far (a parameter cut off mid-value keeps the partial value).
 """
@@ -43,12 +44,17 @@ def _trim_newline(value: str) -> str:
 
 class Qwen3CoderToolParser(ToolParser):
     start_markers = (TOOL_CALL, FUNCTION)
+    _tool = ""  # the call being read
+    _param = ""  # the parameter being read
 
     def _open_call(self, marker: str) -> None:
         self._state = "open" if marker == TOOL_CALL else "name"
 
     def _step_open(self, out: list[OutputEvent], final: bool) -> bool:
-        """After ``<tool_call>``: expect ``<function=``."""
+        """After ``<tool_call>``: expect ``<function=`` (or a hermes JSON body)."""
+        if self._buf.lstrip().startswith("{"):
+            self._state = "json_body"
+            return True
         found = expect_marker(self._buf, FUNCTION, final)
         if found is None:
             return False

@@ -22,7 +22,9 @@ def tool_schemas(tools: list[dict] | None) -> ToolSchemas:
     for tool in tools or []:
         if not isinstance(tool, dict):
             continue
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            fn = tool
         name = fn.get("name")
         params = fn.get("parameters") or fn.get("input_schema") or {}
         props = params.get("properties") if isinstance(params, dict) else None

@@ -32,6 +32,8 @@ from .events import (
 from .holdback import split_at_marker
 from .schema import ToolSchemas, tool_schemas
 
+JSON_BODY_END = "</tool_call>"
+
 
 def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` from a decoded ``{"name": ..., "arguments": {...}}`` object.
@@ -59,6 +61,20 @@ def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | No
     if not isinstance(args, dict):
         return None
     return name.strip(), json.dumps(args, ensure_ascii=False)
+
+
+def parse_json_calls(body: str) -> list[tuple[str, str]] | None:
+    """``[(name, arguments JSON)]`` for a hermes-style body: one call object or a list of them;
+    ``None`` when the body is not that (bad JSON, no name, arguments not an object)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [call_from_json(item, ("arguments", "parameters")) for item in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
 
 
 class ToolParser:
@@ -160,6 +176,22 @@ class ToolParser:
     def _end_call(self, out: list[OutputEvent]) -> None:
         out.append(ToolCallEnd(self.num_calls - 1, "".join(self._args_parts)))
         self._args_parts = []
+
+    def _step_json_body(self, out: list[OutputEvent], final: bool) -> bool:
+        """A JSON call body up to ``</tool_call>`` (hermes, and models of the XML formats that
+        fall back to it): decoded whole, or given back as raw content."""
+        at = self._find(JSON_BODY_END)
+        if at == -1 and not final:
+            return False
+        body = self._buf if at == -1 else self._buf[:at]
+        self._buf = "" if at == -1 else self._buf[at + len(JSON_BODY_END):]
+        calls = parse_json_calls(body)
+        if calls is None:
+            return self._fallback(out, body + ("" if at == -1 else JSON_BODY_END))
+        for name, arguments in calls:
+            self._emit_call(out, name, arguments)
+        self._state = "content"
+        return True
 
     def _emit_call(self, out: list[OutputEvent], name: str, arguments: str) -> None:
         """A whole call at once (JSON formats): start, one arguments fragment, end."""
