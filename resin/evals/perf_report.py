@@ -75,7 +75,7 @@ def _table_rows(report: dict[str, Any]) -> list[list[str]]:
         v = verdicts.get(s["id"])
         rows.append([s["id"], _fmt_s(t["median_s"]), f"{_fmt_s(t['p10_s'])}–{_fmt_s(t['p90_s'])}",
                      f"{t['noise_frac']:.0%}", f"{s['tokens_per_s']:,.0f}",
-                     f"{s['engine_overhead_frac']:.0%}", f"{s['flops'] / 1e6:.3g}",
+                     f"{s['engine_overhead_frac']:.1%}", f"{s['flops'] / 1e6:.3g}",
                      f"{s['bytes'] / 1e6:.3g}", f"{s['roofline_pct']:.2g}%", s["bound"],
                      "" if v is None else f"x{v['ratio']:.2f} {v['verdict']}"])
     return rows

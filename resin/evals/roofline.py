@@ -161,7 +161,7 @@ def plan_cost(config: ModelConfig, plan: Any, dtype_bytes: int) -> StepCost:
                      plan.num_computed_tokens, int(plan.sample_indptr[-1]), dtype_bytes)
 
 
-def calibrate(device: str, dtype: str, repeats: int = 3) -> DevicePeaks:
+def calibrate(device: str, dtype: str, repeats: int = 5) -> DevicePeaks:
     """Measure the device's matmul FLOP/s and copy bytes/s (best of ``repeats`` after one
     warm-up). Sizes: 1024^2 matmul and 64 MiB copy on CPU; 8192^2 and 1 GiB on CUDA."""
     import torch
