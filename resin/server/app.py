@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import resin
 from resin.server.context import ServerContext
+from resin.server.engine_loop import RunnerFailure
 from resin.server.errors import APIError
 from resin.server.http_metrics import HttpMetrics
 from resin.server.sse import sse_response
@@ -133,6 +134,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         return error_response(request.url.path,
                               APIError(exc.status_code, f"{message}: {request.url.path}"))
 
+    @app.exception_handler(RunnerFailure)
+    async def _runner_failure(request: Request, exc: RunnerFailure) -> JSONResponse:
+        return error_response(request.url.path, APIError(500, str(exc)))
+
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(request.url.path, APIError(500, f"internal error: {exc!r}"))
@@ -165,21 +170,24 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
+        body = await read_json(request)
         from resin.server.openai import responses as responses_api
 
-        return await responses_api.create_response(ctx, await read_json(request))
+        return await responses_api.create_response(ctx, body)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
+        body = await read_json(request)
         from resin.server.anthropic import messages as messages_api
 
-        return await messages_api.create_message(ctx, await read_json(request))
+        return await messages_api.create_message(ctx, body)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
+        body = await read_json(request)
         from resin.server.anthropic import messages as messages_api
 
-        return JSONResponse(messages_api.count_tokens(ctx, await read_json(request)))
+        return JSONResponse(messages_api.count_tokens(ctx, body))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
