@@ -97,6 +97,18 @@ def _register_eval_commands() -> None:
 _register_eval_commands()
 
 
+def _register_new_model_command() -> None:
+    """Add ``resin new-model`` (the scaffold generator) from ``resin.scaffold.cli``."""
+    try:
+        from resin.scaffold.cli import new_model_command
+    except ImportError:
+        return
+    app.command(name="new-model")(new_model_command)
+
+
+_register_new_model_command()
+
+
 def _register_bench_command() -> None:
     """Add ``resin bench`` from ``resin.evals.perf`` when it is installed (torch and matplotlib
     are imported only when the command runs)."""

@@ -173,3 +173,48 @@ def _models_roots(models_root: str | Path | None) -> list[Path]:
 def _identifier(name: str) -> str:
     ident = re.sub(r"\W", "_", name)
     return ident if not ident[:1].isdigit() else f"m_{ident}"
+
+
+def parity_settings(ref: ModelRef) -> dict[str, Any]:
+    """``run_parity`` keyword arguments from ``parity.toml``: dtype, device, tolerances
+    (dtype defaults for absent keys), max_new_tokens, checks, prompts. Unknown keys raise."""
+    spec = ref.parity_spec
+    reference, tol, stress = (spec.get(k, {}) for k in ("reference", "tolerances", "stress"))
+    known = {"reference": {"checkpoint", "dtype", "device"},
+             "tolerances": {"hidden", "logits", "logprobs", "tie_margin"},
+             "stress": {"max_new_tokens", "checks", "prompts"}}
+    for section, keys in known.items():
+        unknown = set(spec.get(section, {})) - keys
+        if unknown:
+            raise ModelRefError(f"{ref.model_dir}/{PARITY_FILE}: unknown key(s) in [{section}]: "
+                                f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(keys))}")
+    settings: dict[str, Any] = {"dtype": reference.get("dtype", "float32"),
+                                "device": reference.get("device", "cpu"),
+                                "tolerances": dict(tol)}
+    for key in ("max_new_tokens", "checks", "prompts"):
+        if key in stress:
+            settings[key] = stress[key]
+    return settings
+
+
+def run_model_parity(ref: ModelRef, *, dtype: str | None = None, device: str | None = None,
+                     max_new_tokens: int | None = None) -> Any:
+    """``run_parity`` on ``ref``'s checkpoint with its runner and parity.toml settings;
+    explicit arguments override the file. Returns the :class:`ParityReport`."""
+    from resin.evals.parity import Tolerances, run_parity
+
+    settings = parity_settings(ref)
+    # parity.toml's tolerances are for its own dtype; another dtype gets that dtype's defaults.
+    file_tolerances = settings["tolerances"] if dtype in (None, settings["dtype"]) else {}
+    dtype = dtype or settings["dtype"]
+    device = device or settings["device"]
+    tolerances = Tolerances(**{**vars(Tolerances.for_dtype(dtype)), **file_tolerances})
+    kwargs: dict[str, Any] = {"tolerances": tolerances, "dtype": dtype,
+                              "runner_name": ref.runner_name,
+                              "runner_factory": ref.runner_factory(device, dtype)}
+    kwargs["max_new_tokens"] = max_new_tokens or settings.get("max_new_tokens", 8)
+    if "checks" in settings:
+        kwargs["checks"] = tuple(settings["checks"])
+    if "prompts" in settings:
+        kwargs["prompts"] = settings["prompts"]
+    return run_parity(ref.checkpoint_dir, **kwargs)

@@ -1,0 +1,85 @@
+"""``resin new-model SOURCE --name NAME [--out DIR] [--tiny]``: the scaffold generator command.
+
+Owns the command and :func:`new_model`, the same steps from Python: inspect SOURCE's
+architecture on the meta device, optionally write a tiny random-weight checkpoint into
+``OUT/tiny/``, and render the runner skeleton into OUT (default ``models/NAME``). Refuses to
+overwrite an existing ``runner.py`` unless ``--force``. torch and transformers are imported
+only when the command runs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+TINY_DIR = "tiny"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def new_model(source: str | Path, name: str, out: Path | None = None, tiny: bool = False,
+              force: bool = False) -> dict[str, Any]:
+    """Generate ``models/NAME`` (or ``out``); returns a summary (paths, stubs, assumed blocks)."""
+    if not _NAME.match(name):
+        raise ValueError(f"--name {name!r}: use letters, digits and underscores "
+                         "(it becomes a directory and a Python package name)")
+    source_path = Path(source)
+    if not (source_path / "config.json").is_file() and not \
+            (source_path.is_file() and source_path.suffix == ".json"):
+        raise FileNotFoundError(f"{source}: expected an HF checkpoint directory or a config.json")
+    out_dir = Path(out) if out is not None else Path("models") / name
+    if (out_dir / "runner.py").exists() and not force:
+        raise FileExistsError(f"{out_dir / 'runner.py'} exists: pass --force to overwrite")
+
+    from resin.scaffold.inspect import inspect_architecture
+    from resin.scaffold.render import blocks_of, render_model
+
+    arch = inspect_architecture(source_path)
+    checkpoint_dir = source_path if source_path.is_dir() else source_path.parent
+    has_weights = any(checkpoint_dir.glob("*.safetensors"))
+    if tiny:
+        from resin.scaffold.tiny_checkpoint import write_tiny_checkpoint
+
+        write_tiny_checkpoint(arch.config, out_dir / TINY_DIR)
+        reference = TINY_DIR
+    else:
+        reference = str(checkpoint_dir.resolve()) if has_weights else TINY_DIR
+    # bench measures the real checkpoint when SOURCE has weights, else the tiny one
+    perf = str(checkpoint_dir.resolve()) if has_weights else TINY_DIR
+    written = render_model(arch, name, out_dir, str(source), tiny, reference, perf)
+    blocks = blocks_of(arch)
+    return {"out_dir": out_dir, "files": written, "architecture": arch.architecture,
+            "reference_checkpoint": reference,
+            "stubs": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.stub],
+            "assumed": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.assumed]}
+
+
+def new_model_command(
+    source: Annotated[Path, typer.Argument(help="HF checkpoint directory or config.json path.")],
+    name: Annotated[str, typer.Option("--name", help="Model name: the directory under models/.")],
+    out: Annotated[Path | None, typer.Option("--out", help="Output directory (default models/NAME).")] = None,
+    tiny: Annotated[bool, typer.Option("--tiny", help="Also write a tiny random-weight checkpoint "
+                                       "into OUT/tiny/ and use it as the parity reference.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing runner.py.")] = False,
+) -> None:
+    """Generate a runner skeleton for an HF architecture: runner, blocks, weight map, specs."""
+    try:
+        summary = new_model(source, name, out, tiny, force)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    typer.echo(f"{summary['architecture']} -> {summary['out_dir']}/ "
+               f"({', '.join(p.name for p in summary['files'])})")
+    if tiny:
+        typer.echo(f"tiny checkpoint: {summary['out_dir']}/{TINY_DIR}/")
+    if summary["stubs"] or summary["assumed"]:
+        for fn, cls, where in summary["stubs"]:
+            typer.echo(f"  STUB     blocks.{fn}  ({cls}, {where})")
+        for fn, cls, where in summary["assumed"]:
+            typer.echo(f"  ASSUMED  blocks.{fn}  ({cls}, {where})")
+        typer.echo("fill these in (see NOTES.md), then run parity:")
+    else:
+        typer.echo("every block is one Resin has; run parity:")
+    typer.echo(f"  resin eval parity {summary['out_dir']} --json /tmp/{name}_parity.json")

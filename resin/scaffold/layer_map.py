@@ -1,0 +1,165 @@
+"""What each piece of an HF architecture becomes in Resin: cache specs, blocks, weight names.
+
+Owns three mappings the scaffold generator and generated runners share:
+
+- layer types -> cache: :func:`layer_types_from_config` gives each decoder layer's type and
+  window from an HF config (``config.layer_types`` when present; else every layer sliding iff a
+  ``sliding_window`` is set and not switched off by ``use_sliding_window``; else full), and
+  :func:`cache_kind` says which ``resin.LayerCacheSpec`` a type needs: ``full``,
+  ``sliding_window``, ``recurrent`` (linear attention / SSM: defined in Resin, rejected by the
+  engine today) or ``unknown``;
+- HF classes -> blocks: :data:`KNOWN_BLOCKS` lists the HF classes whose math
+  ``resin.runners.torch.layers`` already implements (RMSNorm, rotary embeddings, GQA paged
+  attention with or without window / qkv bias / q-k norm, SwiGLU MLP, top-k MoE, the pre-norm
+  decoder layer); every other class becomes a stub;
+- checkpoint names -> runner names: :func:`runner_name` (the in-memory module path without the
+  ``model.`` prefix, with a checkpoint's per-expert tail kept), and :func:`name_pattern`, which
+  folds layer and expert indices into ``{layer}`` / ``{expert}`` placeholders.
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+RECURRENT_TYPES = ("linear_attention", "mamba", "mamba2", "recurrent", "ssm", "gated_deltanet",
+                   "lightning_attention", "conv")
+
+# HF class -> block kind. A class is "known" only when Resin's torch layers reproduce it op for
+# op (checked by parity against the fixtures); a look-alike from another family is NOT listed,
+# so its differences (sinks, clamps, offsets) cannot slip through unnoticed.
+KNOWN_BLOCKS: dict[str, str] = {
+    **{f"{p}RMSNorm": "rms_norm" for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe",
+                                            "Mixtral")},
+    **{f"{p}RotaryEmbedding": "rotary" for p in ("Llama", "Mistral", "Qwen2", "Qwen3",
+                                                  "Qwen3Moe", "Mixtral")},
+    **{f"{p}Attention": "gqa_attention" for p in ("Llama", "Mistral", "Qwen2", "Qwen3",
+                                                   "Qwen3Moe", "Mixtral")},
+    **{f"{p}MLP": "swiglu_mlp" for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe")},
+    "Qwen3MoeSparseMoeBlock": "topk_moe",
+    "MixtralSparseMoeBlock": "topk_moe",
+    **{f"{p}DecoderLayer": "prenorm_decoder_layer" for p in ("Llama", "Mistral", "Qwen2",
+                                                             "Qwen3", "Qwen3Moe", "Mixtral")},
+    "Embedding": "embedding",
+    "Linear": "linear",
+}
+# The direct children a pre-norm residual decoder layer has (Llama's layout).
+PRENORM_CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+# Expert weight names (gate, up, down) per MoE block class, relative to the block.
+MOE_EXPERT_NAMES = {"Qwen3MoeSparseMoeBlock": ("gate_proj", "up_proj", "down_proj"),
+                    "MixtralSparseMoeBlock": ("w1", "w3", "w2")}
+_MOE_RENORMALISES = {"MixtralSparseMoeBlock": True}   # others read config.norm_topk_prob
+
+
+def layer_types_from_config(config: Any) -> list[tuple[str, int | None]]:
+    """(layer type, window in tokens or None) for each of ``config.num_hidden_layers`` layers."""
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    types = getattr(config, "layer_types", None)
+    if types:
+        if len(types) < num_layers:
+            raise ValueError(f"config.layer_types lists {len(types)} layers, "
+                             f"num_hidden_layers is {num_layers}")
+        return [(t, window if t == SLIDING else None) for t in list(types)[:num_layers]]
+    kind = SLIDING if window else FULL
+    return [(kind, window if window else None)] * num_layers
+
+
+def cache_kind(layer_type: str, window: int | None) -> str:
+    """``full`` / ``sliding_window`` / ``recurrent`` / ``unknown`` for one layer type."""
+    if layer_type == FULL:
+        return "full"
+    if layer_type == SLIDING:
+        if not window:
+            raise ValueError("a sliding_attention layer without a sliding_window")
+        return "sliding_window"
+    if layer_type in RECURRENT_TYPES or "linear" in layer_type or "mamba" in layer_type:
+        return "recurrent"
+    return "unknown"
+
+
+def block_kind(cls_name: str) -> str | None:
+    """The Resin block kind implementing an HF class, or None (the block is a stub)."""
+    return KNOWN_BLOCKS.get(cls_name)
+
+
+def moe_expert_names(cls_name: str) -> tuple[str, str, str] | None:
+    return MOE_EXPERT_NAMES.get(cls_name)
+
+
+def moe_renormalises(cls_name: str, config: Any) -> bool:
+    return _MOE_RENORMALISES.get(cls_name, bool(getattr(config, "norm_topk_prob", False)))
+
+
+def function_name(cls_name: str) -> str:
+    """``GptOssAttention`` -> ``gpt_oss_attention``; ``Qwen3MoeMLP`` -> ``qwen3_moe_mlp``."""
+    s = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", cls_name)
+    s = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", s)
+    return re.sub(r"\W", "_", s).lower()
+
+
+def runner_name(param_name: str, checkpoint_name: str, num_checkpoint_names: int) -> str:
+    """The runner's name for one checkpoint tensor of in-memory parameter ``param_name``.
+
+    One-to-one (possibly renamed, e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``): the in-memory
+    name. One-to-many (fused experts saved per expert): the in-memory module path plus the
+    checkpoint's tail after that module's last component (``mlp.experts`` + ``0.w1.weight``).
+    The ``model.`` prefix is dropped.
+    """
+    def strip(name: str) -> str:
+        return name[len("model."):] if name.startswith("model.") else name
+
+    if num_checkpoint_names == 1:
+        return strip(param_name)
+    module = param_name.rsplit(".", 1)[0]
+    anchor = "." + module.rsplit(".", 1)[-1] + "."
+    if anchor in checkpoint_name:
+        return strip(module) + "." + checkpoint_name.split(anchor, 1)[1]
+    return strip(checkpoint_name)
+
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def name_pattern(name: str) -> tuple[str, int | None, int | None]:
+    """Fold indices: ``model.layers.3.mlp.experts.7.w1.weight`` ->
+    (``model.layers.{layer}.mlp.experts.{expert}.w1.weight``, 3, 7)."""
+    layer = expert = None
+    m = _LAYER.search(name)
+    if m:
+        layer = int(m.group(2))
+        name = name[:m.start()] + f"{m.group(1)}layers.{{layer}}." + name[m.end():]
+    m = _EXPERT.search(name)
+    if m:
+        expert = int(m.group(1))
+        name = name[:m.start()] + ".experts.{expert}." + name[m.end():]
+    return name, layer, expert
+
+
+def weight_map(checkpoint_names: dict[str, list[str]]) -> dict[str, str]:
+    """Checkpoint name pattern -> runner name pattern, over every parameter of the model."""
+    out: dict[str, str] = {}
+    for param, names in checkpoint_names.items():
+        for name in names:
+            pattern, _, _ = name_pattern(name)
+            out.setdefault(pattern, name_pattern(runner_name(param, name, len(names)))[0])
+    return out
+
+
+def pattern_shapes(checkpoint_shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[tuple[int, ...], list[int]]]:
+    """Checkpoint name pattern -> {shape: layers having it} (layer -1 for non-layer tensors)."""
+    out: dict[str, dict[tuple[int, ...], list[int]]] = {}
+    for name, shape in checkpoint_shapes.items():
+        pattern, layer, _ = name_pattern(name)
+        layers = out.setdefault(pattern, {}).setdefault(tuple(shape), [])
+        index = -1 if layer is None else layer
+        if index not in layers:
+            layers.append(index)
+    return out

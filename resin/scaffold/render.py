@@ -1,0 +1,297 @@
+"""Render ``templates/model/*.j2`` for one :class:`~resin.scaffold.inspect.Architecture`.
+
+Owns the step from "what the meta-model walk found" to files: which block functions
+``blocks.py`` gets (one per distinct HF class: implemented when :mod:`.layer_map` knows the
+class and its settings are ones Resin's layers reproduce, otherwise a stub whose
+NotImplementedError names the class, its source file:line and its shapes), the weight map,
+the NOTES.md tables, the parity / perf specs, and writing them into the output directory.
+Rendering is deterministic: the same architecture gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from resin.scaffold.inspect import Architecture, BlockInfo, LayerInfo
+from resin.scaffold.layer_map import (
+    PRENORM_CHILDREN,
+    block_kind,
+    cache_kind,
+    function_name,
+    moe_expert_names,
+    moe_renormalises,
+    pattern_shapes,
+    weight_map,
+)
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "model"
+FILES = {"runner.py": "runner.py.j2", "blocks.py": "blocks.py.j2", "weights.py": "weights.py.j2",
+         "parity.toml": "parity.toml.j2", "perf.toml": "perf.toml.j2", "NOTES.md": "NOTES.md.j2",
+         "test_parity.py": "test_parity.py.j2"}
+CONTEXT_LENS = (128, 1024, 4096, 16384, 32768)
+CHUNK_SIZES = (128, 512, 2048, 8192)
+MAX_LISTED = 12
+
+
+@dataclass
+class Block:
+    """One function of the generated ``blocks.py``."""
+
+    fn: str
+    cls_name: str
+    role: str                 # "module" (norm / attention / mlp), "decoder" or "rotary"
+    kind: str | None          # layer_map kind when implemented; None for a stub
+    where: str
+    short_where: str
+    shapes: str
+    weights: str
+    message: str = ""
+    kind_doc: str = ""
+    assumed: bool = False
+    rotary_key: str = ""
+    expert_names: tuple[str, ...] = ()
+    renormalise: str = "False"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def stub(self) -> bool:
+        return self.kind is None
+
+
+def blocks_of(arch: Architecture) -> list[Block]:
+    """Every block function, in first-use order: rotary, decoder layers, their children, norm."""
+    seen: dict[str, Block] = {}
+    hidden = arch.config.hidden_size
+    rotary = arch.rotary
+    rotary_block = _rotary_block(arch, rotary)
+    seen[rotary_block.cls_name or "<rotary>"] = rotary_block
+    for layer in arch.layers:
+        if layer.decoder.cls_name not in seen:
+            seen[layer.decoder.cls_name] = _decoder_block(arch, layer)
+        for child, info in layer.children.items():
+            if info.cls_name not in seen:
+                seen[info.cls_name] = _module_block(arch, info, f"x [T, {hidden}] -> [T, {hidden}]")
+    if arch.norm is not None and arch.norm.cls_name not in seen:
+        seen[arch.norm.cls_name] = _module_block(arch, arch.norm,
+                                                 f"x [T, {hidden}] -> [T, {hidden}]")
+    return list(seen.values())
+
+
+def render_model(arch: Architecture, name: str, out_dir: Path, source: str, tiny: bool,
+                 reference_checkpoint: str, perf_checkpoint: str | None = None) -> list[Path]:
+    """Write every file of :data:`FILES` into ``out_dir``; returns the paths written."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=True)
+    context = model_context(arch, name, source, tiny, reference_checkpoint,
+                            perf_checkpoint or reference_checkpoint)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, template in FILES.items():
+        path = out_dir / filename
+        path.write_text(env.get_template(template).render(**context), encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def model_context(arch: Architecture, name: str, source: str, tiny: bool,
+                  reference_checkpoint: str, perf_checkpoint: str) -> dict[str, Any]:
+    import transformers
+
+    config = arch.config
+    blocks = blocks_of(arch)
+    max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or max(CONTEXT_LENS)
+    return {
+        "name": name, "architecture": arch.architecture, "model_type": arch.model_type,
+        "source": source, "tiny": tiny, "transformers_version": transformers.__version__,
+        "blocks": blocks, "stubs": [b for b in blocks if b.stub],
+        "assumed": [b for b in blocks if b.assumed],
+        "weight_map": weight_map(arch.checkpoint_names),
+        "source_shapes": pattern_shapes(arch.checkpoint_shapes),
+        "reference_checkpoint": reference_checkpoint,
+        "perf_checkpoint": perf_checkpoint,
+        "context_lens": [n for n in CONTEXT_LENS if n <= max_positions] or [max_positions],
+        "chunk_sizes": [n for n in CHUNK_SIZES if n <= max_positions] or [max_positions],
+        "num_layers": arch.num_layers, "hidden_size": config.hidden_size,
+        "num_heads": config.num_attention_heads, "num_kv_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim, "vocab_size": config.vocab_size,
+        "max_positions": max_positions,
+        "tied": bool(getattr(config, "tie_word_embeddings", False)),
+        "layer_type_summary": _type_summary(arch.layers),
+        "layer_rows": _layer_rows(arch.layers),
+        "rope_text": ", ".join(f"{k}={v}" for k, v in sorted(arch.rope.items())) or "none",
+        "moe_text": ", ".join(f"{k}={v}" for k, v in arch.moe.items()) or "none",
+        "mtp_text": (", ".join(f"{k}={v}" for k, v in arch.mtp.items()) +
+                     " (the HF class builds no MTP layers: their checkpoint tensors load as "
+                     "unused; speculative decoding is not wired)") if arch.mtp else "none",
+        "meta_forward_text": ("ran; stub messages carry its shapes" if arch.meta_forward_error is None
+                              else f"failed ({arch.meta_forward_error[:120]}); stub messages "
+                                   "give the runner-side shapes only"),
+        "warnings": generator_warnings(arch),
+    }
+
+
+def generator_warnings(arch: Architecture) -> list[str]:
+    out = []
+    for layer in arch.layers:
+        kind = cache_kind(layer.layer_type, layer.window)
+        if kind == "recurrent":
+            out.append(f"layer {layer.index} is {layer.layer_type!r}: a recurrent state; the "
+                       "engine rejects recurrent cache groups today (blocks.recurrent_state_bytes "
+                       "is a stub)")
+            break
+        if kind == "unknown":
+            out.append(f"layer {layer.index} has type {layer.layer_type!r}, which Resin has no "
+                       "cache spec for: cache_spec() will raise until blocks.py handles it")
+            break
+    if arch.mtp:
+        out.append(f"MTP settings {arch.mtp}: MTP heads are not loaded or run")
+    return out
+
+
+def _rotary_block(arch: Architecture, info: BlockInfo | None) -> Block:
+    rotary_dim = int(arch.head_dim * float(arch.rope.get("partial_rotary_factor") or 1.0))
+    shapes = f"positions int64[T] -> (cos, sin), each [T, {rotary_dim}]"
+    if info is None:
+        return _stub("rotary_embedding", "(no model.rotary_emb)", "?", "?", "rotary", shapes, "",
+                     "the model has no top-level rotary_emb: positions are encoded elsewhere "
+                     "(per layer, or no RoPE); return an object whose cos_sin gives what the "
+                     "attention blocks need", rotary_key="")
+    block = _base(info, "rotary", shapes)
+    block.rotary_key = info.cls_name
+    if block_kind(info.cls_name) != "rotary":
+        return _as_stub(block)
+    problem = _rope_problem(arch)
+    if problem:
+        return _as_stub(block, f"rope parameters Resin does not implement: {problem}")
+    block.kind = "rotary"
+    block.kind_doc = f"RoPE {arch.rope.get('rope_type', 'default')} (resin RotaryEmbedding)"
+    return block
+
+
+def _decoder_block(arch: Architecture, layer: LayerInfo) -> Block:
+    hidden = arch.config.hidden_size
+    block = _base(layer.decoder, "decoder", f"hidden [T, {hidden}] -> [T, {hidden}]",
+                  with_weights=False)
+    known = block_kind(layer.decoder.cls_name) == "prenorm_decoder_layer"
+    if tuple(layer.children) == PRENORM_CHILDREN or set(layer.children) == set(PRENORM_CHILDREN):
+        block.kind, block.assumed = "prenorm_decoder_layer", not known
+        block.kind_doc = "pre-norm residual decoder layer"
+        return block
+    return _as_stub(block, f"children {list(layer.children)} are not Llama's pre-norm layout "
+                           f"{list(PRENORM_CHILDREN)}")
+
+
+def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
+    block = _base(info, "module", shapes)
+    kind = block_kind(info.cls_name)
+    config = arch.config
+    if kind == "rms_norm":
+        block.kind, block.kind_doc = kind, "RMSNorm (resin rms_norm)"
+    elif kind == "gqa_attention":
+        traits = [t for t, on in (("sliding window", any(layer.window for layer in arch.layers)),
+                                  ("qkv bias", "q_proj.bias" in info.params),
+                                  ("o bias", "o_proj.bias" in info.params),
+                                  ("q/k RMSNorm", "q_norm.weight" in info.params)) if on]
+        block.kind = kind
+        block.kind_doc = "GQA paged attention" + "".join(f", {t}" for t in traits)
+    elif kind == "swiglu_mlp":
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            return _as_stub(block, f"hidden_act {act!r}: Resin's swiglu_mlp is silu only")
+        block.kind, block.kind_doc = kind, "SwiGLU MLP"
+    elif kind == "topk_moe":
+        names = moe_expert_names(info.cls_name)
+        if names is None or getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            return _as_stub(block, "expert layout or activation Resin's moe_mlp does not cover")
+        renorm = moe_renormalises(info.cls_name, config)
+        block.kind, block.expert_names = kind, names
+        block.renormalise = "True" if info.cls_name == "MixtralSparseMoeBlock" \
+            else "bool(getattr(ctx.config, 'norm_topk_prob', False))"
+        block.kind_doc = (f"top-k MoE (softmax router, top {getattr(config, 'num_experts_per_tok', '?')}, "
+                          f"renormalise: {renorm})")
+    else:
+        return _as_stub(block)
+    return block
+
+
+def _base(info: BlockInfo, role: str, shapes: str, with_weights: bool = True) -> Block:
+    hf_shapes = ""
+    if info.output is not None:
+        ins = ", ".join(str(s) for s in info.inputs) or "none"
+        hf_shapes = f" (HF meta forward, batch 1, T=5: in {ins} -> out {info.output})"
+    weights = ", ".join(f"{n} {s}" for n, s in list(info.params.items())[:MAX_LISTED])
+    if len(info.params) > MAX_LISTED:
+        weights += f", ... {len(info.params) - MAX_LISTED} more"
+    block = Block(fn=function_name(info.cls_name), cls_name=info.cls_name, role=role, kind=None,
+                  where=info.where, short_where=info.short_where, shapes=shapes + hf_shapes,
+                  weights=weights if with_weights else "")
+    subs = [f"{n} {c} ({w})" for n, c, w in info.submodules[:MAX_LISTED]]
+    if subs and role != "decoder":
+        block.notes.append("submodules: " + "; ".join(subs))
+    return block
+
+
+def _as_stub(block: Block, reason: str = "") -> Block:
+    block.kind = None
+    block.assumed = False
+    parts = [f"{block.cls_name} is not implemented in Resin: write blocks.{block.fn} "
+             f"(port {block.cls_name}.forward from {block.where})"]
+    if reason:
+        parts.append(reason)
+    parts.append(f"shapes: {block.shapes}")
+    if block.weights:
+        parts.append(f"weights: {block.weights}")
+    parts += block.notes
+    block.message = ". ".join(parts)
+    return block
+
+
+def _stub(fn: str, cls_name: str, where: str, short_where: str, role: str, shapes: str,
+          weights: str, reason: str, rotary_key: str = "") -> Block:
+    block = Block(fn=fn, cls_name=cls_name, role=role, kind=None, where=where,
+                  short_where=short_where, shapes=shapes, weights=weights, rotary_key=rotary_key)
+    return _as_stub(block, reason)
+
+
+def _rope_problem(arch: Architecture) -> str | None:
+    from resin.loading.fields import ConfigError
+    from resin.loading.rope import parse_rope_config
+
+    raw = {k: v for k, v in arch.config.to_dict().items() if v is not None}
+    try:
+        parse_rope_config(raw, 10000.0, int(raw.get("max_position_embeddings", 2048)))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _type_summary(layers: list[LayerInfo]) -> str:
+    counts: dict[str, int] = {}
+    for layer in layers:
+        counts[layer.layer_type] = counts.get(layer.layer_type, 0) + 1
+    return ", ".join(f"{n} {t}" for t, n in counts.items())
+
+
+def _layer_rows(layers: list[LayerInfo]) -> list[dict[str, str]]:
+    """Consecutive layers with the same type, window and classes share one table row."""
+    rows: list[dict[str, str]] = []
+    for layer in layers:
+        kind = cache_kind(layer.layer_type, layer.window)
+        cache = {"full": "full", "sliding_window": f"sliding_window({layer.window})",
+                 "recurrent": "recurrent (stub)"}.get(kind, "unknown (stub)")
+        row = {"layer_type": layer.layer_type, "window": str(layer.window or "-"), "cache": cache,
+               "decoder": layer.decoder.cls_name,
+               "children": ", ".join(f"{n}: {i.cls_name}" for n, i in layer.children.items())}
+        if rows and all(rows[-1][k] == v for k, v in row.items()):
+            rows[-1]["last"] = str(layer.index)
+        else:
+            rows.append({**row, "first": str(layer.index), "last": str(layer.index)})
+    for row in rows:
+        row["layers"] = row["first"] if row["first"] == row["last"] else \
+            f"{row['first']}-{row['last']}"
+    return rows
