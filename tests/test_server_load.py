@@ -1,0 +1,125 @@
+"""Load on ``resin serve``: 200 concurrent SDK streams complete exactly; 50 clients that hang up
+mid-stream are aborted at once and the cache returns to idle.
+
+The runner is a :class:`CyclingRunner` (no model compute), so every stream's exact text is
+known in advance: the cycle's tokens, decoded. For the disconnect phase each step sleeps, so a
+request that were *not* aborted would still be running long after its client left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from resin.runners.scripted import CyclingRunner
+from resin.server.context import ServerOptions
+from resin.server.serve import NULL_RUNNER_TEXT, build_context
+from resin.tokenizer import Tokenizer
+from tests.server_harness import LiveServer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "qwen3"
+MODEL = "qwen3-tiny"
+NUM_STREAMS = 200
+NUM_DISCONNECTS = 50
+MAX_TOKENS = 24
+
+
+class SleepyCyclingRunner(CyclingRunner):
+    step_sleep_s = 0.0
+
+    def forward(self, plan):
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
+        return super().forward(plan)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tokenizer = Tokenizer.from_pretrained(FIXTURE)
+    cycle = tokenizer.encode(NULL_RUNNER_TEXT, add_special_tokens=False)
+    runner = SleepyCyclingRunner(cycle)
+    ctx = build_context(FIXTURE, runner=runner, max_num_seqs=256, max_model_len=1024,
+                        options=ServerOptions(served_model_names=[MODEL]))
+    expected = tokenizer.decode([cycle[i % len(cycle)] for i in range(MAX_TOKENS)],
+                                skip_special_tokens=True)
+    with LiveServer(ctx, backlog=4096) as live:
+        yield live, runner, expected
+
+
+async def _one_stream(client: openai.AsyncOpenAI, index: int) -> tuple[str, int, str | None]:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"request {index}"}],
+        max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    text, usage, finish = "", 0, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, usage, finish
+
+
+def test_200_concurrent_streams_complete_untruncated(setup):
+    live, _, expected = setup
+
+    async def main() -> list[tuple[str, int, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{live.base_url}/v1", api_key="x",
+                                      max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(_one_stream(client, i) for i in range(NUM_STREAMS)))
+
+    results = asyncio.run(main())
+    assert len(results) == NUM_STREAMS
+    for text, usage, finish in results:
+        assert text == expected
+        assert usage == MAX_TOKENS
+        assert finish == "length"
+
+
+def test_disconnects_abort_and_free_the_cache(setup):
+    live, runner, _ = setup
+    idle_usage = live.metric("resin:kv_cache_usage_perc")
+    aborted_before = live.metric('resin:request_success_total{finished_reason="abort"}')
+    runner.step_sleep_s = 0.01  # 900 tokens would take 9 s if nobody aborted them
+
+    async def hang_up(client: httpx.AsyncClient, index: int) -> int:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"leaver {index}"}],
+                "max_tokens": 900, "stream": True, "ignore_eos": True}
+        chunks = 0
+        async with client.stream("POST", f"{live.base_url}/v1/chat/completions",
+                                 json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    chunks += 1
+                if chunks >= 3:
+                    break  # leaving the block closes the connection mid-stream
+        return chunks
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(
+                max_connections=NUM_DISCONNECTS)) as client:
+            return await asyncio.gather(*(hang_up(client, i) for i in range(NUM_DISCONNECTS)))
+
+    try:
+        assert asyncio.run(main()) == [3] * NUM_DISCONNECTS
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if live.metric("resin:num_requests_running") == 0 and \
+                    live.metric("resin:num_requests_waiting") == 0:
+                break
+            time.sleep(0.05)
+    finally:
+        runner.step_sleep_s = 0.0
+    assert live.metric("resin:num_requests_running") == 0
+    assert live.metric("resin:num_requests_waiting") == 0
+    assert live.metric("resin:kv_cache_usage_perc") == idle_usage
+    aborted = live.metric('resin:request_success_total{finished_reason="abort"}') - aborted_before
+    assert aborted == NUM_DISCONNECTS
+    assert live.ctx.loop.num_active_requests == 0
