@@ -74,7 +74,7 @@ def build_context(model_dir: str | Path, *, runner: Any = "torch",
                                "--reasoning-parser")):
         if name is not None and name not in known:
             raise ValueError(f"unknown {flag} {name!r}; known: {', '.join(sorted(known))}")
-    if options.chat_template is not None and Path(options.chat_template).is_file():
+    if options.chat_template is not None and _is_file(options.chat_template):
         options.chat_template = Path(options.chat_template).read_text(encoding="utf-8")
     loop = EngineLoop(llm.engine, llm.runner)
     config = llm.engine.config
@@ -83,6 +83,16 @@ def build_context(model_dir: str | Path, *, runner: Any = "torch",
         generator=Generator(loop, llm.tokenizer), max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs, sampling_defaults=dict(llm.tokenizer.sampling_defaults),
         model_type=llm.model_config.model_type)
+
+
+def _is_file(text: str) -> bool:
+    """Whether ``--chat-template`` names a file (else it is the template text itself)."""
+    if "\n" in text or "{" in text:
+        return False
+    try:
+        return Path(text).is_file()
+    except OSError:  # a name too long for the file system
+        return False
 
 
 def run_server(ctx: ServerContext, host: str, port: int, log_level: str = "info") -> None:
