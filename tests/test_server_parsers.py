@@ -25,6 +25,7 @@ from resin.server.parsers import (
     ToolCallStart,
     default_parsers,
 )
+from resin.server.parsers.json_stream import JsonObjectStreamer
 
 WEATHER_TOOLS = [
     {
@@ -105,14 +106,15 @@ def random_splits(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def check(text: str, tool: str | None = None, reasoning: str | None = None, seed: int = 0, **kw) -> Result:
-    """The result of ``text`` fed whole, after asserting every other chunking agrees with it."""
+def check(text: str, tool: str | None = None, reasoning: str | None = None, seed: int = 0, splits: int = 40, **kw) -> Result:
+    """The result of ``text`` fed whole, after asserting that feeding it one character at a time
+    and at ``splits`` seeded random split points gives the same content, reasoning and calls."""
     whole = run([text], tool, reasoning, **kw)
     key = (whole.content, whole.reasoning, whole.calls)
     by_char = run(list(text), tool, reasoning, **kw)
     assert (by_char.content, by_char.reasoning, by_char.calls) == key, "char-by-char differs"
     rng = random.Random(seed)
-    for _ in range(40):
+    for _ in range(splits):
         split = run(random_splits(text, rng), tool, reasoning, **kw)
         assert (split.content, split.reasoning, split.calls) == key, "random split differs"
     return whole
@@ -161,12 +163,32 @@ def test_hermes_arguments_variants():
     assert r.calls == [("a", '{"x": 1}'), ("b", "{}"), ("c", '{"y": [1, 2]}'), ("d", "{}"), ("e", '{"z": null}')]
 
 
-def test_hermes_malformed_json_is_content():
-    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+def test_hermes_malformed_json():
+    # Arguments that turn invalid after the call started: the valid part, then the rest as content.
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3, "city": Paris}\n</tool_call>'
     r = check("Hi " + bad + " " + HERMES_ONE, "hermes")
-    assert r.content == "Hi " + bad
-    assert [c[0] for c in r.calls] == ["get_weather"]
-    assert check('<tool_call>{"arguments": {}}</tool_call>', "hermes").content == '<tool_call>{"arguments": {}}</tool_call>'
+    assert r.calls == [("get_weather", '{"days": 3}'), ("get_weather", '{"city": "São Paulo", "days": 2}')]
+    assert r.content == "HiParis}"  # the space before the call went with it (whitespace rule)
+    # A body that never reached its arguments object is not a call: raw content.
+    for bad in ['<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+                "<tool_call>{'name': 'f'}</tool_call>"]:
+        r = check(bad, "hermes")
+        assert r.content == bad and r.calls == []
+
+
+def test_hermes_arguments_stream_as_they_arrive():
+    parser = OutputParser("hermes")
+    events = parser.feed('<tool_call>\n{"name": "write", "arguments": {"path": "a.txt", "text": "line one\\nline')
+    assert isinstance(events[0], ToolCallStart) and events[0].name == "write"
+    assert "".join(e.text for e in events[1:]) == '{"path": "a.txt", "text": "line one\\nline'
+    events = parser.feed(' two", "n": 1')
+    assert "".join(e.text for e in events) == ' two"'  # the number is released once it ends
+    events = parser.feed("}}\n</tool_call>")
+    assert [type(e) for e in events] == [ToolCallArgumentsDelta, ToolCallEnd]
+    assert events[-1].arguments == '{"path": "a.txt", "text": "line one\\nline two", "n": 1}'
+    # A cut-off call still ends with a JSON object (the part that arrived).
+    r = check('<tool_call>\n{"name": "f", "arguments": {"a": [1, "x', "hermes")
+    assert r.calls == [("f", '{"a": [1, "x"]}')]
 
 
 def test_hermes_unterminated_call_at_finish():
@@ -202,6 +224,41 @@ def test_tool_call_start_streams_before_later_content():
     events = parser.feed(HERMES_ONE)
     assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd]
     assert events[0].index == 0 and events[0].name == "get_weather"
+
+
+# --- JSON argument streaming ------------------------------------------------------------------
+
+def _stream_json(chunks: list[str]) -> tuple[str, bool]:
+    streamer = JsonObjectStreamer()
+    released = ""
+    for chunk in chunks:
+        text, _ = streamer.feed(chunk)
+        released += text
+    return released + streamer.close(), streamer.error
+
+
+@pytest.mark.parametrize("obj", [
+    {}, {"a": 1}, {"s": 'x"y\\z\n\u00e9日\t', "l": [1, 2.5, -3e5, True, False, None, {"k": []}], "o": {"p": {"q": [[]]}}},
+])
+def test_json_streamer_every_prefix_closes_to_valid_json(obj):
+    for text in (json.dumps(obj), json.dumps(obj, ensure_ascii=False, indent=2)):
+        whole, error = _stream_json([text])
+        assert not error and json.loads(whole) == obj
+        assert _stream_json(list(text)) == (whole, False)
+        for cut in range(len(text)):
+            prefix, error = _stream_json([text[:cut]])
+            assert not error
+            json.loads(prefix)  # what was released so far always completes to JSON
+
+
+def test_json_streamer_invalid_input():
+    assert _stream_json(['{"a": 1, "b": tru']) == ('{"a": 1}', False)
+    assert _stream_json(['{"a": [1, {"b": "c\\u12']) == ('{"a": [1, {"b": "c"}]}', False)
+    assert _stream_json(['{"a": "line\nbreak"}']) == ('{"a": "line\\nbreak"}', False)  # raw newline escaped
+    for bad in ["{'a': 1}", '{"a": 01}', '{"a" 1}', '{"a": 1 2}', '[1]', '{"a": x}', '{"a": "\\q"}']:
+        released, error = _stream_json(list(bad))
+        assert error, bad
+        json.loads(released)
 
 
 # --- qwen3_coder -------------------------------------------------------------------------------
@@ -303,9 +360,14 @@ def test_deepseek_with_r1_reasoning_without_think_tag():
 
 
 def test_deepseek_malformed_and_unterminated():
-    bad = ds_v31("f", '{"a": ')
-    r = check("<｜tool▁calls▁begin｜>" + bad + ds_v31("g", '{"b": 2}') + "<｜tool▁calls▁end｜>", "deepseek_v3")
-    assert r.content == bad and r.calls == [("g", '{"b": 2}')]
+    cut = ds_v31("f", '{"a": 1, "b": ')  # arguments cut short: the complete part
+    r = check("<｜tool▁calls▁begin｜>" + cut + ds_v31("g", '{"b": 2}') + "<｜tool▁calls▁end｜>", "deepseek_v3")
+    assert r.content == "" and r.calls == [("f", '{"a": 1}'), ("g", '{"b": 2}')]
+    bad = "<｜tool▁call▁begin｜>no separator<｜tool▁call▁end｜>"
+    r = check("<｜tool▁calls▁begin｜>" + bad + ds_v31("g", "{}") + "<｜tool▁calls▁end｜>", "deepseek_v31")
+    assert r.content == bad and r.calls == [("g", "{}")]
+    fenced = "<｜tool▁call▁begin｜>h<｜tool▁sep｜>```json\n{\"c\": 3}\n```<｜tool▁call▁end｜>"
+    assert check(fenced, "deepseek_v31").calls == [("h", '{"c": 3}')]
     r = check("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{\"b\": 2}", "deepseek_v3")
     assert r.calls == [("g", '{"b": 2}')] and r.content == ""
     text = "x <｜end▁of▁sentence｜>"
@@ -427,7 +489,7 @@ def test_random_mixtures_are_split_invariant(tool, reasoning):
     for trial in range(60):
         pieces = PIECES[tool] + COMMON
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
-        check(text, tool, reasoning, seed=trial, tools=WEATHER_TOOLS)
+        check(text, tool, reasoning, seed=trial, splits=10, tools=WEATHER_TOOLS)
 
 
 # --- randomized: well-formed outputs parse to exactly what was rendered ------------------------
@@ -475,8 +537,8 @@ def test_random_well_formed_outputs(tool):
         # Text after the calls keeps its leading whitespace; whitespace-only text is dropped.
         tail = rng.choice(["", "\n", "\n\nDone.\n", " Done.", "\n" + rng.choice(WORDS[:3])])
         text += tail
-        r = check(text, tool, "qwen3", seed=trial, tools=tools)
+        r = check(text, tool, "qwen3", seed=trial, splits=10, tools=tools)
         assert r.reasoning == (reasoning if thinking else "")
         assert r.content == content.rstrip() + tail.rstrip()
-        assert r.calls == [(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
+        assert [(name, json.loads(args)) for name, args in r.calls] == calls
         no_markers(r.content)

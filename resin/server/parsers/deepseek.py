@@ -6,12 +6,12 @@
                ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
     V3.1/V3.2: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{"arg": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-The outer ``calls begin/end`` markers are dropped; each ``call begin ... call end`` is read whole
-and decoded, whichever shape it has (a body that matches the V3 shape is read as V3, else as
-V3.1; a V3.1 body may also be fenced). The call goes out as start, one arguments fragment
-(re-encoded with ``json.dumps``) and end. A body that is neither shape, or whose arguments are
-not a JSON object, goes out as raw content; so does an unterminated call at ``finish`` unless its
-body already decodes.
+The outer ``calls begin/end`` markers are dropped. Each ``call begin ... call end`` whose body
+reaches a ``{`` in either shape (``function<sep>NAME`` + fence, or ``NAME<sep>``) streams: start
+with the name, then the arguments as they arrive (``ToolParser._step_json_stream``), then end;
+a code fence or other text after the object is dropped. Any other body (a fenced V3.1 body, a
+body with no ``<sep>``) is read whole and decoded either way; when that fails, it goes out as
+raw content, as does an unterminated call at ``finish`` unless its body already decodes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁en
 
 _V3_BODY = re.compile(r"\s*function\s*" + SEP + r"\s*([^\n]+?)\s*\n\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
 _V31_BODY = re.compile(r"\s*([^\n]+?)\s*" + SEP + r"(.*)", re.DOTALL)
+# Heads up to the arguments object; exclusive (after <sep>: a name vs "{"), so the shape chosen
+# while streaming is the one the whole text would give.
+_V3_HEAD = re.compile(r"\s*function\s*" + SEP + r"\s*(?P<name>[^\n{<]+?)\s*\n\s*```(?:json)?\s*(?=\{)")
+_V31_HEAD = re.compile(r"\s*(?P<name>[^\n{<]+?)\s*" + SEP + r"\s*(?=\{)")
 _FENCE = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
 
 
@@ -53,9 +57,12 @@ def parse_deepseek_body(body: str) -> tuple[str, str] | None:
 class DeepSeekToolParser(ToolParser):
     start_markers = (CALL_BEGIN,)
     drop_markers = (CALLS_BEGIN, CALLS_END)
+    json_heads = (_V3_HEAD, _V31_HEAD)
+    call_end = CALL_END
+    buffered_state = "body"
 
     def _open_call(self, marker: str) -> None:
-        self._state = "body"
+        self._state = "json_head"
 
     def _step_body(self, out: list[OutputEvent], final: bool) -> bool:
         at = self._find(CALL_END)

@@ -42,7 +42,7 @@ class Glm45ToolParser(ToolParser):
 
     def _step_name(self, out: list[OutputEvent], final: bool) -> bool:
         if self._buf.lstrip().startswith("{"):
-            self._state = "json_body"  # a hermes JSON body instead of the XML form
+            self._state = "json_head"  # a hermes JSON body instead of the XML form
             return True
         before, marker, after = split_at_marker(self._buf, ("\n", KEY, TOOL_CALL_END))
         if marker == "\n" and not before.strip():

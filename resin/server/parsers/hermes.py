@@ -1,15 +1,17 @@
 """Hermes-style tool calls (Qwen2.5, Qwen3): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
 
-Each block is read whole, up to ``</tool_call>``, then decoded (``ToolParser._step_json_body``):
-the call goes out as start, one arguments fragment (``json.dumps(arguments, ensure_ascii=False)``)
-and end. The arguments are not streamed piece by piece: the model's JSON is re-encoded, and it
-must be known to be valid before any of it is sent. Several blocks give several calls; a block
-holding a JSON list of call objects gives one call per element; ``"parameters"`` is accepted for
-``"arguments"``, and arguments given as a JSON string are decoded.
+A block whose body starts ``{"name": "NAME", "arguments": {`` (or ``"parameters"``) streams:
+``ToolCallStart`` right there, then the arguments as they arrive, validated and normalized
+(``json_stream.JsonObjectStreamer``: ``", "`` / ``": "`` separators, strings as written), then
+the end at ``</tool_call>``. If the arguments turn invalid midway, the call ends with their
+valid part and the rest of the block goes out as content; a block cut off by the end of the
+generation ends the same way.
 
-A block whose body is not a call object (bad JSON, no ``name``, arguments not an object) is not a
-call: its raw text, markers included, goes out as content. At ``finish`` an unterminated block is
-still a call when its body already decodes; otherwise it too becomes content.
+Any other body (name after arguments, arguments as a JSON string, a list of calls) is read whole
+up to ``</tool_call>`` and decoded (``ToolParser._step_json_body``): start, one arguments
+fragment (``json.dumps(arguments, ensure_ascii=False)``), end. If it is not a call object (bad
+JSON, no ``name``, arguments not an object), its raw text, markers included, is content; at
+``finish`` an unterminated body is a call when it already decodes, else content.
 """
 
 from __future__ import annotations
@@ -21,4 +23,4 @@ class HermesToolParser(ToolParser):
     start_markers = ("<tool_call>",)
 
     def _open_call(self, marker: str) -> None:
-        self._state = "json_body"
+        self._state = "json_head"

@@ -19,6 +19,7 @@ drops the blank lines around calls); with no calls it is released at the end.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .events import (
@@ -30,9 +31,14 @@ from .events import (
     new_call_id,
 )
 from .holdback import split_at_marker
+from .json_stream import JsonObjectStreamer
 from .schema import ToolSchemas, tool_schemas
 
 JSON_BODY_END = "</tool_call>"
+# The start of a hermes body up to its arguments object: what lets the arguments stream.
+HERMES_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\<\n]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
 
 
 def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -84,6 +90,12 @@ class ToolParser:
 
     start_markers: tuple[str, ...] = ()
     drop_markers: tuple[str, ...] = ()  # removed from content, start nothing (DeepSeek's outer block)
+    # Streamed JSON calls (state "json_head"): a call body that matches one of ``json_heads``
+    # (group "name") right up to its arguments object streams those arguments; any other body
+    # is read whole up to ``call_end`` by ``buffered_state``.
+    json_heads: tuple[re.Pattern[str], ...] = (HERMES_HEAD,)
+    call_end = JSON_BODY_END
+    buffered_state = "json_body"
     initial_state = "content"
 
     def __init__(self, tools: list[dict] | None = None) -> None:
@@ -96,6 +108,8 @@ class ToolParser:
         self._args_parts: list[str] = []
         self._num_params = 0
         self._scan_from = 0  # the buffer before this offset holds no whole ``_find`` marker
+        self._streamer = JsonObjectStreamer()  # the arguments being streamed (state json_stream)
+        self._leftover = ""  # text after the streamed arguments turned invalid
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -170,12 +184,61 @@ class ToolParser:
         self._raw = ""
 
     def _args(self, out: list[OutputEvent], text: str) -> None:
+        if not text:
+            return
         self._args_parts.append(text)
         out.append(ToolCallArgumentsDelta(self.num_calls - 1, text))
 
     def _end_call(self, out: list[OutputEvent]) -> None:
         out.append(ToolCallEnd(self.num_calls - 1, "".join(self._args_parts)))
         self._args_parts = []
+
+    def _step_json_head(self, out: list[OutputEvent], final: bool) -> bool:
+        """Start of a JSON call body: stream it if its head matches, else read it whole.
+
+        A head cannot contain ``<``, so it ends before ``call_end``: once ``call_end`` has
+        arrived without a match, no more text can make one (the choice is split-independent).
+        """
+        for head in self.json_heads:
+            match = head.match(self._buf)
+            if match:
+                self._buf = self._buf[match.end():]
+                self._scan_from = 0
+                self._start_call(out, match.group("name").strip())
+                self._streamer = JsonObjectStreamer()
+                self._leftover = ""
+                self._state = "json_stream"
+                return True
+        if final or self._find(self.call_end) != -1:
+            self._scan_from = 0
+            self._state = self.buffered_state
+            return True
+        return False
+
+    def _step_json_stream(self, out: list[OutputEvent], final: bool) -> bool:
+        """The arguments object, released as it validates (``JsonObjectStreamer``), up to
+        ``call_end``. Text after the object (the outer ``}``, a code fence) is dropped; text from
+        an invalid character on goes out as content after the call, which ends with the valid
+        part of its arguments."""
+        before, marker, after = split_at_marker(self._buf, (self.call_end,))
+        if marker is None and final:
+            before, after = self._buf, ""
+        self._buf = after
+        streamer = self._streamer
+        if before and streamer.error:
+            self._leftover += before
+        elif before and not streamer.done:
+            text, used = streamer.feed(before)
+            self._args(out, text)
+            if streamer.error:
+                self._leftover += before[used:]
+        if marker is None and not final:
+            return False
+        self._args(out, streamer.close())
+        self._end_call(out)
+        self._content(out, self._leftover)
+        self._state = "content"
+        return True
 
     def _step_json_body(self, out: list[OutputEvent], final: bool) -> bool:
         """A JSON call body up to ``</tool_call>`` (hermes, and models of the XML formats that
