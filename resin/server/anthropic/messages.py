@@ -1,0 +1,144 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: the Anthropic Messages API.
+
+This module owns the request flow (conformance §3): :func:`prepare` validates the body, converts
+it (:mod:`.convert`) and renders the prompt; ``max_tokens`` is required and clamped to the room
+left in the context rather than refused (Claude Code asks for 32k/64k whatever the model's
+context). Sampling takes only ``temperature`` (0–1), ``top_p`` and ``top_k`` from the body;
+``stop_sequences`` become stop strings. The output goes through a :class:`ChatChoice`
+(reasoning and tool-call parsers) and a :class:`BlockWriter` (:mod:`.blocks`) into either
+
+- one ``message`` object (:func:`complete`), or
+- the SSE stream (:func:`stream`): ``message_start`` (sent with the first output, when the
+  prompt's cache hits are known), the ``content_block_*`` events, ``message_delta`` (stop reason,
+  cumulative usage) and ``message_stop``. A runner failure mid-stream becomes an
+  ``event: error`` with an ``api_error`` body. However the stream ends (a client disconnect
+  included), the generation is aborted in ``finally``, so its pages return to the pool at once.
+
+``count_tokens`` renders through the same conversion and template as ``/v1/messages`` and
+returns ``{"input_tokens": N}``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from resin.server.anthropic.blocks import BlockWriter, stop_reason, usage_body
+from resin.server.anthropic.convert import build_prompt
+from resin.server.chat_output import ChatChoice
+from resin.server.chat_prompt import ChatPrompt
+from resin.server.context import ServerContext
+from resin.server.errors import APIError
+from resin.server.generation import Generation, GenerationRequest
+from resin.server.openai.chat import start
+from resin.server.request_fields import get_bool, get_int, get_stop
+from resin.server.sampling_request import max_tokens_for, sampling_params
+from resin.server.sse import named_event, sse_response
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+
+
+@dataclass
+class MessageRequest:
+    model: str  # echoed back as sent
+    prompt: ChatPrompt
+    tool_choice: Any
+    generation_request: GenerationRequest
+    stream: bool
+
+
+def prepare(ctx: ServerContext, body: dict[str, Any]) -> MessageRequest:
+    model = ctx.check_model(body.get("model"), anthropic=True)
+    if body.get("max_tokens") is None:
+        raise APIError(400, "max_tokens: Field required", param="max_tokens")
+    requested = get_int(body, "max_tokens", minimum=1)
+    stream = get_bool(body, "stream", False)
+    stops = get_stop(body, "stop_sequences")
+    prompt, tool_choice = build_prompt(ctx, body)
+    max_tokens = max_tokens_for(requested, len(prompt.token_ids), ctx.max_model_len,
+                                clamp=True, anthropic=True)
+    sampling_body = {name: body[name] for name in SAMPLING_FIELDS if name in body}
+    params = sampling_params(ctx.sampling_defaults, sampling_body, max_tokens=max_tokens,
+                             num_logprobs=None, temperature_max=1.0)
+    request = GenerationRequest(prompt.token_ids, params, stop=stops)
+    return MessageRequest(model, prompt, tool_choice, request, stream)
+
+
+async def create_message(ctx: ServerContext, body: dict[str, Any]) -> Response:
+    request = prepare(ctx, body)
+    generation = start(ctx, request.generation_request, "msg")
+    if request.stream:
+        return sse_response(stream(ctx, request, generation))
+    try:
+        return JSONResponse(await complete(ctx, request, generation))
+    finally:
+        generation.abort()
+
+
+def count_tokens(ctx: ServerContext, body: dict[str, Any]) -> dict[str, Any]:
+    ctx.check_model(body.get("model"), anthropic=True)
+    prompt, _ = build_prompt(ctx, body)
+    return {"input_tokens": len(prompt.token_ids)}
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+async def complete(ctx: ServerContext, request: MessageRequest,
+                   generation: Generation) -> dict[str, Any]:
+    choice = ChatChoice(ctx, request.prompt, request.tool_choice)
+    writer = BlockWriter()
+    try:
+        async for batch in generation.deltas():
+            for delta in batch:
+                writer.feed(choice.events(delta))
+    except Exception as exc:  # noqa: BLE001 - the runner failed: 500 api_error
+        raise APIError(500, f"generation failed: {exc}") from exc
+    writer.finish()
+    reason, sequence = stop_reason(choice.finish_reason, choice.stop_string,
+                                   choice.num_tool_calls)
+    return {"id": message_id(), "type": "message", "role": "assistant", "model": request.model,
+            "content": writer.content(), "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage_body(generation.usage)}
+
+
+async def stream(ctx: ServerContext, request: MessageRequest,
+                 generation: Generation) -> AsyncIterator[str]:
+    choice = ChatChoice(ctx, request.prompt, request.tool_choice)
+    writer = BlockWriter()
+    started = False
+    try:
+        async for batch in generation.deltas():
+            if not started:
+                started = True
+                yield _message_start(request.model, generation)
+            for delta in batch:
+                for event in writer.feed(choice.events(delta)):
+                    yield event
+        if not started:  # nothing came back at all (an aborted request)
+            yield _message_start(request.model, generation)
+        for event in writer.finish():
+            yield event
+        reason, sequence = stop_reason(choice.finish_reason, choice.stop_string,
+                                       choice.num_tool_calls)
+        yield named_event("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage_body(generation.usage)})
+        yield named_event("message_stop", {"type": "message_stop"})
+    except Exception as exc:  # noqa: BLE001 - the runner failed: report it in-stream
+        yield named_event("error", {"type": "error", "error": {
+            "type": "api_error", "message": f"generation failed: {exc}"}})
+    finally:
+        generation.abort()
+
+
+def _message_start(model: str, generation: Generation) -> str:
+    return named_event("message_start", {"type": "message_start", "message": {
+        "id": message_id(), "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": usage_body(generation.usage)}})
