@@ -212,6 +212,14 @@ def test_partial_markers_are_held_then_released():
     assert parser.finish() == [ContentDelta(" <tool_c")]  # never lose text
 
 
+@pytest.mark.parametrize("tool", ["hermes", "glm45", "qwen3_coder"])
+def test_tag_named_in_prose_is_released_at_once(tool):
+    parser = OutputParser(tool)
+    parser.feed("Wrap calls in <tool_call> tags like")
+    assert parser.content_text == "Wrap calls in <tool_call> tags like"  # not held until the end
+    assert parser.finish() == [] and parser.tool_calls == []
+
+
 def test_tools_disabled_pass_markers_through():
     text = "<think>r</think>" + HERMES_ONE
     r = check(text, "hermes", "qwen3", enable_tools=False)

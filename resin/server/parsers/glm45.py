@@ -30,6 +30,7 @@ TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 KEY, KEY_END = "<arg_key>", "</arg_key>"
 VALUE, VALUE_END = "<arg_value>", "</arg_value>"
 _NAME = re.compile(r"[A-Za-z0-9_.:/\-]+")
+_NAME_PREFIX = re.compile(r"[A-Za-z0-9_.:/\-]*\s*")  # a name still arriving (or its line end)
 
 
 class Glm45ToolParser(ToolParser):
@@ -50,9 +51,9 @@ class Glm45ToolParser(ToolParser):
             self._buf = after
             return True
         if marker is None:
-            if not final:
+            if not final and _NAME_PREFIX.fullmatch(before.lstrip()):
                 return False
-            return self._fallback(out)
+            return self._fallback(out)  # prose after the tag, not a name: content at once
         name = before.strip()
         if not _NAME.fullmatch(name):
             return self._fallback(out)  # the rest is scanned again as content

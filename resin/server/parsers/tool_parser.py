@@ -199,6 +199,9 @@ class ToolParser:
         A head cannot contain ``<``, so it ends before ``call_end``: once ``call_end`` has
         arrived without a match, no more text can make one (the choice is split-independent).
         """
+        stripped = self._buf.lstrip()
+        if self.call_end == JSON_BODY_END and stripped and stripped[0] not in "{[":
+            return self._fallback(out)  # not JSON (say, prose naming the tag): content at once
         for head in self.json_heads:
             match = head.match(self._buf)
             if match:
