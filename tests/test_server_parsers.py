@@ -431,14 +431,30 @@ def test_llama3_json_content_and_non_calls():
     assert check('{"answer": 42}', "llama3_json").content == '{"answer": 42}'
     r = check('{"name": "a", "parameters": {}} and then some text', "llama3_json")
     assert r.calls == [("a", "{}")] and r.content == " and then some text"
-    assert check('{"name": "a", "parameters": {"x": ', "llama3_json").content == '{"name": "a", "parameters": {"x": '
+    assert check('{"parameters": {"x": 1}, "na', "llama3_json").content == '{"parameters": {"x": 1}, "na'
+    assert check('<|python_tag|>', "llama3_json").content == "<|python_tag|>"
 
 
-def test_llama3_json_streams_each_call_when_complete():
+def test_llama3_json_streams_arguments():
     parser = OutputParser("llama3_json")
-    assert parser.feed('{"name": "a", "parameters": {"q": 1}') == []
-    events = parser.feed('};{"name": "b",')
+    assert parser.feed('{"name": "a", "par') == []
+    events = parser.feed('ameters": {"q": "he')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta]
+    assert events[0].name == "a" and events[1].text == '{"q": "he'
+    events = parser.feed('llo"}};{"name": "b",')
+    assert events[-1] == ToolCallEnd(0, '{"q": "hello"}')
+    # Name after the arguments: decoded whole once the object closes.
+    parser = OutputParser("llama3_json")
+    assert parser.feed('{"parameters": {"q": 1}, "name": "c"') == []
+    events = parser.feed("}")
     assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd]
+
+
+def test_llama3_json_invalid_arguments():
+    r = check('{"name": "a", "parameters": {"x": 1, "y": oops}} bye', "llama3_json")
+    assert r.calls == [("a", '{"x": 1}')] and r.content == "oops}} bye"
+    r = check('{"name": "a", "parameters": {"x": [1, 2', "llama3_json")
+    assert r.calls == [("a", '{"x": [1, 2]}')] and r.content == ""
 
 
 # --- reasoning ---------------------------------------------------------------------------------

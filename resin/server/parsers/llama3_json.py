@@ -4,25 +4,34 @@
     <|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}
 
 The output is tool calls only when, after optional whitespace, it *starts* with ``{`` or
-``<|python_tag|>``; otherwise all of it is content, untouched. In call mode each object is
-emitted (start, one arguments fragment, end) as soon as it is complete, so calls stream one by
-one; objects may be separated by ``;``, whitespace or further ``<|python_tag|>`` markers.
+``<|python_tag|>``; otherwise all of it is content, untouched. Objects may be separated by ``;``,
+whitespace or further ``<|python_tag|>`` markers.
+
+An object that starts ``{"name": "NAME", "parameters": {`` (or ``"arguments"``) streams: start
+right there, the arguments as they arrive (``json_stream.JsonObjectStreamer``), the end when the
+arguments object closes; the rest of the call object is skipped. If the arguments turn invalid,
+the call ends with their valid part and the rest of the output is content. Any other object is
+decoded once its braces balance (a string-aware scan) and emitted whole if it is a call.
 
 An object that is not a call (no string ``name``, arguments not an object), or any other text
 after a call, ends call mode: that text and everything after it is content. At ``finish`` text
 that never became a complete object is content too, raw (the leading ``<|python_tag|>`` and
-separators included when no call was made).
+separators included when no call was made); a streaming call is closed with what arrived.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from .events import OutputEvent
 from .holdback import expect_marker
+from .json_stream import JsonObjectStreamer
 from .tool_parser import ToolParser, call_from_json
 
 PYTHON_TAG = "<|python_tag|>"
+# A call object up to its arguments object: what lets the arguments stream.
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[^"\\\n]+)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -69,6 +78,14 @@ class Llama3JsonToolParser(ToolParser):
             if not final and PYTHON_TAG.startswith(self._buf):
                 return False  # maybe a python tag split across deltas
             return self._leave_calls(out)
+        match = _HEAD.match(self._buf)
+        if match:
+            self._buf = self._buf[match.end():]
+            self._scan_pos, self._depth, self._in_string, self._escaped = 0, 0, False, False
+            self._start_call(out, match.group("name").strip())
+            self._streamer = JsonObjectStreamer()
+            self._state = "arguments"
+            return True
         end = self._object_end()
         if end == -1:
             if not final:
@@ -83,6 +100,33 @@ class Llama3JsonToolParser(ToolParser):
             return self._leave_calls(out)
         self._buf = self._buf[end:]
         self._emit_call(out, *call)
+        return True
+
+    def _step_arguments(self, out: list[OutputEvent], final: bool) -> bool:
+        """A call's arguments object, released as it validates."""
+        text, used = self._streamer.feed(self._buf)
+        self._args(out, text)
+        self._buf = self._buf[used:]
+        if self._streamer.done:
+            self._end_call(out)
+            # What is left of the call object (its closing brace) is skipped by the scanner.
+            self._scan_pos, self._depth, self._in_string, self._escaped = 0, 1, False, False
+            self._state = "call_tail"
+            return True
+        if self._streamer.error or final:
+            self._args(out, self._streamer.close())
+            self._end_call(out)
+            if self._streamer.error:
+                return self._leave_calls(out)  # the rest, from the invalid character on, is content
+        return False
+
+    def _step_call_tail(self, out: list[OutputEvent], final: bool) -> bool:
+        end = self._object_end()
+        if end == -1:
+            self._buf, self._scan_pos = "", 0
+            return False
+        self._buf = self._buf[end:]
+        self._state = "calls"
         return True
 
     def _object_end(self) -> int:
