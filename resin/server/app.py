@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import resin
 from resin.server.context import ServerContext
-from resin.server.engine_loop import RunnerFailure
+from resin.server.engine_loop import RequestRejected, RunnerFailure
 from resin.server.errors import APIError
 from resin.server.http_metrics import HttpMetrics
 from resin.server.sse import sse_response
@@ -133,6 +133,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
         return error_response(request.url.path,
                               APIError(exc.status_code, f"{message}: {request.url.path}"))
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
+        return error_response(request.url.path, APIError(400, str(exc)))
 
     @app.exception_handler(RunnerFailure)
     async def _runner_failure(request: Request, exc: RunnerFailure) -> JSONResponse:

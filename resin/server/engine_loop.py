@@ -4,10 +4,12 @@
 thread and hands each step's :class:`resin.RequestOutput` objects to the asyncio event loop of
 the HTTP server. Its guarantees:
 
-- ``add`` registers the request's :class:`OutputQueue` *before* calling
-  ``engine.add_request`` (on the caller's thread; the binding takes the engine lock with the GIL
-  released), so validation errors (a prompt over ``max_model_len``, bad sampling values) raise
-  synchronously, and no output can arrive for an unregistered request.
+- ``add`` and ``abort`` never touch the engine from the event loop (its lock is held while the
+  engine plans and commits a step, and the event loop must not wait on it): they register the
+  request's :class:`OutputQueue` and append a command that the engine thread applies, in
+  order, before planning its next step. An add the engine rejects fails its queue with
+  :class:`RequestRejected`; handlers check what they can (context length, sampling values)
+  beforehand, so that is rare.
 - One ``call_soon_threadsafe`` per burst of steps, not per step or per token: the engine thread
   appends outputs to a deque and schedules a dispatch only when none is pending, so a slow event
   loop receives several steps' outputs at once (and streams them as one chunk).
@@ -35,11 +37,16 @@ from resin._core import Engine, ForwardOutput, RequestOutput, SamplingParams
 
 EMPTY_OUTPUT_TOKEN_IDS = np.zeros(0, dtype=np.uint32)
 EMPTY_OUTPUT_INDPTR = np.zeros(1, dtype=np.uint32)
-IDLE_WAIT_S = 0.5  # the engine thread re-checks ``running`` this often when there is no work
+IDLE_WAIT_S = 0.5
+ADD, ABORT = "add", "abort"  # the engine thread re-checks ``running`` this often when there is no work
 
 
 class RunnerFailure(RuntimeError):
     """The runner raised, or returned output the engine rejected, while running a request."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request (e.g. a prompt over ``max_model_len``)."""
 
 
 class OutputQueue:
@@ -81,6 +88,7 @@ class EngineLoop:
         self.engine = engine
         self.runner = runner
         self._queues: dict[str, OutputQueue] = {}
+        self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
         self._outbox: collections.deque[tuple[list[RequestOutput], dict[str, BaseException]]] = (
             collections.deque())
         self._dispatch_pending = False
@@ -118,36 +126,29 @@ class EngineLoop:
     # -- called on the event loop's thread ----------------------------------------------------
     def add(self, request_ids: Iterable[str], prompt_token_ids: list[int],
             params: list[SamplingParams]) -> OutputQueue:
-        """Add one engine request per id (the choices of one API request) sharing one queue.
-        Raises the engine's ValueError (nothing stays added) if any is rejected."""
+        """Queue one engine request per id (the choices of one API request), sharing one
+        output queue. The engine thread adds them before its next step; if the engine rejects
+        one, the queue fails with :class:`RequestRejected` and its siblings are aborted."""
         queue = OutputQueue()
-        added: list[str] = []
-        try:
-            for index, (request_id, request_params) in enumerate(zip(request_ids, params)):
-                queue.choice_of[request_id] = index
-                self._queues[request_id] = queue
-                self.engine.add_request(request_id, prompt_token_ids, request_params)
-                added.append(request_id)
-        except BaseException:
-            for request_id in queue.choice_of:
-                self._queues.pop(request_id, None)
-            for request_id in added:
-                self.engine.abort(request_id)
-            raise
+        for index, request_id in enumerate(request_ids):
+            queue.choice_of[request_id] = index
+            self._queues[request_id] = queue
+        self._commands.append((ADD, queue, prompt_token_ids, params))
         self._wake.set()
         return queue
 
     def abort(self, queue: OutputQueue) -> None:
-        """Abort every unfinished request of ``queue``; their pages return to the pool now."""
-        for request_id in queue.choice_of:
-            if self._queues.pop(request_id, None) is not None:
-                self.engine.abort(request_id)
-        self._wake.set()
+        """Abort every unfinished request of ``queue``: the engine thread frees their pages
+        before it plans its next step."""
+        ids = [rid for rid in queue.choice_of if self._queues.pop(rid, None) is not None]
+        if ids:
+            self._commands.append((ABORT, ids))
+            self._wake.set()
 
     def abort_request(self, request_id: str) -> None:
         """Abort one engine request (a choice that hit a stop string); the others go on."""
         if self._queues.pop(request_id, None) is not None:
-            self.engine.abort(request_id)
+            self._commands.append((ABORT, [request_id]))
             self._wake.set()
 
     def _dispatch(self) -> None:
@@ -183,6 +184,9 @@ class EngineLoop:
         engine = self.engine
         try:
             while self._running:
+                errors = self._apply_commands()
+                if errors:
+                    self._post([], errors)
                 if not engine.has_unfinished():
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
@@ -198,6 +202,29 @@ class EngineLoop:
             if self._loop is not None and not self._loop.is_closed():
                 error = RuntimeError(f"the engine loop stopped: {exc!r}")
                 self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _apply_commands(self) -> dict[str, BaseException]:
+        """Add and abort what the event loop asked for, in order; rejected adds → errors."""
+        errors: dict[str, BaseException] = {}
+        commands = self._commands
+        while commands:
+            command = commands.popleft()
+            if command[0] == ABORT:
+                for request_id in command[1]:
+                    self.engine.abort(request_id)
+                continue
+            _, queue, prompt_token_ids, params = command
+            added: list[str] = []
+            try:
+                for request_id, request_params in zip(queue.choice_of, params):
+                    self.engine.add_request(request_id, prompt_token_ids, request_params)
+                    added.append(request_id)
+            except ValueError as exc:
+                for request_id in added:
+                    self.engine.abort(request_id)
+                error = RequestRejected(str(exc))
+                errors.update((request_id, error) for request_id in queue.choice_of)
+        return errors
 
     def _step(self) -> tuple[list[RequestOutput], dict[str, BaseException]]:
         engine = self.engine

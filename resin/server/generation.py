@@ -102,8 +102,8 @@ class Generator:
         return f"{prefix}-{next(self._ids)}"
 
     def start(self, request: GenerationRequest, request_id: str) -> Generation:
-        """Add the request's choices to the engine now (ValueError if the engine rejects it,
-        with nothing added) and return the :class:`Generation` to iterate."""
+        """Queue the request's choices for the engine and return the :class:`Generation` to
+        iterate (it raises ``RequestRejected`` if the engine refuses the request)."""
         return Generation(self, request, request_id)
 
 

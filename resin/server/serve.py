@@ -100,5 +100,7 @@ def run_server(ctx: ServerContext, host: str, port: int, log_level: str = "info"
 
     from resin.server.app import build_app
 
+    import sys
+    sys.setswitchinterval(0.0005)
     uvicorn.run(build_app(ctx), host=host, port=port, log_level=log_level,
                 timeout_keep_alive=30)
