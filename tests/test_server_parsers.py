@@ -227,6 +227,13 @@ def test_tools_disabled_pass_markers_through():
     assert check(HERMES_ONE, None).content == HERMES_ONE
 
 
+def test_hermes_reads_qwen3_coder_xml_bodies():
+    # Qwen3-Coder's config says qwen3_moe, so the default hermes parser may see its XML.
+    text = "On it.\n" + coder_call("get_weather", {"days": "4"}) + "\n<function=x> stays text"
+    r = check(text, "hermes", tools=WEATHER_TOOLS)
+    assert r.calls == [("get_weather", '{"days": 4}')] and r.content == "On it.\n<function=x> stays text"
+
+
 def test_tool_call_start_streams_before_later_content():
     parser = OutputParser("hermes")
     events = parser.feed(HERMES_ONE)

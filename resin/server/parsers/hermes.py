@@ -11,16 +11,18 @@ Any other body (name after arguments, arguments as a JSON string, a list of call
 up to ``</tool_call>`` and decoded (``ToolParser._step_json_body``): start, one arguments
 fragment (``json.dumps(arguments, ensure_ascii=False)``), end. If it is not a call object (bad
 JSON, no ``name``, arguments not an object), its raw text, markers included, is content; at
-``finish`` an unterminated body is a call when it already decodes, else content.
+``finish`` an unterminated body is a call when it already decodes, else content. A body that
+starts with neither ``{`` / ``[`` nor ``<function=`` (prose naming the tag) is content at once.
 """
 
 from __future__ import annotations
 
-from .tool_parser import ToolParser
+from .qwen3_coder import TOOL_CALL, Qwen3CoderToolParser
 
 
-class HermesToolParser(ToolParser):
-    start_markers = ("<tool_call>",)
+class HermesToolParser(Qwen3CoderToolParser):
+    """Reads the JSON bodies above, and also Qwen3-Coder XML bodies (``<tool_call>`` then
+    ``<function=``), which Qwen3-Coder emits although its config says ``qwen3_moe`` like the
+    hermes-format Qwen3 models. Unlike ``qwen3_coder`` a bare ``<function=`` is content."""
 
-    def _open_call(self, marker: str) -> None:
-        self._state = "json_head"
+    start_markers = (TOOL_CALL,)

@@ -52,7 +52,7 @@ class Qwen3CoderToolParser(ToolParser):
 
     def _step_open(self, out: list[OutputEvent], final: bool) -> bool:
         """After ``<tool_call>``: expect ``<function=`` (or a hermes JSON body)."""
-        if self._buf.lstrip().startswith("{"):
+        if self._buf.lstrip()[:1] in ("{", "["):
             self._state = "json_head"
             return True
         found = expect_marker(self._buf, FUNCTION, final)
