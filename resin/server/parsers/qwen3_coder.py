@@ -43,7 +43,7 @@ def _trim_newline(value: str) -> str:
 
 
 class Qwen3CoderToolParser(ToolParser):
-    start_markers = (TOOL_CALL, FUNCTION)
+    start_markers: tuple[str, ...] = (TOOL_CALL, FUNCTION)
     _tool = ""  # the call being read
     _param = ""  # the parameter being read
 
