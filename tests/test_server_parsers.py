@@ -66,8 +66,10 @@ def _summarize(events: list, parser: OutputParser) -> Result:
     for event in events:
         if isinstance(event, (ContentDelta, ReasoningDelta)):
             assert event.text, "empty delta"
+            assert not open_calls, "text in the middle of a tool call"
         elif isinstance(event, ToolCallStart):
             assert event.index == len(names), "call indices must be 0, 1, 2, ... in order"
+            assert not open_calls, "calls overlap"
             assert event.call_id.startswith("call_") and len(event.call_id) == 29
             int(event.call_id[5:], 16)
             names[event.index] = event.name

@@ -6,10 +6,16 @@ parser, so a tool call written inside reasoning stays reasoning text. With no to
 ``enable_tools=False``, used for ``tool_choice="none"`` and requests without tools) content
 passes through untouched, markers and all.
 
+``reasoning_started`` only means something with a reasoning parser: it tells it the prompt
+already opened ``<think>``. Without one, all text is content (``<think>`` tags included).
+
 Guarantee: for any split of the same text into ``feed`` calls, the events concatenate to the
 same reasoning, the same content and the same calls (names and argument JSON); only the
 ``call_id`` values differ between runs. Each returned list has adjacent content (and adjacent
-reasoning) deltas merged and no empty deltas.
+reasoning) deltas merged and no empty deltas. Nothing else comes between a call's
+``ToolCallStart`` and its ``ToolCallEnd`` (so an Anthropic ``tool_use`` block can stay open
+alone), and calls never overlap. Whitespace-only content next to tool calls is dropped (see
+``tool_parser.py``).
 """
 
 from __future__ import annotations
