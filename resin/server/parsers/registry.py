@@ -35,12 +35,17 @@ _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     "qwen3": ("hermes", "qwen3"),
     "qwen3_moe": ("hermes", "qwen3"),
     "qwen3_next": ("hermes", "qwen3"),
+    "qwen2_vl": ("hermes", None),
+    "qwen2_5_vl": ("hermes", None),
+    "qwen3_vl": ("hermes", "qwen3"),
+    "qwen3_vl_moe": ("hermes", "qwen3"),
     "qwen3_5": ("qwen3_coder", "qwen3"),
     "qwen3_5_moe": ("qwen3_coder", "qwen3"),
     "qwen3_coder": ("qwen3_coder", None),
     "deepseek_v3": ("deepseek_v3", "deepseek_r1"),
     "deepseek_v32": ("deepseek_v31", "deepseek_r1"),
     "glm4_moe": ("glm45", "glm45"),
+    "glm4v_moe": ("glm45", "glm45"),
     "llama": ("llama3_json", None),
 }
 
