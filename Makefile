@@ -38,9 +38,14 @@ bench: install
 	$(VPY) benchmarks/engine_overhead.py
 	cargo run -q --release -p resin-core --example decode_overhead -- 256 1024
 
+# The bundled demo checkpoint: a tiny random-weight Qwen3 (fast, answers in noise). Serve a real
+# model with: .venv/bin/resin serve /path/to/hf-checkpoint --served-model-name NAME
+DEMO_MODEL ?= tests/fixtures/qwen3
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
 serve: install
-	@echo "resin serve arrives with the HTTP server issue; the engine core is installed in $(VENV)." >&2
-	@exit 2
+	$(VENV)/bin/resin serve $(DEMO_MODEL) --served-model-name demo --host $(HOST) --port $(PORT)
 
 clean:
 	rm -rf target $(VENV) resin/_core*.so

@@ -1,0 +1,64 @@
+"""``resin serve`` as users start it: the CLI documents every option and serves a checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from typer.testing import CliRunner
+
+from resin.cli import app
+from tests.server_harness import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTIONS = ["--host", "--port", "--runner", "--served-model-name", "--api-key", "--page-size",
+           "--num-pages", "--kv-cache-memory-bytes", "--max-num-seqs",
+           "--max-num-batched-tokens", "--max-model-len", "--enable-prefix-caching",
+           "--no-enable-prefix-caching", "--tool-parser", "--reasoning-parser",
+           "--chat-template", "--max-queued-requests", "--device", "--dtype"]
+
+
+def test_serve_help_documents_every_option():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for option in OPTIONS:
+        assert option in result.output, option
+
+
+def test_serve_rejects_unknown_parser_and_missing_model():
+    result = CliRunner().invoke(app, ["serve", str(ROOT / "tests/fixtures/qwen3"),
+                                      "--runner", "null", "--tool-parser", "nope"])
+    assert result.exit_code == 2 and "unknown --tool-parser 'nope'" in result.output
+    result = CliRunner().invoke(app, ["serve", str(ROOT / "no/such/dir")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_resin_serve_subprocess_answers_and_stops():
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "resin.cli", "serve", "tests/fixtures/qwen3", "--port", str(port),
+         "--served-model-name", "demo", "--max-model-len", "256", "--max-num-seqs", "4",
+         "--log-level", "warning"], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, "resin serve exited"
+            assert time.monotonic() < deadline, "resin serve did not start"
+            time.sleep(0.2)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+            "model": "demo", "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 5, "ignore_eos": True})
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 5
+    finally:
+        server.terminate()
+        # uvicorn shuts down gracefully, then re-raises SIGTERM (exit status -15)
+        assert server.wait(timeout=30) in (0, -15)
