@@ -150,3 +150,20 @@ def test_tool_history_round_trip_renders(scripted):
                                               max_tokens=50)
     assert response.choices[0].message.content == "It is sunny."
     assert response.choices[0].finish_reason == "stop"
+
+
+def test_thinking_switched_off_by_the_template_disables_reasoning_parsing(scripted):
+    """deepseek_r1 reads text before a missing </think> as reasoning; when the rendered prompt
+    already closed the think block (enable_thinking=False), the output is all content."""
+    ctx, runner, tokenizer, client = scripted
+    _script(ctx, runner, tokenizer, None, "deepseek_r1", "Plain answer.")
+    messages = [{"role": "user", "content": "hi"}]
+    thinking = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50)
+    assert thinking.choices[0].message.content is None or \
+        thinking.choices[0].message.content == ""
+    assert thinking.choices[0].message.model_extra["reasoning"] == "Plain answer."
+    off = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50,
+                                         extra_body={"chat_template_kwargs":
+                                                     {"enable_thinking": False}})
+    assert off.choices[0].message.content == "Plain answer."
+    assert "reasoning" not in (off.choices[0].message.model_extra or {})

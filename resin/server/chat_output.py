@@ -49,8 +49,9 @@ class ChatChoice:
 
     def __init__(self, ctx: ServerContext, prompt: ChatPrompt, tool_choice: Any) -> None:
         enable_tools = bool(prompt.tools) and tool_choice != "none"
+        reasoning_parser = None if prompt.reasoning_closed else ctx.options.reasoning_parser
         self.parser = OutputParser(
-            ctx.options.tool_parser if enable_tools else None, ctx.options.reasoning_parser,
+            ctx.options.tool_parser if enable_tools else None, reasoning_parser,
             tools=prompt.tools, reasoning_started=prompt.reasoning_started,
             enable_tools=enable_tools and ctx.options.tool_parser is not None)
         self.finish_reason: str | None = None

@@ -14,7 +14,8 @@ Every chat API ends here: ``/v1/chat/completions`` directly, ``/v1/responses`` a
    the server and ``resin.LLM.chat`` build identical prompts.
 
 It also reports whether the prompt ends inside an open ``<think>`` block (a template that
-pre-fills ``<think>\\n``), which tells the reasoning parser that output starts as reasoning.
+pre-fills ``<think>\\n``: output starts as reasoning) or right after ``</think>`` (thinking
+switched off, e.g. ``enable_thinking=False``: no reasoning parsing at all).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class ChatPrompt:
     text: str
     token_ids: list[int]
     tools: list[dict[str, Any]] | None  # OpenAI function tools, as rendered
-    reasoning_started: bool
+    reasoning_started: bool  # the prompt ends inside an open <think> block
+    reasoning_closed: bool = False  # the prompt ends with "</think>": thinking switched off
 
 
 def flatten_content(content: Any, where: str) -> str:
@@ -177,8 +179,8 @@ def build_chat_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
     if not token_ids:
         raise APIError(400, "the rendered prompt is empty", param="messages")
     tail = text.rstrip()
-    reasoning_started = tail.endswith(THINK_OPEN)
-    return ChatPrompt(text, token_ids, tools, reasoning_started)
+    return ChatPrompt(text, token_ids, tools, reasoning_started=tail.endswith(THINK_OPEN),
+                      reasoning_closed=tail.endswith(THINK_CLOSE))
 
 
 def tool_names(tools: Sequence[Mapping[str, Any]] | None) -> set[str]:
