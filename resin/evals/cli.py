@@ -1,9 +1,14 @@
 """``resin eval ...``: the typer sub-app the main CLI registers under ``eval``.
 
-``resin eval parity MODEL_DIR [--runner torch] [--json PATH]`` runs the parity harness
+``resin eval parity MODEL [--runner torch|model] [--json PATH]`` runs the parity harness
 (:func:`resin.evals.parity.run_parity`), prints its summary, optionally writes the JSON
-report, and exits 0 only when every stage passes (1 on a parity failure, 2 on bad usage).
-torch and transformers are imported only when the command runs.
+report, and exits 0 only when every stage passes (1 on a parity failure or a runner that is not
+finished — a stub raising NotImplementedError; 2 on bad usage). MODEL is resolved by
+:func:`resin.evals.model_ref.resolve_model`: an HF checkpoint directory runs the torch reference
+runner; a model directory or a name under ``models/`` (made by ``resin new-model``) runs that
+model's ``runner.py`` on the checkpoint, tolerances and stress settings of its ``parity.toml``
+(command-line options override the file). torch and transformers are imported only when the
+command runs.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import typer
 eval_app = typer.Typer(name="eval", help="Evaluate a runner: parity with HF transformers.",
                        no_args_is_help=True, add_completion=False)
 
-RUNNERS = ("torch",)
+RUNNERS = ("torch", "model")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @eval_app.callback()
@@ -42,24 +48,54 @@ def _runner_factory(runner: str, dtype: str, device: str) -> Any:
 
 @eval_app.command()
 def parity(
-    model_dir: Annotated[Path, typer.Argument(help="HF checkpoint directory (config.json + safetensors).")],
-    runner: Annotated[str, typer.Option(help="Runner to check against HF transformers.")] = "torch",
+    model: Annotated[str, typer.Argument(
+        help="HF checkpoint directory, a models/NAME directory, or a model NAME under models/.")],
+    runner: Annotated[str | None, typer.Option(
+        help="torch (the reference runner) or model (models/NAME/runner.py). Default: model "
+             "for a model name or directory, torch for a checkpoint.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the JSON report here.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt in the engine stages.")] = 8,
-    dtype: Annotated[str, typer.Option(help="Runner dtype: float32, bfloat16 or float16.")] = "float32",
-    device: Annotated[str, typer.Option(help="Runner device (the HF reference stays on CPU).")] = "cpu",
+    max_new_tokens: Annotated[int | None, typer.Option(
+        help="Greedy tokens per prompt in the engine stages (default: parity.toml, else 8).")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="Runner dtype: float32, bfloat16 or float16 (default: parity.toml, else float32).")] = None,
+    device: Annotated[str | None, typer.Option(
+        help="Runner device; the HF reference stays on CPU (default: parity.toml, else cpu).")] = None,
 ) -> None:
     """Check a runner against HF transformers: per-layer diffs, logits, greedy tokens under stress."""
-    if not (model_dir / "config.json").is_file():
-        raise typer.BadParameter(f"{model_dir} has no config.json", param_hint="MODEL_DIR")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise typer.BadParameter(f"unsupported dtype {dtype!r}", param_hint="--dtype")
-    from resin.evals.parity import run_parity
+    from resin.evals.model_ref import ModelRefError, resolve_model
 
-    report = run_parity(model_dir, runner_factory=_runner_factory(runner, dtype, device),
-                        max_new_tokens=max_new_tokens, runner_name=runner, dtype=dtype)
+    if dtype is not None and dtype not in DTYPES:
+        raise typer.BadParameter(f"unsupported dtype {dtype!r}", param_hint="--dtype")
+    if runner is not None and runner not in RUNNERS:
+        raise typer.BadParameter(f"unknown runner {runner!r}; known: {', '.join(RUNNERS)}",
+                                 param_hint="--runner")
+    try:
+        ref = resolve_model(model)
+    except ModelRefError as exc:
+        raise typer.BadParameter(str(exc), param_hint="MODEL") from exc
+    if runner == "model" and ref.model_dir is None:
+        raise typer.BadParameter(f"{model} is a checkpoint, not a models/NAME directory: it has "
+                                 "no runner.py (use --runner torch)", param_hint="--runner")
+    try:
+        report = _run(ref, runner, dtype, device, max_new_tokens)
+    except NotImplementedError as exc:   # a stub in models/NAME/blocks.py
+        typer.echo(f"parity FAIL: runner not finished: {exc}", err=True)
+        raise typer.Exit(1) from exc
     typer.echo(report.summary())
     if json_path is not None:
         json_path.write_text(report.to_json() + "\n")
         typer.echo(f"report written to {json_path}")
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _run(ref: Any, runner: str | None, dtype: str | None, device: str | None,
+         max_new_tokens: int | None) -> Any:
+    from resin.evals.model_ref import run_model_parity
+    from resin.evals.parity import run_parity
+
+    if ref.model_dir is not None and runner != "torch":
+        return run_model_parity(ref, dtype=dtype, device=device, max_new_tokens=max_new_tokens)
+    dtype = dtype or "float32"
+    return run_parity(ref.checkpoint_dir,
+                      runner_factory=_runner_factory("torch", dtype, device or "cpu"),
+                      max_new_tokens=max_new_tokens or 8, runner_name="torch", dtype=dtype)

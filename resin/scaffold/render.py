@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import textwrap
+
 import jinja2
 
 from resin.scaffold.inspect import Architecture, BlockInfo, LayerInfo
@@ -50,6 +52,7 @@ class Block:
     shapes: str
     weights: str
     message: str = ""
+    message_lines: list[str] = field(default_factory=list)   # repr'd chunks of message
     kind_doc: str = ""
     assumed: bool = False
     rotary_key: str = ""
@@ -248,6 +251,8 @@ def _as_stub(block: Block, reason: str = "") -> Block:
         parts.append(f"weights: {block.weights}")
     parts += block.notes
     block.message = ". ".join(parts)
+    chunks = textwrap.wrap(block.message, 80, drop_whitespace=False, break_on_hyphens=False)
+    block.message_lines = [repr(chunk) for chunk in chunks]
     return block
 
 
@@ -278,20 +283,26 @@ def _type_summary(layers: list[LayerInfo]) -> str:
 
 
 def _layer_rows(layers: list[LayerInfo]) -> list[dict[str, str]]:
-    """Consecutive layers with the same type, window and classes share one table row."""
-    rows: list[dict[str, str]] = []
+    """Layers with the same type, window and classes share one table row."""
+    rows: dict[tuple[str, ...], list[int]] = {}
     for layer in layers:
         kind = cache_kind(layer.layer_type, layer.window)
         cache = {"full": "full", "sliding_window": f"sliding_window({layer.window})",
                  "recurrent": "recurrent (stub)"}.get(kind, "unknown (stub)")
-        row = {"layer_type": layer.layer_type, "window": str(layer.window or "-"), "cache": cache,
-               "decoder": layer.decoder.cls_name,
-               "children": ", ".join(f"{n}: {i.cls_name}" for n, i in layer.children.items())}
-        if rows and all(rows[-1][k] == v for k, v in row.items()):
-            rows[-1]["last"] = str(layer.index)
-        else:
-            rows.append({**row, "first": str(layer.index), "last": str(layer.index)})
-    for row in rows:
-        row["layers"] = row["first"] if row["first"] == row["last"] else \
-            f"{row['first']}-{row['last']}"
-    return rows
+        key = (layer.layer_type, str(layer.window or "-"), cache, layer.decoder.cls_name,
+               ", ".join(f"{n}: {i.cls_name}" for n, i in layer.children.items()))
+        rows.setdefault(key, []).append(layer.index)
+    names = ("layer_type", "window", "cache", "decoder", "children")
+    return [{"layers": compact_indices(indices), **dict(zip(names, key))}
+            for key, indices in rows.items()]
+
+
+def compact_indices(indices: list[int]) -> str:
+    """[0, 1, 2, 3] -> "0-3"; [0, 2, 4] -> "0-4 step 2"; otherwise a comma list."""
+    if len(indices) == 1:
+        return str(indices[0])
+    steps = {b - a for a, b in zip(indices, indices[1:])}
+    if len(steps) == 1:
+        step = steps.pop()
+        return f"{indices[0]}-{indices[-1]}" + ("" if step == 1 else f" step {step}")
+    return ", ".join(map(str, indices))
