@@ -259,3 +259,78 @@ def test_import_perf_loads_no_torch_or_matplotlib() -> None:
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# -- skills/optimize-perf/SKILL.md: every command in it runs -------------------------------
+
+# Appended to each `resin bench` / `resin eval parity` line of the skill so the skill test stays
+# near a minute (click keeps the last value of a repeated option): the commands, their files
+# and their exit codes are exercised as written, on smaller shapes and fewer greedy tokens.
+SKILL_BENCH_SHRINK = " --shapes 'decode:1,8@16 prefill:16' --repeats 3 --warmup 1 --num-threads 1"
+SKILL_PARITY_SHRINK = " --max-new-tokens 2"
+
+
+def skill_steps(text: str) -> list[tuple[str, str, str]]:
+    """The skill's ```bash lines (backslash continuations joined) as ("run", command, "") and
+    its ```python blocks as ("save", file name, code); a python block must be preceded by
+    ``<!-- save as FILE -->`` (the skill tells the reader to save and run it)."""
+    steps: list[tuple[str, str, str]] = []
+    block = re.compile(r"(?:<!-- save as (\S+) -->\n)?```(bash|python)\n(.*?)```", re.S)
+    for match in block.finditer(text):
+        save_as, language, body = match.groups()
+        if language == "python":
+            assert save_as, f"python block without a save-as marker: {body[:80]!r}"
+            steps.append(("save", save_as, body))
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            if line.strip() and not line.strip().startswith("#"):
+                steps.append(("run", line.strip(), ""))
+    return steps
+
+
+def test_skill_front_matter_and_commands() -> None:
+    text = SKILL.read_text()
+    front = re.match(r"---\nname: (.+)\ndescription: (.+?)\n---\n", text, re.S)
+    assert front and front.group(1) == "optimize-perf" and len(front.group(2)) > 80
+    commands = [c for kind, c, _ in skill_steps(text) if kind == "run"]
+    assert commands[0] == "resin eval parity tests/fixtures/llama"
+    assert "TRITON_INTERPRET=1 python rms_norm_triton.py" in commands
+    assert "python profile_step.py" in commands
+    bench = [c for c in commands if c.startswith("resin bench")]
+    assert len(bench) == 3 and sum("--baseline" in c for c in bench) == 2
+
+
+def test_skill_commands_run(tmp_path: Path) -> None:
+    """Runs every command of the skill in order, in a scratch workspace that sees the repo's
+    fixtures, suites, baselines and virtualenv; reports land in the scratch evals/perf/reports."""
+    for rel in ("tests", ".venv", "evals/perf/suites", "evals/perf/baselines"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).symlink_to(REPO / rel)
+    env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("TRITON_INTERPRET", None)
+    done_commands: set[str] = set()
+    for kind, command, code in skill_steps(SKILL.read_text()):
+        if kind == "save":
+            (tmp_path / command).write_text(code)
+            continue
+        if command in done_commands:   # parity is shown twice (before and after changes)
+            continue
+        done_commands.add(command)
+        line = command + (SKILL_BENCH_SHRINK if command.startswith("resin bench") else
+                          SKILL_PARITY_SHRINK if command.startswith("resin eval parity") else "")
+        result = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, text=True,
+                                capture_output=True, timeout=600, check=False)
+        output = result.stdout + result.stderr
+        if command.startswith("resin bench") and "--baseline" in command:
+            # Exit 1 is a legitimate verdict on a noisy machine; it must agree with the JSON.
+            out_dir = tmp_path / shlex.split(command)[shlex.split(command).index("--out") + 1]
+            comparison = json.loads((out_dir / "report.json").read_text())["comparison"]
+            assert result.returncode == (1 if comparison["regressed"] else 0), output
+            assert f"result: {'REGRESSION' if comparison['regressed'] else 'ok'}" in output
+        else:
+            assert result.returncode == 0, f"{command}\n{output}"
+        if command.startswith("resin bench"):
+            assert "report:" in output and "result:" in output
+    reports = tmp_path / "evals" / "perf" / "reports"
+    assert {"llama-before", "llama-after", "llama-vs-committed", "llama-trace.json"} <= \
+        {p.name for p in reports.iterdir()}
