@@ -12,8 +12,9 @@ The helpers build the errors clients grep for: ``context_length_exceeded`` with 
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
+
+from resin.server.ids import random_id
 
 ANTHROPIC_ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -47,7 +48,7 @@ class APIError(Exception):
         return {"type": "error",
                 "error": {"type": ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"),
                           "message": self.message},
-                "request_id": f"req_{uuid.uuid4().hex}"}
+                "request_id": random_id("req_")}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -76,8 +76,7 @@ class Usage:
 
 
 class _ChoiceState:
-    __slots__ = ("index", "request_id", "detokenizer", "matcher", "num_tokens", "finished",
-                 "text")
+    __slots__ = ("index", "request_id", "detokenizer", "matcher", "num_tokens", "finished")
 
     def __init__(self, index: int, request_id: str, detokenizer: IncrementalDetokenizer,
                  matcher: StopStringMatcher) -> None:
@@ -87,7 +86,6 @@ class _ChoiceState:
         self.matcher = matcher
         self.num_tokens = 0
         self.finished = False
-        self.text = ""
 
 
 class Generator:
@@ -137,36 +135,40 @@ class Generation:
             self.loop.abort(self._queue)
 
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
-        """Delta batches (at most one per choice, in choice order) until every choice ends."""
+        """Delta batches (at most one per choice, in choice order) until every choice ends.
+        The outputs of several engine steps that arrived together are detokenized together."""
         try:
             while self._num_unfinished:
-                deltas: dict[int, ChoiceDelta] = {}
+                groups: dict[str, list[RequestOutput]] = {}
                 for output in await self._queue.drain():
-                    state = self._states[output.request_id]
+                    groups.setdefault(output.request_id, []).append(output)
+                deltas: list[ChoiceDelta] = []
+                for request_id, outputs in groups.items():
+                    state = self._states[request_id]
                     if state.finished:
                         continue
-                    delta = self._advance(state, output)
+                    deltas.append(self._advance(state, outputs))
                     if state.finished:
                         self._num_unfinished -= 1
-                    merged = deltas.get(state.index)
-                    if merged is None:
-                        deltas[state.index] = delta
-                    else:
-                        _merge(merged, delta)
                 if deltas:
-                    yield [deltas[i] for i in sorted(deltas)]
+                    if len(deltas) > 1:
+                        deltas.sort(key=lambda d: d.index)
+                    yield deltas
         finally:
             self.abort()
 
-    def _advance(self, state: _ChoiceState, output: RequestOutput) -> ChoiceDelta:
-        num_top_logprobs = self.request.num_top_logprobs
-        usage = self.usage
-        new_ids = output.new_token_ids
+    def _advance(self, state: _ChoiceState, outputs: list[RequestOutput]) -> ChoiceDelta:
+        """Fold one choice's new outputs (one per engine step, oldest first) into a delta."""
+        last = outputs[-1]
+        if len(outputs) == 1:
+            new_ids = last.new_token_ids
+        else:
+            new_ids = [t for output in outputs for t in output.new_token_ids]
         state.num_tokens += len(new_ids)
-        usage.completion_tokens += len(new_ids)
+        self.usage.completion_tokens += len(new_ids)
         if state.index == 0:
-            usage.cached_tokens = output.num_cached_tokens
-        finish_reason = output.finish_reason if output.finished else None
+            self.usage.cached_tokens = last.num_cached_tokens
+        finish_reason = last.finish_reason if last.finished else None
         text_ids = new_ids[:-1] if finish_reason == "stop" and new_ids else new_ids
         text = state.matcher.feed(state.detokenizer.add_tokens(text_ids)) if text_ids else ""
         if state.matcher.matched is None and finish_reason is not None:
@@ -178,10 +180,9 @@ class Generation:
                 self.loop.abort_request(state.request_id)
             finish_reason = "stop"
         state.finished = finish_reason is not None
-        state.text += text
         logprobs = None
-        if num_top_logprobs is not None:
-            logprobs = self._logprobs(output, new_ids, num_top_logprobs)
+        if self.request.num_top_logprobs is not None:
+            logprobs = self._logprobs(last, new_ids, self.request.num_top_logprobs)
         return ChoiceDelta(state.index, text, list(new_ids), logprobs, finish_reason,
                            stop_string)
 
@@ -197,15 +198,6 @@ class Generation:
                 token_id, decode([token_id]), float(entry.get(token_id, float("-inf"))),
                 [(int(t), decode([int(t)]), float(lp)) for t, lp in top]))
         return result
-
-
-def _merge(into: ChoiceDelta, delta: ChoiceDelta) -> None:
-    into.text += delta.text
-    into.token_ids.extend(delta.token_ids)
-    if delta.logprobs is not None:
-        into.logprobs = (into.logprobs or []) + delta.logprobs
-    into.finish_reason = delta.finish_reason
-    into.stop_string = delta.stop_string
 
 
 def _with_seed_offset(params: SamplingParams, offset: int) -> SamplingParams:

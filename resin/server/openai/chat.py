@@ -12,15 +12,19 @@ role first (with the first token), then content / reasoning / tool-call fragment
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from resin.server.chat_output import ChatChoice, parse_tool_choice
-from resin.server.chat_prompt import build_chat_prompt, normalize_chat_messages, normalize_tools
+from resin.server.chat_prompt import (
+    build_chat_prompt,
+    normalize_chat_messages,
+    normalize_tools,
+)
 from resin.server.context import ServerContext
 from resin.server.errors import APIError
 from resin.server.generation import Generation, GenerationRequest, TokenLogprob, Usage
+from resin.server.ids import random_id
 from resin.server.parsers import (
     ContentDelta,
     OutputEvent,
@@ -29,7 +33,11 @@ from resin.server.parsers import (
     ToolCallStart,
 )
 from resin.server.request_fields import get_bool, get_dict, get_int, get_stop
-from resin.server.sampling_request import MAX_TOP_LOGPROBS, max_tokens_for, sampling_params
+from resin.server.sampling_request import (
+    MAX_TOP_LOGPROBS,
+    max_tokens_for,
+    sampling_params,
+)
 from resin.server.sse import DONE, data_event, dumps
 
 MAX_N = 128
@@ -115,7 +123,7 @@ def delta_body(events: list[OutputEvent], emit_reasoning_content: bool) -> dict[
 
 async def stream_chat(ctx: ServerContext, model: str, generation: Generation, prompt: Any,
                       tool_choice: Any, body: dict[str, Any]) -> AsyncIterator[str]:
-    chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
+    chunk_id = random_id("chatcmpl-", 32)
     options = get_dict(body, "stream_options") or {}
     include_usage = bool(options.get("include_usage"))
     head = dumps({"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -191,6 +199,6 @@ async def complete_chat(ctx: ServerContext, model: str, generation: Generation, 
             entry["logprobs"] = {"content": logprobs_content(choice.logprobs), "refusal": None}
         result_choices.append(entry)
     reasoning_tokens = sum(_count_tokens(ctx, c.reasoning) for c in choices)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+    return {"id": random_id("chatcmpl-", 32), "object": "chat.completion",
             "created": int(time.time()), "model": model, "system_fingerprint": None,
             "choices": result_choices, "usage": usage_body(generation.usage, reasoning_tokens)}

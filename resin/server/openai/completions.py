@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from resin.server.context import ServerContext
 from resin.server.errors import APIError
-from resin.server.generation import ChoiceDelta, Generation, GenerationRequest, TokenLogprob, Usage
+from resin.server.generation import (
+    ChoiceDelta,
+    Generation,
+    GenerationRequest,
+    TokenLogprob,
+    Usage,
+)
+from resin.server.ids import random_id
 from resin.server.openai.chat import start, usage_body
 from resin.server.request_fields import get_bool, get_dict, get_int, get_stop
 from resin.server.sampling_request import max_tokens_for, sampling_params
@@ -157,7 +163,7 @@ async def merged_deltas(generations: list[Generation]) -> AsyncIterator[
 async def stream_completion(request: CompletionRequest, body: dict[str, Any]) -> AsyncIterator[str]:
     options = get_dict(body, "stream_options") or {}
     include_usage = bool(options.get("include_usage"))
-    head = dumps({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+    head = dumps({"id": random_id("cmpl-", 32), "object": "text_completion",
                   "created": int(time.time()), "model": request.model})[:-1]
     tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
     offsets = [0] * (len(request.prompts) * request.n)
@@ -221,6 +227,6 @@ async def complete(request: CompletionRequest) -> dict[str, Any]:
             entry["logprobs"] = legacy_logprobs(
                 logprobs[index], len(prompt_text) if request.echo else 0)
         choices.append(entry)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+    return {"id": random_id("cmpl-", 32), "object": "text_completion",
             "created": int(time.time()), "model": request.model, "choices": choices,
             "usage": usage_body(request.usage())}

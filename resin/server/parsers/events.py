@@ -12,8 +12,9 @@ comes after its start and before its ``ToolCallEnd``; the deltas' texts concaten
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
+
+from resin.server.ids import random_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,4 +57,4 @@ class ParsedToolCall:
 
 
 def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+    return random_id("call_")
