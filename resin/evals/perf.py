@@ -78,9 +78,9 @@ def run_bench(model: str, settings: BenchSettings, load_runner: Callable[[], Any
     runner = load_runner()
     peaks = calibrate(settings.device, settings.dtype)
     measurer = ShapeRunner(runner, model_config, settings.device, DTYPE_BYTES[settings.dtype])
-    # A throwaway pass of the first shape warms the process (allocator, lazy imports, clocks),
-    # so the first measured shape is not the only one paying for it.
-    measurer.measure(shapes[0], 2, 0)
+    # A throwaway pass of the cheapest shape warms the process (allocator, lazy imports,
+    # clocks), so the first measured shape is not the only one paying for it.
+    measurer.measure(min(shapes, key=lambda s: s.batch_size * s.max_len_tokens), 2, 0)
     entries = [shape_entry(measurer.measure(s, settings.repeats, settings.warmup), peaks)
                for s in shapes]
     device_name = (torch.cuda.get_device_name(settings.device)
@@ -155,7 +155,10 @@ def bench(
         help="CPU only: torch threads (default: torch's). 1 is steadier on a shared machine.")
     ] = None,
 ) -> None:
-    """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline."""
+    """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
+
+    Exit 0 ok, 1 a shape regressed against --baseline, 2 bad usage, 3 the run failed.
+    """
     from resin.evals.model_ref import ModelRefError, resolve_model
     from resin.loading import load_model_config
 
