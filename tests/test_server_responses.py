@@ -263,6 +263,30 @@ def test_stream_helper_final_response(scripted_server: LiveServer,
     assert final.usage.output_tokens == len(script.encode(ANSWER)) + 1  # + EOS
 
 
+def test_logprobs(torch_server: LiveServer, llm: LLM) -> None:
+    params = resin.SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    expected = llm.chat(MESSAGES, params)[0]
+    request = dict(model=MODEL, temperature=0, max_output_tokens=8, top_logprobs=2,
+                   include=["message.output_text.logprobs"], **CONVERSATION)
+    response = torch_server.client.responses.create(**request)
+    logprobs = response.output[0].content[0].logprobs
+    assert len(logprobs) == len(expected.token_ids) == 8
+    for entry, token_id, reference in zip(logprobs, expected.token_ids, expected.logprobs):
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(reference[token_id], abs=1e-4)
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs),
+                                              abs=1e-6)
+    events = _events(torch_server.client.responses.create(stream=True, **request))
+    streamed = [lp for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in logprobs]
+    assert [lp.logprob for lp in done.logprobs] == pytest.approx(
+        [lp.logprob for lp in logprobs], abs=1e-4)
+    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs][:len(streamed)]
+    assert streamed, "no output_text.delta carried logprobs"
+
+
 def test_wire_format_is_named_sse_events(torch_server: LiveServer) -> None:
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, "stream": True,
             "temperature": 0, "tools": [], "tool_choice": "auto"}
@@ -410,7 +434,7 @@ def test_max_output_tokens_gives_incomplete(scripted_server: LiveServer,
 
 def test_context_exhaustion_fails_with_context_length_exceeded(
         scripted_server: LiveServer, script: SwitchableRunner) -> None:
-    body = {"model": MODEL, "input": "x " * 3000, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL, "input": "x " * 3900, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{scripted_server.url}/v1/responses", json=body,
                       timeout=60) as reply:
         lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
@@ -499,7 +523,9 @@ CODEX_BODY: dict[str, Any] = {
     "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False,
     "reasoning": {"effort": "medium", "summary": "auto"}, "store": False, "stream": True,
     "include": ["reasoning.encrypted_content"], "prompt_cache_key": "conv-1",
-    "text": {"verbosity": "low"}, "client_metadata": {"x": "y"}, "service_tier": "auto",
+    "text": {"verbosity": "low", "format": {
+        "type": "json_schema", "name": "codex_output_schema", "strict": True,
+        "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}}, "client_metadata": {"x": "y"}, "service_tier": "auto",
 }
 
 
@@ -514,6 +540,8 @@ def test_codex_shaped_request_streams(scripted_server: LiveServer,
     assert [item.type for item in final.output] == ["custom_tool_call"]
     assert final.output[0].input == PATCH
     assert final.store is False and final.parallel_tool_calls is False
+    assert final.text.format.type == "json_schema"  # accepted and echoed, not enforced
+    assert final.reasoning.effort == "medium" and final.prompt_cache_key == "conv-1"
     assert final.usage.input_tokens > 0
 
 

@@ -25,9 +25,11 @@ follows a reasoning item starts at its first non-newline character (Qwen-style t
 ``</think>\n\n`` between the two). A response that produced no item at all gets one empty
 message, so ``output_text`` is always there.
 
-Logprobs (when requested) ride on ``output_text.delta`` events: the tokens of a delivery batch
-that produced message text go with that batch's first text delta, and the message's part
-carries them all. Tokens of batches that produced only reasoning or tool calls are not reported.
+Logprobs (when requested) ride on ``output_text.delta`` events: each text delta carries the
+tokens delivered since the previous one (tokens whose text the detokenizer or a parser held
+back wait for the next delta, or for the ``.done`` event), and the message's part carries them
+all. Tokens of a delivery batch that produced reasoning or tool calls but no message text are
+not reported; in a batch that produced both, all its tokens go to the message.
 
 Also here: :func:`response_object` (the §2.2 ``Response``) and :func:`usage_object` (all five
 usage fields — Codex rejects a partial usage).
@@ -88,19 +90,23 @@ class OutputBuilder:
         self._open: dict[str, Any] | None = None  # the open item (last of ``items``)
         self._text: list[str] = []  # the open reasoning/message item's text
         self._logprobs: list[dict[str, Any]] = []  # the open message's logprobs
+        self._pending_logprobs: list[dict[str, Any]] = []  # tokens whose text is held back
         self._target: ToolTarget | None = None  # the open call's tool
 
     # -- feeding ---------------------------------------------------------------------------
     def feed(self, events: list[OutputEvent],
              logprobs: list[TokenLogprob] | None = None) -> list[WireEvent]:
         out: list[WireEvent] = []
-        pending_logprobs = logprobs_entries(logprobs) if logprobs else []
+        if logprobs:
+            self._pending_logprobs.extend(logprobs_entries(logprobs))
+        if not any(isinstance(e, ContentDelta) for e in events) and events:
+            self._pending_logprobs = []  # these tokens went to reasoning or a tool call
         for event in events:
             if isinstance(event, ReasoningDelta):
                 self._text_delta(out, "reasoning", event.text, [])
             elif isinstance(event, ContentDelta):
-                self._text_delta(out, "message", event.text, pending_logprobs)
-                pending_logprobs = []
+                self._text_delta(out, "message", event.text, self._pending_logprobs)
+                self._pending_logprobs = []
             elif isinstance(event, ToolCallStart):
                 self._close(out, "completed")
                 self._open_call(out, event)
@@ -114,6 +120,9 @@ class OutputBuilder:
         """Close the open item (``status`` ``"incomplete"`` when generation was cut short);
         add an empty message if nothing was produced."""
         out: list[WireEvent] = []
+        if self._open is not None and self._open["type"] == "message":
+            self._logprobs.extend(self._pending_logprobs)
+        self._pending_logprobs = []
         self._close(out, status)
         if not self.items:
             self._open_text(out, "message")
@@ -263,7 +272,8 @@ def response_object(request: ResponsesRequest, response_id: str, created_at: int
     """The §2.2 ``Response``: request settings echoed, ``store`` always false."""
     body = request.body
     params = request.generation.params
-    reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
+    reasoning: dict[str, Any] = body["reasoning"] if isinstance(body.get("reasoning"), dict) \
+        else {}
     text = dict(body["text"]) if isinstance(body.get("text"), dict) else {}
     text.setdefault("format", {"type": "text"})
     tool_choice = body.get("tool_choice")

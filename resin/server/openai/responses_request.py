@@ -212,7 +212,7 @@ class _InputConverter:
         where = f"input[{position}]"
         if not isinstance(item, Mapping):
             raise APIError(400, f"{where} must be an object", param="input")
-        kind = item.get("type", "message" if "role" in item else None)
+        kind = item.get("type") or ("message" if "role" in item else None)
         if not isinstance(kind, str):
             raise APIError(400, f"{where} needs a 'type' (or a 'role' for a message)",
                            param="input")
@@ -283,7 +283,7 @@ class _InputConverter:
             self.pending_reasoning.clear()
 
 
-# -- tools -------------------------------------------------------------------------------------
+# -- tools ------------------------------------------------------------------------------------
 
 def convert_tools(value: Any) -> tuple[list[dict[str, Any]] | None, dict[str, ToolTarget]]:
     """Responses tools → (chat function tools, or None; the reverse name map)."""
@@ -311,7 +311,7 @@ def convert_tools(value: Any) -> tuple[list[dict[str, Any]] | None, dict[str, To
             if not isinstance(parameters, Mapping):
                 raise APIError(400, f"{where}.parameters must be an object", param="tools")
         full = internal_name(name, namespace)
-        targets[full] = ToolTarget(kind, name, namespace)
+        targets[full] = ToolTarget(str(kind), name, namespace)
         chat_tools.append({"type": "function", "function": {
             "name": full, "description": description, "parameters": parameters}})
 
