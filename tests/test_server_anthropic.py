@@ -30,6 +30,7 @@ import uvicorn
 from resin.llm import LLM
 from resin import SamplingParams
 from resin.runners.scripted import CyclingRunner, ScriptedRunner
+from resin.server.anthropic import messages as messages_module
 from resin.server.anthropic.blocks import BlockWriter
 from resin.server.anthropic.convert import build_prompt
 from resin.server.app import build_app
@@ -65,6 +66,7 @@ class Server:
     ctx: ServerContext
     port: int
     client: anthropic.Anthropic
+    http: httpx.Client
 
     @property
     def url(self) -> str:
@@ -109,9 +111,11 @@ def _serve(ctx: ServerContext) -> Iterator[Server]:
         time.sleep(0.02)
     client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x",
                                  max_retries=0, timeout=60)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
-        yield Server(ctx, port, client)
+        yield Server(ctx, port, client, http)
     finally:
+        http.close()
         client.close()
         server.should_exit = True
         thread.join(timeout=10)
@@ -271,14 +275,22 @@ def test_stop_sequences(tiny: Server, llm: LLM) -> None:
 
 
 def test_max_tokens_over_the_context_is_clamped(tiny: Server) -> None:
-    message = tiny.client.messages.create(model=MODEL, max_tokens=64000, messages=HELLO)
-    room = tiny.ctx.max_model_len - (message.usage.input_tokens
-                                     + message.usage.cache_read_input_tokens)
-    assert 0 < message.usage.output_tokens <= room
-    if message.stop_reason == "max_tokens":
-        assert message.usage.output_tokens == room
-    else:
-        assert message.stop_reason == "end_turn"
+    # a long prompt leaves little room, so running to the end of the context is quick
+    messages = [{"role": "user", "content": "Hello there " * 115}]
+    num_prompt = tiny.client.beta.messages.count_tokens(model=MODEL,
+                                                        messages=messages).input_tokens
+    room = tiny.ctx.max_model_len - num_prompt
+    assert 0 < room < 100
+    kwargs: dict[str, Any] = dict(model="claude-opus-4-7", max_tokens=64000, messages=messages)
+    with tiny.client.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    for message in (tiny.client.messages.create(**kwargs), streamed):
+        assert message.usage.input_tokens + message.usage.cache_read_input_tokens == num_prompt
+        assert 0 < message.usage.output_tokens <= room
+        if message.stop_reason == "max_tokens":
+            assert message.usage.output_tokens == room
+        else:
+            assert message.stop_reason == "end_turn"
 
 
 def test_prompt_over_the_context_is_400(tiny: Server) -> None:
@@ -339,9 +351,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
 def test_malformed_requests(tiny: Server, body: Any, status: int, needle: str) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     for path in ("/v1/messages", "/v1/messages?beta=true"):
-        response = httpx.post(tiny.url + path, content=content, timeout=30,
-                              headers={"content-type": "application/json", "x-api-key": "x",
-                                       "anthropic-version": "2023-06-01"})
+        response = tiny.http.post(path, content=content,
+                                  headers={"content-type": "application/json", "x-api-key": "x",
+                                           "anthropic-version": "2023-06-01"})
         assert response.status_code == status, response.text
         error = response.json()
         assert error["type"] == "error"
@@ -349,9 +361,16 @@ def test_malformed_requests(tiny: Server, body: Any, status: int, needle: str) -
         expected_type = "not_found_error" if status == 404 else "invalid_request_error"
         assert error["error"]["type"] == expected_type
         assert needle.lower() in error["error"]["message"].lower(), error
-    # the server keeps serving
+
+
+def test_serving_after_malformed_requests(tiny: Server) -> None:
+    for _, body, _, _ in BAD_REQUESTS:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        assert tiny.http.post("/v1/messages", content=content).status_code in (400, 404)
     message = tiny.client.messages.create(model=MODEL, max_tokens=2, messages=HELLO)
-    assert message.usage.output_tokens >= 1
+    assert message.usage.output_tokens == 2
+    with tiny.client.messages.stream(model=MODEL, max_tokens=2, messages=HELLO) as stream:
+        assert stream.get_final_message().usage.output_tokens == 2
 
 
 def test_count_tokens_errors(tiny: Server) -> None:
@@ -389,10 +408,12 @@ def test_tool_use_and_thinking_non_stream(scripted: Server) -> None:
     _check_tool_message(message)
 
 
-def test_tool_use_and_thinking_stream(scripted: Server) -> None:
+def test_tool_use_and_thinking_stream(scripted: Server, runner: ControlledRunner) -> None:
+    runner.delay = 0.01  # one engine step per dispatch: the output arrives in many deltas
     with scripted.client.messages.stream(**TOOL_REQUEST) as stream:
         events = list(stream)
         final = stream.get_final_message()
+    assert sum(e.type == "content_block_delta" for e in events) >= 5
     _check_tool_message(final)
     raw = [e for e in events if e.type in ("message_start", "content_block_start",
                                            "content_block_delta", "content_block_stop",
@@ -547,6 +568,20 @@ def test_client_disconnect_aborts_the_generation(scripted: Server,
     while loop.num_active_requests and time.monotonic() < deadline:
         time.sleep(0.02)
     assert loop.num_active_requests == 0
+
+
+def test_pings_while_nothing_else_is_sent(scripted: Server, runner: ControlledRunner,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(messages_module, "PING_INTERVAL_S", 0.05)
+    runner.delay = 0.15
+    body = {**TOOL_REQUEST, "stream": True, "max_tokens": 5}
+    with scripted.http.stream("POST", "/v1/messages", json=body) as response:
+        text = response.read().decode()
+    events = [chunk.split("\n")[0] for chunk in text.split("\n\n") if chunk]
+    assert events.count("event: ping") >= 2
+    assert "data: {\"type\":\"ping\"}" in text
+    others = [e for e in events if e != "event: ping"]
+    assert others[0] == "event: message_start" and others[-1] == "event: message_stop"
 
 
 # -- block assembly edge cases ----------------------------------------------------------------

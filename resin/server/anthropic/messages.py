@@ -10,7 +10,8 @@ context). Sampling takes only ``temperature`` (0–1), ``top_p`` and ``top_k`` f
 - one ``message`` object (:func:`complete`), or
 - the SSE stream (:func:`stream`): ``message_start`` (sent with the first output, when the
   prompt's cache hits are known), the ``content_block_*`` events, ``message_delta`` (stop reason,
-  cumulative usage) and ``message_stop``. A runner failure mid-stream becomes an
+  cumulative usage) and ``message_stop``, with a ``ping`` whenever nothing was sent for
+  ``PING_INTERVAL_S`` (a long prefill). A runner failure mid-stream becomes an
   ``event: error`` with an ``api_error`` body. However the stream ends (a client disconnect
   included), the generation is aborted in ``finally``, so its pages return to the pool at once.
 
@@ -20,10 +21,11 @@ returns ``{"input_tokens": N}``.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 
@@ -40,6 +42,9 @@ from resin.server.sampling_request import max_tokens_for, sampling_params
 from resin.server.sse import named_event, sse_response
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+PING_INTERVAL_S = 10.0  # conformance §3.4: a ping every 10-15 s while nothing else is sent
+PING = named_event("ping", {"type": "ping"})
+T = TypeVar("T")
 
 
 @dataclass
@@ -112,8 +117,12 @@ async def stream(ctx: ServerContext, request: MessageRequest,
     choice = ChatChoice(ctx, request.prompt, request.tool_choice)
     writer = BlockWriter()
     started = False
+    batches = with_pings(generation.deltas(), PING_INTERVAL_S)
     try:
-        async for batch in generation.deltas():
+        async for batch in batches:
+            if batch is None:
+                yield PING
+                continue
             if not started:
                 started = True
                 yield _message_start(request.model, generation)
@@ -135,6 +144,30 @@ async def stream(ctx: ServerContext, request: MessageRequest,
             "type": "api_error", "message": f"generation failed: {exc}"}})
     finally:
         generation.abort()
+        await batches.aclose()  # cancels its pending read at once (no await inside)
+
+
+async def with_pings(batches: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
+    """``batches``, with ``None`` after every ``interval`` seconds without one (a long prefill,
+    a slow step): the caller sends a ``ping`` so proxies and clients see a live stream. When
+    this generator is closed or cancelled, the pending read is cancelled, which ends
+    ``batches`` (its ``finally`` runs)."""
+    iterator = aiter(batches)
+    pending: asyncio.Future[T] = asyncio.ensure_future(anext(iterator))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            try:
+                batch = pending.result()
+            except StopAsyncIteration:
+                return
+            yield batch
+            pending = asyncio.ensure_future(anext(iterator))
+    finally:
+        pending.cancel()
 
 
 def _message_start(model: str, generation: Generation) -> str:
