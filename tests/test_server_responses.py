@@ -365,7 +365,9 @@ def test_custom_tool_call_returns_raw_input(scripted_server: LiveServer,
                                             script: SwitchableRunner) -> None:
     script.set_script(PATCH_CALL)
     response = scripted_server.client.responses.create(
-        model=MODEL, input="add a file", tools=TOOLS)
+        model=MODEL, input="add a file", tools=TOOLS,
+        tool_choice={"type": "custom", "name": "apply_patch"})
+    assert response.tool_choice.type == "custom"
     assert [item.type for item in response.output] == ["custom_tool_call"]
     call = response.output[0]
     assert call.name == "apply_patch" and call.input == PATCH
@@ -605,6 +607,11 @@ MALFORMED = [
      "tools", None),
     ("tool_choice names a missing tool", {"model": MODEL, "input": "hi", "tools": [SHELL_TOOL],
                                           "tool_choice": {"type": "function", "name": "nope"}},
+     400, "tool_choice", None),
+    ("tool_choice names a function as custom",
+     {"model": MODEL, "input": "hi", "tools": [SHELL_TOOL],
+      "tool_choice": {"type": "custom", "name": "shell"}}, 400, "tool_choice", None),
+    ("tool_choice is a bad string", {"model": MODEL, "input": "hi", "tool_choice": "always"},
      400, "tool_choice", None),
     ("temperature out of range", {"model": MODEL, "input": "hi", "temperature": 5}, 400,
      "temperature", None),

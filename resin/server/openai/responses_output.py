@@ -91,7 +91,6 @@ class OutputBuilder:
         self._text: list[str] = []  # the open reasoning/message item's text
         self._logprobs: list[dict[str, Any]] = []  # the open message's logprobs
         self._pending_logprobs: list[dict[str, Any]] = []  # tokens whose text is held back
-        self._target: ToolTarget | None = None  # the open call's tool
 
     # -- feeding ---------------------------------------------------------------------------
     def feed(self, events: list[OutputEvent],
@@ -128,11 +127,6 @@ class OutputBuilder:
             self._open_text(out, "message")
             self._close(out, status)
         return out
-
-    @property
-    def output_text(self) -> str:
-        return "".join(part["text"] for item in self.items if item["type"] == "message"
-                       for part in item["content"])
 
     # -- text items ------------------------------------------------------------------------
     def _text_delta(self, out: list[WireEvent], kind: str, text: str,
@@ -212,7 +206,6 @@ class OutputBuilder:
         if target.namespace is not None:
             item["namespace"] = target.namespace
         self._open = item
-        self._target = target
         self._text = []
         self.items.append(item)
         out.append(("response.output_item.added", {"output_index": len(self.items) - 1,
