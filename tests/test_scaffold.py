@@ -75,6 +75,12 @@ def test_generates_every_file_and_cache_specs_match_resin(models_root: Path) -> 
             [(s.kind, s.bytes_per_token, s.window) for s in expected]
     assert "sliding_window" in {s.kind for s in resolve_model(
         models_root / "mistral_s").load_runner().cache_spec()}
+    # perf.toml is in the layout `resin bench` reads; 9 batch sizes x the context lengths
+    from resin.evals.perf_shapes import load_perf_spec
+
+    spec = load_perf_spec(models_root / "llama_s")
+    assert spec.checkpoint == (FIXTURES / "llama").resolve() and spec.device == "cuda"
+    assert len([s for s in spec.shapes if s.kind == "decode"]) == 9
 
 
 def test_llama_passes_through_the_cli_by_name(models_root: Path, tmp_path: Path,

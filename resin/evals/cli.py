@@ -13,6 +13,7 @@ command runs.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -78,8 +79,13 @@ def parity(
                                  "no runner.py (use --runner torch)", param_hint="--runner")
     try:
         report = _run(ref, runner, dtype, device, max_new_tokens)
-    except NotImplementedError as exc:   # a stub in models/NAME/blocks.py
+    except NotImplementedError as exc:   # a stub in models/NAME/blocks.py, hit while loading
         typer.echo(f"parity FAIL: runner not finished: {exc}", err=True)
+        if json_path is not None:
+            json_path.write_text(json.dumps({"model_dir": str(ref.checkpoint_dir),
+                                             "runner": ref.runner_name, "passed": False,
+                                             "error": "runner not finished",
+                                             "detail": str(exc)}, indent=2) + "\n")
         raise typer.Exit(1) from exc
     typer.echo(report.summary())
     if json_path is not None:
