@@ -37,6 +37,7 @@ from resin.server.app import build_app
 from resin.server.context import ServerContext, ServerOptions
 from resin.server.parsers import (
     ContentDelta,
+    OutputParser,
     ReasoningDelta,
     ToolCallArgumentsDelta,
     ToolCallEnd,
@@ -393,7 +394,7 @@ TOOL_REQUEST: dict[str, Any] = dict(
 def _check_tool_message(message: Any) -> None:
     assert [block.type for block in message.content] == ["thinking", "text", "tool_use"]
     thinking, text, tool_use = message.content
-    assert thinking.thinking.strip() == "plan"
+    assert thinking.thinking == "plan"
     assert thinking.signature
     assert text.text == "Sure."
     assert tool_use.id.startswith("toolu_")
@@ -585,26 +586,95 @@ def test_pings_while_nothing_else_is_sent(scripted: Server, runner: ControlledRu
 
 
 # -- block assembly edge cases ----------------------------------------------------------------
-def test_block_writer_orders_and_closes_blocks() -> None:
+def _replay(wire: list[str]) -> list[dict[str, Any]]:
+    """Rebuild the content blocks from SSE text as a client would, checking the invariants."""
+    blocks: list[dict[str, Any]] = []
+    open_index = None
+    partial: dict[int, str] = {}
+    for chunk in wire:
+        name, data = chunk.split("\n")[:2]
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}" and chunk.endswith("\n\n")
+        if event["type"] == "content_block_start":
+            assert open_index is None and event["index"] == len(blocks)
+            open_index = event["index"]
+            blocks.append(dict(event["content_block"]))
+            continue
+        assert event["index"] == open_index
+        block = blocks[open_index]
+        if event["type"] == "content_block_stop":
+            open_index = None
+            if block["type"] == "tool_use":
+                block["input"] = json.loads(partial.get(event["index"], "{}"))
+            continue
+        delta = event["delta"]
+        if delta["type"] == "thinking_delta":
+            block["thinking"] += delta["thinking"]
+        elif delta["type"] == "signature_delta":
+            block["signature"] = delta["signature"]
+        elif delta["type"] == "text_delta":
+            block["text"] += delta["text"]
+        else:
+            partial[event["index"]] = partial.get(event["index"], "") + delta["partial_json"]
+    assert open_index is None
+    return blocks
+
+
+def _without_ids(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in b.items() if k not in ("id", "signature")} for b in blocks]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
+def test_block_writer_same_blocks_for_any_split(chunk: int) -> None:
+    text = ("<think>\n plan\n\n more\n</think>\n\nSure.\n\n" + SCRIPT.split("Sure.")[1]
+            + "\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    parser = OutputParser("hermes", "qwen3", tools=tools)
     writer = BlockWriter()
-    wire = writer.feed([ReasoningDelta("a"), ContentDelta("\n\n"), ContentDelta("hi"),
-                        ReasoningDelta("b"), ContentDelta("\n"),
-                        ToolCallStart(0, "call_1", "f"), ToolCallArgumentsDelta(0, "{\"x\": "),
-                        ToolCallArgumentsDelta(0, "1"), ToolCallEnd(0, "{\"x\": 1"),
-                        ContentDelta("  ")])
+    wire: list[str] = []
+    for at in range(0, len(text), chunk):
+        wire += writer.feed(parser.feed(text[at:at + chunk]))
+    wire += writer.feed(parser.finish())
     wire += writer.finish()
     content = writer.content()
-    assert [b["type"] for b in content] == ["thinking", "text", "thinking", "tool_use"]
-    assert content[1]["text"] == "hi"  # the blank line after the thinking is not kept
-    assert content[3] == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    assert _replay(wire) == content
+    assert _without_ids(content) == [
+        {"type": "thinking", "thinking": "plan\n\n more"}, {"type": "text", "text": "Sure."},
+        {"type": "tool_use", "name": "get_weather", "input": {"city": "SF"}},
+        {"type": "tool_use", "name": "get_weather", "input": {}}]
+
+
+def test_block_writer_orders_and_closes_blocks() -> None:
+    writer = BlockWriter()
+    wire = writer.feed([ReasoningDelta("\n"), ReasoningDelta("a\n"), ContentDelta("\n\n"),
+                        ContentDelta("hi"), ReasoningDelta("b"), ContentDelta("\n"),
+                        ToolCallStart(0, "call_1", "f"), ToolCallArgumentsDelta(0, "{\"x\": "),
+                        ToolCallArgumentsDelta(0, "1}"), ToolCallEnd(0, "{\"x\": 1}"),
+                        ContentDelta("  "), ContentDelta(" end \n")])
+    wire += writer.finish()
+    content = writer.content()
+    assert [b["type"] for b in content] == ["thinking", "text", "thinking", "tool_use", "text"]
+    assert content[0]["thinking"] == "a" and content[1]["text"] == "hi"
+    assert content[3] == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": 1}}
+    assert content[4]["text"] == "end \n"  # the final text keeps its trailing whitespace
     assert all(b["signature"] for b in content if b["type"] == "thinking")
-    names = [chunk.split("\n", 1)[0] for chunk in wire]
-    assert names.count("event: content_block_start") == names.count("event: content_block_stop")
-    assert names.count("event: content_block_start") == 4
+    assert _replay(wire) == content
 
 
-def test_block_writer_keeps_a_whitespace_only_output() -> None:
+@pytest.mark.parametrize("arguments", ['{"x": 1', "[1, 2]", "", "null"])
+def test_block_writer_tool_input_that_is_no_object_is_empty(arguments: str) -> None:
+    writer = BlockWriter()
+    writer.feed([ToolCallStart(0, "call_2", "f"), ToolCallEnd(0, arguments)])
+    writer.finish()
+    assert writer.content() == [{"type": "tool_use", "id": "toolu_2", "name": "f", "input": {}}]
+
+
+def test_block_writer_whitespace_only_output_and_thinking() -> None:
     writer = BlockWriter()
     writer.feed([ContentDelta(" "), ContentDelta("\n")])
     writer.finish()
     assert writer.content() == [{"type": "text", "text": " \n"}]
+    writer = BlockWriter()
+    wire = writer.feed([ReasoningDelta("\n\n"), ContentDelta("\n\nHi")]) + writer.finish()
+    assert writer.content() == [{"type": "text", "text": "\n\nHi"}]
+    assert _replay(wire) == writer.content()

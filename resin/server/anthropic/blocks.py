@@ -8,12 +8,15 @@ through it, so they always carry the same blocks in the same order.
 Block rules: indices are 0, 1, 2, ... in start order and only one block is open at a time — a
 change of kind closes the open block first, so reasoning that comes back after text opens a new
 thinking block. A thinking block gets a random ``signature`` (sent as ``signature_delta`` just
-before its ``content_block_stop``). Whitespace-only text is held until real text follows; text
-that follows another block starts at its first non-blank character (the ``"\\n\\n"`` a model
-writes after ``</think>`` or between tool calls is not a block), and an output that is nothing
-but whitespace still comes back as one text block. A ``tool_use`` block's ``input_json_delta``
-fragments are the parser's argument fragments, which concatenate to the JSON object; the final
-``input`` is that object, or ``{}`` when it does not decode to one.
+before its ``content_block_stop``). Blocks carry none of the blank edges a model writes around
+its markers: a thinking block starts at its first non-blank character and drops its trailing
+whitespace; a text block drops its leading whitespace when another block precedes it and its
+trailing whitespace when another block follows it (so the ``"\\n\\n"`` after ``</think>`` or
+between tool calls is no block). Plain text output is kept exactly — the text equals
+``resin.llm.LLM.chat``'s — and an output of nothing but whitespace is one text block. A
+``tool_use`` block's ``input_json_delta`` fragments are the parser's argument fragments, which
+concatenate to the JSON object; the final ``input`` is that object, or ``{}`` when it does not
+decode to one.
 
 Also here: ``stop_reason`` / ``stop_sequence`` from a finished choice, and the usage object
 (``input_tokens`` excludes cache reads, which are ``cache_read_input_tokens``).
@@ -51,14 +54,14 @@ def decode_input(arguments: str) -> dict[str, Any]:
 
 class BlockWriter:
     """Builds the content blocks of one message; :meth:`feed` and :meth:`finish` return the
-    SSE events (``content_block_*``) for the events given; :attr:`blocks` is the final list."""
+    SSE events (``content_block_*``) for the events given; :meth:`content` is the final list."""
 
     def __init__(self) -> None:
         self.blocks: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the last block of ``blocks`` while open
         self._open_call: int | None = None  # parser index of the open tool_use block
-        self._arguments: dict[int, list[str]] = {}
         self._pending_space = ""  # whitespace-only text not yet given a block
+        self._held_space = ""  # trailing whitespace of the open thinking/text block
 
     @property
     def index(self) -> int:
@@ -72,14 +75,11 @@ class BlockWriter:
             elif isinstance(event, ContentDelta):
                 self._text(event.text, out)
             elif isinstance(event, ToolCallStart):
-                self._start(out, {"type": "tool_use", "id": tool_use_id(event.call_id),
-                                  "name": event.name, "input": {}})
-                self.blocks[-1]["_call"] = event.index
                 self._pending_space = ""
+                self._start(out, {"type": "tool_use", "id": tool_use_id(event.call_id),
+                                  "name": event.name, "input": {}, "_call": event.index})
                 self._open_call = event.index
-                self._arguments[event.index] = []
             elif isinstance(event, ToolCallArgumentsDelta):
-                self._arguments.setdefault(event.index, []).append(event.text)
                 if event.text and self._open_call == event.index:
                     out.append(self._delta({"type": "input_json_delta",
                                             "partial_json": event.text}))
@@ -88,46 +88,59 @@ class BlockWriter:
         return out
 
     def finish(self) -> list[str]:
+        """Close the open block; the output's final text keeps its trailing whitespace."""
         out: list[str] = []
         if self._pending_space and not self.blocks:
             self._start(out, {"type": "text", "text": ""})
-            self._append_text(self._pending_space, out)
+            self._append(self._pending_space, out)
         self._pending_space = ""
+        if self._open is not None and self._open["type"] == "text" and self._held_space:
+            self._emit(self._held_space, out)
         self._close(out)
         return out
 
     # -- block kinds ----------------------------------------------------------------------------
     def _thinking(self, text: str, out: list[str]) -> None:
-        if not text:
-            return
-        if self._open is None or self._open["type"] != "thinking":
+        if self._open is not None and self._open["type"] == "thinking":
+            self._append(text, out)
+        elif text.strip():  # a thinking block starts at its first non-blank character
             self._start(out, {"type": "thinking", "thinking": "", "signature": ""})
-        self._open["thinking"] += text  # type: ignore[index]
-        out.append(self._delta({"type": "thinking_delta", "thinking": text}))
+            self._append(text.lstrip(), out)
 
     def _text(self, text: str, out: list[str]) -> None:
-        if not text:
-            return
         if self._open is not None and self._open["type"] == "text":
-            self._append_text(text, out)
+            self._append(text, out)
             return
         text = self._pending_space + text
         if not text.strip():
             self._pending_space = text
             return
         self._pending_space = ""
-        if self.blocks:
-            text = text.lstrip()
         self._start(out, {"type": "text", "text": ""})
-        self._append_text(text, out)
+        self._append(text.lstrip() if len(self.blocks) > 1 else text, out)
 
-    def _append_text(self, text: str, out: list[str]) -> None:
-        self._open["text"] += text  # type: ignore[index]
-        out.append(self._delta({"type": "text_delta", "text": text}))
+    def _append(self, text: str, out: list[str]) -> None:
+        """Add text to the open thinking/text block, holding back trailing whitespace (dropped
+        if another block follows)."""
+        text = self._held_space + text
+        body = text.rstrip()
+        self._held_space = text[len(body):]
+        if body:
+            self._emit(body, out)
+
+    def _emit(self, text: str, out: list[str]) -> None:
+        block = self._open
+        assert block is not None
+        if block["type"] == "thinking":
+            block["thinking"] += text
+            out.append(self._delta({"type": "thinking_delta", "thinking": text}))
+        else:
+            block["text"] += text
+            out.append(self._delta({"type": "text_delta", "text": text}))
 
     def _end_call(self, event: ToolCallEnd, out: list[str]) -> None:
         for block in reversed(self.blocks):
-            if block["type"] == "tool_use" and block.get("_call") == event.index:
+            if block["type"] == "tool_use" and block["_call"] == event.index:
                 block["input"] = decode_input(event.arguments)
                 break
         if self._open_call == event.index:
@@ -139,7 +152,8 @@ class BlockWriter:
         self.blocks.append(block)
         self._open = block
         out.append(named_event("content_block_start", {
-            "type": "content_block_start", "index": self.index, "content_block": dict(block)}))
+            "type": "content_block_start", "index": self.index,
+            "content_block": {k: v for k, v in block.items() if not k.startswith("_")}}))
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return named_event("content_block_delta",
@@ -156,6 +170,7 @@ class BlockWriter:
                                {"type": "content_block_stop", "index": self.index}))
         self._open = None
         self._open_call = None
+        self._held_space = ""
 
     def content(self) -> list[dict[str, Any]]:
         """The finished blocks, without bookkeeping keys."""
