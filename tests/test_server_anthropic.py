@@ -27,8 +27,8 @@ import httpx
 import pytest
 import uvicorn
 
-from resin.llm import LLM
 from resin import SamplingParams
+from resin.llm import LLM
 from resin.runners.scripted import CyclingRunner, ScriptedRunner
 from resin.server.anthropic import messages as messages_module
 from resin.server.anthropic.blocks import BlockWriter
@@ -264,8 +264,9 @@ def test_stop_sequences(tiny: Server, llm: LLM) -> None:
         pytest.fail(f"the fixture's greedy output is too short for this test: {full!r}")
     stop = full[start:start + 2]
     expected = full[:full.find(stop)]
-    kwargs = dict(model=MODEL, max_tokens=24, system=SYSTEM, messages=HELLO, extra_body=GREEDY,
-                  stop_sequences=[stop, "never-appears-xyz"])
+    kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": 24, "system": SYSTEM,
+                              "messages": HELLO, "extra_body": GREEDY,
+                              "stop_sequences": [stop, "never-appears-xyz"]}
     message = tiny.client.messages.create(**kwargs)
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
     assert _text(message) == expected
@@ -282,7 +283,8 @@ def test_max_tokens_over_the_context_is_clamped(tiny: Server) -> None:
                                                         messages=messages).input_tokens
     room = tiny.ctx.max_model_len - num_prompt
     assert 0 < room < 100
-    kwargs: dict[str, Any] = dict(model="claude-opus-4-7", max_tokens=64000, messages=messages)
+    kwargs: dict[str, Any] = {"model": "claude-opus-4-7", "max_tokens": 64000,
+                              "messages": messages}
     with tiny.client.messages.stream(**kwargs) as stream:
         streamed = stream.get_final_message()
     for message in (tiny.client.messages.create(**kwargs), streamed):
@@ -385,10 +387,10 @@ def test_count_tokens_errors(tiny: Server) -> None:
 
 
 # -- thinking and tool_use on the scripted runner -------------------------------------------
-TOOL_REQUEST: dict[str, Any] = dict(
-    model=MODEL, max_tokens=200, tools=[WEATHER_TOOL, SERVER_TOOL],
-    thinking={"type": "enabled", "budget_tokens": 1024},
-    messages=[{"role": "user", "content": "Weather in SF?"}])
+TOOL_REQUEST: dict[str, Any] = {
+    "model": MODEL, "max_tokens": 200, "tools": [WEATHER_TOOL, SERVER_TOOL],
+    "thinking": {"type": "enabled", "budget_tokens": 1024},
+    "messages": [{"role": "user", "content": "Weather in SF?"}]}
 
 
 def _check_tool_message(message: Any) -> None:
@@ -539,10 +541,10 @@ def test_max_tokens_cuts_a_tool_call(scripted: Server) -> None:
 def test_runner_failure_mid_stream_is_an_error_event(scripted: Server,
                                                      runner: ControlledRunner) -> None:
     runner.fail_after = 4
-    with pytest.raises(anthropic.APIStatusError) as info:
-        with scripted.client.messages.stream(**TOOL_REQUEST) as stream:
-            for _ in stream:
-                pass
+    with pytest.raises(anthropic.APIStatusError) as info, \
+            scripted.client.messages.stream(**TOOL_REQUEST) as stream:
+        for _ in stream:
+            pass
     assert info.value.body["type"] == "error"
     assert info.value.body["error"]["type"] == "api_error"
     assert "injected runner failure" in info.value.body["error"]["message"]

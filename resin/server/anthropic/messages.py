@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -102,7 +102,7 @@ async def complete(ctx: ServerContext, request: MessageRequest,
         async for batch in generation.deltas():
             for delta in batch:
                 writer.feed(choice.events(delta))
-    except Exception as exc:  # noqa: BLE001 - the runner failed: 500 api_error
+    except Exception as exc:  # the runner failed: 500 api_error
         raise APIError(500, f"generation failed: {exc}") from exc
     writer.finish()
     reason, sequence = stop_reason(choice.finish_reason, choice.stop_string,
@@ -147,7 +147,8 @@ async def stream(ctx: ServerContext, request: MessageRequest,
         await batches.aclose()  # cancels its pending read at once (no await inside)
 
 
-async def with_pings(batches: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
+async def with_pings(batches: AsyncIterator[T],
+                     interval: float) -> AsyncGenerator[T | None, None]:
     """``batches``, with ``None`` after every ``interval`` seconds without one (a long prefill,
     a slow step): the caller sends a ``ping`` so proxies and clients see a live stream. When
     this generator is closed or cancelled, the pending read is cancelled, which ends
