@@ -483,6 +483,9 @@ def test_history_conversion_renders_through_the_template(scripted: Server) -> No
                                  {"type": "tool_reference", "tool_name": "get_weather"}]},
                     {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1",
                      "content": []},
+                    {"type": "search_result", "source": "kb", "title": "t",
+                     "content": [{"type": "text", "text": "found it"}]},
+                    {"type": "container_upload", "file_id": "file_1"},
                     {"type": "text", "text": "Try again."}]},
                 {"role": "system", "content": [{"type": "text", "text": "Reminder."}]}]}
     prompt, tool_choice = build_prompt(scripted.ctx, body)
@@ -496,7 +499,7 @@ def test_history_conversion_renders_through_the_template(scripted: Server) -> No
             "<|im_end|>") in text
     assert "opaque" not in text and "srvtoolu" not in text
     assert ("<|im_start|>user\n<tool_response>\nError: boom\n</tool_response><|im_end|>\n"
-            "<|im_start|>user\nTry again.\n\n<system-reminder>\nReminder.\n</system-reminder>"
+            "<|im_start|>user\nfound it\nTry again.\n\n<system-reminder>\nReminder.\n</system-reminder>"
             "<|im_end|>\n<|im_start|>assistant\n") in text
     counted = scripted.client.beta.messages.count_tokens(**body)
     assert counted.input_tokens == len(prompt.token_ids)

@@ -11,14 +11,15 @@ This module owns the request side of ``/v1/messages`` and ``/v1/messages/count_t
   ``tool_result`` (user) → ``tool`` messages, in block order (``is_error`` prefixes ``Error: ``);
   ``thinking`` → the assistant's ``reasoning_content``; ``redacted_thinking`` dropped;
   ``image`` / ``document`` → 400 (text-only models); other blocks (``server_tool_use``,
-  ``web_search_tool_result``, ``search_result``, ``tool_reference``, ...) are skipped, or
-  flattened to their text when they carry some.
+  ``web_search_tool_result``, ``search_result``, ``tool_reference``, ``container_upload``, ...)
+  are skipped, or flattened to their text when they carry some.
 - ``tools``: custom tools ``{name, description, input_schema}`` → OpenAI function tools
   (``input_schema.type`` defaults to ``object``); schema-less server tools (``web_search_*``,
   ``bash_*``, ``text_editor_*``, ...) are skipped. ``tool_choice`` auto/any/tool/none →
   auto/required/named/none.
-- ``thinking`` ``{type: enabled|adaptive}`` → ``enable_thinking=True``, ``disabled`` → ``False``,
-  under any explicit ``chat_template_kwargs`` (those win). ``budget_tokens`` is not enforced.
+- ``thinking`` ``{type: enabled|adaptive}`` → template switches ``enable_thinking`` and
+  ``thinking`` True, ``disabled`` → False, under any explicit ``chat_template_kwargs`` (those
+  win). ``budget_tokens`` is not enforced; an unknown type leaves the template's default.
 
 Unknown fields and block attributes (``cache_control``, ``citations``, ``metadata``, betas) are
 ignored. Malformed structure raises :class:`APIError` 400 (rendered in Anthropic's shape).
@@ -43,7 +44,7 @@ from resin.server.request_fields import get_dict
 
 BILLING_HEADER = "x-anthropic-billing-header"
 TOOL_ERROR_PREFIX = "Error: "
-UNSUPPORTED_MEDIA = ("image", "document", "container_upload")
+UNSUPPORTED_MEDIA = ("image", "document")
 ROLES = ("user", "assistant", "system")
 
 
@@ -291,17 +292,16 @@ def convert_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
 
 
 def template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
-    """``thinking`` → ``enable_thinking``, under any explicit ``chat_template_kwargs``."""
+    """``thinking`` → ``enable_thinking`` / ``thinking``, under explicit ``chat_template_kwargs``."""
     kwargs: dict[str, Any] = {}
     thinking = body.get("thinking")
     if thinking is not None:
         if not isinstance(thinking, Mapping):
             raise _bad("'thinking' must be an object", "thinking")
         kind = thinking.get("type")
-        if kind in ("enabled", "adaptive"):
-            kwargs["enable_thinking"] = True
-        elif kind == "disabled":
-            kwargs["enable_thinking"] = False
+        if kind in ("enabled", "adaptive", "disabled"):
+            # Qwen3 / GLM templates read enable_thinking, DeepSeek-V3.1's reads thinking
+            kwargs["enable_thinking"] = kwargs["thinking"] = kind != "disabled"
         # an unknown (newer) thinking type leaves the template's default
     kwargs.update(get_dict(body, "chat_template_kwargs") or {})
     return kwargs
