@@ -60,6 +60,7 @@ def shape_entry(timing: ShapeTiming, peaks: DevicePeaks) -> dict[str, Any]:
         "achieved_bytes_per_s": cost.bytes / stats.median_s,
         "roofline_s": roofline_s, "roofline_pct": 100 * roofline_s / stats.median_s,
         "bound": bound,
+        "discarded_medians_s": [],   # slower runs of a re-measured shape (resin.evals.perf)
     }
 
 
