@@ -9,6 +9,8 @@ request that were *not* aborted would still be running long after its client lef
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 from pathlib import Path
 
@@ -122,4 +124,33 @@ def test_disconnects_abort_and_free_the_cache(setup):
     assert live.metric("resin:kv_cache_usage_perc") == idle_usage
     aborted = live.metric('resin:request_success_total{finished_reason="abort"}') - aborted_before
     assert aborted == NUM_DISCONNECTS
+    assert live.ctx.loop.num_active_requests == 0
+
+
+def test_client_that_hangs_up_at_once_is_aborted_too(setup):
+    """A client that sends a streaming request and closes the socket without reading a byte
+    must not leave its request running to max_tokens."""
+    live, runner, _ = setup
+    aborted_before = live.metric('resin:request_success_total{finished_reason="abort"}')
+    runner.step_sleep_s = 0.01
+    try:
+        for index in range(5):
+            body = json.dumps({"model": MODEL, "max_tokens": 900, "stream": True,
+                               "ignore_eos": True, "messages": [
+                                   {"role": "user", "content": f"gone {index}"}]}).encode()
+            with socket.create_connection(("127.0.0.1", live.port)) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            aborted = live.metric('resin:request_success_total{finished_reason="abort"}')
+            if aborted - aborted_before == 5 and live.metric("resin:num_requests_running") == 0:
+                break
+            time.sleep(0.05)
+    finally:
+        runner.step_sleep_s = 0.0
+    assert live.metric('resin:request_success_total{finished_reason="abort"}') - \
+        aborted_before == 5
+    assert live.metric("resin:num_requests_running") == 0
     assert live.ctx.loop.num_active_requests == 0

@@ -155,7 +155,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         generation = chat.start(ctx, gen_request, "chatcmpl")
         if body.get("stream"):
             return sse_response(chat.stream_chat(ctx, model, generation, prompt, tool_choice,
-                                                 body))
+                                                 body), generation.abort)
         try:
             return JSONResponse(await chat.complete_chat(ctx, model, generation, prompt,
                                                          tool_choice))
@@ -169,7 +169,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         body = await read_json(request)
         completion = legacy.CompletionRequest(ctx, body)
         if body.get("stream"):
-            return sse_response(legacy.stream_completion(completion, body))
+            return sse_response(legacy.stream_completion(completion, body), completion.abort)
         return JSONResponse(await legacy.complete(completion))
 
     @app.post("/v1/responses")

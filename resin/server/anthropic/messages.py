@@ -77,7 +77,7 @@ async def create_message(ctx: ServerContext, body: dict[str, Any]) -> Response:
     request = prepare(ctx, body)
     generation = start(ctx, request.generation_request, "msg")
     if request.stream:
-        return sse_response(stream(ctx, request, generation))
+        return sse_response(stream(ctx, request, generation), generation.abort)
     try:
         return JSONResponse(await complete(ctx, request, generation))
     finally:

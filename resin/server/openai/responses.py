@@ -52,7 +52,7 @@ async def create_response(ctx: ServerContext, body: dict[str, Any]) -> Response:
     request = prepare_response(ctx, body)
     generation = start(ctx, request.generation, "resp")
     if request.stream:
-        return sse_response(stream_response(ctx, request, generation))
+        return sse_response(stream_response(ctx, request, generation), generation.abort)
     try:
         return JSONResponse(await complete_response(ctx, request, generation))
     finally:
