@@ -152,7 +152,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
         body = await read_json(request)
         model, gen_request, prompt, tool_choice = chat.prepare_chat(ctx, body)
-        generation = chat.start(ctx, gen_request, "chatcmpl")
+        generation = ctx.start(gen_request, "chatcmpl")
         if body.get("stream"):
             return sse_response(chat.stream_chat(ctx, model, generation, prompt, tool_choice,
                                                  body), generation.abort)

@@ -4,7 +4,8 @@
 ``app.state.ctx``. It owns the checks every endpoint makes before generating: the model name
 (``check_model``: a served name, or — on the Anthropic endpoint — any ``claude-*`` name, since
 Claude Code sends those unless told otherwise), and admission (``check_capacity``: 429 with
-``retry-after`` once ``max_num_seqs + max_queued_requests`` requests are in flight).
+``retry-after`` once ``max_num_seqs + max_queued_requests`` requests are in flight), then
+``start`` hands the request to the generator.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from resin.chat_template import ChatTemplate
 from resin.server.engine_loop import EngineLoop
 from resin.server.errors import APIError, model_not_found
-from resin.server.generation import Generator
+from resin.server.generation import Generation, GenerationRequest, Generator
 from resin.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
@@ -75,3 +76,8 @@ class ServerContext:
         if not self.loop.alive:
             raise APIError(503, "The engine is not running.",
                            headers={"x-should-retry": "false"})
+
+    def start(self, request: GenerationRequest, prefix: str) -> Generation:
+        """Admit (429 when full) and start generating ``request``; ids are ``<prefix>-<n>``."""
+        self.check_capacity(request.n)
+        return self.generator.start(request, self.generator.new_request_id(prefix))

@@ -96,11 +96,11 @@ def _is_file(text: str) -> bool:
 
 
 def run_server(ctx: ServerContext, host: str, port: int, log_level: str = "info") -> None:
+    import sys
+
     import uvicorn
 
     from resin.server.app import build_app
-
-    import sys
     sys.setswitchinterval(0.0005)
     uvicorn.run(build_app(ctx), host=host, port=port, log_level=log_level,
                 timeout_keep_alive=30)

@@ -36,7 +36,6 @@ from resin.server.chat_prompt import ChatPrompt
 from resin.server.context import ServerContext
 from resin.server.errors import APIError
 from resin.server.generation import Generation, GenerationRequest
-from resin.server.openai.chat import start
 from resin.server.request_fields import get_bool, get_int, get_stop
 from resin.server.sampling_request import max_tokens_for, sampling_params
 from resin.server.sse import named_event, sse_response
@@ -75,7 +74,7 @@ def prepare(ctx: ServerContext, body: dict[str, Any]) -> MessageRequest:
 
 async def create_message(ctx: ServerContext, body: dict[str, Any]) -> Response:
     request = prepare(ctx, body)
-    generation = start(ctx, request.generation_request, "msg")
+    generation = ctx.start(request.generation_request, "msg")
     if request.stream:
         return sse_response(stream(ctx, request, generation), generation.abort)
     try:

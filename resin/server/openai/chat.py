@@ -22,7 +22,6 @@ from resin.server.chat_prompt import (
     normalize_tools,
 )
 from resin.server.context import ServerContext
-from resin.server.errors import APIError
 from resin.server.generation import Generation, GenerationRequest, TokenLogprob, Usage
 from resin.server.ids import random_id
 from resin.server.parsers import (
@@ -82,15 +81,6 @@ def prepare_chat(ctx: ServerContext, body: dict[str, Any]) -> tuple[
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         num_top_logprobs=num_logprobs)
     return model, request, prompt, tool_choice
-
-
-def start(ctx: ServerContext, request: GenerationRequest, prefix: str) -> Generation:
-    ctx.check_capacity(request.n)
-    request_id = ctx.generator.new_request_id(prefix)
-    try:
-        return ctx.generator.start(request, request_id)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
 
 
 def delta_body(events: list[OutputEvent], emit_reasoning_content: bool) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from resin.server.generation import (
     Usage,
 )
 from resin.server.ids import random_id
-from resin.server.openai.chat import start, usage_body
+from resin.server.openai.chat import usage_body
 from resin.server.request_fields import get_bool, get_dict, get_int, get_stop
 from resin.server.sampling_request import max_tokens_for, sampling_params
 from resin.server.sse import DONE, data_event, dumps
@@ -107,7 +107,7 @@ class CompletionRequest:
         self.generations: list[Generation] = []
         try:
             for request in self.requests:
-                self.generations.append(start(ctx, request, "cmpl"))
+                self.generations.append(ctx.start(request, "cmpl"))
         except BaseException:
             for generation in self.generations:
                 generation.abort()

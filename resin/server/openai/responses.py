@@ -34,7 +34,6 @@ from fastapi.responses import JSONResponse, Response
 from resin.server.chat_output import ChatChoice
 from resin.server.context import ServerContext
 from resin.server.generation import Generation
-from resin.server.openai.chat import start
 from resin.server.openai.responses_output import (
     OutputBuilder,
     new_id,
@@ -50,7 +49,7 @@ TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.in
 
 async def create_response(ctx: ServerContext, body: dict[str, Any]) -> Response:
     request = prepare_response(ctx, body)
-    generation = start(ctx, request.generation, "resp")
+    generation = ctx.start(request.generation, "resp")
     if request.stream:
         return sse_response(stream_response(ctx, request, generation), generation.abort)
     try:

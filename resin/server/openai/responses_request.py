@@ -57,7 +57,11 @@ from resin.server.context import ServerContext
 from resin.server.errors import APIError
 from resin.server.generation import GenerationRequest
 from resin.server.request_fields import get_bool, get_dict, get_int, get_list, get_str
-from resin.server.sampling_request import MAX_TOP_LOGPROBS, max_tokens_for, sampling_params
+from resin.server.sampling_request import (
+    MAX_TOP_LOGPROBS,
+    max_tokens_for,
+    sampling_params,
+)
 
 CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}},
                           "required": ["input"]}
