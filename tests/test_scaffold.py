@@ -6,7 +6,8 @@ Generation runs once per module into a temporary ``models/`` directory. Parity r
 harness (``run_parity``) with the generated ``Runner``: through ``resin eval parity NAME`` for
 llama, through the generated ``test_parity.py`` for qwen3, directly for qwen3_moe and mistral,
 and on a ``--tiny`` checkpoint for qwen3_moe. A planted bug in a generated block must make
-parity fail at the right layer, so the passing cases are not vacuous.
+parity fail at the right layer, so the passing cases are not vacuous. The gpt-oss worked example
+of ``skills/add-model/SKILL.md``, pasted into the generated stubs, must pass parity.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +247,32 @@ def test_layer_map_names() -> None:
                        "model.layers.0.block_sparse_moe.gate.weight", 1) == "layers.0.mlp.gate.weight"
     assert [compact_indices(x) for x in ([4], [0, 1, 2], [1, 3, 5], [0, 1, 5])] == \
         ["4", "0-2", "1-5 step 2", "0, 1, 5"]
+
+
+def _fill_stub(source: str, fn: str, body: str) -> str:
+    """Replace the stub body of ``fn`` (from its ``# STUB:`` comment to the function's end)."""
+    start = source.index(f"def {fn}(")
+    stub = source.index("    # STUB:", start)
+    end = source.index("\n\n\n", stub)
+    return source[:stub] + textwrap.indent(body.strip("\n") + "\n", "    ").rstrip("\n") + \
+        source[end:]
+
+
+def test_skill_worked_example_passes_parity(gpt_oss_dir: Path, tmp_path: Path) -> None:
+    """The gpt-oss code in skills/add-model/SKILL.md, pasted into the stubs, passes parity."""
+    import shutil
+
+    skill = (Path(__file__).resolve().parents[1] / "skills" / "add-model" / "SKILL.md").read_text()
+    attention, mlp = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", skill, re.S)]
+    rotary = re.search(r"`(return _rotary_embedding\(.*?\))`", skill).group(1)   # type: ignore[union-attr]
+    norm = re.search(r"`(return rms_norm\(.*?\)\))`", skill).group(1)   # type: ignore[union-attr]
+    model = tmp_path / "gpt_oss"
+    shutil.copytree(gpt_oss_dir, model)
+    source = (model / "blocks.py").read_text()
+    for fn, body in (("gpt_oss_rotary_embedding", rotary), ("gpt_oss_rms_norm", norm),
+                     ("gpt_oss_attention", attention), ("gpt_oss_mlp", mlp)):
+        source = _fill_stub(source, fn, body)
+    assert "raise NotImplementedError(\n        'GptOss" not in source
+    (model / "blocks.py").write_text(source)
+    report = run_model_parity(resolve_model(model), max_new_tokens=4)
+    assert report.passed, report.summary()

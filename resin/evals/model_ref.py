@@ -15,7 +15,10 @@ same way. A spec is one of:
 
 ``models/`` is not a Python package: :meth:`ModelRef.load_runner` imports ``models/NAME`` as a
 synthetic package ``resin_models.NAME`` (so ``runner.py`` may import its siblings with
-``from .blocks import ...``). Pure stdlib here; torch is imported only by ``load_runner``.
+``from .blocks import ...``). :func:`run_model_parity` runs the parity harness on a reference
+with its ``parity.toml`` settings (:func:`parity_settings`). Importing this module is pure
+stdlib; torch is imported by ``load_runner`` / ``runner_factory``, the harness by
+``run_model_parity``.
 
 >>> ref = resolve_model("tests/fixtures/llama")           # doctest: +SKIP
 >>> ref.name, ref.model_dir, ref.parity_spec

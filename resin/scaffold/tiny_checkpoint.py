@@ -54,11 +54,9 @@ def tiny_config(source: str | Path | Any, seed_layers: int = 4) -> Any:
             tiny[key] = value
     heads = int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
-    tiny["num_attention_heads"] = 4
+    tiny["num_attention_heads"] = 4   # with hidden 64: head_dim 16 when it is derived
     if "num_key_value_heads" in raw:
         tiny["num_key_value_heads"] = 4 if kv_heads == heads else (1 if kv_heads == 1 else 2)
-    if not isinstance(raw.get("head_dim"), int):   # head_dim derived: keep 16 via hidden / heads
-        tiny["hidden_size"] = 64
     has_experts = False
     for key in EXPERT_COUNT_FIELDS:
         if isinstance(raw.get(key), int) and raw[key] > 0:
