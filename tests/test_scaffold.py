@@ -276,3 +276,16 @@ def test_skill_worked_example_passes_parity(gpt_oss_dir: Path, tmp_path: Path) -
     (model / "blocks.py").write_text(source)
     report = run_model_parity(resolve_model(model), max_new_tokens=4)
     assert report.passed, report.summary()
+
+
+def test_generation_is_deterministic_and_rejects_other_layouts(tmp_path: Path) -> None:
+    first, second = tmp_path / "a" / "m", tmp_path / "b" / "m"
+    for out in (first, second):
+        new_model(FIXTURES / "mistral", "m", out=out)
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == \
+        {p.name: p.read_bytes() for p in second.iterdir()}
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).to_json_file(gpt2 / "config.json")
+    with pytest.raises(ValueError, match="Llama-style layout"):
+        new_model(gpt2, "gpt2", out=tmp_path / "gpt2_out")

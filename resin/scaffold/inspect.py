@@ -141,7 +141,12 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
     config = load_config(source)
     model = build_meta_model(config)
     io_shapes, forward_error = _probe_shapes(model) if probe_shapes else ({}, None)
-    inner = model.model
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        raise ValueError(f"{type(model).__name__}: expected the Llama-style layout "
+                         "model.model.embed_tokens / model.model.layers (the scaffold and the "
+                         "parity harness hook those); this model has top-level children "
+                         f"{[n for n, _ in model.named_children()]}")
     layers = []
     layer_types = layer_types_from_config(config)
     for index, layer in enumerate(inner.layers):
