@@ -106,17 +106,21 @@ async def one_request(host: str, port: int, index: int, max_tokens: int,
                     "num_tokens": num_tokens})
 
 
-async def run_level(host: str, port: int, concurrency: int, max_tokens: int) -> dict:
+async def run_level(host: str, port: int, concurrency: int, max_tokens: int,
+                    num_rounds: int = 1) -> dict:
+    """``num_rounds`` rounds of ``concurrency`` simultaneous requests, one round after another
+    (small levels need several rounds for a CPU time above /proc's 10 ms resolution)."""
     results: list[dict] = []
     started = time.perf_counter()
-    await asyncio.gather(*(one_request(host, port, i, max_tokens, results)
-                           for i in range(concurrency)))
+    for _ in range(num_rounds):
+        await asyncio.gather(*(one_request(host, port, i, max_tokens, results)
+                               for i in range(concurrency)))
     elapsed_s = time.perf_counter() - started
     itl = [x for r in results for x in r["itl_s"]]
     ttft = [r["ttft_s"] for r in results]
     num_tokens = sum(r["num_tokens"] for r in results)
-    return {"concurrency": concurrency, "elapsed_s": elapsed_s, "num_tokens": num_tokens,
-            "requests_per_s": concurrency / elapsed_s, "output_tokens_per_s": num_tokens / elapsed_s,
+    return {"concurrency": concurrency, "num_rounds": num_rounds, "elapsed_s": elapsed_s,
+            "num_tokens": num_tokens, "requests_per_s": len(results) / elapsed_s, "output_tokens_per_s": num_tokens / elapsed_s,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
             "num_chunks": len(itl) + len(results)}
@@ -128,6 +132,8 @@ def main() -> None:
     parser.add_argument("--model", default=str(FIXTURE))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 128, 512])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--min-tokens", type=int, default=16384,
+                        help="repeat a level's round until it generated at least this many")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     port = free_port()
@@ -151,7 +157,9 @@ def main() -> None:
         rows = []
         for concurrency in args.concurrency:
             cpu_before = cpu_seconds(server.pid)
-            row = asyncio.run(run_level("127.0.0.1", port, concurrency, args.max_tokens))
+            num_rounds = max(1, -(-args.min_tokens // (concurrency * args.max_tokens)))
+            row = asyncio.run(run_level("127.0.0.1", port, concurrency, args.max_tokens,
+                                        num_rounds))
             row["server_cpu_s"] = cpu_seconds(server.pid) - cpu_before
             row["server_cpu_us_per_token"] = 1e6 * row["server_cpu_s"] / max(1, row["num_tokens"])
             rows.append(row)
@@ -159,10 +167,10 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=30)
     print(f"runner={args.runner} max_tokens={args.max_tokens}")
-    print(f"{'N':>5} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+    print(f"{'N':>5} {'rounds':>6} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'chunks':>7} {'CPU us/tok':>10}")
     for row in rows:
-        print(f"{row['concurrency']:>5} {row['requests_per_s']:>8.1f} "
+        print(f"{row['concurrency']:>5} {row['num_rounds']:>6} {row['requests_per_s']:>8.1f} "
               f"{row['output_tokens_per_s']:>9.0f} {row['ttft_p50_ms']:>7.1f}ms "
               f"{row['ttft_p99_ms']:>7.1f}ms {row['itl_p50_ms']:>6.2f}ms {row['itl_p99_ms']:>6.2f}ms "
               f"{row['num_chunks']:>7} {row['server_cpu_us_per_token']:>10.1f}")

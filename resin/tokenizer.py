@@ -259,8 +259,11 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids``; ``skip_special_tokens`` drops tokens marked special."""
-        text = self.backend.decode([int(i) for i in token_ids],
-                                   skip_special_tokens=skip_special_tokens)
+        return self.decode_ints([int(i) for i in token_ids], skip_special_tokens)
+
+    def decode_ints(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """``decode`` for a list of Python ints (no conversion: the detokenizer's hot path)."""
+        text = self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         if self.clean_up_tokenization_spaces and not self._is_bpe:
             # transformers applies this cleanup to non-BPE models only (TokenizersBackend._decode).
             for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
@@ -314,7 +317,7 @@ class IncrementalDetokenizer:
         return self._token_ids[self._num_context_tokens:]
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self._token_ids[start:end], self.skip_special_tokens)
+        return self.tokenizer.decode_ints(self._token_ids[start:end], self.skip_special_tokens)
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Feed new output token ids (one, or several when drafts were accepted); return the

@@ -39,8 +39,9 @@ class _PerSlotCounter:
         new = plan.new_request_slots
         if len(new):
             self.num_prompt_tokens[new] = plan.new_request_num_prompt_tokens
-        samples = np.diff(plan.sample_indptr.astype(np.int64)) > 0
-        counts = plan.seq_lens[samples].astype(np.int64) - self.num_prompt_tokens[slots[samples]]
+        indptr = plan.sample_indptr
+        samples = indptr[1:] != indptr[:-1]
+        counts = plan.seq_lens[samples] - self.num_prompt_tokens[slots[samples]]
         return samples, counts
 
 
