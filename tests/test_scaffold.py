@@ -289,3 +289,17 @@ def test_generation_is_deterministic_and_rejects_other_layouts(tmp_path: Path) -
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).to_json_file(gpt2 / "config.json")
     with pytest.raises(ValueError, match="Llama-style layout"):
         new_model(gpt2, "gpt2", out=tmp_path / "gpt2_out")
+
+
+def test_eval_parity_on_an_unfinished_runner_exits_one_with_json(gpt_oss_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from resin.evals.cli import eval_app
+
+    out = tmp_path / "parity.json"
+    result = CliRunner().invoke(eval_app, ["parity", str(gpt_oss_dir), "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    report = json.loads(out.read_text())
+    assert report["passed"] is False and report["error"] == "runner not finished"
+    assert "GptOssRotaryEmbedding" in report["detail"] and report["runner"] == "model:gpt_oss"

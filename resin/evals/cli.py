@@ -2,8 +2,8 @@
 
 ``resin eval parity MODEL [--runner torch|model] [--json PATH]`` runs the parity harness
 (:func:`resin.evals.parity.run_parity`), prints its summary, optionally writes the JSON
-report, and exits 0 only when every stage passes (1 on a parity failure or a runner that is not
-finished — a stub raising NotImplementedError; 2 on bad usage). MODEL is resolved by
+report, and exits 0 only when every stage passes (1 on a parity failure, or a runner that
+cannot be built — a stub raising NotImplementedError, a checkpoint it rejects; 2 on bad usage). MODEL is resolved by
 :func:`resin.evals.model_ref.resolve_model`: an HF checkpoint directory runs the torch reference
 runner; a model directory or a name under ``models/`` (made by ``resin new-model``) runs that
 model's ``runner.py`` on the checkpoint, tolerances and stress settings of its ``parity.toml``
@@ -79,13 +79,19 @@ def parity(
                                  "no runner.py (use --runner torch)", param_hint="--runner")
     try:
         report = _run(ref, runner, dtype, device, max_new_tokens)
-    except NotImplementedError as exc:   # a stub in models/NAME/blocks.py, hit while loading
-        typer.echo(f"parity FAIL: runner not finished: {exc}", err=True)
+    except (NotImplementedError, ValueError) as exc:
+        # The runner could not be built: a stub in models/NAME/blocks.py hit while loading, or
+        # a checkpoint it rejects (ConfigError / WeightsError are ValueErrors). run_parity
+        # itself reports parity failures in the report, never as exceptions.
+        error = "runner not finished" if isinstance(exc, NotImplementedError) \
+            else "runner failed to load"
+        typer.echo(f"parity FAIL: {error}: {exc}", err=True)
         if json_path is not None:
+            runner_name = "torch" if runner == "torch" else ref.runner_name
             json_path.write_text(json.dumps({"model_dir": str(ref.checkpoint_dir),
-                                             "runner": ref.runner_name, "passed": False,
-                                             "error": "runner not finished",
-                                             "detail": str(exc)}, indent=2) + "\n")
+                                             "runner": runner_name, "passed": False,
+                                             "error": error, "detail": str(exc)},
+                                            indent=2) + "\n")
         raise typer.Exit(1) from exc
     typer.echo(report.summary())
     if json_path is not None:

@@ -30,7 +30,7 @@ VOCAB_SIZE = 384
 BOS_ID, EOS_ID, IM_END_ID = 0, 1, 3
 MAX_TINY_LAYERS = 8
 TINY_WINDOW = 32
-SIZE_BUDGET_BYTES = 2_500_000
+SIZE_BUDGET_BYTES = 2_000_000
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FIXTURE_TOKENIZER = REPO_ROOT / "tests" / "fixtures" / "llama"
 # Width fields shrunk when present (value for the tiny model).
