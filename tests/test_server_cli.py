@@ -62,3 +62,30 @@ def test_resin_serve_subprocess_answers_and_stops():
         server.terminate()
         # uvicorn shuts down gracefully, then re-raises SIGTERM (exit status -15)
         assert server.wait(timeout=30) in (0, -15)
+
+
+def test_readme_serving_snippets_run_against_a_live_server():
+    """The README's curl command and openai snippet, pointed at a live server (port swapped)."""
+    import re
+    import shutil
+
+    from resin.server.context import ServerOptions
+    from resin.server.serve import build_context
+    from tests.server_harness import LiveServer
+
+    readme = (ROOT / "README.md").read_text()
+    python_snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+                          if "OpenAI(" in b)
+    curl_snippet = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S)
+                        if b.startswith("curl "))
+    ctx = build_context(ROOT / "tests/fixtures/qwen3", runner="null", max_model_len=256,
+                        options=ServerOptions(served_model_names=["demo"]))
+    with LiveServer(ctx) as live:
+        port = str(live.port)
+        namespace: dict[str, object] = {}
+        exec(python_snippet.replace("8000", port), namespace)  # noqa: S102 - doc snippet
+        assert namespace["reply"].usage.completion_tokens == 16
+        if shutil.which("curl"):
+            out = subprocess.run(["bash", "-c", curl_snippet.replace("8000", port)],
+                                 capture_output=True, text=True, check=True).stdout
+            assert '"completion_tokens":16' in out
