@@ -50,8 +50,13 @@ def new_model(source: str | Path, name: str, out: Path | None = None, tiny: bool
     perf = str(checkpoint_dir.resolve()) if has_weights else TINY_DIR
     written = render_model(arch, name, out_dir, str(source), tiny, reference, perf)
     blocks = blocks_of(arch)
+    warnings = []
+    if not tiny and not has_weights:
+        warnings.append(f"{source} has no weights and --tiny was not given: parity.toml points "
+                        f"at {out_dir / TINY_DIR}, which does not exist (rerun with --tiny, or "
+                        "set [reference] checkpoint)")
     return {"out_dir": out_dir, "files": written, "architecture": arch.architecture,
-            "reference_checkpoint": reference,
+            "reference_checkpoint": reference, "warnings": warnings,
             "stubs": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.stub],
             "assumed": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.assumed]}
 
@@ -74,6 +79,8 @@ def new_model_command(
                f"({', '.join(p.name for p in summary['files'])})")
     if tiny:
         typer.echo(f"tiny checkpoint: {summary['out_dir']}/{TINY_DIR}/")
+    for warning in summary["warnings"]:
+        typer.echo(f"warning: {warning}")
     if summary["stubs"] or summary["assumed"]:
         for fn, cls, where in summary["stubs"]:
             typer.echo(f"  STUB     blocks.{fn}  ({cls}, {where})")

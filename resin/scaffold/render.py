@@ -36,6 +36,9 @@ FILES = {"runner.py": "runner.py.j2", "blocks.py": "blocks.py.j2", "weights.py":
          "test_parity.py": "test_parity.py.j2"}
 CONTEXT_LENS = (128, 1024, 4096, 16384, 32768)
 CHUNK_SIZES = (128, 512, 2048, 8192)
+# A tiny checkpoint is a CPU smoke run of the harness: short contexts keep 256-row batches small.
+TINY_CONTEXT_LENS = (128, 512)
+TINY_CHUNK_SIZES = (128, 512)
 MAX_LISTED = 12
 
 
@@ -117,8 +120,10 @@ def model_context(arch: Architecture, name: str, source: str, tiny: bool,
         "source_shapes": pattern_shapes(arch.checkpoint_shapes),
         "reference_checkpoint": reference_checkpoint,
         "perf_checkpoint": perf_checkpoint,
-        "context_lens": [n for n in CONTEXT_LENS if n <= max_positions] or [max_positions],
-        "chunk_sizes": [n for n in CHUNK_SIZES if n <= max_positions] or [max_positions],
+        "context_lens": _capped(TINY_CONTEXT_LENS if perf_checkpoint == "tiny" else CONTEXT_LENS,
+                                max_positions),
+        "chunk_sizes": _capped(TINY_CHUNK_SIZES if perf_checkpoint == "tiny" else CHUNK_SIZES,
+                               max_positions),
         "num_layers": arch.num_layers, "hidden_size": config.hidden_size,
         "num_heads": config.num_attention_heads, "num_kv_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim, "vocab_size": config.vocab_size,
@@ -273,6 +278,10 @@ def _rope_problem(arch: Architecture) -> str | None:
     except ConfigError as exc:
         return str(exc)
     return None
+
+
+def _capped(values: tuple[int, ...], max_positions: int) -> list[int]:
+    return [n for n in values if n <= max_positions] or [max_positions]
 
 
 def _type_summary(layers: list[LayerInfo]) -> str:
