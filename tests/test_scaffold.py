@@ -70,6 +70,7 @@ def test_generates_every_file_and_cache_specs_match_resin(models_root: Path) -> 
         assert sorted(p.name for p in model_dir.iterdir() if p.is_file()) == sorted(GENERATED)
         blocks = import_model_module(model_dir, "blocks", f"{arch}_s")
         assert blocks.STUBS == () and blocks.ASSUMED == ()
+        assert "| meta forward (shapes) | ran" in (model_dir / "NOTES.md").read_text()
         runner = resolve_model(model_dir).load_runner()
         expected = layer_cache_specs(load_model_config(FIXTURES / arch), 4)
         got = runner.cache_spec()

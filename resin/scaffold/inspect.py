@@ -250,7 +250,10 @@ def _probe_shapes(model: Any) -> tuple[dict[str, Any], str | None]:
         handles.append(module.register_forward_hook(hook(name), with_kwargs=True))
     try:
         with torch.no_grad():
+            # An explicit attention mask skips transformers' packed-sequence check, which
+            # calls .item() (impossible on meta tensors).
             model(input_ids=torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device="meta"),
+                  attention_mask=torch.ones(1, PROBE_TOKENS, dtype=torch.long, device="meta"),
                   use_cache=False)
         error = None
     except Exception as exc:  # noqa: BLE001 - best effort; callers fall back to role shapes

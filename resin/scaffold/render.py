@@ -186,7 +186,7 @@ def _decoder_block(arch: Architecture, layer: LayerInfo) -> Block:
     block = _base(layer.decoder, "decoder", f"hidden [T, {hidden}] -> [T, {hidden}]",
                   with_weights=False)
     known = block_kind(layer.decoder.cls_name) == "prenorm_decoder_layer"
-    if tuple(layer.children) == PRENORM_CHILDREN or set(layer.children) == set(PRENORM_CHILDREN):
+    if set(layer.children) == set(PRENORM_CHILDREN):
         block.kind, block.assumed = "prenorm_decoder_layer", not known
         block.kind_doc = "pre-norm residual decoder layer"
         return block

@@ -125,8 +125,15 @@ def _locate(directory: Path) -> dict[str, Path]:
         raise WeightsError(f"checkpoint directory not found: {directory}")
     index = directory / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return {name: directory / shard for name, shard in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise WeightsError(f"{index}: cannot read its 'weight_map' ({exc})") from exc
+        files = {name: directory / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise WeightsError(f"{index} lists shard {shard.name}, missing from {directory}")
+        return files
     single = directory / SINGLE_FILE
     if not single.is_file():
         raise WeightsError(f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE}")
