@@ -129,6 +129,12 @@ def drive_step(engine: Engine, runner: Any, timer: ForwardTimer) -> Step:
     return Step(plan, schedule_s, forward_s, time.perf_counter() - t1, outputs)
 
 
+def _num_cache_groups(runner: Any) -> int:
+    """Distinct layer cache specs = cache groups the engine makes (1 for a runner without specs)."""
+    specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
+    return max(1, len({(s.kind, s.bytes_per_token, s.window) for s in specs}))
+
+
 class ShapeRunner:
     """Measures shapes on one loaded runner; a fresh engine per shape (sized for it)."""
 
@@ -150,7 +156,8 @@ class ShapeRunner:
 
     # -- helpers ---------------------------------------------------------------------------
     def _engine(self, max_num_seqs: int, max_len: int, budget_tokens: int) -> Engine:
-        pages_per_seq = math.ceil(max_len / PAGE_SIZE) + 1
+        # Every cache group (e.g. sliding-window and full layers) draws its own pages from the pool.
+        pages_per_seq = (math.ceil(max_len / PAGE_SIZE) + 1) * _num_cache_groups(self.runner)
         config = EngineConfig(page_size=PAGE_SIZE, num_pages=1 + max_num_seqs * pages_per_seq,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=budget_tokens,
                               max_model_len=max_len, enable_prefix_caching=False,

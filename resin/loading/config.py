@@ -59,7 +59,16 @@ _ARCHITECTURES: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": dict(model_type="mixtral", num_key_value_heads=8, head_dim=None,
                                rms_norm_eps=1e-5, max_position_embeddings=131072, bos_token_id=1,
                                eos_token_id=2, rope_theta=1e6, sliding_window=None),
+    # Config only: the torch reference runner does not run gpt-oss (sinks, clamped SwiGLU
+    # experts); models/gpt_oss/ does. Parsed so `resin bench` can cost its steps.
+    "GptOssForCausalLM": dict(model_type="gpt_oss", num_key_value_heads=8, head_dim=64,
+                              rms_norm_eps=1e-5, max_position_embeddings=131072,
+                              bos_token_id=None, eos_token_id=None, rope_theta=150000.0,
+                              sliding_window=128),
 }
+# GptOssConfig.__post_init__'s rope when a config gives none.
+_GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 4096}
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 _ARCH_BY_MODEL_TYPE = {spec["model_type"]: arch for arch, spec in _ARCHITECTURES.items()}
 
@@ -189,7 +198,11 @@ def _parse_layer_types(raw: Mapping[str, Any], arch: str, num_layers: int,
             window = None
     if window is not None and window <= 0:
         raise ConfigError(f"config: field 'sliding_window' must be positive, got {window}")
-    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch == "GptOssForCausalLM" and raw.get("layer_types") is None:
+        # GptOssConfig: sliding on even layers, full on odd ones
+        return tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION
+                     for i in range(num_layers)), window
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM"):
         # Mistral, Mixtral and Qwen3Moe apply the window (if any) to every layer; Mistral's
         # config ignores `layer_types` (configuration_mistral.py warns and moves on).
         kind = FULL_ATTENTION if window is None else SLIDING_ATTENTION
@@ -216,7 +229,7 @@ def _parse_layer_types(raw: Mapping[str, Any], arch: str, num_layers: int,
 
 def _parse_moe(raw: Mapping[str, Any], arch: str, num_layers: int,
                intermediate_size: int) -> MoeConfig | None:
-    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
         return None
     # Both config classes map num_experts <-> num_local_experts (attribute_map).
     names = [name for name in ("num_experts", "num_local_experts") if name in raw]
@@ -229,6 +242,10 @@ def _parse_moe(raw: Mapping[str, Any], arch: str, num_layers: int,
     top_k = read_positive(raw, "num_experts_per_tok")
     if arch == "MixtralForCausalLM":
         # MixtralTopKRouter always renormalises the top-k; experts use intermediate_size.
+        return MoeConfig(num_experts, top_k, intermediate_size, True, tuple(range(num_layers)))
+    if arch == "GptOssForCausalLM":
+        # GptOssTopKRouter: softmax over the top-k logits (= softmax, top-k, renormalise; its
+        # router bias is not modelled here); every layer is sparse, experts use intermediate_size.
         return MoeConfig(num_experts, top_k, intermediate_size, True, tuple(range(num_layers)))
     sparse_step = read_positive(raw, "decoder_sparse_step", 1)
     mlp_only = read_field(raw, "mlp_only_layers", (list, type(None)), None) or []
@@ -276,7 +293,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         "Qwen3ForCausalLM": (attention_bias, attention_bias),
         "Qwen3MoeForCausalLM": (attention_bias, attention_bias),
         "Qwen2ForCausalLM": (True, False),
+        "GptOssForCausalLM": (read_field(raw, "attention_bias", bool, True),) * 2,
     }.get(arch, (False, False))
+    if arch == "GptOssForCausalLM" and not (raw.get("rope_scaling") or raw.get("rope_parameters")):
+        raw = {**raw, "rope_parameters": dict(_GPT_OSS_DEFAULT_ROPE)}
     mlp_bias = read_field(raw, "mlp_bias", bool, False) if arch == "LlamaForCausalLM" else False
     return ModelConfig(
         architecture=arch,

@@ -29,6 +29,9 @@ from resin.loading.config import ModelConfig
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Architectures resin.loading parses (for the engine and `resin bench`) whose weights the torch
+# reference runner cannot use: their own runner lives under models/.
+CONFIG_ONLY_ARCHITECTURES = {"GptOssForCausalLM": "models/gpt_oss (resin eval parity gpt_oss)"}
 
 
 class WeightsError(ValueError):
@@ -41,6 +44,9 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     ``lm_head.weight`` is listed even with tied embeddings; :func:`load_weights` then
     accepts its absence.
     """
+    if config.architecture in CONFIG_ONLY_ARCHITECTURES:
+        raise WeightsError(f"{config.architecture}: the torch reference runner does not run this "
+                           f"architecture; its runner is {CONFIG_ONLY_ARCHITECTURES[config.architecture]}")
     hidden, head_dim = config.hidden_size, config.head_dim
     q_size = config.num_attention_heads * head_dim
     kv_size = config.num_key_value_heads * head_dim
