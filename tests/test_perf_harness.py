@@ -2,10 +2,11 @@
 command end to end on ``tests/fixtures/llama``, a deliberately slowed runner caught against a
 baseline, and the commands of ``skills/optimize-perf/SKILL.md`` run as written.
 
-Timing tests never assert on absolute times. The slowed runner is 4x slower on exactly the
-decode steps with >= 8 sequences (it sleeps 3x the measured forward), the runs use one torch
-thread and a 50% threshold, so a noisy shared 2-core machine neither hides the slowdown nor
-flags the clean rerun; the 5% default rule itself is tested on synthetic reports.
+Timing tests never assert on absolute times. The slowed runner is 8x slower on exactly the
+decode steps with >= 8 sequences (it sleeps 7x the measured forward) and the runs compare with
+a 150% threshold and one torch thread: on the shared 2-core machine whole runs drift by up to
+~1.6x within minutes (other tenants), so a tighter threshold would flag clean reruns, while 8x
+stays far above it. The 5% default rule itself is tested on synthetic reports.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ LLAMA = REPO / "tests" / "fixtures" / "llama"
 SKILL = REPO / "skills" / "optimize-perf" / "SKILL.md"
 SHAPES = "decode:1,8,16@16 prefill:16 e2e:4@16+4"
 SLOWED = ["decode:8@16", "decode:16@16"]   # decode steps of >= 8 sequences
+SLOW_SLEEP = 7           # the slowed forward sleeps 7x its own time: 8x slower in all
+TEST_THRESHOLD = "1.5"   # regressed = more than 2.5x slower (and beyond the measured noise)
 
 
 # -- shapes and perf.toml ------------------------------------------------------------------
@@ -197,14 +200,15 @@ def test_bench_catches_injected_slowdown(cli: Any, tmp_path: Path,
     def slow_forward(self: Any, plan: Any) -> Any:
         start = time.perf_counter()
         output = original(self, plan)
-        if plan.num_decode_sequences >= 8:   # 4x slower decode steps of >= 8 sequences
-            time.sleep(3 * (time.perf_counter() - start))
+        if plan.num_decode_sequences >= 8:   # 8x slower decode steps of >= 8 sequences
+            time.sleep(SLOW_SLEEP * (time.perf_counter() - start))
         return output
 
     monkeypatch.setattr(TorchRunner, "forward", slow_forward)
-    result, report = _bench(cli, tmp_path / "slow", "--baseline", baseline, "--threshold", "0.5")
+    result, report = _bench(cli, tmp_path / "slow", "--baseline", baseline,
+                            "--threshold", TEST_THRESHOLD)
     assert result.exit_code == 1, result.output
-    assert report["comparison"]["regressed"] == SLOWED
+    assert report["comparison"]["regressed"] == SLOWED, result.output
     assert f"REGRESSED 2 shape(s): {SLOWED[0]} x" in result.output
     assert "result: REGRESSION" in result.output
 
@@ -212,7 +216,8 @@ def test_bench_catches_injected_slowdown(cli: Any, tmp_path: Path,
     assert [len(s["discarded_medians_s"]) for s in report["shapes"]] == [0, 1, 1, 0, 0]
 
     monkeypatch.setattr(TorchRunner, "forward", original)
-    result, report = _bench(cli, tmp_path / "clean", "--baseline", baseline, "--threshold", "0.5")
+    result, report = _bench(cli, tmp_path / "clean", "--baseline", baseline,
+                            "--threshold", TEST_THRESHOLD)
     assert result.exit_code == 0, result.output
     assert report["comparison"]["passed"] and report["comparison"]["regressed"] == []
 
@@ -234,7 +239,7 @@ def test_bench_confirmation_drops_a_transient_slowdown(cli: Any, tmp_path: Path,
         start = time.perf_counter()
         output = original_forward(self, plan)
         if state["slow"]:
-            time.sleep(3 * (time.perf_counter() - start))
+            time.sleep(SLOW_SLEEP * (time.perf_counter() - start))
         return output
 
     def measure(self: Any, shape: Shape, repeats: int, warmup: int) -> Any:
@@ -248,12 +253,14 @@ def test_bench_confirmation_drops_a_transient_slowdown(cli: Any, tmp_path: Path,
 
     monkeypatch.setattr(TorchRunner, "forward", forward)
     monkeypatch.setattr(ShapeRunner, "measure", measure)
-    result, report = _bench(cli, tmp_path / "once", "--baseline", baseline, "--threshold", "0.5",
-                            "--confirm", "0")
-    assert result.exit_code == 1 and report["comparison"]["regressed"] == ["decode:8@16"]
+    result, report = _bench(cli, tmp_path / "once", "--baseline", baseline,
+                            "--threshold", TEST_THRESHOLD, "--confirm", "0")
+    # Without confirmation the burst is reported (another shape may be too, on a busy machine).
+    assert result.exit_code == 1 and "decode:8@16" in report["comparison"]["regressed"], \
+        result.output
     state["calls"] = 0
     result, report = _bench(cli, tmp_path / "confirmed", "--baseline", baseline,
-                            "--threshold", "0.5")
+                            "--threshold", TEST_THRESHOLD)
     assert result.exit_code == 0, result.output
     assert state["calls"] == 2 and "re-measured decode:8@16" in result.output
     decode8 = next(s for s in report["shapes"] if s["id"] == "decode:8@16")
