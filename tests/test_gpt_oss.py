@@ -139,7 +139,7 @@ def test_resin_loading_parses_gpt_oss_as_transformers_does() -> None:
 
     hf = transformers.GptOssConfig(num_hidden_layers=5, sliding_window=8)
     ours = load_model_config(hf.to_dict())
-    assert ours.layer_types == tuple(hf.layer_types)
+    assert ours.layer_types == tuple(hf.layer_types or ())
     assert [ours.layer_window_tokens(i) for i in range(5)] == [8, None, 8, None, 8]
     assert ours.qkv_bias and ours.o_proj_bias
     assert ours.rope.rope_type == "yarn" and ours.rope.truncate is False

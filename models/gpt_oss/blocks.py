@@ -83,9 +83,11 @@ def gpt_oss_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.T
     q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(num_tokens, -1, head_dim)
     k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(num_tokens, -1, head_dim)
     v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(num_tokens, -1, head_dim)
+    if ctx.cos is None or ctx.sin is None or ctx.slot_mapping is None or ctx.views is None \
+            or ctx.k_cache is None or ctx.v_cache is None:
+        raise RuntimeError(f"layer {ctx.index}: attention needs the step's rope tables, views, "
+                           "slot mapping and a bound cache")
     q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
-    if ctx.k_cache is None or ctx.v_cache is None or ctx.views is None:
-        raise RuntimeError(f"layer {ctx.index}: attention without a bound cache")
     write_kv(ctx.k_cache, ctx.v_cache, k, v, ctx.slot_mapping)
     out = paged_attention_with_sinks(q, ctx.k_cache, ctx.v_cache, ctx.views, head_dim ** -0.5,
                                      w["sinks"])

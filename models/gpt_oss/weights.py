@@ -79,7 +79,7 @@ def load_weights(checkpoint_dir: str | os.PathLike[str], arch: Architecture, *,
                  device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> CheckpointWeights:
     """Every tensor the HF model of ``arch`` has, renamed by WEIGHT_MAP, shapes checked."""
-    weights = load_checkpoint_weights(checkpoint_dir, arch.checkpoint_shapes, WEIGHT_MAP,
+    weights = load_checkpoint_weights(Path(checkpoint_dir), arch.checkpoint_shapes, WEIGHT_MAP,
                                       arch.num_layers, device=device, dtype=dtype)
     # HF keeps some modules in fp32 whatever the load dtype (PreTrainedModel._get_dtype_plan:
     # `_keep_in_fp32_modules` for fp16, `_keep_in_fp32_modules_strict` for fp16 and bf16);
@@ -90,7 +90,7 @@ def load_weights(checkpoint_dir: str | os.PathLike[str], arch: Architecture, *,
     if kept:
         with warnings.catch_warnings():   # "tensors the model does not use": the others, on purpose
             warnings.simplefilter("ignore")
-            fp32 = load_checkpoint_weights(checkpoint_dir, kept, WEIGHT_MAP, arch.num_layers,
+            fp32 = load_checkpoint_weights(Path(checkpoint_dir), kept, WEIGHT_MAP, arch.num_layers,
                                            device=device, dtype=torch.float32)
         weights.globals.update(fp32.globals)
         for layer, tensors in zip(weights.layers, fp32.layers):
