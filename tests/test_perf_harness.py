@@ -112,6 +112,25 @@ def test_step_cost_sliding_window_and_moe() -> None:
         (m.num_experts - m.num_experts_per_tok) * expert_bytes + 4095 * h * 2, rel=1e-6)
 
 
+def test_generic_dims_match_the_parsed_config(tmp_path: Path) -> None:
+    """For an architecture resin.loading does not parse, the roofline reads the common
+    config.json keys; on supported checkpoints that reading gives the same cost."""
+    from resin.evals.roofline import generic_dims, load_dims
+
+    queries, contexts = np.array([1, 1, 7]), np.array([40, 3, 0])
+    for name in ("llama", "qwen3_moe", "mistral"):
+        raw = json.loads((REPO / "tests" / "fixtures" / name / "config.json").read_text())
+        parsed = load_model_config(REPO / "tests" / "fixtures" / name)
+        assert step_cost(generic_dims(raw), queries, contexts, 3, 2) == \
+            step_cost(parsed, queries, contexts, 3, 2), name
+    raw = json.loads((LLAMA / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": ["FancyLM"]}))
+    dims, note = load_dims(tmp_path)
+    assert note is not None and "FancyLM is not parsed by resin.loading" in note
+    assert dims.num_hidden_layers == 4 and dims.head_dim == 16
+    assert load_dims(LLAMA)[1] is None
+
+
 # -- the regression rule -------------------------------------------------------------------
 
 def _report(times: dict[str, tuple[float, float]], **top: Any) -> dict[str, Any]:
@@ -294,6 +313,27 @@ def test_bench_reads_model_perf_toml(cli: Any, tmp_path: Path) -> None:
     assert report["model"] == "tiny_llama"
     assert [s["id"] for s in report["shapes"]] == ["decode:2@8", "prefill:8"]
     assert all(s["time"]["num_samples"] == 3 for s in report["shapes"])
+
+
+def test_bench_an_architecture_resin_loading_does_not_parse(cli: Any, tmp_path: Path) -> None:
+    """A model directory whose checkpoint names an unknown architecture (its own runner runs
+    it): bench measures it and says the roofline is approximate."""
+    checkpoint = tmp_path / "fancy" / "tiny"
+    checkpoint.mkdir(parents=True)
+    raw = json.loads((LLAMA / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**raw, "architectures": ["FancyLM"]}))
+    (tmp_path / "fancy" / "runner.py").write_text(
+        "from resin.runners.torch import TorchRunner\n\n\n"
+        "class Runner:\n"
+        "    @classmethod\n"
+        "    def from_pretrained(cls, checkpoint_dir, device, dtype):\n"
+        f"        return TorchRunner.from_pretrained({str(LLAMA)!r}, device=device, dtype=dtype)\n")
+    result = cli("bench", str(tmp_path / "fancy"), "--shapes", "decode:2@8", "--repeats", "2",
+                 "--out", str(tmp_path / "r"))
+    assert result.exit_code == 0, result.output
+    assert "FancyLM is not parsed by resin.loading" in result.output
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["shapes"][0]["flops"] > 0 and any("FancyLM" in n for n in report["notes"])
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")

@@ -33,7 +33,7 @@ import typer
 from resin.evals.perf_compare import DEFAULT_THRESHOLD, compare
 from resin.evals.perf_report import SCHEMA, shape_entry, summary, write_report
 from resin.evals.perf_shapes import DEFAULT_SHAPES, Shape, load_perf_spec, parse_shapes
-from resin.evals.roofline import DTYPE_BYTES
+from resin.evals.roofline import DTYPE_BYTES, load_dims
 
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
@@ -195,7 +195,6 @@ def bench(
     Exit 0 ok, 1 a shape regressed against --baseline, 2 bad usage, 3 the run failed.
     """
     from resin.evals.model_ref import ModelRefError, resolve_model
-    from resin.loading import load_model_config
 
     try:
         ref = resolve_model(model)
@@ -209,8 +208,8 @@ def bench(
                              f"{checkpoint_dir} has no config.json")
         chosen = parse_shapes(shapes) if shapes is not None else (
             spec.shapes or parse_shapes(DEFAULT_SHAPES))
-        model_config = load_model_config(checkpoint_dir)
-    except (ModelRefError, ValueError) as exc:   # ConfigError is a ValueError
+        model_config, dims_note = load_dims(checkpoint_dir)
+    except (ModelRefError, ValueError, OSError) as exc:   # ConfigError is a ValueError
         raise _usage_error(str(exc)) from exc
     settings = BenchSettings(
         shapes=chosen, repeats=_first(repeats, spec.repeats, DEFAULT_REPEATS),
@@ -250,6 +249,8 @@ def bench(
     except RuntimeError as exc:
         typer.echo(f"error: the run failed: {exc}", err=True)
         raise typer.Exit(EXIT_FAILED) from exc
+    if dims_note is not None:
+        report["notes"].append(dims_note)
     out_dir = out or _default_out_dir(ref.name)
     write_report(report, out_dir)
     typer.echo(summary(report, out_dir))

@@ -31,8 +31,7 @@ import numpy as np
 
 from resin._core import BatchPlan, Engine, EngineConfig, SamplingParams
 from resin.evals.perf_shapes import Shape
-from resin.evals.roofline import ZERO_COST, StepCost, plan_cost
-from resin.loading import ModelConfig
+from resin.evals.roofline import ZERO_COST, ModelDims, StepCost, plan_cost
 
 PAGE_SIZE = 16
 MAX_UNTIMED_STEPS = 100_000   # guard against an engine that never reaches the wanted plan
@@ -138,7 +137,7 @@ def _num_cache_groups(runner: Any) -> int:
 class ShapeRunner:
     """Measures shapes on one loaded runner; a fresh engine per shape (sized for it)."""
 
-    def __init__(self, runner: Any, config: ModelConfig, device: str, dtype_bytes: int,
+    def __init__(self, runner: Any, config: ModelDims, device: str, dtype_bytes: int,
                  seed: int = 0):
         self.runner = runner
         self.config = config

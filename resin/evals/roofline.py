@@ -1,14 +1,16 @@
 """The roofline: FLOPs and bytes moved by one engine step, and the device peaks they are held to.
 
 Owns the cost model ``resin bench`` reports against, computed from the model config
-(:class:`resin.loading.ModelConfig`) and a step's plan arrays, not from the runner, so a
+(:class:`resin.loading.ModelConfig`; for an architecture ``resin.loading`` does not parse,
+:class:`GenericDims` from the common ``config.json`` keys) and a step's plan arrays, not from
+the runner, so a
 faster runner is measured against the same work. Per step with ``T`` new tokens, ``S`` rows,
 ``R`` sampled rows, in the runner's element size ``e`` bytes (``h`` hidden, ``d`` head_dim,
 ``nq``/``nkv`` query/KV heads, ``I`` MLP width, ``V`` vocab, ``L`` layers):
 
 FLOPs (multiply-add = 2)
   * matmuls: ``2 * T * P_active`` with ``P_active`` = per-layer q/k/v/o projections
-    ``h*d*(2*nq + 2*nkv)`` + MLP ``3*h*I`` (MoE: router ``h*E`` + ``top_k * 3*h*I_moe``),
+    ``h*d*(2*nq + 2*nkv)`` + MLP ``3*h*I`` (MoE: router ``h*E`` + ``(top_k + shared) * 3*h*I_moe``),
     summed over layers; plus the LM head ``2 * R * h * V`` (logits only for sampled rows).
   * attention: ``4 * nq * d`` per (query token, attended key) pair per layer (QK^T and PV);
     a query at position ``p`` attends ``min(p + 1, window)`` keys (causal; counted exactly,
@@ -32,13 +34,17 @@ Only :func:`calibrate` imports torch (inside the function).
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, astuple, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
-from resin.loading import ModelConfig
+from resin.loading import ConfigError, load_model_config
+from resin.loading.config import MoeConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -105,7 +111,127 @@ def _attended_keys(num_tokens: np.ndarray, window: int | None) -> np.ndarray:
     return np.where(n <= w, n * (n + 1) / 2, w * (w + 1) / 2 + (n - w) * w)
 
 
-def step_cost(config: ModelConfig, query_lens: np.ndarray, context_lens: np.ndarray,
+class ModelDims(Protocol):
+    """What :func:`step_cost` reads: satisfied by :class:`resin.loading.ModelConfig` and by
+    :class:`GenericDims`."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def moe(self) -> MoeConfig | None: ...
+
+    def layer_window_tokens(self, layer_index: int) -> int | None: ...
+    def is_moe_layer(self, layer_index: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class GenericDims:
+    """Shapes read from any HF ``config.json`` by the common key names, for an architecture
+    :func:`resin.loading.load_model_config` does not parse (a model being brought up). An
+    approximation: every layer is a standard attention block (q/k/v/o) plus a SwiGLU MLP or
+    routed experts; MLA, linear attention and other layer kinds are costed as standard ones."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    window_of_layer: tuple[int | None, ...]
+    moe: MoeConfig | None
+
+    def layer_window_tokens(self, layer_index: int) -> int | None:
+        return self.window_of_layer[layer_index]
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return self.moe is not None and layer_index in self.moe.moe_layer_indices
+
+
+def generic_dims(raw: Mapping[str, Any]) -> GenericDims:
+    """:class:`GenericDims` from a parsed ``config.json`` (its ``text_config`` if it has one).
+    Keys: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads (default: heads), head_dim (default hidden/heads), vocab_size,
+    max_position_embeddings (default 4096), sliding_window + layer_types ("sliding_attention"),
+    num_experts | num_local_experts | n_routed_experts, num_experts_per_tok,
+    moe_intermediate_size, n_shared_experts, and which layers are sparse: first_k_dense_replace,
+    mlp_only_layers, decoder_sparse_step. ValueError names a missing key."""
+    cfg = raw.get("text_config") or raw
+
+    def need(key: str) -> int:
+        value = cfg.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"config.json: '{key}' must be a positive integer for the roofline, "
+                             f"got {value!r}")
+        return value
+
+    h, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
+    window = cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else None
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list) and len(kinds) == layers:
+        windows = tuple(window if k == "sliding_attention" else None for k in kinds)
+    else:
+        windows = (window,) * layers
+    num_experts = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
+    moe = None
+    if num_experts is not None:
+        first_dense = cfg.get("first_k_dense_replace") or 0
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = cfg.get("decoder_sparse_step") or 1
+        moe = MoeConfig(num_experts=num_experts, num_experts_per_tok=need("num_experts_per_tok"),
+                        moe_intermediate_size=cfg.get("moe_intermediate_size")
+                        or need("intermediate_size"),
+                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                        moe_layer_indices=tuple(i for i in range(first_dense, layers)
+                                                if i not in dense and (i + 1) % step == 0),
+                        num_shared_experts=cfg.get("n_shared_experts") or 0)
+    intermediate = cfg.get("intermediate_size") or (moe.moe_intermediate_size if moe else None)
+    if not isinstance(intermediate, int) or intermediate <= 0:
+        raise ValueError("config.json: 'intermediate_size' must be a positive integer for the "
+                         f"roofline, got {intermediate!r}")
+    return GenericDims(
+        architecture=str((raw.get("architectures") or ["unknown"])[0]),
+        vocab_size=need("vocab_size"), hidden_size=h, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or h // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
+        window_of_layer=windows, moe=moe)
+
+
+def load_dims(checkpoint_dir: str | Path) -> tuple[ModelDims, str | None]:
+    """The model's dims for the roofline and the engine sizing: :class:`ModelConfig` when
+    ``resin.loading`` parses the architecture, else :class:`GenericDims` and a note saying so."""
+    try:
+        return load_model_config(checkpoint_dir), None
+    except ConfigError as exc:
+        if "unsupported architecture" not in str(exc):
+            raise
+    raw = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8"))
+    dims = generic_dims(raw)
+    return dims, (f"{dims.architecture} is not parsed by resin.loading: FLOPs and bytes come from "
+                  "generic config.json keys (standard attention + MLP/experts per layer), an "
+                  "approximation")
+
+
+def step_cost(config: ModelDims, query_lens: np.ndarray, context_lens: np.ndarray,
               num_sampled: int, dtype_bytes: int) -> StepCost:
     """FLOPs and bytes of one step (module doc). ``query_lens`` int[S]: new tokens per row;
     ``context_lens`` int[S]: tokens already cached per row; ``num_sampled``: rows that sample
@@ -127,11 +253,13 @@ def step_cost(config: ModelConfig, query_lens: np.ndarray, context_lens: np.ndar
             assert c.moe is not None
             m = c.moe
             expert_params = 3 * h * m.moe_intermediate_size
-            active_params = h * m.num_experts + m.num_experts_per_tok * expert_params
+            shared_params = m.num_shared_experts * expert_params   # run for every token
+            active_params = (h * m.num_experts + m.num_experts_per_tok * expert_params
+                             + shared_params)
             touched = m.num_experts * (1 - (1 - m.num_experts_per_tok / m.num_experts)
                                        ** num_tokens)
-            mlp_weight_params = h * m.num_experts + touched * expert_params
-            mlp_act = h + m.num_experts + m.num_experts_per_tok * (
+            mlp_weight_params = h * m.num_experts + touched * expert_params + shared_params
+            mlp_act = h + m.num_experts + (m.num_experts_per_tok + m.num_shared_experts) * (
                 h + 3 * m.moe_intermediate_size + h)
         else:
             active_params = mlp_weight_params = 3 * h * c.intermediate_size
@@ -155,7 +283,7 @@ def step_cost(config: ModelConfig, query_lens: np.ndarray, context_lens: np.ndar
     return StepCost(matmul_flops, attention_flops, weight_bytes, kv_bytes, activation_bytes)
 
 
-def plan_cost(config: ModelConfig, plan: Any, dtype_bytes: int) -> StepCost:
+def plan_cost(config: ModelDims, plan: Any, dtype_bytes: int) -> StepCost:
     """:func:`step_cost` of a :class:`resin.BatchPlan` (its rows' query and context lengths)."""
     return step_cost(config, np.diff(plan.query_indptr.astype(np.int64)),
                      plan.num_computed_tokens, int(plan.sample_indptr[-1]), dtype_bytes)
