@@ -4,10 +4,10 @@ committed tiny checkpoint, and the harness would catch it if it did not.
 - ``resin eval parity gpt_oss`` (the CLI, as CI and skills/add-model/SKILL.md run it) exits 0,
   its JSON says every stage passed, and the stress settings were really exercised
   (preemptions, prefix-cache hits, windows narrower than the prompts); bf16 too.
-- The tiny checkpoint exercises what is gpt-oss-specific: with the sinks dropped, the SwiGLU
-  clamps removed or the gate/up columns de-interleaved, the layers stage fails at layer 0
-  ``self_attn`` / ``mlp`` (a regenerated tiny/ whose ``swiglu_limit`` no activation reaches
-  would fail here).
+- The tiny checkpoint exercises what is gpt-oss-specific: with the sinks dropped, plain RoPE
+  for YaRN, the sliding window ignored, the SwiGLU clamps removed or the gate/up columns
+  de-interleaved, the layers stage fails at layer 0 ``self_attn`` / ``mlp`` (a regenerated
+  tiny/ whose ``swiglu_limit`` no activation reaches would fail here).
 - ``resin.loading`` parses gpt-oss configs as HF does (for the engine and ``resin bench``), the
   torch reference runner refuses gpt-oss with a message naming models/gpt_oss, and
   ``resin bench`` measures a model with two cache groups.
@@ -128,6 +128,35 @@ def test_parity_catches_concatenated_gate_up(monkeypatch: pytest.MonkeyPatch,
 
     first = _first_departure(monkeypatch, blocks, "clamped_swiglu", concatenated)
     assert (first["layer"], first["module"]) == (0, "mlp")
+
+
+def test_parity_catches_plain_rope_instead_of_yarn(monkeypatch: pytest.MonkeyPatch,
+                                                   blocks: Any) -> None:
+    from resin.loading.rope import RopeConfig, rope_inv_freq
+    from resin.runners.torch.layers import RotaryEmbedding
+
+    def plain(config: Any, head_dim: int, device: Any) -> Any:
+        inv_freq, _ = rope_inv_freq(RopeConfig(theta=150000.0), head_dim)
+        return RotaryEmbedding(inv_freq, 1.0, device)
+
+    monkeypatch.setitem(blocks.ROTARY, "GptOssRotaryEmbedding", plain)
+    first = run_model_parity(resolve_model(MODEL_DIR)).first_departure
+    assert (first["layer"], first["module"]) == (0, "self_attn")
+
+
+def test_parity_catches_a_sliding_layer_attending_everything(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny window (8) is narrower than the probe prompt, so ignoring it departs at layer 0
+    (a sliding layer) — the windows are really exercised."""
+    runner_module = import_model_module(MODEL_DIR, "runner", "gpt_oss")
+    real = runner_module.build_sequence_views
+
+    def no_window(*args: Any) -> Any:
+        return real(*args[:6], None, *args[7:])
+
+    monkeypatch.setattr(runner_module, "build_sequence_views", no_window)
+    first = run_model_parity(resolve_model(MODEL_DIR)).first_departure
+    assert (first["layer"], first["module"]) == (0, "self_attn")
 
 
 def test_resin_loading_parses_gpt_oss_as_transformers_does() -> None:
