@@ -31,7 +31,8 @@ pytest.importorskip("transformers")
 from typer.testing import CliRunner  # noqa: E402
 
 from resin.cli import app  # noqa: E402
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module, resolve_model  # noqa: E402
+from resin.evals.parity import run_parity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models" / "gpt_oss"
@@ -91,11 +92,19 @@ def test_cli_parity_passes_under_every_stress_setting(in_repo: None, tmp_path: P
     assert stages["greedy/page_size=16"]["metrics"]["tokens_matched"] >= 40
 
 
-def _first_departure(monkeypatch: pytest.MonkeyPatch, blocks: Any, name: str, fn: Any) -> Any:
-    monkeypatch.setattr(blocks, name, fn)
-    report = run_model_parity(resolve_model(MODEL_DIR))
+def _layers_departure() -> Any:
+    """The first departing layer checkpoint (the ``layers`` stage only: what a planted bug
+    breaks first; the greedy stages would only repeat it)."""
+    ref = resolve_model(MODEL_DIR)
+    report = run_parity(ref.checkpoint_dir, runner_factory=ref.runner_factory("cpu", "float32"),
+                        checks=("layers",))
     assert not report.passed
     return report.first_departure
+
+
+def _first_departure(monkeypatch: pytest.MonkeyPatch, blocks: Any, name: str, fn: Any) -> Any:
+    monkeypatch.setattr(blocks, name, fn)
+    return _layers_departure()
 
 
 def test_parity_catches_attention_without_sinks(monkeypatch: pytest.MonkeyPatch,
@@ -140,7 +149,7 @@ def test_parity_catches_plain_rope_instead_of_yarn(monkeypatch: pytest.MonkeyPat
         return RotaryEmbedding(inv_freq, 1.0, device)
 
     monkeypatch.setitem(blocks.ROTARY, "GptOssRotaryEmbedding", plain)
-    first = run_model_parity(resolve_model(MODEL_DIR)).first_departure
+    first = _layers_departure()
     assert (first["layer"], first["module"]) == (0, "self_attn")
 
 
@@ -155,7 +164,7 @@ def test_parity_catches_a_sliding_layer_attending_everything(
         return real(*args[:6], None, *args[7:])
 
     monkeypatch.setattr(runner_module, "build_sequence_views", no_window)
-    first = run_model_parity(resolve_model(MODEL_DIR)).first_departure
+    first = _layers_departure()
     assert (first["layer"], first["module"]) == (0, "self_attn")
 
 
