@@ -74,6 +74,9 @@ def run_bench(model: str, settings: BenchSettings, load_runner: Callable[[], Any
 
     if settings.num_threads is not None and settings.device == "cpu":
         torch.set_num_threads(settings.num_threads)
+    if settings.device.startswith("cuda"):
+        # Timing events and synchronize() act on the current device: make it the bench's.
+        torch.cuda.set_device(torch.device(settings.device))
     notes, shapes = [], []
     max_len = model_config.max_position_embeddings
     for shape in settings.shapes:
