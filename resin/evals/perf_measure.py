@@ -110,6 +110,8 @@ class ForwardTimer:
 
 @dataclass
 class Step:
+    """One driven engine step: its plan, the three timed parts (seconds) and update's outputs."""
+
     plan: BatchPlan
     schedule_s: float
     forward_s: float
