@@ -1,7 +1,10 @@
-"""Bring-up evaluations: the parity harness (``resin eval parity``).
+"""Bring-up evaluations: the parity harness (``resin eval parity``: ``parity.py``,
+``parity_engine.py``), the perf harness (``resin bench``: ``perf.py`` with ``perf_shapes``,
+``perf_measure``, ``roofline``, ``perf_report``, ``perf_compare``), and model references
+(``model_ref.py``: a checkpoint directory or a ``models/NAME`` runner).
 
-Importing this package loads neither torch nor transformers; :func:`run_parity` imports
-them when it runs. See ``docs/parity.md`` for how to read a report.
+Importing this package loads neither torch nor transformers; the commands import them when
+they run. See ``docs/parity.md`` and ``docs/benchmarks.md`` for how to read their reports.
 """
 
 from __future__ import annotations
