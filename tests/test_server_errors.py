@@ -17,6 +17,7 @@ import pytest
 from resin import ForwardOutput
 from resin.runners.scripted import CyclingRunner
 from resin.server.context import ServerOptions
+from resin.server.engine_loop import MAX_CONSECUTIVE_FAILED_STEPS
 from resin.server.serve import build_context
 from tests.server_harness import LiveServer
 
@@ -62,6 +63,12 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, 400,
      "messages", "context_length_exceeded"),
     (CHAT, {"model": "gpt-9", "messages": MESSAGES}, 404, "model", "model_not_found"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "seed": -1}, 400, "seed", None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "seed": 2**64}, 400, "seed", None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "stream_options": "x"}, 400, "stream_options",
+     None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "chat_template": "{{ 'x' }}"}, 400,
+     "chat_template", None),
     (COMPLETIONS, {"model": MODEL}, 400, "prompt", None),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "prompt", None),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", None),
@@ -72,6 +79,18 @@ BAD_REQUESTS = [
      "context_length_exceeded"),
     (COMPLETIONS, {"model": "nope", "prompt": "hi"}, 404, "model", "model_not_found"),
 ]
+
+
+def test_stream_must_be_a_boolean(server):
+    response = httpx.post(f"{server.base_url}{CHAT}", json={"model": MODEL, "messages": MESSAGES,
+                                                            "stream": "false"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+
+
+def test_largest_seed_with_n_choices(server):
+    response = httpx.post(f"{server.base_url}{CHAT}", json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 2, "seed": 2**63 - 1, "n": 3})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 3
 
 
 @pytest.mark.parametrize("path,body,status,param,code", BAD_REQUESTS,
@@ -160,6 +179,20 @@ def test_runner_failure_fails_only_its_requests_and_server_recovers(mode):
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
         assert live.metric("resin:num_requests_running") == 0
         assert live.metric("resin:kv_cache_usage_perc") == 0
+
+
+def test_runner_broken_for_good_turns_health_503():
+    ctx0 = build_context(FIXTURE, runner="null", max_num_seqs=4, max_model_len=MAX_MODEL_LEN)
+    runner = FlakyRunner(list(ctx0.tokenizer.encode(" a b c", add_special_tokens=False)))
+    ctx = build_context(FIXTURE, runner=runner, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
+                        options=ServerOptions(served_model_names=[MODEL]))
+    with LiveServer(ctx) as live:
+        runner.mode = "raise"
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+        statuses = [httpx.post(f"{live.base_url}{CHAT}", json=body).status_code
+                    for _ in range(MAX_CONSECUTIVE_FAILED_STEPS + 2)]
+        assert statuses[0] == 500 and statuses[-1] == 503
+        assert httpx.get(f"{live.base_url}/health").status_code == 503
 
 
 class SlowRunner(CyclingRunner):

@@ -154,3 +154,28 @@ def test_client_that_hangs_up_at_once_is_aborted_too(setup):
         aborted_before == 5
     assert live.metric("resin:num_requests_running") == 0
     assert live.ctx.loop.num_active_requests == 0
+
+
+def test_non_streaming_client_that_hangs_up_is_aborted(setup):
+    """A non-streaming request whose client leaves is cancelled, not run to max_tokens."""
+    live, runner, _ = setup
+    aborted_before = live.metric('resin:request_success_total{finished_reason="abort"}')
+    runner.step_sleep_s = 0.01
+    try:
+        body = json.dumps({"model": MODEL, "max_tokens": 900, "ignore_eos": True,
+                           "messages": [{"role": "user", "content": "patience"}]}).encode()
+        with socket.create_connection(("127.0.0.1", live.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            deadline = time.monotonic() + 5
+            while live.metric("resin:num_requests_running") < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        deadline = time.monotonic() + 3.0  # 900 steps of 10 ms would take 9 s
+        while time.monotonic() < deadline and live.metric("resin:num_requests_running") > 0:
+            time.sleep(0.05)
+    finally:
+        runner.step_sleep_s = 0.0
+    assert live.metric("resin:num_requests_running") == 0
+    assert live.metric('resin:request_success_total{finished_reason="abort"}') == \
+        aborted_before + 1

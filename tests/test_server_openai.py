@@ -166,6 +166,23 @@ def test_logprobs_shape_and_greedy_top1(client):
         assert entry.logprob <= 0.0
 
 
+def test_streamed_logprobs_cover_held_back_tokens(client):
+    """Tokens whose text is held back (a possible stop string) still report their logprobs."""
+    base = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                          temperature=0).choices[0].message.content
+    stop = base[-3:] + "\u2603"  # a prefix of it is held back at the end, never matched
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                           temperature=0, logprobs=True, top_logprobs=1,
+                                           stop=[stop])
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                            temperature=0, logprobs=True, top_logprobs=1,
+                                            stop=[stop], stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in plain.choices[0].logprobs.content]
+    assert len(streamed) == plain.usage.completion_tokens
+
+
 def test_ignore_eos_and_max_completion_tokens(client):
     response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
                                               max_completion_tokens=30,

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -93,6 +93,32 @@ class AuthAndMetrics:
         return False
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Await ``work`` (a handler's response), cancelling it if the client disconnects first —
+    the cancellation reaches the generation, which aborts its engine requests. A streaming
+    handler returns its response at once, so this only guards the time to the first byte."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def read_json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
@@ -146,11 +172,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(request.url.path, APIError(500, f"internal error: {exc!r}"))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    async def chat_response(body: dict[str, Any]) -> Response:
         from resin.server.openai import chat
 
-        body = await read_json(request)
         model, gen_request, prompt, tool_choice = chat.prepare_chat(ctx, body)
         generation = ctx.start(gen_request, "chatcmpl")
         if body.get("stream"):
@@ -162,29 +186,42 @@ def build_app(ctx: ServerContext) -> FastAPI:
         finally:
             generation.abort()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def completion_response(body: dict[str, Any]) -> Response:
         from resin.server.openai import completions as legacy
 
-        body = await read_json(request)
         completion = legacy.CompletionRequest(ctx, body)
         if body.get("stream"):
             return sse_response(legacy.stream_completion(completion, body), completion.abort)
-        return JSONResponse(await legacy.complete(completion))
+        try:
+            return JSONResponse(await legacy.complete(completion))
+        finally:
+            completion.abort()
 
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        body = await read_json(request)
+    async def responses_response(body: dict[str, Any]) -> Response:
         from resin.server.openai import responses as responses_api
 
         return await responses_api.create_response(ctx, body)
 
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        body = await read_json(request)
+    async def messages_response(body: dict[str, Any]) -> Response:
         from resin.server.anthropic import messages as messages_api
 
         return await messages_api.create_message(ctx, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await unless_disconnected(request, chat_response(await read_json(request)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await unless_disconnected(request, completion_response(await read_json(request)))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await unless_disconnected(request, responses_response(await read_json(request)))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await unless_disconnected(request, messages_response(await read_json(request)))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

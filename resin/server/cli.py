@@ -51,6 +51,8 @@ def serve(
     chat_template: Annotated[str | None, typer.Option(
         help="Chat template (a file path or the template text) to use instead of the "
              "checkpoint's.")] = None,
+    trust_request_chat_template: Annotated[bool, typer.Option(
+        help="Accept a 'chat_template' sent in a request (it runs on the server).")] = False,
     max_queued_requests: Annotated[int, typer.Option(
         help="Requests allowed to wait beyond --max-num-seqs before 429.")] = 4096,
     device: Annotated[str, typer.Option(help="torch device for the runner.")] = "cpu",
@@ -71,7 +73,8 @@ def serve(
     options = ServerOptions(served_model_names=list(served_model_name or [str(model)]),
                             api_key=api_key, tool_parser=tool_parser,
                             reasoning_parser=reasoning_parser, chat_template=chat_template,
-                            max_queued_requests=max_queued_requests)
+                            max_queued_requests=max_queued_requests,
+                            trust_request_chat_template=trust_request_chat_template)
     try:
         ctx = build_context(model, runner=runner, options=options, device=device, dtype=dtype,
                             kv_cache_bytes=kv_cache_memory_bytes, **engine_config)

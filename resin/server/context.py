@@ -34,6 +34,7 @@ class ServerOptions:
     chat_template: str | None = None  # template source overriding the checkpoint's
     max_queued_requests: int = 4096
     emit_reasoning_content: bool = True  # also emit the legacy ``reasoning_content`` name
+    trust_request_chat_template: bool = False  # accept a ``chat_template`` field in requests
 
 
 @dataclass
@@ -68,14 +69,14 @@ class ServerContext:
         raise model_not_found(model)
 
     def check_capacity(self, num_new: int = 1) -> None:
+        if not self.loop.alive:
+            raise APIError(503, "The engine is not running.",
+                           headers={"x-should-retry": "false"})
         limit = self.max_num_seqs + self.options.max_queued_requests
         if self.loop.num_active_requests + num_new > limit:
             raise APIError(429, f"The server is at capacity ({limit} requests in flight); "
                            "retry shortly.", code="rate_limit_exceeded",
                            headers={"retry-after": str(RETRY_AFTER_S)})
-        if not self.loop.alive:
-            raise APIError(503, "The engine is not running.",
-                           headers={"x-should-retry": "false"})
 
     def start(self, request: GenerationRequest, prefix: str) -> Generation:
         """Admit (429 when full) and start generating ``request``; ids are ``<prefix>-<n>``."""

@@ -37,8 +37,11 @@ from resin._core import Engine, ForwardOutput, RequestOutput, SamplingParams
 
 EMPTY_OUTPUT_TOKEN_IDS = np.zeros(0, dtype=np.uint32)
 EMPTY_OUTPUT_INDPTR = np.zeros(1, dtype=np.uint32)
-IDLE_WAIT_S = 0.5
-ADD, ABORT = "add", "abort"  # the engine thread re-checks ``running`` this often when there is no work
+IDLE_WAIT_S = 0.5  # the engine thread re-checks ``running`` this often when there is no work
+ADD, ABORT = "add", "abort"
+# This many failed steps in a row (every plan's runner call raised or was rejected) means the
+# runner is broken for good (e.g. a sticky CUDA error): the loop stops and /health turns 503.
+MAX_CONSECUTIVE_FAILED_STEPS = 16
 
 
 class RunnerFailure(RuntimeError):
@@ -99,6 +102,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.fatal_error: BaseException | None = None
         self.num_steps = 0
+        self._ran_runner = False
         self.busy_time_s = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -182,6 +186,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        num_failed_steps = 0
         try:
             while self._running:
                 errors = self._apply_commands()
@@ -197,6 +202,13 @@ class EngineLoop:
                 self.num_steps += 1
                 if outputs or errors:
                     self._post(outputs, errors)
+                if errors:  # the runner raised or its output was rejected
+                    num_failed_steps += 1
+                elif self._ran_runner:
+                    num_failed_steps = 0
+                if num_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                    raise RuntimeError(f"the runner failed {num_failed_steps} steps in a row; "
+                                       f"last error: {next(iter(errors.values()))}")
         except BaseException as exc:  # an engine bug: fail everyone, /health turns 503
             self.fatal_error = exc
             if self._loop is not None and not self._loop.is_closed():
@@ -229,6 +241,7 @@ class EngineLoop:
     def _step(self) -> tuple[list[RequestOutput], dict[str, BaseException]]:
         engine = self.engine
         plan = engine.schedule()
+        self._ran_runner = plan.num_sequences > 0
         if plan.num_sequences == 0:  # only lifecycle notices (aborts, finishes) to commit
             return engine.update(plan, ForwardOutput(token_ids=EMPTY_OUTPUT_TOKEN_IDS,
                                                      token_indptr=EMPTY_OUTPUT_INDPTR)), {}
@@ -245,6 +258,7 @@ class EngineLoop:
             return [], {request_id: error for request_id in request_ids}
 
     def _fail_all(self, error: BaseException) -> None:
+        self._dispatch()  # outputs posted before the failure still reach their requests
         queues = set(self._queues.values())
         self._queues.clear()
         for queue in queues:

@@ -207,4 +207,4 @@ def _with_seed_offset(params: SamplingParams, offset: int) -> SamplingParams:
         "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids",
         "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "priority")}
-    return SamplingParams(seed=params.seed + offset, **fields)
+    return SamplingParams(seed=(params.seed + offset) % 2**63, **fields)  # stays an int64

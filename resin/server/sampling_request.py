@@ -21,6 +21,7 @@ from resin.server.errors import APIError, context_length_exceeded
 from resin.server.request_fields import get_bool, get_float, get_int, get_int_list
 
 MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # the engine's seeds are non-negative int64
 
 
 def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int, *,
@@ -60,7 +61,7 @@ def sampling_params(defaults: Mapping[str, Any], body: Mapping[str, Any], *, max
     min_p = get_float(body, "min_p", minimum=0.0, maximum=1.0)
     if min_p is not None:
         settings["min_p"] = min_p
-    seed = get_int(body, "seed")
+    seed = get_int(body, "seed", minimum=0, maximum=MAX_SEED)
     if seed is not None:
         settings["seed"] = seed
     for name in ("presence_penalty", "frequency_penalty"):

@@ -9,6 +9,7 @@ Anthropic SDK dispatches on the ``event:`` field). JSON is compact and keeps non
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -78,6 +79,10 @@ class EventStreamResponse(Response):
         finally:
             watcher.cancel()
             self.on_close()
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()  # run the body generator's own cleanup now, not at GC
 
 
 def sse_response(events: AsyncIterator[str], on_close: Callable[[], None]) -> Response:

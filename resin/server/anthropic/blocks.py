@@ -25,9 +25,9 @@ Also here: ``stop_reason`` / ``stop_sequence`` from a finished choice, and the u
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
+from resin.server.ids import random_id
 from resin.server.generation import Usage
 from resin.server.parsers import (
     ContentDelta,
@@ -164,7 +164,7 @@ class BlockWriter:
         if block is None:
             return
         if block["type"] == "thinking":
-            block["signature"] = uuid.uuid4().hex
+            block["signature"] = random_id("", 32)
             out.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         out.append(named_event("content_block_stop",
                                {"type": "content_block_stop", "index": self.index}))
@@ -179,10 +179,13 @@ class BlockWriter:
 
 
 def stop_reason(finish_reason: str | None, stop_string: str | None,
-                num_tool_calls: int) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)`` for a finished choice."""
+                num_tool_calls: int, clamped: bool = False) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)`` for a finished choice. ``clamped``: the client's
+    ``max_tokens`` did not fit and the context's room was used instead, so running out is
+    ``model_context_window_exceeded``, not ``max_tokens`` (which Claude Code reports as "the
+    response exceeded the N output token maximum")."""
     if finish_reason == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if clamped else "max_tokens"), None
     if num_tool_calls:
         return "tool_use", None
     if stop_string is not None:

@@ -22,7 +22,6 @@ returns ``{"input_tokens": N}``.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,8 +33,10 @@ from resin.server.anthropic.convert import build_prompt
 from resin.server.chat_output import ChatChoice
 from resin.server.chat_prompt import ChatPrompt
 from resin.server.context import ServerContext
+from resin.server.engine_loop import RunnerFailure
 from resin.server.errors import APIError
 from resin.server.generation import Generation, GenerationRequest
+from resin.server.ids import random_id
 from resin.server.request_fields import get_bool, get_int, get_stop
 from resin.server.sampling_request import max_tokens_for, sampling_params
 from resin.server.sse import named_event, sse_response
@@ -53,6 +54,7 @@ class MessageRequest:
     tool_choice: Any
     generation_request: GenerationRequest
     stream: bool
+    clamped: bool = False  # max_tokens was cut to the room left in the context
 
 
 def prepare(ctx: ServerContext, body: dict[str, Any]) -> MessageRequest:
@@ -69,7 +71,8 @@ def prepare(ctx: ServerContext, body: dict[str, Any]) -> MessageRequest:
     params = sampling_params(ctx.sampling_defaults, sampling_body, max_tokens=max_tokens,
                              num_logprobs=None, temperature_max=1.0)
     request = GenerationRequest(prompt.token_ids, params, stop=stops)
-    return MessageRequest(model, prompt, tool_choice, request, stream)
+    return MessageRequest(model, prompt, tool_choice, request, stream,
+                          clamped=requested is not None and max_tokens < requested)
 
 
 async def create_message(ctx: ServerContext, body: dict[str, Any]) -> Response:
@@ -90,7 +93,7 @@ def count_tokens(ctx: ServerContext, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
+    return random_id("msg_")
 
 
 async def complete(ctx: ServerContext, request: MessageRequest,
@@ -101,11 +104,11 @@ async def complete(ctx: ServerContext, request: MessageRequest,
         async for batch in generation.deltas():
             for delta in batch:
                 writer.feed(choice.events(delta))
-    except Exception as exc:  # the runner failed: 500 api_error
+    except RunnerFailure as exc:  # the runner failed: 500 api_error
         raise APIError(500, f"generation failed: {exc}") from exc
     writer.finish()
     reason, sequence = stop_reason(choice.finish_reason, choice.stop_string,
-                                   choice.num_tool_calls)
+                                   choice.num_tool_calls, request.clamped)
     return {"id": message_id(), "type": "message", "role": "assistant", "model": request.model,
             "content": writer.content(), "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage_body(generation.usage)}
@@ -133,7 +136,7 @@ async def stream(ctx: ServerContext, request: MessageRequest,
         for event in writer.finish():
             yield event
         reason, sequence = stop_reason(choice.finish_reason, choice.stop_string,
-                                       choice.num_tool_calls)
+                                       choice.num_tool_calls, request.clamped)
         yield named_event("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": usage_body(generation.usage)})

@@ -22,6 +22,7 @@ from resin.server.chat_prompt import (
     normalize_tools,
 )
 from resin.server.context import ServerContext
+from resin.server.errors import APIError
 from resin.server.generation import Generation, GenerationRequest, TokenLogprob, Usage
 from resin.server.ids import random_id
 from resin.server.parsers import (
@@ -31,7 +32,7 @@ from resin.server.parsers import (
     ToolCallArgumentsDelta,
     ToolCallStart,
 )
-from resin.server.request_fields import get_bool, get_dict, get_int, get_stop
+from resin.server.request_fields import get_bool, get_dict, get_int, get_stop, get_str
 from resin.server.sampling_request import (
     MAX_TOP_LOGPROBS,
     max_tokens_for,
@@ -40,6 +41,25 @@ from resin.server.sampling_request import (
 from resin.server.sse import DONE, data_event, dumps
 
 MAX_N = 128
+
+
+def request_chat_template(ctx: ServerContext, body: dict[str, Any]) -> str | None:
+    """A template sent in the request: only with ``--trust-request-chat-template`` (it runs on
+    the server; a hostile one could spin the event loop), as vLLM does."""
+    template = get_str(body, "chat_template")
+    if template is not None and not ctx.options.trust_request_chat_template:
+        raise APIError(400, "a chat_template was sent with the request, but the server was not "
+                       "started with --trust-request-chat-template", param="chat_template")
+    return template
+
+
+def check_stream_fields(body: dict[str, Any]) -> None:
+    """``stream`` and ``stream_options`` are checked before a response starts: a bad value is a
+    400, not an error after the 200 header of a stream."""
+    get_bool(body, "stream", False)
+    options = get_dict(body, "stream_options")
+    if options is not None:
+        get_bool(options, "include_usage", False)
 
 
 def logprobs_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -59,12 +79,12 @@ def prepare_chat(ctx: ServerContext, body: dict[str, Any]) -> tuple[
         str, GenerationRequest, Any, Any]:
     """Validate a chat request; return (model, generation request, prompt, tool_choice)."""
     model = ctx.check_model(body.get("model"))
+    check_stream_fields(body)
     messages = normalize_chat_messages(body.get("messages"))
     tools = normalize_tools(body.get("tools"))
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     prompt = build_chat_prompt(ctx, messages, tools, get_dict(body, "chat_template_kwargs"),
-                               body.get("chat_template") if isinstance(
-                                   body.get("chat_template"), str) else None)
+                               request_chat_template(ctx, body))
     n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
     num_logprobs = None
     if get_bool(body, "logprobs", False):
@@ -130,7 +150,7 @@ async def stream_chat(ctx: ServerContext, model: str, generation: Generation, pr
                 if not started[delta.index]:
                     started[delta.index] = True
                     body_delta = {"role": "assistant", "content": "", **body_delta}
-                if body_delta:
+                if body_delta or delta.logprobs:  # held-back text still reports its logprobs
                     entry: dict[str, Any] = {"index": delta.index, "delta": body_delta,
                                              "logprobs": None, "finish_reason": None}
                     if delta.logprobs:

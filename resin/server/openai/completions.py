@@ -25,7 +25,7 @@ from resin.server.generation import (
     Usage,
 )
 from resin.server.ids import random_id
-from resin.server.openai.chat import usage_body
+from resin.server.openai.chat import check_stream_fields, usage_body
 from resin.server.request_fields import get_bool, get_dict, get_int, get_stop
 from resin.server.sampling_request import max_tokens_for, sampling_params
 from resin.server.sse import DONE, data_event, dumps
@@ -83,6 +83,7 @@ class CompletionRequest:
 
     def __init__(self, ctx: ServerContext, body: dict[str, Any]) -> None:
         self.model = ctx.check_model(body.get("model"))
+        check_stream_fields(body)
         if body.get("suffix"):
             raise APIError(400, "'suffix' is not supported", param="suffix")
         self.prompts = parse_prompts(ctx, body.get("prompt"))
@@ -166,7 +167,8 @@ async def stream_completion(request: CompletionRequest, body: dict[str, Any]) ->
     head = dumps({"id": random_id("cmpl-", 32), "object": "text_completion",
                   "created": int(time.time()), "model": request.model})[:-1]
     tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
-    offsets = [0] * (len(request.prompts) * request.n)
+    offsets = [len(request.prompts[i // request.n][0]) if request.echo else 0
+               for i in range(len(request.prompts) * request.n)]
     echoed = [False] * len(offsets)
     try:
         async for prompt_index, batch in merged_deltas(request.generations):

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
+from resin.server.ids import random_id
 from resin.server.generation import TokenLogprob, Usage
 from resin.server.openai.responses_request import ResponsesRequest, ToolTarget
 from resin.server.parsers import (
@@ -57,7 +57,7 @@ WireEvent = tuple[str, dict[str, Any]]
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    return random_id(f"{prefix}_", 32)
 
 
 def logprobs_entries(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
