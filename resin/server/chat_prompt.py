@@ -43,33 +43,39 @@ class ChatPrompt:
     reasoning_closed: bool = False  # the prompt ends with "</think>": thinking switched off
 
 
-def flatten_content(content: Any, where: str) -> str:
-    """A message's content (string, or a list of text parts) as one string."""
+TEXT_PARTS = ("text", "input_text", "output_text", "summary_text", "reasoning_text")
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "file", "input_file")
+
+
+def flatten_content(content: Any, where: str, *, param: str = "messages",
+                    skip_unknown: bool = False) -> str:
+    """A message's content (a string, or a list of parts) as one string: text parts joined by
+    newlines; media parts are a 400 (the runners are text-only); other part types are a 400,
+    or skipped with ``skip_unknown`` (the Responses API, whose clients send many)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}: content must be a string or an array of parts",
-                       param="messages")
+        raise APIError(400, f"{where}: content must be a string or an array of content parts",
+                       param=param)
     texts = []
     for part in content:
         if isinstance(part, str):
             texts.append(part)
             continue
         if not isinstance(part, Mapping):
-            raise APIError(400, f"{where}: each content part must be an object", param="messages")
+            raise APIError(400, f"{where}: each content part must be an object", param=param)
         kind = part.get("type")
-        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
-        elif kind in ("image_url", "input_image", "image", "input_audio", "file", "input_file"):
-            raise APIError(400, f"{where}: this model accepts text only; '{kind}' content parts "
-                           "are not supported", param="messages")
-        elif kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
-        else:
-            raise APIError(400, f"{where}: unsupported content part type {kind!r}",
-                           param="messages")
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in MEDIA_PARTS:
+            raise APIError(400, f"{where}: this model accepts text only; '{kind}' content is "
+                           "not supported", param=param)
+        elif not skip_unknown:
+            raise APIError(400, f"{where}: unsupported content part type {kind!r}", param=param)
     return "\n".join(texts)
 
 

@@ -50,6 +50,7 @@ from resin.server.chat_output import parse_tool_choice
 from resin.server.chat_prompt import (
     ChatPrompt,
     build_chat_prompt,
+    flatten_content,
     normalize_chat_messages,
     normalize_tools,
 )
@@ -65,8 +66,6 @@ from resin.server.sampling_request import (
 
 CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}},
                           "required": ["input"]}
-TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image_url", "image", "file")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -164,31 +163,9 @@ def input_messages(instructions: str | None, value: Any) -> list[dict[str, Any]]
 
 
 def content_text(content: Any, where: str) -> str:
-    """A message's or a tool output's content (a string or a list of parts) as one string."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}: content must be a string or an array of content parts",
-                       param="input")
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, Mapping):
-            raise APIError(400, f"{where}: each content part must be an object", param="input")
-        kind = part.get("type")
-        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-        elif kind in MEDIA_PARTS:
-            raise APIError(400, f"{where}: this model accepts text only; '{kind}' content is "
-                           "not supported", param="input")
-        # any other part type carries nothing a text model can read: skipped
-    return "\n".join(texts)
+    """A message's or a tool output's content (a string or a list of parts) as one string;
+    part types a text model cannot read are skipped."""
+    return flatten_content(content, where, param="input", skip_unknown=True)
 
 
 def _required_str(item: Mapping[str, Any], name: str, where: str) -> str:
