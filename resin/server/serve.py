@@ -20,6 +20,7 @@ from resin.server.engine_loop import EngineLoop
 from resin.server.generation import Generator
 from resin.server.parsers import REASONING_PARSERS, TOOL_PARSERS, default_parsers
 
+GIL_SWITCH_INTERVAL_S = 0.0005
 NULL_RUNNER_TEXT = " the quick brown fox jumps over the lazy dog and"
 
 
@@ -101,6 +102,9 @@ def run_server(ctx: ServerContext, host: str, port: int, log_level: str = "info"
     import uvicorn
 
     from resin.server.app import build_app
-    sys.setswitchinterval(0.0005)
+
+    # The engine thread and the event loop pass the GIL back and forth every step; Python's
+    # default 5 ms switch interval makes each side wait too long (docs/benchmarks.md, serving).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     uvicorn.run(build_app(ctx), host=host, port=port, log_level=log_level,
                 timeout_keep_alive=30)
