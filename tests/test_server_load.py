@@ -47,39 +47,45 @@ def setup():
     runner = SleepyCyclingRunner(cycle)
     ctx = build_context(FIXTURE, runner=runner, max_num_seqs=256, max_model_len=1024,
                         options=ServerOptions(served_model_names=[MODEL]))
-    expected = tokenizer.decode([cycle[i % len(cycle)] for i in range(MAX_TOKENS)],
-                                skip_special_tokens=True)
+    def expected(num_prompt_tokens: int) -> str:
+        """The null runner's text: output j is cycle[(prompt length + j) % len(cycle)]."""
+        return tokenizer.decode([cycle[(num_prompt_tokens + j) % len(cycle)]
+                                 for j in range(MAX_TOKENS)], skip_special_tokens=True)
+
     with LiveServer(ctx, backlog=4096) as live:
         yield live, runner, expected
 
 
-async def _one_stream(client: openai.AsyncOpenAI, index: int) -> tuple[str, int, str | None]:
+async def _one_stream(client: openai.AsyncOpenAI,
+                      index: int) -> tuple[str, int, int, str | None]:
     stream = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": f"request {index}"}],
         max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True})
-    text, usage, finish = "", 0, None
+    text, usage, num_prompt, finish = "", 0, 0, None
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
+            num_prompt = chunk.usage.prompt_tokens
         for choice in chunk.choices:
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish
-    return text, usage, finish
+    return text, usage, num_prompt, finish
 
 
 def test_200_concurrent_streams_complete_untruncated(setup):
     live, _, expected = setup
 
-    async def main() -> list[tuple[str, int, str | None]]:
+    async def main() -> list[tuple[str, int, int, str | None]]:
         async with openai.AsyncOpenAI(base_url=f"{live.base_url}/v1", api_key="x",
                                       max_retries=0, timeout=120) as client:
             return await asyncio.gather(*(_one_stream(client, i) for i in range(NUM_STREAMS)))
 
     results = asyncio.run(main())
     assert len(results) == NUM_STREAMS
-    for text, usage, finish in results:
-        assert text == expected
+    assert len({num_prompt for _, _, num_prompt, _ in results}) > 1  # several prompt lengths
+    for text, usage, num_prompt, finish in results:
+        assert text == expected(num_prompt)
         assert usage == MAX_TOKENS
         assert finish == "length"
 

@@ -1,14 +1,15 @@
 """Runners that compute no model: for serving benchmarks and server tests.
 
-- ``CyclingRunner(token_ids)``: every sampling row emits the next token of a fixed cycle (per
-  request, from ``request_slots``), so the output is plausible text that never hits EOS — the
-  "null runner" of ``benchmarks/serve.py`` (server overhead without model time).
+- ``CyclingRunner(token_ids)``: a request's j-th output token is ``token_ids[(prompt_len + j) %
+  len(token_ids)]`` — plausible text that never hits EOS, with no per-request state and two
+  numpy operations per step: the "null runner" of ``benchmarks/serve.py`` (server overhead
+  without model time).
 - ``ScriptedRunner(script)``: every request emits the same fixed token sequence, then EOS
   (``eos_token_id``) forever — the test runner for tool-call and reasoning parsing, whose
   markers arrive split across tokens exactly as a real model would send them.
 
-Both keep per-request state keyed by ``request_slots`` and reset it from the plan's lifecycle
-diff (``new_request_slots``), the way real runners keep sampler state. numpy only.
+``ScriptedRunner`` keeps per-request state keyed by ``request_slots`` and reset from the plan's
+lifecycle diff (``new_request_slots``), the way real runners keep sampler state. numpy only.
 """
 
 from __future__ import annotations
@@ -50,14 +51,17 @@ class CyclingRunner:
         if not token_ids:
             raise ValueError("CyclingRunner needs at least one token id")
         self.token_ids = np.asarray(token_ids, dtype=np.uint32)
-        self._counter = _PerSlotCounter()
+        self._indptr = np.arange(1, dtype=np.uint32)
 
     def forward(self, plan: BatchPlan) -> ForwardOutput:
-        samples, counts = self._counter.advance(plan)
-        tokens = np.zeros(plan.num_sequences, dtype=np.uint32)
-        tokens[samples] = self.token_ids[counts % len(self.token_ids)]
-        return ForwardOutput(token_ids=tokens,
-                             token_indptr=np.arange(plan.num_sequences + 1, dtype=np.uint32))
+        # Stateless: a row sampling its j-th output token has seq_len = prompt + j, so the
+        # token is cycle[(prompt + j) % len]. Rows that do not sample (mid-prefill) are
+        # ignored by the engine, so every row gets a token.
+        num_rows = plan.num_sequences
+        if len(self._indptr) < num_rows + 1:
+            self._indptr = np.arange(2 * num_rows + 1, dtype=np.uint32)
+        tokens = self.token_ids[plan.seq_lens % len(self.token_ids)]
+        return ForwardOutput(token_ids=tokens, token_indptr=self._indptr[:num_rows + 1])
 
 
 class ScriptedRunner:

@@ -39,6 +39,10 @@ EMPTY_OUTPUT_TOKEN_IDS = np.zeros(0, dtype=np.uint32)
 EMPTY_OUTPUT_INDPTR = np.zeros(1, dtype=np.uint32)
 IDLE_WAIT_S = 0.5  # the engine thread re-checks ``running`` this often when there is no work
 ADD, ABORT = "add", "abort"
+# The engine thread wakes the event loop at most this often for tokens of unfinished requests
+# (finished requests and errors go at once): with a runner faster than this per step, tokens
+# batch into fewer, larger chunks instead of one cross-thread round per step.
+MIN_WAKE_INTERVAL_S = 0.0005
 # This many failed steps in a row (every plan's runner call raised or was rejected) means the
 # runner is broken for good (e.g. a sticky CUDA error): the loop stops and /health turns 503.
 MAX_CONSECUTIVE_FAILED_STEPS = 16
@@ -95,6 +99,7 @@ class EngineLoop:
         self._outbox: collections.deque[tuple[list[RequestOutput], dict[str, BaseException]]] = (
             collections.deque())
         self._dispatch_pending = False
+        self._last_wake_s = 0.0
         self._dispatch_lock = threading.Lock()
         self._wake = threading.Event()
         self._running = False
@@ -175,14 +180,26 @@ class EngineLoop:
                 queue.push(output)
 
     # -- the engine thread --------------------------------------------------------------------
-    def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:
+    def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException],
+              *, urgent: bool = True) -> None:
+        """Queue a step's outputs and have the event loop dispatch them: at once, or — when it
+        dispatched less than ``MIN_WAKE_INTERVAL_S`` ago and nothing is ``urgent`` (a
+        finished request, an error) — when that interval is up, so a runner faster than the
+        interval does not cost one event-loop round per step. Outputs never wait longer."""
         assert self._loop is not None
         with self._dispatch_lock:
-            self._outbox.append((outputs, errors))
-            if self._dispatch_pending:
+            if outputs or errors:
+                self._outbox.append((outputs, errors))
+            if self._dispatch_pending or not self._outbox:
                 return
             self._dispatch_pending = True
-        self._loop.call_soon_threadsafe(self._dispatch)
+            now = time.perf_counter()
+            delay_s = 0.0 if urgent else self._last_wake_s + MIN_WAKE_INTERVAL_S - now
+            self._last_wake_s = now + max(delay_s, 0.0)
+        if delay_s > 0:
+            self._loop.call_soon_threadsafe(self._loop.call_later, delay_s, self._dispatch)
+        else:
+            self._loop.call_soon_threadsafe(self._dispatch)
 
     def _run(self) -> None:
         engine = self.engine
@@ -200,8 +217,8 @@ class EngineLoop:
                 outputs, errors = self._step()
                 self.busy_time_s += time.perf_counter() - started
                 self.num_steps += 1
-                if outputs or errors:
-                    self._post(outputs, errors)
+                self._post(outputs, errors,
+                           urgent=bool(errors) or any(o.finished for o in outputs))
                 if errors:  # the runner raised or its output was rejected
                     num_failed_steps += 1
                 elif self._ran_runner:
