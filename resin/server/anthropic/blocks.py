@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from resin.server.ids import random_id
 from resin.server.generation import Usage
+from resin.server.ids import random_id
 from resin.server.parsers import (
     ContentDelta,
     OutputEvent,

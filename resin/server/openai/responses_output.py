@@ -41,8 +41,8 @@ import json
 import time
 from typing import Any
 
-from resin.server.ids import random_id
 from resin.server.generation import TokenLogprob, Usage
+from resin.server.ids import random_id
 from resin.server.openai.responses_request import ResponsesRequest, ToolTarget
 from resin.server.parsers import (
     ContentDelta,
