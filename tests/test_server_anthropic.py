@@ -14,8 +14,6 @@ uvicorn servers running in a background thread:
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +23,6 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-import uvicorn
 
 from resin import SamplingParams
 from resin.llm import LLM
@@ -33,7 +30,6 @@ from resin.runners.scripted import CyclingRunner, ScriptedRunner
 from resin.server.anthropic import messages as messages_module
 from resin.server.anthropic.blocks import BlockWriter
 from resin.server.anthropic.convert import build_prompt
-from resin.server.app import build_app
 from resin.server.context import ServerContext, ServerOptions
 from resin.server.parsers import (
     ContentDelta,
@@ -45,6 +41,7 @@ from resin.server.parsers import (
 )
 from resin.server.serve import build_context
 from resin.tokenizer import Tokenizer
+from tests.server_harness import LiveServer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODEL_DIR = FIXTURES / "qwen3"
@@ -100,27 +97,15 @@ class ControlledRunner:
 
 
 def _serve(ctx: ServerContext) -> Iterator[Server]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(ctx), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x",
-                                 max_retries=0, timeout=60)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    try:
-        yield Server(ctx, port, client, http)
-    finally:
-        http.close()
-        client.close()
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with LiveServer(ctx) as live:
+        client = anthropic.Anthropic(base_url=live.base_url, api_key="x", max_retries=0,
+                                     timeout=60)
+        http = httpx.Client(base_url=live.base_url, timeout=60)
+        try:
+            yield Server(ctx, live.port, client, http)
+        finally:
+            http.close()
+            client.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,6 @@ deltas that concatenate to the ``.done`` values and to the final response.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,16 +27,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 import resin
 from resin.llm import LLM
 from resin.runners.scripted import ScriptedRunner
-from resin.server.app import build_app
 from resin.server.context import ServerContext, ServerOptions
 from resin.server.openai.responses_request import prepare_response
 from resin.server.serve import build_context
 from resin.tokenizer import Tokenizer
+from tests.server_harness import LiveServer as HttpServer
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKPOINT = REPO / "tests" / "fixtures" / "qwen3"
@@ -116,25 +113,13 @@ class LiveServer:
 
 
 def _serve(ctx: ServerContext) -> Iterator[LiveServer]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(ctx), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-    try:
-        yield LiveServer(ctx, url, client)
-    finally:
-        client.close()
-        server.should_exit = True
-        thread.join(timeout=15)
+    with HttpServer(ctx) as live:
+        client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        try:
+            yield LiveServer(ctx, live.base_url, client)
+        finally:
+            client.close()
 
 
 @pytest.fixture(scope="module")

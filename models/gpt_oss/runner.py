@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
-from resin.runners.torch.layers import build_sequence_views
+from resin.runners.torch.layers import build_sequence_views, plan_tensor
 from resin.sampling import Sampler
 from resin.scaffold.inspect import Architecture, inspect_architecture
 from resin.scaffold.layer_map import cache_kind
-from resin.scaffold.runtime import CheckpointWeights, LayerContext, plan_tensor
+from resin.scaffold.runtime import CheckpointWeights, LayerContext
 
 from . import blocks
 from .weights import load_weights

@@ -104,7 +104,7 @@ def load_weights(model_dir: str | os.PathLike[str], config: ModelConfig, *,
         raise WeightsError(f"unsupported dtype {dtype}; supported: "
                            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
     directory = Path(model_dir)
-    file_of_tensor = _locate_tensors(directory)
+    file_of_tensor = locate_tensors(directory)
     expected = expected_tensor_shapes(config)
     if config.tie_word_embeddings and "lm_head.weight" not in file_of_tensor:
         del expected["lm_head.weight"]
@@ -124,8 +124,9 @@ def load_weights(model_dir: str | os.PathLike[str], config: ModelConfig, *,
     return weights
 
 
-def _locate_tensors(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the file holding it."""
+def locate_tensors(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it (``model.safetensors``, or the shards named by
+    ``model.safetensors.index.json``); WeightsError naming what is missing or unreadable."""
     if not directory.is_dir():
         raise WeightsError(f"checkpoint directory not found: {directory}")
     index_path = directory / INDEX_FILE

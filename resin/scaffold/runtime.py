@@ -15,17 +15,15 @@ HF class does not build) are returned in ``unused`` rather than loaded. Imports 
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
-from resin.loading.weights import INDEX_FILE, SINGLE_FILE, WeightsError
+from resin.loading.weights import WeightsError, locate_tensors
 from resin.scaffold.layer_map import name_pattern
 
 
@@ -72,7 +70,7 @@ def load_checkpoint_weights(checkpoint_dir: str | Path, expected: dict[str, tupl
                             dtype: torch.dtype = torch.float32) -> CheckpointWeights:
     """Load every tensor of ``expected`` (checkpoint name -> shape), renamed by ``weight_map``."""
     directory = Path(checkpoint_dir)
-    files = _locate(directory)
+    files = locate_tensors(directory)
     missing = [n for n in expected if n not in files]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -111,31 +109,3 @@ def load_checkpoint_weights(checkpoint_dir: str | Path, expected: dict[str, tupl
     return out
 
 
-def plan_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A plan array as a tensor on ``device`` without a host copy (uint32 viewed as int32)."""
-    if array.dtype == np.uint32:
-        array = array.view(np.int32)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(array).to(device)
-
-
-def _locate(directory: Path) -> dict[str, Path]:
-    if not directory.is_dir():
-        raise WeightsError(f"checkpoint directory not found: {directory}")
-    index = directory / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise WeightsError(f"{index}: cannot read its 'weight_map' ({exc})") from exc
-        files = {name: directory / shard for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise WeightsError(f"{index} lists shard {shard.name}, missing from {directory}")
-        return files
-    single = directory / SINGLE_FILE
-    if not single.is_file():
-        raise WeightsError(f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE}")
-    with safe_open(str(single), framework="pt", device="cpu") as handle:
-        return {name: single for name in handle.keys()}

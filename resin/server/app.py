@@ -34,7 +34,7 @@ from resin.server.context import ServerContext
 from resin.server.engine_loop import RequestRejected, RunnerFailure
 from resin.server.errors import APIError
 from resin.server.http_metrics import HttpMetrics
-from resin.server.sse import sse_response
+from resin.server.sse import generation_response
 
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
              "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/version"]
@@ -177,25 +177,19 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
         model, gen_request, prompt, tool_choice = chat.prepare_chat(ctx, body)
         generation = ctx.start(gen_request, "chatcmpl")
-        if body.get("stream"):
-            return sse_response(chat.stream_chat(ctx, model, generation, prompt, tool_choice,
-                                                 body), generation.abort)
-        try:
-            return JSONResponse(await chat.complete_chat(ctx, model, generation, prompt,
-                                                         tool_choice))
-        finally:
-            generation.abort()
+        return await generation_response(
+            bool(body.get("stream")),
+            lambda: chat.stream_chat(ctx, model, generation, prompt, tool_choice, body),
+            lambda: chat.complete_chat(ctx, model, generation, prompt, tool_choice),
+            generation.abort)
 
     async def completion_response(body: dict[str, Any]) -> Response:
         from resin.server.openai import completions as legacy
 
         completion = legacy.CompletionRequest(ctx, body)
-        if body.get("stream"):
-            return sse_response(legacy.stream_completion(completion, body), completion.abort)
-        try:
-            return JSONResponse(await legacy.complete(completion))
-        finally:
-            completion.abort()
+        return await generation_response(
+            bool(body.get("stream")), lambda: legacy.stream_completion(completion, body),
+            lambda: legacy.complete(completion), completion.abort)
 
     async def responses_response(body: dict[str, Any]) -> Response:
         from resin.server.openai import responses as responses_api

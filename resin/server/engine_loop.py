@@ -39,9 +39,9 @@ EMPTY_OUTPUT_TOKEN_IDS = np.zeros(0, dtype=np.uint32)
 EMPTY_OUTPUT_INDPTR = np.zeros(1, dtype=np.uint32)
 IDLE_WAIT_S = 0.5  # the engine thread re-checks ``running`` this often when there is no work
 ADD, ABORT = "add", "abort"
-# The engine thread wakes the event loop at most this often for tokens of unfinished requests
-# (finished requests and errors go at once): with a runner faster than this per step, tokens
-# batch into fewer, larger chunks instead of one cross-thread round per step.
+# The engine thread wakes the event loop at most this often: with a runner faster than this
+# per step, tokens batch into fewer, larger chunks instead of one cross-thread round per step;
+# with a real model (milliseconds per step) every step's outputs go at once.
 MIN_WAKE_INTERVAL_S = 0.0005
 # This many failed steps in a row (every plan's runner call raised or was rejected) means the
 # runner is broken for good (e.g. a sticky CUDA error): the loop stops and /health turns 503.
@@ -106,9 +106,6 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.fatal_error: BaseException | None = None
-        self.num_steps = 0
-        self._ran_runner = False
-        self.busy_time_s = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -180,12 +177,11 @@ class EngineLoop:
                 queue.push(output)
 
     # -- the engine thread --------------------------------------------------------------------
-    def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException],
-              *, urgent: bool = True) -> None:
+    def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:
         """Queue a step's outputs and have the event loop dispatch them: at once, or — when it
-        dispatched less than ``MIN_WAKE_INTERVAL_S`` ago and nothing is ``urgent`` (a
-        finished request, an error) — when that interval is up, so a runner faster than the
-        interval does not cost one event-loop round per step. Outputs never wait longer."""
+        was woken less than ``MIN_WAKE_INTERVAL_S`` ago — when that interval is up, so a
+        runner faster than the interval does not cost one event-loop round per step. Outputs
+        never wait longer than the interval."""
         assert self._loop is not None
         with self._dispatch_lock:
             if outputs or errors:
@@ -194,7 +190,7 @@ class EngineLoop:
                 return
             self._dispatch_pending = True
             now = time.perf_counter()
-            delay_s = 0.0 if urgent else self._last_wake_s + MIN_WAKE_INTERVAL_S - now
+            delay_s = self._last_wake_s + MIN_WAKE_INTERVAL_S - now
             self._last_wake_s = now + max(delay_s, 0.0)
         if delay_s > 0:
             self._loop.call_soon_threadsafe(self._loop.call_later, delay_s, self._dispatch)
@@ -213,15 +209,11 @@ class EngineLoop:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                started = time.perf_counter()
-                outputs, errors = self._step()
-                self.busy_time_s += time.perf_counter() - started
-                self.num_steps += 1
-                self._post(outputs, errors,
-                           urgent=bool(errors) or any(o.finished for o in outputs))
+                outputs, errors, ran_runner = self._step()
+                self._post(outputs, errors)
                 if errors:  # the runner raised or its output was rejected
                     num_failed_steps += 1
-                elif self._ran_runner:
+                elif ran_runner:
                     num_failed_steps = 0
                 if num_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
                     raise RuntimeError(f"the runner failed {num_failed_steps} steps in a row; "
@@ -255,16 +247,17 @@ class EngineLoop:
                 errors.update((request_id, error) for request_id in queue.choice_of)
         return errors
 
-    def _step(self) -> tuple[list[RequestOutput], dict[str, BaseException]]:
+    def _step(self) -> tuple[list[RequestOutput], dict[str, BaseException], bool]:
+        """One schedule → forward → update: (outputs, per-request errors, whether the runner
+        was called — a plan with no rows only commits lifecycle notices)."""
         engine = self.engine
         plan = engine.schedule()
-        self._ran_runner = plan.num_sequences > 0
-        if plan.num_sequences == 0:  # only lifecycle notices (aborts, finishes) to commit
+        if plan.num_sequences == 0:
             return engine.update(plan, ForwardOutput(token_ids=EMPTY_OUTPUT_TOKEN_IDS,
-                                                     token_indptr=EMPTY_OUTPUT_INDPTR)), {}
+                                                     token_indptr=EMPTY_OUTPUT_INDPTR)), {}, False
         try:
             output = self.runner.forward(plan)
-            return engine.update(plan, output), {}
+            return engine.update(plan, output), {}, True
         except Exception as exc:  # noqa: BLE001 - any runner failure fails this plan's requests
             request_ids = list(plan.request_ids)
             engine.discard_plan()
@@ -272,7 +265,7 @@ class EngineLoop:
             error.__cause__ = exc
             for request_id in request_ids:
                 engine.abort(request_id)
-            return [], {request_id: error for request_id in request_ids}
+            return [], {request_id: error for request_id in request_ids}, True
 
     def _fail_all(self, error: BaseException) -> None:
         self._dispatch()  # outputs posted before the failure still reach their requests

@@ -203,8 +203,8 @@ class Generation:
 def _with_seed_offset(params: SamplingParams, offset: int) -> SamplingParams:
     if params.seed is None:
         return params
-    fields = {name: getattr(params, name) for name in (
-        "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids",
-        "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "priority")}
-    return SamplingParams(seed=(params.seed + offset) % 2**63, **fields)  # stays an int64
+    # every public attribute of SamplingParams is a constructor field (no methods), so the
+    # copy cannot fall behind when a field is added
+    fields = {name: getattr(params, name) for name in dir(params) if not name.startswith("_")}
+    fields["seed"] = (params.seed + offset) % 2**63  # stays a non-negative int64
+    return SamplingParams(**fields)

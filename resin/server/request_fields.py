@@ -21,6 +21,13 @@ def _bad(name: str, expected: str, value: Any) -> APIError:
                     param=name)
 
 
+def _check_range(name: str, value: float, minimum: float | None, maximum: float | None) -> None:
+    if minimum is not None and value < minimum:
+        raise APIError(400, f"'{name}' must be at least {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise APIError(400, f"'{name}' must be at most {maximum}, got {value}", param=name)
+
+
 def get_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
@@ -40,10 +47,7 @@ def get_int(body: Mapping[str, Any], name: str, default: int | None = None, *,
             value = int(value)
         else:
             raise _bad(name, "an integer", value)
-    if minimum is not None and value < minimum:
-        raise APIError(400, f"'{name}' must be at least {minimum}, got {value}", param=name)
-    if maximum is not None and value > maximum:
-        raise APIError(400, f"'{name}' must be at most {maximum}, got {value}", param=name)
+    _check_range(name, value, minimum, maximum)
     return value
 
 
@@ -54,10 +58,7 @@ def get_float(body: Mapping[str, Any], name: str, default: float | None = None, 
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _bad(name, "a number", value)
-    if minimum is not None and value < minimum:
-        raise APIError(400, f"'{name}' must be at least {minimum}, got {value}", param=name)
-    if maximum is not None and value > maximum:
-        raise APIError(400, f"'{name}' must be at most {maximum}, got {value}", param=name)
+    _check_range(name, value, minimum, maximum)
     return float(value)
 
 

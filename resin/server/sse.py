@@ -1,4 +1,5 @@
-"""Server-sent events: the two wire shapes the APIs use, and the streaming response.
+"""Server-sent events: the two wire shapes the APIs use, the streaming response, and the one
+way every endpoint answers for a generation (stream or JSON, aborted when the exchange ends).
 
 OpenAI chat/completions streams are ``data: <json>\\n\\n`` lines only, ending ``data: [DONE]``
 (no ``event:`` lines, no comments: sglang's benchmark ``json.loads`` every line). Anthropic
@@ -11,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 DONE = "data: [DONE]\n\n"
@@ -88,3 +89,17 @@ class EventStreamResponse(Response):
 def sse_response(events: AsyncIterator[str], on_close: Callable[[], None]) -> Response:
     """``text/event-stream`` response; ``on_close`` aborts the generation behind it."""
     return EventStreamResponse(events, on_close)
+
+
+async def generation_response(stream: bool, events: Callable[[], AsyncIterator[str]],
+                              body: Callable[[], Awaitable[dict[str, Any]]],
+                              abort: Callable[[], None]) -> Response:
+    """Every endpoint's answer for a started generation: ``events()`` as a stream, or
+    ``body()`` as JSON; either way ``abort`` runs when the response is over, so no request
+    outlives its HTTP exchange."""
+    if stream:
+        return sse_response(events(), abort)
+    try:
+        return JSONResponse(await body())
+    finally:
+        abort()

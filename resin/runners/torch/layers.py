@@ -12,6 +12,7 @@ against this one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,3 +165,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[view.query] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
+
+
+def plan_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A plan array as a tensor on ``device`` without a host copy: ``torch.from_numpy`` over the
+    Rust-owned memory (uint32 arrays viewed as int32, same bits for values < 2**31). The plan
+    is read-only and so are these tensors: torch's "not writable" warning is expected and
+    silenced here, and the runner never writes them."""
+    if array.dtype == np.uint32:
+        array = array.view(np.int32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array).to(device)

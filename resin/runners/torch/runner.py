@@ -18,7 +18,6 @@ token, not only the sampled ones).
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
-from resin.loading import ModelConfig, layer_cache_specs, load_model_config, rope_inv_freq
+from resin.loading import (
+    ModelConfig,
+    layer_cache_specs,
+    load_model_config,
+    rope_inv_freq,
+)
 from resin.loading.weights import load_weights, moe_expert_names, moe_router_name
 from resin.runners.torch.layers import (
     MoeWeights,
@@ -37,6 +41,7 @@ from resin.runners.torch.layers import (
     build_sequence_views,
     moe_mlp,
     paged_attention,
+    plan_tensor,
     rms_norm,
     swiglu_mlp,
     write_kv,
@@ -139,9 +144,9 @@ class TorchRunner:
         self.sampler.begin_step(plan)
         # Plan arrays become tensors with torch.from_numpy (no host copy), moved to the
         # device once per step.
-        input_ids = _tensor(plan.input_ids, self.device)
-        positions = _tensor(plan.positions, self.device)
-        slot_mappings = [_tensor(plan.slot_mapping[g], self.device) for g in range(plan.num_cache_groups)]
+        input_ids = plan_tensor(plan.input_ids, self.device)
+        positions = plan_tensor(plan.positions, self.device)
+        slot_mappings = [plan_tensor(plan.slot_mapping[g], self.device) for g in range(plan.num_cache_groups)]
         views = self._sequence_views(plan, positions)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
 
@@ -224,18 +229,6 @@ class TorchRunner:
             self.capture[name] = tensor.detach().clone()
         else:
             self.capture(name, tensor)
-
-
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A plan array as a tensor on ``device`` without a host copy: ``torch.from_numpy`` over the
-    Rust-owned memory (uint32 arrays viewed as int32, same bits for values < 2**31). The plan
-    is read-only and so are these tensors: torch's "not writable" warning is expected and
-    silenced here, and the runner never writes them."""
-    if array.dtype == np.uint32:
-        array = array.view(np.int32)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(array).to(device)
 
 
 def _layer_weights(config: ModelConfig, weights: dict[str, torch.Tensor],

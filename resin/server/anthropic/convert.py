@@ -109,6 +109,24 @@ def convert_system(system: Any) -> str | None:
     return "\n\n".join(texts) if texts else None
 
 
+def _blocks_text(blocks: list[Any], where: str, *, keep_loose_text: bool = False) -> str:
+    """The text blocks of ``blocks`` joined by newlines (media is a 400). Other block kinds are
+    dropped, or with ``keep_loose_text`` (search_result, tool_reference, ... inside a
+    tool_result) contribute whatever text they carry."""
+    texts = []
+    for position, block in enumerate(blocks):
+        block_where = f"{where}.content[{position}]"
+        kind = _block_type(block, block_where)
+        _reject_media(kind, block_where)
+        if kind == "text":
+            texts.append(_text_of(block, block_where))
+        elif keep_loose_text:
+            loose = _loose_text(block)
+            if loose:
+                texts.append(loose)
+    return "\n".join(texts)
+
+
 def _tool_result_text(block: Mapping[str, Any], where: str) -> str:
     content = block.get("content")
     if content is None:
@@ -116,18 +134,7 @@ def _tool_result_text(block: Mapping[str, Any], where: str) -> str:
     elif isinstance(content, str):
         text = content
     elif isinstance(content, list):
-        texts = []
-        for position, part in enumerate(content):
-            part_where = f"{where}.content[{position}]"
-            kind = _block_type(part, part_where)
-            _reject_media(kind, part_where)
-            if kind == "text":
-                texts.append(_text_of(part, part_where))
-            else:  # search_result, tool_reference, ...: keep whatever text they carry
-                loose = _loose_text(part)
-                if loose:
-                    texts.append(loose)
-        text = "\n".join(texts)
+        text = _blocks_text(content, where, keep_loose_text=True)
     else:
         raise _bad(f"{where}: tool_result content must be a string or an array of blocks")
     return TOOL_ERROR_PREFIX + text if block.get("is_error") is True else text
@@ -229,14 +236,7 @@ def convert_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         elif role == "assistant":
             result.append(_assistant_turn(content, where))
         else:
-            texts = []
-            for block_position, block in enumerate(content):
-                block_where = f"{where}.content[{block_position}]"
-                kind = _block_type(block, block_where)
-                _reject_media(kind, block_where)
-                if kind == "text":
-                    texts.append(_text_of(block, block_where))
-            result.append({"role": "system", "content": "\n".join(texts)})
+            result.append({"role": "system", "content": _blocks_text(content, where)})
     return result
 
 

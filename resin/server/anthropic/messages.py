@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from resin.server.anthropic.blocks import BlockWriter, stop_reason, usage_body
 from resin.server.anthropic.convert import build_prompt
@@ -39,7 +39,7 @@ from resin.server.generation import Generation, GenerationRequest
 from resin.server.ids import random_id
 from resin.server.request_fields import get_bool, get_int, get_stop
 from resin.server.sampling_request import max_tokens_for, sampling_params
-from resin.server.sse import named_event, sse_response
+from resin.server.sse import generation_response, named_event
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
 PING_INTERVAL_S = 10.0  # conformance §3.4: a ping every 10-15 s while nothing else is sent
@@ -78,12 +78,9 @@ def prepare(ctx: ServerContext, body: dict[str, Any]) -> MessageRequest:
 async def create_message(ctx: ServerContext, body: dict[str, Any]) -> Response:
     request = prepare(ctx, body)
     generation = ctx.start(request.generation_request, "msg")
-    if request.stream:
-        return sse_response(stream(ctx, request, generation), generation.abort)
-    try:
-        return JSONResponse(await complete(ctx, request, generation))
-    finally:
-        generation.abort()
+    return await generation_response(request.stream, lambda: stream(ctx, request, generation),
+                                     lambda: complete(ctx, request, generation),
+                                     generation.abort)
 
 
 def count_tokens(ctx: ServerContext, body: dict[str, Any]) -> dict[str, Any]:

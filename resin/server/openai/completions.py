@@ -192,8 +192,6 @@ async def stream_completion(request: CompletionRequest, body: dict[str, Any]) ->
         yield data_event({"error": {"message": str(exc), "type": "server_error",
                                     "param": None, "code": 500}})
         return
-    finally:
-        request.abort()
     if include_usage:
         yield f'data: {head},"choices":[],"usage":{dumps(usage_body(request.usage()))}}}\n\n'
     yield DONE
@@ -205,17 +203,14 @@ async def complete(request: CompletionRequest) -> dict[str, Any]:
     finish: list[str | None] = [None] * size
     stops: list[str | None] = [None] * size
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(size)]
-    try:
-        async for prompt_index, batch in merged_deltas(request.generations):
-            for delta in batch:
-                index = prompt_index * request.n + delta.index
-                texts[index] += delta.text
-                finish[index] = delta.finish_reason
-                stops[index] = delta.stop_string
-                if delta.logprobs:
-                    logprobs[index].extend(delta.logprobs)
-    finally:
-        request.abort()
+    async for prompt_index, batch in merged_deltas(request.generations):
+        for delta in batch:
+            index = prompt_index * request.n + delta.index
+            texts[index] += delta.text
+            finish[index] = delta.finish_reason
+            stops[index] = delta.stop_string
+            if delta.logprobs:
+                logprobs[index].extend(delta.logprobs)
     choices = []
     for index in range(size):
         prompt_text = request.prompts[index // request.n][0]

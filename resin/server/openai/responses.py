@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from resin.server.chat_output import ChatChoice
 from resin.server.context import ServerContext
@@ -41,7 +41,7 @@ from resin.server.openai.responses_output import (
     usage_object,
 )
 from resin.server.openai.responses_request import ResponsesRequest, prepare_response
-from resin.server.sse import named_event, sse_response
+from resin.server.sse import generation_response, named_event
 
 TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
                    "failed": "response.failed"}
@@ -50,12 +50,9 @@ TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.in
 async def create_response(ctx: ServerContext, body: dict[str, Any]) -> Response:
     request = prepare_response(ctx, body)
     generation = ctx.start(request.generation, "resp")
-    if request.stream:
-        return sse_response(stream_response(ctx, request, generation), generation.abort)
-    try:
-        return JSONResponse(await complete_response(ctx, request, generation))
-    finally:
-        generation.abort()
+    return await generation_response(
+        request.stream, lambda: stream_response(ctx, request, generation),
+        lambda: complete_response(ctx, request, generation), generation.abort)
 
 
 class _Outcome:
