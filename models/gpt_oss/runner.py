@@ -21,12 +21,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
-from resin.runners.torch.layers import build_sequence_views, plan_tensor
+from resin.runners.torch.layers import build_sequence_views, plan_tensor, sampling_rows
 from resin.sampling import Sampler
 from resin.scaffold.inspect import Architecture, inspect_architecture
 from resin.scaffold.layer_map import cache_kind
@@ -143,13 +142,8 @@ class Runner:
             hidden = self.layer_fns[i](hidden, self.child_fns[i], self.child_weights[i], ctx, emit)
             self._emit(f"model.layers.{i}", hidden)
 
-        sample_counts = np.diff(plan.sample_indptr)
-        if (sample_counts > 1).any():
-            raise NotImplementedError("this runner does not verify draft tokens (a sample_indptr "
-                                      "row with more than one token)")
-        sample_rows = np.flatnonzero(sample_counts == 1)
-        last_token = torch.as_tensor(plan.query_indptr[sample_rows + 1].astype(np.int64) - 1,
-                                     device=self.device)
+        sample_rows, last_token_indices = sampling_rows(plan)
+        last_token = torch.as_tensor(last_token_indices, device=self.device)
         if self.capture is not None:
             normed = self._final_norm(hidden)
             self._emit("model.norm", normed)

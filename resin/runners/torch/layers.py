@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from resin._core import BatchPlan
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, in fp32, as ``LlamaRMSNorm``."""
@@ -177,3 +179,16 @@ def plan_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array).to(device)
+
+
+def sampling_rows(plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:
+    """The plan rows that sample this step and, for each, the index of its last new token in
+    the step's flat token order (whose logits are sampled). A mid-prefill chunk does not
+    sample; a row verifying draft tokens (more than one sample) is not supported here."""
+    sample_counts = np.diff(plan.sample_indptr)
+    if (sample_counts > 1).any():
+        raise NotImplementedError("this runner does not verify draft tokens (a sample_indptr "
+                                  "row with more than one token)")
+    rows = np.flatnonzero(sample_counts == 1)
+    return rows, plan.query_indptr[rows + 1].astype(np.int64) - 1
+

@@ -21,7 +21,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +42,7 @@ from resin.runners.torch.layers import (
     paged_attention,
     plan_tensor,
     rms_norm,
+    sampling_rows,
     swiglu_mlp,
     write_kv,
 )
@@ -156,12 +156,7 @@ class TorchRunner:
             group = self.group_of_layer[i]
             hidden = self._decoder_layer(i, layer, hidden, cos, sin, views[group], slot_mappings[group])
 
-        sample_counts = np.diff(plan.sample_indptr)
-        if (sample_counts > 1).any():
-            raise NotImplementedError("TorchRunner does not verify draft tokens (sample_indptr "
-                                      "row with more than one token)")
-        sample_rows = np.flatnonzero(sample_counts == 1)
-        last_token = plan.query_indptr[sample_rows + 1].astype(np.int64) - 1
+        sample_rows, last_token = sampling_rows(plan)
         if self.capture is not None:
             normed = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
             self._emit("model.norm", normed)
