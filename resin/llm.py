@@ -1,9 +1,11 @@
 """The offline API: ``LLM(model_dir).generate(prompts, params)`` and ``LLM.chat(messages)``.
 
 ``LLM`` loads one Hugging Face checkpoint directory — ``config.json``
-(:func:`resin.loading.load_model_config`), the tokenizer (:class:`resin.tokenizer.Tokenizer`),
-the chat template (:class:`resin.chat_template.ChatTemplate`) and a runner (the torch reference
-runner unless one is passed) — and drives a :class:`resin.Engine` over it. ``generate`` adds
+(:func:`resin.loading.checkpoint_info.read_checkpoint_info`), the tokenizer
+(:class:`resin.tokenizer.Tokenizer`), the chat template (:class:`resin.chat_template.ChatTemplate`)
+and a runner (the one the model registry, :mod:`resin.registry`, picks for the checkpoint's
+architecture, unless ``runner=`` names or passes one) — and drives a :class:`resin.Engine` over
+it. ``generate`` adds
 every prompt as a request, steps the engine until all are finished and returns one
 :class:`LLMOutput` per prompt, in prompt order, like vLLM's ``LLM.generate``.
 
@@ -37,7 +39,7 @@ from typing import Any
 
 from resin._core import Engine, EngineConfig, RequestOutput, SamplingParams
 from resin.chat_template import ChatTemplate
-from resin.loading import ModelConfig, layer_cache_specs, load_model_config
+from resin.loading.checkpoint_info import CheckpointInfo, read_checkpoint_info
 from resin.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -67,41 +69,36 @@ class LLMOutput:
 class LLM:
     """A checkpoint, its tokenizer and chat template, a runner and an engine, for offline use.
 
-    ``runner``: any :class:`resin.Runner`; default ``TorchRunner.from_pretrained(model_dir,
-    device=device, dtype=dtype)``. ``dtype``: a torch dtype or its name (``"float32"``,
-    ``"bfloat16"``, ``"float16"``). ``engine_config``: :class:`resin.EngineConfig` fields.
+    ``runner``: None (the registry's runner for the checkpoint), a runner name or spec as
+    ``--runner`` takes (``torch``, ``null``, a registered model, a model directory,
+    ``module:Class``), or any :class:`resin.Runner` object. ``models_dirs``: extra model
+    directories to register (as ``--models-dir``). ``attention_backend``: the torch runners'
+    attention backend (``reference`` by default). ``dtype``: a torch dtype or its name
+    (``"float32"``, ``"bfloat16"``, ``"float16"``). ``engine_config``: :class:`resin.EngineConfig`
+    fields.
     """
 
     def __init__(self, model_dir: str | Path, *, runner: Any = None, device: str = "cpu",
                  dtype: Any = "float32", kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                 models_dirs: Sequence[str | Path] = (), attention_backend: str | None = None,
                  **engine_config: Any) -> None:
+        from resin.registry import ModelRegistry, resolve_runner
+
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model directory {self.model_dir} does not exist")
-        self.model_config: ModelConfig = load_model_config(self.model_dir)
+        self.model_config: CheckpointInfo = read_checkpoint_info(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.chat_template = ChatTemplate.from_pretrained(
             self.model_dir, self.tokenizer.special_tokens_map)
-        if runner is None:
-            runner = self._default_runner(device, dtype)
-        self.runner = runner
-        config = self._engine_config(runner, kv_cache_bytes, engine_config)
-        self.engine = Engine(config, runner)
+        self.runner = resolve_runner(self.model_dir, runner,
+                                     registry=ModelRegistry(models_dirs), device=device,
+                                     dtype=dtype, attention_backend=attention_backend)
+        config = self._engine_config(self.runner, kv_cache_bytes, engine_config)
+        self.engine = Engine(config, self.runner)
         self._request_counter = itertools.count()
 
     # -- construction ---------------------------------------------------------------------
-    def _default_runner(self, device: str, dtype: Any) -> Any:
-        import torch
-
-        from resin.runners.torch import TorchRunner
-
-        if isinstance(dtype, str):
-            resolved = getattr(torch, dtype.removeprefix("torch."), None)
-            if not isinstance(resolved, torch.dtype):
-                raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-            dtype = resolved
-        return TorchRunner.from_pretrained(self.model_dir, device=device, dtype=dtype)
-
     def _engine_config(self, runner: Any, kv_cache_bytes: int,
                        overrides: Mapping[str, Any]) -> EngineConfig:
         fields = set(dir(EngineConfig)) - set(dir(object))
@@ -119,10 +116,11 @@ class LLM:
         settings.setdefault("eos_token_ids", self.tokenizer.eos_token_ids)
         settings.setdefault("vocab_size", self.model_config.vocab_size)
         if "num_pages" not in settings:
-            specs = runner.cache_spec() if hasattr(runner, "cache_spec") else \
-                layer_cache_specs(self.model_config, 4)
+            # A runner without cache_spec (scripted, null) stores nothing: size as one small
+            # layer so the pool still holds full-length sequences.
+            specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
             settings["num_pages"] = default_num_pages(
-                [s.bytes_per_token for s in specs], settings["page_size"],
+                [s.bytes_per_token for s in specs] or [1], settings["page_size"],
                 settings["max_model_len"], settings["max_num_seqs"], kv_cache_bytes)
         return EngineConfig(**settings)
 

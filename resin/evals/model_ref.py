@@ -1,24 +1,25 @@
 """Model references: what ``resin eval parity MODEL`` and ``resin bench MODEL`` accept as MODEL.
 
-Owns turning one spec string into a :class:`ModelRef` — the checkpoint to run, the runner that
-runs it, and the model's parity and perf specs — so every bring-up command resolves a model the
-same way. A spec is one of:
+Owns turning one spec string into a :class:`ModelRef` — the checkpoint to run, the registry
+entry whose runner runs it (:mod:`resin.registry`), and the model's parity and perf specs — so
+every bring-up command resolves a model the same way. A spec is one of:
 
 - an HF checkpoint directory (``config.json`` + safetensors) or its ``config.json`` path: the
-  torch reference runner (:class:`resin.runners.torch.TorchRunner`) on that checkpoint; no specs;
-- a model directory made by ``resin new-model`` (holds ``runner.py``), given as a path or as a
-  name ``NAME`` looked up as ``models/NAME`` (under ``models_root``, else ``./models``, else the
-  ``models/`` beside the ``resin`` package): that directory's ``runner.py`` ``Runner`` on the
-  checkpoint named by ``parity.toml`` ``[reference] checkpoint`` (relative to the model
-  directory; default ``tiny``), with ``parity.toml`` / ``perf.toml`` parsed into
-  ``parity_spec`` / ``perf_spec`` (``{}`` when a file is absent).
+  runner the registry picks for its architecture (a built-in family: the torch reference
+  runner; a shipped or user model directory: its blocks); the specs of that model directory
+  when there is one, else none;
+- a model directory made by ``resin new-model`` (holds ``architecture.json``), given as a path
+  or as a registered name ``NAME`` (``models_root``, ``--models-dir``, ``$RESIN_MODELS_PATH``,
+  ``./models`` or the shipped models): that directory's blocks on the checkpoint named by
+  ``parity.toml`` ``[reference] checkpoint`` (relative to the model directory; default
+  ``tiny``), with ``parity.toml`` / ``perf.toml`` parsed into ``parity_spec`` / ``perf_spec``
+  (``{}`` when a file is absent).
 
-``models/`` is not a Python package: :meth:`ModelRef.load_runner` imports ``models/NAME`` as a
-synthetic package ``resin_models.NAME`` (so ``runner.py`` may import its siblings with
-``from .blocks import ...``). :func:`run_model_parity` runs the parity harness on a reference
-with its ``parity.toml`` settings (:func:`parity_settings`). Importing this module is pure
-stdlib; torch is imported by ``load_runner`` / ``runner_factory``, the harness by
-``run_model_parity``.
+Model directories are not Python packages: :func:`import_model_module` imports
+``models/NAME/blocks.py`` as ``resin_models.NAME.blocks`` (so it may import its siblings with
+``from .x import ...``). :func:`run_model_parity` runs the parity harness on a reference with
+its ``parity.toml`` settings (:func:`parity_settings`). Importing this module is pure stdlib;
+torch is imported by ``load_runner`` / ``runner_factory``, the harness by ``run_model_parity``.
 
 >>> ref = resolve_model("tests/fixtures/llama")           # doctest: +SKIP
 >>> ref.name, ref.model_dir, ref.parity_spec
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import sys
 import tomllib
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-RUNNER_FILE = "runner.py"
+RECORD_FILE = "architecture.json"
 PARITY_FILE = "parity.toml"
 PERF_FILE = "perf.toml"
 DEFAULT_CHECKPOINT = "tiny"
@@ -50,9 +52,10 @@ class ModelRefError(ValueError):
 
 @dataclass
 class ModelRef:
-    """One resolved model. ``model_dir`` is None for a plain checkpoint (torch reference runner).
+    """One resolved model. ``model_dir`` is None for a built-in family (torch reference runner).
 
-    ``runner_name`` is ``"torch"`` for a checkpoint and ``"model:NAME"`` for a model directory.
+    ``runner_name`` is ``"torch"`` for a built-in family and ``"model:NAME"`` for a model
+    directory.
     """
 
     name: str
@@ -60,64 +63,87 @@ class ModelRef:
     model_dir: Path | None = None
     parity_spec: dict[str, Any] = field(default_factory=dict)
     perf_spec: dict[str, Any] = field(default_factory=dict)
+    attention_backend: str | None = None
 
     @property
     def runner_name(self) -> str:
         return "torch" if self.model_dir is None else f"model:{self.name}"
 
-    def runner_class(self) -> Any:
-        """The class whose ``from_pretrained(checkpoint_dir, device=, dtype=)`` builds the runner."""
+    def entry(self) -> Any:
+        """The registry entry of this reference."""
+        from resin.registry import BUILTIN_ARCHITECTURES, BUILTIN_NAME, ModelEntry
+
         if self.model_dir is None:
-            from resin.runners.torch import TorchRunner
+            return ModelEntry(BUILTIN_NAME, tuple(BUILTIN_ARCHITECTURES),
+                              tuple(BUILTIN_ARCHITECTURES.values()), "built-in")
+        record = read_record(self.model_dir)
+        return ModelEntry(self.name, tuple(record["architectures"]),
+                          tuple(record.get("model_types", ())), "user", self.model_dir)
 
-            return TorchRunner
-        module = import_model_module(self.model_dir, "runner", self.name)
-        runner_cls = getattr(module, "Runner", None)
-        if runner_cls is None:
-            raise ModelRefError(f"{self.model_dir / RUNNER_FILE} defines no class Runner")
-        return runner_cls
-
-    def load_runner(self, device: str = "cpu", dtype: Any = "float32") -> Any:
-        """A runner on ``checkpoint_dir``; ``dtype`` is a torch dtype or its name (``"bfloat16"``)."""
-        return self.runner_factory(device, dtype)(str(self.checkpoint_dir))
+    def load_runner(self, device: str = "cpu", dtype: Any = "float32",
+                    checkpoint_dir: str | Path | None = None) -> Any:
+        """A runner on ``checkpoint_dir`` (default: this reference's); ``dtype`` is a torch
+        dtype or its name (``"bfloat16"``)."""
+        return self.runner_factory(device, dtype)(str(checkpoint_dir or self.checkpoint_dir))
 
     def runner_factory(self, device: str = "cpu", dtype: Any = "float32") -> Any:
         """``factory(checkpoint_dir) -> runner``, the shape ``run_parity(runner_factory=...)`` takes."""
-        import torch
-
-        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        runner_cls = self.runner_class()
+        entry = self.entry()
+        backend = self.attention_backend
 
         def factory(checkpoint_dir: str) -> Any:
-            return runner_cls.from_pretrained(checkpoint_dir, device=device, dtype=torch_dtype)
+            return entry.load_runner(checkpoint_dir, device=device, dtype=dtype,
+                                     attention_backend=backend)
 
         return factory
 
 
 def resolve_model(spec: str | Path, models_root: str | Path | None = None) -> ModelRef:
     """Resolve a checkpoint path, a model directory path, or a model name (see module doc)."""
+    from resin.registry import ModelRegistry, UnknownArchitectureError
+
     path = Path(spec)
     if path.is_file() and path.name == "config.json":
         path = path.parent
-    if path.is_dir() and (path / RUNNER_FILE).is_file():
+    if path.is_dir() and (path / RECORD_FILE).is_file():
         return _model_ref(path)
+    registry = ModelRegistry([models_root] if models_root is not None else ())
     if path.is_dir() and (path / "config.json").is_file():
-        return ModelRef(name=path.resolve().name, checkpoint_dir=path)
+        try:
+            entry = registry.for_checkpoint(path)
+        except (UnknownArchitectureError, ValueError) as exc:
+            raise ModelRefError(str(exc)) from exc
+        if entry.model_dir is None:
+            return ModelRef(name=path.resolve().name, checkpoint_dir=path)
+        ref = _model_ref(entry.model_dir)
+        ref.checkpoint_dir = path
+        return ref
     if path.is_dir():
         raise ModelRefError(f"{path} is neither a checkpoint (no config.json) nor a model "
-                            f"directory (no {RUNNER_FILE})")
+                            f"directory (no {RECORD_FILE})")
     name = str(spec)
     if "/" in name or "\\" in name or not name:
         raise ModelRefError(f"no such checkpoint or model directory: {spec}")
-    searched = []
-    for root in _models_roots(models_root):
-        candidate = root / name
-        searched.append(str(candidate))
-        if (candidate / RUNNER_FILE).is_file():
-            return _model_ref(candidate)
-    raise ModelRefError(f"unknown model {name!r}: not a directory, and none of "
-                        f"{', '.join(searched)} holds a {RUNNER_FILE} "
-                        f"(create one with `resin new-model SOURCE --name {name}`)")
+    entry = registry.get(name)
+    if entry is not None and entry.model_dir is not None:
+        return _model_ref(entry.model_dir)
+    known = ", ".join(e.name for e in registry.entries if e.model_dir is not None)
+    raise ModelRefError(f"unknown model {name!r}: not a directory, and no registered model "
+                        f"directory has that name (registered: {known or 'none'}; searched "
+                        f"{', '.join(str(r) for r in registry.user_roots)} and the shipped "
+                        f"models). Create one with `resin new-model SOURCE --name {name}`")
+
+
+def read_record(model_dir: Path) -> dict[str, Any]:
+    """A model directory's ``architecture.json`` as a dict (ModelRefError when unreadable)."""
+    path = model_dir / RECORD_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelRefError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(record, dict) or not record.get("architectures"):
+        raise ModelRefError(f"{path}: no 'architectures' (regenerate with resin new-model)")
+    return record
 
 
 def import_model_module(model_dir: Path, module: str, name: str | None = None) -> types.ModuleType:
@@ -164,13 +190,6 @@ def _model_ref(model_dir: Path) -> ModelRef:
                             f"{str(checkpoint)!r} -> {checkpoint_dir}, which has no config.json")
     return ModelRef(name=model_dir.resolve().name, checkpoint_dir=checkpoint_dir,
                     model_dir=model_dir, parity_spec=parity_spec, perf_spec=perf_spec)
-
-
-def _models_roots(models_root: str | Path | None) -> list[Path]:
-    if models_root is not None:
-        return [Path(models_root)]
-    roots = [Path.cwd() / "models", Path(__file__).resolve().parents[2] / "models"]
-    return list(dict.fromkeys(roots))
 
 
 def _identifier(name: str) -> str:

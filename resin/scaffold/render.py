@@ -30,10 +30,16 @@ from resin.scaffold.layer_map import (
     weight_map,
 )
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "model"
-FILES = {"runner.py": "runner.py.j2", "blocks.py": "blocks.py.j2", "weights.py": "weights.py.j2",
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates" / "model"
+FILES = {"blocks.py": "blocks.py.j2", "weights.py": "weights.py.j2",
          "parity.toml": "parity.toml.j2", "perf.toml": "perf.toml.j2", "NOTES.md": "NOTES.md.j2",
          "test_parity.py": "test_parity.py.j2"}
+RECORD_FILE = "architecture.json"
+# Files of the previous layout that a regeneration removes (the runner is shared now).
+OBSOLETE_FILES = ("runner.py",)
+BLOCK_FUNCTIONS = {"rms_norm": "rms_norm_block", "rotary": "rope_from_config",
+                   "gqa_attention": "gqa_attention_block", "swiglu_mlp": "swiglu_mlp_block",
+                   "topk_moe": "topk_moe_block", "prenorm_decoder_layer": "prenorm_decoder_layer"}
 CONTEXT_LENS = (128, 1024, 4096, 16384, 32768)
 CHUNK_SIZES = (128, 512, 2048, 8192)
 # A tiny checkpoint is a CPU smoke run of the harness: short contexts keep 256-row batches small.
@@ -88,19 +94,34 @@ def blocks_of(arch: Architecture) -> list[Block]:
 
 
 def render_model(arch: Architecture, name: str, out_dir: Path, source: str, tiny: bool,
-                 reference_checkpoint: str, perf_checkpoint: str | None = None) -> list[Path]:
-    """Write every file of :data:`FILES` into ``out_dir``; returns the paths written."""
+                 reference_checkpoint: str, perf_checkpoint: str | None = None,
+                 **extra: Any) -> list[Path]:
+    """Write every file of :data:`FILES` (``weights.py`` only when some checkpoint name needs
+    renaming) and the model record into ``out_dir``; returns the paths written. ``extra``
+    joins the template context (e.g. ``tiny_changes``)."""
+    from resin.scaffold.record import model_record
+
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
                              undefined=jinja2.StrictUndefined, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True)
     context = model_context(arch, name, source, tiny, reference_checkpoint,
                             perf_checkpoint or reference_checkpoint)
+    context.update(extra)
+    context.setdefault("tiny_changes", [])
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for filename, template in FILES.items():
         path = out_dir / filename
+        if filename == "weights.py" and not context["renamed_weights"]:
+            path.unlink(missing_ok=True)
+            continue
         path.write_text(env.get_template(template).render(**context), encoding="utf-8")
         written.append(path)
+    record_path = out_dir / RECORD_FILE
+    record_path.write_text(model_record(arch, name, source).to_json(), encoding="utf-8")
+    written.append(record_path)
+    for obsolete in OBSOLETE_FILES:
+        (out_dir / obsolete).unlink(missing_ok=True)
     return written
 
 
@@ -110,6 +131,8 @@ def model_context(arch: Architecture, name: str, source: str, tiny: bool,
 
     config = arch.config
     blocks = blocks_of(arch)
+    used = {b.kind for b in blocks if b.kind in BLOCK_FUNCTIONS}
+    block_imports = sorted(BLOCK_FUNCTIONS[k] for k in used)
     max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or max(CONTEXT_LENS)
     return {
         "name": name, "architecture": arch.architecture, "model_type": arch.model_type,
@@ -117,6 +140,9 @@ def model_context(arch: Architecture, name: str, source: str, tiny: bool,
         "blocks": blocks, "stubs": [b for b in blocks if b.stub],
         "assumed": [b for b in blocks if b.assumed],
         "weight_map": weight_map(arch.checkpoint_names),
+        "renamed_weights": renamed_weights(weight_map(arch.checkpoint_names)),
+        "block_imports": block_imports, "default_theta": 10000.0,
+        "extra_modules": extra_module_lines(arch),
         "source_shapes": pattern_shapes(arch.checkpoint_shapes),
         "reference_checkpoint": reference_checkpoint,
         "perf_checkpoint": perf_checkpoint,
@@ -143,8 +169,25 @@ def model_context(arch: Architecture, name: str, source: str, tiny: bool,
     }
 
 
+def renamed_weights(mapping: dict[str, str]) -> dict[str, str]:
+    """The weight-map entries whose runner name is not the checkpoint name minus ``model.``."""
+    def default(pattern: str) -> str:
+        return pattern[len("model."):] if pattern.startswith("model.") else pattern
+
+    return {k: v for k, v in mapping.items() if v != default(k)}
+
+
+def extra_module_lines(arch: Architecture) -> list[str]:
+    """One line per HF module the scaffold does not place (``Architecture.extra_modules``)."""
+    extra = getattr(arch, "extra_modules", None) or []
+    return [f"{m.path}: {m.cls_name} ({m.short_where})" for m in extra]
+
+
 def generator_warnings(arch: Architecture) -> list[str]:
-    out = []
+    from resin.scaffold import inspect as inspect_module
+
+    unplaced = getattr(inspect_module, "unplaced_warnings", None)
+    out = list(unplaced(arch)) if unplaced is not None else []
     for layer in arch.layers:
         kind = cache_kind(layer.layer_type, layer.window)
         if kind == "recurrent":
@@ -218,8 +261,7 @@ def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
             return _as_stub(block, "expert layout or activation Resin's moe_mlp does not cover")
         renorm = moe_renormalises(info.cls_name, config)
         block.kind, block.expert_names = kind, names
-        block.renormalise = "True" if info.cls_name == "MixtralSparseMoeBlock" \
-            else "bool(getattr(ctx.config, 'norm_topk_prob', False))"
+        block.renormalise = "True" if info.cls_name == "MixtralSparseMoeBlock" else "None"
         block.kind_doc = (f"top-k MoE (softmax router, top {getattr(config, 'num_experts_per_tok', '?')}, "
                           f"renormalise: {renorm})")
     else:

@@ -1,0 +1,228 @@
+"""The model registry: one place that maps a checkpoint to the runner that runs it.
+
+Owns :class:`ModelRegistry` and :func:`resolve_runner`, which every entry point goes through
+(``resin.LLM``, ``resin generate``, ``resin serve``, ``resin eval parity``, ``resin bench``).
+Entries, highest precedence first:
+
+1. **user model directories** — each directory given with ``--models-dir`` / ``models_dirs=``,
+   then each of ``$RESIN_MODELS_PATH`` (``os.pathsep``-separated), then ``./models``: a
+   directory that holds ``architecture.json`` is one model; any other directory is scanned for
+   model directories one level down (so ``resin new-model --out ~/my_models/x`` is usable at
+   once with ``--models-dir ~/my_models``);
+2. **shipped models** — the model directories inside the package (``resin/models/NAME``:
+   gpt_oss, ...), package data of the wheel;
+3. **built-in families** — Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral: the torch
+   reference runner (:class:`resin.runners.torch.TorchRunner`), registered as ``torch``.
+
+A checkpoint resolves by ``architectures[0]``, else by ``model_type``; the first entry that
+claims it wins (two user directories claiming one architecture at the same level: the earlier
+one, with a warning naming both). An unknown architecture raises
+:class:`UnknownArchitectureError` listing what is registered and how to add a model
+(``resin new-model``). An explicit runner (``--runner NAME``) overrides the lookup: ``torch``,
+``null`` (no model: cycles ordinary tokens, for measuring the server), a registered model name,
+a model directory path, or ``module:Class``.
+
+Importing this module is pure stdlib (records are JSON files); torch loads when a runner is
+built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resin.loading.checkpoint_info import CheckpointInfo, read_checkpoint_info
+
+RECORD_FILE = "architecture.json"
+MODELS_PATH_ENV = "RESIN_MODELS_PATH"
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parent / "models"
+BUILTIN_NAME = "torch"
+NULL_RUNNER = "null"
+NULL_RUNNER_TEXT = " the quick brown fox jumps over the lazy dog and"
+# The built-in families (resin.loading parses these and the torch reference runner runs them).
+BUILTIN_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                         "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+
+
+class UnknownArchitectureError(ValueError):
+    """No registered model runs this checkpoint's architecture."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registered model. ``model_dir`` is None for the built-in families."""
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    origin: str                      # "user", "shipped" or "built-in"
+    model_dir: Path | None = None
+
+    def claims(self, info: CheckpointInfo) -> bool:
+        if info.architecture:
+            return info.architecture in self.architectures
+        return info.model_type in self.model_types
+
+    def load_runner(self, checkpoint_dir: str | Path, *, device: str = "cpu",
+                    dtype: Any = "float32", attention_backend: Any = None) -> Any:
+        """Build this model's runner on ``checkpoint_dir`` (imports torch)."""
+        torch_dtype = _torch_dtype(dtype)
+        if self.model_dir is None:
+            from resin.runners.torch import TorchRunner
+
+            return TorchRunner.from_pretrained(checkpoint_dir, device=device, dtype=torch_dtype,
+                                               attention_backend=attention_backend)
+        from resin.runners.torch.model_dir import ModelDirRunner
+
+        return ModelDirRunner.from_model_dir(self.model_dir, checkpoint_dir, name=self.name,
+                                             device=device, dtype=torch_dtype,
+                                             attention_backend=attention_backend)
+
+    def describe(self) -> str:
+        where = f" ({self.model_dir})" if self.model_dir is not None else ""
+        return f"{self.name} [{self.origin}]{where}: {', '.join(self.architectures)}"
+
+
+class ModelRegistry:
+    """Every registered model (see the module doc), scanned once at construction."""
+
+    def __init__(self, models_dirs: Iterable[str | Path] = (), *, use_env: bool = True,
+                 use_cwd: bool = True) -> None:
+        roots: list[Path] = [Path(d).expanduser() for d in models_dirs]
+        if use_env:
+            roots += [Path(p).expanduser() for p in os.environ.get(MODELS_PATH_ENV, "").split(
+                os.pathsep) if p]
+        if use_cwd:
+            roots.append(Path.cwd() / "models")
+        self.user_roots = roots
+        entries: list[ModelEntry] = []
+        seen: set[Path] = set()
+        for origin, root_list in (("user", roots), ("shipped", [SHIPPED_MODELS_DIR])):
+            for root in root_list:
+                for model_dir in _model_dirs(root):
+                    resolved = model_dir.resolve()
+                    if resolved in seen:
+                        continue
+                    seen.add(resolved)
+                    is_shipped = resolved.is_relative_to(SHIPPED_MODELS_DIR.resolve())
+                    entries.append(_entry_of(model_dir, "shipped" if is_shipped else origin))
+        entries.sort(key=lambda e: ("user", "shipped").index(e.origin))
+        entries.append(ModelEntry(BUILTIN_NAME, tuple(BUILTIN_ARCHITECTURES),
+                                  tuple(BUILTIN_ARCHITECTURES.values()), "built-in"))
+        self.entries = entries
+
+    def get(self, name: str) -> ModelEntry | None:
+        """The entry registered under ``name`` (a model directory's name, or ``torch``)."""
+        return next((e for e in self.entries if e.name == name), None)
+
+    def for_checkpoint(self, checkpoint_dir: str | Path) -> ModelEntry:
+        """The entry that runs ``checkpoint_dir`` (UnknownArchitectureError when none)."""
+        info = read_checkpoint_info(checkpoint_dir)
+        claiming = [e for e in self.entries if e.claims(info)]
+        if not claiming:
+            raise UnknownArchitectureError(self.unknown_message(info))
+        first = claiming[0]
+        rivals = [e for e in claiming[1:] if e.origin == first.origin]
+        if rivals:
+            warnings.warn(f"{info.architecture or info.model_type} is claimed by "
+                          f"{first.describe()} and {rivals[0].describe()}; using the first "
+                          "(pass --runner NAME to choose)", stacklevel=2)
+        return first
+
+    def unknown_message(self, info: CheckpointInfo) -> str:
+        what = f"architecture {info.architecture!r}" if info.architecture else \
+            f"model_type {info.model_type!r}"
+        registered = "; ".join(e.describe() for e in self.entries)
+        return (f"{info.path}: no registered model runs {what}. Registered: {registered}. "
+                f"To add one: `resin new-model {info.path} --name NAME --out DIR` (see "
+                "skills/add-model/SKILL.md), then pass --models-dir (or set "
+                f"{MODELS_PATH_ENV}) to the directory holding DIR.")
+
+    def describe(self) -> list[str]:
+        return [e.describe() for e in self.entries]
+
+
+def resolve_runner(checkpoint_dir: str | Path, runner: Any = None, *,
+                   registry: ModelRegistry | None = None, device: str = "cpu",
+                   dtype: Any = "float32", attention_backend: Any = None) -> Any:
+    """The runner object for ``checkpoint_dir``: ``runner`` None looks the checkpoint up in the
+    registry; a string is an explicit choice (see the module doc); any other object is used
+    as it is."""
+    if runner is not None and not isinstance(runner, str):
+        return runner
+    registry = registry if registry is not None else ModelRegistry()
+    if runner is None:
+        return registry.for_checkpoint(checkpoint_dir).load_runner(
+            checkpoint_dir, device=device, dtype=dtype, attention_backend=attention_backend)
+    if runner == NULL_RUNNER:
+        return _null_runner(checkpoint_dir)
+    entry = registry.get(runner)
+    if entry is None and Path(runner).is_dir() and (Path(runner) / RECORD_FILE).is_file():
+        entry = _entry_of(Path(runner), "user")
+    if entry is not None:
+        return entry.load_runner(checkpoint_dir, device=device, dtype=dtype,
+                                 attention_backend=attention_backend)
+    if ":" in runner:
+        module_name, _, class_name = runner.partition(":")
+        runner_class = getattr(importlib.import_module(module_name), class_name)
+        if hasattr(runner_class, "from_pretrained"):
+            return runner_class.from_pretrained(checkpoint_dir, device=device,
+                                                dtype=_torch_dtype(dtype))
+        return runner_class()
+    names = ", ".join(sorted({e.name for e in registry.entries}))
+    raise ValueError(f"unknown runner {runner!r}: use {NULL_RUNNER}, a registered model ({names}), "
+                     "a model directory, or module:Class")
+
+
+def _null_runner(checkpoint_dir: str | Path) -> Any:
+    from resin.runners.scripted import CyclingRunner
+    from resin.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(checkpoint_dir)
+    token_ids = [t for t in tokenizer.encode(NULL_RUNNER_TEXT, add_special_tokens=False)
+                 if t not in tokenizer.eos_token_ids]
+    return CyclingRunner(token_ids)
+
+
+def _model_dirs(root: Path) -> list[Path]:
+    if (root / RECORD_FILE).is_file():
+        return [root]
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if (p / RECORD_FILE).is_file())
+
+
+def _entry_of(model_dir: Path, origin: str) -> ModelEntry:
+    path = model_dir / RECORD_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        architectures = tuple(record["architectures"])
+        model_types = tuple(record.get("model_types", ()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a model record ({exc}); regenerate it with "
+                         "resin new-model --force") from exc
+    return ModelEntry(model_dir.resolve().name, architectures, model_types, origin, model_dir)
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return resolved
+
+
+def registered_architectures(registry: ModelRegistry | None = None) -> Sequence[str]:
+    """Every architecture some entry claims (for help texts)."""
+    registry = registry or ModelRegistry()
+    return sorted({a for e in registry.entries for a in e.architectures})

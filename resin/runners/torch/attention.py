@@ -1,0 +1,164 @@
+"""The attention-backend seam: every model reaches paged attention through one interface.
+
+Owns :class:`AttentionBackend` (the interface), :class:`ReferenceBackend` (the readable
+per-sequence implementation every faster backend is checked against), the registry of backends
+selected by name at runner construction (``--attention-backend``), and :class:`LayerAttention`,
+the per-layer handle a block receives as ``ctx.attention``.
+
+A backend is planned once per step and run once per layer, as FlashInfer's ``plan()`` /
+``run()``:
+
+- :meth:`AttentionBackend.begin_step` gets the step's :class:`~.step_inputs.StepInputs` and,
+  per cache group, its window (tokens, or None): a backend builds whatever per-group metadata
+  its kernels need (the reference backend: each row's readable slots and mask).
+- :meth:`AttentionBackend.write` stores new per-token values (K, V, a latent, indexer keys...)
+  through the group's ``slot_mapping`` (slot -1: not written).
+- :meth:`AttentionBackend.attend` computes softmax attention of ``q`` [T, heads, head_dim] over
+  each row's cached keys in the group -> [T, heads, value_dim], with the options models need:
+  ``scale``, per-head ``sinks`` (gpt-oss), logit ``softcap`` (Gemma 2), shared K = V caches
+  (MQA / MLA latent: ``v_cache=None`` reads values from the key cache, first ``value_dim``
+  channels), grouped KV heads (GQA/MQA: ``heads`` a multiple of the cache's KV heads).
+
+Caches are ``[num_pages, page_size, kv_heads, dim]`` tensors; slot = page * page_size + offset.
+Models never call a kernel directly, so a new backend needs no model edit. Imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from resin.runners.torch.layers import SequenceView, build_sequence_views
+from resin.runners.torch.step_inputs import StepInputs
+
+
+class AttentionBackend:
+    """The interface. Subclasses implement :meth:`begin_step` and :meth:`attend`."""
+
+    name = "base"
+
+    def begin_step(self, step: StepInputs, group_windows: Sequence[int | None],
+                   page_size: int) -> None:
+        """Plan the step: called once per forward, before any layer."""
+        raise NotImplementedError
+
+    def write(self, cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``values`` [T, kv_heads, dim] at ``slot_mapping`` (int64[T]); skip slot -1.
+
+        -1 must never be used as an index (it would address the pool's last slot).
+        """
+        keep = slot_mapping >= 0
+        cache.view(-1, *cache.shape[2:])[slot_mapping[keep]] = values[keep].to(cache.dtype)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+               group: int, *, scale: float, value_dim: int | None = None,
+               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ReferenceBackend(AttentionBackend):
+    """Per-sequence attention in plain torch: gather each row's slots, mask, softmax in fp32.
+
+    With ``sinks`` the sink logit joins every query's softmax and is dropped after it (the row
+    max, sink included, is subtracted first and the softmax runs in the query dtype, as HF's
+    gpt-oss eager attention). ``softcap``: ``tanh(scores / softcap) * softcap`` before masking.
+    """
+
+    name = "reference"
+
+    def __init__(self) -> None:
+        self.views: list[list[SequenceView]] = []
+
+    def begin_step(self, step: StepInputs, group_windows: Sequence[int | None],
+                   page_size: int) -> None:
+        plan = step.plan
+        self.views = [build_sequence_views(plan.query_indptr, plan.seq_lens, plan.kv_indptr[g],
+                                           plan.kv_indices[g], step.positions, page_size,
+                                           window, step.device)
+                      for g, window in enumerate(group_windows)]
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+               group: int, *, scale: float, value_dim: int | None = None,
+               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of the cache's "
+                             f"{num_kv_heads} KV heads")
+        repeat = num_heads // num_kv_heads
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])
+        v_flat = k_flat if v_cache is None else v_cache.view(-1, *v_cache.shape[2:])
+        dim_v = value_dim if value_dim is not None else v_flat.shape[-1]
+        out = q.new_empty(q.shape[0], num_heads, dim_v)
+        for view in self.views[group]:
+            k = k_flat[view.slots].repeat_interleave(repeat, dim=1)               # [K, H, D]
+            v = v_flat[view.slots][..., :dim_v].repeat_interleave(repeat, dim=1)  # [K, H, Dv]
+            scores = torch.einsum("qhd,khd->hqk", q[view.query], k) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~view.mask[None], float("-inf"))
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            else:
+                sink = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+                logits = torch.cat([scores, sink], dim=-1)
+                logits = logits - logits.max(dim=-1, keepdim=True).values
+                probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+            out[view.query] = torch.einsum("hqk,khd->qhd", probs, v)
+        return out
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend}
+DEFAULT_BACKEND = "reference"
+
+
+def make_attention_backend(name: str | AttentionBackend | None = None) -> AttentionBackend:
+    """A backend by name (default ``reference``), or the object itself."""
+    if isinstance(name, AttentionBackend):
+        return name
+    key = name or DEFAULT_BACKEND
+    if key not in BACKENDS:
+        raise ValueError(f"unknown attention backend {key!r}; available: "
+                         f"{', '.join(sorted(BACKENDS))}")
+    return BACKENDS[key]()
+
+
+@dataclass
+class LayerAttention:
+    """``ctx.attention`` for one layer: its cache buffers, its group, the step's backend.
+
+    ``caches`` maps the names the layer declared (``k``, ``v``; or e.g. ``kv`` for a shared
+    K = V cache) to ``[num_pages, page_size, heads, dim]`` buffers.
+    """
+
+    backend: AttentionBackend
+    group: int
+    slot_mapping: torch.Tensor
+    caches: dict[str, torch.Tensor]
+
+    def write(self, **values: torch.Tensor) -> None:
+        """Store this step's per-token tensors, e.g. ``write(k=k, v=v)`` ([T, heads, dim])."""
+        for name, tensor in values.items():
+            self.backend.write(self._cache(name), tensor, self.slot_mapping)
+
+    def attend(self, q: torch.Tensor, *, scale: float, keys: str = "k", values: str | None = "v",
+               value_dim: int | None = None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Attention of ``q`` [T, heads, dim] over the cached ``keys`` / ``values`` buffers
+        (``values=None``: values are the keys' first ``value_dim`` channels)."""
+        v_cache = None if values is None or values == keys else self._cache(values)
+        return self.backend.attend(q, self._cache(keys), v_cache, self.group, scale=scale,
+                                   value_dim=value_dim, sinks=sinks, softcap=softcap)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                 sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Write ``k``/``v`` then attend: the common GQA case in one call."""
+        self.write(k=k, v=v)
+        return self.attend(q, scale=scale, sinks=sinks, softcap=softcap)
+
+    def _cache(self, name: str) -> torch.Tensor:
+        if name not in self.caches:
+            raise KeyError(f"layer cache has no buffer {name!r}; declared: "
+                           f"{', '.join(self.caches) or 'none'}")
+        return self.caches[name]

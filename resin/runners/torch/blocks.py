@@ -1,0 +1,122 @@
+"""Block functions Resin already has, in the shape models call them: ``fn(x, w, ctx)``.
+
+Owns the Llama-family blocks the built-in families run on and generated ``blocks.py`` files
+delegate to (so a fix here reaches every model that uses them): RMSNorm, GQA attention through
+the attention backend (optional q/k/v/o biases, optional per-head q/k RMSNorm before RoPE),
+the SwiGLU MLP, top-k softmax-routed MoE, the pre-norm residual decoder layer, and rotary
+tables from a config's rope parameters. ``w`` is the module's own tensors keyed relative to it
+(``q_proj.weight``); ``ctx`` a :class:`~.context.LayerContext`. Imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from resin.loading.rope import parse_rope_config, rope_inv_freq
+from resin.runners.torch.context import LayerContext
+from resin.runners.torch.layers import (
+    MoeWeights,
+    RotaryEmbedding,
+    apply_rotary,
+    moe_mlp,
+    rms_norm,
+    swiglu_mlp,
+)
+
+Weights = dict[str, torch.Tensor]
+Block = Callable[..., torch.Tensor]
+# The direct children of a pre-norm residual decoder layer (Llama's layout), in call order.
+PRENORM_CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def config_value(config: Any, name: str, default: Any = None) -> Any:
+    """``config.name`` for an HF config, a :class:`resin.loading.ModelConfig` or a dict."""
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def rms_norm_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """``LlamaRMSNorm``: fp32 normalisation, cast back, then the weight."""
+    return rms_norm(x, w["weight"], float(config_value(ctx.config, "rms_norm_eps")))
+
+
+def gqa_attention_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """q/k/v projections (optional biases), optional per-head q/k RMSNorm before RoPE (Qwen3),
+    RoPE, K/V written and attended through ``ctx.attention`` (the window is the layer's cache
+    group's), o projection."""
+    num_tokens, head_dim = x.shape[0], ctx.head_dim
+    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(num_tokens, -1, head_dim)
+    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(num_tokens, -1, head_dim)
+    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(num_tokens, -1, head_dim)
+    if "q_norm.weight" in w:
+        eps = float(config_value(ctx.config, "rms_norm_eps"))
+        q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
+    cos, sin = ctx.require_rotary()
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    out = ctx.require_attention()(q, k, v, scale=head_dim ** -0.5)
+    return F.linear(out.reshape(num_tokens, -1), w["o_proj.weight"], w.get("o_proj.bias"))
+
+
+def swiglu_mlp_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with optional biases."""
+    return swiglu_mlp(x, w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"],
+                      w.get("gate_proj.bias"), w.get("up_proj.bias"), w.get("down_proj.bias"))
+
+
+def topk_moe_block(expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                   renormalise: bool | None = None, router: str = "gate",
+                   num_experts_per_tok: int | None = None) -> Block:
+    """A top-k MoE block (``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``): router
+    ``{router}.weight``, experts ``experts.{e}.{gate,up,down}.weight`` under ``expert_names``;
+    renormalise the kept weights iff ``renormalise`` (None: ``config.norm_topk_prob``); keep
+    ``num_experts_per_tok`` experts (None: the config's)."""
+    gate_name, up_name, down_name = expert_names
+
+    def moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+        num_experts = sum(1 for k in w if k.startswith("experts.") and k.endswith(
+            f".{gate_name}.weight"))
+        norm = bool(config_value(ctx.config, "norm_topk_prob", False)) if renormalise is None \
+            else renormalise
+        moe = MoeWeights(
+            router=w[f"{router}.weight"],
+            gate=[w[f"experts.{e}.{gate_name}.weight"] for e in range(num_experts)],
+            up=[w[f"experts.{e}.{up_name}.weight"] for e in range(num_experts)],
+            down=[w[f"experts.{e}.{down_name}.weight"] for e in range(num_experts)],
+            num_experts_per_tok=num_experts_per_tok or int(config_value(ctx.config,
+                                                                        "num_experts_per_tok")),
+            norm_topk_prob=norm)
+        return moe_mlp(x, moe)
+
+    return moe_block
+
+
+def prenorm_decoder_layer(hidden: torch.Tensor, fns: dict[str, Block],
+                          weights: dict[str, Weights], ctx: LayerContext,
+                          emit: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+    """``h += self_attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))``."""
+    x = fns["input_layernorm"](hidden, weights["input_layernorm"], ctx)
+    emit("input_layernorm", x)
+    x = fns["self_attn"](x, weights["self_attn"], ctx)
+    emit("self_attn", x)
+    hidden = hidden + x
+    x = fns["post_attention_layernorm"](hidden, weights["post_attention_layernorm"], ctx)
+    emit("post_attention_layernorm", x)
+    x = fns["mlp"](x, weights["mlp"], ctx)
+    emit("mlp", x)
+    return hidden + x
+
+
+def rope_from_config(config: Any, head_dim: int, device: torch.device,
+                     default_theta: float = 10000.0) -> RotaryEmbedding:
+    """cos/sin tables from a config's rope parameters (default, linear, llama3, yarn; both the
+    ``rope_parameters`` and the ``rope_theta`` + ``rope_scaling`` spellings)."""
+    raw = config if isinstance(config, dict) else config.to_dict()
+    raw = {k: v for k, v in raw.items() if v is not None}
+    rope = parse_rope_config(raw, default_theta, int(raw.get("max_position_embeddings", 2048)))
+    inv_freq, attention_scaling = rope_inv_freq(rope, head_dim)
+    return RotaryEmbedding(inv_freq, attention_scaling, device)

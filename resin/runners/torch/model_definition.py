@@ -1,0 +1,125 @@
+"""What a model is to the shared paged runner: :class:`ModelDefinition` and its parts.
+
+Owns the description every torch model hands :class:`~.paged_runner.PagedRunner` — built-in
+families (:mod:`.llama_family`) and generated model directories (:mod:`.model_dir`) alike:
+
+- per layer (:class:`LayerDefinition`): its type and window, the decoder-layer function and
+  one function per child module, and what it caches (:class:`LayerCache`);
+- the rotary tables by layer type (several bases, partial rotary: each table is an object with
+  ``cos_sin(positions, dtype)``; key ``"*"`` serves every type not listed);
+- the model-level hooks, each ``fn(x, w, ctx)`` with ``w`` the checkpoint's non-layer tensors
+  (runner names: ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight``, ...):
+  ``embed(input_ids, w, ctx) -> hidden`` (scale, extra embeddings), ``pre_layers`` /
+  ``post_layers(hidden, w, ctx) -> hidden`` (e.g. hyper-connection streams ``[T, hc, D]`` in and
+  out), ``final_norm(hidden, w, ctx)``, ``logits(hidden, w, ctx) -> [T, vocab]`` (soft-capping).
+
+Decoder-layer functions are ``fn(hidden, fns, weights, ctx, emit) -> hidden``: ``hidden`` is
+token-major (``[T, D]``, or ``[T, hc, D]`` with hyper-connections); ``fns`` / ``weights`` are
+per child module name; ``emit(child, tensor)`` reports a parity checkpoint. Imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from resin._core import LayerCacheSpec
+
+Weights = dict[str, torch.Tensor]
+Hook = Callable[..., torch.Tensor]
+CACHE_KINDS = ("full", "sliding_window", "recurrent")
+
+
+@dataclass
+class LayerCache:
+    """What one layer keeps, and the engine spec for it.
+
+    ``buffers``: name -> per-token shape (e.g. ``{"k": (kv_heads, head_dim), "v": (...)}``, or
+    ``{"kv": (1, head_dim)}`` for a shared K = V cache, plus any extra per-token projections);
+    each becomes a ``[num_pages, page_size, *shape]`` tensor of ``dtype`` (default: the
+    runner's). ``kind`` is ``full`` / ``sliding_window`` (``window`` tokens) / ``recurrent``
+    (``state_bytes`` per request; the engine rejects recurrent groups until the hybrid pool).
+    """
+
+    kind: str = "full"
+    buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    window: int | None = None
+    dtype: torch.dtype | None = None
+    state_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in CACHE_KINDS:
+            raise ValueError(f"cache kind {self.kind!r}; known: {', '.join(CACHE_KINDS)}")
+        if self.kind == "sliding_window" and not self.window:
+            raise ValueError("a sliding_window cache needs a window (tokens)")
+        if self.kind != "recurrent" and not self.buffers:
+            raise ValueError(f"a {self.kind} cache declares no buffers")
+
+    def bytes_per_token(self, runner_dtype: torch.dtype) -> int:
+        itemsize = (self.dtype or runner_dtype).itemsize
+        return sum(math.prod(shape) for shape in self.buffers.values()) * itemsize
+
+    def spec(self, runner_dtype: torch.dtype) -> LayerCacheSpec:
+        if self.kind == "recurrent":
+            return LayerCacheSpec.recurrent(self.state_bytes)
+        per_token = self.bytes_per_token(runner_dtype)
+        if self.kind == "sliding_window":
+            assert self.window is not None
+            return LayerCacheSpec.sliding_window(self.window, per_token)
+        return LayerCacheSpec.full(per_token)
+
+
+def attention_cache(num_kv_heads: int, head_dim: int, window: int | None = None) -> LayerCache:
+    """The usual K and V cache of a (GQA) attention layer, windowed when ``window`` is set."""
+    buffers = {"k": (num_kv_heads, head_dim), "v": (num_kv_heads, head_dim)}
+    if window:
+        return LayerCache("sliding_window", buffers, window)
+    return LayerCache("full", buffers)
+
+
+@dataclass
+class LayerDefinition:
+    index: int
+    layer_type: str
+    window: int | None
+    decoder: Hook
+    children: dict[str, Hook]
+    cache: LayerCache
+
+
+def default_embed(input_ids: torch.Tensor, w: Weights, ctx: Any) -> torch.Tensor:
+    """``embed_tokens`` lookup."""
+    return F.embedding(input_ids, w["embed_tokens.weight"])
+
+
+def default_logits(hidden: torch.Tensor, w: Weights, ctx: Any) -> torch.Tensor:
+    """``lm_head`` (tied to ``embed_tokens`` when the checkpoint has no ``lm_head.weight``)."""
+    return F.linear(hidden, w.get("lm_head.weight", w["embed_tokens.weight"]))
+
+
+@dataclass
+class ModelDefinition:
+    """A model's functions and structure (see module doc). ``config`` is what blocks see as
+    ``ctx.config``; ``vocab_size`` sizes the sampler."""
+
+    name: str
+    architecture: str
+    config: Any
+    vocab_size: int
+    head_dim: int
+    layers: list[LayerDefinition]
+    rotary: dict[str, Any] = field(default_factory=dict)
+    embed: Hook = default_embed
+    pre_layers: Hook | None = None
+    post_layers: Hook | None = None
+    final_norm: Hook | None = None
+    logits: Hook = default_logits
+
+    def rotary_for(self, layer_type: str) -> Any:
+        """The rotary table object of one layer type (None: the model has none)."""
+        return self.rotary.get(layer_type, self.rotary.get("*"))

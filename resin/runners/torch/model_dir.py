@@ -1,0 +1,238 @@
+"""Model directories made by ``resin new-model``, run on the shared paged runner.
+
+Owns turning a model directory into a :class:`~.model_definition.ModelDefinition` and a
+runner, with no ``transformers`` at run time. A model directory holds only what is
+model-specific:
+
+- ``architecture.json`` — what the meta-model walk found when the directory was generated
+  (:class:`ModelRecord`): the architectures and model types it serves, the HF config class's
+  defaults (``config.json`` files omit keys equal to them), which HF class each child of a
+  layer of each kind uses, the final norm and rotary classes, the tensor name patterns of each
+  layer kind, and HF's keep-in-fp32 module patterns;
+- ``blocks.py`` — the model's math: ``BLOCKS`` (HF class -> function), ``ROTARY`` (HF class ->
+  table factory, returning one table or a dict by layer type), and optional hooks ``embed``,
+  ``pre_layers``, ``post_layers``, ``final_norm``, ``logits``, ``layer_cache`` (see
+  :mod:`.model_definition`);
+- ``weights.py`` (only where checkpoint names need renaming) — ``WEIGHT_MAP``;
+- ``parity.toml``, ``perf.toml``, ``NOTES.md``, tests, ``tiny/``.
+
+A layer's *kind* is ``"{layer_type}/{mlp_type}"``, computed from the checkpoint's own config
+by :mod:`resin.scaffold.layer_map` (pure Python), so a tiny checkpoint and the real one both
+find their layers' classes. Imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resin.runners.torch.attention import AttentionBackend
+from resin.runners.torch.model_definition import (
+    LayerCache,
+    LayerDefinition,
+    ModelDefinition,
+    attention_cache,
+    default_embed,
+    default_logits,
+)
+from resin.runners.torch.model_weights import load_model_weights
+from resin.runners.torch.paged_runner import PagedRunner
+from resin.scaffold.layer_map import cache_kind, layer_types_from_config, mlp_types_from_config
+
+ARCHITECTURE_FILE = "architecture.json"
+RECORD_FORMAT = 1
+HOOKS = ("embed", "pre_layers", "post_layers", "final_norm", "logits")
+
+
+class ModelArgs(types.SimpleNamespace):
+    """A checkpoint's ``config.json`` over its config class's recorded defaults, with attribute
+    access (``args.rms_norm_eps``) and ``to_dict()`` / ``get()`` like an HF config."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return vars(self).get(name, default)
+
+
+@dataclass
+class ModelRecord:
+    """``architecture.json``: see the module doc. ``layer_kinds`` maps a layer kind to
+    ``{"decoder": class, "children": {name: class}, "tensors": [relative patterns]}``."""
+
+    name: str
+    architectures: list[str]
+    model_types: list[str]
+    config_defaults: dict[str, Any]
+    layer_kinds: dict[str, dict[str, Any]]
+    norm: str | None
+    rotary: str | None
+    checkpoint_patterns: list[str]
+    windowed_layer_types: list[str] = field(default_factory=list)
+    keep_in_fp32: dict[str, list[str]] = field(default_factory=dict)
+    generated_from: str = ""
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> ModelRecord:
+        path = Path(model_dir) / ARCHITECTURE_FILE
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read {path}: {exc} (regenerate it with resin new-model)") \
+                from exc
+        if raw.get("format") != RECORD_FORMAT:
+            raise ValueError(f"{path}: format {raw.get('format')!r}, this Resin reads format "
+                             f"{RECORD_FORMAT} (regenerate it with resin new-model --force)")
+        fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        return cls(**fields)
+
+    def to_json(self) -> str:
+        data = {"format": RECORD_FORMAT, **{k: getattr(self, k)
+                                            for k in self.__dataclass_fields__}}
+        return json.dumps(data, indent=1, sort_keys=False) + "\n"
+
+
+def load_model_args(checkpoint_dir: str | Path, record: ModelRecord) -> ModelArgs:
+    """The checkpoint's config.json over the record's defaults. A per-layer default list whose
+    length does not match the checkpoint's layer count is dropped (it was derived for the
+    default depth), so derived lists come from the checkpoint or the layer_map rules."""
+    path = Path(checkpoint_dir) / "config.json"
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    num_layers = values.get("num_hidden_layers", record.config_defaults.get("num_hidden_layers"))
+    default_layers = record.config_defaults.get("num_hidden_layers")
+    defaults = {k: v for k, v in record.config_defaults.items()
+                if not (isinstance(v, list) and len(v) == default_layers != num_layers)}
+    return ModelArgs(**{**defaults, **values})
+
+
+def layer_kinds(args: Any, record: ModelRecord) -> list[tuple[str, int | None, str]]:
+    """(layer type, window, kind) of each layer of a checkpoint's config: a layer gets
+    ``config.sliding_window`` iff its type was windowed in the model the record was made from."""
+    types_ = layer_types_from_config(args)
+    mlps = mlp_types_from_config(args)
+    window = getattr(args, "sliding_window", None)
+    return [(layer_type, window if layer_type in record.windowed_layer_types else None,
+             f"{layer_type}/{mlp}") for (layer_type, _), mlp in zip(types_, mlps)]
+
+
+def head_dim_of(args: Any) -> int:
+    return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+
+
+def num_kv_heads_of(args: Any) -> int:
+    return int(getattr(args, "num_key_value_heads", None) or args.num_attention_heads)
+
+
+def default_layer_cache(layer_type: str, window: int | None, args: Any, head_dim: int,
+                        num_kv_heads: int) -> LayerCache:
+    """K and V per token for full and sliding layers; anything else must be declared in
+    ``blocks.layer_cache``."""
+    kind = cache_kind(layer_type, window)
+    if kind in ("full", "sliding_window"):
+        return attention_cache(num_kv_heads, head_dim, window if kind == "sliding_window"
+                               else None)
+    raise NotImplementedError(
+        f"layer type {layer_type!r} has no default cache ({kind}): write "
+        "blocks.layer_cache(layer_type, window, config, head_dim, num_kv_heads) returning a "
+        "resin.runners.torch.LayerCache (its per-token buffers, or a recurrent state)")
+
+
+def model_definition(name: str, record: ModelRecord, blocks: Any, args: ModelArgs,
+                     device: torch.device) -> ModelDefinition:
+    """The definition of one checkpoint (``args``) of a model directory (``record`` + ``blocks``)."""
+    head_dim = int(getattr(blocks, "head_dim")(args)) if hasattr(blocks, "head_dim") \
+        else head_dim_of(args)
+    num_kv_heads = num_kv_heads_of(args)
+    layer_cache = getattr(blocks, "layer_cache", default_layer_cache)
+    layers = []
+    for index, (layer_type, window, kind) in enumerate(layer_kinds(args, record)):
+        classes = record.layer_kinds.get(kind)
+        if classes is None:
+            raise ValueError(f"{name}: layer {index} is of kind {kind!r}, which "
+                             f"{ARCHITECTURE_FILE} does not know (known: "
+                             f"{', '.join(record.layer_kinds)}); regenerate with resin new-model "
+                             "from a config that has this layer kind")
+        layers.append(LayerDefinition(
+            index=index, layer_type=layer_type, window=window,
+            decoder=_block(blocks, classes["decoder"], name),
+            children={child: _block(blocks, cls, name)
+                      for child, cls in classes["children"].items()},
+            cache=layer_cache(layer_type, window, args, head_dim, num_kv_heads)))
+    rotary: dict[str, Any] = {}
+    if record.rotary is not None:
+        factories = getattr(blocks, "ROTARY", {})
+        if record.rotary not in factories:
+            raise KeyError(f"{name}: blocks.ROTARY has no entry for {record.rotary!r}")
+        tables = factories[record.rotary](args, head_dim, device)
+        rotary = dict(tables) if isinstance(tables, dict) else {"*": tables}
+    final_norm = getattr(blocks, "final_norm", None)
+    if final_norm is None and record.norm is not None:
+        final_norm = _block(blocks, record.norm, name)
+    return ModelDefinition(
+        name=name, architecture=record.architectures[0], config=args,
+        vocab_size=int(args.vocab_size), head_dim=head_dim, layers=layers, rotary=rotary,
+        embed=getattr(blocks, "embed", default_embed),
+        pre_layers=getattr(blocks, "pre_layers", None),
+        post_layers=getattr(blocks, "post_layers", None),
+        final_norm=final_norm, logits=getattr(blocks, "logits", default_logits))
+
+
+def _block(blocks: Any, cls_name: str, name: str) -> Any:
+    table = getattr(blocks, "BLOCKS", {})
+    if cls_name not in table:
+        raise KeyError(f"{name}: no block function for HF class {cls_name!r} in blocks.py; "
+                       f"known: {', '.join(table)} (add one to BLOCKS)")
+    return table[cls_name]
+
+
+class ModelDirRunner(PagedRunner):
+    """A model directory's runner: the shared paged runner on its blocks and record."""
+
+    model_dir: Path
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, checkpoint_dir: str | os.PathLike[str], *,
+                       name: str | None = None, device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32,
+                       attention_backend: str | AttentionBackend | None = None,
+                       ) -> ModelDirRunner:
+        """Load ``checkpoint_dir`` with the model directory ``model_dir``'s blocks."""
+        from resin.evals.model_ref import import_model_module
+
+        model_dir = Path(model_dir)
+        name = name or model_dir.resolve().name
+        record = ModelRecord.load(model_dir)
+        args = load_model_args(checkpoint_dir, record)
+        architecture = (getattr(args, "architectures", None) or [None])[0]
+        if architecture not in record.architectures and \
+                getattr(args, "model_type", None) not in record.model_types:
+            raise ValueError(f"{checkpoint_dir} is a {architecture or args.model_type} "
+                             f"checkpoint; {model_dir} runs {', '.join(record.architectures)}")
+        blocks = import_model_module(model_dir, "blocks", name)
+        weight_map = {}
+        if (model_dir / "weights.py").is_file():
+            weight_map = dict(getattr(import_model_module(model_dir, "weights", name),
+                                      "WEIGHT_MAP", {}))
+        device = torch.device(device)
+        definition = model_definition(name, record, blocks, args, device)
+        kinds = [kind for _, _, kind in layer_kinds(args, record)]
+        dtype_name = str(dtype).removeprefix("torch.")
+        weights = load_model_weights(
+            checkpoint_dir, len(definition.layers), weight_map=weight_map,
+            known_patterns=record.checkpoint_patterns,
+            required=lambda i: record.layer_kinds[kinds[i]].get("tensors", []),
+            keep_in_fp32=record.keep_in_fp32.get(dtype_name, []), device=device, dtype=dtype)
+        runner = cls(definition, weights, device, dtype, attention_backend)
+        runner.model_dir = model_dir
+        return runner

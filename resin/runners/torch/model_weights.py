@@ -1,0 +1,140 @@
+"""A model's tensors as the shared paged runner holds them, and the one loader behind them.
+
+Owns :class:`ModelWeights` (non-layer tensors by runner name, per-layer dicts keyed relative to
+the layer) and :func:`load_model_weights`, which reads a checkpoint's safetensors for any model:
+each checkpoint name is renamed by the model's weight map (a pattern with ``{layer}`` /
+``{expert}`` placeholders; names the map does not list keep the checkpoint name minus the
+``model.`` prefix), and cast by the dtype rules every runner shares:
+
+- floating tensors go to the runner's dtype, except names matching the model's
+  keep-in-fp32 patterns (HF's ``_keep_in_fp32_modules`` for fp16, ``..._strict`` for fp16 and
+  bf16: substring match on the checkpoint name, as HF's dtype plan), which load as fp32;
+- integer tensors (hash-routing tables, index buffers) keep their dtype: never cast to float.
+
+Guarantees: a missing required tensor raises :class:`resin.loading.weights.WeightsError` naming
+the layer and the tensor before anything is copied. Shapes are the blocks' to check (a built-in
+family checks them against its parsed config first, :mod:`resin.loading.weights`). Imports torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from resin.loading.weights import SUPPORTED_DTYPES, WeightsError, locate_tensors
+from resin.scaffold.layer_map import name_pattern
+
+
+@dataclass
+class ModelWeights:
+    """``globals``: runner name -> tensor outside the decoder layers; ``layers[i]``: name
+    relative to layer i (``self_attn.q_proj.weight``) -> tensor; ``unused``: checkpoint names
+    not loaded."""
+
+    globals: dict[str, torch.Tensor]
+    layers: list[dict[str, torch.Tensor]]
+    unused: list[str] = field(default_factory=list)
+
+    def module(self, layer: int, child: str) -> dict[str, torch.Tensor]:
+        """One layer child's tensors keyed relative to it (``q_proj.weight``)."""
+        return _relative(self.layers[layer], child)
+
+    def global_module(self, name: str) -> dict[str, torch.Tensor]:
+        """A non-layer module's tensors keyed relative to it (``norm`` -> ``{"weight": ...}``)."""
+        return _relative(self.globals, name)
+
+    @classmethod
+    def from_flat(cls, tensors: Mapping[str, torch.Tensor], num_layers: int,
+                  rename: Callable[[str], str] | None = None) -> ModelWeights:
+        """Group checkpoint-named tensors (``model.layers.3.mlp...``) by layer."""
+        out = cls({}, [{} for _ in range(num_layers)])
+        for name, tensor in tensors.items():
+            out._place(rename(name) if rename else default_runner_name(name), tensor)
+        return out
+
+    def _place(self, runner_name: str, tensor: torch.Tensor) -> None:
+        if runner_name.startswith("layers."):
+            index, rest = runner_name[len("layers."):].split(".", 1)
+            if int(index) >= len(self.layers):
+                raise WeightsError(f"tensor {runner_name}: layer {index} is past the "
+                                   f"{len(self.layers)} layers of config.json")
+            self.layers[int(index)][rest] = tensor
+        else:
+            self.globals[runner_name] = tensor
+
+
+def _relative(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    start = prefix + "."
+    return {k[len(start):]: v for k, v in tensors.items() if k.startswith(start)}
+
+
+def default_runner_name(checkpoint_name: str) -> str:
+    """The runner's name for a checkpoint tensor no map renames: without the ``model.`` prefix."""
+    return checkpoint_name[len("model."):] if checkpoint_name.startswith("model.") \
+        else checkpoint_name
+
+
+def load_model_weights(checkpoint_dir: str | Path, num_layers: int, *,
+                       weight_map: Mapping[str, str] | None = None,
+                       known_patterns: Iterable[str] | None = None,
+                       required: Callable[[int], Iterable[str]] | None = None,
+                       keep_in_fp32: Iterable[str] = (),
+                       device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32) -> ModelWeights:
+    """Every tensor of the checkpoint the model knows, renamed and cast (see module doc).
+
+    ``known_patterns``: checkpoint name patterns the model has (others are left in ``unused``
+    with one warning, e.g. MTP layers); None loads everything. ``required(layer)``: patterns
+    (relative to ``model.layers.{layer}.``, ``{expert}`` allowed) that layer must have.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise WeightsError(f"unsupported dtype {dtype}; supported: "
+                           f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    directory = Path(checkpoint_dir)
+    files = locate_tensors(directory)
+    mapping = dict(weight_map or {})
+    known = None if known_patterns is None else set(known_patterns)
+    chosen: dict[str, str] = {}
+    unused: list[str] = []
+    present: dict[int, set[str]] = {}
+    for name in files:
+        pattern, layer, expert = name_pattern(name)
+        if (known is not None and pattern not in known) or \
+                (layer is not None and layer >= num_layers):   # e.g. MTP layers past the stack
+            unused.append(name)
+            continue
+        target = mapping.get(pattern)
+        chosen[name] = target.format(layer=layer, expert=expert) if target \
+            else default_runner_name(name)
+        if layer is not None:
+            relative = pattern.split("layers.{layer}.", 1)[1]
+            present.setdefault(layer, set()).add(relative)
+    if required is not None:
+        for layer in range(num_layers):
+            missing = sorted(set(required(layer)) - present.get(layer, set()))
+            if missing:
+                raise WeightsError(f"{directory}: layer {layer} is missing tensor(s) "
+                                   f"{', '.join('model.layers.%d.' % layer + m for m in missing[:5])}"
+                                   " (its layer kind has them)")
+    if unused:
+        warnings.warn(f"{directory}: {len(unused)} checkpoint tensor(s) the model does not use, "
+                      f"not loaded (first: {sorted(unused)[0]})", stacklevel=2)
+    fp32_patterns = tuple(keep_in_fp32)
+    out = ModelWeights({}, [{} for _ in range(num_layers)], sorted(unused))
+    by_file: dict[Path, list[str]] = {}
+    for name in chosen:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt", device=str(device)) as handle:
+            for name in names:
+                tensor = handle.get_tensor(name)
+                if tensor.is_floating_point():
+                    keep = any(p in name for p in fp32_patterns)
+                    tensor = tensor.to(dtype=torch.float32 if keep else dtype)
+                out._place(chosen[name], tensor)
+    return out

@@ -1,0 +1,162 @@
+"""The shared paged runner: what every torch runner does, for any :class:`ModelDefinition`.
+
+Owns, once for all models (built-in families and generated model directories alike):
+
+- the plan plumbing: plan arrays -> tensors once per step (:class:`~.step_inputs.StepInputs`),
+  the attention backend planned once per step (:mod:`.attention`), rotary tables evaluated once
+  per step and table;
+- the paged caches: ``cache_spec()`` from each layer's :class:`~.model_definition.LayerCache`,
+  ``bind_cache(layout)`` allocating each declared buffer as ``[num_pages, page_size, *shape]``
+  (zeroed: page 0, the null page, reads as zeros);
+- the forward: ``embed`` -> ``pre_layers`` -> every decoder layer -> ``post_layers`` ->
+  ``final_norm`` -> ``logits`` -> the :class:`resin.sampling.Sampler`;
+- parity capture: set ``runner.capture`` to a dict (or a callable ``(name, tensor)``) and each
+  forward reports ``model.embed_tokens``, per layer ``model.layers.{i}.<child>`` (what the
+  decoder function emits) and ``model.layers.{i}``, ``model.norm`` and ``lm_head`` —
+  transformers' module names, each over all of the step's tokens (logits then come for every
+  token, not only the sampled ones).
+
+A model never edits this file: a fix here reaches every model. Imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
+from resin.runners.torch.attention import AttentionBackend, LayerAttention, make_attention_backend
+from resin.runners.torch.context import LayerContext
+from resin.runners.torch.model_definition import ModelDefinition
+from resin.runners.torch.model_weights import ModelWeights
+from resin.runners.torch.step_inputs import StepInputs
+from resin.sampling import Sampler
+
+Capture = Callable[[str, torch.Tensor], None] | dict[str, torch.Tensor]
+
+
+class PagedRunner:
+    """Runs one model for the engine. Subclasses add ``from_pretrained``."""
+
+    def __init__(self, model: ModelDefinition, weights: ModelWeights, device: torch.device,
+                 dtype: torch.dtype, attention_backend: str | AttentionBackend | None = None):
+        self.model = model
+        self.config = model.config
+        self.weights = weights
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.attention_backend = make_attention_backend(attention_backend)
+        self.child_weights = [{child: weights.module(layer.index, child)
+                               for child in layer.children} for layer in model.layers]
+        self.sampler = Sampler(model.vocab_size, self.device)
+        self.capture: Capture | None = None
+        self.layer_caches: list[dict[str, torch.Tensor]] = []
+        self.group_of_layer: list[int] = []
+        self.group_windows: list[int | None] = []
+        self.page_size = 0
+
+    # -- cache ---------------------------------------------------------------------------
+
+    def cache_spec(self) -> list[LayerCacheSpec]:
+        """One spec per layer, from the layer's cache declaration."""
+        return [layer.cache.spec(self.dtype) for layer in self.model.layers]
+
+    def bind_cache(self, layout: CacheLayout) -> None:
+        """Allocate every layer's declared buffers: ``[num_pages, page_size, *shape]``, zeroed."""
+        self.layer_caches = []
+        for layer in self.model.layers:
+            cache = layer.cache
+            self.layer_caches.append({
+                name: torch.zeros((layout.num_pages, layout.page_size, *shape),
+                                  dtype=cache.dtype or self.dtype, device=self.device)
+                for name, shape in cache.buffers.items()})
+        self.group_of_layer = [layout.group_of_layer(i) for i in range(len(self.model.layers))]
+        self.group_windows = [group.spec.window if group.spec.kind == "sliding_window" else None
+                              for group in layout.groups]
+        self.page_size = layout.page_size
+
+    # -- forward -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan) -> ForwardOutput:
+        if not self.layer_caches:
+            raise RuntimeError(f"{type(self).__name__}.forward before bind_cache: create the "
+                               "runner's resin.Engine first (it calls bind_cache)")
+        model, globals_ = self.model, self.weights.globals
+        self.sampler.begin_step(plan)
+        step = StepInputs.from_plan(plan, self.device)
+        self.attention_backend.begin_step(step, self.group_windows, self.page_size)
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        top = self._context(step, -1)
+
+        hidden = model.embed(step.input_ids, globals_, top)
+        self._emit("model.embed_tokens", hidden)
+        if model.pre_layers is not None:
+            hidden = model.pre_layers(hidden, globals_, top)
+        for layer in model.layers:
+            ctx = self._context(step, layer.index, tables)
+            emit = self._layer_emitter(layer.index)
+            hidden = layer.decoder(hidden, layer.children, self.child_weights[layer.index], ctx,
+                                   emit)
+            self._emit(f"model.layers.{layer.index}", hidden)
+        if model.post_layers is not None:
+            hidden = model.post_layers(hidden, globals_, top)
+
+        last = step.last_token_indices
+        if self.capture is not None:
+            normed = self._final_norm(hidden, top)
+            self._emit("model.norm", normed)
+            all_logits = model.logits(normed, globals_, top)
+            self._emit("lm_head", all_logits)
+            logits = all_logits[last]
+        else:
+            logits = model.logits(self._final_norm(hidden[last], top), globals_, top)
+        return self.sampler.sample(logits.float(), plan, step.sample_rows)
+
+    def _context(self, step: StepInputs, index: int,
+                 tables: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 ) -> LayerContext:
+        ctx = LayerContext(index=index, config=self.config, head_dim=self.model.head_dim,
+                           dtype=self.dtype, input_ids=step.input_ids, positions=step.positions)
+        if index < 0 or tables is None:
+            return ctx
+        layer = self.model.layers[index]
+        group = self.group_of_layer[index]
+        ctx.layer_type, ctx.window = layer.layer_type, layer.window
+        ctx.rotary = self.model.rotary_for(layer.layer_type)
+        if ctx.rotary is not None:
+            key = id(ctx.rotary)   # one evaluation per table per step, shared by its layers
+            if key not in tables:
+                tables[key] = ctx.rotary.cos_sin(step.positions, self.dtype)
+            ctx.cos, ctx.sin = tables[key]
+        ctx.caches = self.layer_caches[index]
+        if ctx.caches:
+            ctx.attention = LayerAttention(self.attention_backend, group,
+                                           step.slot_mappings[group], ctx.caches)
+        return ctx
+
+    def _final_norm(self, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        if self.model.final_norm is None:
+            return hidden
+        return self.model.final_norm(hidden, self.weights.global_module("norm"), ctx)
+
+    def _layer_emitter(self, index: int) -> Callable[[str, torch.Tensor], None]:
+        def emit(child: str, tensor: torch.Tensor) -> None:
+            self._emit(f"model.layers.{index}.{child}", tensor)
+        return emit
+
+    def _emit(self, name: str, tensor: torch.Tensor) -> None:
+        if self.capture is None:
+            return
+        if isinstance(self.capture, dict):
+            self.capture[name] = tensor.detach().clone()
+        else:
+            self.capture(name, tensor)
+
+    def describe(self) -> dict[str, Any]:
+        """A short summary for logs: model, layers, backend, dtype, device."""
+        return {"model": self.model.name, "architecture": self.model.architecture,
+                "num_layers": len(self.model.layers), "attention_backend":
+                self.attention_backend.name, "dtype": str(self.dtype), "device": str(self.device)}

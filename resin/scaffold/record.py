@@ -1,0 +1,87 @@
+"""The model record (``architecture.json``) a generated model directory carries.
+
+Owns :func:`model_record`: from an :class:`~resin.scaffold.inspect.Architecture` (the meta-model
+walk, run once at generation time) to the :class:`resin.runners.torch.model_dir.ModelRecord` the
+shared runner reads at run time instead of importing ``transformers``: the config class's
+defaults, each layer kind's HF classes and tensor patterns, the final-norm and rotary classes,
+every checkpoint tensor pattern of the model, and HF's keep-in-fp32 module patterns per dtype.
+Imports transformers (for the config class defaults and the model class's fp32 attributes).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from resin.scaffold.inspect import Architecture
+from resin.scaffold.layer_map import mlp_types_from_config, name_pattern
+
+
+def model_record(arch: Architecture, name: str, source: str) -> Any:
+    """The record of ``arch`` (see module doc); raises ValueError when two layers of one kind
+    use different classes (the kind rule cannot tell them apart)."""
+    from resin.runners.torch.model_dir import ModelRecord
+
+    mlp_types = mlp_types_from_config(arch.config)
+    kinds: dict[str, dict[str, Any]] = {}
+    layer_patterns = _layer_patterns(arch)
+    for layer, mlp_type in zip(arch.layers, mlp_types):
+        kind = f"{layer.layer_type}/{mlp_type}"
+        entry = {"decoder": layer.decoder.cls_name,
+                 "children": {child: info.cls_name for child, info in layer.children.items()},
+                 "tensors": sorted(layer_patterns.get(layer.index, set()))}
+        known = kinds.setdefault(kind, entry)
+        if known["decoder"] != entry["decoder"] or known["children"] != entry["children"]:
+            raise ValueError(f"layers of kind {kind!r} use different classes ({known} vs "
+                             f"{entry} at layer {layer.index}): the scaffold cannot tell them "
+                             "apart from the config")
+    patterns = sorted({name_pattern(n)[0] for n in arch.checkpoint_shapes} | {"lm_head.weight"})
+    return ModelRecord(
+        name=name, architectures=[arch.architecture], model_types=[arch.model_type],
+        config_defaults=config_defaults(arch.config), layer_kinds=kinds,
+        norm=arch.norm.cls_name if arch.norm else None,
+        rotary=arch.rotary.cls_name if arch.rotary else None,
+        checkpoint_patterns=patterns,
+        windowed_layer_types=sorted({layer.layer_type for layer in arch.layers if layer.window}),
+        keep_in_fp32=keep_in_fp32_patterns(arch.architecture),
+        generated_from=source)
+
+
+def config_defaults(config: Any) -> dict[str, Any]:
+    """The config class's own defaults (what ``save_pretrained`` leaves out of config.json),
+    JSON-serialisable values only."""
+    try:
+        defaults = type(config)().to_dict()
+    except Exception:  # noqa: BLE001 - a config class that needs arguments: keep none
+        defaults = {}
+    for key in ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+        defaults.pop(key, None)
+    return {k: v for k, v in defaults.items() if _is_json(v)}
+
+
+def keep_in_fp32_patterns(architecture: str) -> dict[str, list[str]]:
+    """HF's dtype plan for the model class: names kept in fp32 when loading in fp16 / bf16
+    (``_keep_in_fp32_modules`` for fp16, ``_keep_in_fp32_modules_strict`` for both)."""
+    import transformers
+
+    model_cls = getattr(transformers, architecture, None)
+    loose = sorted(getattr(model_cls, "_keep_in_fp32_modules", None) or ())
+    strict = sorted(getattr(model_cls, "_keep_in_fp32_modules_strict", None) or ())
+    return {"float16": sorted(set(loose) | set(strict)), "bfloat16": strict}
+
+
+def _layer_patterns(arch: Architecture) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for checkpoint_name in arch.checkpoint_shapes:
+        pattern, layer, _ = name_pattern(checkpoint_name)
+        if layer is not None and "layers.{layer}." in pattern:
+            out.setdefault(layer, set()).add(pattern.split("layers.{layer}.", 1)[1])
+    return out
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
