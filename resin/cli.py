@@ -1,9 +1,10 @@
-"""The ``resin`` command line (typer): ``version``, ``info``, ``generate`` and the ``eval`` group.
+"""The ``resin`` command line (typer): ``version``, ``info``, ``models``, ``generate``, ``serve``,
+``new-model``, ``bench`` and the ``eval`` group.
 
-Later issues add serve, new-model and bench. Importing this module (and ``import resin``) never
-imports torch: commands that need it import what they use inside the command function. The
-``eval`` sub-commands live in ``resin.evals.cli`` (a typer app named ``eval_app``) and are
-registered only when that module imports.
+Importing this module (and ``import resin``) never imports torch: commands that need it import
+what they use inside the command function. Every command that runs a model resolves its runner
+through the model registry (:mod:`resin.registry`). The ``eval`` sub-commands live in
+``resin.evals.cli`` (a typer app named ``eval_app``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,24 @@ def info() -> None:
 
 
 @app.command()
+def models(
+    models_dir: list[Path] | None = typer.Option(None, "--models-dir", help="Directory of model "
+                                                 "directories to register (repeatable)."),
+) -> None:
+    """List the registered models (user directories, shipped models, built-in families) and the
+    architectures each one runs, in lookup order."""
+    from resin.registry import ModelRegistry
+
+    try:
+        registry = ModelRegistry(models_dir or ())
+    except ValueError as exc:   # a broken architecture.json
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    for line in registry.describe():
+        typer.echo(line)
+
+
+@app.command()
 def generate(
     model: Path = typer.Argument(..., help="Checkpoint directory (config.json, safetensors, "
                                  "tokenizer.json)."),
@@ -58,14 +77,25 @@ def generate(
                               "chat template."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    runner: str | None = typer.Option(None, "--runner", help="Runner (default: the model "
+                                      "registry's for the checkpoint's architecture): torch, "
+                                      "a registered model name, a model directory, or "
+                                      "module:Class."),
+    models_dir: list[Path] | None = typer.Option(None, "--models-dir", help="Directory of model "
+                                                 "directories to register (repeatable)."),
+    attention_backend: str | None = typer.Option(None, "--attention-backend",
+                                                 help="Attention backend of the torch runners "
+                                                 "(default: reference)."),
 ) -> None:
     """Generate text from MODEL for one prompt and print it."""
     import resin
     from resin.llm import LLM
 
     try:
-        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1)
-    except (FileNotFoundError, ValueError) as exc:  # missing files, unsupported architecture
+        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1, runner=runner,
+                  models_dirs=models_dir or (), attention_backend=attention_backend)
+    except (FileNotFoundError, ValueError, KeyError, NotImplementedError) as exc:
+        # missing files, an architecture no registered model runs, an unfinished model
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from exc
     settings: dict[str, Any] = {**llm.tokenizer.sampling_defaults, "max_tokens": max_tokens}

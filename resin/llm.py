@@ -119,9 +119,10 @@ class LLM:
             # A runner without cache_spec (scripted, null) stores nothing: size as one small
             # layer so the pool still holds full-length sequences.
             specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
+            num_groups = len({(s.kind, s.window, s.bytes_per_token) for s in specs}) or 1
             settings["num_pages"] = default_num_pages(
                 [s.bytes_per_token for s in specs] or [1], settings["page_size"],
-                settings["max_model_len"], settings["max_num_seqs"], kv_cache_bytes)
+                settings["max_model_len"], settings["max_num_seqs"], kv_cache_bytes, num_groups)
         return EngineConfig(**settings)
 
     # -- generation -------------------------------------------------------------------------
@@ -223,11 +224,12 @@ class LLM:
 
 
 def default_num_pages(bytes_per_token: Sequence[int], page_size: int, max_model_len: int,
-                      max_num_seqs: int, kv_cache_bytes: int) -> int:
+                      max_num_seqs: int, kv_cache_bytes: int, num_groups: int = 1) -> int:
     """Pages for the cache pool: all ``max_num_seqs`` sequences at full length if that fits in
-    ``kv_cache_bytes`` (a page holds ``page_size`` tokens of every layer), else as many as fit,
-    but at least one full-length sequence; plus the null page."""
-    pages_per_seq = math.ceil(max_model_len / page_size)
+    ``kv_cache_bytes`` (a page id holds ``page_size`` tokens of every layer: each layer's buffer
+    has one slot row per page), else as many as fit, but at least one full-length sequence; plus
+    the null page. A sequence takes pages in each of the ``num_groups`` cache groups."""
+    pages_per_seq = num_groups * math.ceil(max_model_len / page_size)
     page_bytes = max(1, page_size * sum(bytes_per_token))
     fit = kv_cache_bytes // page_bytes
     return 1 + max(pages_per_seq, min(pages_per_seq * max_num_seqs, fit))

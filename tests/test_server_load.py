@@ -20,7 +20,8 @@ import pytest
 
 from resin.runners.scripted import CyclingRunner
 from resin.server.context import ServerOptions
-from resin.server.serve import NULL_RUNNER_TEXT, build_context
+from resin.registry import NULL_RUNNER_TEXT
+from resin.server.serve import build_context
 from resin.tokenizer import Tokenizer
 from tests.server_harness import LiveServer
 

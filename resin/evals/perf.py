@@ -152,6 +152,17 @@ def _usage_error(message: str) -> typer.Exit:
     return typer.Exit(EXIT_USAGE)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _machine_device() -> str:
+    """``cuda`` when this machine has a CUDA device, else ``cpu``."""
+    return "cuda" if _cuda_available() else "cpu"
+
+
 def _default_out_dir(model: str) -> Path:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     out, n = DEFAULT_REPORTS_DIR / f"{model}-{stamp}", 1
@@ -192,6 +203,8 @@ def bench(
     num_threads: Annotated[int | None, typer.Option(
         help="CPU only: torch threads (default: torch's). 1 is steadier on a shared machine.")
     ] = None,
+    attention_backend: Annotated[str | None, typer.Option(
+        help="Attention backend of the torch runners (default: reference).")] = None,
 ) -> None:
     """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
 
@@ -218,12 +231,17 @@ def bench(
         shapes=chosen, repeats=_first(repeats, spec.repeats, DEFAULT_REPEATS),
         warmup=_first(warmup, spec.warmup, DEFAULT_WARMUP),
         threshold=_first(threshold, spec.threshold, DEFAULT_THRESHOLD),
-        device=_first(device, spec.device, "cpu"), dtype=_first(dtype, spec.dtype, "float32"),
+        device=_first(device, spec.device, _machine_device()),
+        dtype=_first(dtype, spec.dtype, "float32"),
         num_threads=_first(num_threads, spec.num_threads, 0) or None, confirm=confirm)
     if settings.dtype not in DTYPE_BYTES:
         raise _usage_error(f"--dtype {settings.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     if not (settings.device == "cpu" or settings.device.startswith("cuda")):
         raise _usage_error(f"--device {settings.device!r}: use cpu or cuda[:N]")
+    if settings.device.startswith("cuda") and not _cuda_available():
+        where = "--device" if device is not None else f"{spec.source or 'perf.toml'} [reference] device"
+        raise _usage_error(f"{where} = {settings.device!r}, but this machine has no CUDA device: "
+                           "pass --device cpu (and --dtype float32 for the CPU reference runner)")
     if settings.repeats < 2 or min(settings.warmup, settings.threshold, confirm) < 0:
         raise _usage_error("--repeats must be >= 2 (the noise needs two samples); --warmup, "
                            "--threshold and --confirm >= 0")
@@ -242,6 +260,7 @@ def bench(
                           "--warmup", str(settings.warmup)]
                          + ([] if settings.num_threads is None
                             else ["--num-threads", str(settings.num_threads)]))
+    ref.attention_backend = attention_backend
     try:
         factory = ref.runner_factory(settings.device, settings.dtype)
         report = run_bench(ref.name, settings, lambda: factory(str(checkpoint_dir)),

@@ -14,7 +14,18 @@ import json
 from typing import Any
 
 from resin.scaffold.inspect import Architecture
-from resin.scaffold.layer_map import mlp_types_from_config, name_pattern
+from resin.scaffold.layer_map import mlp_types_from_config, name_pattern, pattern_shapes
+
+
+# HF config keys that say nothing about the model's math.
+BOOKKEEPING_KEYS = ("architectures", "transformers_version", "_name_or_path", "dtype",
+                    "torch_dtype", "id2label", "label2id", "problem_type", "return_dict",
+                    "output_hidden_states", "output_attentions", "chunk_size_feed_forward",
+                    "is_encoder_decoder", "use_cache", "output_router_logits",
+                    "router_aux_loss_coef", "initializer_range", "tokenizer_class", "prefix",
+                    "task_specific_params", "finetuning_task", "cross_attention_hidden_size",
+                    "add_cross_attention", "tf_legacy_loss", "pruned_heads", "torchscript",
+                    "use_bfloat16")
 
 
 def model_record(arch: Architecture, name: str, source: str) -> Any:
@@ -42,9 +53,18 @@ def model_record(arch: Architecture, name: str, source: str) -> Any:
         norm=arch.norm.cls_name if arch.norm else None,
         rotary=arch.rotary.cls_name if arch.rotary else None,
         checkpoint_patterns=patterns,
+        source_shapes=source_shapes(arch),
         windowed_layer_types=sorted({layer.layer_type for layer in arch.layers if layer.window}),
         keep_in_fp32=keep_in_fp32_patterns(arch.architecture),
         generated_from=source)
+
+
+def source_shapes(arch: Architecture) -> dict[str, list[list[Any]]]:
+    """Checkpoint name pattern -> ``[[shape, [layers having it]], ...]`` of the model the record
+    was generated from (layer -1: not a layer tensor), so a real checkpoint's safetensors
+    headers can be checked against it without loading anything."""
+    return {pattern: [[list(shape), layers] for shape, layers in by_shape.items()]
+            for pattern, by_shape in pattern_shapes(arch.checkpoint_shapes).items()}
 
 
 def config_defaults(config: Any) -> dict[str, Any]:
@@ -54,7 +74,7 @@ def config_defaults(config: Any) -> dict[str, Any]:
         defaults = type(config)().to_dict()
     except Exception:  # noqa: BLE001 - a config class that needs arguments: keep none
         defaults = {}
-    for key in ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+    for key in BOOKKEEPING_KEYS:
         defaults.pop(key, None)
     return {k: v for k, v in defaults.items() if _is_json(v)}
 

@@ -17,10 +17,16 @@ def serve(
                                           "safetensors, tokenizer.json).")],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    runner: Annotated[str, typer.Option(
-        help="Runner: 'torch' (reference runner), 'null' (no model compute: emits fixed "
-             "ordinary tokens, for measuring the server), a model name under models/, or "
-             "'module:Class'.")] = "torch",
+    runner: Annotated[str | None, typer.Option(
+        help="Runner (default: the model registry's for the checkpoint's architecture): "
+             "'torch' (the built-in reference runner), 'null' (no model compute: emits fixed "
+             "ordinary tokens, for measuring the server), a registered model name, a model "
+             "directory, or 'module:Class'.")] = None,
+    models_dir: Annotated[list[Path] | None, typer.Option(
+        "--models-dir", help="Directory of model directories (made by resin new-model) to "
+        "register, or one model directory (repeatable; also $RESIN_MODELS_PATH).")] = None,
+    attention_backend: Annotated[str | None, typer.Option(
+        help="Attention backend of the torch runners (default: reference).")] = None,
     served_model_name: Annotated[list[str] | None, typer.Option(
         "--served-model-name", help="Name(s) clients use in 'model' (repeatable); the first "
         "is reported by /v1/models. Default: the MODEL path.")] = None,
@@ -77,11 +83,12 @@ def serve(
                             trust_request_chat_template=trust_request_chat_template)
     try:
         ctx = build_context(model, runner=runner, options=options, device=device, dtype=dtype,
-                            kv_cache_bytes=kv_cache_memory_bytes, **engine_config)
-    except (FileNotFoundError, ValueError, TypeError) as exc:
+                            kv_cache_bytes=kv_cache_memory_bytes, models_dirs=models_dir or (),
+                            attention_backend=attention_backend, **engine_config)
+    except (FileNotFoundError, ValueError, TypeError, KeyError, NotImplementedError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     typer.echo(f"resin: serving {model} as {options.served_model_names[0]!r} on "
-               f"http://{host}:{port} (runner {runner}, tool parser {options.tool_parser}, "
+               f"http://{host}:{port} (runner {type(ctx.loop.runner).__name__}, tool parser {options.tool_parser}, "
                f"reasoning parser {options.reasoning_parser})", err=True)
     run_server(ctx, host, port, log_level)

@@ -1,16 +1,17 @@
 """Building a server: checkpoint + runner + options → :class:`ServerContext` → uvicorn.
 
 ``build_context(model_dir, runner=..., options=..., **engine_config)`` loads the checkpoint the
-way :class:`resin.LLM` does (tokenizer, chat template, engine defaults), so the server and the
-offline API build identical prompts and engines. ``runner`` is ``"torch"`` (the reference
-runner), ``"null"`` (a :class:`~resin.runners.scripted.CyclingRunner` over ordinary tokens:
-no model compute, for measuring the server), a model name under ``models/``, ``module:Class``,
-or a runner object. Tool and reasoning parsers default from ``config.json``'s ``model_type``.
+way :class:`resin.LLM` does (tokenizer, chat template, the registry's runner, engine defaults),
+so the server and the offline API build identical prompts and engines. ``runner`` is None (the
+model registry picks the checkpoint's runner, :mod:`resin.registry`), a runner spec as
+``--runner`` takes (``torch``, ``null`` — no model compute, for measuring the server —, a
+registered model name, a model directory, ``module:Class``), or a runner object. Tool and
+reasoning parsers default from ``config.json``'s ``model_type``.
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,44 +22,17 @@ from resin.server.generation import Generator
 from resin.server.parsers import REASONING_PARSERS, TOOL_PARSERS, default_parsers
 
 GIL_SWITCH_INTERVAL_S = 0.0005
-NULL_RUNNER_TEXT = " the quick brown fox jumps over the lazy dog and"
 
 
-def make_runner(spec: Any, model_dir: Path, device: str, dtype: str) -> Any:
-    """A runner object from ``--runner``: torch, null, a models/ name, or module:Class."""
-    if not isinstance(spec, str):
-        return spec
-    if spec == "torch":
-        return None  # LLM builds the reference runner
-    if spec == "null":
-        from resin.runners.scripted import CyclingRunner
-        from resin.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_pretrained(model_dir)
-        token_ids = [t for t in tokenizer.encode(NULL_RUNNER_TEXT, add_special_tokens=False)
-                     if t not in tokenizer.eos_token_ids]
-        return CyclingRunner(token_ids)
-    if ":" in spec:
-        module_name, _, class_name = spec.partition(":")
-        runner_class = getattr(importlib.import_module(module_name), class_name)
-        return runner_class.from_pretrained(model_dir, device=device, dtype=dtype) \
-            if hasattr(runner_class, "from_pretrained") else runner_class()
-    try:
-        from resin.evals.model_ref import resolve_model
-    except ImportError as exc:
-        raise ValueError(f"unknown runner {spec!r}: use torch, null, a model name under "
-                         "models/, or module:Class") from exc
-    return resolve_model(spec).load_runner(device=device, dtype=dtype)
-
-
-def build_context(model_dir: str | Path, *, runner: Any = "torch",
+def build_context(model_dir: str | Path, *, runner: Any = None,
                   options: ServerOptions | None = None, device: str = "cpu",
                   dtype: str = "float32", kv_cache_bytes: int | None = None,
+                  models_dirs: Sequence[str | Path] = (), attention_backend: str | None = None,
                   **engine_config: Any) -> ServerContext:
     model_dir = Path(model_dir)
-    runner_obj = make_runner(runner, model_dir, device, dtype)
     extra: dict[str, Any] = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
-    llm = LLM(model_dir, runner=runner_obj, device=device, dtype=dtype, **extra, **engine_config)
+    llm = LLM(model_dir, runner=runner, device=device, dtype=dtype, models_dirs=models_dirs,
+              attention_backend=attention_backend, **extra, **engine_config)
     if options is None:
         options = ServerOptions(served_model_names=[str(model_dir)])
     default_tool, default_reasoning = default_parsers(llm.model_config.model_type)

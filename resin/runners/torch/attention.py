@@ -13,6 +13,9 @@ A backend is planned once per step and run once per layer, as FlashInfer's ``pla
   its kernels need (the reference backend: each row's readable slots and mask).
 - :meth:`AttentionBackend.write` stores new per-token values (K, V, a latent, indexer keys...)
   through the group's ``slot_mapping`` (slot -1: not written).
+- :meth:`AttentionBackend.gather` hands each row its readable cache entries with their
+  positions, for attention kinds a softmax call cannot express (compressed / indexed
+  attention kept on a plain cache);
 - :meth:`AttentionBackend.attend` computes softmax attention of ``q`` [T, heads, head_dim] over
   each row's cached keys in the group -> [T, heads, value_dim], with the options models need:
   ``scale``, per-head ``sinks`` (gpt-oss), logit ``softcap`` (Gemma 2), shared K = V caches
@@ -56,6 +59,25 @@ class AttentionBackend:
                group: int, *, scale: float, value_dim: int | None = None,
                sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def gather(self, cache: torch.Tensor, group: int) -> list[RowHistory]:
+        """Per plan row, what it may read of ``cache`` in ``group`` (this step's tokens
+        included): for attention a softmax kernel cannot express (compressed or indexed
+        attention on a plain cache). Readable, not fast."""
+        raise NotImplementedError(f"the {self.name} backend has no gather")
+
+
+@dataclass
+class RowHistory:
+    """One plan row's readable cache entries: ``query`` slices the step's tokens;
+    ``positions`` int64[K] and ``values`` [K, ...] are its cached tokens in position order
+    (causality and the group's window applied at the row's last token); ``mask``
+    bool[query_len, K] says which keys each of its queries may see."""
+
+    query: slice
+    positions: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
 
 
 class ReferenceBackend(AttentionBackend):
@@ -108,6 +130,16 @@ class ReferenceBackend(AttentionBackend):
             out[view.query] = torch.einsum("hqk,khd->qhd", probs, v)
         return out
 
+    def gather(self, cache: torch.Tensor, group: int) -> list[RowHistory]:
+        flat = cache.view(-1, *cache.shape[2:])
+        out = []
+        for view in self.views[group]:
+            assert view.key_positions is not None
+            readable = view.mask.any(dim=0)
+            out.append(RowHistory(view.query, view.key_positions[readable],
+                                  flat[view.slots[readable]], view.mask[:, readable]))
+        return out
+
 
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend}
 DEFAULT_BACKEND = "reference"
@@ -156,6 +188,11 @@ class LayerAttention:
         """Write ``k``/``v`` then attend: the common GQA case in one call."""
         self.write(k=k, v=v)
         return self.attend(q, scale=scale, sinks=sinks, softcap=softcap)
+
+    def gather(self, name: str) -> list[RowHistory]:
+        """Per plan row, the cached entries of buffer ``name`` it may read (see
+        :meth:`AttentionBackend.gather`)."""
+        return self.backend.gather(self._cache(name), self.group)
 
     def _cache(self, name: str) -> torch.Tensor:
         if name not in self.caches:

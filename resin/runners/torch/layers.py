@@ -100,12 +100,14 @@ class SequenceView:
 
     ``query``: slice of the step's tokens; ``slots``: int64[K] cache slots (page * page_size +
     offset) of the K keys it may read, in position order; ``mask``: bool[query_len, K], True
-    where the query may attend the key (causal, inside the sliding window, not past seq_len).
+    where the query may attend the key (causal, inside the sliding window, not past seq_len);
+    ``key_positions``: int64[K] the absolute position of each slot's token.
     """
 
     query: slice
     slots: torch.Tensor
     mask: torch.Tensor
+    key_positions: torch.Tensor | None = None
 
 
 def build_sequence_views(query_indptr: np.ndarray, seq_lens: np.ndarray, kv_indptr: np.ndarray,
@@ -131,7 +133,7 @@ def build_sequence_views(query_indptr: np.ndarray, seq_lens: np.ndarray, kv_indp
         mask = (key_positions[None, :] <= query_positions) & (key_positions[None, :] < seq_len)
         if window_tokens is not None:
             mask &= key_positions[None, :] > query_positions - window_tokens
-        views.append(SequenceView(query, slots, mask))
+        views.append(SequenceView(query, slots, mask, key_positions))
     return views
 
 

@@ -75,6 +75,7 @@ class ModelRecord:
     rotary: str | None
     checkpoint_patterns: list[str]
     windowed_layer_types: list[str] = field(default_factory=list)
+    source_shapes: dict[str, list[list[Any]]] = field(default_factory=dict)
     keep_in_fp32: dict[str, list[str]] = field(default_factory=dict)
     generated_from: str = ""
 
@@ -93,9 +94,51 @@ class ModelRecord:
         return cls(**fields)
 
     def to_json(self) -> str:
+        """Readable, deterministic JSON: one key per line, lists of plain values on one line."""
         data = {"format": RECORD_FORMAT, **{k: getattr(self, k)
                                             for k in self.__dataclass_fields__}}
-        return json.dumps(data, indent=1, sort_keys=False) + "\n"
+        return _json_lines(data, 0) + "\n"
+
+
+def _json_lines(value: Any, depth: int) -> str:
+    pad, inner = " " * depth, " " * (depth + 1)
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(str(k))}: {_json_lines(v, depth + 1)}"
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value) and \
+            not all(isinstance(v, list) and not any(isinstance(x, dict) for x in v)
+                    for v in value):
+        items = [f"{inner}{_json_lines(v, depth + 1)}" for v in value]
+        return "[\n" + ",\n".join(items) + f"\n{pad}]"
+    return json.dumps(value)
+
+
+def check_source_shapes(record: ModelRecord, checkpoint_dir: str | Path) -> list[str]:
+    """Problems (empty if none) between a checkpoint's safetensors headers and the shapes of the
+    model the record was generated from — e.g. to check a downloaded real checkpoint before
+    loading it. Reads headers only."""
+    from safetensors import safe_open
+
+    from resin.loading.weights import locate_tensors
+    from resin.scaffold.layer_map import name_pattern
+
+    problems: list[str] = []
+    files = locate_tensors(Path(checkpoint_dir))
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as handle:
+            for tensor_name in handle.keys():
+                pattern, layer, _ = name_pattern(tensor_name)
+                shape = list(handle.get_slice(tensor_name).get_shape())
+                known = record.source_shapes.get(pattern)
+                index = -1 if layer is None else layer
+                if known is None:
+                    problems.append(f"{tensor_name}: not in the source model")
+                elif not any(shape == s and index in layers for s, layers in known):
+                    problems.append(f"{tensor_name}: shape {tuple(shape)}, source model has "
+                                    + ", ".join(f"{tuple(s)} (layers {layers})"
+                                                for s, layers in known))
+    return problems
 
 
 def load_model_args(checkpoint_dir: str | Path, record: ModelRecord) -> ModelArgs:
