@@ -7,7 +7,11 @@ need lazily.
 >>> import resin
 >>> resin.SamplingParams(max_tokens=4).max_tokens
 4
+
+``resin.LLM`` (the offline API, as ``vllm.LLM``) is imported on first use.
 """
+
+from typing import Any
 
 from resin._core import (
     BatchPlan,
@@ -16,10 +20,12 @@ from resin._core import (
     Engine,
     EngineConfig,
     ForwardOutput,
+    InvalidOutputError,
     LayerCacheSpec,
     RequestOutput,
     SamplingArrays,
     SamplingParams,
+    StepError,
     __version__,
 )
 from resin.runner import Runner
@@ -31,10 +37,22 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "ForwardOutput",
+    "InvalidOutputError",
+    "LLM",
     "LayerCacheSpec",
     "RequestOutput",
     "Runner",
     "SamplingArrays",
     "SamplingParams",
+    "StepError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``resin.LLM`` on first use (``resin.llm`` needs jinja2 and tokenizers, never torch)."""
+    if name == "LLM":
+        from resin.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'resin' has no attribute {name!r}")

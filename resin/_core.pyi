@@ -21,10 +21,12 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "ForwardOutput",
+    "InvalidOutputError",
     "LayerCacheSpec",
     "RequestOutput",
     "SamplingArrays",
     "SamplingParams",
+    "StepError",
     "__version__",
 ]
 
@@ -222,6 +224,20 @@ class BatchPlan:
     def num_draft_tokens(self) -> npt.NDArray[np.uint32]:
         """uint32[S]: drafts verified in this row (0 without speculative decoding)."""
     @property
+    def num_output_tokens(self) -> npt.NDArray[np.uint32]:
+        """uint32[S]: output tokens the row's request has before this step (a seeded
+        sampler's stream position)."""
+    @property
+    def committed_token_indptr(self) -> npt.NDArray[np.uint32]:
+        """uint32[S+1]: CSR offsets into committed_token_ids."""
+    @property
+    def committed_token_ids(self) -> npt.NDArray[np.uint32]:
+        """uint32[nnz]: output tokens the engine committed to row i's request since the runner
+        last saw it in a committed plan (usually the token sampled in its previous step; none
+        for a slot in new_request_slots). They are its last outputs, output tokens
+        num_output_tokens[i] - n_i .. num_output_tokens[i]: per-request sampler state appends
+        them there (re-applying them after a discarded plan changes nothing)."""
+    @property
     def sampling(self) -> SamplingArrays: ...
     @property
     def banned_token_indptr(self) -> npt.NDArray[np.uint32]:
@@ -318,6 +334,19 @@ class RequestOutput:
     def logprobs(self) -> list[dict[int, float]] | None:
         """One dict per output token (sampled token and top-k), when requested."""
 
+class StepError(RuntimeError):
+    """Engine.step() failed: runner.forward raised, or its output was rejected. The plan was
+    discarded first (nothing committed; pages and slots stay with their requests)."""
+
+    request_ids: list[str]
+    """The failed plan's requests, row by row."""
+    cause: BaseException
+    """The original exception (also ``__cause__``)."""
+
+class InvalidOutputError(StepError, ValueError):
+    """Engine.step() failed because runner.forward returned output the engine rejected; the
+    message names the field."""
+
 @final
 class Engine:
     """The engine: scheduler, paged cache pool with prefix cache, metrics; drives a runner.
@@ -349,9 +378,15 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """schedule() + runner.forward(plan) + update(plan, output). An empty plan (nothing to
         run) is committed without calling the runner; it carries no lifecycle notices. If
-        forward raises or its output is invalid, the plan is discarded and the error re-raised:
-        no token is committed, the pages and slots it assigned stay with their requests, and
-        the next step() plans the same work again."""
+        forward raises (StepError) or its output is invalid (InvalidOutputError, also a
+        ValueError), the plan is discarded first: no token is committed, the pages and slots
+        it assigned stay with their requests, and the next step() plans the same work again.
+        The error's request_ids are the failed plan's requests; its cause (and __cause__) is
+        the original exception. KeyboardInterrupt and other non-Exception errors pass through
+        unwrapped, after the discard."""
+    @property
+    def num_forward_calls(self) -> int:
+        """How many times step() has called runner.forward (empty plans do not call it)."""
     def has_unfinished(self) -> bool: ...
     @property
     def num_waiting(self) -> int: ...

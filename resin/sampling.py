@@ -11,9 +11,16 @@ Owns the per-request sampler state (the token history penalties need, keyed by
    temperature, then top-k (0 = off), top-p, min-p (each keeps at least one token, in
    transformers' order), softmax and draw.
 
+The history comes from the engine's lifecycle diff alone, never from ``input_ids``: a slot in
+``new_request_slots`` starts from ``new_request_token_ids`` (prompt, then any outputs it
+already has), and each row then appends ``committed_token_ids`` (the outputs the engine
+committed since the runner last saw the request) at their place, output tokens
+``num_output_tokens - n ..``, so a plan re-sent after a discarded one changes nothing.
+
 Seeds: a row with ``seed >= 0`` draws with its own ``torch.Generator`` seeded from
-``(seed, number of output tokens so far)``, so a seeded request yields the same tokens
-whatever else is in the batch, and again after preemption. Unseeded rows share one generator.
+``(seed, plan.num_output_tokens[row])`` (output tokens so far), so a seeded request yields the
+same tokens whatever else is in the batch, and again after preemption. Unseeded rows share
+one generator.
 
 Logprobs (``num_logprobs >= 0``) are ``log_softmax`` of the raw model logits (before penalties,
 bans and temperature; vLLM's default "raw" mode), in float32. ``top_logprob_ids`` has
@@ -58,10 +65,12 @@ class Sampler:
         self.generator.seed()
 
     def begin_step(self, plan: BatchPlan) -> None:
-        """Apply the plan's lifecycle diff, then extend histories with the plan's new tokens.
+        """Apply the plan's lifecycle diff: drop finished slots, start new ones from their
+        request's tokens, and append each row's ``committed_token_ids``.
 
-        Call once per plan, before :meth:`sample`. Idempotent for a re-sent diff: a slot reset
-        twice starts from the same ``new_request_token_ids``.
+        Call once per plan, before :meth:`sample`. Idempotent for a re-sent diff (the plan
+        after a discarded one): a slot reset twice starts from the same
+        ``new_request_token_ids``, and committed tokens land at their output index.
         """
         for slot in plan.finished_request_slots.tolist():
             self.slots.pop(slot, None)
@@ -69,15 +78,18 @@ class Sampler:
         for j, slot in enumerate(plan.new_request_slots.tolist()):
             self.slots[slot] = SlotState(token_ids[indptr[j]:indptr[j + 1]].tolist(),
                                          int(plan.new_request_num_prompt_tokens[j]))
-        # A token at a position past the history is one sampled since (a decode row's input).
+        committed = plan.committed_token_ids
+        if len(committed) == 0:
+            return
+        committed_indptr = plan.committed_token_indptr.tolist()
+        num_output_tokens = plan.num_output_tokens.tolist()
         for row, slot in enumerate(plan.request_slots.tolist()):
+            lo, hi = committed_indptr[row], committed_indptr[row + 1]
             state = self.slots.get(slot)
-            if state is None:
+            if lo == hi or state is None:
                 continue
-            start, end = int(plan.query_indptr[row]), int(plan.query_indptr[row + 1])
-            first_new = len(state.token_ids) - int(plan.num_computed_tokens[row])
-            if 0 <= first_new < end - start:
-                state.token_ids.extend(plan.input_ids[start + first_new:end].tolist())
+            del state.token_ids[state.num_prompt_tokens + num_output_tokens[row] - (hi - lo):]
+            state.token_ids.extend(committed[lo:hi].tolist())
 
     def sample(self, logits: torch.Tensor, plan: BatchPlan, rows: np.ndarray) -> ForwardOutput:
         """Sample rows ``rows`` of the plan from ``logits`` float32[len(rows), vocab].
@@ -87,6 +99,7 @@ class Sampler:
         """
         sampling = plan.sampling
         slots = plan.request_slots[rows].tolist()
+        num_output_tokens = plan.num_output_tokens[rows].tolist()
         temperature = torch.as_tensor(np.array(sampling.temperature[rows]), device=self.device)
         processed = logits.clone()
         for r, row in enumerate(rows.tolist()):
@@ -110,7 +123,7 @@ class Sampler:
             if greedy[r]:
                 continue
             seed = int(sampling.seed[row])
-            generator = self.generator if seed < 0 else self._seeded(seed, slots[r])
+            generator = self.generator if seed < 0 else self._seeded(seed, num_output_tokens[r])
             tokens[r] = torch.multinomial(probs[r], 1, generator=generator)[0]
         return self._output(plan, rows, tokens, logits)
 
@@ -132,8 +145,7 @@ class Sampler:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return torch.bincount(ids, minlength=self.vocab_size)[:self.vocab_size]
 
-    def _seeded(self, seed: int, slot: int) -> torch.Generator:
-        num_output_tokens = len(self.slots[slot].output_token_ids) if slot in self.slots else 0
+    def _seeded(self, seed: int, num_output_tokens: int) -> torch.Generator:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(((seed * _SEED_MIX) + num_output_tokens) & _SEED_MASK)
         return generator

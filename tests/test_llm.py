@@ -19,7 +19,7 @@ import pytest
 
 import resin
 from resin.llm import LLM, LLMOutput, default_num_pages
-from resin.loading import ConfigError
+from resin.registry import UnknownArchitectureError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODEL_FIXTURES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
@@ -176,8 +176,11 @@ def test_missing_model_dir_and_unsupported_architecture(tmp_path: Path) -> None:
     config = json.loads((model / "config.json").read_text())
     config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
-        LLM(model, runner=CountingRunner())
+    # No registered model runs GPT-2: one error naming it, what is registered, how to add one.
+    with pytest.raises(UnknownArchitectureError, match="GPT2LMHeadModel") as info:
+        LLM(model)
+    assert "resin new-model" in str(info.value) and "LlamaForCausalLM" in str(info.value)
+    LLM(model, runner=CountingRunner())   # an explicit runner runs any architecture
     with pytest.raises(TypeError, match="prompt"):
         LLM(LLAMA, runner=CountingRunner()).generate([1.5])  # type: ignore[arg-type]
 

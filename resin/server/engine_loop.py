@@ -1,8 +1,8 @@
 """The engine loop: one thread that owns ``engine.step()``, and the asyncio side that feeds it.
 
-``EngineLoop`` runs the engine's schedule → ``runner.forward`` → update cycle in a daemon
-thread and hands each step's :class:`resin.RequestOutput` objects to the asyncio event loop of
-the HTTP server. Its guarantees:
+``EngineLoop`` calls ``engine.step()`` (schedule → ``runner.forward`` → update, all in the
+engine) in a daemon thread and hands each step's :class:`resin.RequestOutput` objects to the
+asyncio event loop of the HTTP server. Its guarantees:
 
 - ``add`` and ``abort`` never touch the engine from the event loop (its lock is held while the
   engine plans and commits a step, and the event loop must not wait on it): they register the
@@ -14,8 +14,9 @@ the HTTP server. Its guarantees:
   appends outputs to a deque and schedules a dispatch only when none is pending, so a slow event
   loop receives several steps' outputs at once (and streams them as one chunk).
 - A runner that raises, or returns output the engine rejects, fails only the requests of that
-  plan: they are aborted (their pages return to the pool) and their queues receive the error;
-  the loop keeps serving everyone else.
+  plan: ``engine.step()`` discards the plan and raises :class:`resin.StepError` naming its
+  requests; they are aborted (their pages return to the pool) and their queues receive the
+  error; the loop keeps serving everyone else.
 - ``abort`` (a client went away) frees the request's pages at once; the engine reports the
   abort on its next step, and the queue is dropped.
 
@@ -31,12 +32,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
+from resin._core import Engine, RequestOutput, SamplingParams, StepError
 
-from resin._core import Engine, ForwardOutput, RequestOutput, SamplingParams
-
-EMPTY_OUTPUT_TOKEN_IDS = np.zeros(0, dtype=np.uint32)
-EMPTY_OUTPUT_INDPTR = np.zeros(1, dtype=np.uint32)
 IDLE_WAIT_S = 0.5  # the engine thread re-checks ``running`` this often when there is no work
 ADD, ABORT = "add", "abort"
 # The engine thread wakes the event loop at most this often: with a runner faster than this
@@ -93,7 +90,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, runner: Any) -> None:
         self.engine = engine
-        self.runner = runner
+        self.runner = runner  # the engine's runner: engine.step() calls its forward
         self._queues: dict[str, OutputQueue] = {}
         self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
         self._outbox: collections.deque[tuple[list[RequestOutput], dict[str, BaseException]]] = (
@@ -248,24 +245,19 @@ class EngineLoop:
         return errors
 
     def _step(self) -> tuple[list[RequestOutput], dict[str, BaseException], bool]:
-        """One schedule → forward → update: (outputs, per-request errors, whether the runner
-        was called — a plan with no rows only commits lifecycle notices)."""
+        """One ``engine.step()``: (outputs, per-request errors, whether the runner was called —
+        a plan with no rows is committed without it, e.g. one that only reports aborts)."""
         engine = self.engine
-        plan = engine.schedule()
-        if plan.num_sequences == 0:
-            return engine.update(plan, ForwardOutput(token_ids=EMPTY_OUTPUT_TOKEN_IDS,
-                                                     token_indptr=EMPTY_OUTPUT_INDPTR)), {}, False
+        num_forward_calls = engine.num_forward_calls
         try:
-            output = self.runner.forward(plan)
-            return engine.update(plan, output), {}, True
-        except Exception as exc:  # noqa: BLE001 - any runner failure fails this plan's requests
-            request_ids = list(plan.request_ids)
-            engine.discard_plan()
-            error = RunnerFailure(f"the runner failed on this request: {exc}")
-            error.__cause__ = exc
-            for request_id in request_ids:
+            outputs = engine.step()
+        except StepError as exc:  # the engine already discarded the plan
+            error = RunnerFailure(f"the runner failed on this request: {exc.cause}")
+            error.__cause__ = exc.cause
+            for request_id in exc.request_ids:
                 engine.abort(request_id)
-            return [], {request_id: error for request_id in request_ids}, True
+            return [], {request_id: error for request_id in exc.request_ids}, True
+        return outputs, {}, engine.num_forward_calls != num_forward_calls
 
     def _fail_all(self, error: BaseException) -> None:
         self._dispatch()  # outputs posted before the failure still reach their requests

@@ -65,9 +65,8 @@ impl KvCacheManager {
         let mut num_pages = max_pages;
         for (g, group) in self.layout.groups.iter().enumerate() {
             if let KvCacheSpec::Full { .. } = group.spec {
-                let chain = (0..num_pages)
-                    .take_while(|&j| self.pool.lookup(g, req.block_hashes[j as usize]).is_some())
-                    .count() as u32;
+                let chain =
+                    (0..num_pages).take_while(|&j| self.pool.lookup(g, req.block_hashes[j as usize]).is_some()).count() as u32;
                 num_pages = num_pages.min(chain);
             }
         }

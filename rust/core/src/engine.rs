@@ -37,8 +37,6 @@ struct PendingStep {
     rows: Vec<PendingRow>,
     /// Per row, what the runner's output must look like (read off the plan).
     expectations: Vec<RowExpectation>,
-    new_request_slots: Vec<u32>,
-    finished_request_slots: Vec<u32>,
 }
 
 pub struct Engine {
@@ -183,23 +181,12 @@ impl Engine {
         let step = self.next_step;
         self.next_step += 1;
         let recycled = self.recycler.take();
-        let mut plan = BatchPlan::build(
-            step,
-            &rows,
-            num_decode,
-            &self.sched.requests,
-            &self.sched.kv,
-            &self.config.eos_token_ids,
-            recycled,
-        );
+        let mut plan =
+            BatchPlan::build(step, &rows, num_decode, &self.sched.requests, &self.sched.kv, &self.config.eos_token_ids, recycled);
         // Lifecycle notices ride only on plans with rows: an empty plan reaches no runner
         // (step() skips forward), so its notices wait for the next real plan.
-        let (new_slots, finished_slots) = if rows.is_empty() {
-            (Vec::new(), Vec::new())
-        } else {
-            (std::mem::take(&mut self.sched.new_slots), std::mem::take(&mut self.sched.released_slots))
-        };
-        plan.set_lifecycle(new_slots, finished_slots, &self.sched.running, &self.sched.requests);
+        let diff = if rows.is_empty() { Default::default() } else { self.sched.slots.take_diff() };
+        plan.set_lifecycle(diff.new, diff.finished, &self.sched.running, &self.sched.requests);
         let pending_rows = rows
             .iter()
             .map(|r| PendingRow {
@@ -216,13 +203,7 @@ impl Engine {
                 num_logprobs: plan.sampling.num_logprobs[i],
             })
             .collect();
-        self.pending = Some(PendingStep {
-            step,
-            rows: pending_rows,
-            expectations,
-            new_request_slots: plan.new_request_slots.clone(),
-            finished_request_slots: plan.finished_request_slots.clone(),
-        });
+        self.pending = Some(PendingStep { step, rows: pending_rows, expectations });
         self.debug_check();
         Ok(plan)
     }
@@ -245,20 +226,9 @@ impl Engine {
 
     /// Drops the pending plan uncommitted. Its lifecycle notices are re-sent with the next plan.
     pub fn discard_plan(&mut self) {
-        let Some(p) = self.pending.take() else { return };
-        // Slots still serving their request are announced again with the next plan; the
-        // rest were released meanwhile (abort), and that release is already queued.
-        let mut new_slots: Vec<u32> = p
-            .new_request_slots
-            .into_iter()
-            .filter(|s| self.sched.running.iter().any(|&i| self.sched.request(i).slot == Some(*s)))
-            .collect();
-        self.sched.announced_slots.extend_from_slice(&new_slots);
-        new_slots.append(&mut self.sched.new_slots);
-        self.sched.new_slots = new_slots;
-        let mut released = p.finished_request_slots;
-        released.append(&mut self.sched.released_slots);
-        self.sched.released_slots = released;
+        if self.pending.take().is_some() {
+            self.sched.slots.resend_after_discard();
+        }
     }
 
     /// Validates `output` against the pending plan (`step` must be its id), then commits
@@ -270,7 +240,7 @@ impl Engine {
         }
         output.validate(&pending.expectations, self.config.vocab_size)?;
         let pending = self.pending.take().expect("checked above");
-        self.sched.announced_slots.clear(); // the runner has now seen every new slot for good
+        self.sched.slots.commit(); // the runner has now seen the plan's lifecycle notices for good
         let now = Instant::now();
         let mut outputs = std::mem::take(&mut self.abort_outputs);
         outputs.reserve(pending.rows.len());
@@ -303,6 +273,9 @@ impl Engine {
         let sched = &mut self.sched;
         let req = sched.requests[row.req].as_mut().expect("live request index");
         req.num_computed_tokens += row.num_new_tokens;
+        // The runner has seen this plan's row; tokens appended below go in the next plan's
+        // committed_token_ids.
+        req.num_tokens_shown = req.num_tokens();
         let mut finish = None;
         let mut num_new = 0;
         if samples {

@@ -17,6 +17,7 @@
 //! - [`cache_manager`]: a request's pages per group: allocation, sliding-window release,
 //!   prefix hits, caching full pages;
 //! - [`scheduler`]: waiting/running queues, token budget, preemption by recompute;
+//! - [`runner_slots`]: the runner-slot table and its lifecycle diff (new / finished slots);
 //! - [`plan`]: the immutable `BatchPlan` handed to the runner;
 //! - [`output`]: `ForwardOutputRef` validation and `RequestOutput`;
 //! - [`engine`]: ties them together (`schedule`, `update`, `abort`, ...);
@@ -34,6 +35,7 @@ pub mod output;
 pub mod page_pool;
 pub mod plan;
 pub mod request;
+pub mod runner_slots;
 pub mod scheduler;
 
 pub use block_hash::BlockHash;

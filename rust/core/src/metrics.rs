@@ -42,19 +42,19 @@ impl Histogram {
             cumulative += c;
             let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+        let _ =
+            writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
     }
 }
 
 const TTFT_BUCKETS_S: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+    2560.0,
 ];
 const ITL_BUCKETS_S: &[f64] =
     &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 const REQUEST_LATENCY_BUCKETS_S: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-    1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ];
 
 const FINISH_REASONS: [FinishReason; 3] = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort];
@@ -115,11 +115,31 @@ impl Metrics {
         let mut scalar = |name: &str, kind: &str, help: &str, value: String| {
             let _ = writeln!(out, "# HELP resin:{name} {help}\n# TYPE resin:{name} {kind}\nresin:{name} {value}");
         };
-        scalar("num_requests_running", "gauge", "Number of requests in the running set.", gauges.num_requests_running.to_string());
-        scalar("num_requests_waiting", "gauge", "Number of requests waiting to be scheduled.", gauges.num_requests_waiting.to_string());
-        scalar("kv_cache_usage_perc", "gauge", "Fraction of KV-cache pages in use (1 = 100%).", gauges.kv_cache_usage.to_string());
+        scalar(
+            "num_requests_running",
+            "gauge",
+            "Number of requests in the running set.",
+            gauges.num_requests_running.to_string(),
+        );
+        scalar(
+            "num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be scheduled.",
+            gauges.num_requests_waiting.to_string(),
+        );
+        scalar(
+            "kv_cache_usage_perc",
+            "gauge",
+            "Fraction of KV-cache pages in use (1 = 100%).",
+            gauges.kv_cache_usage.to_string(),
+        );
         scalar("prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens.to_string());
-        scalar("generation_tokens_total", "counter", "Number of generation tokens processed.", self.generation_tokens.to_string());
+        scalar(
+            "generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            self.generation_tokens.to_string(),
+        );
         scalar("num_preemptions_total", "counter", "Cumulative number of preemptions.", self.num_preemptions.to_string());
         scalar(
             "prefix_cache_queries_total",
@@ -127,12 +147,7 @@ impl Metrics {
             "Prefix-cache queries, in tokens (prompt tokens looked up on first scheduling).",
             self.prefix_cache_queries_tokens.to_string(),
         );
-        scalar(
-            "prefix_cache_hits_total",
-            "counter",
-            "Prefix-cache hits, in tokens.",
-            self.prefix_cache_hits_tokens.to_string(),
-        );
+        scalar("prefix_cache_hits_total", "counter", "Prefix-cache hits, in tokens.", self.prefix_cache_hits_tokens.to_string());
         let _ = writeln!(
             out,
             "# HELP resin:request_success_total Count of finished requests by finish reason.\n# TYPE resin:request_success_total counter"
@@ -140,10 +155,26 @@ impl Metrics {
         for (reason, count) in FINISH_REASONS.iter().zip(self.request_success) {
             let _ = writeln!(out, "resin:request_success_total{{finished_reason=\"{}\"}} {count}", reason.as_str());
         }
-        self.time_to_first_token_s.write(&mut out, "resin:time_to_first_token_seconds", "Histogram of time to first token in seconds.");
-        self.inter_token_latency_s.write(&mut out, "resin:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.");
-        self.e2e_request_latency_s.write(&mut out, "resin:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.");
-        self.request_queue_time_s.write(&mut out, "resin:request_queue_time_seconds", "Histogram of time spent waiting before first scheduling, in seconds.");
+        self.time_to_first_token_s.write(
+            &mut out,
+            "resin:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+        );
+        self.inter_token_latency_s.write(
+            &mut out,
+            "resin:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+        );
+        self.e2e_request_latency_s.write(
+            &mut out,
+            "resin:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+        );
+        self.request_queue_time_s.write(
+            &mut out,
+            "resin:request_queue_time_seconds",
+            "Histogram of time spent waiting before first scheduling, in seconds.",
+        );
         out
     }
 }

@@ -70,7 +70,11 @@ impl<'a> ForwardOutputRef<'a> {
         for (i, row) in rows.iter().enumerate() {
             let count = indptr[i + 1] - indptr[i];
             if count > row.max_returned_tokens || (row.samples && count == 0) {
-                let want = if row.samples { format!("1..={}", row.max_returned_tokens) } else { format!("0..={}", row.max_returned_tokens) };
+                let want = if row.samples {
+                    format!("1..={}", row.max_returned_tokens)
+                } else {
+                    format!("0..={}", row.max_returned_tokens)
+                };
                 return Err(CoreError::invalid(format!(
                     "ForwardOutput.token_indptr: row {i} returned {count} tokens, expected {want}"
                 )));
@@ -88,7 +92,10 @@ impl<'a> ForwardOutputRef<'a> {
         }
         if let Some(lp) = self.logprobs {
             if lp.len() != n {
-                return Err(CoreError::invalid(format!("ForwardOutput.logprobs must have len(token_ids) = {n} entries, got {}", lp.len())));
+                return Err(CoreError::invalid(format!(
+                    "ForwardOutput.logprobs must have len(token_ids) = {n} entries, got {}",
+                    lp.len()
+                )));
             }
         }
         match (self.top_logprob_ids, self.top_logprobs) {

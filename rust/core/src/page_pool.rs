@@ -52,9 +52,8 @@ impl PagePool {
     /// process) when the host cannot hold the pool's bookkeeping.
     pub fn new(num_pages: u32, num_groups: usize) -> Result<Self, CoreError> {
         let n = num_pages as usize;
-        let too_big = |_| {
-            CoreError::invalid(format!("num_pages = {num_pages}: not enough host memory for the page pool's bookkeeping"))
-        };
+        let too_big =
+            |_| CoreError::invalid(format!("num_pages = {num_pages}: not enough host memory for the page pool's bookkeeping"));
         let hashes = filled(n, None).map_err(too_big)?; // the largest: fail before filling the rest
         let mut pool = PagePool {
             ref_counts: filled(n, 0).map_err(too_big)?,
@@ -203,12 +202,13 @@ impl PagePool {
         if self.ref_counts[0] != 0 || self.in_free_queue[0] || owner_counts[0] != 0 || self.hashes[0].is_some() {
             return Err("page 0 (null page) is owned, queued or hashed".into());
         }
-        for p in 1..n {
-            if self.ref_counts[p] != owner_counts[p] {
-                return Err(format!("page {p}: refcount {} but {} owners", self.ref_counts[p], owner_counts[p]));
+        let pages = self.ref_counts.iter().zip(owner_counts).zip(&self.in_free_queue).enumerate().skip(1);
+        for (p, ((&refs, &owners), &queued)) in pages {
+            if refs != owners {
+                return Err(format!("page {p}: refcount {refs} but {owners} owners"));
             }
-            if (self.ref_counts[p] == 0) != self.in_free_queue[p] {
-                return Err(format!("page {p}: refcount {} but in_free_queue={}", self.ref_counts[p], self.in_free_queue[p]));
+            if (refs == 0) != queued {
+                return Err(format!("page {p}: refcount {refs} but in_free_queue={queued}"));
             }
         }
         let queue = self.free_queue();

@@ -133,6 +133,17 @@ pub struct BatchPlan {
     pub sample_indptr: Vec<u32>,
     /// u32[S]: drafts verified in the row (0: no speculative decoding yet).
     pub num_draft_tokens: Vec<u32>,
+    /// u32[S]: output tokens the row's request has before this step (what a seeded
+    /// sampler's stream position is; 0 for a fresh prompt).
+    pub num_output_tokens: Vec<u32>,
+    /// u32[S+1]: CSR offsets into `committed_token_ids`.
+    pub committed_token_indptr: Vec<u32>,
+    /// u32[nnz]: row i's request's output tokens the engine committed since the runner last
+    /// saw the request in a committed plan (usually the one token sampled in its previous
+    /// step; none for a slot new in this plan, whose tokens are in `new_request_token_ids`).
+    /// They are its last outputs: output tokens `num_output_tokens[i] - n_i ..
+    /// num_output_tokens[i]`, so re-applying them after a discarded plan is idempotent.
+    pub committed_token_ids: Vec<u32>,
     pub sampling: SamplingArrays,
     /// u32[S+1]: CSR offsets into `banned_token_ids`.
     pub banned_token_indptr: Vec<u32>,
@@ -185,10 +196,18 @@ impl BatchPlan {
         plan.num_tokens = t as u32;
         plan.padded_num_sequences = s as u32;
         plan.request_id_bytes.reserve(s * 16);
-        for v in [&mut plan.request_id_ends, &mut plan.request_slots, &mut plan.num_computed_tokens, &mut plan.seq_lens] {
+        for v in [
+            &mut plan.request_id_ends,
+            &mut plan.request_slots,
+            &mut plan.num_computed_tokens,
+            &mut plan.seq_lens,
+            &mut plan.num_output_tokens,
+        ] {
             v.reserve(s);
         }
-        for v in [&mut plan.query_indptr, &mut plan.sample_indptr, &mut plan.banned_token_indptr] {
+        for v in
+            [&mut plan.query_indptr, &mut plan.sample_indptr, &mut plan.banned_token_indptr, &mut plan.committed_token_indptr]
+        {
             v.reserve(s + 1);
         }
         plan.input_ids.reserve(t);
@@ -204,6 +223,7 @@ impl BatchPlan {
         plan.query_indptr.push(0);
         plan.sample_indptr.push(0);
         plan.banned_token_indptr.push(0);
+        plan.committed_token_indptr.push(0);
         for g in &mut plan.groups {
             g.kv_indptr.push(0);
         }
@@ -222,6 +242,9 @@ impl BatchPlan {
             let samples = seq_len == req.num_tokens();
             plan.sample_indptr.push(plan.sample_indptr.last().unwrap() + u32::from(samples));
             plan.push_sampling(req);
+            plan.num_output_tokens.push(req.num_output_tokens());
+            plan.committed_token_ids.extend_from_slice(&req.token_ids[req.num_tokens_shown as usize..]);
+            plan.committed_token_indptr.push(plan.committed_token_ids.len() as u32);
             if samples && req.num_output_tokens() < req.params.min_tokens {
                 if !req.params.ignore_eos {
                     plan.banned_token_ids.extend_from_slice(eos_token_ids);
@@ -268,6 +291,9 @@ impl BatchPlan {
             &mut self.seq_lens,
             &mut self.sample_indptr,
             &mut self.num_draft_tokens,
+            &mut self.num_output_tokens,
+            &mut self.committed_token_indptr,
+            &mut self.committed_token_ids,
             &mut self.banned_token_indptr,
             &mut self.banned_token_ids,
             &mut self.new_request_slots,
@@ -291,7 +317,13 @@ impl BatchPlan {
 
     /// Sets the lifecycle diff: `new_slots` with each one's request tokens (from `requests`,
     /// found among `running`), and `finished_slots`.
-    pub fn set_lifecycle(&mut self, new_slots: Vec<u32>, finished_slots: Vec<u32>, running: &[usize], requests: &[Option<Request>]) {
+    pub fn set_lifecycle(
+        &mut self,
+        new_slots: Vec<u32>,
+        finished_slots: Vec<u32>,
+        running: &[usize],
+        requests: &[Option<Request>],
+    ) {
         self.new_request_token_indptr.push(0);
         for &slot in &new_slots {
             let req = running

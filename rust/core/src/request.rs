@@ -208,6 +208,10 @@ pub struct Request {
     pub num_hashed_pages: Vec<u32>,
     /// Runner state row while running.
     pub slot: Option<u32>,
+    /// Tokens the runner has been shown through committed plans: everything when its slot
+    /// was announced (`new_request_token_ids`), then up to the last committed plan that
+    /// carried a row for it. The plan's `committed_token_ids` for this request start here.
+    pub num_tokens_shown: u32,
     /// Arrival order, for FCFS ties.
     pub arrival_seq: u64,
     pub arrival_time: Instant,
@@ -249,6 +253,7 @@ impl Request {
             num_released_pages: vec![0; num_groups],
             num_hashed_pages: vec![0; num_groups],
             slot: None,
+            num_tokens_shown: 0,
             arrival_seq,
             arrival_time: now,
             first_scheduled_time: None,

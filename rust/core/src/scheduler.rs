@@ -20,6 +20,7 @@ use crate::cache_manager::KvCacheManager;
 use crate::metrics::Metrics;
 use crate::plan::ScheduledRow;
 use crate::request::{Request, RequestStatus};
+use crate::runner_slots::RunnerSlots;
 
 /// Which request goes first.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -49,15 +50,9 @@ pub struct Scheduler {
     pub waiting: VecDeque<usize>,
     /// Running requests in admission order.
     pub running: Vec<usize>,
-    /// Unused runner slots; popped from the back (lowest first).
-    free_slots: Vec<u32>,
-    /// Slots assigned since the last committed plan.
-    pub new_slots: Vec<u32>,
-    /// Slots released since the last committed plan.
-    pub released_slots: Vec<u32>,
-    /// Slots in `new_slots` that a discarded plan already announced: the runner may hold
-    /// state for them, so their release must be reported.
-    pub announced_slots: Vec<u32>,
+    /// Runner slots and their lifecycle notices (assigned on admission, released when a
+    /// request leaves `running`).
+    pub slots: RunnerSlots,
 }
 
 impl Scheduler {
@@ -66,7 +61,7 @@ impl Scheduler {
         // at once whatever max_num_seqs says: that bounds the slot table.
         let num_slots = limits.max_num_seqs.min(kv.pool.num_pages() - 1);
         Scheduler {
-            free_slots: (0..num_slots).rev().collect(),
+            slots: RunnerSlots::new(num_slots),
             limits,
             kv,
             requests: Vec::new(),
@@ -74,9 +69,6 @@ impl Scheduler {
             index_of: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            new_slots: Vec::new(),
-            released_slots: Vec::new(),
-            announced_slots: Vec::new(),
         }
     }
 
@@ -122,19 +114,7 @@ impl Scheduler {
         let req = self.requests[idx].as_mut().expect("live request index");
         self.kv.free(req);
         if let Some(slot) = req.slot.take() {
-            // A slot the runner was never told about needs no "finished" notice.
-            let announced = self.announced_slots.iter().position(|&s| s == slot).map(|i| self.announced_slots.swap_remove(i));
-            match self.new_slots.iter().position(|&s| s == slot) {
-                Some(pos) if announced.is_none() => {
-                    self.new_slots.remove(pos);
-                }
-                Some(pos) => {
-                    self.new_slots.remove(pos);
-                    self.released_slots.push(slot);
-                }
-                None => self.released_slots.push(slot),
-            }
-            self.free_slots.push(slot);
+            self.slots.release(slot);
         }
     }
 
@@ -226,10 +206,11 @@ impl Scheduler {
                 req.first_scheduled_time = Some(now);
                 metrics.request_queue_time_s.observe(now.duration_since(req.arrival_time).as_secs_f64());
             }
-            let slot = self.free_slots.pop().expect("max_num_seqs bounds running requests");
+            let slot = self.slots.assign().expect("max_num_seqs bounds running requests");
             req.slot = Some(slot);
+            // The slot's announcement (`new_request_token_ids`) carries every token so far.
+            req.num_tokens_shown = req.num_tokens();
             req.status = RequestStatus::Running;
-            self.new_slots.push(slot);
             self.waiting.pop_front();
             self.running.push(idx);
             rows.push(ScheduledRow { req: idx, num_new_tokens: num_new });
@@ -274,7 +255,7 @@ impl Scheduler {
                 self.index_of.len()
             ));
         }
-        let mut slots_in_use: Vec<u32> = Vec::new();
+        let mut slots_in_use: Vec<u32> = Vec::with_capacity(self.running.len());
         for &idx in &self.running {
             let r = self.request(idx);
             let slot = r.slot.ok_or_else(|| format!("running request {} has no slot", r.id()))?;
@@ -295,12 +276,6 @@ impl Scheduler {
                 return Err(format!("waiting request {} holds a slot, pages or computed tokens", r.id()));
             }
         }
-        slots_in_use.sort_unstable();
-        slots_in_use.dedup();
-        let num_slots = self.limits.max_num_seqs.min(self.kv.pool.num_pages() - 1) as usize;
-        if slots_in_use.len() != self.running.len() || slots_in_use.len() + self.free_slots.len() != num_slots {
-            return Err("runner slots are shared or lost".into());
-        }
-        Ok(())
+        self.slots.check_integrity(&slots_in_use)
     }
 }

@@ -51,7 +51,10 @@ fn random_engine(rng: &mut Rng) -> Engine {
         0 => vec![],
         1 => vec![KvCacheSpec::SlidingWindow { window, bytes_per_token: 2 }],
         2 => vec![KvCacheSpec::Full { bytes_per_token: 2 }, KvCacheSpec::SlidingWindow { window, bytes_per_token: 2 }],
-        _ => vec![KvCacheSpec::SlidingWindow { window, bytes_per_token: 2 }, KvCacheSpec::SlidingWindow { window: window + 7, bytes_per_token: 2 }],
+        _ => vec![
+            KvCacheSpec::SlidingWindow { window, bytes_per_token: 2 },
+            KvCacheSpec::SlidingWindow { window: window + 7, bytes_per_token: 2 },
+        ],
     };
     let mut config = EngineConfig {
         page_size,
@@ -124,7 +127,8 @@ fn randomized_operations_keep_every_invariant() {
                     if plan.num_sequences > 0 && rng.chance(3) {
                         // A bad output (wrong length) is refused and changes nothing.
                         let free = e.num_free_pages();
-                        let bad = e.update(plan.step, &ForwardOutputRef { token_ids: &[], token_indptr: &[0], ..Default::default() });
+                        let bad =
+                            e.update(plan.step, &ForwardOutputRef { token_ids: &[], token_indptr: &[0], ..Default::default() });
                         assert!(bad.is_err());
                         assert_eq!(e.num_free_pages(), free);
                     }

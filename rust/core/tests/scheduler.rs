@@ -173,7 +173,12 @@ fn stop_tokens_min_tokens_and_max_model_len() {
     assert_eq!(outs[0].finish_reason, Some(FinishReason::Stop));
     assert_eq!(outs[0].token_ids(), vec![2, 2, 2]);
 
-    e.add_request("ign", tokens(10..13), SamplingParams { max_tokens: 2, ignore_eos: true, stop_token_ids: vec![7], ..SamplingParams::default() }).unwrap();
+    e.add_request(
+        "ign",
+        tokens(10..13),
+        SamplingParams { max_tokens: 2, ignore_eos: true, stop_token_ids: vec![7], ..SamplingParams::default() },
+    )
+    .unwrap();
     let (_, outs) = step(&mut e, 2);
     assert!(!outs[0].finished);
     let (_, outs) = step(&mut e, 7);
@@ -226,7 +231,8 @@ fn bad_output_changes_nothing_and_the_plan_can_be_retried() {
         (vec![1, 1], vec![1, 1, 2], "[0] must be 0"),
     ];
     for (ids, indptr, msg) in bad {
-        let err = e.update(plan.step, &ForwardOutputRef { token_ids: &ids, token_indptr: &indptr, ..Default::default() }).unwrap_err();
+        let err =
+            e.update(plan.step, &ForwardOutputRef { token_ids: &ids, token_indptr: &indptr, ..Default::default() }).unwrap_err();
         assert!(err.message().contains(msg), "{msg}: {err}");
         assert_eq!(e.num_free_pages(), free);
         assert_eq!(e.pending_step(), Some(plan.step));

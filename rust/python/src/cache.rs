@@ -86,7 +86,11 @@ impl CacheGroup {
     }
 
     fn __repr__(&self) -> String {
-        format!("CacheGroup(spec={}, layer_indices={:?})", LayerCacheSpec { spec: self.group.spec }.__repr__(), self.group.layer_indices)
+        format!(
+            "CacheGroup(spec={}, layer_indices={:?})",
+            LayerCacheSpec { spec: self.group.spec }.__repr__(),
+            self.group.layer_indices
+        )
     }
 }
 

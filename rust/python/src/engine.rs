@@ -4,6 +4,7 @@
 //! held while Python runs, so a thread stepping the engine and a thread aborting
 //! requests cannot deadlock. `runner.forward` runs with the lock free.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -13,7 +14,7 @@ use pyo3::{PyTraverseError, PyVisit};
 use resin_core::{engine as core, KvCacheSpec};
 
 use crate::cache::{CacheLayout, LayerCacheSpec};
-use crate::errors::to_py;
+use crate::errors::{step_error, to_py};
 use crate::output::{CopiedOutput, RequestOutput};
 use crate::params::{EngineConfig, SamplingParams};
 use crate::plan::BatchPlan;
@@ -27,6 +28,8 @@ pub struct Engine {
     layout: Py<CacheLayout>,
     #[pyo3(get)]
     runner: Py<PyAny>,
+    /// Times `step()` called `runner.forward` (empty plans do not call it).
+    num_forward_calls: AtomicU64,
 }
 
 impl Engine {
@@ -74,7 +77,10 @@ fn runner_layer_specs(runner: &Bound<'_, PyAny>) -> PyResult<Vec<KvCacheSpec>> {
     for (i, item) in specs.try_iter()?.enumerate() {
         let item = item?;
         let spec = item.cast::<LayerCacheSpec>().map_err(|_| {
-            PyValueError::new_err(format!("runner.cache_spec()[{i}] must be a resin.LayerCacheSpec, got {}", item.repr().map(|r| r.to_string()).unwrap_or_default()))
+            PyValueError::new_err(format!(
+                "runner.cache_spec()[{i}] must be a resin.LayerCacheSpec, got {}",
+                item.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
         })?;
         out.push(spec.get().spec);
     }
@@ -95,7 +101,13 @@ impl Engine {
         if runner.hasattr(intern!(py, "bind_cache"))? {
             runner.call_method1(intern!(py, "bind_cache"), (layout.clone_ref(py),))?;
         }
-        Ok(Engine { core: Mutex::new(engine), config: config.unbind(), layout, runner: runner.unbind() })
+        Ok(Engine {
+            core: Mutex::new(engine),
+            config: config.unbind(),
+            layout,
+            runner: runner.unbind(),
+            num_forward_calls: AtomicU64::new(0),
+        })
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, params=None))]
@@ -151,12 +163,12 @@ impl Engine {
             return Self::wrap_outputs(py, outputs);
         }
         let plan = Bound::new(py, BatchPlan::new(plan, recycler))?;
-        let result = self
-            .runner
-            .bind(py)
-            .call_method1(intern!(py, "forward"), (plan,))
-            .and_then(|out| self.update_inner(py, step, &out));
-        if result.is_err() {
+        self.num_forward_calls.fetch_add(1, Ordering::Relaxed);
+        let result = match self.runner.bind(py).call_method1(intern!(py, "forward"), (plan.clone(),)) {
+            Ok(out) => self.update_inner(py, step, &out).map_err(|e| (e, false)),
+            Err(e) => Err((e, true)),
+        };
+        result.map_err(|(cause, in_forward)| {
             // Forward raised or returned a bad output: nothing was committed, so dropping
             // the plan leaves the engine as it was and the next step plans the work again.
             // Only this step's plan: another thread may have replaced it meanwhile.
@@ -165,8 +177,15 @@ impl Engine {
                     e.discard_plan();
                 }
             });
-        }
-        result
+            step_error(py, plan.get().plan.request_ids().collect(), cause, in_forward)
+        })
+    }
+
+    /// How many times `step()` has called `runner.forward` (a plan with no rows is
+    /// committed without it), so a caller can tell an idle step from one that ran.
+    #[getter]
+    fn num_forward_calls(&self) -> u64 {
+        self.num_forward_calls.load(Ordering::Relaxed)
     }
 
     /// The engine holds the runner, and runners often hold their engine: let the cycle

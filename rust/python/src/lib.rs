@@ -3,7 +3,7 @@
 //! Thin by rule: no engine logic lives here. Each file wraps one noun: `params`
 //! (SamplingParams, EngineConfig), `cache` (LayerCacheSpec, CacheGroup, CacheLayout),
 //! `plan` (BatchPlan, SamplingArrays), `output` (ForwardOutput, RequestOutput) and
-//! `engine` (Engine). The GIL is released while Rust works; plan arrays are numpy views
+//! `engine` (Engine), `errors` (StepError, InvalidOutputError). The GIL is released while Rust works; plan arrays are numpy views
 //! on memory the plan owns (no copy).
 
 mod cache;
@@ -28,5 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::ForwardOutput>()?;
     m.add_class::<output::RequestOutput>()?;
     m.add_class::<engine::Engine>()?;
+    m.add("StepError", m.py().get_type::<errors::StepError>())?;
+    m.add("InvalidOutputError", errors::invalid_output_error(m.py())?)?;
     Ok(())
 }

@@ -54,15 +54,24 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
 /// was given instead. Copying (a few KB per step) is what lets the engine validate and
 /// commit with the GIL released: another Python thread may write to the runner's arrays
 /// meanwhile, and the engine must commit exactly what it validated.
-fn copied_array<T: Element + Copy, D: Dimension>(obj: &Bound<'_, PyAny>, field: &str, dtype: &str) -> PyResult<(Vec<T>, Vec<usize>)> {
+fn copied_array<T: Element + Copy, D: Dimension>(
+    obj: &Bound<'_, PyAny>,
+    field: &str,
+    dtype: &str,
+) -> PyResult<(Vec<T>, Vec<usize>)> {
     let ndim = D::NDIM.unwrap_or(0);
     let array = obj.cast::<PyArray<T, D>>().map_err(|_| {
-        PyValueError::new_err(format!("ForwardOutput.{field} must be a {ndim}-D numpy array of dtype {dtype}, got {}", describe(obj)))
+        PyValueError::new_err(format!(
+            "ForwardOutput.{field} must be a {ndim}-D numpy array of dtype {dtype}, got {}",
+            describe(obj)
+        ))
     })?;
     let ro = array.try_readonly().map_err(|e| PyValueError::new_err(format!("ForwardOutput.{field}: {e}")))?;
     let data = ro
         .as_slice()
-        .map_err(|_| PyValueError::new_err(format!("ForwardOutput.{field} must be C-contiguous and aligned (use np.ascontiguousarray)")))?
+        .map_err(|_| {
+            PyValueError::new_err(format!("ForwardOutput.{field} must be C-contiguous and aligned (use np.ascontiguousarray)"))
+        })?
         .to_vec();
     Ok((data, ro.shape().to_vec()))
 }
@@ -85,8 +94,10 @@ impl CopiedOutput {
             PyValueError::new_err(format!("runner.forward must return a resin.ForwardOutput, got {}", describe(out)))
         })?;
         let o = out.get();
-        let top_ids = o.top_logprob_ids.as_ref().map(|a| copied_array::<u32, Ix2>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
-        let top_lps = o.top_logprobs.as_ref().map(|a| copied_array::<f32, Ix2>(a.bind(py), "top_logprobs", "float32")).transpose()?;
+        let top_ids =
+            o.top_logprob_ids.as_ref().map(|a| copied_array::<u32, Ix2>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
+        let top_lps =
+            o.top_logprobs.as_ref().map(|a| copied_array::<f32, Ix2>(a.bind(py), "top_logprobs", "float32")).transpose()?;
         if let (Some((_, ids_shape)), Some((_, lps_shape))) = (&top_ids, &top_lps) {
             if ids_shape != lps_shape {
                 return Err(PyValueError::new_err(format!(
@@ -102,7 +113,12 @@ impl CopiedOutput {
         Ok(CopiedOutput {
             token_ids: copied_array::<u32, Ix1>(o.token_ids.bind(py), "token_ids", "uint32")?.0,
             token_indptr: copied_array::<u32, Ix1>(o.token_indptr.bind(py), "token_indptr", "uint32")?.0,
-            logprobs: o.logprobs.as_ref().map(|a| copied_array::<f32, Ix1>(a.bind(py), "logprobs", "float32")).transpose()?.map(|a| a.0),
+            logprobs: o
+                .logprobs
+                .as_ref()
+                .map(|a| copied_array::<f32, Ix1>(a.bind(py), "logprobs", "float32"))
+                .transpose()?
+                .map(|a| a.0),
             top_logprob_ids: top_ids.map(|a| a.0),
             top_logprobs: top_lps.map(|a| a.0),
             num_top_logprobs,

@@ -170,9 +170,7 @@ impl EngineConfig {
             "fcfs" => engine_config::SchedulingPolicy::Fcfs,
             "priority" => engine_config::SchedulingPolicy::Priority,
             other => {
-                return Err(PyValueError::new_err(format!(
-                    "EngineConfig.policy must be \"fcfs\" or \"priority\", got {other:?}"
-                )))
+                return Err(PyValueError::new_err(format!("EngineConfig.policy must be \"fcfs\" or \"priority\", got {other:?}")))
             }
         };
         let field = |name: &str, v: i64| to_u32("EngineConfig", name, v);

@@ -104,7 +104,32 @@ fn sampling_view<'py, T: Element>(
 }
 
 // Lazily created numpy views, one per array field.
-views_struct!(Views { request_slots, input_ids, positions, query_indptr, num_computed_tokens, seq_lens, sample_indptr, num_draft_tokens, banned_token_indptr, banned_token_ids, new_request_slots, new_request_token_indptr, new_request_token_ids, new_request_num_prompt_tokens, finished_request_slots, kv_indptr, kv_indices, kv_last_page_len, slot_mapping, block_table, request_ids });
+views_struct!(Views {
+    request_slots,
+    input_ids,
+    positions,
+    query_indptr,
+    num_computed_tokens,
+    seq_lens,
+    sample_indptr,
+    num_draft_tokens,
+    num_output_tokens,
+    committed_token_indptr,
+    committed_token_ids,
+    banned_token_indptr,
+    banned_token_ids,
+    new_request_slots,
+    new_request_token_indptr,
+    new_request_token_ids,
+    new_request_num_prompt_tokens,
+    finished_request_slots,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    slot_mapping,
+    block_table,
+    request_ids
+});
 
 /// A plan that goes back to its engine's recycler when the last reference (the Python
 /// `BatchPlan` or a view's `PlanMemory`) is dropped, so its arrays are reused.
@@ -225,6 +250,18 @@ impl BatchPlan {
         array_view(slf, |v| &v.num_draft_tokens, |p| &p.num_draft_tokens)
     }
     #[getter]
+    fn num_output_tokens<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.num_output_tokens, |p| &p.num_output_tokens)
+    }
+    #[getter]
+    fn committed_token_indptr<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.committed_token_indptr, |p| &p.committed_token_indptr)
+    }
+    #[getter]
+    fn committed_token_ids<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.committed_token_ids, |p| &p.committed_token_ids)
+    }
+    #[getter]
     fn banned_token_indptr<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
         array_view(slf, |v| &v.banned_token_indptr, |p| &p.banned_token_indptr)
     }
@@ -309,7 +346,17 @@ impl BatchPlan {
     }
 }
 
-views_struct!(SamplingViews { temperature, top_p, top_k, min_p, seed, num_logprobs, presence_penalty, frequency_penalty, repetition_penalty });
+views_struct!(SamplingViews {
+    temperature,
+    top_p,
+    top_k,
+    min_p,
+    seed,
+    num_logprobs,
+    presence_penalty,
+    frequency_penalty,
+    repetition_penalty
+});
 
 /// The plan's per-row sampling parameters; views into the owning plan.
 #[pyclass(module = "resin._core", frozen)]
