@@ -107,14 +107,17 @@ def _first_departure(monkeypatch: pytest.MonkeyPatch, blocks: Any, name: str, fn
     return _layers_departure()
 
 
-def test_parity_catches_attention_without_sinks(monkeypatch: pytest.MonkeyPatch,
-                                                blocks: Any) -> None:
-    real = blocks.paged_attention_with_sinks
+def test_parity_catches_attention_without_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resin.runners.torch.attention import ReferenceBackend
 
-    def no_sinks(q: Any, k: Any, v: Any, views: Any, scale: float, sinks: Any) -> Any:
-        return real(q, k, v, views, scale, torch.full_like(sinks, -1e9))
+    real = ReferenceBackend.attend
 
-    first = _first_departure(monkeypatch, blocks, "paged_attention_with_sinks", no_sinks)
+    def no_sinks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["sinks"] = None
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReferenceBackend, "attend", no_sinks)
+    first = _layers_departure()
     assert (first["layer"], first["module"]) == (0, "self_attn")
 
 
@@ -157,13 +160,14 @@ def test_parity_catches_a_sliding_layer_attending_everything(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny window (8) is narrower than the probe prompt, so ignoring it departs at layer 0
     (a sliding layer) — the windows are really exercised."""
-    runner_module = import_model_module(MODEL_DIR, "runner", "gpt_oss")
-    real = runner_module.build_sequence_views
+    from resin.runners.torch import attention
+
+    real = attention.build_sequence_views
 
     def no_window(*args: Any) -> Any:
         return real(*args[:6], None, *args[7:])
 
-    monkeypatch.setattr(runner_module, "build_sequence_views", no_window)
+    monkeypatch.setattr(attention, "build_sequence_views", no_window)
     first = _layers_departure()
     assert (first["layer"], first["module"]) == (0, "self_attn")
 
@@ -189,6 +193,11 @@ def test_resin_loading_parses_gpt_oss_as_transformers_does() -> None:
     assert load_model_config(raw).rope.rope_type == "yarn"
     with pytest.raises(WeightsError, match="models/gpt_oss"):
         TorchRunner.from_pretrained(TINY)
+    # ... while the registry runs it with models/gpt_oss, for every entry point
+    from resin.registry import ModelRegistry
+
+    entry = ModelRegistry(use_cwd=False).for_checkpoint(TINY)
+    assert (entry.name, entry.origin) == ("gpt_oss", "shipped")
 
 
 def test_bench_measures_a_model_with_two_cache_groups(in_repo: None, tmp_path: Path) -> None:

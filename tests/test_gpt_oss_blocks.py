@@ -1,7 +1,7 @@
 """models/gpt_oss/blocks.py against transformers' own gpt-oss modules, on random inputs.
 
-Each block function is called exactly as the generated runner calls it (``fn(x, w, ctx)`` with a
-:class:`resin.scaffold.runtime.LayerContext`) and compared with the HF module holding the same
+Each block function is called exactly as the shared paged runner calls it (``fn(x, w, ctx)`` with
+a :class:`resin.runners.torch.LayerContext`) and compared with the HF module holding the same
 weights: RMSNorm (fp32, and bit-exact in bf16), YaRN rotary tables, the router, the clamped
 SwiGLU, the whole sparse MLP (HF eager and grouped_mm experts), and attention with sinks read
 back through a shuffled paged cache (one prefill, and a chunk whose earlier tokens are already
@@ -25,9 +25,10 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss import modeling_gpt_oss as hf  # noqa: E402
 
 from resin.evals.model_ref import import_model_module  # noqa: E402
+from resin.runners.torch.attention import LayerAttention, ReferenceBackend  # noqa: E402
+from resin.runners.torch.context import LayerContext  # noqa: E402
 from resin.runners.torch.layers import build_sequence_views  # noqa: E402
 from resin.runners.torch.layers import rms_norm as llama_rms_norm  # noqa: E402
-from resin.scaffold.runtime import LayerContext  # noqa: E402
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "gpt_oss"
 blocks: Any = import_model_module(MODEL_DIR, "blocks", "gpt_oss")
@@ -56,7 +57,9 @@ def _config() -> Any:
 
 
 def _ctx(config: Any, **kwargs: Any) -> LayerContext:
-    return LayerContext(index=0, config=config, head_dim=HEAD_DIM, **kwargs)
+    tokens = torch.zeros(1, dtype=torch.long)
+    return LayerContext(index=0, config=config, head_dim=HEAD_DIM, dtype=torch.float32,
+                        input_ids=tokens, positions=tokens, **kwargs)
 
 
 def _randomise(module: Any, seed: int, scale: float = 0.5) -> None:
@@ -189,8 +192,10 @@ def _paged(attn: Any, config: Any, x: Any, window: int | None, cached: int, page
             np.array([0, -(-chunk.stop // page_size)]),
             pages[:-(-chunk.stop // page_size)].astype(np.uint32), chunk_positions, page_size,
             window, torch.device("cpu"))
-        ctx = _ctx(config, window=window, cos=cos, sin=sin, views=views,
-                   slot_mapping=slots[chunk], k_cache=k_cache, v_cache=v_cache)
+        backend = ReferenceBackend()
+        backend.views = [views]    # what begin_step builds from a plan, for this one row
+        attention = LayerAttention(backend, 0, slots[chunk], {"k": k_cache, "v": v_cache})
+        ctx = _ctx(config, window=window, cos=cos, sin=sin, attention=attention)
         out = blocks.gpt_oss_attention(x[chunk], weights, ctx)
     return out
 

@@ -1,7 +1,7 @@
-"""``resin.evals.model_ref.resolve_model``: checkpoint paths resolve to the torch reference
-runner, model directories and names under ``models/`` to their own ``runner.py`` ``Runner`` on
-the ``parity.toml`` reference checkpoint, with parity/perf specs parsed; bad specs raise
-``ModelRefError`` naming what was searched."""
+"""``resin.evals.model_ref.resolve_model``: checkpoint paths resolve through the model registry
+(a built-in family: the torch reference runner), model directories and registered names to
+their own blocks on the ``parity.toml`` reference checkpoint, with parity/perf specs parsed;
+bad specs raise ``ModelRefError`` naming what was searched."""
 
 from __future__ import annotations
 
@@ -10,20 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from resin.evals.model_ref import ModelRefError, resolve_model
+from resin.evals.model_ref import ModelRefError, import_model_module, resolve_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def _model_dir(root: Path, name: str = "foo") -> Path:
+    """A model directory for Llama made by ``resin new-model``, whose blocks.py imports a
+    sibling module (``from .helper import MARK``)."""
+    pytest.importorskip("transformers")
+    from resin.scaffold.cli import new_model
+
     model = root / name
-    model.mkdir(parents=True)
+    new_model(FIXTURES / "llama", name, out=model)
     shutil.copytree(FIXTURES / "llama", model / "tiny")
     (model / "helper.py").write_text("MARK = 3\n")
-    (model / "runner.py").write_text(
-        "from resin.runners.torch import TorchRunner\n"
-        "from .helper import MARK\n\n"
-        "class Runner(TorchRunner):\n    mark = MARK\n")
+    blocks = model / "blocks.py"
+    blocks.write_text(blocks.read_text() + "\nfrom .helper import MARK  # noqa: E402\n")
     (model / "parity.toml").write_text('[reference]\ncheckpoint = "tiny"\n\n'
                                        "[tolerances]\nhidden = 1e-3\n")
     (model / "perf.toml").write_text("[decode]\nbatch_sizes = [1, 2]\n")
@@ -45,8 +48,9 @@ def test_model_name_loads_its_runner_with_specs(tmp_path: Path) -> None:
     assert ref.parity_spec["tolerances"] == {"hidden": 1e-3}
     assert ref.perf_spec == {"decode": {"batch_sizes": [1, 2]}}
     runner = ref.load_runner(dtype="bfloat16")
-    assert type(runner).__name__ == "Runner" and runner.mark == 3
+    assert type(runner).__name__ == "ModelDirRunner" and runner.model_dir == model
     assert str(runner.dtype) == "torch.bfloat16"
+    assert import_model_module(model, "blocks", "foo").MARK == 3
     # the same directory given as a path resolves the same way
     assert resolve_model(model).checkpoint_dir == model / "tiny"
 

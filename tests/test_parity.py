@@ -83,48 +83,54 @@ def _patched(patch: Callable[[Any], None]) -> Callable[[str], Any]:
 
 def _shifted_page_table_runner(decode_only: bool) -> Callable[[str], Any]:
     """The reference runner reading K/V through ``kv_indices`` shifted by one entry (every row
-    reads its neighbour's pages); with ``decode_only``, only decode rows do."""
+    reads its neighbour's pages); with ``decode_only``, only decode rows do. Planted in an
+    attention backend, through the seam models use."""
     from resin.runners.torch import TorchRunner
+    from resin.runners.torch.attention import ReferenceBackend
     from resin.runners.torch.layers import build_sequence_views
 
-    class ShiftedPageTable(TorchRunner):
-        def _sequence_views(self, plan: Any, positions: Any) -> list[Any]:
-            views = []
-            for group in range(plan.num_cache_groups):
-                layer = self.group_of_layer.index(group)
+    class ShiftedPageTable(ReferenceBackend):
+        def begin_step(self, step: Any, group_windows: Any, page_size: int) -> None:
+            plan = step.plan
+            self.views = []
+            for group, window in enumerate(group_windows):
                 indices = np.asarray(plan.kv_indices[group], dtype=np.uint32)
                 end = int(plan.kv_indptr[group][plan.num_decode_sequences]) if decode_only \
                     else len(indices)
                 shifted = indices.copy()
                 shifted[:end] = np.append(indices, np.uint32(0))[1:end + 1]
-                views.append(build_sequence_views(
-                    plan.query_indptr, plan.seq_lens, plan.kv_indptr[group], shifted, positions,
-                    self.page_size, self.config.layer_window_tokens(layer), self.device))
-            return views
+                self.views.append(build_sequence_views(
+                    plan.query_indptr, plan.seq_lens, plan.kv_indptr[group], shifted,
+                    step.positions, page_size, window, step.device))
 
-    return lambda model_dir: ShiftedPageTable.from_pretrained(model_dir, device="cpu",
-                                                              dtype=torch.float32)
+    return lambda model_dir: TorchRunner.from_pretrained(model_dir, device="cpu",
+                                                         dtype=torch.float32,
+                                                         attention_backend=ShiftedPageTable())
 
 
 def _wrong_rope_theta(runner: Any) -> None:
-    head_dim = runner.config.head_dim
+    head_dim = runner.model.head_dim
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-    runner.rotary.inv_freq = 1.0 / (1e6 ** exponents)   # the checkpoint says 1e4
+    runner.model.rotary["*"].inv_freq = 1.0 / (1e6 ** exponents)   # the checkpoint says 1e4
 
 
 def _swap_layer1_norms(runner: Any) -> None:
-    layer = runner.layers[1]
-    layer.input_layernorm, layer.post_attention_layernorm = \
-        layer.post_attention_layernorm, layer.input_layernorm
+    weights = runner.child_weights[1]
+    weights["input_layernorm"], weights["post_attention_layernorm"] = \
+        weights["post_attention_layernorm"], weights["input_layernorm"]
 
 
 def _moe_patch(field: str, value: Any) -> Callable[[Any], None]:
+    """Route with one setting wrong: ``norm_topk_prob`` or ``num_experts_per_tok``."""
     def patch(runner: Any) -> None:
-        from resin.runners.torch.layers import MoeWeights
+        from resin.runners.torch.blocks import topk_moe_block
 
-        for layer in runner.layers:
-            if isinstance(layer.mlp, MoeWeights):
-                setattr(layer.mlp, field, value)
+        settings = {"norm_topk_prob": True, "num_experts_per_tok": 2, field: value}
+        wrong = topk_moe_block(renormalise=settings["norm_topk_prob"],
+                               num_experts_per_tok=settings["num_experts_per_tok"])
+        for layer in runner.model.layers:
+            if "gate.weight" in runner.child_weights[layer.index]["mlp"]:
+                layer.children["mlp"] = wrong
     return patch
 
 

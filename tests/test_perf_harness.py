@@ -12,6 +12,7 @@ stays far above it. The 5% default rule itself is tested on synthetic reports.
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import re
 import shlex
@@ -299,11 +300,18 @@ def test_bench_usage_errors(cli: Any, tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists()
 
 
+def _generated(out: Path) -> Path:
+    """A model directory for the Llama fixture, as ``resin new-model`` writes it."""
+    pytest.importorskip("transformers")
+    from resin.scaffold.cli import new_model
+
+    new_model(LLAMA, out.name, out=out)
+    return out
+
+
 def test_bench_reads_model_perf_toml(cli: Any, tmp_path: Path) -> None:
     """A model directory (``models/NAME`` layout): shapes and repeats come from its perf.toml."""
-    model = tmp_path / "tiny_llama"
-    model.mkdir()
-    (model / "runner.py").write_text("from resin.runners.torch import TorchRunner as Runner\n")
+    model = _generated(tmp_path / "tiny_llama")
     (model / "parity.toml").write_text(f'[reference]\ncheckpoint = "{LLAMA}"\n')
     (model / "perf.toml").write_text('repeats = 3\n[decode]\nbatch_sizes = [2]\n'
                                      'context_lens = [8]\n[prefill]\nchunk_sizes = [8]\n')
@@ -318,16 +326,15 @@ def test_bench_reads_model_perf_toml(cli: Any, tmp_path: Path) -> None:
 def test_bench_an_architecture_resin_loading_does_not_parse(cli: Any, tmp_path: Path) -> None:
     """A model directory whose checkpoint names an unknown architecture (its own runner runs
     it): bench measures it and says the roofline is approximate."""
-    checkpoint = tmp_path / "fancy" / "tiny"
-    checkpoint.mkdir(parents=True)
+    model = _generated(tmp_path / "fancy")
+    checkpoint = model / "tiny"
+    shutil.copytree(LLAMA, checkpoint)
     raw = json.loads((LLAMA / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**raw, "architectures": ["FancyLM"]}))
-    (tmp_path / "fancy" / "runner.py").write_text(
-        "from resin.runners.torch import TorchRunner\n\n\n"
-        "class Runner:\n"
-        "    @classmethod\n"
-        "    def from_pretrained(cls, checkpoint_dir, device, dtype):\n"
-        f"        return TorchRunner.from_pretrained({str(LLAMA)!r}, device=device, dtype=dtype)\n")
+    record = json.loads((model / "architecture.json").read_text())
+    (model / "architecture.json").write_text(json.dumps({**record, "architectures": ["FancyLM"]}))
+    for spec in ("parity.toml", "perf.toml"):
+        (model / spec).write_text('[reference]\ncheckpoint = "tiny"\ndtype = "float32"\n')
     result = cli("bench", str(tmp_path / "fancy"), "--shapes", "decode:2@8", "--repeats", "2",
                  "--out", str(tmp_path / "r"))
     assert result.exit_code == 0, result.output

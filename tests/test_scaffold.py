@@ -207,7 +207,8 @@ def test_unknown_architecture_tiny_checkpoint_and_weight_map(gpt_oss_dir: Path) 
     assert config["architectures"] == ["GptOssForCausalLM"]
     assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
     assert config["sliding_window"] == 32 and config["attention_bias"] is True
-    assert config["swiglu_limit"] == 7.0 and config["rope_parameters"]["rope_type"] == "yarn"
+    # the clamp is lowered so the tiny activations reach it (listed in NOTES.md)
+    assert config["swiglu_limit"] < 7.0 and config["rope_parameters"]["rope_type"] == "yarn"
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny))
     with torch.no_grad():
         assert hf(torch.tensor([[0, 5, 9]])).logits.shape == (1, 3, 384)
@@ -274,7 +275,7 @@ def test_skill_worked_example_passes_parity(gpt_oss_dir: Path, tmp_path: Path) -
 
     skill = (Path(__file__).resolve().parents[1] / "skills" / "add-model" / "SKILL.md").read_text()
     attention, mlp = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", skill, re.S)]
-    rotary = re.search(r"`(return _rotary_embedding\(.*?\))`", skill).group(1)   # type: ignore[union-attr]
+    rotary = re.search(r"`(return rope_from_config\(.*?\))`", skill).group(1)   # type: ignore[union-attr]
     norm = re.search(r"`(return rms_norm\(.*?\)\))`", skill).group(1)   # type: ignore[union-attr]
     model = tmp_path / "gpt_oss"
     shutil.copytree(gpt_oss_dir, model)

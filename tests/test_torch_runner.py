@@ -180,7 +180,7 @@ def test_sharded_and_tied_checkpoints(tmp_path: Path) -> None:
     weights = load_weights(tmp_path, load_model_config(tmp_path))
     assert "lm_head.weight" not in weights
     runner = TorchRunner.from_pretrained(tmp_path)
-    assert runner.lm_head is runner.embed_tokens
+    assert runner.lm_head is runner.embed_tokens   # tied: no lm_head tensor loaded
     (outputs,), _ = run_engine(tmp_path, page_size=4, num_pages=128, max_model_len=64)
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p]), do_sample=False,

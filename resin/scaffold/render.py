@@ -132,7 +132,9 @@ def model_context(arch: Architecture, name: str, source: str, tiny: bool,
     config = arch.config
     blocks = blocks_of(arch)
     used = {b.kind for b in blocks if b.kind in BLOCK_FUNCTIONS}
-    block_imports = sorted(BLOCK_FUNCTIONS[k] for k in used)
+    # With stubs left, every shared block is imported: the stubs' authors start from them.
+    block_imports = sorted(BLOCK_FUNCTIONS.values() if any(b.stub for b in blocks)
+                           else (BLOCK_FUNCTIONS[k] for k in used))
     max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or max(CONTEXT_LENS)
     return {
         "name": name, "architecture": arch.architecture, "model_type": arch.model_type,
