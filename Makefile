@@ -6,7 +6,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-stamp
 
-.PHONY: install develop test test-rust test-python bench serve clean
+.PHONY: install develop test test-rust test-python test-wheel wheel bench serve clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,15 @@ test-python: install
 	$(VPY) -m pytest -q
 
 test: test-rust test-python
+
+# The release wheel (what `pip install .` builds) into .whl/; reuses target/ from `make install`.
+wheel: install
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin build --release -q -o .whl
+
+# Just the installed-wheel check (also part of test-python): build the wheel, install it into a
+# clean venv, serve the shipped tiny gpt-oss without transformers, run resin new-model.
+test-wheel: install
+	$(VPY) -m pytest -q tests/test_wheel.py
 
 # Engine overhead per step: through Python (the issue's measure), then the Rust core alone.
 bench: install

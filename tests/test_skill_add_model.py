@@ -9,13 +9,16 @@ The loop then runs in a scratch directory (``models/`` under it, as from the rep
    and the STUB / ASSUMED lines of the worked example appear in its output.
 2. ``resin eval parity NAME --json ...`` on the unfilled scaffold: exit 1, the worked example's
    "runner not finished" line, and the JSON error the skill documents.
-3. Filling the stubs is the agent's edit: here, the committed models/gpt_oss/blocks.py and
-   weights.py are copied over the generated ones (runner.py stays as generated).
+3. Filling the stubs is the agent's edit: here, the committed models/gpt_oss/blocks.py is
+   copied over the generated one (nothing else in the directory changes).
 4. ``resin eval parity NAME --json ...`` again: exit 0, output shaped like the skill's PASS block.
-5. ``resin eval parity NAME --dtype bfloat16``, ``pytest -q models/NAME/test_parity.py`` (its
-   test function, called in this process),
-   ``resin bench NAME`` (short ``--shapes``), and ``resin eval parity CHECKPOINT_DIR`` on a
-   supported fixture.
+5. ``resin eval parity NAME --dtype bfloat16``, ``resin eval parity NAME --checkpoint DIR`` (the
+   committed tiny checkpoint, a different one), ``pytest -q models/NAME/test_parity.py`` (its
+   test function, called in this process), ``resin bench NAME`` (short ``--shapes``), and
+   ``resin eval parity CHECKPOINT_DIR`` on a supported fixture.
+6. ``resin new-model ... --out DIR/NAME`` elsewhere, ``resin models --models-dir DIR`` lists
+   it, and ``resin serve CHECKPOINT_DIR --models-dir DIR --port PORT`` (a real process) answers
+   a completion with it.
 """
 
 from __future__ import annotations
@@ -43,14 +46,19 @@ GPT_OSS = REPO / "models" / "gpt_oss"
 # Every command the skill shows, placeholders normalised (see _normalise).
 HANDLED = {
     "resin new-model SOURCE --name NAME --tiny",
+    "resin new-model SOURCE --name NAME --tiny --out DIR/NAME",
     "resin eval parity NAME --json JSON",
     "resin eval parity NAME --dtype bfloat16",
+    "resin eval parity NAME --checkpoint CHECKPOINT_DIR",
     "resin eval parity CHECKPOINT_DIR",
+    "resin models --models-dir DIR",
+    "resin serve CHECKPOINT_DIR --models-dir DIR --port 8000",
     "pytest -q models/NAME/test_parity.py",
     "resin bench NAME",
 }
 
-COMMAND_NAMES = {"resin new-model", "resin eval parity", "resin bench", "resin eval"}
+COMMAND_NAMES = {"resin new-model", "resin eval parity", "resin bench", "resin eval",
+                 "resin serve", "resin models", "resin generate"}
 
 
 def _skill_text() -> str:
@@ -140,9 +148,8 @@ def test_skill_loop_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert re.search(_pattern(line), result.output), (line, result.output)
     assert json.loads(report.read_text())["error"] == "runner not finished"
 
-    # 3. Fill the stubs (the agent's edit): the committed blocks.py and weights.py.
-    for name in ("blocks.py", "weights.py"):
-        shutil.copy(GPT_OSS / name, model / name)
+    # 3. Fill the stubs (the agent's edit): the committed blocks.py, nothing else.
+    shutil.copy(GPT_OSS / "blocks.py", model / "blocks.py")
     # Each CLI call is a fresh process for an agent; here, forget the stub modules imported in 2.
     for key in [k for k in sys.modules if k.startswith("resin_models.gpt_oss")]:
         del sys.modules[key]
@@ -169,3 +176,59 @@ def test_skill_loop_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     result = _run("eval", "parity", str(REPO / "tests" / "fixtures" / "llama"),
                   "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output
+    result = _run("eval", "parity", "gpt_oss", "--checkpoint", str(GPT_OSS / "tiny"),
+                  "--max-new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    assert str(GPT_OSS / "tiny") in result.output
+
+    # 6. A model directory elsewhere: registered with --models-dir, served by a real process.
+    elsewhere = tmp_path / "my_models"
+    result = _run("new-model", str(source / "config.json"), "--name", "oss_elsewhere", "--tiny",
+                  "--out", str(elsewhere / "oss_elsewhere"))
+    assert result.exit_code == 0, result.output
+    shutil.copy(GPT_OSS / "blocks.py", elsewhere / "oss_elsewhere" / "blocks.py")
+    result = _run("models", "--models-dir", str(elsewhere))
+    assert result.exit_code == 0 and "oss_elsewhere [user]" in result.output, result.output
+    _serve_and_complete(elsewhere / "oss_elsewhere" / "tiny", elsewhere, tmp_path)
+
+
+def _serve_and_complete(checkpoint: Path, models_dir: Path, cwd: Path) -> None:
+    """``resin serve CHECKPOINT --models-dir DIR --port PORT`` as a process: /health, then one
+    greedy completion; the server is always stopped."""
+    import os
+    import subprocess
+    import time
+
+    import httpx
+
+    from tests.server_harness import free_port
+
+    port = free_port()
+    resin_cli = Path(sys.executable).parent / "resin"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([str(resin_cli), "serve", str(checkpoint), "--models-dir",
+                               str(models_dir), "--port", str(port), "--max-model-len", "128",
+                               "--served-model-name", "oss"], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert server.poll() is None, server.communicate()[0]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": "oss", "prompt": "hello", "max_tokens": 3,
+                                 "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.terminate()
+        try:
+            log = server.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            server.kill()
+            log = server.communicate()[0]
+    assert "oss_elsewhere" in log or "ModelDirRunner" in log, log
