@@ -7,12 +7,16 @@ cannot be built — a stub raising NotImplementedError, a checkpoint it rejects;
 :func:`resin.evals.model_ref.resolve_model`: an HF checkpoint directory runs the torch reference
 runner; a model directory or a name under ``models/`` (made by ``resin new-model``) runs that
 model's ``runner.py`` on the checkpoint, tolerances and stress settings of its ``parity.toml``
-(command-line options override the file). torch and transformers are imported only when the
-command runs.
+(command-line options override the file). ``--checkpoint DIR`` runs the same runner and settings
+on another HF checkpoint (e.g. the real weights instead of ``tiny/``) without editing
+``parity.toml``. An HF reference that cannot load or run is a failed stage (``reference`` /
+``reference crashed: ...``), exit 1, never a traceback. torch and transformers are imported
+only when the command runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -61,6 +65,9 @@ def parity(
         help="Runner dtype: float32, bfloat16 or float16 (default: parity.toml, else float32).")] = None,
     device: Annotated[str | None, typer.Option(
         help="Runner device; the HF reference stays on CPU (default: parity.toml, else cpu).")] = None,
+    checkpoint: Annotated[Path | None, typer.Option(
+        "--checkpoint", help="Check this HF checkpoint directory (config.json + safetensors) "
+        "instead of parity.toml's [reference] checkpoint; needs a model NAME or directory.")] = None,
 ) -> None:
     """Check a runner against HF transformers: per-layer diffs, logits, greedy tokens under stress."""
     from resin.evals.model_ref import ModelRefError, resolve_model
@@ -77,6 +84,8 @@ def parity(
     if runner == "model" and ref.model_dir is None:
         raise typer.BadParameter(f"{model} is a checkpoint, not a models/NAME directory: it has "
                                  "no runner.py (use --runner torch)", param_hint="--runner")
+    if checkpoint is not None:
+        ref = _with_checkpoint(ref, model, checkpoint)
     try:
         report = _run(ref, runner, dtype, device, max_new_tokens)
     except (NotImplementedError, ValueError) as exc:
@@ -98,6 +107,24 @@ def parity(
         json_path.write_text(report.to_json() + "\n")
         typer.echo(f"report written to {json_path}")
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _with_checkpoint(ref: Any, model: str, checkpoint: Path) -> Any:
+    """``ref`` with its checkpoint replaced by ``checkpoint`` (``--checkpoint``)."""
+    if ref.model_dir is None:
+        raise typer.BadParameter(f"{model} is itself a checkpoint; --checkpoint needs a model "
+                                 "NAME or directory (pass the checkpoint as MODEL instead)",
+                                 param_hint="--checkpoint")
+    path = checkpoint.expanduser()
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if not (path / "config.json").is_file():
+        raise typer.BadParameter(f"{checkpoint}: not an HF checkpoint directory (no config.json)",
+                                 param_hint="--checkpoint")
+    if dataclasses.is_dataclass(ref) and not isinstance(ref, type):
+        return dataclasses.replace(ref, checkpoint_dir=path)
+    ref.checkpoint_dir = path
+    return ref
 
 
 def _run(ref: Any, runner: str | None, dtype: str | None, device: str | None,

@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resin.evals.parity_engine import GreedyReference, run_greedy_stages, runner_capture_prefill
+from resin.evals.parity_engine import (REFERENCE_CRASHED, GreedyReference,
+                                       exception_text, greedy_stages_or_reference_failure,
+                                       reference_failed_stages, runner_capture_prefill)
 
 SUBMODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 DEFAULT_PROMPT_LENS = (1, 7, 16, 23, 48, 70)
@@ -80,6 +82,8 @@ class ParityReport:
     tolerances: Tolerances
     layers: list[dict[str, Any]] = field(default_factory=list)
     stages: list[StageResult] = field(default_factory=list)
+    # Why the HF reference could not be computed (load or forward raised), or None.
+    reference_error: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -101,7 +105,8 @@ class ParityReport:
         return {"model_dir": self.model_dir, "runner": self.runner, "dtype": self.dtype,
                 "passed": self.passed, "tolerances": asdict(self.tolerances),
                 "first_departure": self.first_departure, "layers": self.layers,
-                "stages": [asdict(s) for s in self.stages]}
+                "stages": [asdict(s) for s in self.stages],
+                "reference_error": self.reference_error}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=_json_default)
@@ -344,7 +349,11 @@ def run_parity(model_dir: str | Path, runner_factory: Callable[[str], Any] | Non
     """Run the selected ``checks`` (``layers`` includes ``logits``; ``greedy`` = every stress
     stage) and return the report. ``dtype`` is the runner's: the HF reference runs in it and
     the default tolerances follow it (``Tolerances.for_dtype``). Never raises for a parity
-    failure: a stage that crashes is reported failed with the exception."""
+    failure: a stage that crashes is reported failed with the exception. Nor when the HF
+    reference itself fails: a load that raises gives one failed ``reference`` stage; a forward
+    that raises fails ``layers`` and ``logits`` (``reference crashed: ...``); a greedy loop that
+    raises fails every ``greedy/*`` stage; ``reference_error`` holds the first reason. Only
+    building the runner (``runner_factory``) may raise."""
     import torch
 
     model_dir = Path(model_dir)
@@ -352,15 +361,29 @@ def run_parity(model_dir: str | Path, runner_factory: Callable[[str], Any] | Non
     factory = runner_factory or (lambda path: default_runner_factory(path, dtype))
     report = ParityReport(str(model_dir), runner_name, dtype, tol)
     torch.manual_seed(0)
-    hf = _cached_hf_model(model_dir, dtype)
+    try:
+        hf = _cached_hf_model(model_dir, dtype)
+    except Exception as exc:  # noqa: BLE001 - the reference failing is reported, not raised
+        report.reference_error = f"HF reference failed to load ({dtype}): {exception_text(exc)}"
+        report.stages.append(StageResult("reference", False, report.reference_error, None,
+                                         {"reference_error": report.reference_error}))
+        return report
     vocab_size = int(hf.config.vocab_size)
     token_prompts = _encode_prompts(model_dir, prompts) if prompts else default_prompts(vocab_size)
     runner = factory(str(model_dir))
 
+    hf_acts: dict[str, Any] | None = None
+    probe = max(token_prompts, key=len)
     if "layers" in checks:
-        probe = max(token_prompts, key=len)
         try:
             hf_acts = hf_activations(hf, probe)
+        except Exception as exc:  # noqa: BLE001 - HF's own forward raised: nothing to compare
+            report.reference_error = (f"{REFERENCE_CRASHED}: HF forward ({dtype}) raised "
+                                      f"{exception_text(exc)}")
+            report.stages.extend(reference_failed_stages(("layers", "logits"),
+                                                         report.reference_error))
+    if hf_acts is not None:
+        try:
             acts, engine_lp, sampled = runner_capture_prefill(runner, probe, vocab_size, TOP_K)
             if acts is None:
                 report.stages.append(StageResult("layers", False, "runner has no capture hook"))
@@ -373,9 +396,17 @@ def run_parity(model_dir: str | Path, runner_factory: Callable[[str], Any] | Non
             report.stages.append(StageResult("layers", False, f"prefill crashed: {exc!r}"))
     if "greedy" in checks:
         key = (id(hf), tuple(map(tuple, token_prompts)), max_new_tokens)
-        if key not in _REFERENCE_CACHE:
-            _REFERENCE_CACHE.clear()
-            _REFERENCE_CACHE[key] = GreedyReference.compute(hf, token_prompts, max_new_tokens)
-        reference = _REFERENCE_CACHE[key]
-        report.stages.extend(run_greedy_stages(runner, reference, vocab_size, tol.tie_margin))
+
+        def compute() -> GreedyReference:
+            if key not in _REFERENCE_CACHE:
+                _REFERENCE_CACHE.clear()
+                _REFERENCE_CACHE[key] = GreedyReference.compute(hf, token_prompts,
+                                                                max_new_tokens)
+            return _REFERENCE_CACHE[key]
+
+        reference, stages = greedy_stages_or_reference_failure(runner, compute, vocab_size,
+                                                               tol.tie_margin)
+        if reference is None and report.reference_error is None:
+            report.reference_error = stages[0].detail
+        report.stages.extend(stages)
     return report

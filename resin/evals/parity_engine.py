@@ -9,7 +9,10 @@ A mismatch where the HF top-1/top-2 logit gap is below ``tie_margin`` is a near-
 counted, not failed, and that request is compared no further (it has legitimately diverged).
 
 Also here: :func:`runner_capture_prefill`, the one-request engine step that stages 1 and 2
-read the runner's activations from.
+read the runner's activations from, and the reference-failure helpers: when HF's own greedy
+loop raises (a dtype HF cannot run on CPU, a broken modeling file), every greedy stage is
+reported failed with ``reference crashed: <exception>`` (:func:`greedy_stages_or_reference_failure`)
+rather than the exception escaping.
 
 Stages: ``greedy/page_size=1``, ``=16``, ``=64``; ``greedy/chunked_prefill`` (token budget 13,
 so prompts split across steps and page boundaries); ``greedy/prefix_cache`` (the batch twice;
@@ -194,12 +197,18 @@ def _stage(name: str, runner: Any, ref: GreedyReference, vocab_size: int, tie_ma
     return StageResult(name, True, detail, None, metrics)
 
 
+PAGE_SIZES = (1, 16, 64)
+GREEDY_STAGES = tuple(f"greedy/page_size={ps}" for ps in PAGE_SIZES) + (
+    "greedy/chunked_prefill", "greedy/prefix_cache", "greedy/preemption")
+REFERENCE_CRASHED = "reference crashed"
+
+
 def run_greedy_stages(runner: Any, ref: GreedyReference, vocab_size: int,
                       tie_margin: float) -> list[Any]:
-    """All stress stages, in order; each is independent (a fresh engine)."""
+    """All stress stages, in order (:data:`GREEDY_STAGES`); each is independent (a fresh engine)."""
     big = max(len(p) for p in ref.prompts) * len(ref.prompts) + 64
     stages = [_stage(f"greedy/page_size={ps}", runner, ref, vocab_size, tie_margin, ps, big)
-              for ps in (1, 16, 64)]
+              for ps in PAGE_SIZES]
     stages.append(_stage("greedy/chunked_prefill", runner, ref, vocab_size, tie_margin, 16,
                          CHUNK_BUDGET_TOKENS))
     stages.append(_stage("greedy/prefix_cache", runner, ref, vocab_size, tie_margin, 16, big,
@@ -207,6 +216,33 @@ def run_greedy_stages(runner: Any, ref: GreedyReference, vocab_size: int,
     stages.append(_stage("greedy/preemption", runner, ref, vocab_size, tie_margin,
                          PREEMPTION_PAGE_SIZE, 64, small_pool=True))
     return stages
+
+
+def exception_text(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` on one line, at most ``limit`` characters (for stage details)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def reference_failed_stages(names: Sequence[str], detail: str) -> list[Any]:
+    """The stages ``names``, each failed with ``detail``: the HF reference could not produce
+    what they compare against, so the runner was not checked by them."""
+    from resin.evals.parity import StageResult
+
+    return [StageResult(name, False, detail, None, {"reference_error": detail}) for name in names]
+
+
+def greedy_stages_or_reference_failure(
+        runner: Any, compute: Any, vocab_size: int,
+        tie_margin: float) -> tuple[GreedyReference | None, list[Any]]:
+    """(reference, stages): ``compute()`` builds the HF greedy reference; if it raises, every
+    greedy stage fails with ``reference crashed: ...`` instead of the exception escaping."""
+    try:
+        reference = compute()
+    except Exception as exc:  # noqa: BLE001 - the reference crashing is a finding too
+        detail = f"{REFERENCE_CRASHED}: HF greedy decoding raised {exception_text(exc)}"
+        return None, reference_failed_stages(GREEDY_STAGES, detail)
+    return reference, run_greedy_stages(runner, reference, vocab_size, tie_margin)
 
 
 def runner_capture_prefill(runner: Any, prompt: list[int], vocab_size: int, top_k: int = 5) -> tuple[

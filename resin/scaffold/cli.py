@@ -2,8 +2,12 @@
 
 Owns the command and :func:`new_model`, the same steps from Python: inspect SOURCE's
 architecture on the meta device, optionally write a tiny random-weight checkpoint into
-``OUT/tiny/``, and render the runner skeleton into OUT (default ``models/NAME``). Refuses to
-overwrite an existing ``runner.py`` unless ``--force``. torch and transformers are imported
+``OUT/tiny/`` (with ``OUT/tiny/CHANGES.md``, every change from the source config; the lines go to
+the NOTES.md template as ``tiny_changes`` when ``render_model`` takes extra context), and render
+the runner skeleton into OUT (default ``models/NAME``). The summary's ``warnings`` include one
+line per HF module the scaffold does not place (``inspect.unplaced_warnings``). Refuses to
+overwrite an existing model directory (``architecture.json``, or an old-layout ``runner.py``)
+unless ``--force``. torch and transformers are imported
 only when the command runs.
 """
 
@@ -16,6 +20,8 @@ from typing import Annotated, Any
 import typer
 
 TINY_DIR = "tiny"
+# Files that mark a generated model directory (the model record; runner.py of the old layout).
+MODEL_MARKERS = ("architecture.json", "runner.py")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -30,35 +36,49 @@ def new_model(source: str | Path, name: str, out: Path | None = None, tiny: bool
             (source_path.is_file() and source_path.suffix == ".json"):
         raise FileNotFoundError(f"{source}: expected an HF checkpoint directory or a config.json")
     out_dir = Path(out) if out is not None else Path("models") / name
-    if (out_dir / "runner.py").exists() and not force:
-        raise FileExistsError(f"{out_dir / 'runner.py'} exists: pass --force to overwrite")
+    for marker in MODEL_MARKERS:
+        if (out_dir / marker).exists() and not force:
+            raise FileExistsError(f"{out_dir / marker} exists: pass --force to overwrite")
 
-    from resin.scaffold.inspect import inspect_architecture
+    from resin.scaffold.inspect import inspect_architecture, unplaced_warnings
     from resin.scaffold.render import blocks_of, render_model
 
     arch = inspect_architecture(source_path)
     checkpoint_dir = source_path if source_path.is_dir() else source_path.parent
     has_weights = any(checkpoint_dir.glob("*.safetensors"))
+    tiny_changes: list[str] = []
     if tiny:
-        from resin.scaffold.tiny_checkpoint import write_tiny_checkpoint
+        from resin.scaffold.tiny_checkpoint import make_tiny_checkpoint
 
-        write_tiny_checkpoint(arch.config, out_dir / TINY_DIR)
+        # the meta model's config object was mutated by the build (attn implementation):
+        # shrink a fresh copy of the source config
+        tiny_changes = make_tiny_checkpoint(source_path, out_dir / TINY_DIR).changes
         reference = TINY_DIR
     else:
         reference = str(checkpoint_dir.resolve()) if has_weights else TINY_DIR
     # bench measures the real checkpoint when SOURCE has weights, else the tiny one
     perf = str(checkpoint_dir.resolve()) if has_weights else TINY_DIR
-    written = render_model(arch, name, out_dir, str(source), tiny, reference, perf)
+    extra = {"tiny_changes": tiny_changes} if _accepts_extra(render_model) else {}
+    written = render_model(arch, name, out_dir, str(source), tiny, reference, perf, **extra)
     blocks = blocks_of(arch)
-    warnings = []
+    warnings = list(unplaced_warnings(arch))
     if not tiny and not has_weights:
         warnings.append(f"{source} has no weights and --tiny was not given: parity.toml points "
                         f"at {out_dir / TINY_DIR}, which does not exist (rerun with --tiny, or "
                         "set [reference] checkpoint)")
     return {"out_dir": out_dir, "files": written, "architecture": arch.architecture,
             "reference_checkpoint": reference, "warnings": warnings,
+            "tiny_changes": tiny_changes,
             "stubs": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.stub],
             "assumed": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.assumed]}
+
+
+def _accepts_extra(fn: Any) -> bool:
+    """Whether ``fn`` takes ``**kwargs`` (render_model's extra template context)."""
+    import inspect
+
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD
+               for p in inspect.signature(fn).parameters.values())
 
 
 def new_model_command(
@@ -67,7 +87,7 @@ def new_model_command(
     out: Annotated[Path | None, typer.Option("--out", help="Output directory (default models/NAME).")] = None,
     tiny: Annotated[bool, typer.Option("--tiny", help="Also write a tiny random-weight checkpoint "
                                        "into OUT/tiny/ and use it as the parity reference.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing runner.py.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model directory.")] = False,
 ) -> None:
     """Generate a runner skeleton for an HF architecture: runner, blocks, weight map, specs."""
     try:
@@ -78,7 +98,9 @@ def new_model_command(
     typer.echo(f"{summary['architecture']} -> {summary['out_dir']}/ "
                f"({', '.join(p.name for p in summary['files'])})")
     if tiny:
-        typer.echo(f"tiny checkpoint: {summary['out_dir']}/{TINY_DIR}/")
+        typer.echo(f"tiny checkpoint: {summary['out_dir']}/{TINY_DIR}/ "
+                   f"({len(summary['tiny_changes'])} changes from the source config: "
+                   f"{summary['out_dir']}/{TINY_DIR}/CHANGES.md)")
     for warning in summary["warnings"]:
         typer.echo(f"warning: {warning}")
     if summary["stubs"] or summary["assumed"]:

@@ -9,11 +9,24 @@ a ``transformers.PretrainedConfig``), build ``AutoModelForCausalLM.from_config``
   expert, Mixtral's ``mlp`` is saved as ``block_sparse_moe``);
 - per decoder layer: its class and the class of each direct child (``input_layernorm``,
   ``self_attn``, ...), each with source file and line (``inspect.getsourcefile`` /
-  ``getsourcelines``), and the layer's type (``full_attention``, ``sliding_attention``, ...)
-  and window;
+  ``getsourcelines``), the layer's type (``full_attention``, ``sliding_attention``, ...) and
+  window (``layer_map`` rules; a type ``layer_map`` does not know gets ``config.sliding_window``
+  when its built attention module holds exactly that in ``.sliding_window``), and its MLP type
+  (:func:`resin.scaffold.layer_map.mlp_types_from_config`: ``dense`` / ``moe`` / the config's
+  own ``mlp_layer_types`` value);
 - the embedding, final norm and rotary classes; MoE, MTP and rope settings;
-- best-effort input/output shapes of every module from one meta forward of a 5-token probe
-  (empty when the HF code cannot run on meta tensors, e.g. masks built with ``.item()``).
+- every other module of the tree the scaffold does not place (``Architecture.extra_modules``:
+  direct children of the HF model and of its ``model`` besides ``embed_tokens`` / ``layers`` /
+  ``norm`` / ``rotary_emb`` / ``lm_head``, decoder layers past ``num_hidden_layers``, and
+  parameters held directly by those two modules, e.g. DeepSeek-V4's ``model.hc_head``);
+  :func:`unplaced_warnings` words one warning per entry;
+- best-effort input/output shapes of every module from one meta forward of a 5-token probe:
+  ``BlockInfo.inputs`` / ``output`` (the first output tensor's shape) and the readable full
+  structures ``input_text`` / ``output_text`` (``(Tensor[1,5,64], None)``). transformers'
+  data-dependent mask shortcuts (``.item()`` on a mask) cannot run on meta tensors, so a failed
+  first attempt is retried with transformers' ``is_tracing`` answering True for meta tensors
+  (the branch HF itself takes under torch.compile: same shapes, no ``.item()``); shapes stay
+  empty when that fails too (``meta_forward_error``).
 
 Generated runners call this at load time too (on their own checkpoint's config), so shape
 checks and per-layer block choice always follow the checkpoint actually loaded.
@@ -22,8 +35,11 @@ Imports torch and transformers.
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect as pyinspect
 import json
+import linecache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +47,14 @@ from typing import Any
 import torch
 import transformers
 
-from resin.scaffold.layer_map import layer_types_from_config
+from resin.scaffold.layer_map import (FULL, RECURRENT_TYPES, WINDOWED_LAYER_TYPES,
+                                     layer_types_from_config, mlp_types_from_config)
 
 PROBE_TOKENS = 5
+# Children of the HF model / its ``model`` that the scaffold places (everything else is extra).
+PLACED_TOP = ("model", "lm_head")
+PLACED_INNER = ("embed_tokens", "layers", "norm", "rotary_emb")
+HOOKS = "pre_layers / post_layers / embed / logits"
 MTP_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules",
               "mtp_num_layers")
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
@@ -53,8 +74,16 @@ class BlockInfo:
     source_line: int
     params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # relative name -> shape
     inputs: list[tuple[int, ...]] = field(default_factory=list)       # meta-forward shapes
-    output: tuple[int, ...] | None = None
+    output: tuple[int, ...] | None = None      # shape of the first output tensor only
     submodules: list[tuple[str, str, str]] = field(default_factory=list)  # (name, class, where)
+    # The whole meta-forward call, readable: "hidden_states=Tensor[1,5,64], attention_mask=None"
+    # and "(Tensor[1,5,64], None)"; "" when the meta forward did not reach this module.
+    input_text: str = ""
+    output_text: str = ""
+    # True: the meta forward called it; False: the forward ran to the end without calling it
+    # (dead weight in HF's forward, e.g. MTP heads); None: unknown (no probe, or it failed).
+    called: bool | None = None
+    buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)  # persistent buffers
 
     @property
     def where(self) -> str:
@@ -69,9 +98,11 @@ class BlockInfo:
 class LayerInfo:
     index: int
     layer_type: str            # config.layer_types entry, or derived (see layer_map)
-    window: int | None         # sliding window in tokens for sliding layers
+    window: int | None         # sliding window in tokens for layer types that have one
     decoder: BlockInfo
     children: dict[str, BlockInfo]
+    # config.mlp_layer_types entry (e.g. "hash_moe"), or derived "dense" / "moe" (layer_map)
+    mlp_type: str = "dense"
 
 
 @dataclass
@@ -93,6 +124,8 @@ class Architecture:
     mtp: dict[str, Any]
     rope: dict[str, Any]
     meta_forward_error: str | None = None
+    # Modules of the HF tree the scaffold does not place (see the module doc), in tree order.
+    extra_modules: list[BlockInfo] = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
@@ -141,6 +174,8 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
     config = load_config(source)
     model = build_meta_model(config)
     io_shapes, forward_error = _probe_shapes(model) if probe_shapes else ({}, None)
+    if probe_shapes:
+        io_shapes["__complete__"] = forward_error is None
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
         raise ValueError(f"{type(model).__name__}: expected the Llama-style layout "
@@ -149,13 +184,21 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
                          f"{[n for n, _ in model.named_children()]}")
     layers = []
     layer_types = layer_types_from_config(config)
+    mlp_types = mlp_types_from_config(config)
+    extra: list[BlockInfo] = []
     for index, layer in enumerate(inner.layers):
         path = f"model.layers.{index}"
+        if index >= len(layer_types):   # built past num_hidden_layers (MTP layers, usually)
+            extra.append(_block(path, layer, io_shapes))
+            continue
         children = {name: _block(f"{path}.{name}", child, io_shapes)
                     for name, child in layer.named_children()}
         layer_type, window = layer_types[index]
+        if window is None:
+            window = _module_window(config, layer_type, layer)
         layers.append(LayerInfo(index, layer_type, window, _block(path, layer, io_shapes),
-                                children))
+                                children, mlp_types[index]))
+    extra = _extra_modules(model, inner, io_shapes) + extra
     param_shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     checkpoint_names = _checkpoint_names(model)
     checkpoint_shapes = _checkpoint_shapes(model)
@@ -171,29 +214,165 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
         moe={k: getattr(config, k) for k in MOE_FIELDS if getattr(config, k, None) is not None},
         mtp={k: getattr(config, k) for k in MTP_FIELDS if getattr(config, k, None)},
         rope=dict(getattr(config, "rope_parameters", None) or {}),
-        meta_forward_error=forward_error)
+        meta_forward_error=forward_error, extra_modules=extra)
 
 
+def unplaced_warnings(arch: Architecture) -> list[str]:
+    """One loud line per module in ``arch.extra_modules``: the scaffold does not run it."""
+    out = []
+    for info in arch.extra_modules:
+        what = f"module {info.path or '<root>'} ({info.cls_name}, {info.short_where})"
+        if info.path in ("model", ""):
+            names = ", ".join(sorted({**info.params, **info.buffers})) or "none"
+            out.append(f"{what} holds tensors directly ({names}) that the scaffold does not "
+                       f"place: load and use them in a hook in blocks.py ({HOOKS})")
+            continue
+        line = (f"{what} is not placed by the scaffold: write it as a hook in blocks.py "
+                f"({HOOKS})")
+        if info.called is False:
+            line += ("; HF's forward never calls it (its weights load but nothing runs them, "
+                     "e.g. MTP): say so in NOTES.md if the runner skips it too")
+        elif info.output_text:
+            line += f"; HF meta forward: in {info.input_text or 'none'} -> out {info.output_text}"
+        out.append(line)
+    return out
+
+
+def describe(value: Any, limit: int = 240) -> str:
+    """A readable one-line structure of a forward's value: ``(Tensor[1,5,64], None)``."""
+    return _truncate(_describe(value, 0), limit)
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _describe(value: Any, depth: int) -> str:
+    if isinstance(value, torch.Tensor):
+        shape = ",".join(str(int(d)) for d in value.shape)
+        kind = str(value.dtype).replace("torch.", "")
+        dtype = "" if value.dtype.is_floating_point else f":{kind}"
+        return f"Tensor[{shape}]{dtype}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value) if not isinstance(value, str) or len(value) < 24 else "str"
+    if depth >= 3:
+        return type(value).__name__
+    if isinstance(value, dict):   # ModelOutput included (an OrderedDict of the set fields)
+        fields = ", ".join(f"{k}={_describe(v, depth + 1)}" for k, v in value.items())
+        name = "" if type(value) is dict else type(value).__name__
+        return f"{name}({fields})" if name else f"{{{fields}}}"
+    if isinstance(value, (tuple, list)):
+        items = [_describe(v, depth + 1) for v in value[:8]]
+        if len(value) > 8:
+            items.append(f"... {len(value)} items")
+        inner = ", ".join(items) + ("," if isinstance(value, tuple) and len(value) == 1 else "")
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    return type(value).__name__
+
+
+def _module_window(config: Any, layer_type: str, layer: Any) -> int | None:
+    """``config.sliding_window`` for a layer type ``layer_map`` does not list, when the built
+    attention module keeps exactly that window (see the module doc); else None."""
+    window = getattr(config, "sliding_window", None)
+    if (not isinstance(window, int) or isinstance(window, bool) or window <= 0
+            or getattr(config, "use_sliding_window", True) is False or layer_type == FULL
+            or layer_type in WINDOWED_LAYER_TYPES or layer_type in RECURRENT_TYPES):
+        return None
+    for _name, child in layer.named_children():
+        held = getattr(child, "sliding_window", None)
+        if isinstance(held, int) and not isinstance(held, bool) and held == window:
+            return window
+    return None
+
+
+def _extra_modules(model: Any, inner: Any, io_shapes: dict[str, Any]) -> list[BlockInfo]:
+    """Children of the HF model and of its ``model`` that the scaffold does not place, and a
+    pseudo-entry per module holding unplaced tensors of its own."""
+    out = []
+    for owner, prefix, placed in ((model, "", PLACED_TOP), (inner, "model.", PLACED_INNER)):
+        own = {n: tuple(p.shape) for n, p in owner.named_parameters(recurse=False)}
+        own_buffers = {n: tuple(b.shape) for n, b in owner.named_buffers(recurse=False)
+                       if n not in owner._non_persistent_buffers_set}
+        if own or own_buffers:
+            info = _block(prefix.rstrip(".") or "", owner, io_shapes)
+            info.params, info.buffers, info.submodules = own, own_buffers, []
+            out.append(info)
+        for name, child in owner.named_children():
+            if name not in placed:
+                out.append(_block(prefix + name, child, io_shapes))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
 def source_location(cls: type) -> tuple[str, int]:
-    """(absolute source file, first line) of a class; ("?", 0) when Python cannot tell."""
+    """(absolute source file, first line) of a class; ("?", 0) when Python cannot tell.
+
+    The line ``inspect.getsourcelines`` gives (the first decorator's, else the ``class``
+    statement's), from one parse per file instead of one per class."""
     try:
-        return pyinspect.getsourcefile(cls) or "?", pyinspect.getsourcelines(cls)[1]
-    except (TypeError, OSError):
+        source_file = pyinspect.getsourcefile(cls)
+    except TypeError:
         return "?", 0
+    if not source_file:
+        return "?", 0
+    line = _class_lines(source_file).get(cls.__qualname__)
+    if line is not None:
+        return source_file, line
+    try:
+        return source_file, pyinspect.getsourcelines(cls)[1]
+    except (TypeError, OSError):
+        return source_file, 0
+
+
+@functools.lru_cache(maxsize=64)
+def _class_lines(source_file: str) -> dict[str, int]:
+    """Qualified class name -> first line of its first definition in ``source_file``."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(source_file)))
+    except (SyntaxError, ValueError):
+        return {}
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                name = prefix + child.name
+                line = child.decorator_list[0].lineno if child.decorator_list else child.lineno
+                out.setdefault(name, line)
+                visit(child, name + ".")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, prefix + child.name + ".<locals>.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return out
 
 
 def _block(path: str, module: Any, io_shapes: dict[str, Any]) -> BlockInfo:
     cls = type(module)
-    source_file, line = source_location(cls)
-    inputs, output = io_shapes.get(path, ([], None))
+    source_file, line = source_location(cls)  # type: ignore[arg-type]
+    inputs, output, input_text, output_text = io_shapes.get(path, ([], None, "", ""))
     params = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    buffers = {name: tuple(b.shape) for name, b in persistent_buffers(module)}
     submodules = []
     for name, sub in module.named_modules():
         if name and type(sub).__module__.startswith("transformers."):
-            sub_file, sub_line = source_location(type(sub))
+            sub_file, sub_line = source_location(type(sub))  # type: ignore[arg-type]
             submodules.append((name, type(sub).__name__, f"{_short(sub_file)}:{sub_line}"))
+    called = True if path in io_shapes else (False if io_shapes.get("__complete__") else None)
     return BlockInfo(path, cls.__name__, cls.__module__, source_file, line, params, inputs, output,
-                     submodules)
+                     submodules, input_text, output_text, called, buffers)
+
+
+def persistent_buffers(module: Any) -> list[tuple[str, Any]]:
+    """``(name, buffer)`` for every buffer ``state_dict`` saves (non-persistent ones skipped)."""
+    out = []
+    for prefix, sub in module.named_modules():
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
 
 
 def _short(source_file: str) -> str:
@@ -234,16 +413,32 @@ def _checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _probe_shapes(model: Any) -> tuple[dict[str, Any], str | None]:
-    """Module path -> (input tensor shapes, output shape) from one meta forward."""
+    """Module path -> (input tensor shapes, first output shape, input text, output text) from
+    one meta forward; a failed first attempt is retried with ``is_tracing`` patched (module
+    doc). The shapes of the attempt that got furthest are kept when both fail."""
+    shapes, error = _meta_forward(model)
+    if error is None:
+        return shapes, None
+    with _meta_is_tracing():
+        retry, retry_error = _meta_forward(model)
+    if retry_error is None or len(retry) > len(shapes):
+        return retry, retry_error
+    return shapes, error
+
+
+def _meta_forward(model: Any) -> tuple[dict[str, Any], str | None]:
     shapes: dict[str, Any] = {}
     handles = []
 
     def hook(name: str) -> Any:
         def fn(_module: Any, args: Any, kwargs: Any, out: Any) -> None:
             tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-            first = out[0] if isinstance(out, tuple) else out
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            args_text = [describe(a, 120) for a in args] + \
+                [f"{k}={describe(v, 120)}" for k, v in kwargs.items() if v is not None]
             shapes[name] = ([tuple(t.shape) for t in tensors],
-                            tuple(first.shape) if isinstance(first, torch.Tensor) else None)
+                            tuple(first.shape) if isinstance(first, torch.Tensor) else None,
+                            _truncate(", ".join(args_text), 400), describe(out))
         return fn
 
     for name, module in model.named_modules():
@@ -262,3 +457,30 @@ def _probe_shapes(model: Any) -> tuple[dict[str, Any], str | None]:
         for h in handles:
             h.remove()
     return shapes, error
+
+
+class _meta_is_tracing:
+    """Context: every loaded ``transformers`` module's ``is_tracing`` answers True for meta
+    tensors (restored on exit)."""
+
+    def __enter__(self) -> None:
+        import sys
+
+        from transformers.utils import import_utils
+
+        original = getattr(import_utils, "is_tracing")
+
+        def is_tracing(tensor: Any = None) -> bool:
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return True
+            return original(tensor)
+
+        self.patched = [(mod, original) for name, mod in list(sys.modules.items())
+                        if name.startswith("transformers") and
+                        getattr(mod, "is_tracing", None) is original]
+        for mod, _ in self.patched:
+            setattr(mod, "is_tracing", is_tracing)
+
+    def __exit__(self, *exc: Any) -> None:
+        for mod, original in self.patched:
+            setattr(mod, "is_tracing", original)

@@ -8,6 +8,26 @@ Owns three mappings the scaffold generator and generated runners share:
   :func:`cache_kind` says which ``resin.LayerCacheSpec`` a type needs: ``full``,
   ``sliding_window``, ``recurrent`` (linear attention / SSM: defined in Resin, rejected by the
   engine today) or ``unknown``;
+- windows: a layer gets ``config.sliding_window`` iff its type is in :data:`WINDOWED_LAYER_TYPES`
+  — the types whose HF attention is built with the raw ``config.sliding_window`` (read from the
+  modeling code, transformers 5.x): ``sliding_attention`` (Gemma 2/3, gpt-oss, Mistral, Qwen2,
+  Cohere2, ...: ``sliding_window if layer_type == "sliding_attention" else None`` and a
+  ``create_sliding_window_causal_mask`` for that type only), ``hybrid_sliding`` (Zaya, Inkling),
+  and DeepSeek-V4's ``compressed_sparse_attention`` / ``heavily_compressed_attention`` (every V4
+  attention keeps a sliding-window branch: ``self.sliding_window = config.sliding_window`` for
+  all layer types, one sliding mask for all). ``full_attention``, ``chunked_attention``
+  (``attention_chunk_size``, not a window), ``indexed_attention`` and the recurrent types never
+  get one. A type in none of these lists gets no window here; ``resin.scaffold.inspect`` gives it
+  the window when the built HF attention module's ``sliding_window`` attribute holds
+  ``config.sliding_window`` (the pure-Python table cannot see modules);
+- MLP types: :func:`mlp_types_from_config` gives each layer's MLP kind: ``config.mlp_layer_types``
+  verbatim when present (DeepSeek-V4 ``hash_moe`` / ``moe``, GLM ``dense`` / ``sparse``), else
+  derived, ``dense`` or ``moe``: no expert count (``num_experts`` / ``num_local_experts`` /
+  ``n_routed_experts`` missing or 0) -> all ``dense``; else a layer is ``dense`` when it is in
+  ``mlp_only_layers``, below ``first_k_dense_replace``, off the ``decoder_sparse_step`` grid
+  (Qwen-MoE: MoE iff ``(i + 1) % step == 0``), off the ``moe_layer_freq`` grid (an int: MoE iff
+  ``i % freq == 0``; a list: its per-layer flags), or absent from an explicit ``moe_layers``
+  list; otherwise ``moe``. :func:`is_moe_type` says whether a type routes to experts;
 - HF classes -> blocks: :data:`KNOWN_BLOCKS` lists the HF classes whose math
   ``resin.runners.torch.layers`` already implements (RMSNorm, rotary embeddings, GQA paged
   attention with or without window / qkv bias / q-k norm, SwiGLU MLP, top-k MoE, the pre-norm
@@ -26,6 +46,14 @@ from typing import Any
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# Layer types whose HF attention uses the raw config.sliding_window (see the module doc).
+WINDOWED_LAYER_TYPES = (SLIDING, "hybrid_sliding", "compressed_sparse_attention",
+                        "heavily_compressed_attention")
+DENSE_MLP = "dense"
+MOE_MLP = "moe"
+# Values of config.mlp_layer_types that mean "no experts" (HF's canonical "dense").
+DENSE_MLP_TYPES = (DENSE_MLP, "mlp")
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 RECURRENT_TYPES = ("linear_attention", "mamba", "mamba2", "recurrent", "ssm", "gated_deltanet",
                    "lightning_attention", "conv")
 
@@ -66,9 +94,47 @@ def layer_types_from_config(config: Any) -> list[tuple[str, int | None]]:
         if len(types) < num_layers:
             raise ValueError(f"config.layer_types lists {len(types)} layers, "
                              f"num_hidden_layers is {num_layers}")
-        return [(t, window if t == SLIDING else None) for t in list(types)[:num_layers]]
+        return [(t, window if (t in WINDOWED_LAYER_TYPES and window) else None)
+                for t in list(types)[:num_layers]]
     kind = SLIDING if window else FULL
     return [(kind, window if window else None)] * num_layers
+
+
+def mlp_types_from_config(config: Any) -> list[str]:
+    """The MLP kind of each of ``config.num_hidden_layers`` layers (rules in the module doc)."""
+    num_layers = int(config.num_hidden_layers)
+    types = getattr(config, "mlp_layer_types", None)
+    if types:
+        if len(types) < num_layers:
+            raise ValueError(f"config.mlp_layer_types lists {len(types)} layers, "
+                             f"num_hidden_layers is {num_layers}")
+        return [str(t) for t in list(types)[:num_layers]]
+    experts = max((int(v) for v in (getattr(config, k, None) for k in EXPERT_COUNT_FIELDS)
+                   if isinstance(v, int) and not isinstance(v, bool)), default=0)
+    if experts <= 0:
+        return [DENSE_MLP] * num_layers
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
+    first_dense = getattr(config, "first_k_dense_replace", None)
+    step = getattr(config, "decoder_sparse_step", None)
+    freq = getattr(config, "moe_layer_freq", None)
+    moe_layers = getattr(config, "moe_layers", None)
+    out = []
+    for i in range(num_layers):
+        dense = i in mlp_only
+        dense |= isinstance(first_dense, int) and i < first_dense
+        dense |= isinstance(step, int) and step > 1 and (i + 1) % step != 0
+        if isinstance(freq, int) and not isinstance(freq, bool) and freq > 1:
+            dense |= i % freq != 0
+        elif isinstance(freq, (list, tuple)) and i < len(freq):
+            dense |= not freq[i]
+        dense |= isinstance(moe_layers, (list, tuple)) and i not in moe_layers
+        out.append(DENSE_MLP if dense else MOE_MLP)
+    return out
+
+
+def is_moe_type(mlp_type: str) -> bool:
+    """Whether an MLP type (from :func:`mlp_types_from_config`) routes tokens to experts."""
+    return mlp_type not in DENSE_MLP_TYPES
 
 
 def cache_kind(layer_type: str, window: int | None) -> str:

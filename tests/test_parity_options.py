@@ -1,0 +1,127 @@
+"""``resin eval parity`` options and reference failures: ``--checkpoint DIR`` checks another
+checkpoint with a model directory's settings; an HF reference that cannot load or run is a
+failed stage with its reason (report, summary, JSON, exit 1), never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from resin.evals import parity as parity_mod  # noqa: E402
+from resin.evals.cli import eval_app  # noqa: E402
+from resin.evals.parity import run_parity  # noqa: E402
+from resin.evals.parity_engine import GREEDY_STAGES  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    """A private copy: the HF-model cache is keyed by path, so tests cannot share one."""
+    return Path(shutil.copytree(FIXTURES / name, tmp_path / name))
+
+
+def _no_runner(_path: str) -> Any:
+    raise AssertionError("the runner must not be built when the reference is unusable")
+
+
+def test_reference_that_fails_to_load_is_a_failed_stage(tmp_path: Path) -> None:
+    ckpt = _copy("llama", tmp_path)
+    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
+    report = run_parity(ckpt, runner_factory=_no_runner)
+    assert not report.passed
+    assert [s.name for s in report.stages] == ["reference"]
+    assert report.stages[0].detail.startswith("HF reference failed to load (float32): ")
+    assert report.reference_error == report.stages[0].detail
+    data = json.loads(report.to_json())
+    assert data["passed"] is False and data["reference_error"].startswith("HF reference failed")
+    assert "[FAIL] reference: HF reference failed to load" in report.summary()
+
+
+def test_reference_forward_that_raises_fails_every_stage(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    real_load = parity_mod.load_hf_model
+
+    def broken(model_dir: Any, dtype: str = "float32") -> Any:
+        model = real_load(model_dir, dtype)
+
+        def boom(*_args: Any) -> None:
+            raise RuntimeError("boom in HF layer 0")
+
+        model.model.layers[0].register_forward_pre_hook(boom)
+        return model
+
+    monkeypatch.setattr(parity_mod, "load_hf_model", broken)
+    report = run_parity(_copy("llama", tmp_path), runner_factory=lambda _p: object(),
+                        max_new_tokens=2)
+    names = [s.name for s in report.stages]
+    assert names == ["layers", "logits", *GREEDY_STAGES]
+    assert not any(s.passed for s in report.stages)
+    assert report.stage("layers").detail == \
+        "reference crashed: HF forward (float32) raised RuntimeError: boom in HF layer 0"
+    assert report.stage("greedy/preemption").detail.startswith(
+        "reference crashed: HF greedy decoding raised RuntimeError: boom")
+    assert report.reference_error == report.stage("layers").detail
+    # greedy only: the greedy loop's failure is the recorded reason
+    only_greedy = run_parity(_copy("qwen3", tmp_path), runner_factory=lambda _p: object(),
+                             max_new_tokens=2, checks=("greedy",))
+    assert [s.name for s in only_greedy.stages] == list(GREEDY_STAGES)
+    assert only_greedy.reference_error.startswith("reference crashed: HF greedy decoding")
+
+
+def test_cli_reports_a_broken_reference_with_exit_1(tmp_path: Path) -> None:
+    ckpt = _copy("llama", tmp_path)
+    (ckpt / "model.safetensors").write_bytes(b"garbage")
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(eval_app, ["parity", str(ckpt), "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "[FAIL] reference: HF reference failed to load" in result.output
+    assert isinstance(result.exception, SystemExit)      # typer.Exit(1), not a traceback
+    data = json.loads(out.read_text())
+    assert data["stages"][0]["name"] == "reference" and not data["passed"]
+
+
+def _text(output: str) -> str:
+    """CLI output with rich's error-box borders and line wrapping removed."""
+    return " ".join(output.replace("│", " ").split())
+
+
+def _model_dir(tmp_path: Path, checkpoint: Path) -> Path:
+    model_dir = tmp_path / "mymodel"
+    model_dir.mkdir()
+    (model_dir / "architecture.json").write_text(json.dumps(
+        {"name": "mymodel", "architectures": ["LlamaForCausalLM"]}))
+    (model_dir / "parity.toml").write_text(f'[reference]\ncheckpoint = "{checkpoint}"\n')
+    return model_dir
+
+
+def test_checkpoint_option_overrides_parity_toml(tmp_path: Path) -> None:
+    model_dir = _model_dir(tmp_path, FIXTURES / "llama")
+    other = _copy("qwen3", tmp_path)
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(eval_app, ["parity", str(model_dir), "--runner", "torch",
+                                           "--checkpoint", str(other), "--max-new-tokens", "2",
+                                           "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"parity PASS: {other}" in result.output and "greedy/preemption" in result.output
+    data = json.loads(out.read_text())
+    assert data["model_dir"] == str(other) and data["passed"]
+    assert f'checkpoint = "{FIXTURES / "llama"}"' in (model_dir / "parity.toml").read_text()
+
+
+def test_checkpoint_option_usage_errors(tmp_path: Path) -> None:
+    model_dir = _model_dir(tmp_path, FIXTURES / "llama")
+    missing = CliRunner().invoke(eval_app, ["parity", str(model_dir),
+                                            "--checkpoint", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "no config.json" in _text(missing.output)
+    plain = CliRunner().invoke(eval_app, ["parity", str(FIXTURES / "llama"),
+                                          "--checkpoint", str(FIXTURES / "qwen3")])
+    assert plain.exit_code == 2 and "itself a checkpoint" in _text(plain.output)
