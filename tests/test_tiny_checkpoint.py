@@ -134,3 +134,13 @@ def test_new_model_records_tiny_changes(tmp_path: Path) -> None:
     notes = (tmp_path / "oss" / "NOTES.md").read_text()
     assert "## Tiny checkpoint: what differs from the source" in notes
     assert summary["tiny_changes"][-1] in notes
+
+
+def test_shipped_tiny_tokenizer_is_the_fixtures_tokenizer() -> None:
+    """resin/scaffold/tiny_tokenizer (package data, for installed wheels) is the tokenizer
+    scripts/make_fixtures.py writes into tests/fixtures: the two must not drift."""
+    from resin.scaffold.tiny_checkpoint import TINY_TOKENIZER
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "llama"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (TINY_TOKENIZER / name).read_bytes() == (fixture / name).read_bytes(), name

@@ -252,9 +252,10 @@ def test_wheel_new_model_and_generated_runner(wheel_env: WheelEnv) -> None:
     shutil.copyfile(LLAMA_FIXTURE / "config.json", source / "config.json")
     out = wheel_env.tmp / "my_models" / "x"
     proc = wheel_env.run(wheel_env.bin / "resin", "new-model", source / "config.json",
-                         "--name", "x", "--out", out, dev=True)
+                         "--name", "x", "--out", out, "--tiny", dev=True)
     assert proc.returncode == 0, _tail(proc)
-    for name in ("blocks.py", "architecture.json"):
+    for name in ("blocks.py", "architecture.json", "tiny/model.safetensors",
+                 "tiny/tokenizer.json"):   # the tiny tokenizer is package data too
         assert (out / name).is_file(), f"new-model wrote no {name}\n{_tail(proc)}"
     json.loads((out / "architecture.json").read_text())
 

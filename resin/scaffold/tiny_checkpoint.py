@@ -46,7 +46,6 @@ Imports torch and transformers.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import re
@@ -68,8 +67,9 @@ MAX_TINY_LAYERS = 8
 TINY_WINDOW = 32
 SIZE_BUDGET_BYTES = 2_000_000
 CHANGES_FILE = "CHANGES.md"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-FIXTURE_TOKENIZER = REPO_ROOT / "tests" / "fixtures" / "llama"
+# The byte-level BPE tokenizer of tests/fixtures (scripts/make_fixtures.py trains it), shipped as
+# package data so `resin new-model --tiny` works from an installed wheel.
+TINY_TOKENIZER = Path(__file__).resolve().parent / "tiny_tokenizer"
 # Width fields shrunk when present (value for the tiny model).
 TINY_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
                "shared_expert_intermediate_size": 32, "head_dim": 16, "q_lora_rank": 32,
@@ -562,17 +562,5 @@ def _tiny_num_layers(raw: dict[str, Any], num_layers: int, seed_layers: int) -> 
 
 
 def _write_tokenizer(out_dir: Path) -> None:
-    if (FIXTURE_TOKENIZER / "tokenizer.json").is_file():
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(FIXTURE_TOKENIZER / name, out_dir / name)
-        return
-    # No fixtures (installed package): train the same tokenizer as scripts/make_fixtures.py.
-    script = REPO_ROOT / "scripts" / "make_fixtures.py"
-    spec = importlib.util.spec_from_file_location("resin_make_fixtures", script)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"neither {FIXTURE_TOKENIZER} nor {script} exists: no tokenizer")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.train_tokenizer().save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(module.tokenizer_config(), indent=2)
-                                                   + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TINY_TOKENIZER / name, out_dir / name)
