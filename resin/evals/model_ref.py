@@ -44,6 +44,7 @@ PARITY_FILE = "parity.toml"
 PERF_FILE = "perf.toml"
 DEFAULT_CHECKPOINT = "tiny"
 _PACKAGE_ROOT = "resin_models"
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ModelRefError(ValueError):
@@ -199,20 +200,26 @@ def _identifier(name: str) -> str:
 
 def parity_settings(ref: ModelRef) -> dict[str, Any]:
     """``run_parity`` keyword arguments from ``parity.toml``: dtype, device, tolerances
-    (dtype defaults for absent keys), max_new_tokens, checks, prompts. Unknown keys raise."""
+    (top-level keys: for ``[reference] dtype``; ``[tolerances.bfloat16]`` etc.: per dtype;
+    dtype defaults for absent keys), max_new_tokens, checks, prompts. Unknown keys raise."""
     spec = ref.parity_spec
     reference, tol, stress = (spec.get(k, {}) for k in ("reference", "tolerances", "stress"))
+    tolerance_keys = {"hidden", "logits", "logprobs", "tie_margin"}
     known = {"reference": {"checkpoint", "dtype", "device"},
-             "tolerances": {"hidden", "logits", "logprobs", "tie_margin"},
+             "tolerances": tolerance_keys | set(DTYPES),
              "stress": {"max_new_tokens", "checks", "prompts"}}
     for section, keys in known.items():
         unknown = set(spec.get(section, {})) - keys
+        for dtype_name in DTYPES:   # [tolerances.bfloat16] ...: per-dtype tables
+            unknown |= {f"{dtype_name}.{k}" for k in set(tol.get(dtype_name, {})) - tolerance_keys
+                        } if section == "tolerances" else set()
         if unknown:
             raise ModelRefError(f"{ref.model_dir}/{PARITY_FILE}: unknown key(s) in [{section}]: "
                                 f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(keys))}")
     settings: dict[str, Any] = {"dtype": reference.get("dtype", "float32"),
                                 "device": reference.get("device", "cpu"),
-                                "tolerances": dict(tol)}
+                                "tolerances": {k: v for k, v in tol.items() if k not in DTYPES},
+                                "dtype_tolerances": {d: dict(tol.get(d, {})) for d in DTYPES}}
     for key in ("max_new_tokens", "checks", "prompts"):
         if key in stress:
             settings[key] = stress[key]
@@ -226,9 +233,11 @@ def run_model_parity(ref: ModelRef, *, dtype: str | None = None, device: str | N
     from resin.evals.parity import Tolerances, run_parity
 
     settings = parity_settings(ref)
-    # parity.toml's tolerances are for its own dtype; another dtype gets that dtype's defaults.
+    # parity.toml's top-level tolerances are for its own dtype; another dtype gets that dtype's
+    # defaults; a [tolerances.<dtype>] table overrides either for that dtype.
     file_tolerances = settings["tolerances"] if dtype in (None, settings["dtype"]) else {}
     dtype = dtype or settings["dtype"]
+    file_tolerances = {**file_tolerances, **settings["dtype_tolerances"].get(dtype, {})}
     device = device or settings["device"]
     tolerances = Tolerances(**{**vars(Tolerances.for_dtype(dtype)), **file_tolerances})
     kwargs: dict[str, Any] = {"tolerances": tolerances, "dtype": dtype,

@@ -5,10 +5,12 @@
 torch reference runner unless ``runner_factory`` says otherwise) — and checks, in order:
 
 1. ``layers``: one prefill of one prompt through a one-request :class:`resin.Engine` step with
-   the runner's capture hook on, against forward hooks on the HF model. Checkpoints, in
-   execution order: ``embed_tokens``; per layer ``input_layernorm``, ``self_attn``,
-   ``post_attention_layernorm``, ``mlp``, the layer output; ``norm``. The first checkpoint
-   whose scaled error exceeds tolerance is named (layer and sub-module).
+   the runner's capture hook on, against forward hooks on the HF model. Checkpoints, in HF's
+   execution order: ``embed_tokens``; per layer every direct child module of the HF layer
+   (Llama: ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``; Gemma 3
+   adds its feed-forward norms), the layer output; ``norm``. The first checkpoint whose scaled
+   error exceeds tolerance is named (layer and sub-module); checkpoints the runner does not
+   emit are listed as missing.
 2. ``logits``: logits and log-probs at every prompt position (max abs diff, top-1 agreement,
    top-k log-prob diff), and the top-k log-probs the engine returns for the first sampled token.
 3. ``greedy/*``: greedy tokens through the full engine, all prompts in one batch, against an
@@ -33,7 +35,8 @@ from resin.evals.parity_engine import (REFERENCE_CRASHED, GreedyReference,
                                        exception_text, greedy_stages_or_reference_failure,
                                        reference_failed_stages, runner_capture_prefill)
 
-SUBMODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+# Mixtral before transformers 5 calls its MoE block ``block_sparse_moe``; runners say ``mlp``.
+CHILD_ALIASES = {"block_sparse_moe": "mlp"}
 DEFAULT_PROMPT_LENS = (1, 7, 16, 23, 48, 70)
 SHARED_PREFIX_TOKENS = 32
 TOP_K = 5
@@ -180,26 +183,33 @@ def load_hf_model(model_dir: str | Path, dtype: str = "float32") -> Any:
 
 
 def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
-    """One HF forward with hooks: checkpoint name -> float32 tensor [T, ...] (batch dim dropped)."""
+    """One HF forward with hooks: checkpoint name -> float32 tensor [T, ...] (batch dim dropped),
+    in execution order: ``embed_tokens``, per layer every direct child module as it runs
+    (``layers.{i}.{child}``; Llama's four, Gemma's six norms and blocks, ...) and the layer's
+    output ``layers.{i}``, then ``norm``, then ``logits``. A child whose output is not a
+    per-token tensor is skipped."""
     import torch
 
     acts: dict[str, Any] = {}
     handles = []
+    num_tokens = len(prompt)
 
     def hook(name: str) -> Callable[..., None]:
         def fn(_module: Any, _inputs: Any, output: Any) -> None:
-            out = output[0] if isinstance(output, tuple) else output
-            acts[name] = out.detach().to(torch.float32).reshape(len(prompt), -1)
+            out = output[0] if isinstance(output, (tuple, list)) and output else output
+            if not isinstance(out, torch.Tensor) or not out.is_floating_point() or \
+                    out.numel() % num_tokens or (out.dim() > 1 and out.shape[1] != num_tokens
+                                                  and out.shape[0] != num_tokens):
+                return
+            acts[name] = out.detach().to(torch.float32).reshape(num_tokens, -1)
         return fn
 
     inner = model.model
     handles.append(inner.embed_tokens.register_forward_hook(hook("embed_tokens")))
     for i, layer in enumerate(inner.layers):
-        for sub in SUBMODULES:
-            # Mixtral before transformers 5 calls its MoE block ``block_sparse_moe``
-            module: Any = getattr(layer, sub, None) if hasattr(layer, sub) \
-                else layer.block_sparse_moe
-            handles.append(module.register_forward_hook(hook(f"layers.{i}.{sub}")))
+        for child, module in layer.named_children():
+            name = CHILD_ALIASES.get(child, child)
+            handles.append(module.register_forward_hook(hook(f"layers.{i}.{name}")))
         handles.append(layer.register_forward_hook(hook(f"layers.{i}")))
     handles.append(inner.norm.register_forward_hook(hook("norm")))
     try:
@@ -212,17 +222,10 @@ def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
     return acts
 
 
-def checkpoint_names(num_layers: int) -> list[str]:
-    names = ["embed_tokens"]
-    for i in range(num_layers):
-        names += [f"layers.{i}.{sub}" for sub in SUBMODULES] + [f"layers.{i}"]
-    return names + ["norm"]
-
-
 def _split_name(name: str) -> tuple[int | None, str]:
     parts = name.split(".")
     if parts[0] == "layers":
-        return int(parts[1]), (parts[2] if len(parts) > 2 else "output")
+        return int(parts[1]), (".".join(parts[2:]) if len(parts) > 2 else "output")
     return None, name
 
 
@@ -239,10 +242,12 @@ def scaled_error(got: Any, ref: Any) -> tuple[float, float, float]:
 
 def compare_layers(hf: dict[str, Any], runner: dict[str, Any], num_layers: int,
                    tol: Tolerances) -> tuple[list[dict[str, Any]], StageResult]:
-    """Per-checkpoint diffs in execution order, and the ``layers`` stage naming the first departure."""
+    """Per-checkpoint diffs in the reference's execution order (``hf``'s order), and the
+    ``layers`` stage naming the first departure. Checkpoints the runner did not capture are
+    listed in ``metrics["missing"]``."""
     rows: list[dict[str, Any]] = []
     missing: list[str] = []
-    for name in checkpoint_names(num_layers):
+    for name in (n for n in hf if n != "logits"):
         layer, module = _split_name(name)
         if name not in runner:
             missing.append(name)

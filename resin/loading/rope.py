@@ -50,10 +50,30 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
 
 
+def parse_rope_tables(raw: Mapping[str, Any], default_theta: float,
+                      max_position_embeddings: int) -> dict[str, RopeConfig]:
+    """Every rotary table a config defines, for model directories: ``rope_parameters`` nested
+    by table name (Gemma 3's ``{"full_attention": ..., "sliding_attention": ...}``,
+    DeepSeek-V4's ``{"main": ..., "compress": ...}``) gives one :class:`RopeConfig` per name;
+    a flat one gives ``{"*": ...}``. Partial rotary is allowed (``rope_inv_freq`` sizes the
+    table by ``partial_rotary_factor``; which dims rotate is the model's)."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping)
+                                                      for v in params.values()):
+        shared = {k: v for k, v in raw.items() if k not in ("rope_scaling", "rope_parameters")}
+        return {name: parse_rope_config({**shared, "rope_parameters": dict(table)}, default_theta,
+                                        max_position_embeddings, allow_partial=True)
+                for name, table in params.items()}
+    return {"*": parse_rope_config(raw, default_theta, max_position_embeddings,
+                                   allow_partial=True)}
+
+
 def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
-                      max_position_embeddings: int) -> RopeConfig:
+                      max_position_embeddings: int, allow_partial: bool = False) -> RopeConfig:
     """The RoPE of a whole config dict ``raw``; ``default_theta`` is the architecture's
-    ``RotaryEmbeddingConfigMixin.default_theta``, used when no ``rope_theta`` is given."""
+    ``RotaryEmbeddingConfigMixin.default_theta``, used when no ``rope_theta`` is given.
+    ``allow_partial``: accept ``partial_rotary_factor`` < 1 (the built-in families rotate the
+    whole head, so for them it is an error)."""
     # transformers' convert_rope_params_to_dict + standardize_rope_params: the legacy
     # `rope_scaling` dict wins over `rope_parameters`; top-level `rope_theta` and
     # `partial_rotary_factor` fill in keys the dict lacks; `rope_type` wins over legacy `type`.
@@ -61,9 +81,9 @@ def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}: expected a dict, got {params!r}")
-    if any(key in _LAYER_TYPE_KEYS for key in params):
-        raise ConfigError(f"{where}: per-layer-type rope parameters are not supported for this "
-                          f"architecture (keys {sorted(params)})")
+    if any(key in _LAYER_TYPE_KEYS or isinstance(value, Mapping) for key, value in params.items()):
+        raise ConfigError(f"{where}: per-layer-type rope parameters (keys {sorted(params)}) "
+                          "need a table per type: parse_rope_tables")
     params = dict(params)
     params.setdefault("rope_theta", read_field(raw, "rope_theta", float, default_theta))
     if "partial_rotary_factor" in raw:
@@ -75,14 +95,15 @@ def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
     if theta is None or theta <= 1.0:
         raise ConfigError(f"{where}: field 'rope_theta' must be > 1, got {theta!r}")
     partial = read_field(params, "partial_rotary_factor", (float, type(None)), None, where) or 1.0
-    if partial != 1.0:
-        # The supported modeling files rotate the whole head; HF would fail on a partial rotary.
+    if partial != 1.0 and not allow_partial:
+        # The built-in modeling files rotate the whole head; HF would fail on a partial rotary.
         raise ConfigError(f"{where}: partial_rotary_factor {partial} is not supported for this "
                           "architecture (it rotates the whole head)")
     if rope_type == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if rope_type == "linear":
-        return RopeConfig("linear", theta, factor=read_field(params, "factor", float, where=where))
+        return RopeConfig("linear", theta, factor=read_field(params, "factor", float, where=where),
+                          partial_rotary_factor=partial)
     # llama3 / yarn read the pretraining length; a top-level original_max_position_embeddings
     # overrides the dict's (standardize_rope_params, re-run inside each init function).
     orig_len = read_field(params, "original_max_position_embeddings", int,
@@ -93,7 +114,8 @@ def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
             "llama3", theta, factor=read_field(params, "factor", float, where=where),
             original_max_position_embeddings=orig_len,
             low_freq_factor=read_field(params, "low_freq_factor", float, where=where),
-            high_freq_factor=read_field(params, "high_freq_factor", float, where=where))
+            high_freq_factor=read_field(params, "high_freq_factor", float, where=where),
+            partial_rotary_factor=partial)
     factor = read_field(params, "factor", (float, type(None)), None, where)
     if factor is None:  # DeepSeek-V3 style: the extension ratio is implied by the lengths
         factor = max_position_embeddings / orig_len
@@ -105,7 +127,7 @@ def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
         beta_fast=optional["beta_fast"] or 32.0, beta_slow=optional["beta_slow"] or 1.0,
         attention_factor=optional["attention_factor"], mscale=optional["mscale"],
         mscale_all_dim=optional["mscale_all_dim"],
-        truncate=read_field(params, "truncate", bool, True, where))
+        truncate=read_field(params, "truncate", bool, True, where), partial_rotary_factor=partial)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:

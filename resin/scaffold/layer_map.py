@@ -96,6 +96,12 @@ def layer_types_from_config(config: Any) -> list[tuple[str, int | None]]:
                              f"num_hidden_layers is {num_layers}")
         return [(t, window if (t in WINDOWED_LAYER_TYPES and window) else None)
                 for t in list(types)[:num_layers]]
+    pattern = getattr(config, "sliding_window_pattern", None)
+    if window and isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        # Older Gemma 2/3 configs: every pattern-th layer is global (transformers derives
+        # layer_types the same way when a config.json has only the pattern).
+        return [(FULL, None) if (i + 1) % pattern == 0 else (SLIDING, window)
+                for i in range(num_layers)]
     kind = SLIDING if window else FULL
     return [(kind, window if window else None)] * num_layers
 

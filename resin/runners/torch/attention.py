@@ -123,8 +123,11 @@ class ReferenceBackend(AttentionBackend):
             if sinks is None:
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             else:
-                sink = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
-                logits = torch.cat([scores, sink], dim=-1)
+                # An fp32 sink (kept fp32 by HF's dtype plan) makes the softmax fp32, as
+                # torch.cat's type promotion does in HF.
+                dtype = torch.promote_types(scores.dtype, sinks.dtype)
+                sink = sinks.to(dtype).reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+                logits = torch.cat([scores.to(dtype), sink], dim=-1)
                 logits = logits - logits.max(dim=-1, keepdim=True).values
                 probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
             out[view.query] = torch.einsum("hqk,khd->qhd", probs, v)

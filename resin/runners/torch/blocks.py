@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from resin.loading.rope import parse_rope_config, rope_inv_freq
+from resin.loading.rope import parse_rope_config, parse_rope_tables, rope_inv_freq
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import (
     MoeWeights,
@@ -120,3 +120,19 @@ def rope_from_config(config: Any, head_dim: int, device: torch.device,
     rope = parse_rope_config(raw, default_theta, int(raw.get("max_position_embeddings", 2048)))
     inv_freq, attention_scaling = rope_inv_freq(rope, head_dim)
     return RotaryEmbedding(inv_freq, attention_scaling, device)
+
+
+def rope_tables_from_config(config: Any, head_dim: int, device: torch.device,
+                            default_theta: float = 10000.0,
+                            interleaved: bool = False) -> dict[str, RotaryEmbedding]:
+    """One table per name of a nested ``rope_parameters`` (by layer type, or any names the
+    model's layers pick from, e.g. DeepSeek-V4's ``main`` / ``compress``), or ``{"*": table}``
+    for a flat one; partial rotary sizes each table (``partial_rotary_factor``)."""
+    raw = config if isinstance(config, dict) else config.to_dict()
+    raw = {k: v for k, v in raw.items() if v is not None}
+    tables = parse_rope_tables(raw, default_theta, int(raw.get("max_position_embeddings", 2048)))
+    out = {}
+    for name, rope in tables.items():
+        inv_freq, attention_scaling = rope_inv_freq(rope, head_dim)
+        out[name] = RotaryEmbedding(inv_freq, attention_scaling, device, interleaved)
+    return out

@@ -30,26 +30,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for any positions, from ``rope_inv_freq``'s inverse frequencies."""
+    """cos/sin tables for any positions, from ``rope_inv_freq``'s inverse frequencies.
 
-    def __init__(self, inv_freq: np.ndarray, attention_scaling: float, device: torch.device):
+    ``interleaved``: tables for rotating adjacent pairs (GPT-J / DeepSeek style: each frequency
+    repeated twice in place) instead of halves (HF ``rotate_half``: frequencies concatenated).
+    """
+
+    def __init__(self, inv_freq: np.ndarray, attention_scaling: float, device: torch.device,
+                 interleaved: bool = False):
         # transformers keeps inv_freq in fp32 and multiplies positions in fp32; so do we.
         self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)
         self.attention_scaling = attention_scaling
+        self.interleaved = interleaved
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` int64[T] -> (cos, sin), each [T, head_dim] in ``dtype``."""
+        """``positions`` int64[T] -> (cos, sin), each [T, rotary_dim] in ``dtype``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
+        angles = freqs.repeat_interleave(2, dim=-1) if self.interleaved \
+            else torch.cat((freqs, freqs), dim=-1)
         cos = angles.cos() * self.attention_scaling
         sin = angles.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, head_dim] by the per-token angles (HF ``rotate_half`` layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 interleaved: bool = False, trailing: bool = False) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, head_dim] by the per-token angles of ``cos``/``sin``
+    [T, rotary_dim]: halves (HF ``rotate_half``) or, with ``interleaved``, adjacent pairs.
+    Partial rotary (``rotary_dim < head_dim``): the first ``rotary_dim`` channels rotate (the
+    last with ``trailing``), the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        if trailing:
+            keep, part = x[..., :-rotary_dim], x[..., -rotary_dim:]
+            return torch.cat((keep, apply_rotary(part, cos, sin, interleaved=interleaved)), -1)
+        part, keep = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((apply_rotary(part, cos, sin, interleaved=interleaved), keep), -1)
+    if interleaved:
+        pairs = x.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 

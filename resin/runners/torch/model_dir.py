@@ -11,8 +11,9 @@ model-specific:
   layer kind, and HF's keep-in-fp32 module patterns;
 - ``blocks.py`` — the model's math: ``BLOCKS`` (HF class -> function), ``ROTARY`` (HF class ->
   table factory, returning one table or a dict by layer type), and optional hooks ``embed``,
-  ``pre_layers``, ``post_layers``, ``final_norm``, ``logits``, ``layer_cache`` (see
-  :mod:`.model_definition`);
+  ``pre_layers``, ``post_layers``, ``final_norm``, ``logits``, ``layer_cache``, ``head_dim``
+  (see :mod:`.model_definition`) and ``normalise_config(dict) -> dict`` (what the HF config
+  class derives from older keys, applied to the checkpoint's config before anything reads it);
 - ``weights.py`` (only where checkpoint names need renaming) — ``WEIGHT_MAP``;
 - ``parity.toml``, ``perf.toml``, ``NOTES.md``, tests, ``tiny/``.
 
@@ -47,7 +48,10 @@ from resin.scaffold.layer_map import cache_kind, layer_types_from_config, mlp_ty
 
 ARCHITECTURE_FILE = "architecture.json"
 RECORD_FORMAT = 1
-HOOKS = ("embed", "pre_layers", "post_layers", "final_norm", "logits")
+# Config keys HF derives in the config class from older spellings: a default of the derived key
+# is dropped when the checkpoint gives one of its sources.
+DERIVED_CONFIG_KEYS = {"rope_parameters": ("rope_theta", "rope_scaling", "rope_type"),
+                       "layer_types": ("sliding_window_pattern",)}
 
 
 class ModelArgs(types.SimpleNamespace):
@@ -156,6 +160,11 @@ def load_model_args(checkpoint_dir: str | Path, record: ModelRecord) -> ModelArg
     default_layers = record.config_defaults.get("num_hidden_layers")
     defaults = {k: v for k, v in record.config_defaults.items()
                 if not (isinstance(v, list) and len(v) == default_layers != num_layers)}
+    for derived, sources in DERIVED_CONFIG_KEYS.items():
+        # A checkpoint that spells a setting the legacy way (rope_theta, a window pattern)
+        # must not get the default's derived form of it.
+        if derived not in values and any(k in values for k in sources):
+            defaults.pop(derived, None)
     return ModelArgs(**{**defaults, **values})
 
 
@@ -256,13 +265,17 @@ class ModelDirRunner(PagedRunner):
         model_dir = Path(model_dir)
         name = name or model_dir.resolve().name
         record = ModelRecord.load(model_dir)
+        blocks = import_model_module(model_dir, "blocks", name)
         args = load_model_args(checkpoint_dir, record)
+        if hasattr(blocks, "normalise_config"):
+            # What the HF config class derives in __init__ from older keys (DeepSeek-V4:
+            # compress_ratios -> layer_types), written by the model since no transformers here.
+            args = ModelArgs(**blocks.normalise_config(args.to_dict()))
         architecture = (getattr(args, "architectures", None) or [None])[0]
         if architecture not in record.architectures and \
                 getattr(args, "model_type", None) not in record.model_types:
             raise ValueError(f"{checkpoint_dir} is a {architecture or args.model_type} "
                              f"checkpoint; {model_dir} runs {', '.join(record.architectures)}")
-        blocks = import_model_module(model_dir, "blocks", name)
         weight_map = {}
         if (model_dir / "weights.py").is_file():
             weight_map = dict(getattr(import_model_module(model_dir, "weights", name),

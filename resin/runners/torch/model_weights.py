@@ -98,7 +98,8 @@ def load_model_weights(checkpoint_dir: str | Path, num_layers: int, *,
     directory = Path(checkpoint_dir)
     files = locate_tensors(directory)
     mapping = dict(weight_map or {})
-    known = None if known_patterns is None else set(known_patterns)
+    # Names the weight map renames are known too (e.g. a checkpoint in the upstream naming).
+    known = None if known_patterns is None else set(known_patterns) | set(mapping)
     chosen: dict[str, str] = {}
     unused: list[str] = []
     present: dict[int, set[str]] = {}
@@ -134,7 +135,8 @@ def load_model_weights(checkpoint_dir: str | Path, num_layers: int, *,
             for name in names:
                 tensor = handle.get_tensor(name)
                 if tensor.is_floating_point():
-                    keep = any(p in name for p in fp32_patterns)
+                    # HF matches its patterns on in-memory names: try the runner name too.
+                    keep = any(p in name or p in chosen[name] for p in fp32_patterns)
                     tensor = tensor.to(dtype=torch.float32 if keep else dtype)
                 out._place(chosen[name], tensor)
     return out
