@@ -40,6 +40,7 @@ import functools
 import inspect as pyinspect
 import json
 import linecache
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,8 +218,15 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
         meta_forward_error=forward_error, extra_modules=extra)
 
 
+PLAIN_EMBEDDINGS = ("Embedding",)
+# Config keys that say logits are transformed somewhere outside the blocks the scaffold knows.
+LOGIT_HOOK_KEYS = re.compile(r"softcap|logit_scale|logits_scaling|output_multiplier")
+
+
 def unplaced_warnings(arch: Architecture) -> list[str]:
-    """One loud line per module in ``arch.extra_modules``: the scaffold does not run it."""
+    """One loud line per module in ``arch.extra_modules`` (the scaffold does not run it), per
+    non-plain embedding (a scale or extra inputs live in it), and per config key that
+    transforms logits (soft-capping, scaling)."""
     out = []
     for info in arch.extra_modules:
         what = f"module {info.path or '<root>'} ({info.cls_name}, {info.short_where})"
@@ -235,6 +243,16 @@ def unplaced_warnings(arch: Architecture) -> list[str]:
         elif info.output_text:
             line += f"; HF meta forward: in {info.input_text or 'none'} -> out {info.output_text}"
         out.append(line)
+    embed_cls = arch.embed.cls_name
+    if embed_cls not in PLAIN_EMBEDDINGS:
+        out.append(f"model.embed_tokens is {embed_cls} ({arch.embed.short_where}), not a plain "
+                   "nn.Embedding: it computes something (a scale, extra inputs) — write the "
+                   "embed hook in blocks.py")
+    for key in sorted(k for k, v in arch.config.to_dict().items()
+                      if v not in (None, False, 0) and LOGIT_HOOK_KEYS.search(k)):
+        out.append(f"config.{key} = {getattr(arch.config, key)!r}: the CausalLM head or the "
+                   "attention may transform logits (soft-capping, scaling) — check the HF "
+                   "forward and write the logits hook / pass it to ctx.attention")
     return out
 
 

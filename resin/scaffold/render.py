@@ -145,6 +145,9 @@ def model_context(arch: Architecture, name: str, source: str, tiny: bool,
         "renamed_weights": renamed_weights(weight_map(arch.checkpoint_names)),
         "block_imports": block_imports, "default_theta": 10000.0,
         "extra_modules": extra_module_lines(arch),
+        "uncached_types": sorted({layer.layer_type for layer in arch.layers
+                                  if cache_kind(layer.layer_type, layer.window)
+                                  in ("recurrent", "unknown")}),
         "source_shapes": pattern_shapes(arch.checkpoint_shapes),
         "reference_checkpoint": reference_checkpoint,
         "perf_checkpoint": perf_checkpoint,
@@ -273,9 +276,15 @@ def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
 
 def _base(info: BlockInfo, role: str, shapes: str, with_weights: bool = True) -> Block:
     hf_shapes = ""
+    if role != "rotary":
+        shapes = _runner_shapes(info, shapes)
     if info.output is not None:
-        ins = ", ".join(str(s) for s in info.inputs) or "none"
-        hf_shapes = f" (HF meta forward, batch 1, T=5: in {ins} -> out {info.output})"
+        ins = info.input_text or ", ".join(str(s) for s in info.inputs) or "none"
+        outs = info.output_text or str(info.output)
+        hf_shapes = f" (HF meta forward, batch 1, T=5: in {ins} -> out {outs})"
+        if outs.startswith("("):
+            hf_shapes += ("; HF returns a tuple: return what your decoder-layer function uses "
+                          "(a shared decoder layer expects only the first tensor)")
     weights = ", ".join(f"{n} {s}" for n, s in list(info.params.items())[:MAX_LISTED])
     if len(info.params) > MAX_LISTED:
         weights += f", ... {len(info.params) - MAX_LISTED} more"
@@ -286,6 +295,22 @@ def _base(info: BlockInfo, role: str, shapes: str, with_weights: bool = True) ->
     if subs and role != "decoder":
         block.notes.append("submodules: " + "; ".join(subs))
     return block
+
+
+def _runner_shapes(info: BlockInfo, default: str) -> str:
+    """The block's shapes as the runner calls it — HF's first input and first output with the
+    batch dimension dropped (T tokens) — when the meta forward saw them, else ``default``
+    (e.g. ``x [T, hidden] -> [T, hidden]``). A hyper-connection layer then reads
+    ``[T, hc, hidden]``, not an invented ``[T, hidden]``."""
+    if not info.inputs or info.output is None or len(info.output) < 2 or \
+            len(info.inputs[0]) < 2:
+        return default
+    label = default.split(" ", 1)[0]
+
+    def runner(shape: tuple[int, ...]) -> str:
+        return "[" + ", ".join(["T", *(str(d) for d in shape[2:])]) + "]"
+
+    return f"{label} {runner(info.inputs[0])} -> {runner(info.output)}"
 
 
 def _as_stub(block: Block, reason: str = "") -> Block:
