@@ -63,8 +63,9 @@ class _GenerationTag(jinja2.ext.Extension):
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body) \
-            .set_lineno(lineno)
+        block = jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body)
+        block.set_lineno(lineno)
+        return block
 
     def _render_body(self, caller: Any) -> str:
         return str(caller())
@@ -196,10 +197,13 @@ class ChatTemplate:
 
     def __init__(self, templates: str | Mapping[str, str] | Sequence[Mapping[str, str]] | None,
                  special_tokens_map: Mapping[str, str] | None = None) -> None:
+        self.templates: str | dict[str, str] | None
         if isinstance(templates, (list, tuple)):
-            templates = {str(t["name"]): str(t["template"]) for t in templates}
-        self.templates: str | dict[str, str] | None = (
-            dict(templates) if isinstance(templates, Mapping) else templates)
+            self.templates = {str(t["name"]): str(t["template"]) for t in templates}
+        elif isinstance(templates, Mapping):
+            self.templates = {str(k): str(v) for k, v in templates.items()}
+        else:
+            self.templates = templates if isinstance(templates, str) else None
         self.special_tokens_map: dict[str, str] = dict(special_tokens_map or {})
 
     @classmethod

@@ -125,9 +125,9 @@ def resolve_model(spec: str | Path, models_root: str | Path | None = None) -> Mo
     name = str(spec)
     if "/" in name or "\\" in name or not name:
         raise ModelRefError(f"no such checkpoint or model directory: {spec}")
-    entry = registry.get(name)
-    if entry is not None and entry.model_dir is not None:
-        return _model_ref(entry.model_dir)
+    named = registry.get(name)
+    if named is not None and named.model_dir is not None:
+        return _model_ref(named.model_dir)
     known = ", ".join(e.name for e in registry.entries if e.model_dir is not None)
     raise ModelRefError(f"unknown model {name!r}: not a directory, and no registered model "
                         f"directory has that name (registered: {known or 'none'}; searched "

@@ -44,7 +44,8 @@ def read_checkpoint_info(checkpoint_dir: str | Path) -> CheckpointInfo:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    nested = raw.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else {}
 
     def pick(name: str) -> Any:
         return raw.get(name) if raw.get(name) is not None else text.get(name)

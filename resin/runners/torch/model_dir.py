@@ -266,6 +266,7 @@ class ModelDirRunner(PagedRunner):
         name = name or model_dir.resolve().name
         record = ModelRecord.load(model_dir)
         blocks = import_model_module(model_dir, "blocks", name)
+        checkpoint_dir = Path(checkpoint_dir)
         args = load_model_args(checkpoint_dir, record)
         if hasattr(blocks, "normalise_config"):
             # What the HF config class derives in __init__ from older keys (DeepSeek-V4:
