@@ -324,11 +324,10 @@ def calibrate(device: str, dtype: str, repeats: int = 5) -> DevicePeaks:
         b = torch.randn(n, n, device=torch_device).to(torch_dtype)
         out = torch.empty(n, n, device=torch_device, dtype=torch_dtype)
         matmul_s = best_time(lambda: torch.matmul(a, b, out=out))
-        del a, b, out
+        a = b = out = torch.empty(0)   # free the matrices before the copy buffers
         src = torch.ones(copy_bytes // 4, device=torch_device, dtype=torch.float32)
         dst = torch.empty_like(src)
         copy_s = best_time(lambda: dst.copy_(src))
-        del src, dst
     return DevicePeaks(device=str(torch_device), dtype=dtype,
                        peak_flops_per_s=2 * n ** 3 / matmul_s,
                        peak_bytes_per_s=2 * copy_bytes / copy_s,

@@ -47,13 +47,17 @@ class AttentionBackend:
         """Plan the step: called once per forward, before any layer."""
         raise NotImplementedError
 
-    def write(self, cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store ``values`` [T, kv_heads, dim] at ``slot_mapping`` (int64[T]); skip slot -1.
+    def write(self, caches: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+              slot_mapping: torch.Tensor) -> None:
+        """Store each ``values[i]`` [T, kv_heads, dim] into ``caches[i]`` at ``slot_mapping``
+        (int64[T]); skip slot -1 (one mask for all the buffers).
 
         -1 must never be used as an index (it would address the pool's last slot).
         """
         keep = slot_mapping >= 0
-        cache.view(-1, *cache.shape[2:])[slot_mapping[keep]] = values[keep].to(cache.dtype)
+        slots = slot_mapping[keep]
+        for cache, tensor in zip(caches, values):
+            cache.view(-1, *cache.shape[2:])[slots] = tensor[keep].to(cache.dtype)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                group: int, *, scale: float, value_dim: int | None = None,
@@ -174,8 +178,8 @@ class LayerAttention:
 
     def write(self, **values: torch.Tensor) -> None:
         """Store this step's per-token tensors, e.g. ``write(k=k, v=v)`` ([T, heads, dim])."""
-        for name, tensor in values.items():
-            self.backend.write(self._cache(name), tensor, self.slot_mapping)
+        self.backend.write([self._cache(name) for name in values], list(values.values()),
+                           self.slot_mapping)
 
     def attend(self, q: torch.Tensor, *, scale: float, keys: str = "k", values: str | None = "v",
                value_dim: int | None = None, sinks: torch.Tensor | None = None,
