@@ -99,11 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, help=f"tokens (default {FULL['output_len']})")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--runners", default="null,touch", help="comma-separated: null, touch")
+    parser.add_argument("--quick", action="store_true", help="CI smoke size: " + json.dumps(QUICK))
     parser.add_argument(
-        "--quick", action="store_true", help="CI smoke size: " + json.dumps(QUICK)
-    )
-    parser.add_argument(
-        "--repeats", type=int, help=f"runs per (batch size, runner), steps pooled (default {FULL['repeats']})"
+        "--repeats",
+        type=int,
+        help=f"runs per (batch size, runner), steps pooled (default {FULL['repeats']})",
     )
     parser.add_argument("--disable-gc", action="store_true", help="gc.disable() while timing")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON path")
@@ -247,7 +247,12 @@ def step_stats(rows: np.ndarray) -> dict[str, Any] | None:
     """Timing statistics (µs) of a set of steps; None when the set is empty."""
     if len(rows) == 0:
         return None
-    parts = {"schedule": rows[:, 0], "forward": rows[:, 1], "update": rows[:, 2], "drop": rows[:, 3]}
+    parts = {
+        "schedule": rows[:, 0],
+        "forward": rows[:, 1],
+        "update": rows[:, 2],
+        "drop": rows[:, 3],
+    }
     total = rows[:, :4].sum(axis=1)
 
     def summary(ns: np.ndarray) -> dict[str, float]:
@@ -292,14 +297,24 @@ def markdown(runs: list[dict[str, Any]]) -> str:
         for run in runs:
             s = run[key]
             if s is None:
-                lines.append(f"| {run['batch_size']} | {run['runner']} | 0 |" + " n/a |" * 10 + "\n")
+                lines.append(
+                    f"| {run['batch_size']} | {run['runner']} | 0 |" + " n/a |" * 10 + "\n"
+                )
                 continue
             cells = [
-                str(run["batch_size"]), run["runner"], str(s["num_steps"]),
-                fmt(s["mean_num_sequences"]), fmt(s["total_us"]["mean"]), fmt(s["total_us"]["p50"]),
-                fmt(s["total_us"]["p99"]), fmt(s["schedule_us"]["mean"]),
-                fmt(s["forward_us"]["mean"]), fmt(s["update_us"]["mean"]), fmt(s["drop_us"]["mean"]),
-                fmt(s["steps_per_s"]), f"{s['us_per_sequence']:.3f}",
+                str(run["batch_size"]),
+                run["runner"],
+                str(s["num_steps"]),
+                fmt(s["mean_num_sequences"]),
+                fmt(s["total_us"]["mean"]),
+                fmt(s["total_us"]["p50"]),
+                fmt(s["total_us"]["p99"]),
+                fmt(s["schedule_us"]["mean"]),
+                fmt(s["forward_us"]["mean"]),
+                fmt(s["update_us"]["mean"]),
+                fmt(s["drop_us"]["mean"]),
+                fmt(s["steps_per_s"]),
+                f"{s['us_per_sequence']:.3f}",
             ]
             lines.append("| " + " | ".join(cells) + " |\n")
         out.append("".join(lines))

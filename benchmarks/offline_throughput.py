@@ -36,9 +36,16 @@ def make_checkpoint() -> Path:
     import transformers
 
     vocab_size = json.loads((TOKENIZER_SOURCE / "config.json").read_text())["vocab_size"]
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=512, intermediate_size=1376,
-                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                                      max_position_embeddings=2048, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     CHECKPOINT.mkdir(parents=True, exist_ok=True)
@@ -75,9 +82,16 @@ def bench_hf(prompts: list[list[int]], output_len: int, padded: bool) -> float:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
-    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                  pad_token_id=0, eos_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        CHECKPOINT, dtype=torch.float32
+    ).eval()
+    kwargs = dict(
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0]]), **kwargs)  # warm-up
         start = time.perf_counter()
@@ -93,11 +107,15 @@ def bench_hf(prompts: list[list[int]], output_len: int, padded: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", default="1,8,64")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "offline_throughput.json"))
+    parser.add_argument(
+        "--output", default=str(REPO / "benchmarks" / "results" / "offline_throughput.json")
+    )
     args = parser.parse_args()
     import torch
 
@@ -107,21 +125,33 @@ def main() -> None:
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
         prompts = random_prompts(c, args.prompt_len, vocab_size, seed=c)
-        row = {"concurrency": c, "resin_tok_s": bench_resin(prompts, args.output_len),
-               "hf_sequential_tok_s": bench_hf(prompts, args.output_len, padded=False),
-               "hf_padded_tok_s": bench_hf(prompts, args.output_len, padded=True)}
+        row = {
+            "concurrency": c,
+            "resin_tok_s": bench_resin(prompts, args.output_len),
+            "hf_sequential_tok_s": bench_hf(prompts, args.output_len, padded=False),
+            "hf_padded_tok_s": bench_hf(prompts, args.output_len, padded=True),
+        }
         rows.append(row)
         print(f"C={c}: {row}", file=sys.stderr)
-    print(f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, CPU float32, 23M-param Llama\n")
-    print("| concurrent requests | resin tok/s | HF one at a time tok/s | HF padded batch tok/s | resin / HF best |")
+    print(
+        f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, CPU float32, 23M-param Llama\n"
+    )
+    print(
+        "| concurrent requests | resin tok/s | HF one at a time tok/s | HF padded batch tok/s | resin / HF best |"
+    )
     print("|---|---|---|---|---|")
     for r in rows:
         best = max(r["hf_sequential_tok_s"], r["hf_padded_tok_s"])
-        print(f"| {r['concurrency']} | {r['resin_tok_s']:.0f} | {r['hf_sequential_tok_s']:.0f} | "
-              f"{r['hf_padded_tok_s']:.0f} | {r['resin_tok_s'] / best:.2f}x |")
+        print(
+            f"| {r['concurrency']} | {r['resin_tok_s']:.0f} | {r['hf_sequential_tok_s']:.0f} | "
+            f"{r['hf_padded_tok_s']:.0f} | {r['resin_tok_s'] / best:.2f}x |"
+        )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"rows": rows, "prompt_len": args.prompt_len,
-                                             "output_len": args.output_len}, indent=2))
+    Path(args.output).write_text(
+        json.dumps(
+            {"rows": rows, "prompt_len": args.prompt_len, "output_len": args.output_len}, indent=2
+        )
+    )
     print(f"\nJSON: {args.output}")
 
 

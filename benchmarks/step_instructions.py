@@ -49,17 +49,33 @@ def count_instructions(b: int, n: int) -> int:
         script.write_text(WORKLOAD)
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
         result = subprocess.run(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--toggle-collect=*Engine*step*",
-             sys.executable, str(script), str(b), str(n)],
-            capture_output=True, text=True, env=env, check=True)
-        match = re.search(r"Collected : (\d+)", result.stderr) or re.search(r"I\s+refs:\s+([\d,]+)", result.stderr)
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                "--toggle-collect=*Engine*step*",
+                sys.executable,
+                str(script),
+                str(b),
+                str(n),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        match = re.search(r"Collected : (\d+)", result.stderr) or re.search(
+            r"I\s+refs:\s+([\d,]+)", result.stderr
+        )
         if match is None:
             raise RuntimeError(f"no instruction count in valgrind output:\n{result.stderr[-2000:]}")
         return int(match.group(1).replace(",", ""))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch-sizes", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=50, help="decode steps counted (default 50)")
     parser.add_argument("--output", default="benchmarks/results/step_instructions.json")
@@ -69,15 +85,22 @@ def main() -> None:
         prefill_only = count_instructions(b, 0)
         with_decode = count_instructions(b, args.steps)
         per_step = (with_decode - prefill_only) / args.steps
-        rows.append({"batch_size": b, "instructions_per_decode_step": per_step,
-                     "instructions_per_sequence": per_step / b})
+        rows.append(
+            {
+                "batch_size": b,
+                "instructions_per_decode_step": per_step,
+                "instructions_per_sequence": per_step / b,
+            }
+        )
         print(f"B={b}: {per_step:,.0f} instructions per decode step", file=sys.stderr)
     print("| B | instructions / decode step | per sequence | vs smallest B, per sequence |")
     print("|---|---|---|---|")
     base = rows[0]["instructions_per_sequence"]
     for r in rows:
-        print(f"| {r['batch_size']} | {r['instructions_per_decode_step']:,.0f} | "
-              f"{r['instructions_per_sequence']:,.0f} | {r['instructions_per_sequence'] / base:.2f}x |")
+        print(
+            f"| {r['batch_size']} | {r['instructions_per_decode_step']:,.0f} | "
+            f"{r['instructions_per_sequence']:,.0f} | {r['instructions_per_sequence'] / base:.2f}x |"
+        )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=2))
     print(f"\nJSON: {args.output}")

@@ -14,15 +14,19 @@ import resin
 from resin import BatchPlan, ForwardOutput
 
 
+# Verbatim as in the README and DESIGN.md:
+# fmt: off
 class Runner:
     def forward(self, plan: BatchPlan) -> ForwardOutput:
         return ForwardOutput(token_ids=np.zeros(plan.num_sequences, dtype=np.uint32),
                              token_indptr=np.arange(plan.num_sequences + 1, dtype=np.uint32))
+# fmt: on
 
 
 def main() -> None:
-    config = resin.EngineConfig(page_size=16, num_pages=1024, max_model_len=2048,
-                                max_num_batched_tokens=256)
+    config = resin.EngineConfig(
+        page_size=16, num_pages=1024, max_model_len=2048, max_num_batched_tokens=256
+    )
     engine = resin.Engine(config, Runner())
     engine.add_request("r1", [1, 2, 3, 4], resin.SamplingParams(max_tokens=8, temperature=0.0))
     engine.add_request("r2", list(range(1, 301)), resin.SamplingParams(max_tokens=3))

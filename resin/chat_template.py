@@ -75,11 +75,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson HTML-escapes and sorts keys; transformers overrides it with this.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:  # noqa: A002 - the templates call it by this name
@@ -115,14 +121,16 @@ class _TemplateNamespace(jinja2.utils.Namespace):
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 f"Chat templates cannot store underscore-prefixed attributes on a namespace, "
-                f"but got {name!r}. Please rename the attribute.")
+                f"but got {name!r}. Please rename the attribute."
+            )
 
 
 @lru_cache(maxsize=64)
 def compile_template(source: str) -> jinja2.Template:
     """Compile ``source`` in transformers' sandboxed environment (cached per template string)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -131,8 +139,9 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"chat template does not compile: {exc.message} "
-                                f"(line {exc.lineno})") from exc
+        raise ChatTemplateError(
+            f"chat template does not compile: {exc.message} (line {exc.lineno})"
+        ) from exc
 
 
 def plain_template_data(value: Any) -> Any:
@@ -153,12 +162,16 @@ def plain_template_data(value: Any) -> Any:
         return [plain_template_data(item) for item in value]
     if isinstance(value, tuple):
         return tuple(plain_template_data(item) for item in value)
-    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)) \
-            and getattr(value, "shape", None) == ():
+    if (
+        type(value).__module__ == "numpy"
+        and callable(getattr(value, "item", None))
+        and getattr(value, "shape", None) == ()
+    ):
         return plain_template_data(value.item())  # numpy scalar, without importing numpy
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain_template_data(getattr(value, f.name))
-                for f in dataclasses.fields(value)}
+        return {
+            f.name: plain_template_data(getattr(value, f.name)) for f in dataclasses.fields(value)
+        }
     if callable(getattr(value, "model_dump", None)):
         return plain_template_data(value.model_dump())
     return f"<{type(value).__name__}>"
@@ -171,8 +184,10 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     for message in messages:
         message = plain_template_data(message)
         if not isinstance(message, dict):
-            raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, "
-                            f"but got {message!r}.")
+            raise TypeError(
+                f"Chat messages should be dicts, dataclasses or pydantic models, "
+                f"but got {message!r}."
+            )
         normalized.append({key: value for key, value in message.items() if value is not None})
     return normalized
 
@@ -195,8 +210,11 @@ class ChatTemplate:
     ``{"name": ..., "template": ...}`` as stored in ``tokenizer_config.json``.
     """
 
-    def __init__(self, templates: str | Mapping[str, str] | Sequence[Mapping[str, str]] | None,
-                 special_tokens_map: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        templates: str | Mapping[str, str] | Sequence[Mapping[str, str]] | None,
+        special_tokens_map: Mapping[str, str] | None = None,
+    ) -> None:
         self.templates: str | dict[str, str] | None
         if isinstance(templates, (list, tuple)):
             self.templates = {str(t["name"]): str(t["template"]) for t in templates}
@@ -207,8 +225,9 @@ class ChatTemplate:
         self.special_tokens_map: dict[str, str] = dict(special_tokens_map or {})
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path,
-                        special_tokens_map: Mapping[str, str] | None = None) -> ChatTemplate:
+    def from_pretrained(
+        cls, model_dir: str | Path, special_tokens_map: Mapping[str, str] | None = None
+    ) -> ChatTemplate:
         """Read the templates of ``model_dir``. ``special_tokens_map`` defaults to the one of
         ``resin.tokenizer.Tokenizer.from_pretrained(model_dir)``."""
         root = Path(model_dir)
@@ -225,8 +244,9 @@ class ChatTemplate:
             templates = files["default"] if list(files) == ["default"] else files
         else:
             config_path = root / "tokenizer_config.json"
-            config = json.loads(config_path.read_text(encoding="utf-8")) \
-                if config_path.is_file() else {}
+            config = (
+                json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+            )
             templates = config.get("chat_template")
         if special_tokens_map is None:
             from resin.tokenizer import Tokenizer  # lazy: tokenizers is only needed here
@@ -254,20 +274,29 @@ class ChatTemplate:
                 return self.templates["default"]
             raise ChatTemplateError(
                 "This model has multiple chat templates with no default; pass the name of one as "
-                f"chat_template. Available template names are {sorted(self.templates)}.")
+                f"chat_template. Available template names are {sorted(self.templates)}."
+            )
         if chat_template is not None:
             return chat_template
         if self.templates is None:
             raise ChatTemplateError(
                 "This model has no chat template: tokenizer_config.json has no 'chat_template' and "
                 f"there is no {CHAT_TEMPLATE_FILE}; pass a template string as chat_template or "
-                "send a prompt instead of messages.")
+                "send a prompt instead of messages."
+            )
         return self.templates
 
-    def render(self, messages: Sequence[Any], *, tools: Sequence[Mapping[str, Any]] | None = None,
-               documents: Sequence[Mapping[str, Any]] | None = None,
-               add_generation_prompt: bool = False, continue_final_message: bool | str = False,
-               chat_template: str | None = None, **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render one conversation to the prompt string.
 
         ``kwargs`` become template variables (e.g. ``enable_thinking=False``) and override the
@@ -275,32 +304,42 @@ class ChatTemplate:
         field to continue) leaves the last message open for the model to continue.
         """
         if isinstance(messages, (str, bytes)) or len(messages) == 0:
-            raise ValueError("Cannot apply chat template to an empty conversation. "
-                             "Provide at least one message.")
+            raise ValueError(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt are not compatible: "
-                             "continue the final message, or start a new assistant message.")
+            raise ValueError(
+                "continue_final_message and add_generation_prompt are not compatible: "
+                "continue the final message, or start a new assistant message."
+            )
         source = self.select(chat_template, tools)
         template = compile_template(source)
         if tools is not None:
             for tool in tools:
                 if not isinstance(tool, Mapping):
-                    raise TypeError(f"Tools should be JSON-schema dicts, got {type(tool).__name__}"
-                                    " (Resin does not convert Python functions to schemas).")
+                    raise TypeError(
+                        f"Tools should be JSON-schema dicts, got {type(tool).__name__}"
+                        " (Resin does not convert Python functions to schemas)."
+                    )
         if documents is not None:
             for document in documents:
                 if not isinstance(document, Mapping):
-                    raise TypeError("Documents should be a list of dicts with 'title' and 'text' "
-                                    "keys!")
+                    raise TypeError(
+                        "Documents should be a list of dicts with 'title' and 'text' keys!"
+                    )
         variables = plain_template_data({**self.special_tokens_map, **kwargs})
         chat = _alias_reasoning_fields(normalize_messages(messages))
         final_text = ""
         if continue_final_message:
             final_text = self._tag_final_message(chat, continue_final_message, source)
         try:
-            rendered = template.render(messages=chat, tools=plain_template_data(tools),
-                                       documents=plain_template_data(documents),
-                                       add_generation_prompt=add_generation_prompt, **variables)
+            rendered = template.render(
+                messages=chat,
+                tools=plain_template_data(tools),
+                documents=plain_template_data(documents),
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(str(exc.message if exc.message is not None else exc)) from exc
         if continue_final_message:
@@ -313,22 +352,27 @@ class ChatTemplate:
         field = field if isinstance(field, str) else "content"
         final = chat[-1].get(field)
         if final is None:
-            raise ValueError(f'continue_final_message is set but the final message has no '
-                             f'"{field}" to continue!')
+            raise ValueError(
+                f'continue_final_message is set but the final message has no "{field}" to continue!'
+            )
         fields = [field]
         if field in REASONING_FIELDS:
             fields = [f for f in REASONING_FIELDS if chat[-1].get(f) == final]
         if not any(f in source for f in fields):
-            raise ValueError(f'continue_final_message is set to "{field}" but this is not an '
-                             "accepted field in the chat_template")
+            raise ValueError(
+                f'continue_final_message is set to "{field}" but this is not an '
+                "accepted field in the chat_template"
+            )
         if isinstance(final, (list, tuple)):
             for block in reversed(final):
                 if "text" in block:
                     final_text = str(block["text"])
                     block["text"] = final_text + CONTINUE_FINAL_MESSAGE_TAG
                     return final_text
-            raise ValueError("continue_final_message is set but we could not find any text to "
-                             "continue in the final message!")
+            raise ValueError(
+                "continue_final_message is set but we could not find any text to "
+                "continue in the final message!"
+            )
         for name in fields:
             chat[-1][name] = chat[-1][name] + CONTINUE_FINAL_MESSAGE_TAG
         return str(final)
@@ -337,9 +381,11 @@ class ChatTemplate:
     def _cut_after_final_message(rendered: str, final_text: str) -> str:
         tag = CONTINUE_FINAL_MESSAGE_TAG
         if final_text.strip() not in rendered or tag.strip() not in rendered:
-            raise ValueError("continue_final_message is set but the final message does not appear "
-                             "in the rendered chat: the template changes or drops part of it.")
+            raise ValueError(
+                "continue_final_message is set but the final message does not appear "
+                "in the rendered chat: the template changes or drops part of it."
+            )
         tag_loc = rendered.rindex(tag.strip())
-        if rendered[tag_loc:tag_loc + len(tag)] == tag:
+        if rendered[tag_loc : tag_loc + len(tag)] == tag:
             return rendered[:tag_loc]
         return rendered[:tag_loc].rstrip()  # the template trimmed the message's trailing spacing

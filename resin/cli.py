@@ -46,8 +46,9 @@ def info() -> None:
 
 @app.command()
 def models(
-    models_dir: list[Path] | None = typer.Option(None, "--models-dir", help="Directory of model "
-                                                 "directories to register (repeatable)."),
+    models_dir: list[Path] | None = typer.Option(
+        None, "--models-dir", help="Directory of model directories to register (repeatable)."
+    ),
 ) -> None:
     """List the registered models (user directories, shipped models, built-in families) and the
     architectures each one runs, in lookup order."""
@@ -55,7 +56,7 @@ def models(
 
     try:
         registry = ModelRegistry(models_dir or ())
-    except ValueError as exc:   # a broken architecture.json
+    except ValueError as exc:  # a broken architecture.json
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     for line in registry.describe():
@@ -64,36 +65,57 @@ def models(
 
 @app.command()
 def generate(
-    model: Path = typer.Argument(..., help="Checkpoint directory (config.json, safetensors, "
-                                 "tokenizer.json)."),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (or the user message "
-                               "with --chat)."),
+    model: Path = typer.Argument(
+        ..., help="Checkpoint directory (config.json, safetensors, tokenizer.json)."
+    ),
+    prompt: str = typer.Option(
+        ..., "--prompt", "-p", help="Prompt text (or the user message with --chat)."
+    ),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=1, help="Tokens to generate."),
     temperature: float | None = typer.Option(
-        None, "--temperature", "-t", min=0.0,
-        help="Sampling temperature; 0 = greedy. Default: the checkpoint's generation config."),
+        None,
+        "--temperature",
+        "-t",
+        min=0.0,
+        help="Sampling temperature; 0 = greedy. Default: the checkpoint's generation config.",
+    ),
     seed: int | None = typer.Option(None, "--seed", help="Sampling seed (reproducible output)."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the "
-                              "chat template."),
+    chat: bool = typer.Option(
+        False, "--chat", help="Wrap the prompt as a user message with the chat template."
+    ),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    runner: str | None = typer.Option(None, "--runner", help="Runner (default: the model "
-                                      "registry's for the checkpoint's architecture): torch, "
-                                      "a registered model name, a model directory, or "
-                                      "module:Class."),
-    models_dir: list[Path] | None = typer.Option(None, "--models-dir", help="Directory of model "
-                                                 "directories to register (repeatable)."),
-    attention_backend: str | None = typer.Option(None, "--attention-backend",
-                                                 help="Attention backend of the torch runners "
-                                                 "(default: reference)."),
+    runner: str | None = typer.Option(
+        None,
+        "--runner",
+        help="Runner (default: the model "
+        "registry's for the checkpoint's architecture): torch, "
+        "a registered model name, a model directory, or "
+        "module:Class.",
+    ),
+    models_dir: list[Path] | None = typer.Option(
+        None, "--models-dir", help="Directory of model directories to register (repeatable)."
+    ),
+    attention_backend: str | None = typer.Option(
+        None,
+        "--attention-backend",
+        help="Attention backend of the torch runners (default: reference).",
+    ),
 ) -> None:
     """Generate text from MODEL for one prompt and print it."""
     import resin
     from resin.llm import LLM
 
     try:
-        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1, runner=runner,
-                  models_dirs=models_dir or (), attention_backend=attention_backend)
+        llm = LLM(
+            model,
+            device=device,
+            dtype=dtype,
+            max_num_seqs=1,
+            runner=runner,
+            models_dirs=models_dir or (),
+            attention_backend=attention_backend,
+        )
     except (FileNotFoundError, ValueError, KeyError, NotImplementedError) as exc:
         # missing files, an architecture no registered model runs, an unfinished model
         typer.echo(f"error: {exc}", err=True)

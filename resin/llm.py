@@ -78,10 +78,18 @@ class LLM:
     fields.
     """
 
-    def __init__(self, model_dir: str | Path, *, runner: Any = None, device: str = "cpu",
-                 dtype: Any = "float32", kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                 models_dirs: Sequence[str | Path] = (), attention_backend: str | None = None,
-                 **engine_config: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        runner: Any = None,
+        device: str = "cpu",
+        dtype: Any = "float32",
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        models_dirs: Sequence[str | Path] = (),
+        attention_backend: str | None = None,
+        **engine_config: Any,
+    ) -> None:
         from resin.registry import ModelRegistry, resolve_runner
 
         self.model_dir = Path(model_dir)
@@ -90,29 +98,40 @@ class LLM:
         self.model_config: CheckpointInfo = read_checkpoint_info(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.chat_template = ChatTemplate.from_pretrained(
-            self.model_dir, self.tokenizer.special_tokens_map)
-        self.runner = resolve_runner(self.model_dir, runner,
-                                     registry=ModelRegistry(models_dirs), device=device,
-                                     dtype=dtype, attention_backend=attention_backend)
+            self.model_dir, self.tokenizer.special_tokens_map
+        )
+        self.runner = resolve_runner(
+            self.model_dir,
+            runner,
+            registry=ModelRegistry(models_dirs),
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+        )
         config = self._engine_config(self.runner, kv_cache_bytes, engine_config)
         self.engine = Engine(config, self.runner)
         self._request_counter = itertools.count()
 
     # -- construction ---------------------------------------------------------------------
-    def _engine_config(self, runner: Any, kv_cache_bytes: int,
-                       overrides: Mapping[str, Any]) -> EngineConfig:
+    def _engine_config(
+        self, runner: Any, kv_cache_bytes: int, overrides: Mapping[str, Any]
+    ) -> EngineConfig:
         fields = set(dir(EngineConfig)) - set(dir(object))
         unknown = sorted(set(overrides) - fields)
         if unknown:
-            raise TypeError(f"unknown engine option(s) {unknown}; EngineConfig fields are "
-                            f"{sorted(f for f in fields if not f.startswith('_'))}")
+            raise TypeError(
+                f"unknown engine option(s) {unknown}; EngineConfig fields are "
+                f"{sorted(f for f in fields if not f.startswith('_'))}"
+            )
         settings: dict[str, Any] = dict(overrides)
-        settings.setdefault("max_model_len", min(self.model_config.max_position_embeddings,
-                                                 DEFAULT_MAX_MODEL_LEN))
+        settings.setdefault(
+            "max_model_len", min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        )
         settings.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         settings.setdefault("page_size", 16)
-        settings.setdefault("max_num_batched_tokens", max(2048, min(settings["max_model_len"],
-                                                                    8192)))
+        settings.setdefault(
+            "max_num_batched_tokens", max(2048, min(settings["max_model_len"], 8192))
+        )
         settings.setdefault("eos_token_ids", self.tokenizer.eos_token_ids)
         settings.setdefault("vocab_size", self.model_config.vocab_size)
         if "num_pages" not in settings:
@@ -121,8 +140,13 @@ class LLM:
             specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
             num_groups = len({(s.kind, s.window, s.bytes_per_token) for s in specs}) or 1
             settings["num_pages"] = default_num_pages(
-                [s.bytes_per_token for s in specs] or [1], settings["page_size"],
-                settings["max_model_len"], settings["max_num_seqs"], kv_cache_bytes, num_groups)
+                [s.bytes_per_token for s in specs] or [1],
+                settings["page_size"],
+                settings["max_model_len"],
+                settings["max_num_seqs"],
+                kv_cache_bytes,
+                num_groups,
+            )
         return EngineConfig(**settings)
 
     # -- generation -------------------------------------------------------------------------
@@ -131,9 +155,11 @@ class LLM:
         defaults: dict[str, Any] = dict(self.tokenizer.sampling_defaults)
         return SamplingParams(**defaults)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[LLMOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[LLMOutput]:
         """Generate for one prompt or a batch (strings and/or token-id lists), in one engine
         batch; outputs come back in prompt order. ``sampling_params``: one for all, or one per
         prompt."""
@@ -146,17 +172,21 @@ class LLM:
                 encoded.append((None, [int(t) for t in prompt]))
         return self._run(encoded, sampling_params)
 
-    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             **chat_template_kwargs: Any) -> list[LLMOutput]:
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **chat_template_kwargs: Any,
+    ) -> list[LLMOutput]:
         """Render one conversation (a list of messages) or several (a list of lists) with the
         chat template (``add_generation_prompt=True``; extra kwargs such as ``tools`` or
         ``enable_thinking`` go to the template), then generate. The rendered text is tokenized
         without adding special tokens: the template supplies them (vLLM's choice)."""
         if not messages:
             raise ValueError("chat() needs at least one message")
-        conversations: list[Any] = [messages] if isinstance(messages[0], Mapping) \
-            else list(messages)
+        conversations: list[Any] = (
+            [messages] if isinstance(messages[0], Mapping) else list(messages)
+        )
         chat_template_kwargs.setdefault("add_generation_prompt", True)
         encoded: list[tuple[str | None, list[int]]] = []
         for conversation in conversations:
@@ -164,9 +194,11 @@ class LLM:
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(encoded, sampling_params)
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             ) -> list[LLMOutput]:
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[LLMOutput]:
         if sampling_params is None:
             params_list = [self.default_sampling_params()] * len(encoded)
         elif isinstance(sampling_params, SamplingParams):
@@ -174,8 +206,10 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(encoded):
-                raise ValueError(f"got {len(params_list)} sampling params for {len(encoded)} "
-                                 "prompts; pass one, or one per prompt")
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(encoded)} "
+                    "prompts; pass one, or one per prompt"
+                )
         ids = [str(next(self._request_counter)) for _ in encoded]
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
@@ -194,9 +228,11 @@ class LLM:
                 outputs = self.engine.step()
                 idle = 0 if outputs else idle + 1
                 if idle > MAX_IDLE_STEPS:
-                    raise RuntimeError(f"engine made no progress in {MAX_IDLE_STEPS} steps "
-                                       f"({self.engine.num_waiting} waiting, "
-                                       f"{self.engine.num_running} running)")
+                    raise RuntimeError(
+                        f"engine made no progress in {MAX_IDLE_STEPS} steps "
+                        f"({self.engine.num_waiting} waiting, "
+                        f"{self.engine.num_running} running)"
+                    )
                 for output in outputs:
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
@@ -207,24 +243,37 @@ class LLM:
             if self.engine.has_unfinished():  # drain the abort notices
                 self.engine.step()
             raise
-        return [self._to_output(finished[request_id], prompt)
-                for request_id, (prompt, _) in zip(ids, encoded)]
+        return [
+            self._to_output(finished[request_id], prompt)
+            for request_id, (prompt, _) in zip(ids, encoded)
+        ]
 
     def _to_output(self, output: RequestOutput, prompt: str | None) -> LLMOutput:
         token_ids = list(output.token_ids)
         text_ids = token_ids[:-1] if output.finish_reason == "stop" and token_ids else token_ids
         logprobs = output.logprobs
         return LLMOutput(
-            request_id=output.request_id, prompt=prompt,
-            prompt_token_ids=list(output.prompt_token_ids), token_ids=token_ids,
+            request_id=output.request_id,
+            prompt=prompt,
+            prompt_token_ids=list(output.prompt_token_ids),
+            token_ids=token_ids,
             text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
-            finish_reason=output.finish_reason, num_cached_tokens=output.num_cached_tokens,
-            logprobs=None if logprobs is None else [
-                {int(k): float(v) for k, v in entry.items()} for entry in logprobs])
+            finish_reason=output.finish_reason,
+            num_cached_tokens=output.num_cached_tokens,
+            logprobs=None
+            if logprobs is None
+            else [{int(k): float(v) for k, v in entry.items()} for entry in logprobs],
+        )
 
 
-def default_num_pages(bytes_per_token: Sequence[int], page_size: int, max_model_len: int,
-                      max_num_seqs: int, kv_cache_bytes: int, num_groups: int = 1) -> int:
+def default_num_pages(
+    bytes_per_token: Sequence[int],
+    page_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_cache_bytes: int,
+    num_groups: int = 1,
+) -> int:
     """Pages for the cache pool: all ``max_num_seqs`` sequences at full length if that fits in
     ``kv_cache_bytes`` (a page id holds ``page_size`` tokens of every layer: each layer's buffer
     has one slot row per page), else as many as fit, but at least one full-length sequence; plus
@@ -239,14 +288,17 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a str, a list of token ids, or a list of those; "
-                        f"got {type(prompts).__name__}")
+        raise TypeError(
+            f"prompts must be a str, a list of token ids, or a list of those; "
+            f"got {type(prompts).__name__}"
+        )
     items: list[Any] = list(prompts)
     if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
         return [list(items)]  # one token-id prompt
     for prompt in items:
         if not isinstance(prompt, (str, list, tuple)) or (
-                not isinstance(prompt, str)
-                and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            not isinstance(prompt, str)
+            and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             raise TypeError(f"each prompt must be a str or a list of token ids, got {prompt!r}")
     return [p if isinstance(p, str) else list(p) for p in items]

@@ -46,9 +46,14 @@ BUILTIN_NAME = "torch"
 NULL_RUNNER = "null"
 NULL_RUNNER_TEXT = " the quick brown fox jumps over the lazy dog and"
 # The built-in families (resin.loading parses these and the torch reference runner runs them).
-BUILTIN_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                         "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+BUILTIN_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
 
 
 class UnknownArchitectureError(ValueError):
@@ -62,7 +67,7 @@ class ModelEntry:
     name: str
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
-    origin: str                      # "user", "shipped" or "built-in"
+    origin: str  # "user", "shipped" or "built-in"
     model_dir: Path | None = None
 
     def claims(self, info: CheckpointInfo) -> bool:
@@ -70,20 +75,35 @@ class ModelEntry:
             return info.architecture in self.architectures
         return info.model_type in self.model_types
 
-    def load_runner(self, checkpoint_dir: str | Path, *, device: str = "cpu",
-                    dtype: Any = "float32", attention_backend: Any = None) -> Any:
+    def load_runner(
+        self,
+        checkpoint_dir: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: Any = "float32",
+        attention_backend: Any = None,
+    ) -> Any:
         """Build this model's runner on ``checkpoint_dir`` (imports torch)."""
         torch_dtype = _torch_dtype(dtype)
         if self.model_dir is None:
             from resin.runners.torch import TorchRunner
 
-            return TorchRunner.from_pretrained(checkpoint_dir, device=device, dtype=torch_dtype,
-                                               attention_backend=attention_backend)
+            return TorchRunner.from_pretrained(
+                checkpoint_dir,
+                device=device,
+                dtype=torch_dtype,
+                attention_backend=attention_backend,
+            )
         from resin.runners.torch.model_dir import ModelDirRunner
 
-        return ModelDirRunner.from_model_dir(self.model_dir, checkpoint_dir, name=self.name,
-                                             device=device, dtype=torch_dtype,
-                                             attention_backend=attention_backend)
+        return ModelDirRunner.from_model_dir(
+            self.model_dir,
+            checkpoint_dir,
+            name=self.name,
+            device=device,
+            dtype=torch_dtype,
+            attention_backend=attention_backend,
+        )
 
     def describe(self) -> str:
         where = f" ({self.model_dir})" if self.model_dir is not None else ""
@@ -93,12 +113,16 @@ class ModelEntry:
 class ModelRegistry:
     """Every registered model (see the module doc), scanned once at construction."""
 
-    def __init__(self, models_dirs: Iterable[str | Path] = (), *, use_env: bool = True,
-                 use_cwd: bool = True) -> None:
+    def __init__(
+        self, models_dirs: Iterable[str | Path] = (), *, use_env: bool = True, use_cwd: bool = True
+    ) -> None:
         roots: list[Path] = [Path(d).expanduser() for d in models_dirs]
         if use_env:
-            roots += [Path(p).expanduser() for p in os.environ.get(MODELS_PATH_ENV, "").split(
-                os.pathsep) if p]
+            roots += [
+                Path(p).expanduser()
+                for p in os.environ.get(MODELS_PATH_ENV, "").split(os.pathsep)
+                if p
+            ]
         if use_cwd:
             roots.append(Path.cwd() / "models")
         self.user_roots = roots
@@ -114,8 +138,14 @@ class ModelRegistry:
                     is_shipped = resolved.is_relative_to(SHIPPED_MODELS_DIR.resolve())
                     entries.append(_entry_of(model_dir, "shipped" if is_shipped else origin))
         entries.sort(key=lambda e: ("user", "shipped").index(e.origin))
-        entries.append(ModelEntry(BUILTIN_NAME, tuple(BUILTIN_ARCHITECTURES),
-                                  tuple(BUILTIN_ARCHITECTURES.values()), "built-in"))
+        entries.append(
+            ModelEntry(
+                BUILTIN_NAME,
+                tuple(BUILTIN_ARCHITECTURES),
+                tuple(BUILTIN_ARCHITECTURES.values()),
+                "built-in",
+            )
+        )
         self.entries = entries
 
     def get(self, name: str) -> ModelEntry | None:
@@ -131,27 +161,41 @@ class ModelRegistry:
         first = claiming[0]
         rivals = [e for e in claiming[1:] if e.origin == first.origin]
         if rivals:
-            warnings.warn(f"{info.architecture or info.model_type} is claimed by "
-                          f"{first.describe()} and {rivals[0].describe()}; using the first "
-                          "(pass --runner NAME to choose)", stacklevel=2)
+            warnings.warn(
+                f"{info.architecture or info.model_type} is claimed by "
+                f"{first.describe()} and {rivals[0].describe()}; using the first "
+                "(pass --runner NAME to choose)",
+                stacklevel=2,
+            )
         return first
 
     def unknown_message(self, info: CheckpointInfo) -> str:
-        what = f"architecture {info.architecture!r}" if info.architecture else \
-            f"model_type {info.model_type!r}"
+        what = (
+            f"architecture {info.architecture!r}"
+            if info.architecture
+            else f"model_type {info.model_type!r}"
+        )
         registered = "; ".join(e.describe() for e in self.entries)
-        return (f"{info.path}: no registered model runs {what}. Registered: {registered}. "
-                f"To add one: `resin new-model {info.path} --name NAME --out DIR` (see "
-                "skills/add-model/SKILL.md), then pass --models-dir (or set "
-                f"{MODELS_PATH_ENV}) to the directory holding DIR.")
+        return (
+            f"{info.path}: no registered model runs {what}. Registered: {registered}. "
+            f"To add one: `resin new-model {info.path} --name NAME --out DIR` (see "
+            "skills/add-model/SKILL.md), then pass --models-dir (or set "
+            f"{MODELS_PATH_ENV}) to the directory holding DIR."
+        )
 
     def describe(self) -> list[str]:
         return [e.describe() for e in self.entries]
 
 
-def resolve_runner(checkpoint_dir: str | Path, runner: Any = None, *,
-                   registry: ModelRegistry | None = None, device: str = "cpu",
-                   dtype: Any = "float32", attention_backend: Any = None) -> Any:
+def resolve_runner(
+    checkpoint_dir: str | Path,
+    runner: Any = None,
+    *,
+    registry: ModelRegistry | None = None,
+    device: str = "cpu",
+    dtype: Any = "float32",
+    attention_backend: Any = None,
+) -> Any:
     """The runner object for ``checkpoint_dir``: ``runner`` None looks the checkpoint up in the
     registry; a string is an explicit choice (see the module doc); any other object is used
     as it is."""
@@ -160,25 +204,30 @@ def resolve_runner(checkpoint_dir: str | Path, runner: Any = None, *,
     registry = registry if registry is not None else ModelRegistry()
     if runner is None:
         return registry.for_checkpoint(checkpoint_dir).load_runner(
-            checkpoint_dir, device=device, dtype=dtype, attention_backend=attention_backend)
+            checkpoint_dir, device=device, dtype=dtype, attention_backend=attention_backend
+        )
     if runner == NULL_RUNNER:
         return _null_runner(checkpoint_dir)
     entry = registry.get(runner)
     if entry is None and Path(runner).is_dir() and (Path(runner) / RECORD_FILE).is_file():
         entry = _entry_of(Path(runner), "user")
     if entry is not None:
-        return entry.load_runner(checkpoint_dir, device=device, dtype=dtype,
-                                 attention_backend=attention_backend)
+        return entry.load_runner(
+            checkpoint_dir, device=device, dtype=dtype, attention_backend=attention_backend
+        )
     if ":" in runner:
         module_name, _, class_name = runner.partition(":")
         runner_class = getattr(importlib.import_module(module_name), class_name)
         if hasattr(runner_class, "from_pretrained"):
-            return runner_class.from_pretrained(checkpoint_dir, device=device,
-                                                dtype=_torch_dtype(dtype))
+            return runner_class.from_pretrained(
+                checkpoint_dir, device=device, dtype=_torch_dtype(dtype)
+            )
         return runner_class()
     names = ", ".join(sorted({e.name for e in registry.entries}))
-    raise ValueError(f"unknown runner {runner!r}: use {NULL_RUNNER}, a registered model ({names}), "
-                     "a model directory, or module:Class")
+    raise ValueError(
+        f"unknown runner {runner!r}: use {NULL_RUNNER}, a registered model ({names}), "
+        "a model directory, or module:Class"
+    )
 
 
 def _null_runner(checkpoint_dir: str | Path) -> Any:
@@ -186,8 +235,11 @@ def _null_runner(checkpoint_dir: str | Path) -> Any:
     from resin.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(checkpoint_dir)
-    token_ids = [t for t in tokenizer.encode(NULL_RUNNER_TEXT, add_special_tokens=False)
-                 if t not in tokenizer.eos_token_ids]
+    token_ids = [
+        t
+        for t in tokenizer.encode(NULL_RUNNER_TEXT, add_special_tokens=False)
+        if t not in tokenizer.eos_token_ids
+    ]
     return CyclingRunner(token_ids)
 
 
@@ -206,8 +258,9 @@ def _entry_of(model_dir: Path, origin: str) -> ModelEntry:
         architectures = tuple(record["architectures"])
         model_types = tuple(record.get("model_types", ()))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a model record ({exc}); regenerate it with "
-                         "resin new-model --force") from exc
+        raise ValueError(
+            f"{path}: not a model record ({exc}); regenerate it with resin new-model --force"
+        ) from exc
     return ModelEntry(model_dir.resolve().name, architectures, model_types, origin, model_dir)
 
 

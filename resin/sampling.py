@@ -38,7 +38,7 @@ import torch
 
 from resin._core import BatchPlan, ForwardOutput
 
-_SEED_MIX = 0x9E3779B97F4A7C15   # odd 64-bit constant: distinct (seed, step) -> distinct seeds
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, step) -> distinct seeds
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -51,7 +51,7 @@ class SlotState:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 class Sampler:
@@ -76,8 +76,10 @@ class Sampler:
             self.slots.pop(slot, None)
         indptr, token_ids = plan.new_request_token_indptr, plan.new_request_token_ids
         for j, slot in enumerate(plan.new_request_slots.tolist()):
-            self.slots[slot] = SlotState(token_ids[indptr[j]:indptr[j + 1]].tolist(),
-                                         int(plan.new_request_num_prompt_tokens[j]))
+            self.slots[slot] = SlotState(
+                token_ids[indptr[j] : indptr[j + 1]].tolist(),
+                int(plan.new_request_num_prompt_tokens[j]),
+            )
         committed = plan.committed_token_ids
         if len(committed) == 0:
             return
@@ -88,7 +90,7 @@ class Sampler:
             state = self.slots.get(slot)
             if lo == hi or state is None:
                 continue
-            del state.token_ids[state.num_prompt_tokens + num_output_tokens[row] - (hi - lo):]
+            del state.token_ids[state.num_prompt_tokens + num_output_tokens[row] - (hi - lo) :]
             state.token_ids.extend(committed[lo:hi].tolist())
 
     def sample(self, logits: torch.Tensor, plan: BatchPlan, rows: np.ndarray) -> ForwardOutput:
@@ -103,19 +105,32 @@ class Sampler:
         temperature = torch.as_tensor(np.array(sampling.temperature[rows]), device=self.device)
         processed = logits.clone()
         for r, row in enumerate(rows.tolist()):
-            self._penalise(processed[r], slots[r], float(sampling.repetition_penalty[row]),
-                           float(sampling.frequency_penalty[row]),
-                           float(sampling.presence_penalty[row]))
-            banned = plan.banned_token_ids[plan.banned_token_indptr[row]:
-                                           plan.banned_token_indptr[row + 1]]
+            self._penalise(
+                processed[r],
+                slots[r],
+                float(sampling.repetition_penalty[row]),
+                float(sampling.frequency_penalty[row]),
+                float(sampling.presence_penalty[row]),
+            )
+            banned = plan.banned_token_ids[
+                plan.banned_token_indptr[row] : plan.banned_token_indptr[row + 1]
+            ]
             if len(banned):
-                processed[r, torch.as_tensor(banned.astype(np.int64), device=self.device)] = -torch.inf
+                processed[
+                    r, torch.as_tensor(banned.astype(np.int64), device=self.device)
+                ] = -torch.inf
 
         greedy = temperature == 0
         scaled = processed / torch.where(greedy, 1.0, temperature)[:, None]
-        scaled = apply_top_k(scaled, torch.as_tensor(np.array(sampling.top_k[rows]), device=self.device))
-        scaled = apply_top_p(scaled, torch.as_tensor(np.array(sampling.top_p[rows]), device=self.device))
-        scaled = apply_min_p(scaled, torch.as_tensor(np.array(sampling.min_p[rows]), device=self.device))
+        scaled = apply_top_k(
+            scaled, torch.as_tensor(np.array(sampling.top_k[rows]), device=self.device)
+        )
+        scaled = apply_top_p(
+            scaled, torch.as_tensor(np.array(sampling.top_p[rows]), device=self.device)
+        )
+        scaled = apply_min_p(
+            scaled, torch.as_tensor(np.array(sampling.min_p[rows]), device=self.device)
+        )
         probs = torch.softmax(scaled, dim=-1)
 
         tokens = processed.argmax(dim=-1)
@@ -127,8 +142,9 @@ class Sampler:
             tokens[r] = torch.multinomial(probs[r], 1, generator=generator)[0]
         return self._output(plan, rows, tokens, logits)
 
-    def _penalise(self, logits: torch.Tensor, slot: int, repetition: float, frequency: float,
-                  presence: float) -> None:
+    def _penalise(
+        self, logits: torch.Tensor, slot: int, repetition: float, frequency: float, presence: float
+    ) -> None:
         """Apply the row's penalties to its logits [vocab] in place."""
         if repetition == 1.0 and frequency == 0.0 and presence == 0.0:
             return
@@ -143,15 +159,16 @@ class Sampler:
 
     def _counts(self, token_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return torch.bincount(ids, minlength=self.vocab_size)[:self.vocab_size]
+        return torch.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
 
     def _seeded(self, seed: int, num_output_tokens: int) -> torch.Generator:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(((seed * _SEED_MIX) + num_output_tokens) & _SEED_MASK)
         return generator
 
-    def _output(self, plan: BatchPlan, rows: np.ndarray, tokens: torch.Tensor,
-                logits: torch.Tensor) -> ForwardOutput:
+    def _output(
+        self, plan: BatchPlan, rows: np.ndarray, tokens: torch.Tensor, logits: torch.Tensor
+    ) -> ForwardOutput:
         num_rows = plan.num_sequences
         token_ids = np.zeros(num_rows, dtype=np.uint32)
         token_ids[rows] = tokens.cpu().numpy().astype(np.uint32)

@@ -32,15 +32,31 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES (tokenization_utils_base.py), in its order.
 NAMED_SPECIAL_TOKENS: tuple[str, ...] = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 REPLACEMENT_CHAR = "\ufffd"
 # generation_config.json field -> resin.SamplingParams field; the values transformers'
 # GenerationConfig() has by default, which vLLM's to_diff_dict() leaves out.
 SAMPLING_FIELDS: dict[str, str] = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "repetition_penalty": 1.0,
+}
 
 
 def read_json_file(path: Path) -> dict[str, Any] | None:
@@ -70,7 +86,9 @@ def _as_token_ids(value: Any) -> list[int]:
         return []
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         return list(value)
     raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
 
@@ -78,8 +96,11 @@ def _as_token_ids(value: Any) -> list[int]:
 def _added_token(value: Any, content: str) -> AddedToken:
     """An AddedToken for a config entry: a dict keeps its flags; a string is special, unnormalized."""
     if isinstance(value, Mapping):
-        flags = {k: value[k] for k in ("single_word", "lstrip", "rstrip", "normalized", "special")
-                 if k in value}
+        flags = {
+            k: value[k]
+            for k in ("single_word", "lstrip", "rstrip", "normalized", "special")
+            if k in value
+        }
         flags.setdefault("special", True)
         return AddedToken(content, **flags)
     return AddedToken(content, special=True, normalized=False)
@@ -93,9 +114,13 @@ class Tokenizer:
     ... and model-specific ``*_token`` entries of ``tokenizer_config.json``).
     """
 
-    def __init__(self, backend: BackendTokenizer, tokenizer_config: Mapping[str, Any],
-                 generation_config: Mapping[str, Any] | None = None,
-                 model_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        tokenizer_config: Mapping[str, Any],
+        generation_config: Mapping[str, Any] | None = None,
+        model_config: Mapping[str, Any] | None = None,
+    ) -> None:
         self.backend = backend
         self.tokenizer_config: dict[str, Any] = dict(tokenizer_config)
         self.generation_config: dict[str, Any] = dict(generation_config or {})
@@ -108,7 +133,8 @@ class Tokenizer:
                 self.special_tokens_map[name] = content
         self._add_missing_special_tokens()
         self.clean_up_tokenization_spaces = bool(
-            self.tokenizer_config.get("clean_up_tokenization_spaces", False))
+            self.tokenizer_config.get("clean_up_tokenization_spaces", False)
+        )
         self._is_bpe = type(backend.model).__name__ == "BPE"
 
     @classmethod
@@ -121,30 +147,40 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise FileNotFoundError(
                 f"{tokenizer_file} not found: Resin loads tokenizers from tokenizer.json only "
-                "(convert a slow/SentencePiece tokenizer with transformers and save_pretrained)")
+                "(convert a slow/SentencePiece tokenizer with transformers and save_pretrained)"
+            )
         try:
             backend = BackendTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust side raises a bare Exception
-            raise ValueError(f"{tokenizer_file}: cannot be loaded by the tokenizers library ({exc})") \
-                from exc
+            raise ValueError(
+                f"{tokenizer_file}: cannot be loaded by the tokenizers library ({exc})"
+            ) from exc
         config = read_json_file(root / "tokenizer_config.json") or {}
         legacy_map = read_json_file(root / "special_tokens_map.json")
         if legacy_map and "added_tokens_decoder" not in config:
             # transformers reads the legacy map only without added_tokens_decoder, and its
             # entries then override tokenizer_config.json's (from_pretrained, "Legacy" branch).
             config = {**config, **legacy_map}
-        return cls(backend, config, read_json_file(root / "generation_config.json"),
-                   read_json_file(root / "config.json"))
+        return cls(
+            backend,
+            config,
+            read_json_file(root / "generation_config.json"),
+            read_json_file(root / "config.json"),
+        )
 
     def _collect_special_tokens(self) -> dict[str, Any]:
         """Named special tokens as transformers keeps them (``PreTrainedTokenizerBase.__init__``)."""
         config = self.tokenizer_config
-        tokens: dict[str, Any] = {name: config[name] for name in NAMED_SPECIAL_TOKENS
-                                  if config.get(name) is not None}
+        tokens: dict[str, Any] = {
+            name: config[name] for name in NAMED_SPECIAL_TOKENS if config.get(name) is not None
+        }
         # Any other "*_token" string entry is a model-specific special token (e.g. image_token).
         for name, value in config.items():
-            if name.endswith("_token") and name not in NAMED_SPECIAL_TOKENS \
-                    and token_content(value) is not None:
+            if (
+                name.endswith("_token")
+                and name not in NAMED_SPECIAL_TOKENS
+                and token_content(value) is not None
+            ):
                 tokens[name] = value
         extra = config.get("extra_special_tokens", config.get("additional_special_tokens"))
         if isinstance(extra, Mapping):
@@ -158,11 +194,14 @@ class Tokenizer:
         """Register named and extra special tokens with the backend, as transformers' _post_init."""
         existing = {tok.content: tok for tok in self.backend.get_added_tokens_decoder().values()}
         to_add: list[AddedToken] = []
-        entries: list[tuple[Any, str]] = [(v, self.special_tokens_map[k])
-                                          for k, v in self._raw_special_tokens.items()
-                                          if k in self.special_tokens_map]
-        extra = self.tokenizer_config.get("extra_special_tokens",
-                                          self.tokenizer_config.get("additional_special_tokens"))
+        entries: list[tuple[Any, str]] = [
+            (v, self.special_tokens_map[k])
+            for k, v in self._raw_special_tokens.items()
+            if k in self.special_tokens_map
+        ]
+        extra = self.tokenizer_config.get(
+            "extra_special_tokens", self.tokenizer_config.get("additional_special_tokens")
+        )
         if isinstance(extra, list):
             entries += [(v, c) for v in extra if (c := token_content(v)) is not None]
         for value, content in entries:
@@ -217,7 +256,9 @@ class Tokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         """Ids of all tokens the backend marks special (what ``skip_special_tokens`` drops)."""
-        return sorted(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
+        return sorted(
+            i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special
+        )
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -230,9 +271,12 @@ class Tokenizer:
         from_generation = _as_token_ids(self.generation_config.get("eos_token_id"))
         if not from_generation:
             text_config = self.model_config.get("text_config") or {}
-            from_generation = _as_token_ids(self.model_config.get(
-                "eos_token_id", text_config.get("eos_token_id") if isinstance(text_config, dict)
-                else None))
+            from_generation = _as_token_ids(
+                self.model_config.get(
+                    "eos_token_id",
+                    text_config.get("eos_token_id") if isinstance(text_config, dict) else None,
+                )
+            )
         ids += from_generation
         return list(dict.fromkeys(ids))
 
@@ -266,14 +310,24 @@ class Tokenizer:
         text = self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         if self.clean_up_tokenization_spaces and not self._is_bpe:
             # transformers applies this cleanup to non-BPE models only (TokenizersBackend._decode).
-            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-                                  (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
-                                  (" 're", "'re")):
+            for before, after in (
+                (" .", "."),
+                (" ?", "?"),
+                (" !", "!"),
+                (" ,", ","),
+                (" ' ", "'"),
+                (" n't", "n't"),
+                (" 'm", "'m"),
+                (" 's", "'s"),
+                (" 've", "'ve"),
+                (" 're", "'re"),
+            ):
                 text = text.replace(before, after)
         return text
 
-    def incremental_detokenizer(self, prompt_token_ids: Sequence[int] = (),
-                                skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def incremental_detokenizer(
+        self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
         """A fresh detokenizer for one request (see ``IncrementalDetokenizer``)."""
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
 
@@ -296,14 +350,19 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS_FROM_PROMPT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         num_context_tokens = min(len(prompt_token_ids), self.CONTEXT_TOKENS_FROM_PROMPT)
         # token_ids = the prompt's last few tokens (context only) + every output token so far
-        self._token_ids: list[int] = [int(i) for i in prompt_token_ids[len(prompt_token_ids)
-                                                                        - num_context_tokens:]]
+        self._token_ids: list[int] = [
+            int(i) for i in prompt_token_ids[len(prompt_token_ids) - num_context_tokens :]
+        ]
         self._num_context_tokens = num_context_tokens
         self.prefix_offset = 0
         self.read_offset = num_context_tokens
@@ -314,7 +373,7 @@ class IncrementalDetokenizer:
     @property
     def output_token_ids(self) -> list[int]:
         """The output tokens fed so far (without the prompt context)."""
-        return self._token_ids[self._num_context_tokens:]
+        return self._token_ids[self._num_context_tokens :]
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode_ints(self._token_ids[start:end], self.skip_special_tokens)
@@ -333,7 +392,7 @@ class IncrementalDetokenizer:
         return self._emit(window_text)
 
     def _emit(self, window_text: str) -> str:
-        delta = window_text[len(self._prefix_text):]
+        delta = window_text[len(self._prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self._token_ids)
         self._prefix_text = self._decode(self.prefix_offset, self.read_offset)

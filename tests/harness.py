@@ -34,23 +34,46 @@ import numpy as np
 import resin
 
 PLAN_ARRAYS = {
-    "request_slots": np.uint32, "input_ids": np.uint32, "positions": np.int64,
-    "query_indptr": np.uint32, "num_computed_tokens": np.uint32, "seq_lens": np.uint32,
-    "sample_indptr": np.uint32, "num_draft_tokens": np.uint32, "banned_token_indptr": np.uint32,
-    "banned_token_ids": np.uint32, "new_request_slots": np.uint32,
+    "request_slots": np.uint32,
+    "input_ids": np.uint32,
+    "positions": np.int64,
+    "query_indptr": np.uint32,
+    "num_computed_tokens": np.uint32,
+    "seq_lens": np.uint32,
+    "sample_indptr": np.uint32,
+    "num_draft_tokens": np.uint32,
+    "banned_token_indptr": np.uint32,
+    "banned_token_ids": np.uint32,
+    "new_request_slots": np.uint32,
     "finished_request_slots": np.uint32,
 }
 GROUP_ARRAYS = {
-    "kv_indptr": np.uint32, "kv_indices": np.uint32, "kv_last_page_len": np.uint32,
-    "slot_mapping": np.int64, "block_table": np.uint32,
+    "kv_indptr": np.uint32,
+    "kv_indices": np.uint32,
+    "kv_last_page_len": np.uint32,
+    "slot_mapping": np.int64,
+    "block_table": np.uint32,
 }
 SAMPLING_ARRAYS = {
-    "temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "min_p": np.float32,
-    "seed": np.int64, "num_logprobs": np.int32, "presence_penalty": np.float32,
-    "frequency_penalty": np.float32, "repetition_penalty": np.float32,
+    "temperature": np.float32,
+    "top_p": np.float32,
+    "top_k": np.int32,
+    "min_p": np.float32,
+    "seed": np.int64,
+    "num_logprobs": np.int32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "repetition_penalty": np.float32,
 }
-SCALARS = ("step", "num_sequences", "num_decode_sequences", "num_tokens",
-           "padded_num_sequences", "page_size", "num_cache_groups")
+SCALARS = (
+    "step",
+    "num_sequences",
+    "num_decode_sequences",
+    "num_tokens",
+    "padded_num_sequences",
+    "page_size",
+    "num_cache_groups",
+)
 
 
 def live_array_problems(plan: Any) -> list[str]:
@@ -66,8 +89,9 @@ def live_array_problems(plan: Any) -> list[str]:
         elif array.dtype != dtype:
             problems.append(f"{name} has dtype {array.dtype}, expected {np.dtype(dtype)}")
         elif array.flags.writeable or not array.flags.c_contiguous:
-            problems.append(f"{name}: writeable={array.flags.writeable} "
-                            f"c_contiguous={array.flags.c_contiguous}")
+            problems.append(
+                f"{name}: writeable={array.flags.writeable} c_contiguous={array.flags.c_contiguous}"
+            )
     return problems
 
 
@@ -108,10 +132,14 @@ class RecordingRunner:
         extra = {}
         if k >= 0:  # some row asked for logprobs: answer every row (values are dummies)
             n = len(token_ids)
-            extra = dict(logprobs=np.full(n, -1.0, np.float32),
-                         top_logprob_ids=np.tile(np.arange(k, dtype=np.uint32), (n, 1)),
-                         top_logprobs=np.full((n, k), -2.0, np.float32))
-        return resin.ForwardOutput(token_ids=token_ids, token_indptr=indptr.astype(np.uint32), **extra)
+            extra = dict(
+                logprobs=np.full(n, -1.0, np.float32),
+                top_logprob_ids=np.tile(np.arange(k, dtype=np.uint32), (n, 1)),
+                top_logprobs=np.full((n, k), -2.0, np.float32),
+            )
+        return resin.ForwardOutput(
+            token_ids=token_ids, token_indptr=indptr.astype(np.uint32), **extra
+        )
 
 
 class CacheRunner(RecordingRunner):
@@ -139,8 +167,9 @@ class Harness:
         layout = self.engine.layout
         self.page_size = layout.page_size
         self.num_pages = layout.num_pages
-        self.windows = [g.spec.window if g.spec.kind == "sliding_window" else None
-                        for g in layout.groups]
+        self.windows = [
+            g.spec.window if g.spec.kind == "sliding_window" else None for g in layout.groups
+        ]
         self.eos = set(config.eos_token_ids)
         self.prompts: dict[str, list[int]] = {}
         self.params: dict[str, Any] = {}
@@ -206,9 +235,17 @@ class Harness:
         assert rec["len"] == s == len(rids) == rec["padded_num_sequences"]
         assert rec["page_size"] == P and rec["num_cache_groups"] == len(self.windows)
         assert rec["step"] > self.last_step, (rec["step"], self.last_step)
-        for name, n in [("request_slots", s), ("num_computed_tokens", s), ("seq_lens", s),
-                        ("num_draft_tokens", s), ("query_indptr", s + 1), ("sample_indptr", s + 1),
-                        ("banned_token_indptr", s + 1), ("input_ids", t), ("positions", t)]:
+        for name, n in [
+            ("request_slots", s),
+            ("num_computed_tokens", s),
+            ("seq_lens", s),
+            ("num_draft_tokens", s),
+            ("query_indptr", s + 1),
+            ("sample_indptr", s + 1),
+            ("banned_token_indptr", s + 1),
+            ("input_ids", t),
+            ("positions", t),
+        ]:
             assert rec[name].shape == (n,), (name, rec[name].shape, n)
         assert all(a.shape == (s,) for a in rec["sampling"].values())
         qi, si = rec["query_indptr"].astype(np.int64), rec["sample_indptr"].astype(np.int64)
@@ -226,16 +263,22 @@ class Harness:
         seen_pages: dict[tuple[str, int, int], int] = {}
         for i, rid in enumerate(rids):
             seq = self.prompts[rid] + self.outputs[rid]
-            c, sl, q = int(rec["num_computed_tokens"][i]), int(rec["seq_lens"][i]), int(qi[i + 1] - qi[i])
+            c, sl, q = (
+                int(rec["num_computed_tokens"][i]),
+                int(rec["seq_lens"][i]),
+                int(qi[i + 1] - qi[i]),
+            )
             samples = bool(si[i + 1] - si[i])
             assert sl == c + q and sl <= len(seq), (rid, c, q, sl, len(seq))
-            assert rec["positions"][qi[i]:qi[i + 1]].tolist() == list(range(c, sl)), rid
-            assert rec["input_ids"][qi[i]:qi[i + 1]].tolist() == seq[c:sl], rid
+            assert rec["positions"][qi[i] : qi[i + 1]].tolist() == list(range(c, sl)), rid
+            assert rec["input_ids"][qi[i] : qi[i + 1]].tolist() == seq[c:sl], rid
             assert samples == (sl == len(seq)), (rid, sl, len(seq), samples)
             assert (i < nd) == (q == 1 and samples), (rid, i, nd, q, samples)
             self._check_sampling(rec, i, rid, samples)
             for g, window in enumerate(self.windows):
-                group_pages[g] |= self._check_group(rec, g, window, i, rid, c, sl, known, seen_pages)
+                group_pages[g] |= self._check_group(
+                    rec, g, window, i, rid, c, sl, known, seen_pages
+                )
         for g in range(len(self.windows)):
             for h in range(g):
                 assert not group_pages[g] & group_pages[h], ("page in two groups", g, h)
@@ -246,23 +289,36 @@ class Harness:
     def _check_sampling(self, rec: dict[str, Any], i: int, rid: str, samples: bool) -> None:
         p, sa = self.params[rid], rec["sampling"]
         expected = {
-            "temperature": p.temperature, "top_p": p.top_p, "top_k": max(p.top_k, 0), "min_p": p.min_p,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": max(p.top_k, 0),
+            "min_p": p.min_p,
             "seed": -1 if p.seed is None else p.seed,
             "num_logprobs": -1 if p.logprobs is None else p.logprobs,
-            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty,
             "repetition_penalty": p.repetition_penalty,
         }
         for name, value in expected.items():
             assert sa[name][i] == SAMPLING_ARRAYS[name](value), (rid, name, sa[name][i], value)
         if samples:
             b = rec["banned_token_indptr"]
-            banned = set(rec["banned_token_ids"][b[i]:b[i + 1]].tolist())
+            banned = set(rec["banned_token_ids"][b[i] : b[i + 1]].tolist())
             want = self.stop_ids(rid) if len(self.outputs[rid]) < p.min_tokens else set()
             assert banned == want, (rid, len(self.outputs[rid]), banned, want)
 
-    def _check_group(self, rec: dict[str, Any], g: int, window: int | None, i: int, rid: str,
-                     c: int, sl: int, known: dict[tuple[str, int, int], int],
-                     seen_pages: dict[tuple[str, int, int], int]) -> set[int]:
+    def _check_group(
+        self,
+        rec: dict[str, Any],
+        g: int,
+        window: int | None,
+        i: int,
+        rid: str,
+        c: int,
+        sl: int,
+        known: dict[tuple[str, int, int], int],
+        seen_pages: dict[tuple[str, int, int], int],
+    ) -> set[int]:
         P = self.page_size
         indptr, indices = rec["kv_indptr"][g].astype(np.int64), rec["kv_indices"][g]
         s = rec["num_sequences"]
@@ -274,16 +330,18 @@ class Harness:
         assert table.ndim == 2 and table.shape[0] == s, table.shape
         start = 0 if window is None else max(0, c - window + 1)
         first, last = start // P, (sl - 1) // P
-        pages = indices[indptr[i]:indptr[i + 1]].tolist()
+        pages = indices[indptr[i] : indptr[i + 1]].tolist()
         assert len(pages) == last - first + 1, (rid, g, c, sl, window, pages)
         assert rec["kv_last_page_len"][g][i] == sl - last * P
         assert all(0 < x < self.num_pages for x in pages), (rid, g, pages)
         assert len(set(pages)) == len(pages), pages
         row = table[i].tolist()
         assert len(row) >= last + 1
-        assert row[first:last + 1] == pages and not any(row[:first]) and not any(row[last + 1:]), row
+        assert (
+            row[first : last + 1] == pages and not any(row[:first]) and not any(row[last + 1 :])
+        ), row
         qi = rec["query_indptr"]
-        slots = rec["slot_mapping"][g][qi[i]:qi[i + 1]].tolist()
+        slots = rec["slot_mapping"][g][qi[i] : qi[i + 1]].tolist()
         assert slots == [pages[p // P - first] * P + p % P for p in range(c, sl)], (rid, g, slots)
         for k, page in enumerate(pages):
             key = (rid, g, first + k)
@@ -294,7 +352,7 @@ class Harness:
         for j in range(s):
             if j == i:
                 continue
-            other = indices[indptr[j]:indptr[j + 1]].tolist()
+            other = indices[indptr[j] : indptr[j + 1]].tolist()
             assert not written & set(other), ("row writes a page another row lists", rid, g)
             for k, page in enumerate(pages):
                 if page in other:
@@ -307,7 +365,9 @@ class Harness:
         assert len(set(new)) == len(new) and len(set(finished)) == len(finished), (new, finished)
         assert self.pending_finished <= set(finished), (
             "finished_request_slots misses slots whose request ended since the last plan the runner saw",
-            sorted(self.pending_finished), finished)
+            sorted(self.pending_finished),
+            finished,
+        )
         active = dict(self.slot_of)
         preempted = []
         for slot in set(finished) - self.pending_finished:
@@ -336,19 +396,21 @@ class Harness:
             prev = self.outputs[rid]
             tokens = list(out.token_ids)
             assert list(out.prompt_token_ids) == self.prompts[rid]
-            assert tokens[:len(prev)] == prev and list(out.new_token_ids) == tokens[len(prev):]
+            assert tokens[: len(prev)] == prev and list(out.new_token_ids) == tokens[len(prev) :]
             if out.finish_reason == "abort":
                 assert rid in self.aborted and out.finished and tokens == prev, rid
             else:
                 assert rid in produced, ("output without a sampled row", rid)
-                assert tokens[len(prev):] == produced[rid], (rid, tokens, produced[rid])
+                assert tokens[len(prev) :] == produced[rid], (rid, tokens, produced[rid])
             self.outputs[rid] = tokens
             p = self.params[rid]
             # A stop token ends the request once min_tokens are out; whether the stop token
             # itself may be token number min_tokens is left open (see banned_token_ids).
             last_stops = bool(tokens) and tokens[-1] in self.stop_ids(rid)
             stopped = len(tokens) > p.min_tokens and last_stops
-            capped = len(tokens) >= p.max_tokens or self.num_tokens(rid) >= self.config.max_model_len
+            capped = (
+                len(tokens) >= p.max_tokens or self.num_tokens(rid) >= self.config.max_model_len
+            )
             assert out.finished == (out.finish_reason is not None)
             if out.finish_reason == "length":
                 assert capped, (rid, len(tokens))

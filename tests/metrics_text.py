@@ -27,7 +27,7 @@ def parse_labels(text: str) -> dict[str, str]:
         assert m, f"bad labels: {{{text}}}"
         assert m.group(1) not in labels, f"duplicate label in {{{text}}}"
         labels[m.group(1)] = m.group(2)
-        rest = rest[m.end():]
+        rest = rest[m.end() :]
         assert rest == "" or rest.startswith(","), f"bad labels: {{{text}}}"
         rest = rest[1:]
     return labels
@@ -74,7 +74,11 @@ def parse_metrics(text: str) -> dict[str, Any]:
         else:
             m = SAMPLE.match(line)
             assert m, f"bad sample line: {line!r}"
-            name, labels, value = m.group(1), parse_labels(m.group(2) or ""), parse_value(m.group(3))
+            name, labels, value = (
+                m.group(1),
+                parse_labels(m.group(2) or ""),
+                parse_value(m.group(3)),
+            )
             family = family_of(name, types)
             assert family is not None, f"sample {name} has no # TYPE"
             seen_samples.add(family)
@@ -104,7 +108,7 @@ def check_histogram(family: str, samples: list[tuple[str, dict[str, str], float]
         return  # a family with no samples yet is valid
     for entry in series.values():
         buckets = entry["buckets"]
-        assert buckets and buckets[-1][0] == math.inf, f"{family}: no le=\"+Inf\" bucket"
+        assert buckets and buckets[-1][0] == math.inf, f'{family}: no le="+Inf" bucket'
         bounds = [b for b, _ in buckets]
         assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds), family
         counts = [c for _, c in buckets]
@@ -114,7 +118,10 @@ def check_histogram(family: str, samples: list[tuple[str, dict[str, str], float]
 
 def sample_value(metrics: dict[str, Any], name: str, **labels: str) -> float:
     """The value of the one sample ``name`` whose labels include ``labels``."""
-    values = [v for n, ls, v in metrics["samples"]
-              if n == name and all(ls.get(k) == want for k, want in labels.items())]
+    values = [
+        v
+        for n, ls, v in metrics["samples"]
+        if n == name and all(ls.get(k) == want for k, want in labels.items())
+    ]
     assert len(values) == 1, f"{name}{labels}: {len(values)} samples"
     return values[0]

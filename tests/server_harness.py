@@ -33,8 +33,9 @@ class LiveServer:
         self.ctx = ctx
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(build_app(ctx), host="127.0.0.1", port=self.port,
-                                log_level="warning", **uvicorn_options)
+        config = uvicorn.Config(
+            build_app(ctx), host="127.0.0.1", port=self.port, log_level="warning", **uvicorn_options
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -22,7 +22,11 @@ import resin
 from resin import ForwardOutput, SamplingParams
 
 VOCAB = 100
-PROMPTS = {"a": [11, 12, 13, 14, 15], "b": [21, 22, 23, 24, 25, 26], "c": [31, 32, 33, 34, 35, 36, 37]}
+PROMPTS = {
+    "a": [11, 12, 13, 14, 15],
+    "b": [21, 22, 23, 24, 25, 26],
+    "c": [31, 32, 33, 34, 35, 36, 37],
+}
 MAX_TOKENS = 4
 
 
@@ -40,16 +44,25 @@ def good_output(plan: Any, k: int | None = None) -> ForwardOutput:
     extra = {}
     if k is not None:
         n = len(ids)
-        extra = dict(logprobs=np.full(n, -0.5, np.float32),
-                     top_logprob_ids=np.tile(np.arange(1, k + 1, dtype=np.uint32), (n, 1)),
-                     top_logprobs=np.full((n, k), -1.0, np.float32))
-    return ForwardOutput(token_ids=u32(ids), token_indptr=np.arange(len(ids) + 1, dtype=np.uint32),
-                         **extra)
+        extra = dict(
+            logprobs=np.full(n, -0.5, np.float32),
+            top_logprob_ids=np.tile(np.arange(1, k + 1, dtype=np.uint32), (n, 1)),
+            top_logprobs=np.full((n, k), -1.0, np.float32),
+        )
+    return ForwardOutput(
+        token_ids=u32(ids), token_indptr=np.arange(len(ids) + 1, dtype=np.uint32), **extra
+    )
 
 
 def make_engine(logprobs: int | None = None, step_first: bool = True) -> resin.Engine:
-    config = resin.EngineConfig(page_size=4, num_pages=32, max_num_seqs=4, max_num_batched_tokens=64,
-                                max_model_len=64, vocab_size=VOCAB)
+    config = resin.EngineConfig(
+        page_size=4,
+        num_pages=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        vocab_size=VOCAB,
+    )
     runner = RecordingRunner(good_token)
     if logprobs is not None:
         runner.forward = lambda plan: good_output(plan, logprobs)  # type: ignore[method-assign]
@@ -73,16 +86,26 @@ BAD: dict[str, tuple[Callable[[], ForwardOutput], tuple[str, ...]]] = {
     "token_ids_float32": (lambda: out(np.zeros(S, np.float32), ARANGE), ("token_ids",)),
     "token_ids_2d": (lambda: out(np.zeros((S, 1), np.uint32), ARANGE), ("token_ids",)),
     "token_indptr_int64": (lambda: out(ZEROS, np.arange(S + 1, dtype=np.int64)), ("token_indptr",)),
-    "token_indptr_too_short": (lambda: out(ZEROS, np.arange(S, dtype=np.uint32)), ("token_indptr",)),
-    "token_indptr_too_long": (lambda: out(u32([0] * (S + 1)), np.arange(S + 2, dtype=np.uint32)),
-                              ("token_indptr",)),
+    "token_indptr_too_short": (
+        lambda: out(ZEROS, np.arange(S, dtype=np.uint32)),
+        ("token_indptr",),
+    ),
+    "token_indptr_too_long": (
+        lambda: out(u32([0] * (S + 1)), np.arange(S + 2, dtype=np.uint32)),
+        ("token_indptr",),
+    ),
     "token_indptr_not_monotone": (lambda: out(ZEROS, u32([0, 2, 1, 3])), ("token_indptr",)),
     "token_indptr_not_from_zero": (lambda: out(u32([0] * 4), u32([1, 2, 3, 4])), ("token_indptr",)),
     "token_indptr_end_mismatch": (lambda: out(u32([0] * 4), ARANGE), ("token_indptr", "token_ids")),
     "token_id_out_of_vocab": (lambda: out(u32([0, VOCAB, 0]), ARANGE), ("token_ids",)),
-    "sampling_row_without_token": (lambda: out(u32([0, 0]), u32([0, 0, 1, 2])),
-                                   ("token_indptr", "token_ids")),
-    "row_with_two_tokens": (lambda: out(u32([0] * 4), u32([0, 2, 3, 4])), ("token_indptr", "token_ids")),
+    "sampling_row_without_token": (
+        lambda: out(u32([0, 0]), u32([0, 0, 1, 2])),
+        ("token_indptr", "token_ids"),
+    ),
+    "row_with_two_tokens": (
+        lambda: out(u32([0] * 4), u32([0, 2, 3, 4])),
+        ("token_indptr", "token_ids"),
+    ),
 }
 
 
@@ -92,29 +115,55 @@ def GOOD_IDS(plan: Any) -> np.ndarray:  # noqa: N802
 
 F32 = np.float32
 BAD_LOGPROBS: dict[str, Callable[[Any], ForwardOutput]] = {
-    "logprobs_float64": lambda p: out(GOOD_IDS(p), ARANGE, logprobs=np.zeros(S),
-                                      top_logprob_ids=np.ones((S, 2), np.uint32),
-                                      top_logprobs=np.zeros((S, 2), F32)),
-    "logprobs_wrong_length": lambda p: out(GOOD_IDS(p), ARANGE, logprobs=np.zeros(S + 1, F32),
-                                           top_logprob_ids=np.ones((S, 2), np.uint32),
-                                           top_logprobs=np.zeros((S, 2), F32)),
-    "top_logprobs_shape_mismatch": lambda p: out(GOOD_IDS(p), ARANGE, logprobs=np.zeros(S, F32),
-                                                 top_logprob_ids=np.ones((S, 2), np.uint32),
-                                                 top_logprobs=np.zeros((S, 3), F32)),
-    "top_logprob_ids_alone": lambda p: out(GOOD_IDS(p), ARANGE, logprobs=np.zeros(S, F32),
-                                           top_logprob_ids=np.ones((S, 2), np.uint32)),
-    "top_logprob_ids_1d": lambda p: out(GOOD_IDS(p), ARANGE, logprobs=np.zeros(S, F32),
-                                        top_logprob_ids=np.ones(S, np.uint32),
-                                        top_logprobs=np.zeros(S, F32)),
-    "top_logprob_ids_int64": lambda p: out(GOOD_IDS(p), ARANGE, logprobs=np.zeros(S, F32),
-                                           top_logprob_ids=np.ones((S, 2), np.int64),
-                                           top_logprobs=np.zeros((S, 2), F32)),
+    "logprobs_float64": lambda p: out(
+        GOOD_IDS(p),
+        ARANGE,
+        logprobs=np.zeros(S),
+        top_logprob_ids=np.ones((S, 2), np.uint32),
+        top_logprobs=np.zeros((S, 2), F32),
+    ),
+    "logprobs_wrong_length": lambda p: out(
+        GOOD_IDS(p),
+        ARANGE,
+        logprobs=np.zeros(S + 1, F32),
+        top_logprob_ids=np.ones((S, 2), np.uint32),
+        top_logprobs=np.zeros((S, 2), F32),
+    ),
+    "top_logprobs_shape_mismatch": lambda p: out(
+        GOOD_IDS(p),
+        ARANGE,
+        logprobs=np.zeros(S, F32),
+        top_logprob_ids=np.ones((S, 2), np.uint32),
+        top_logprobs=np.zeros((S, 3), F32),
+    ),
+    "top_logprob_ids_alone": lambda p: out(
+        GOOD_IDS(p), ARANGE, logprobs=np.zeros(S, F32), top_logprob_ids=np.ones((S, 2), np.uint32)
+    ),
+    "top_logprob_ids_1d": lambda p: out(
+        GOOD_IDS(p),
+        ARANGE,
+        logprobs=np.zeros(S, F32),
+        top_logprob_ids=np.ones(S, np.uint32),
+        top_logprobs=np.zeros(S, F32),
+    ),
+    "top_logprob_ids_int64": lambda p: out(
+        GOOD_IDS(p),
+        ARANGE,
+        logprobs=np.zeros(S, F32),
+        top_logprob_ids=np.ones((S, 2), np.int64),
+        top_logprobs=np.zeros((S, 2), F32),
+    ),
 }
 
 
 def snapshot(engine: resin.Engine) -> tuple[Any, ...]:
-    return (engine.num_free_pages, engine.num_running, engine.num_waiting, engine.has_unfinished(),
-            engine.metrics_text())
+    return (
+        engine.num_free_pages,
+        engine.num_running,
+        engine.num_waiting,
+        engine.has_unfinished(),
+        engine.metrics_text(),
+    )
 
 
 def committed(engine: resin.Engine) -> tuple[Any, ...]:
@@ -124,9 +173,17 @@ def committed(engine: resin.Engine) -> tuple[Any, ...]:
     slots (documented in docs/runners.md), so free pages and the running/waiting split are
     not part of this.
     """
-    lines = [line for line in engine.metrics_text().splitlines()
-             if line.startswith(("resin:prompt_tokens_total", "resin:generation_tokens_total",
-                                 "resin:request_success_total"))]
+    lines = [
+        line
+        for line in engine.metrics_text().splitlines()
+        if line.startswith(
+            (
+                "resin:prompt_tokens_total",
+                "resin:generation_tokens_total",
+                "resin:request_success_total",
+            )
+        )
+    ]
     return (engine.num_running + engine.num_waiting, engine.has_unfinished(), tuple(lines))
 
 
@@ -188,8 +245,9 @@ def test_malformed_logprobs_rejected_then_same_plan_commits(case: str) -> None:
     assert_all_served(engine, finish_all(engine))
 
 
-@pytest.mark.parametrize("wrong", [None, {"token_ids": [0, 0, 0]}, (ZEROS, ARANGE)],
-                         ids=["none", "dict", "tuple"])
+@pytest.mark.parametrize(
+    "wrong", [None, {"token_ids": [0, 0, 0]}, (ZEROS, ARANGE)], ids=["none", "dict", "tuple"]
+)
 def test_update_rejects_objects_that_are_not_forward_outputs(wrong: Any) -> None:
     engine = make_engine()
     plan = engine.schedule()
@@ -250,21 +308,42 @@ def raise_boom(plan: Any) -> Any:
 
 
 @pytest.mark.parametrize("bad_call", [1, 2, 4])
-@pytest.mark.parametrize(("misbehave", "error", "text"), [
-    (lambda plan: out(np.zeros(plan.num_sequences, np.int64), np.arange(plan.num_sequences + 1,
-                                                                        dtype=np.uint32)),
-     ValueError, "token_ids"),
-    (lambda plan: out(u32([VOCAB] * plan.num_sequences), np.arange(plan.num_sequences + 1,
-                                                                     dtype=np.uint32)),
-     ValueError, "token_ids"),
-    (lambda plan: None, (TypeError, ValueError), "ForwardOutput"),
-    (raise_boom, RuntimeError, "boom from the runner"),
-], ids=["int64", "out_of_vocab", "none", "raises"])
-def test_step_discards_a_failed_plan_and_keeps_serving(bad_call: int, misbehave: Any, error: Any,
-                                                       text: str) -> None:
+@pytest.mark.parametrize(
+    ("misbehave", "error", "text"),
+    [
+        (
+            lambda plan: out(
+                np.zeros(plan.num_sequences, np.int64),
+                np.arange(plan.num_sequences + 1, dtype=np.uint32),
+            ),
+            ValueError,
+            "token_ids",
+        ),
+        (
+            lambda plan: out(
+                u32([VOCAB] * plan.num_sequences),
+                np.arange(plan.num_sequences + 1, dtype=np.uint32),
+            ),
+            ValueError,
+            "token_ids",
+        ),
+        (lambda plan: None, (TypeError, ValueError), "ForwardOutput"),
+        (raise_boom, RuntimeError, "boom from the runner"),
+    ],
+    ids=["int64", "out_of_vocab", "none", "raises"],
+)
+def test_step_discards_a_failed_plan_and_keeps_serving(
+    bad_call: int, misbehave: Any, error: Any, text: str
+) -> None:
     runner = FlakyRunner(bad_call, misbehave)
-    config = resin.EngineConfig(page_size=4, num_pages=32, max_num_seqs=4, max_num_batched_tokens=8,
-                                max_model_len=64, vocab_size=VOCAB)
+    config = resin.EngineConfig(
+        page_size=4,
+        num_pages=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        vocab_size=VOCAB,
+    )
     h = Harness(config, runner)
     for rid, prompt in PROMPTS.items():
         h.add(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS))
@@ -289,9 +368,18 @@ def test_step_discards_a_failed_plan_and_keeps_serving(bad_call: int, misbehave:
 
 def test_forward_output_keeps_its_fields() -> None:
     ids, indptr = u32([3, 4]), u32([0, 1, 2])
-    lp, top_ids, top_lp = np.array([-1.0, -2.0], F32), u32([[5], [6]]), np.array([[-0.5], [-0.25]], F32)
-    full = ForwardOutput(token_ids=ids, token_indptr=indptr, logprobs=lp, top_logprob_ids=top_ids,
-                         top_logprobs=top_lp)
+    lp, top_ids, top_lp = (
+        np.array([-1.0, -2.0], F32),
+        u32([[5], [6]]),
+        np.array([[-0.5], [-0.25]], F32),
+    )
+    full = ForwardOutput(
+        token_ids=ids,
+        token_indptr=indptr,
+        logprobs=lp,
+        top_logprob_ids=top_ids,
+        top_logprobs=top_lp,
+    )
     assert np.asarray(full.token_ids).tolist() == [3, 4]
     assert np.asarray(full.token_indptr).tolist() == [0, 1, 2]
     assert np.asarray(full.logprobs).tolist() == [-1.0, -2.0]
@@ -302,8 +390,14 @@ def test_forward_output_keeps_its_fields() -> None:
 
 
 def test_mid_prefill_row_may_return_no_token() -> None:
-    config = resin.EngineConfig(page_size=4, num_pages=32, max_num_seqs=4, max_num_batched_tokens=8,
-                                max_model_len=64, vocab_size=VOCAB)
+    config = resin.EngineConfig(
+        page_size=4,
+        num_pages=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        vocab_size=VOCAB,
+    )
     engine = resin.Engine(config, RecordingRunner(good_token))
     engine.add_request("long", list(range(1, 21)), SamplingParams(max_tokens=2))
     plan = engine.schedule()

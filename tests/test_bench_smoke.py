@@ -18,8 +18,17 @@ SUMMARY_KEYS = {"mean", "p50", "p99", "max"}
 def test_engine_overhead_quick(tmp_path: Path) -> None:
     output = tmp_path / "engine_overhead.json"
     command = [
-        sys.executable, str(SCRIPT), "--quick", "--batch-sizes", "4", "--prompt-len", "32",
-        "--output-len", "8", "--output", str(output),
+        sys.executable,
+        str(SCRIPT),
+        "--quick",
+        "--batch-sizes",
+        "4",
+        "--prompt-len",
+        "32",
+        "--output-len",
+        "8",
+        "--output",
+        str(output),
     ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr

@@ -26,15 +26,23 @@ def _torch_runner_available() -> bool:
     return True
 
 
-needs_runner = pytest.mark.skipif(not _torch_runner_available(),
-                                  reason="resin.runners.torch not available")
+needs_runner = pytest.mark.skipif(
+    not _torch_runner_available(), reason="resin.runners.torch not available"
+)
 
 
 def resin_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run([sys.executable, "-m", "resin.cli", *args], capture_output=True,
-                          text=True, encoding="utf-8", errors="replace", cwd=REPO, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "resin.cli", *args],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
 
 
 @needs_runner
@@ -49,14 +57,19 @@ def test_generate_greedy_matches_llm_and_chat_runs() -> None:
     import resin
     from resin.llm import LLM
 
-    greedy = resin_cli("generate", str(LLAMA), "--prompt", "def main():", "--max-tokens", "8",
-                       "--temperature", "0")
+    greedy = resin_cli(
+        "generate", str(LLAMA), "--prompt", "def main():", "--max-tokens", "8", "--temperature", "0"
+    )
     assert greedy.returncode == 0, greedy.stderr
-    expected = LLM(LLAMA).generate(
-        "def main():", resin.SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    expected = (
+        LLM(LLAMA)
+        .generate("def main():", resin.SamplingParams(max_tokens=8, temperature=0.0))[0]
+        .text
+    )
     assert greedy.stdout == expected + "\n"
-    chat = resin_cli("generate", str(LLAMA), "-p", "Hello", "-n", "8", "-t", "1.0", "--seed",
-                     "7", "--chat")
+    chat = resin_cli(
+        "generate", str(LLAMA), "-p", "Hello", "-n", "8", "-t", "1.0", "--seed", "7", "--chat"
+    )
     assert chat.returncode == 0, chat.stderr
 
 

@@ -51,8 +51,12 @@ def blocks() -> Any:
 
 def _layers_report() -> Any:
     ref = resolve_model(MODEL_DIR)
-    return run_parity(ref.checkpoint_dir, runner_factory=ref.runner_factory("cpu", "float32"),
-                      runner_name=ref.runner_name, checks=("layers",))
+    return run_parity(
+        ref.checkpoint_dir,
+        runner_factory=ref.runner_factory("cpu", "float32"),
+        runner_name=ref.runner_name,
+        checks=("layers",),
+    )
 
 
 def _first_departure() -> str:
@@ -67,8 +71,11 @@ def test_tiny_checkpoint_is_small_and_exercises_v4() -> None:
     assert sum(f.stat().st_size for f in TINY.iterdir()) < 2_000_000
     config = json.loads((TINY / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV4ForCausalLM"]
-    assert set(config["layer_types"]) == {"sliding_attention", "compressed_sparse_attention",
-                                          "heavily_compressed_attention"}
+    assert set(config["layer_types"]) == {
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    }
     assert set(config["mlp_layer_types"]) == {"hash_moe", "moe"}
     assert config["mlp_layer_types"][0] == "hash_moe"
     assert config["hc_mult"] > 1
@@ -78,13 +85,17 @@ def test_tiny_checkpoint_is_small_and_exercises_v4() -> None:
     assert config["sliding_window"] < 70
     assert 70 // rates["compressed_sparse_attention"] > config["index_topk"]
     assert 70 // rates["heavily_compressed_attention"] >= 4
-    assert (config["index_n_heads"], config["index_head_dim"]) == (8, 16)   # no top-k ties
+    assert (config["index_n_heads"], config["index_head_dim"]) == (8, 16)  # no top-k ties
     tensors = load_file(str(TINY / "model.safetensors"))
     tid2eid = tensors["model.layers.0.ffn.gate.tid2eid"]
     assert tid2eid.dtype == torch.int64 and len(set(tid2eid.flatten().tolist())) > 1
-    assert all(len(set(row)) == len(row) for row in tid2eid.tolist())   # distinct per token
-    for name in ("model.layers.1.attn.attn_sink", "model.layers.1.attn.compressor.ape",
-                 "model.layers.2.ffn.gate.bias", "model.layers.0.hc_attn_base"):
+    assert all(len(set(row)) == len(row) for row in tid2eid.tolist())  # distinct per token
+    for name in (
+        "model.layers.1.attn.attn_sink",
+        "model.layers.1.attn.compressor.ape",
+        "model.layers.2.ffn.gate.bias",
+        "model.layers.0.hc_attn_base",
+    ):
         assert tensors[name].abs().min() > 0, name
 
 
@@ -97,7 +108,8 @@ def test_layers_stage_passes_in_fp32() -> None:
 
 
 def test_parity_catches_hash_routing_that_ignores_input_ids(
-        monkeypatch: pytest.MonkeyPatch, blocks: Any) -> None:
+    monkeypatch: pytest.MonkeyPatch, blocks: Any
+) -> None:
     real = blocks.BLOCKS["DeepseekV4SparseMoeBlock"]
 
     def by_token_zero(x: Any, w: Any, ctx: Any) -> Any:
@@ -107,18 +119,19 @@ def test_parity_catches_hash_routing_that_ignores_input_ids(
     assert _first_departure() == "layers.0.mlp"
 
 
-def test_parity_catches_csa_without_the_indexer_top_k(monkeypatch: pytest.MonkeyPatch,
-                                                      blocks: Any) -> None:
-    monkeypatch.setattr(blocks, "_indexer_selection", lambda *args: args[5])   # all visible
+def test_parity_catches_csa_without_the_indexer_top_k(
+    monkeypatch: pytest.MonkeyPatch, blocks: Any
+) -> None:
+    monkeypatch.setattr(blocks, "_indexer_selection", lambda *args: args[5])  # all visible
     assert _first_departure() == "layers.1.self_attn"
 
 
-def test_parity_catches_hca_without_compressed_entries(monkeypatch: pytest.MonkeyPatch,
-                                                       blocks: Any) -> None:
+def test_parity_catches_hca_without_compressed_entries(
+    monkeypatch: pytest.MonkeyPatch, blocks: Any
+) -> None:
     real = blocks._entries
 
-    def no_hca(kv: Any, gate: Any, w: Any, prefix: str, rate: int, overlap: bool,
-               ctx: Any) -> Any:
+    def no_hca(kv: Any, gate: Any, w: Any, prefix: str, rate: int, overlap: bool, ctx: Any) -> Any:
         entries = real(kv, gate, w, prefix, rate, overlap, ctx)
         return entries[:0] if ctx.layer_type == blocks.HCA else entries
 

@@ -25,8 +25,9 @@ from resin import SamplingParams
 
 
 def config(**kw: Any) -> resin.EngineConfig:
-    base = dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
-                max_model_len=64)
+    base = dict(
+        page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64
+    )
     return resin.EngineConfig(**{**base, **kw})
 
 
@@ -38,18 +39,33 @@ def scripted(script: dict[str, list[int]], prompt_lens: dict[str, int], avoid_ba
             banned = {}
             b = plan.banned_token_indptr
             for i, rid in enumerate(plan.request_ids):
-                banned[rid] = set(plan.banned_token_ids[b[i]:b[i + 1]].tolist()) if avoid_banned else set()
-            self.token_fn = lambda rid, n: (5 if script[rid][n - prompt_lens[rid]] in banned[rid]
-                                            else script[rid][n - prompt_lens[rid]])
+                banned[rid] = (
+                    set(plan.banned_token_ids[b[i] : b[i + 1]].tolist()) if avoid_banned else set()
+                )
+            self.token_fn = lambda rid, n: (
+                5
+                if script[rid][n - prompt_lens[rid]] in banned[rid]
+                else script[rid][n - prompt_lens[rid]]
+            )
             return super().forward(plan)
 
     return Scripted()
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0), ("max_tokens", 0),
-    ("repetition_penalty", 0.0), ("top_k", -2), ("min_tokens", -1), ("logprobs", -1),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 2.0),
+        ("max_tokens", 0),
+        ("repetition_penalty", 0.0),
+        ("top_k", -2),
+        ("min_tokens", -1),
+        ("logprobs", -1),
+    ],
+)
 def test_sampling_params_out_of_range(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -68,18 +84,45 @@ def test_sampling_params_out_of_range(field: str, value: Any) -> None:
 def test_sampling_params_edges_and_defaults() -> None:
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)
-    p = SamplingParams(max_tokens=3, min_tokens=3, temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0,
-                       logprobs=0, seed=0, stop_token_ids=[4, 5])
+    p = SamplingParams(
+        max_tokens=3,
+        min_tokens=3,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=1.0,
+        logprobs=0,
+        seed=0,
+        stop_token_ids=[4, 5],
+    )
     assert (p.top_k, p.logprobs, p.seed, p.stop_token_ids) == (0, 0, 0, [4, 5])
     d = SamplingParams()
-    assert (d.max_tokens, d.min_tokens, d.temperature, d.top_p, d.top_k, d.seed, d.logprobs,
-            d.ignore_eos, d.stop_token_ids, d.repetition_penalty, d.priority) == (
-        16, 0, 1.0, 1.0, 0, None, None, False, [], 1.0, 0)
+    assert (
+        d.max_tokens,
+        d.min_tokens,
+        d.temperature,
+        d.top_p,
+        d.top_k,
+        d.seed,
+        d.logprobs,
+        d.ignore_eos,
+        d.stop_token_ids,
+        d.repetition_penalty,
+        d.priority,
+    ) == (16, 0, 1.0, 1.0, 0, None, None, False, [], 1.0, 0)
 
 
-@pytest.mark.parametrize(("field", "value"), [("page_size", 0), ("num_pages", 1), ("max_num_seqs", 0),
-                                              ("max_num_batched_tokens", 0), ("max_model_len", 0),
-                                              ("policy", "lifo")])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("page_size", 0),
+        ("num_pages", 1),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 0),
+        ("max_model_len", 0),
+        ("policy", "lifo"),
+    ],
+)
 def test_engine_config_rejects_bad_values(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
         resin.Engine(resin.EngineConfig(**{field: value}), RecordingRunner())
@@ -91,7 +134,13 @@ def test_engine_properties_and_default_layout() -> None:
     assert engine.runner is runner
     c = engine.config
     assert (c.page_size, c.num_pages, c.max_model_len, c.eos_token_ids, c.vocab_size, c.policy) == (
-        4, 64, 64, [2, 3], 1000, "fcfs")
+        4,
+        64,
+        64,
+        [2, 3],
+        1000,
+        "fcfs",
+    )
     layout = engine.layout
     assert (layout.num_pages, layout.page_size, len(layout.groups)) == (64, 4, 1)
     assert layout.groups[0].spec.kind == "full" and layout.groups[0].layer_indices == [0]
@@ -99,13 +148,25 @@ def test_engine_properties_and_default_layout() -> None:
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize(("case", "field"), [("empty", "prompt"), ("equal", "max_model_len"),
-                                             ("longer", "max_model_len"), ("duplicate", "dup-id")])
+@pytest.mark.parametrize(
+    ("case", "field"),
+    [
+        ("empty", "prompt"),
+        ("equal", "max_model_len"),
+        ("longer", "max_model_len"),
+        ("duplicate", "dup-id"),
+    ],
+)
 def test_add_request_rejects_and_queues_nothing(case: str, field: str) -> None:
     engine = resin.Engine(config(max_model_len=16), RecordingRunner())
     if case == "duplicate":
         engine.add_request("dup-id", [1, 2, 3])
-    prompt = {"empty": [], "equal": list(range(16)), "longer": list(range(17)), "duplicate": [4, 5]}[case]
+    prompt = {
+        "empty": [],
+        "equal": list(range(16)),
+        "longer": list(range(17)),
+        "duplicate": [4, 5],
+    }[case]
     waiting = engine.num_waiting
     with pytest.raises(ValueError, match=field):
         engine.add_request("dup-id", prompt, SamplingParams(max_tokens=2))
@@ -129,7 +190,10 @@ def test_abort_waiting_running_and_mid_prefill() -> None:
     assert h.engine.abort("run") is False  # already aborted
     outs = {o.request_id: o for o in h.step()}
     assert {r: (o.finished, o.finish_reason, len(o.token_ids)) for r, o in outs.items()} == {
-        "run": (True, "abort", 2), "chunk": (True, "abort", 0), "wait": (True, "abort", 0)}
+        "run": (True, "abort", 2),
+        "chunk": (True, "abort", 0),
+        "wait": (True, "abort", 0),
+    }
     assert not h.engine.has_unfinished()
     h.engine.check_integrity()
 
@@ -140,8 +204,12 @@ def test_abort_between_schedule_and_update() -> None:
     engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=3))
     plan = engine.schedule()
     assert engine.abort("a") is True
-    outs = engine.update(plan, resin.ForwardOutput(token_ids=np.zeros(2, np.uint32),
-                                                   token_indptr=np.arange(3, dtype=np.uint32)))
+    outs = engine.update(
+        plan,
+        resin.ForwardOutput(
+            token_ids=np.zeros(2, np.uint32), token_indptr=np.arange(3, dtype=np.uint32)
+        ),
+    )
     reports = {o.request_id: o for o in outs}
     while engine.has_unfinished():
         reports.update({o.request_id: o for o in engine.step() if o.finished})
@@ -152,27 +220,50 @@ def test_abort_between_schedule_and_update() -> None:
 
 
 def test_stop_conditions() -> None:
-    prompts = {"eos": [1, 1], "stop_id": [1, 2], "ignore": [1, 3], "min": [1, 4], "min_stop": [1, 5],
-               "cap": list(range(10, 20))}
-    script = {"eos": [5, 6, 2, 8], "stop_id": [5, 6, 8, 8], "ignore": [2] * 4, "min": [2] * 8,
-              "min_stop": [6] * 8, "cap": [8] * 20}
+    prompts = {
+        "eos": [1, 1],
+        "stop_id": [1, 2],
+        "ignore": [1, 3],
+        "min": [1, 4],
+        "min_stop": [1, 5],
+        "cap": list(range(10, 20)),
+    }
+    script = {
+        "eos": [5, 6, 2, 8],
+        "stop_id": [5, 6, 8, 8],
+        "ignore": [2] * 4,
+        "min": [2] * 8,
+        "min_stop": [6] * 8,
+        "cap": [8] * 20,
+    }
     runner = scripted(script, {r: len(p) for r, p in prompts.items()}, avoid_banned=True)
     h = Harness(config(eos_token_ids=[2], max_model_len=16), runner)
-    params = {"eos": SamplingParams(max_tokens=10), "stop_id": SamplingParams(stop_token_ids=[6]),
-              "ignore": SamplingParams(max_tokens=4, ignore_eos=True),
-              "min": SamplingParams(max_tokens=8, min_tokens=3),
-              "min_stop": SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[6]),
-              "cap": SamplingParams(max_tokens=100)}
+    params = {
+        "eos": SamplingParams(max_tokens=10),
+        "stop_id": SamplingParams(stop_token_ids=[6]),
+        "ignore": SamplingParams(max_tokens=4, ignore_eos=True),
+        "min": SamplingParams(max_tokens=8, min_tokens=3),
+        "min_stop": SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[6]),
+        "cap": SamplingParams(max_tokens=100),
+    }
     for rid, prompt in prompts.items():
         h.add(rid, prompt, params[rid])
     final = h.run()
     got = {r: (o.token_ids, o.finish_reason) for r, o in final.items()}
-    assert got == {"eos": ([5, 6, 2], "stop"), "stop_id": ([5, 6], "stop"), "ignore": ([2] * 4, "length"),
-                   "min": ([5, 5, 5, 2], "stop"), "min_stop": ([5, 5, 6], "stop"), "cap": ([8] * 6, "length")}
+    assert got == {
+        "eos": ([5, 6, 2], "stop"),
+        "stop_id": ([5, 6], "stop"),
+        "ignore": ([2] * 4, "length"),
+        "min": ([5, 5, 5, 2], "stop"),
+        "min_stop": ([5, 5, 6], "stop"),
+        "cap": ([8] * 6, "length"),
+    }
 
 
-@pytest.mark.parametrize(("policy", "order"), [("fcfs", ["p5", "p1", "p3", "p1b"]),
-                                               ("priority", ["p1", "p1b", "p3", "p5"])])
+@pytest.mark.parametrize(
+    ("policy", "order"),
+    [("fcfs", ["p5", "p1", "p3", "p1b"]), ("priority", ["p1", "p1b", "p3", "p5"])],
+)
 def test_scheduling_policy_order(policy: str, order: list[str]) -> None:
     h = Harness(config(max_num_seqs=1, policy=policy))
     for rid, priority in [("p5", 5), ("p1", 1), ("p3", 3), ("p1b", 1)]:
@@ -187,10 +278,14 @@ def test_scheduling_policy_order(policy: str, order: list[str]) -> None:
 @pytest.mark.parametrize(("policy", "protected"), [("fcfs", "r0"), ("priority", "r1")])
 def test_preemption_under_a_tiny_pool_finishes_everything(policy: str, protected: str) -> None:
     token = lambda rid, seq_len: 100 * int(rid[1:]) + seq_len  # noqa: E731
-    h = Harness(config(num_pages=12, max_num_seqs=4, max_model_len=40, policy=policy),
-                RecordingRunner(token))
+    h = Harness(
+        config(num_pages=12, max_num_seqs=4, max_model_len=40, policy=policy),
+        RecordingRunner(token),
+    )
     for i, priority in enumerate([3, 0, 2, 1]):
-        h.add(f"r{i}", [50 + i] * 3 + list(range(5)), SamplingParams(max_tokens=16, priority=priority))
+        h.add(
+            f"r{i}", [50 + i] * 3 + list(range(5)), SamplingParams(max_tokens=16, priority=priority)
+        )
     final = h.run()  # the harness checks recomputed rows carry prompt + generated tokens
     for i in range(4):
         assert final[f"r{i}"].token_ids == [100 * i + 8 + k for k in range(16)]
@@ -211,23 +306,33 @@ def test_metrics_text_is_prometheus_text() -> None:
     while engine.has_unfinished():
         engine.step()
     m = parse_metrics(engine.metrics_text())
-    required = {"resin:num_requests_running": "gauge", "resin:num_requests_waiting": "gauge",
-                "resin:prompt_tokens_total": "counter", "resin:generation_tokens_total": "counter",
-                "resin:request_success_total": "counter", "resin:num_preemptions_total": "counter",
-                "resin:prefix_cache_queries_total": "counter", "resin:prefix_cache_hits_total": "counter",
-                "resin:time_to_first_token_seconds": "histogram",
-                "resin:e2e_request_latency_seconds": "histogram",
-                "resin:request_queue_time_seconds": "histogram"}
+    required = {
+        "resin:num_requests_running": "gauge",
+        "resin:num_requests_waiting": "gauge",
+        "resin:prompt_tokens_total": "counter",
+        "resin:generation_tokens_total": "counter",
+        "resin:request_success_total": "counter",
+        "resin:num_preemptions_total": "counter",
+        "resin:prefix_cache_queries_total": "counter",
+        "resin:prefix_cache_hits_total": "counter",
+        "resin:time_to_first_token_seconds": "histogram",
+        "resin:e2e_request_latency_seconds": "histogram",
+        "resin:request_queue_time_seconds": "histogram",
+    }
     assert {n: m["types"].get(n) for n in required} == required
     assert {"resin:kv_cache_usage_perc", "resin:gpu_cache_usage_perc"} & set(m["types"])
-    assert {"resin:inter_token_latency_seconds", "resin:time_per_output_token_seconds"} & set(m["types"])
+    assert {"resin:inter_token_latency_seconds", "resin:time_per_output_token_seconds"} & set(
+        m["types"]
+    )
     assert sample_value(m, "resin:e2e_request_latency_seconds_count") == 1
 
 
 def test_metrics_values() -> None:
     script = {"r0": [7] * 3, "r1": [7] * 4, "r2": [7] * 5, "r3": [7, 2, 7]}
     prompts = {r: [10 + i] * (5 + i) for i, r in enumerate(script)}
-    runner = scripted({**script, "again": [7]}, {"again": 5, **{r: len(p) for r, p in prompts.items()}})
+    runner = scripted(
+        {**script, "again": [7]}, {"again": 5, **{r: len(p) for r, p in prompts.items()}}
+    )
     h = Harness(config(eos_token_ids=[2], max_num_seqs=2), runner)
     for rid, prompt in prompts.items():
         h.add(rid, prompt, SamplingParams(max_tokens=len(script[rid])))
@@ -235,7 +340,9 @@ def test_metrics_values() -> None:
     m = parse_metrics(h.engine.metrics_text())
     assert sample_value(m, "resin:num_requests_running") == h.engine.num_running == 2
     assert sample_value(m, "resin:num_requests_waiting") == h.engine.num_waiting == 2
-    usage = next(n for n in ("resin:kv_cache_usage_perc", "resin:gpu_cache_usage_perc") if n in m["types"])
+    usage = next(
+        n for n in ("resin:kv_cache_usage_perc", "resin:gpu_cache_usage_perc") if n in m["types"]
+    )
     assert 0 < sample_value(m, usage) <= 1
     h.run()
     h.add("again", prompts["r0"], SamplingParams(max_tokens=1))
@@ -249,13 +356,23 @@ def test_metrics_values() -> None:
     assert sample_value(m, "resin:prefix_cache_queries_total") == 5 + 6 + 7 + 8 + 5
     assert sample_value(m, "resin:prefix_cache_hits_total") == 4
     assert h.final["again"].num_cached_tokens == 4
-    assert sample_value(m, "resin:num_requests_running") == sample_value(m, "resin:num_requests_waiting") == 0
+    assert (
+        sample_value(m, "resin:num_requests_running")
+        == sample_value(m, "resin:num_requests_waiting")
+        == 0
+    )
     assert sample_value(m, usage) == 0
-    for name in ("resin:time_to_first_token_seconds", "resin:e2e_request_latency_seconds",
-                 "resin:request_queue_time_seconds"):
+    for name in (
+        "resin:time_to_first_token_seconds",
+        "resin:e2e_request_latency_seconds",
+        "resin:request_queue_time_seconds",
+    ):
         assert m["types"][name] == "histogram" and sample_value(m, name + "_count") == 5, name
-    itl = next(n for n in ("resin:inter_token_latency_seconds", "resin:time_per_output_token_seconds")
-               if n in m["types"])
+    itl = next(
+        n
+        for n in ("resin:inter_token_latency_seconds", "resin:time_per_output_token_seconds")
+        if n in m["types"]
+    )
     assert sample_value(m, itl + "_count") == (3 + 4 + 5 + 2 + 1) - 5
     assert m["types"]["resin:num_preemptions_total"] == "counter"
 
@@ -266,10 +383,12 @@ def test_logprobs_reach_request_outputs() -> None:
             n = plan.num_sequences
             seq = plan.seq_lens.astype(np.int64)
             return resin.ForwardOutput(
-                token_ids=(100 + seq).astype(np.uint32), token_indptr=np.arange(n + 1, dtype=np.uint32),
+                token_ids=(100 + seq).astype(np.uint32),
+                token_indptr=np.arange(n + 1, dtype=np.uint32),
                 logprobs=(-seq / 4).astype(np.float32),
                 top_logprob_ids=np.stack([200 + seq, 300 + seq], axis=1).astype(np.uint32),
-                top_logprobs=np.stack([-seq / 8, -seq / 2], axis=1).astype(np.float32))
+                top_logprobs=np.stack([-seq / 8, -seq / 2], axis=1).astype(np.float32),
+            )
 
     engine = resin.Engine(config(), LogprobRunner())
     wanted = {"k2": 2, "k1": 1, "k0": 0, "none": None}
@@ -348,8 +467,9 @@ THREADS = textwrap.dedent("""
 
 def test_engine_from_two_threads() -> None:
     try:
-        done = subprocess.run([sys.executable, "-c", THREADS], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", THREADS], capture_output=True, text=True, timeout=120
+        )
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"deadlock: stepping + aborting from two threads did not finish ({error})")
     assert done.returncode == 0, done.stderr

@@ -13,8 +13,14 @@ import resin
 from resin import InvalidOutputError, SamplingParams, StepError
 from resin.server.engine_loop import EngineLoop, RunnerFailure
 
-CONFIG: dict[str, Any] = dict(page_size=4, num_pages=32, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-              vocab_size=100)
+CONFIG: dict[str, Any] = dict(
+    page_size=4,
+    num_pages=32,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=64,
+    vocab_size=100,
+)
 
 
 class Runner:
@@ -26,7 +32,9 @@ class Runner:
 
     def forward(self, plan: resin.BatchPlan) -> resin.ForwardOutput:
         self.calls += 1
-        self.plans.append({"request_ids": list(plan.request_ids), "input_ids": plan.input_ids.tolist()})
+        self.plans.append(
+            {"request_ids": list(plan.request_ids), "input_ids": plan.input_ids.tolist()}
+        )
         if self.calls == self.bad_call:
             return self.misbehave(plan)
         n = plan.num_sequences
@@ -84,15 +92,34 @@ def test_a_runner_raising_value_error_is_a_step_error_not_an_output_error() -> N
     assert not isinstance(raised.value, InvalidOutputError) and raised.value.cause is cause
 
 
-@pytest.mark.parametrize(("misbehave", "field"), [
-    (lambda plan: resin.ForwardOutput(np.zeros(plan.num_sequences, np.int64),
-                                      np.arange(plan.num_sequences + 1, dtype=np.uint32)), "token_ids"),
-    (lambda plan: resin.ForwardOutput(np.full(plan.num_sequences, 100, np.uint32),
-                                      np.arange(plan.num_sequences + 1, dtype=np.uint32)), "token_ids"),
-    (lambda plan: resin.ForwardOutput(np.zeros(plan.num_sequences, np.uint32),
-                                      np.zeros(plan.num_sequences + 1, dtype=np.uint32)), "token_indptr"),
-    (lambda plan: None, "ForwardOutput"),
-], ids=["dtype", "out_of_vocab", "indptr", "none"])
+@pytest.mark.parametrize(
+    ("misbehave", "field"),
+    [
+        (
+            lambda plan: resin.ForwardOutput(
+                np.zeros(plan.num_sequences, np.int64),
+                np.arange(plan.num_sequences + 1, dtype=np.uint32),
+            ),
+            "token_ids",
+        ),
+        (
+            lambda plan: resin.ForwardOutput(
+                np.full(plan.num_sequences, 100, np.uint32),
+                np.arange(plan.num_sequences + 1, dtype=np.uint32),
+            ),
+            "token_ids",
+        ),
+        (
+            lambda plan: resin.ForwardOutput(
+                np.zeros(plan.num_sequences, np.uint32),
+                np.zeros(plan.num_sequences + 1, dtype=np.uint32),
+            ),
+            "token_indptr",
+        ),
+        (lambda plan: None, "ForwardOutput"),
+    ],
+    ids=["dtype", "out_of_vocab", "indptr", "none"],
+)
 def test_invalid_output_error_is_a_value_error_naming_the_field(misbehave: Any, field: str) -> None:
     runner = Runner(bad_call=1, misbehave=misbehave)
     engine = engine_with(runner, "a", "b")
@@ -147,7 +174,10 @@ def test_engine_loop_step_fails_only_the_failed_plans_requests() -> None:
     # The failed requests were aborted: the next step is empty and only reports the aborts.
     outputs, errors, ran_runner = loop._step()
     assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
-        ("a", "abort"), ("b", "abort"), ("c", "abort")]
+        ("a", "abort"),
+        ("b", "abort"),
+        ("c", "abort"),
+    ]
     assert errors == {} and not ran_runner
     assert not engine.has_unfinished()
     engine.check_integrity()

@@ -52,13 +52,15 @@ def test_tiny_checkpoint_is_small_and_cannot_hide_gemma_bugs() -> None:
     assert config["architectures"] == ["Gemma3ForCausalLM"]
     assert config["model_type"] == "gemma3_text"
     assert set(config["layer_types"]) == {"sliding_attention", "full_attention"}
-    assert config["sliding_window"] < 70                      # longest parity prompt
+    assert config["sliding_window"] < 70  # longest parity prompt
     rope = config["rope_parameters"]
     assert rope["sliding_attention"]["rope_theta"] != rope["full_attention"]["rope_theta"]
     assert config["query_pre_attn_scalar"] != config["head_dim"]
     assert config["final_logit_softcapping"] and config["tie_word_embeddings"]
-    assert float(torch.tensor(config["hidden_size"] ** 0.5).to(torch.bfloat16)) != \
-        config["hidden_size"] ** 0.5
+    assert (
+        float(torch.tensor(config["hidden_size"] ** 0.5).to(torch.bfloat16))
+        != config["hidden_size"] ** 0.5
+    )
     from safetensors.torch import load_file
 
     tensors = load_file(str(TINY / "model.safetensors"))
@@ -71,16 +73,24 @@ def test_parity_fp32_layers_and_greedy() -> None:
     report = run_model_parity(resolve_model(MODEL_DIR), dtype="float32")
     assert report.passed, report.summary()
     names = {s.name for s in report.stages}
-    assert {"layers", "logits", "greedy/page_size=1", "greedy/chunked_prefill",
-            "greedy/prefix_cache", "greedy/preemption"} <= names
+    assert {
+        "layers",
+        "logits",
+        "greedy/page_size=1",
+        "greedy/chunked_prefill",
+        "greedy/prefix_cache",
+        "greedy/preemption",
+    } <= names
     assert report.stage("layers").metrics["max_scaled_diff"] < 1e-5
     assert not report.stage("layers").metrics["missing"]
 
 
 def test_parity_bf16_layers_is_tight() -> None:
     ref = resolve_model(MODEL_DIR)
-    ref.parity_spec = {**ref.parity_spec, "stress": {**ref.parity_spec.get("stress", {}),
-                                                      "checks": ["layers"]}}
+    ref.parity_spec = {
+        **ref.parity_spec,
+        "stress": {**ref.parity_spec.get("stress", {}), "checks": ["layers"]},
+    }
     report = run_model_parity(ref, dtype="bfloat16")
     assert report.passed, report.summary()
     # The Llama-style norm cast, an fp32 embed scale or exact GELU give >= 1.4e-2 here
@@ -89,19 +99,24 @@ def test_parity_bf16_layers_is_tight() -> None:
     assert report.stage("logits").metrics["scaled_diff"] < 2e-3
 
 
-def test_swapped_rotary_bases_fail_at_self_attn(blocks: Any,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_swapped_rotary_bases_fail_at_self_attn(
+    blocks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     right = blocks.rope_parameters_by_type
 
     def swapped(config: Any) -> dict[str, dict[str, Any]]:
         params = right(config)
-        return {"sliding_attention": params["full_attention"],
-                "full_attention": params["sliding_attention"]}
+        return {
+            "sliding_attention": params["full_attention"],
+            "full_attention": params["sliding_attention"],
+        }
 
     monkeypatch.setattr(blocks, "rope_parameters_by_type", swapped)
     ref = resolve_model(MODEL_DIR)
-    ref.parity_spec = {**ref.parity_spec, "stress": {**ref.parity_spec.get("stress", {}),
-                                                      "checks": ["layers"]}}
+    ref.parity_spec = {
+        **ref.parity_spec,
+        "stress": {**ref.parity_spec.get("stress", {}), "checks": ["layers"]},
+    }
     report = run_model_parity(ref, dtype="float32")
     assert not report.passed
     first = report.first_departure

@@ -49,7 +49,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture
 def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)   # `resin eval parity gpt_oss` resolves ./models/gpt_oss
+    monkeypatch.chdir(REPO)  # `resin eval parity gpt_oss` resolves ./models/gpt_oss
 
 
 @pytest.fixture
@@ -68,22 +68,31 @@ def test_tiny_checkpoint_is_small_and_gpt_oss_shaped() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cli_parity_passes_under_every_stress_setting(in_repo: None, tmp_path: Path,
-                                                      dtype: str) -> None:
+def test_cli_parity_passes_under_every_stress_setting(
+    in_repo: None, tmp_path: Path, dtype: str
+) -> None:
     out = tmp_path / "parity.json"
-    result = CliRunner().invoke(app, ["eval", "parity", "gpt_oss", "--dtype", dtype,
-                                      "--json", str(out)])
+    result = CliRunner().invoke(
+        app, ["eval", "parity", "gpt_oss", "--dtype", dtype, "--json", str(out)]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["passed"] is True and report["runner"] == "model:gpt_oss"
     stages = {s["name"]: s for s in report["stages"]}
-    assert set(stages) == {"layers", "logits", "greedy/page_size=1", "greedy/page_size=16",
-                           "greedy/page_size=64", "greedy/chunked_prefill",
-                           "greedy/prefix_cache", "greedy/preemption"}
+    assert set(stages) == {
+        "layers",
+        "logits",
+        "greedy/page_size=1",
+        "greedy/page_size=16",
+        "greedy/page_size=64",
+        "greedy/chunked_prefill",
+        "greedy/prefix_cache",
+        "greedy/preemption",
+    }
     assert all(s["passed"] for s in stages.values())
     assert len(report["layers"]) == 22 and report["first_departure"] is None
     if dtype == "float32":
-        assert stages["layers"]["metrics"]["max_scaled_diff"] < 1e-5   # rounding, not luck
+        assert stages["layers"]["metrics"]["max_scaled_diff"] < 1e-5  # rounding, not luck
     else:
         # bit-exact with HF here; Llama's norm order gave 0.025 (NOTES.md)
         assert stages["layers"]["metrics"]["max_scaled_diff"] < 5e-3
@@ -96,8 +105,9 @@ def _layers_departure() -> Any:
     """The first departing layer checkpoint (the ``layers`` stage only: what a planted bug
     breaks first; the greedy stages would only repeat it)."""
     ref = resolve_model(MODEL_DIR)
-    report = run_parity(ref.checkpoint_dir, runner_factory=ref.runner_factory("cpu", "float32"),
-                        checks=("layers",))
+    report = run_parity(
+        ref.checkpoint_dir, runner_factory=ref.runner_factory("cpu", "float32"), checks=("layers",)
+    )
     assert not report.passed
     return report.first_departure
 
@@ -121,20 +131,22 @@ def test_parity_catches_attention_without_sinks(monkeypatch: pytest.MonkeyPatch)
     assert (first["layer"], first["module"]) == (0, "self_attn")
 
 
-def test_parity_catches_swiglu_without_clamps(monkeypatch: pytest.MonkeyPatch,
-                                              blocks: Any) -> None:
+def test_parity_catches_swiglu_without_clamps(monkeypatch: pytest.MonkeyPatch, blocks: Any) -> None:
     real = blocks.clamped_swiglu
-    first = _first_departure(monkeypatch, blocks, "clamped_swiglu",
-                             lambda gate_up, alpha, limit: real(gate_up, alpha, 1e9))
+    first = _first_departure(
+        monkeypatch,
+        blocks,
+        "clamped_swiglu",
+        lambda gate_up, alpha, limit: real(gate_up, alpha, 1e9),
+    )
     assert (first["layer"], first["module"]) == (0, "mlp")
 
 
-def test_parity_catches_concatenated_gate_up(monkeypatch: pytest.MonkeyPatch,
-                                             blocks: Any) -> None:
+def test_parity_catches_concatenated_gate_up(monkeypatch: pytest.MonkeyPatch, blocks: Any) -> None:
     real = blocks.clamped_swiglu
 
     def concatenated(gate_up: Any, alpha: float, limit: float) -> Any:
-        half = gate_up.shape[-1] // 2     # [gate | up] halves instead of interleaved columns
+        half = gate_up.shape[-1] // 2  # [gate | up] halves instead of interleaved columns
         both = torch.stack([gate_up[..., :half], gate_up[..., half:]], dim=-1)
         return real(both.flatten(-2), alpha, limit)
 
@@ -142,8 +154,9 @@ def test_parity_catches_concatenated_gate_up(monkeypatch: pytest.MonkeyPatch,
     assert (first["layer"], first["module"]) == (0, "mlp")
 
 
-def test_parity_catches_plain_rope_instead_of_yarn(monkeypatch: pytest.MonkeyPatch,
-                                                   blocks: Any) -> None:
+def test_parity_catches_plain_rope_instead_of_yarn(
+    monkeypatch: pytest.MonkeyPatch, blocks: Any
+) -> None:
     from resin.loading.rope import RopeConfig, rope_inv_freq
     from resin.runners.torch.layers import RotaryEmbedding
 
@@ -157,7 +170,8 @@ def test_parity_catches_plain_rope_instead_of_yarn(monkeypatch: pytest.MonkeyPat
 
 
 def test_parity_catches_a_sliding_layer_attending_everything(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The tiny window (8) is narrower than the probe prompt, so ignoring it departs at layer 0
     (a sliding layer) — the windows are really exercised."""
     from resin.runners.torch import attention
@@ -203,9 +217,21 @@ def test_resin_loading_parses_gpt_oss_as_transformers_does() -> None:
 def test_bench_measures_a_model_with_two_cache_groups(in_repo: None, tmp_path: Path) -> None:
     """gpt-oss has a sliding-window and a full cache group: the bench's engines must size the
     pool for both (it sized one group and the engine refused the pool)."""
-    result = CliRunner().invoke(app, ["bench", "gpt_oss", "--shapes", "decode:2@24 prefill:16",
-                                      "--repeats", "2", "--warmup", "0", "--out",
-                                      str(tmp_path / "bench")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "gpt_oss",
+            "--shapes",
+            "decode:2@24 prefill:16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path / "bench"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "bench" / "report.json").read_text())
     assert [s["id"] for s in report["shapes"]] == ["decode:2@24", "prefill:16"]

@@ -34,32 +34,55 @@ MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "gpt_oss"
 blocks: Any = import_model_module(MODEL_DIR, "blocks", "gpt_oss")
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, WINDOW = 32, 4, 2, 8, 4, 2, 8
-ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
+ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 16,
+}
 
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread() -> Any:
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)     # small ops: one thread is far faster on a shared machine
+    torch.set_num_threads(1)  # small ops: one thread is far faster on a shared machine
     yield
     torch.set_num_threads(previous)
 
 
 def _config() -> Any:
     config = transformers.GptOssConfig(
-        vocab_size=64, hidden_size=HIDDEN, intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, sliding_window=WINDOW,
-        max_position_embeddings=512, rope_parameters=dict(ROPE))
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        sliding_window=WINDOW,
+        max_position_embeddings=512,
+        rope_parameters=dict(ROPE),
+    )
     config._attn_implementation = "eager"
     return config
 
 
 def _ctx(config: Any, **kwargs: Any) -> LayerContext:
     tokens = torch.zeros(1, dtype=torch.long)
-    return LayerContext(index=0, config=config, head_dim=HEAD_DIM, dtype=torch.float32,
-                        input_ids=tokens, positions=tokens, **kwargs)
+    return LayerContext(
+        index=0,
+        config=config,
+        head_dim=HEAD_DIM,
+        dtype=torch.float32,
+        input_ids=tokens,
+        positions=tokens,
+        **kwargs,
+    )
 
 
 def _randomise(module: Any, seed: int, scale: float = 0.5) -> None:
@@ -89,8 +112,7 @@ def test_rms_norm_matches_hf() -> None:
         norm16, x16 = norm.to(torch.bfloat16), x.to(torch.bfloat16)
         got = blocks.gpt_oss_rms_norm(x16, {"weight": norm16.weight}, _ctx(config))
         assert torch.equal(got, norm16(x16))
-        assert not torch.equal(llama_rms_norm(x16, norm16.weight, config.rms_norm_eps),
-                               norm16(x16))
+        assert not torch.equal(llama_rms_norm(x16, norm16.weight, config.rms_norm_eps), norm16(x16))
 
 
 def test_yarn_rotary_matches_hf() -> None:
@@ -101,11 +123,12 @@ def test_yarn_rotary_matches_hf() -> None:
     cos_hf, sin_hf = rotary(torch.zeros(1), positions[None])
     ours = blocks.gpt_oss_rotary_embedding(config, HEAD_DIM, torch.device("cpu"))
     assert ours.attention_scaling == pytest.approx(rotary.attention_scaling)
-    assert ours.attention_scaling > 1.3                  # YaRN's mscale is really applied
+    assert ours.attention_scaling > 1.3  # YaRN's mscale is really applied
     cos, sin = ours.cos_sin(positions, torch.float32)
     q = torch.randn(len(positions), HEADS, HEAD_DIM)
-    want, _ = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None],
-                                      cos_hf, sin_hf)
+    want, _ = hf.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos_hf, sin_hf
+    )
     from resin.runners.torch.layers import apply_rotary
 
     assert _close(apply_rotary(q, cos, sin), want[0].transpose(0, 1))
@@ -129,15 +152,14 @@ def test_router_matches_hf() -> None:
 def test_clamped_swiglu_matches_hf_and_clamps() -> None:
     config = _config()
     experts = hf.GptOssExperts(config)
-    gate_up = torch.randn(7, 48) * 6          # large enough that both clamps are active
+    gate_up = torch.randn(7, 48) * 6  # large enough that both clamps are active
     assert (gate_up.abs() > config.swiglu_limit).any()
     want = experts._apply_gate(gate_up)
     got = blocks.clamped_swiglu(gate_up, config.swiglu_alpha, config.swiglu_limit)
     assert _close(got, want)
     # Reading the same columns as [gate; up] halves (not interleaved) is a different answer.
     halves = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], -1)
-    assert not _close(blocks.clamped_swiglu(halves, config.swiglu_alpha, config.swiglu_limit),
-                      want)
+    assert not _close(blocks.clamped_swiglu(halves, config.swiglu_alpha, config.swiglu_limit), want)
     assert not _close(blocks.clamped_swiglu(gate_up, config.swiglu_alpha, 1e9), want)
 
 
@@ -152,7 +174,7 @@ def test_moe_mlp_matches_hf(implementation: str) -> None:
         want, _ = mlp(x[None])
         got = blocks.gpt_oss_mlp(x, _module_weights(mlp), _ctx(config))
         assert _close(got, want[0])
-        mlp.experts.down_proj_bias.zero_()   # the expert biases matter
+        mlp.experts.down_proj_bias.zero_()  # the expert biases matter
         assert not _close(blocks.gpt_oss_mlp(x, _module_weights(mlp), _ctx(config)), want[0])
 
 
@@ -166,8 +188,9 @@ def _hf_mask(positions: Any, window: int | None) -> Any:
     return mask[None, None]
 
 
-def _paged(attn: Any, config: Any, x: Any, window: int | None, cached: int, page_size: int,
-           sinks: Any) -> Any:
+def _paged(
+    attn: Any, config: Any, x: Any, window: int | None, cached: int, page_size: int, sinks: Any
+) -> Any:
     """``blocks.gpt_oss_attention`` over a shuffled paged cache: tokens [0, cached) in a first
     step (a prefix already cached when the second starts), the rest in a second step, whose
     output is returned."""
@@ -177,8 +200,9 @@ def _paged(attn: Any, config: Any, x: Any, window: int | None, cached: int, page
     k_cache = torch.zeros(3 * num_pages + 1, page_size, KV_HEADS, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)
     positions = torch.arange(num_tokens)
-    slots = torch.as_tensor(pages[positions.numpy() // page_size] * page_size
-                            + positions.numpy() % page_size)
+    slots = torch.as_tensor(
+        pages[positions.numpy() // page_size] * page_size + positions.numpy() % page_size
+    )
     rotary = blocks.gpt_oss_rotary_embedding(config, HEAD_DIM, torch.device("cpu"))
     weights = {**_module_weights(attn), "sinks": sinks}
     out = None
@@ -188,12 +212,17 @@ def _paged(attn: Any, config: Any, x: Any, window: int | None, cached: int, page
         chunk_positions = positions[chunk]
         cos, sin = rotary.cos_sin(chunk_positions, torch.float32)
         views = build_sequence_views(
-            np.array([0, chunk.stop - chunk.start]), np.array([chunk.stop]),
+            np.array([0, chunk.stop - chunk.start]),
+            np.array([chunk.stop]),
             np.array([0, -(-chunk.stop // page_size)]),
-            pages[:-(-chunk.stop // page_size)].astype(np.uint32), chunk_positions, page_size,
-            window, torch.device("cpu"))
+            pages[: -(-chunk.stop // page_size)].astype(np.uint32),
+            chunk_positions,
+            page_size,
+            window,
+            torch.device("cpu"),
+        )
         backend = ReferenceBackend()
-        backend.views = [views]    # what begin_step builds from a plan, for this one row
+        backend.views = [views]  # what begin_step builds from a plan, for this one row
         attention = LayerAttention(backend, 0, slots[chunk], {"k": k_cache, "v": v_cache})
         ctx = _ctx(config, window=window, cos=cos, sin=sin, attention=attention)
         out = blocks.gpt_oss_attention(x[chunk], weights, ctx)
@@ -206,7 +235,7 @@ def test_attention_with_sinks_matches_hf(layer: int, cached: int, page_size: int
     config = _config()
     attn = hf.GptOssAttention(config, layer)
     _randomise(attn, 4 + layer, scale=0.2)
-    with torch.no_grad():   # sinks of the size trained ones have: they take real mass
+    with torch.no_grad():  # sinks of the size trained ones have: they take real mass
         attn.sinks.copy_(torch.linspace(-1.0, 3.0, HEADS))
     window = WINDOW if config.layer_types[layer] == "sliding_attention" else None
     assert attn.sliding_window == window

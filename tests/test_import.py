@@ -13,13 +13,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-BANNED = ("torch", "triton", "jax", "jaxlib", "cupy", "pycuda", "cuda", "tensorflow", "numba",
-          "nvidia", "tensorrt", "flashinfer", "vllm", "transformers", "typer", "click")
+BANNED = (
+    "torch",
+    "triton",
+    "jax",
+    "jaxlib",
+    "cupy",
+    "pycuda",
+    "cuda",
+    "tensorflow",
+    "numba",
+    "nvidia",
+    "tensorrt",
+    "flashinfer",
+    "vllm",
+    "transformers",
+    "typer",
+    "click",
+)
 
 
 def loaded_modules(code: str) -> set[str]:
     script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return set(json.loads(done.stdout.splitlines()[-1]))
 
@@ -51,8 +69,9 @@ def test_core_is_the_compiled_extension() -> None:
 
 
 def test_cli_help() -> None:
-    done = subprocess.run([sys.executable, "-m", "resin.cli", "--help"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "resin.cli", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "Usage" in done.stdout and "version" in done.stdout
     script = Path(sys.executable).parent / "resin"
@@ -65,7 +84,8 @@ def test_cli_help() -> None:
 def test_cli_version() -> None:
     import resin
 
-    done = subprocess.run([sys.executable, "-m", "resin.cli", "version"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "resin.cli", "version"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == resin.__version__

@@ -45,9 +45,13 @@ class CountingRunner:
         n = len(tokens)
         top_ids = (tokens[:, None].astype(np.int64) + np.arange(k)) % VOCAB if k else None
         top_vals = np.tile(-np.arange(k, dtype=np.float32) - 0.25, (n, 1)) if k else None
-        return resin.ForwardOutput(tokens, plan.sample_indptr, np.full(n, -0.25, np.float32),
-                                   None if top_ids is None else top_ids.astype(np.uint32),
-                                   top_vals)
+        return resin.ForwardOutput(
+            tokens,
+            plan.sample_indptr,
+            np.full(n, -0.25, np.float32),
+            None if top_ids is None else top_ids.astype(np.uint32),
+            top_vals,
+        )
 
 
 def counting(prompt: list[int], n: int) -> list[int]:
@@ -145,7 +149,10 @@ def test_default_sampling_params_come_from_generation_config(tmp_path: Path) -> 
     llm = LLM(model, runner=CountingRunner())
     params = llm.default_sampling_params()
     assert (params.temperature, params.top_p, params.max_tokens) == (
-        pytest.approx(0.6), pytest.approx(0.9), 7)
+        pytest.approx(0.6),
+        pytest.approx(0.9),
+        7,
+    )
     assert len(llm.generate([0, 20])[0].token_ids) == 7
     assert llm.engine.config.eos_token_ids == [1, 3]
     assert llm.engine.config.vocab_size == VOCAB
@@ -180,7 +187,7 @@ def test_missing_model_dir_and_unsupported_architecture(tmp_path: Path) -> None:
     with pytest.raises(UnknownArchitectureError, match="GPT2LMHeadModel") as info:
         LLM(model)
     assert "resin new-model" in str(info.value) and "LlamaForCausalLM" in str(info.value)
-    LLM(model, runner=CountingRunner())   # an explicit runner runs any architecture
+    LLM(model, runner=CountingRunner())  # an explicit runner runs any architecture
     with pytest.raises(TypeError, match="prompt"):
         LLM(LLAMA, runner=CountingRunner()).generate([1.5])  # type: ignore[arg-type]
 
@@ -205,8 +212,9 @@ def test_greedy_tokens_equal_hf_goldens(name: str) -> None:
     goldens = json.loads((FIXTURES / name / "goldens.json").read_text())
     llm = LLM(FIXTURES / name)
     cases = goldens["prompts"]
-    outputs = llm.generate([c["prompt_token_ids"] for c in cases],
-                           greedy(goldens["max_new_tokens"], logprobs=0))
+    outputs = llm.generate(
+        [c["prompt_token_ids"] for c in cases], greedy(goldens["max_new_tokens"], logprobs=0)
+    )
     for case, out in zip(cases, outputs):
         length = len(case["prompt_token_ids"])
         assert out.token_ids == case["token_ids"], f"{name}: prompt of {length} tokens"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers  # noqa: E402  (test dependency, installed by make; fail loudly if missing)
 from hf_configs import (
     HF_CLASSES,
     LLAMA31_8B,
@@ -38,8 +39,6 @@ from resin.loading import (
     rope_inv_freq,
 )
 
-import transformers  # noqa: E402  (test dependency, installed by make; fail loudly if missing)
-
 
 def hf_config(model_type: str, raw: dict[str, Any]) -> Any:
     # Deep copy: transformers' config classes fill defaults into the nested rope dict in place.
@@ -55,9 +54,14 @@ def test_llama31_8b() -> None:
     assert cfg.eos_token_ids == (128001, 128008, 128009) and cfg.bos_token_id == 128000
     assert cfg.rms_norm_eps == 1e-5 and cfg.dtype == "bfloat16" and cfg.moe is None
     assert cfg.layer_types == ("full_attention",) * 32 and cfg.sliding_window_tokens is None
-    assert cfg.rope == RopeConfig("llama3", 500000.0, factor=8.0,
-                                  original_max_position_embeddings=8192,
-                                  low_freq_factor=1.0, high_freq_factor=4.0)
+    assert cfg.rope == RopeConfig(
+        "llama3",
+        500000.0,
+        factor=8.0,
+        original_max_position_embeddings=8192,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+    )
 
 
 def test_mistral_7b_v01_slides_every_layer() -> None:
@@ -79,8 +83,15 @@ def test_qwen25_7b_yarn_and_qkv_bias() -> None:
     assert (cfg.qkv_bias, cfg.o_proj_bias, cfg.mlp_bias, cfg.qk_norm) == (True, False, False, False)
     # use_sliding_window false: the 131072 window is not in effect on any layer.
     assert cfg.layer_types == ("full_attention",) * 28 and cfg.sliding_window_tokens is None
-    assert cfg.rope == RopeConfig("yarn", 1e6, factor=4.0, original_max_position_embeddings=32768,
-                                  beta_fast=32.0, beta_slow=1.0, truncate=True)
+    assert cfg.rope == RopeConfig(
+        "yarn",
+        1e6,
+        factor=4.0,
+        original_max_position_embeddings=32768,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=True,
+    )
     assert {s.kind for s in layer_cache_specs(cfg, 2)} == {"full"}
 
 
@@ -119,14 +130,19 @@ def test_qwen3_30b_a3b_moe() -> None:
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
     assert moe.norm_topk_prob and moe.num_shared_experts == 0
     assert moe.moe_layer_indices == tuple(range(48)) and cfg.is_moe_layer(47)
-    raw = {**QWEN3_30B_A3B, "norm_topk_prob": False, "decoder_sparse_step": 2,
-           "mlp_only_layers": [1, 5]}
+    raw = {
+        **QWEN3_30B_A3B,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [1, 5],
+    }
     moe = load_model_config(raw).moe
     assert moe is not None and not moe.norm_topk_prob
     # Qwen3MoeDecoderLayer: sparse iff not in mlp_only_layers and (i + 1) % step == 0.
     assert moe.moe_layer_indices == tuple(i for i in range(48) if i % 2 == 1 and i not in (1, 5))
-    windowed = load_model_config({**QWEN3_30B_A3B, "use_sliding_window": True,
-                                  "sliding_window": 512})
+    windowed = load_model_config(
+        {**QWEN3_30B_A3B, "use_sliding_window": True, "sliding_window": 512}
+    )
     assert windowed.layer_types == ("sliding_attention",) * 48  # every layer, no max_window_layers
 
 
@@ -145,7 +161,9 @@ def test_agrees_with_transformers_config_classes(model_type: str) -> None:
     raw = REAL[model_type]
     ours, hf = load_model_config(raw), hf_config(model_type, raw)
     assert ours.num_key_value_heads == hf.num_key_value_heads
-    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert ours.head_dim == (
+        getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    )
     assert ours.sliding_window_tokens == getattr(hf, "sliding_window", None)
     if hasattr(hf, "layer_types"):
         assert ours.layer_types == tuple(hf.layer_types)
@@ -156,8 +174,15 @@ def test_agrees_with_transformers_config_classes(model_type: str) -> None:
 
 @pytest.mark.parametrize("model_type", sorted(HF_CLASSES))
 def test_transformers_class_defaults_round_trip(model_type: str) -> None:
-    small = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    small = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     hf = getattr(transformers, HF_CLASSES[model_type])(**small)
     cfg = load_model_config(hf.to_dict())
     assert cfg.model_type == model_type and cfg.architecture in SUPPORTED_ARCHITECTURES
@@ -172,8 +197,10 @@ def test_transformers_class_defaults_round_trip(model_type: str) -> None:
 
 
 def test_parsing_does_not_mutate_its_input() -> None:
-    for raw in (*REAL.values(), {**MISTRAL_7B, "rope_parameters": {"rope_type": "linear",
-                                                                   "factor": 2.0}}):
+    for raw in (
+        *REAL.values(),
+        {**MISTRAL_7B, "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+    ):
         before = copy.deepcopy(raw)
         load_model_config(raw)
         assert raw == before
@@ -196,7 +223,9 @@ def test_error_missing_config_json(tmp_path: Path) -> None:
 
 
 def test_error_unsupported_architecture() -> None:
-    with pytest.raises(ConfigError, match="'GPT2LMHeadModel'.*LlamaForCausalLM.*MixtralForCausalLM"):
+    with pytest.raises(
+        ConfigError, match="'GPT2LMHeadModel'.*LlamaForCausalLM.*MixtralForCausalLM"
+    ):
         load_model_config({**LLAMA31_8B, "architectures": ["GPT2LMHeadModel"]})
     no_arch = {k: v for k, v in LLAMA31_8B.items() if k != "architectures"}
     with pytest.raises(ConfigError, match="model_type 'gpt2'.*Qwen3MoeForCausalLM"):
@@ -205,8 +234,10 @@ def test_error_unsupported_architecture() -> None:
         load_model_config({k: v for k, v in no_arch.items() if k != "model_type"})
 
 
-@pytest.mark.parametrize("field", ["hidden_size", "vocab_size", "num_hidden_layers",
-                                   "num_attention_heads", "intermediate_size"])
+@pytest.mark.parametrize(
+    "field",
+    ["hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
+)
 def test_error_missing_required_field(field: str) -> None:
     with pytest.raises(ConfigError, match=f"missing required field '{field}'"):
         load_model_config({k: v for k, v in LLAMA31_8B.items() if k != field})
@@ -246,8 +277,10 @@ def test_error_inconsistent_shapes_and_types() -> None:
 
 
 def test_import_resin_does_not_load_transformers_or_torch() -> None:
-    code = ("import sys, resin; a = set(sys.modules); import resin.loading; b = set(sys.modules);"
-            "print(' '.join(sorted(a))); print(' '.join(sorted(b)))")
+    code = (
+        "import sys, resin; a = set(sys.modules); import resin.loading; b = set(sys.modules);"
+        "print(' '.join(sorted(a))); print(' '.join(sorted(b)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     after_resin, after_loading = (set(line.split()) for line in done.stdout.splitlines())

@@ -16,31 +16,43 @@ from typing import Any
 
 import numpy as np
 import pytest
+import transformers  # noqa: E402  (test dependency, installed by make; fail loudly if missing)
 from hf_configs import LLAMA31_8B, MIXTRAL_8X7B, QWEN25_7B
 
 from resin.loading import RopeConfig, load_model_config, rope_inv_freq
-
-import transformers  # noqa: E402  (test dependency, installed by make; fail loudly if missing)
-
 
 ROPE_SPELLINGS = [
     ({"rope_type": "linear", "factor": 2.0}, RopeConfig("linear", 10000.0, factor=2.0)),
     ({"type": "linear", "factor": 2.0}, RopeConfig("linear", 10000.0, factor=2.0)),
     (LLAMA31_8B["rope_scaling"], None),
     (QWEN25_7B["rope_scaling"], None),
-    ({"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}, None),
+    (
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        None,
+    ),
 ]
 
 
 @pytest.mark.parametrize("scaling,expected", ROPE_SPELLINGS)
-def test_both_rope_spellings_give_the_same_rope_config(scaling: dict[str, Any],
-                                                       expected: RopeConfig | None) -> None:
+def test_both_rope_spellings_give_the_same_rope_config(
+    scaling: dict[str, Any], expected: RopeConfig | None
+) -> None:
     base = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_scaling", "rope_theta")}
     legacy = load_model_config({**base, "rope_theta": 10000.0, "rope_scaling": scaling}).rope
     v5 = load_model_config({**base, "rope_parameters": {**scaling, "rope_theta": 10000.0}}).rope
-    via_hf = load_model_config(transformers.LlamaConfig(
-        **copy.deepcopy({**base, "rope_theta": 10000.0, "rope_scaling": scaling})).to_dict()).rope
+    via_hf = load_model_config(
+        transformers.LlamaConfig(
+            **copy.deepcopy({**base, "rope_theta": 10000.0, "rope_scaling": scaling})
+        ).to_dict()
+    ).rope
     assert legacy == v5 == via_hf
     if expected is not None:
         assert legacy == expected
@@ -49,17 +61,31 @@ def test_both_rope_spellings_give_the_same_rope_config(scaling: dict[str, Any],
 def test_rope_precedence_follows_transformers() -> None:
     base = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_scaling", "rope_theta")}
     # The dict's own rope_theta wins over the top-level key; rope_type wins over legacy type.
-    rope = load_model_config({**base, "rope_theta": 9.0, "rope_parameters":
-                              {"rope_theta": 7.0, "rope_type": "linear", "type": "yarn",
-                               "factor": 2.0}}).rope
+    rope = load_model_config(
+        {
+            **base,
+            "rope_theta": 9.0,
+            "rope_parameters": {
+                "rope_theta": 7.0,
+                "rope_type": "linear",
+                "type": "yarn",
+                "factor": 2.0,
+            },
+        }
+    ).rope
     assert rope == RopeConfig("linear", 7.0, factor=2.0)
     # No rope keys at all: the architecture's default theta (Mixtral's is 1e6).
     assert load_model_config(base).rope == RopeConfig(theta=10000.0)
     mixtral = {k: v for k, v in MIXTRAL_8X7B.items() if k != "rope_theta"}
     assert load_model_config(mixtral).rope.theta == 1e6
     # yarn without factor: max_position_embeddings / original (modeling_rope_utils).
-    yarn = load_model_config({**QWEN25_7B, "max_position_embeddings": 131072, "rope_scaling":
-                              {"type": "yarn", "original_max_position_embeddings": 32768}}).rope
+    yarn = load_model_config(
+        {
+            **QWEN25_7B,
+            "max_position_embeddings": 131072,
+            "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 32768},
+        }
+    ).rope
     assert yarn.factor == 4.0
 
 
@@ -81,8 +107,8 @@ def test_rope_llama3_bands() -> None:
     inv_freq, scale = rope_inv_freq(rope, head_dim=128)
     base = reference_default(500000.0, 128)
     wavelen_tokens = 2 * math.pi / base
-    high = wavelen_tokens < 8192 / 4.0    # short wavelengths: untouched
-    low = wavelen_tokens > 8192 / 1.0     # long wavelengths: divided by factor 8
+    high = wavelen_tokens < 8192 / 4.0  # short wavelengths: untouched
+    low = wavelen_tokens > 8192 / 1.0  # long wavelengths: divided by factor 8
     mid = ~high & ~low
     assert scale == 1.0 and high.sum() > 0 and low.sum() > 0 and mid.sum() > 0
     np.testing.assert_allclose(inv_freq[high], base[high], rtol=1e-14)
@@ -106,18 +132,25 @@ def test_rope_yarn_ramp_and_attention_factor() -> None:
     low, high = math.floor(correction_dim(32)), math.ceil(correction_dim(1))
     assert (low, high) == (23, 40)
     ratio = base / inv_freq
-    np.testing.assert_allclose(ratio[: low + 1], 1.0, rtol=1e-14)   # fast dims extrapolate
-    np.testing.assert_allclose(ratio[high:], 4.0, rtol=1e-14)       # slow dims interpolate
+    np.testing.assert_allclose(ratio[: low + 1], 1.0, rtol=1e-14)  # fast dims extrapolate
+    np.testing.assert_allclose(ratio[high:], 4.0, rtol=1e-14)  # slow dims interpolate
     assert np.all(np.diff(ratio[low : high + 1]) > 0)
     ramp = (np.arange(64) - low) / (high - low)
     i = 30
     assert inv_freq[i] == pytest.approx(base[i] / 4 * ramp[i] + base[i] * (1 - ramp[i]), rel=1e-14)
     # DeepSeek style mscale == mscale_all_dim: the attention factor cancels to 1.
-    deepseek = RopeConfig("yarn", 10000.0, factor=40.0, original_max_position_embeddings=4096,
-                          mscale=1.0, mscale_all_dim=1.0)
+    deepseek = RopeConfig(
+        "yarn",
+        10000.0,
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
     assert rope_inv_freq(deepseek, 64)[1] == 1.0
-    explicit = RopeConfig("yarn", 10000.0, factor=4.0, original_max_position_embeddings=4096,
-                          attention_factor=0.5)
+    explicit = RopeConfig(
+        "yarn", 10000.0, factor=4.0, original_max_position_embeddings=4096, attention_factor=0.5
+    )
     assert rope_inv_freq(explicit, 64)[1] == 0.5
 
 
@@ -135,32 +168,71 @@ def _fake_torch() -> types.SimpleNamespace:
     def clamp(x: np.ndarray, low: float, high: float) -> _FakeTensor:
         return np.clip(x, low, high).view(_FakeTensor)
 
-    return types.SimpleNamespace(arange=arange, clamp=clamp, where=np.where, float=np.float32,
-                                 float32=np.float32, int64=np.int64)
+    return types.SimpleNamespace(
+        arange=arange,
+        clamp=clamp,
+        where=np.where,
+        float=np.float32,
+        float32=np.float32,
+        int64=np.int64,
+    )
 
 
 HF_ROPE_CASES = [
     ("linear", {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}),
-    ("llama3", {"rope_theta": LLAMA31_8B["rope_theta"], "rope_scaling": LLAMA31_8B["rope_scaling"],
-                "max_position_embeddings": 131072}),
-    ("yarn", {"rope_theta": 1e6, "rope_scaling": QWEN25_7B["rope_scaling"],
-              "max_position_embeddings": 32768}),
-    ("yarn", {"rope_theta": 10000.0, "max_position_embeddings": 163840, "rope_scaling":
-              {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-               "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}}),
+    (
+        "llama3",
+        {
+            "rope_theta": LLAMA31_8B["rope_theta"],
+            "rope_scaling": LLAMA31_8B["rope_scaling"],
+            "max_position_embeddings": 131072,
+        },
+    ),
+    (
+        "yarn",
+        {
+            "rope_theta": 1e6,
+            "rope_scaling": QWEN25_7B["rope_scaling"],
+            "max_position_embeddings": 32768,
+        },
+    ),
+    (
+        "yarn",
+        {
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 163840,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 40.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+            },
+        },
+    ),
 ]
 
 
 def _hf_case(extra: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    kwargs = dict(vocab_size=256, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=4, num_key_value_heads=4, **extra)
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=512,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        **extra,
+    )
     raw = copy.deepcopy({**LLAMA31_8B, **kwargs})
     return transformers.LlamaConfig(**copy.deepcopy(kwargs)), raw
 
 
 @pytest.mark.parametrize("rope_type,extra", HF_ROPE_CASES)
-def test_rope_matches_transformers_source_on_numpy(monkeypatch: pytest.MonkeyPatch,
-                                                   rope_type: str, extra: dict[str, Any]) -> None:
+def test_rope_matches_transformers_source_on_numpy(
+    monkeypatch: pytest.MonkeyPatch, rope_type: str, extra: dict[str, Any]
+) -> None:
     """Runs transformers' own init function, with a float32 numpy stand-in for torch."""
     from transformers import modeling_rope_utils as mru
 

@@ -20,10 +20,14 @@ class OneTokenRunner:
         return resin.ForwardOutput(np.zeros(n, np.uint32), np.arange(n + 1, dtype=np.uint32))
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed"
+)
 def test_promtool_accepts_metrics_text() -> None:
-    engine = resin.Engine(resin.EngineConfig(page_size=4, num_pages=16, max_model_len=32, eos_token_ids=[0]),
-                          OneTokenRunner())
+    engine = resin.Engine(
+        resin.EngineConfig(page_size=4, num_pages=16, max_model_len=32, eos_token_ids=[0]),
+        OneTokenRunner(),
+    )
     engine.add_request("stops", [1, 2, 3], resin.SamplingParams(max_tokens=3))
     engine.add_request("runs", [1, 2, 3, 4, 5], resin.SamplingParams(max_tokens=3, ignore_eos=True))
     engine.add_request("aborted", [7, 8], resin.SamplingParams(max_tokens=3))
@@ -31,7 +35,9 @@ def test_promtool_accepts_metrics_text() -> None:
     while engine.has_unfinished():
         engine.step()
     text = engine.metrics_text()
-    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
     complaints = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     other = [line for line in complaints if "metric names should not contain ':'" not in line]
     assert other == [], "\n".join(other)

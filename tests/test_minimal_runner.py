@@ -58,33 +58,43 @@ def test_example_runner_is_the_readme_runner() -> None:
 
 @pytest.mark.parametrize("budget", [2048, 8])
 def test_minimal_runner_outputs(budget: int) -> None:
-    config = resin.EngineConfig(page_size=4, num_pages=256, max_num_seqs=3,
-                                max_num_batched_tokens=budget, max_model_len=512)
+    config = resin.EngineConfig(
+        page_size=4, num_pages=256, max_num_seqs=3, max_num_batched_tokens=budget, max_model_len=512
+    )
     lengths = {"a": (5, 4), "b": (1, 1), "c": (30, 7), "d": (9, 16), "e": (17, 2)}
-    requests = {r: (list(range(1, n + 1)), resin.SamplingParams(max_tokens=m))
-                for r, (n, m) in lengths.items()}
+    requests = {
+        r: (list(range(1, n + 1)), resin.SamplingParams(max_tokens=m))
+        for r, (n, m) in lengths.items()
+    }
     final = serve(config, requests)
     assert sorted(final) == sorted(lengths)
     for rid, (n, m) in lengths.items():
         out = final[rid]
         assert (out.finish_reason, out.token_ids, out.prompt_token_ids) == (
-            "length", [0] * m, list(range(1, n + 1))), rid
+            "length",
+            [0] * m,
+            list(range(1, n + 1)),
+        ), rid
 
 
 def test_minimal_runner_with_a_small_pool() -> None:
-    config = resin.EngineConfig(page_size=4, num_pages=10, max_num_seqs=4, max_num_batched_tokens=16,
-                                max_model_len=32)
+    config = resin.EngineConfig(
+        page_size=4, num_pages=10, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32
+    )
     requests = {f"r{i}": ([i + 1] * 6, resin.SamplingParams(max_tokens=12)) for i in range(4)}
     final = serve(config, requests)
     assert {r: (o.finish_reason, o.token_ids) for r, o in final.items()} == {
-        r: ("length", [0] * 12) for r in requests}
+        r: ("length", [0] * 12) for r in requests
+    }
 
 
 def test_minimal_runner_with_eos_zero() -> None:
     config = resin.EngineConfig(page_size=4, num_pages=64, eos_token_ids=[0], max_model_len=128)
-    requests = {"eos": ([1, 2, 3], resin.SamplingParams(max_tokens=8)),
-                "min": ([1, 2, 4], resin.SamplingParams(max_tokens=8, min_tokens=3)),
-                "ignore": ([1, 2, 5], resin.SamplingParams(max_tokens=5, ignore_eos=True))}
+    requests = {
+        "eos": ([1, 2, 3], resin.SamplingParams(max_tokens=8)),
+        "min": ([1, 2, 4], resin.SamplingParams(max_tokens=8, min_tokens=3)),
+        "ignore": ([1, 2, 5], resin.SamplingParams(max_tokens=5, ignore_eos=True)),
+    }
     final = serve(config, requests)
     got = {r: (o.finish_reason, o.token_ids) for r, o in final.items()}
     # This runner ignores banned_token_ids, so EOS arrives inside the min_tokens window.
@@ -95,7 +105,12 @@ def test_minimal_runner_with_eos_zero() -> None:
 
 
 def test_example_script_runs() -> None:
-    done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == [
-        "r1 [0, 0, 0, 0, 0, 0, 0, 0] length", "r2 [0, 0, 0] length", "r3 [0, 0, 0, 0, 0, 0] length"]
+        "r1 [0, 0, 0, 0, 0, 0, 0, 0] length",
+        "r2 [0, 0, 0] length",
+        "r3 [0, 0, 0, 0, 0, 0] length",
+    ]

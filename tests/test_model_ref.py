@@ -27,8 +27,9 @@ def _model_dir(root: Path, name: str = "foo") -> Path:
     (model / "helper.py").write_text("MARK = 3\n")
     blocks = model / "blocks.py"
     blocks.write_text(blocks.read_text() + "\nfrom .helper import MARK  # noqa: E402\n")
-    (model / "parity.toml").write_text('[reference]\ncheckpoint = "tiny"\n\n'
-                                       "[tolerances]\nhidden = 1e-3\n")
+    (model / "parity.toml").write_text(
+        '[reference]\ncheckpoint = "tiny"\n\n[tolerances]\nhidden = 1e-3\n'
+    )
     (model / "perf.toml").write_text("[decode]\nbatch_sizes = [1, 2]\n")
     return model
 

@@ -28,16 +28,24 @@ from resin.scaffold.layer_map import layer_types_from_config  # noqa: E402
 
 
 def test_nested_rope_parameters_give_one_table_each() -> None:
-    raw = {"max_position_embeddings": 4096, "partial_rotary_factor": 0.5,
-           "rope_parameters": {
-               "main": {"rope_type": "default", "rope_theta": 10000.0},
-               "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 4.0,
-                            "original_max_position_embeddings": 1024}}}
+    raw = {
+        "max_position_embeddings": 4096,
+        "partial_rotary_factor": 0.5,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 10000.0},
+            "compress": {
+                "rope_type": "yarn",
+                "rope_theta": 160000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            },
+        },
+    }
     tables = parse_rope_tables(raw, 10000.0, 4096)
     assert set(tables) == {"main", "compress"}
     assert tables["compress"].rope_type == "yarn" and tables["main"].partial_rotary_factor == 0.5
     inv_freq, _ = rope_inv_freq(tables["main"], 16)
-    assert inv_freq.shape == (4,)     # half the head rotates: 8 dims, 4 frequencies
+    assert inv_freq.shape == (4,)  # half the head rotates: 8 dims, 4 frequencies
     flat = parse_rope_tables({"rope_theta": 5e5, "max_position_embeddings": 64}, 1e4, 64)
     assert list(flat) == ["*"] and flat["*"].theta == 5e5
 
@@ -48,16 +56,19 @@ def test_interleaved_and_trailing_partial_rotation() -> None:
     positions = torch.arange(tokens)
     inv_freq = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
     cos, sin = RotaryEmbedding(inv_freq, 1.0, torch.device("cpu"), interleaved=True).cos_sin(
-        positions, torch.float32)
+        positions, torch.float32
+    )
     got = apply_rotary(x, cos, sin, interleaved=True)
     angles = positions[:, None].float() * torch.tensor(inv_freq, dtype=torch.float32)[None]
-    want = torch.view_as_real(torch.view_as_complex(x.reshape(tokens, heads, dim // 2, 2))
-                              * torch.polar(torch.ones_like(angles), angles)[:, None])
+    want = torch.view_as_real(
+        torch.view_as_complex(x.reshape(tokens, heads, dim // 2, 2))
+        * torch.polar(torch.ones_like(angles), angles)[:, None]
+    )
     assert torch.allclose(got, want.reshape(tokens, heads, dim), atol=1e-6)
     half = RotaryEmbedding(inv_freq[:2], 1.0, torch.device("cpu"))
     cos, sin = half.cos_sin(positions, torch.float32)
     trailing = apply_rotary(x, cos, sin, trailing=True)
-    assert torch.equal(trailing[..., :4], x[..., :4])          # the leading half passes
+    assert torch.equal(trailing[..., :4], x[..., :4])  # the leading half passes
     assert torch.allclose(trailing[..., 4:], apply_rotary(x[..., 4:], cos, sin))
     leading = apply_rotary(x, cos, sin)
     assert torch.equal(leading[..., 4:], x[..., 4:])
@@ -65,8 +76,9 @@ def test_interleaved_and_trailing_partial_rotation() -> None:
 
 def test_legacy_window_pattern_matches_transformers() -> None:
     transformers = pytest.importorskip("transformers")
-    hf = transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=8,
-                                       sliding_window_pattern=3)
+    hf = transformers.Gemma3TextConfig(
+        num_hidden_layers=6, sliding_window=8, sliding_window_pattern=3
+    )
     legacy = SimpleNamespace(num_hidden_layers=6, sliding_window=8, sliding_window_pattern=3)
     assert [t for t, _ in layer_types_from_config(legacy)] == list(hf.layer_types)
     assert [w for _, w in layer_types_from_config(legacy)] == [8, 8, None, 8, 8, None]
@@ -76,13 +88,23 @@ def test_checkpoint_legacy_keys_beat_recorded_defaults(tmp_path: Path) -> None:
     from resin.runners.torch.model_dir import ModelRecord, load_model_args
 
     record = ModelRecord(
-        name="m", architectures=["X"], model_types=["x"], layer_kinds={}, norm=None,
-        rotary=None, checkpoint_patterns=[],
-        config_defaults={"num_hidden_layers": 26, "rms_norm_eps": 1e-6,
-                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-                         "layer_types": ["sliding_attention"] * 26})
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 4, "rope_theta": 5e5, "sliding_window_pattern": 2}))
+        name="m",
+        architectures=["X"],
+        model_types=["x"],
+        layer_kinds={},
+        norm=None,
+        rotary=None,
+        checkpoint_patterns=[],
+        config_defaults={
+            "num_hidden_layers": 26,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+            "layer_types": ["sliding_attention"] * 26,
+        },
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 4, "rope_theta": 5e5, "sliding_window_pattern": 2})
+    )
     args = load_model_args(tmp_path, record)
     assert args.rope_theta == 5e5 and args.get("rope_parameters") is None
     assert args.get("layer_types") is None and args.rms_norm_eps == 1e-6
@@ -93,18 +115,31 @@ def test_weights_keep_fp32_by_runner_name_and_never_cast_integers(tmp_path: Path
 
     from resin.runners.torch.model_weights import load_model_weights
 
-    save_file({"model.layers.0.attn.attn_sink": torch.randn(4),
-               "model.layers.0.ffn.gate.tid2eid": torch.randint(0, 8, (16, 2)),
-               "model.layers.0.ffn.gate.weight": torch.randn(8, 4),
-               "embed.weight": torch.randn(16, 4)}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {
+            "model.layers.0.attn.attn_sink": torch.randn(4),
+            "model.layers.0.ffn.gate.tid2eid": torch.randint(0, 8, (16, 2)),
+            "model.layers.0.ffn.gate.weight": torch.randn(8, 4),
+            "embed.weight": torch.randn(16, 4),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
     weights = load_model_weights(
-        tmp_path, 1, dtype=torch.bfloat16, keep_in_fp32=["sinks"],
-        weight_map={"model.layers.{layer}.attn.attn_sink": "layers.{layer}.self_attn.sinks",
-                    "embed.weight": "embed_tokens.weight"},
-        known_patterns=["model.layers.{layer}.ffn.gate.tid2eid",
-                        "model.layers.{layer}.ffn.gate.weight"])
+        tmp_path,
+        1,
+        dtype=torch.bfloat16,
+        keep_in_fp32=["sinks"],
+        weight_map={
+            "model.layers.{layer}.attn.attn_sink": "layers.{layer}.self_attn.sinks",
+            "embed.weight": "embed_tokens.weight",
+        },
+        known_patterns=[
+            "model.layers.{layer}.ffn.gate.tid2eid",
+            "model.layers.{layer}.ffn.gate.weight",
+        ],
+    )
     layer = weights.layers[0]
-    assert layer["self_attn.sinks"].dtype == torch.float32      # HF's pattern, runner's name
+    assert layer["self_attn.sinks"].dtype == torch.float32  # HF's pattern, runner's name
     assert layer["ffn.gate.tid2eid"].dtype == torch.int64
     assert layer["ffn.gate.weight"].dtype == torch.bfloat16
     assert "embed_tokens.weight" in weights.globals and weights.unused == []
@@ -113,9 +148,15 @@ def test_weights_keep_fp32_by_runner_name_and_never_cast_integers(tmp_path: Path
 def test_per_dtype_tolerances_in_parity_toml(tmp_path: Path) -> None:
     from resin.evals.model_ref import ModelRef, ModelRefError, parity_settings
 
-    ref = ModelRef(name="m", checkpoint_dir=tmp_path, model_dir=tmp_path, parity_spec={
-        "reference": {"dtype": "float32"}, "tolerances": {"hidden": 1e-4,
-                                                          "bfloat16": {"hidden": 5e-3}}})
+    ref = ModelRef(
+        name="m",
+        checkpoint_dir=tmp_path,
+        model_dir=tmp_path,
+        parity_spec={
+            "reference": {"dtype": "float32"},
+            "tolerances": {"hidden": 1e-4, "bfloat16": {"hidden": 5e-3}},
+        },
+    )
     settings = parity_settings(ref)
     assert settings["tolerances"] == {"hidden": 1e-4}
     assert settings["dtype_tolerances"]["bfloat16"] == {"hidden": 5e-3}
@@ -136,11 +177,17 @@ def test_fp32_sinks_make_the_softmax_fp32() -> None:
     k = torch.randn(1, 4, 1, 8, generator=gen) * 4
     q = torch.randn(4, 2, 8, generator=gen) * 4
     sinks32 = torch.tensor([0.3, -0.7])
-    out16 = backend.attend(q.bfloat16(), k.bfloat16(), k.bfloat16(), 0, scale=0.35,
-                           sinks=sinks32)
-    out16_bf_sinks = backend.attend(q.bfloat16(), k.bfloat16(), k.bfloat16(), 0, scale=0.35,
-                                    sinks=sinks32.bfloat16())
-    want = backend.attend(q.bfloat16().float(), k.bfloat16().float(), k.bfloat16().float(), 0,
-                          scale=0.35, sinks=sinks32)
-    assert not torch.equal(out16, out16_bf_sinks)   # the fp32 sink changed the softmax dtype
+    out16 = backend.attend(q.bfloat16(), k.bfloat16(), k.bfloat16(), 0, scale=0.35, sinks=sinks32)
+    out16_bf_sinks = backend.attend(
+        q.bfloat16(), k.bfloat16(), k.bfloat16(), 0, scale=0.35, sinks=sinks32.bfloat16()
+    )
+    want = backend.attend(
+        q.bfloat16().float(),
+        k.bfloat16().float(),
+        k.bfloat16().float(),
+        0,
+        scale=0.35,
+        sinks=sinks32,
+    )
+    assert not torch.equal(out16, out16_bf_sinks)  # the fp32 sink changed the softmax dtype
     assert (out16.float() - want).abs().max() <= (out16_bf_sinks.float() - want).abs().max()

@@ -32,27 +32,47 @@ from resin.evals.parity import (  # noqa: E402
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Shorter than the harness defaults (keeps the suite fast) but still: a 1-token prompt, prompts
 # spanning several 16-token pages, one longer than a 64-token page, and a shared prefix.
-QUICK_PROMPTS = [[5], list(range(3, 12)), [(7 * i) % 120 for i in range(20)],
-                 [(11 * i + 3) % 120 for i in range(66)],
-                 [(11 * i + 3) % 120 for i in range(32)] + [1, 2, 3, 4, 5]]
+QUICK_PROMPTS = [
+    [5],
+    list(range(3, 12)),
+    [(7 * i) % 120 for i in range(20)],
+    [(11 * i + 3) % 120 for i in range(66)],
+    [(11 * i + 3) % 120 for i in range(32)] + [1, 2, 3, 4, 5],
+]
 
 
 def _save_tiny(kind: str, out: Path) -> Path:
     torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=10000.0))
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**common, rope_theta=10000.0)
+        )
     else:
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **common, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            norm_topk_prob=True))
+        model = transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                **common,
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                norm_topk_prob=True,
+            )
+        )
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.3)
             else:
-                param.uniform_(0.5, 1.5)   # norms: distinct, far from 1
+                param.uniform_(0.5, 1.5)  # norms: distinct, far from 1
     model.save_pretrained(out)
     return out
 
@@ -78,6 +98,7 @@ def _patched(patch: Callable[[Any], None]) -> Callable[[str], Any]:
         runner = _torch_runner(model_dir)
         patch(runner)
         return runner
+
     return factory
 
 
@@ -95,51 +116,79 @@ def _shifted_page_table_runner(decode_only: bool) -> Callable[[str], Any]:
             self.views = []
             for group, window in enumerate(group_windows):
                 indices = np.asarray(plan.kv_indices[group], dtype=np.uint32)
-                end = int(plan.kv_indptr[group][plan.num_decode_sequences]) if decode_only \
+                end = (
+                    int(plan.kv_indptr[group][plan.num_decode_sequences])
+                    if decode_only
                     else len(indices)
+                )
                 shifted = indices.copy()
-                shifted[:end] = np.append(indices, np.uint32(0))[1:end + 1]
-                self.views.append(build_sequence_views(
-                    plan.query_indptr, plan.seq_lens, plan.kv_indptr[group], shifted,
-                    step.positions, page_size, window, step.device))
+                shifted[:end] = np.append(indices, np.uint32(0))[1 : end + 1]
+                self.views.append(
+                    build_sequence_views(
+                        plan.query_indptr,
+                        plan.seq_lens,
+                        plan.kv_indptr[group],
+                        shifted,
+                        step.positions,
+                        page_size,
+                        window,
+                        step.device,
+                    )
+                )
 
-    return lambda model_dir: TorchRunner.from_pretrained(model_dir, device="cpu",
-                                                         dtype=torch.float32,
-                                                         attention_backend=ShiftedPageTable())
+    return lambda model_dir: TorchRunner.from_pretrained(
+        model_dir, device="cpu", dtype=torch.float32, attention_backend=ShiftedPageTable()
+    )
 
 
 def _wrong_rope_theta(runner: Any) -> None:
     head_dim = runner.model.head_dim
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-    runner.model.rotary["*"].inv_freq = 1.0 / (1e6 ** exponents)   # the checkpoint says 1e4
+    runner.model.rotary["*"].inv_freq = 1.0 / (1e6**exponents)  # the checkpoint says 1e4
 
 
 def _swap_layer1_norms(runner: Any) -> None:
     weights = runner.child_weights[1]
-    weights["input_layernorm"], weights["post_attention_layernorm"] = \
-        weights["post_attention_layernorm"], weights["input_layernorm"]
+    weights["input_layernorm"], weights["post_attention_layernorm"] = (
+        weights["post_attention_layernorm"],
+        weights["input_layernorm"],
+    )
 
 
 def _moe_patch(field: str, value: Any) -> Callable[[Any], None]:
     """Route with one setting wrong: ``norm_topk_prob`` or ``num_experts_per_tok``."""
+
     def patch(runner: Any) -> None:
         from resin.runners.torch.blocks import topk_moe_block
 
         settings = {"norm_topk_prob": True, "num_experts_per_tok": 2, field: value}
-        wrong = topk_moe_block(renormalise=settings["norm_topk_prob"],
-                               num_experts_per_tok=settings["num_experts_per_tok"])
+        wrong = topk_moe_block(
+            renormalise=settings["norm_topk_prob"],
+            num_experts_per_tok=settings["num_experts_per_tok"],
+        )
         for layer in runner.model.layers:
             if "gate.weight" in runner.child_weights[layer.index]["mlp"]:
                 layer.children["mlp"] = wrong
+
     return patch
 
 
 # -- report logic, no model ---------------------------------------------------------------
 
+
 def test_compare_layers_names_first_departure_and_report_serialises() -> None:
-    hf = {name: torch.ones(3, 4) for name in
-          ["embed_tokens", "layers.0.input_layernorm", "layers.0.self_attn",
-           "layers.0.post_attention_layernorm", "layers.0.mlp", "layers.0", "norm"]}
+    hf = {
+        name: torch.ones(3, 4)
+        for name in [
+            "embed_tokens",
+            "layers.0.input_layernorm",
+            "layers.0.self_attn",
+            "layers.0.post_attention_layernorm",
+            "layers.0.mlp",
+            "layers.0",
+            "norm",
+        ]
+    }
     runner = {k: v.clone() for k, v in hf.items()}
     runner["layers.0.self_attn"] = runner["layers.0.self_attn"] + 1e-3
     runner["layers.0.mlp"] = runner["layers.0.mlp"] * 2
@@ -147,8 +196,14 @@ def test_compare_layers_names_first_departure_and_report_serialises() -> None:
     assert not stage.passed and stage.first_mismatch is not None
     assert (stage.first_mismatch["layer"], stage.first_mismatch["module"]) == (0, "self_attn")
     assert [r["passed"] for r in rows] == [True, True, False, True, False, True, True]
-    report = ParityReport("m", "fake", "float32", Tolerances(), rows,
-                          [stage, StageResult("greedy/page_size=1", True, "ok")])
+    report = ParityReport(
+        "m",
+        "fake",
+        "float32",
+        Tolerances(),
+        rows,
+        [stage, StageResult("greedy/page_size=1", True, "ok")],
+    )
     data = json.loads(report.to_json())
     assert data["passed"] is False and data["first_departure"]["name"] == "layers.0.self_attn"
     assert "FAIL" in report.summary() and "layer 0 self_attn" in report.summary()
@@ -160,13 +215,21 @@ def test_compare_layers_names_first_departure_and_report_serialises() -> None:
 
 # -- correct runners pass ------------------------------------------------------------------
 
+
 def test_harness_passes_on_tiny_llama(llama_dir: Path) -> None:
     report = run_parity(llama_dir, _torch_runner)
     assert report.passed, report.summary()
     names = [s.name for s in report.stages]
-    assert names == ["layers", "logits", "greedy/page_size=1", "greedy/page_size=16",
-                     "greedy/page_size=64", "greedy/chunked_prefill", "greedy/prefix_cache",
-                     "greedy/preemption"]
+    assert names == [
+        "layers",
+        "logits",
+        "greedy/page_size=1",
+        "greedy/page_size=16",
+        "greedy/page_size=64",
+        "greedy/chunked_prefill",
+        "greedy/prefix_cache",
+        "greedy/preemption",
+    ]
     assert len(report.layers) == 1 + 2 * 5 + 1
     assert report.stage("greedy/prefix_cache").metrics["num_cached_tokens"] > 0
     assert report.stage("greedy/preemption").metrics["num_preemptions"] > 0
@@ -179,8 +242,9 @@ def test_cli_writes_json_and_exits_zero(llama_dir: Path, tmp_path: Path) -> None
     from resin.evals.cli import eval_app
 
     out = tmp_path / "parity.json"
-    result = CliRunner().invoke(eval_app, ["parity", str(llama_dir), "--json", str(out),
-                                           "--max-new-tokens", "4"])
+    result = CliRunner().invoke(
+        eval_app, ["parity", str(llama_dir), "--json", str(out), "--max-new-tokens", "4"]
+    )
     assert result.exit_code == 0, result.output
     assert "parity PASS" in result.output
     assert json.loads(out.read_text())["passed"] is True
@@ -188,17 +252,20 @@ def test_cli_writes_json_and_exits_zero(llama_dir: Path, tmp_path: Path) -> None
     assert bad.exit_code == 2
 
 
-def test_cli_exits_one_on_a_parity_failure(llama_dir: Path, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_exits_one_on_a_parity_failure(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from typer.testing import CliRunner
 
     from resin.evals import cli
 
-    monkeypatch.setattr(cli, "_runner_factory",
-                        lambda runner, dtype, device: _patched(_swap_layer1_norms))
+    monkeypatch.setattr(
+        cli, "_runner_factory", lambda runner, dtype, device: _patched(_swap_layer1_norms)
+    )
     out = tmp_path / "parity.json"
-    result = CliRunner().invoke(cli.eval_app, ["parity", str(llama_dir), "--json", str(out),
-                                               "--max-new-tokens", "4"])
+    result = CliRunner().invoke(
+        cli.eval_app, ["parity", str(llama_dir), "--json", str(out), "--max-new-tokens", "4"]
+    )
     assert result.exit_code == 1, result.output
     assert "parity FAIL" in result.output and "layer 1 input_layernorm" in result.output
     data = json.loads(out.read_text())
@@ -209,21 +276,25 @@ def test_importing_the_harness_loads_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, resin.evals, resin.evals.cli, resin.evals.parity; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+    code = (
+        "import sys, resin.evals, resin.evals.cli, resin.evals.parity; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("arch", sorted(p.name for p in FIXTURES.glob("*")
-                                        if (p / "config.json").is_file()))
+@pytest.mark.parametrize(
+    "arch", sorted(p.name for p in FIXTURES.glob("*") if (p / "config.json").is_file())
+)
 def test_harness_passes_on_fixture(arch: str) -> None:
     report = run_parity(FIXTURES / arch, _torch_runner, prompts=QUICK_PROMPTS, max_new_tokens=4)
     assert report.passed, report.summary()
 
 
 # -- broken runners are caught and localised -------------------------------------------------
+
 
 def test_catches_wrong_rope_theta(llama_dir: Path) -> None:
     report = run_parity(llama_dir, _patched(_wrong_rope_theta), checks=("layers",))
@@ -238,12 +309,16 @@ def test_catches_swapped_norms(llama_dir: Path) -> None:
     assert not report.passed
     first = report.first_departure
     assert first is not None and (first["layer"], first["module"]) == (1, "input_layernorm")
-    assert all(r["passed"] for r in report.layers if r["layer"] == 0)   # layer 0 is fine
+    assert all(r["passed"] for r in report.layers if r["layer"] == 0)  # layer 0 is fine
 
 
 def test_catches_page_table_off_by_one(llama_dir: Path) -> None:
-    report = run_parity(llama_dir, _shifted_page_table_runner(decode_only=False),
-                        prompts=QUICK_PROMPTS, max_new_tokens=4)
+    report = run_parity(
+        llama_dir,
+        _shifted_page_table_runner(decode_only=False),
+        prompts=QUICK_PROMPTS,
+        max_new_tokens=4,
+    )
     assert not report.passed
     first = report.first_departure
     assert first is not None and (first["layer"], first["module"]) == (0, "self_attn")
@@ -254,8 +329,12 @@ def test_catches_decode_only_page_table_bug_in_engine_stages(llama_dir: Path) ->
     """A bug the one-prefill stages cannot see is caught by the engine stages, at the first
     token a decode-shaped row produced (output position >= 1, or 0 for a 1-token prompt,
     whose prefill row is decode-shaped), with the request named."""
-    report = run_parity(llama_dir, _shifted_page_table_runner(decode_only=True),
-                        prompts=QUICK_PROMPTS, max_new_tokens=4)
+    report = run_parity(
+        llama_dir,
+        _shifted_page_table_runner(decode_only=True),
+        prompts=QUICK_PROMPTS,
+        max_new_tokens=4,
+    )
     assert report.stage("layers").passed and report.stage("logits").passed
     assert not report.passed
     stage = report.stage("greedy/page_size=16")

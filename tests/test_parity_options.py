@@ -46,8 +46,9 @@ def test_reference_that_fails_to_load_is_a_failed_stage(tmp_path: Path) -> None:
     assert "[FAIL] reference: HF reference failed to load" in report.summary()
 
 
-def test_reference_forward_that_raises_fails_every_stage(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reference_forward_that_raises_fails_every_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_load = parity_mod.load_hf_model
 
     def broken(model_dir: Any, dtype: str = "float32") -> Any:
@@ -60,19 +61,27 @@ def test_reference_forward_that_raises_fails_every_stage(tmp_path: Path,
         return model
 
     monkeypatch.setattr(parity_mod, "load_hf_model", broken)
-    report = run_parity(_copy("llama", tmp_path), runner_factory=lambda _p: object(),
-                        max_new_tokens=2)
+    report = run_parity(
+        _copy("llama", tmp_path), runner_factory=lambda _p: object(), max_new_tokens=2
+    )
     names = [s.name for s in report.stages]
     assert names == ["layers", "logits", *GREEDY_STAGES]
     assert not any(s.passed for s in report.stages)
-    assert report.stage("layers").detail == \
-        "reference crashed: HF forward (float32) raised RuntimeError: boom in HF layer 0"
+    assert (
+        report.stage("layers").detail
+        == "reference crashed: HF forward (float32) raised RuntimeError: boom in HF layer 0"
+    )
     assert report.stage("greedy/preemption").detail.startswith(
-        "reference crashed: HF greedy decoding raised RuntimeError: boom")
+        "reference crashed: HF greedy decoding raised RuntimeError: boom"
+    )
     assert report.reference_error == report.stage("layers").detail
     # greedy only: the greedy loop's failure is the recorded reason
-    only_greedy = run_parity(_copy("qwen3", tmp_path), runner_factory=lambda _p: object(),
-                             max_new_tokens=2, checks=("greedy",))
+    only_greedy = run_parity(
+        _copy("qwen3", tmp_path),
+        runner_factory=lambda _p: object(),
+        max_new_tokens=2,
+        checks=("greedy",),
+    )
     assert [s.name for s in only_greedy.stages] == list(GREEDY_STAGES)
     assert only_greedy.reference_error.startswith("reference crashed: HF greedy decoding")
 
@@ -84,7 +93,7 @@ def test_cli_reports_a_broken_reference_with_exit_1(tmp_path: Path) -> None:
     result = CliRunner().invoke(eval_app, ["parity", str(ckpt), "--json", str(out)])
     assert result.exit_code == 1, result.output
     assert "[FAIL] reference: HF reference failed to load" in result.output
-    assert isinstance(result.exception, SystemExit)      # typer.Exit(1), not a traceback
+    assert isinstance(result.exception, SystemExit)  # typer.Exit(1), not a traceback
     data = json.loads(out.read_text())
     assert data["stages"][0]["name"] == "reference" and not data["passed"]
 
@@ -97,8 +106,9 @@ def _text(output: str) -> str:
 def _model_dir(tmp_path: Path, checkpoint: Path) -> Path:
     model_dir = tmp_path / "mymodel"
     model_dir.mkdir()
-    (model_dir / "architecture.json").write_text(json.dumps(
-        {"name": "mymodel", "architectures": ["LlamaForCausalLM"]}))
+    (model_dir / "architecture.json").write_text(
+        json.dumps({"name": "mymodel", "architectures": ["LlamaForCausalLM"]})
+    )
     (model_dir / "parity.toml").write_text(f'[reference]\ncheckpoint = "{checkpoint}"\n')
     return model_dir
 
@@ -107,9 +117,21 @@ def test_checkpoint_option_overrides_parity_toml(tmp_path: Path) -> None:
     model_dir = _model_dir(tmp_path, FIXTURES / "llama")
     other = _copy("qwen3", tmp_path)
     out = tmp_path / "report.json"
-    result = CliRunner().invoke(eval_app, ["parity", str(model_dir), "--runner", "torch",
-                                           "--checkpoint", str(other), "--max-new-tokens", "2",
-                                           "--json", str(out)])
+    result = CliRunner().invoke(
+        eval_app,
+        [
+            "parity",
+            str(model_dir),
+            "--runner",
+            "torch",
+            "--checkpoint",
+            str(other),
+            "--max-new-tokens",
+            "2",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert f"parity PASS: {other}" in result.output and "greedy/preemption" in result.output
     data = json.loads(out.read_text())
@@ -119,9 +141,11 @@ def test_checkpoint_option_overrides_parity_toml(tmp_path: Path) -> None:
 
 def test_checkpoint_option_usage_errors(tmp_path: Path) -> None:
     model_dir = _model_dir(tmp_path, FIXTURES / "llama")
-    missing = CliRunner().invoke(eval_app, ["parity", str(model_dir),
-                                            "--checkpoint", str(tmp_path / "nope")])
+    missing = CliRunner().invoke(
+        eval_app, ["parity", str(model_dir), "--checkpoint", str(tmp_path / "nope")]
+    )
     assert missing.exit_code == 2 and "no config.json" in _text(missing.output)
-    plain = CliRunner().invoke(eval_app, ["parity", str(FIXTURES / "llama"),
-                                          "--checkpoint", str(FIXTURES / "qwen3")])
+    plain = CliRunner().invoke(
+        eval_app, ["parity", str(FIXTURES / "llama"), "--checkpoint", str(FIXTURES / "qwen3")]
+    )
     assert plain.exit_code == 2 and "itself a checkpoint" in _text(plain.output)

@@ -12,10 +12,10 @@ stays far above it. The 5% default rule itself is tested on synthetic reports.
 from __future__ import annotations
 
 import json
-import shutil
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -34,31 +34,40 @@ REPO = Path(__file__).resolve().parents[1]
 LLAMA = REPO / "tests" / "fixtures" / "llama"
 SKILL = REPO / "skills" / "optimize-perf" / "SKILL.md"
 SHAPES = "decode:1,8,16@16 prefill:16 e2e:4@16+4"
-SLOWED = ["decode:8@16", "decode:16@16"]   # decode steps of >= 8 sequences
-SLOW_SLEEP = 7           # the slowed forward sleeps 7x its own time: 8x slower in all
-TEST_THRESHOLD = "1.5"   # regressed = more than 2.5x slower (and beyond the measured noise)
+SLOWED = ["decode:8@16", "decode:16@16"]  # decode steps of >= 8 sequences
+SLOW_SLEEP = 7  # the slowed forward sleeps 7x its own time: 8x slower in all
+TEST_THRESHOLD = "1.5"  # regressed = more than 2.5x slower (and beyond the measured noise)
 
 
 # -- shapes and perf.toml ------------------------------------------------------------------
 
+
 def test_parse_shapes_ids_round_trip() -> None:
     shapes = parse_shapes("decode:1,8@128,512 prefill:64 e2e:2@16+4 decode:1@128")
-    assert [s.id for s in shapes] == ["decode:1@128", "decode:1@512", "decode:8@128",
-                                      "decode:8@512", "prefill:64", "e2e:2@16+4"]
+    assert [s.id for s in shapes] == [
+        "decode:1@128",
+        "decode:1@512",
+        "decode:8@128",
+        "decode:8@512",
+        "prefill:64",
+        "e2e:2@16+4",
+    ]
     assert parse_shapes(" ".join(s.id for s in shapes)) == shapes
     assert shapes[-1] == Shape("e2e", batch_size=2, context_len=16, num_output_tokens=4)
 
 
-@pytest.mark.parametrize("bad", ["decode:8", "decode:0@16", "prefill:16@4", "warp:1@2",
-                                 "e2e:2@16", "decode:a@16", ""])
+@pytest.mark.parametrize(
+    "bad", ["decode:8", "decode:0@16", "prefill:16@4", "warp:1@2", "e2e:2@16", "decode:a@16", ""]
+)
 def test_parse_shapes_rejects_bad_specs(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_shapes(bad)
 
 
 def test_perf_toml(tmp_path: Path) -> None:
-    (tmp_path / "perf.toml").write_text('shapes = "decode:2@8 prefill:8"\nrepeats = 3\n'
-                                        'threshold = 0.1\n')
+    (tmp_path / "perf.toml").write_text(
+        'shapes = "decode:2@8 prefill:8"\nrepeats = 3\nthreshold = 0.1\n'
+    )
     spec = load_perf_spec(tmp_path)
     assert [s.id for s in spec.shapes] == ["decode:2@8", "prefill:8"]
     assert (spec.repeats, spec.threshold, spec.warmup) == (3, 0.1, None)
@@ -76,31 +85,32 @@ def test_perf_toml_tables(tmp_path: Path) -> None:
     (tmp_path / "perf.toml").write_text(
         'shapes = "e2e:2@8+4"\n[reference]\ncheckpoint = "ckpt"\ndtype = "bfloat16"\n'
         'device = "cuda"\n[decode]\nbatch_sizes = [1, 4]\ncontext_lens = [16]\n'
-        '[prefill]\nchunk_sizes = [32]\n[model]\nnum_layers = 2\nhidden_size = 64\n')
+        "[prefill]\nchunk_sizes = [32]\n[model]\nnum_layers = 2\nhidden_size = 64\n"
+    )
     spec = load_perf_spec(tmp_path / "perf.toml")
-    assert [s.id for s in spec.shapes] == ["e2e:2@8+4", "decode:1@16", "decode:4@16",
-                                           "prefill:32"]
+    assert [s.id for s in spec.shapes] == ["e2e:2@8+4", "decode:1@16", "decode:4@16", "prefill:32"]
     assert (spec.dtype, spec.device, spec.checkpoint) == ("bfloat16", "cuda", tmp_path / "ckpt")
 
 
 # -- the cost model ------------------------------------------------------------------------
 
+
 def test_step_cost_decode_by_hand() -> None:
-    c = load_model_config(LLAMA)   # h 64, I 128, 4 layers, 4 q / 2 kv heads of 16, vocab 384
+    c = load_model_config(LLAMA)  # h 64, I 128, 4 layers, 4 q / 2 kv heads of 16, vocab 384
     cost = step_cost(c, np.ones(8), np.full(8, 128), num_sampled=8, dtype_bytes=4)
     params_per_layer = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
     assert cost.matmul_flops == 2 * 8 * 4 * params_per_layer + 2 * 8 * 64 * 384
-    assert cost.attention_flops == 4 * 4 * 16 * (8 * 129) * 4      # each row attends 129 keys
+    assert cost.attention_flops == 4 * 4 * 16 * (8 * 129) * 4  # each row attends 129 keys
     kv_token = 2 * 2 * 16 * 4
-    assert cost.kv_bytes == 4 * (8 * 129 + 8) * kv_token            # read context, write 8
+    assert cost.kv_bytes == 4 * (8 * 129 + 8) * kv_token  # read context, write 8
     assert cost.weight_bytes == 4 * (4 * (params_per_layer + 2 * 64) + 64 * 384 + 64 + 8 * 64)
 
 
 def test_step_cost_sliding_window_and_moe() -> None:
-    mistral = load_model_config(REPO / "tests" / "fixtures" / "mistral")   # window 32
+    mistral = load_model_config(REPO / "tests" / "fixtures" / "mistral")  # window 32
     assert mistral.sliding_window_tokens == 32
     cost = step_cost(mistral, np.array([40]), np.array([0]), num_sampled=1, dtype_bytes=2)
-    pairs = 32 * 33 // 2 + 8 * 32                  # keys attended by positions 0..39, window 32
+    pairs = 32 * 33 // 2 + 8 * 32  # keys attended by positions 0..39, window 32
     assert cost.attention_flops == 4 * 4 * 16 * pairs * 3
     moe = load_model_config(REPO / "tests" / "fixtures" / "qwen3_moe")
     assert moe.moe is not None
@@ -110,7 +120,8 @@ def test_step_cost_sliding_window_and_moe() -> None:
     expert_bytes = 3 * h * m.moe_intermediate_size * 2 * len(m.moe_layer_indices)
     # One token reads exactly top_k experts per MoE layer; 4096 tokens read all of them.
     assert many.weight_bytes - one.weight_bytes == pytest.approx(
-        (m.num_experts - m.num_experts_per_tok) * expert_bytes + 4095 * h * 2, rel=1e-6)
+        (m.num_experts - m.num_experts_per_tok) * expert_bytes + 4095 * h * 2, rel=1e-6
+    )
 
 
 def test_generic_dims_match_the_parsed_config(tmp_path: Path) -> None:
@@ -122,8 +133,9 @@ def test_generic_dims_match_the_parsed_config(tmp_path: Path) -> None:
     for name in ("llama", "qwen3_moe", "mistral"):
         raw = json.loads((REPO / "tests" / "fixtures" / name / "config.json").read_text())
         parsed = load_model_config(REPO / "tests" / "fixtures" / name)
-        assert step_cost(generic_dims(raw), queries, contexts, 3, 2) == \
-            step_cost(parsed, queries, contexts, 3, 2), name
+        assert step_cost(generic_dims(raw), queries, contexts, 3, 2) == step_cost(
+            parsed, queries, contexts, 3, 2
+        ), name
     raw = json.loads((LLAMA / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": ["FancyLM"]}))
     dims, note = load_dims(tmp_path)
@@ -134,18 +146,34 @@ def test_generic_dims_match_the_parsed_config(tmp_path: Path) -> None:
 
 # -- the regression rule -------------------------------------------------------------------
 
+
 def _report(times: dict[str, tuple[float, float]], **top: Any) -> dict[str, Any]:
-    return {"model": "m", "device": "cpu", "dtype": "float32", **top,
-            "shapes": [{"id": i, "time": {"median_s": m, "spread_s": s}}
-                       for i, (m, s) in times.items()]}
+    return {
+        "model": "m",
+        "device": "cpu",
+        "dtype": "float32",
+        **top,
+        "shapes": [
+            {"id": i, "time": {"median_s": m, "spread_s": s}} for i, (m, s) in times.items()
+        ],
+    }
 
 
 def test_compare_needs_threshold_and_noise() -> None:
-    base = _report({"a": (1.0, 0.01), "b": (1.0, 0.01), "c": (1.0, 0.2), "d": (1.0, 0.01),
-                    "gone": (1.0, 0.0)})
-    new = _report({"a": (1.04, 0.01), "b": (1.08, 0.01), "c": (1.3, 0.2), "d": (0.5, 0.01),
-                   "new": (1.0, 0.0)}, dtype="bfloat16")
-    result = compare(new, base)   # default threshold 5%
+    base = _report(
+        {"a": (1.0, 0.01), "b": (1.0, 0.01), "c": (1.0, 0.2), "d": (1.0, 0.01), "gone": (1.0, 0.0)}
+    )
+    new = _report(
+        {
+            "a": (1.04, 0.01),
+            "b": (1.08, 0.01),
+            "c": (1.3, 0.2),
+            "d": (0.5, 0.01),
+            "new": (1.0, 0.0),
+        },
+        dtype="bfloat16",
+    )
+    result = compare(new, base)  # default threshold 5%
     # a: within 5%; b: 8% slower, beyond noise; c: 30% slower but inside the 0.4 s noise band.
     assert result.regressed == ["b"] and result.improved == ["d"] and not result.passed
     assert result.missing_in_baseline == ["new"] and result.missing_in_new == ["gone"]
@@ -155,6 +183,7 @@ def test_compare_needs_threshold_and_noise() -> None:
 
 
 # -- the command ---------------------------------------------------------------------------
+
 
 @pytest.fixture
 def cli(monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -176,18 +205,33 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _bench(cli: Any, out: Path, *extra: str) -> tuple[Any, dict[str, Any]]:
-    result = cli("bench", str(LLAMA), "--shapes", SHAPES, "--repeats", "12", "--warmup", "2",
-                 "--num-threads", "1", "--out", str(out), *extra)
-    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() \
-        else {}
+    result = cli(
+        "bench",
+        str(LLAMA),
+        "--shapes",
+        SHAPES,
+        "--repeats",
+        "12",
+        "--warmup",
+        "2",
+        "--num-threads",
+        "1",
+        "--out",
+        str(out),
+        *extra,
+    )
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     return result, report
 
 
 def test_bench_writes_report(cli: Any, tmp_path: Path) -> None:
     result, report = _bench(cli, tmp_path / "r")
     assert result.exit_code == 0, result.output
-    assert {p.name for p in (tmp_path / "r").iterdir()} == {"report.json", "report.md",
-                                                            "report.png"}
+    assert {p.name for p in (tmp_path / "r").iterdir()} == {
+        "report.json",
+        "report.md",
+        "report.png",
+    }
     assert (tmp_path / "r" / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert [s["id"] for s in report["shapes"]] == [s.id for s in parse_shapes(SHAPES)]
     assert report["model"] == "llama" and report["device"] == "cpu" and report["comparison"] is None
@@ -207,8 +251,9 @@ def test_bench_writes_report(cli: Any, tmp_path: Path) -> None:
     assert "decode:1@16" in result.output.splitlines()[2]
 
 
-def test_bench_catches_injected_slowdown(cli: Any, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_catches_injected_slowdown(
+    cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from resin.runners.torch import TorchRunner
 
     result, _ = _bench(cli, tmp_path / "base")
@@ -220,13 +265,14 @@ def test_bench_catches_injected_slowdown(cli: Any, tmp_path: Path,
     def slow_forward(self: Any, plan: Any) -> Any:
         start = time.perf_counter()
         output = original(self, plan)
-        if plan.num_decode_sequences >= 8:   # 8x slower decode steps of >= 8 sequences
+        if plan.num_decode_sequences >= 8:  # 8x slower decode steps of >= 8 sequences
             time.sleep(SLOW_SLEEP * (time.perf_counter() - start))
         return output
 
     monkeypatch.setattr(TorchRunner, "forward", slow_forward)
-    result, report = _bench(cli, tmp_path / "slow", "--baseline", baseline,
-                            "--threshold", TEST_THRESHOLD)
+    result, report = _bench(
+        cli, tmp_path / "slow", "--baseline", baseline, "--threshold", TEST_THRESHOLD
+    )
     assert result.exit_code == 1, result.output
     assert report["comparison"]["regressed"] == SLOWED, result.output
     assert f"REGRESSED 2 shape(s): {SLOWED[0]} x" in result.output
@@ -236,14 +282,16 @@ def test_bench_catches_injected_slowdown(cli: Any, tmp_path: Path,
     assert [len(s["discarded_medians_s"]) for s in report["shapes"]] == [0, 1, 1, 0, 0]
 
     monkeypatch.setattr(TorchRunner, "forward", original)
-    result, report = _bench(cli, tmp_path / "clean", "--baseline", baseline,
-                            "--threshold", TEST_THRESHOLD)
+    result, report = _bench(
+        cli, tmp_path / "clean", "--baseline", baseline, "--threshold", TEST_THRESHOLD
+    )
     assert result.exit_code == 0, result.output
     assert report["comparison"]["passed"] and report["comparison"]["regressed"] == []
 
 
-def test_bench_confirmation_drops_a_transient_slowdown(cli: Any, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_confirmation_drops_a_transient_slowdown(
+    cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A slowdown during only the first measurement of decode:8@16 (a burst of load) is flagged
     with --confirm 0 and cleared by the default re-measurement."""
     from resin.evals.perf_measure import ShapeRunner
@@ -273,14 +321,24 @@ def test_bench_confirmation_drops_a_transient_slowdown(cli: Any, tmp_path: Path,
 
     monkeypatch.setattr(TorchRunner, "forward", forward)
     monkeypatch.setattr(ShapeRunner, "measure", measure)
-    result, report = _bench(cli, tmp_path / "once", "--baseline", baseline,
-                            "--threshold", TEST_THRESHOLD, "--confirm", "0")
+    result, report = _bench(
+        cli,
+        tmp_path / "once",
+        "--baseline",
+        baseline,
+        "--threshold",
+        TEST_THRESHOLD,
+        "--confirm",
+        "0",
+    )
     # Without confirmation the burst is reported (another shape may be too, on a busy machine).
-    assert result.exit_code == 1 and "decode:8@16" in report["comparison"]["regressed"], \
+    assert result.exit_code == 1 and "decode:8@16" in report["comparison"]["regressed"], (
         result.output
+    )
     state["calls"] = 0
-    result, report = _bench(cli, tmp_path / "confirmed", "--baseline", baseline,
-                            "--threshold", TEST_THRESHOLD)
+    result, report = _bench(
+        cli, tmp_path / "confirmed", "--baseline", baseline, "--threshold", TEST_THRESHOLD
+    )
     assert result.exit_code == 0, result.output
     assert state["calls"] == 2 and "re-measured decode:8@16" in result.output
     decode8 = next(s for s in report["shapes"] if s["id"] == "decode:8@16")
@@ -295,8 +353,10 @@ def test_bench_usage_errors(cli: Any, tmp_path: Path) -> None:
     result = cli("bench", str(LLAMA), "--baseline", str(tmp_path / "bad.json"))
     assert result.exit_code == 2 and "not a resin bench report" in result.output
     # Every shape longer than max_position_embeddings (512): a usage error, nothing measured.
-    assert cli("bench", str(LLAMA), "--shapes", "prefill:600", "--out",
-               str(tmp_path / "x")).exit_code == 2
+    assert (
+        cli("bench", str(LLAMA), "--shapes", "prefill:600", "--out", str(tmp_path / "x")).exit_code
+        == 2
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -313,8 +373,10 @@ def test_bench_reads_model_perf_toml(cli: Any, tmp_path: Path) -> None:
     """A model directory (``models/NAME`` layout): shapes and repeats come from its perf.toml."""
     model = _generated(tmp_path / "tiny_llama")
     (model / "parity.toml").write_text(f'[reference]\ncheckpoint = "{LLAMA}"\n')
-    (model / "perf.toml").write_text('repeats = 3\n[decode]\nbatch_sizes = [2]\n'
-                                     'context_lens = [8]\n[prefill]\nchunk_sizes = [8]\n')
+    (model / "perf.toml").write_text(
+        "repeats = 3\n[decode]\nbatch_sizes = [2]\n"
+        "context_lens = [8]\n[prefill]\nchunk_sizes = [8]\n"
+    )
     result = cli("bench", str(model), "--out", str(tmp_path / "r"), "--warmup", "0")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -335,8 +397,16 @@ def test_bench_an_architecture_resin_loading_does_not_parse(cli: Any, tmp_path: 
     (model / "architecture.json").write_text(json.dumps({**record, "architectures": ["FancyLM"]}))
     for spec in ("parity.toml", "perf.toml"):
         (model / spec).write_text('[reference]\ncheckpoint = "tiny"\ndtype = "float32"\n')
-    result = cli("bench", str(tmp_path / "fancy"), "--shapes", "decode:2@8", "--repeats", "2",
-                 "--out", str(tmp_path / "r"))
+    result = cli(
+        "bench",
+        str(tmp_path / "fancy"),
+        "--shapes",
+        "decode:2@8",
+        "--repeats",
+        "2",
+        "--out",
+        str(tmp_path / "r"),
+    )
     assert result.exit_code == 0, result.output
     assert "FancyLM is not parsed by resin.loading" in result.output
     report = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -345,8 +415,18 @@ def test_bench_an_architecture_resin_loading_does_not_parse(cli: Any, tmp_path: 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_bench_cuda(cli: Any, tmp_path: Path) -> None:
-    result = cli("bench", str(LLAMA), "--device", "cuda", "--shapes", "decode:1,8@16 prefill:16",
-                 "--repeats", "5", "--out", str(tmp_path / "r"))
+    result = cli(
+        "bench",
+        str(LLAMA),
+        "--device",
+        "cuda",
+        "--shapes",
+        "decode:1,8@16 prefill:16",
+        "--repeats",
+        "5",
+        "--out",
+        str(tmp_path / "r"),
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["device"] == "cuda" and report["calibration"]["matmul_n"] == 8192
@@ -354,10 +434,13 @@ def test_bench_cuda(cli: Any, tmp_path: Path) -> None:
 
 
 def test_import_perf_loads_no_torch_or_matplotlib() -> None:
-    code = ("import sys, resin.cli, resin.evals.perf; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib')))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)
+    code = (
+        "import sys, resin.cli, resin.evals.perf; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
@@ -414,13 +497,25 @@ def test_skill_commands_run(tmp_path: Path) -> None:
         if kind == "save":
             (tmp_path / command).write_text(code)
             continue
-        if command in done_commands:   # parity is shown twice (before and after changes)
+        if command in done_commands:  # parity is shown twice (before and after changes)
             continue
         done_commands.add(command)
-        line = command + (SKILL_BENCH_SHRINK if command.startswith("resin bench") else
-                          SKILL_PARITY_SHRINK if command.startswith("resin eval parity") else "")
-        result = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, text=True,
-                                capture_output=True, timeout=600, check=False)
+        line = command + (
+            SKILL_BENCH_SHRINK
+            if command.startswith("resin bench")
+            else SKILL_PARITY_SHRINK
+            if command.startswith("resin eval parity")
+            else ""
+        )
+        result = subprocess.run(
+            ["bash", "-c", line],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=600,
+            check=False,
+        )
         output = result.stdout + result.stderr
         if command.startswith("resin bench") and "--baseline" in command:
             # Exit 1 is a legitimate verdict on a noisy machine; it must agree with the JSON.
@@ -433,5 +528,6 @@ def test_skill_commands_run(tmp_path: Path) -> None:
         if command.startswith("resin bench"):
             assert "report:" in output and "result:" in output
     reports = tmp_path / "evals" / "perf" / "reports"
-    assert {"llama-before", "llama-after", "llama-vs-committed", "llama-trace.json"} <= \
-        {p.name for p in reports.iterdir()}
+    assert {"llama-before", "llama-after", "llama-vs-committed", "llama-trace.json"} <= {
+        p.name for p in reports.iterdir()
+    }

@@ -23,8 +23,9 @@ from resin import LayerCacheSpec, SamplingParams
 
 
 def config(**kw: Any) -> resin.EngineConfig:
-    base = dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
-                max_model_len=128)
+    base = dict(
+        page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128
+    )
     return resin.EngineConfig(**{**base, **kw})
 
 
@@ -38,7 +39,7 @@ def rows_of(plans: list[dict[str, Any]], rid: str) -> list[tuple[dict[str, Any],
 
 def row_pages(plan: dict[str, Any], g: int, i: int) -> list[int]:
     indptr = plan["kv_indptr"][g]
-    return plan["kv_indices"][g][indptr[i]:indptr[i + 1]].tolist()
+    return plan["kv_indices"][g][indptr[i] : indptr[i + 1]].tolist()
 
 
 def test_single_request_exact_plans() -> None:
@@ -47,10 +48,21 @@ def test_single_request_exact_plans() -> None:
     h.add("r", prompt, SamplingParams(max_tokens=3))
     final = h.run()
     plans = h.runner.plans
-    shape = [(p["num_computed_tokens"].tolist(), p["seq_lens"].tolist(), p["query_indptr"].tolist(),
-              p["sample_indptr"].tolist(), p["num_decode_sequences"]) for p in plans]
-    assert shape == [([0], [10], [0, 10], [0, 1], 0), ([10], [11], [0, 1], [0, 1], 1),
-                     ([11], [12], [0, 1], [0, 1], 1)]
+    shape = [
+        (
+            p["num_computed_tokens"].tolist(),
+            p["seq_lens"].tolist(),
+            p["query_indptr"].tolist(),
+            p["sample_indptr"].tolist(),
+            p["num_decode_sequences"],
+        )
+        for p in plans
+    ]
+    assert shape == [
+        ([0], [10], [0, 10], [0, 1], 0),
+        ([10], [11], [0, 1], [0, 1], 1),
+        ([11], [12], [0, 1], [0, 1], 1),
+    ]
     assert plans[0]["input_ids"].tolist() == prompt
     assert plans[0]["positions"].tolist() == list(range(10))
     assert [p["input_ids"].tolist() for p in plans[1:]] == [[1010], [1011]]
@@ -76,8 +88,14 @@ def test_chunked_prefill_samples_only_the_last_chunk() -> None:
     reported = []
     while h.engine.has_unfinished():
         reported.append([o.request_id for o in h.step()])
-    rows = [(int(p["num_computed_tokens"][0]), int(p["seq_lens"][0]) - int(p["num_computed_tokens"][0]),
-             int(p["sample_indptr"][1])) for p in h.runner.plans]
+    rows = [
+        (
+            int(p["num_computed_tokens"][0]),
+            int(p["seq_lens"][0]) - int(p["num_computed_tokens"][0]),
+            int(p["sample_indptr"][1]),
+        )
+        for p in h.runner.plans
+    ]
     assert rows == [(0, 8, 0), (8, 8, 0), (16, 4, 1), (20, 1, 1)]
     assert reported == [[], [], ["r"], ["r"]]
     assert h.final["r"].token_ids == [1020, 1021]
@@ -125,10 +143,22 @@ def test_plan_arrays_have_contract_dtypes_and_are_read_only() -> None:
         assert isinstance(arrays, tuple) and len(arrays) == 2, name
     assert plan.block_table[0].shape[0] == 2 and plan.block_table[0].ndim == 2
     targets: list[Any] = [
-        plan.input_ids, plan.positions, plan.query_indptr, plan.seq_lens, plan.request_slots,
-        plan.num_computed_tokens, plan.sample_indptr, plan.new_request_slots,
-        plan.sampling.temperature, plan.sampling.seed, plan.kv_indptr[1], plan.kv_indices[0],
-        plan.kv_indices[1], plan.kv_last_page_len[0], plan.slot_mapping[1]]
+        plan.input_ids,
+        plan.positions,
+        plan.query_indptr,
+        plan.seq_lens,
+        plan.request_slots,
+        plan.num_computed_tokens,
+        plan.sample_indptr,
+        plan.new_request_slots,
+        plan.sampling.temperature,
+        plan.sampling.seed,
+        plan.kv_indptr[1],
+        plan.kv_indices[0],
+        plan.kv_indices[1],
+        plan.kv_last_page_len[0],
+        plan.slot_mapping[1],
+    ]
     for array in targets:
         with pytest.raises(ValueError):
             array[0] = 1
@@ -150,27 +180,53 @@ def test_plan_arrays_have_contract_dtypes_and_are_read_only() -> None:
 
 def test_request_slots_and_lifecycle_diff() -> None:
     h = Harness(config(max_num_seqs=2))
-    for rid, (length, max_tokens) in {"r0": (5, 2), "r1": (6, 5), "r2": (7, 3), "r3": (4, 1)}.items():
+    for rid, (length, max_tokens) in {
+        "r0": (5, 2),
+        "r1": (6, 5),
+        "r2": (7, 3),
+        "r3": (4, 1),
+    }.items():
         h.add(rid, prompt_of(length, length), SamplingParams(max_tokens=max_tokens))
     for _ in range(3):
         h.step()
     assert h.abort("r1") is True
     aborted = [o for o in h.step() if o.request_id == "r1"]
-    assert [(o.finished, o.finish_reason, len(o.token_ids)) for o in aborted] == [(True, "abort", 3)]
+    assert [(o.finished, o.finish_reason, len(o.token_ids)) for o in aborted] == [
+        (True, "abort", 3)
+    ]
     h.run()
     plans = h.runner.plans
-    slot = {rid: int(p["request_slots"][i]) for rid in h.prompts for p, i in rows_of(plans, rid)[:1]}
+    slot = {
+        rid: int(p["request_slots"][i]) for rid in h.prompts for p, i in rows_of(plans, rid)[:1]
+    }
     assert {slot["r0"], slot["r1"]} == {0, 1}
     assert slot["r2"] == slot["r0"] and slot["r3"] == slot["r1"]
     for rid in h.prompts:
         assert {int(p["request_slots"][i]) for p, i in rows_of(plans, rid)} == {slot[rid]}
-    diff = [(sorted(p["new_request_slots"].tolist()), p["finished_request_slots"].tolist()) for p in plans]
-    assert diff == [([0, 1], []), ([], []), ([slot["r0"]], [slot["r0"]]),
-                    ([slot["r1"]], [slot["r1"]]), ([], [slot["r3"]])]
+    diff = [
+        (sorted(p["new_request_slots"].tolist()), p["finished_request_slots"].tolist())
+        for p in plans
+    ]
+    assert diff == [
+        ([0, 1], []),
+        ([], []),
+        ([slot["r0"]], [slot["r0"]]),
+        ([slot["r1"]], [slot["r1"]]),
+        ([], [slot["r3"]]),
+    ]
     assert [p["request_ids"] for p in plans] == [
-        ["r0", "r1"], ["r0", "r1"], ["r1", "r2"], ["r2", "r3"], ["r2"]]
+        ["r0", "r1"],
+        ["r0", "r1"],
+        ["r1", "r2"],
+        ["r2", "r3"],
+        ["r2"],
+    ]
     assert {r: (o.finish_reason, len(o.token_ids)) for r, o in h.final.items()} == {
-        "r0": ("length", 2), "r1": ("abort", 3), "r2": ("length", 3), "r3": ("length", 1)}
+        "r0": ("length", 2),
+        "r1": ("abort", 3),
+        "r2": ("length", 3),
+        "r3": ("length", 1),
+    }
 
 
 def test_finished_slots_reach_the_runner_across_idle_steps() -> None:
@@ -200,29 +256,34 @@ def test_prefix_cache_hit_on_identical_prompt(length: int) -> None:
     (pa, ia), (pb, ib) = rows_of(h.runner.plans, "a")[0], rows_of(h.runner.plans, "b")[0]
     assert int(pb["num_computed_tokens"][ib]) == hit
     assert int(pb["seq_lens"][ib]) == length
-    assert row_pages(pb, 0, ib)[:hit // 4] == row_pages(pa, 0, ia)[:hit // 4]
+    assert row_pages(pb, 0, ib)[: hit // 4] == row_pages(pa, 0, ia)[: hit // 4]
     assert h.final["a"].num_cached_tokens == 0 and h.final["b"].num_cached_tokens == hit
     assert h.final["b"].token_ids == h.final["a"].token_ids + [1000 + length + 1]
 
 
-@pytest.mark.parametrize(("variant", "hit"), [("tail_differs", 12), ("head_differs", 0),
-                                              ("extends", 16), ("caching_off", 0), ("reset", 0)])
+@pytest.mark.parametrize(
+    ("variant", "hit"),
+    [("tail_differs", 12), ("head_differs", 0), ("extends", 16), ("caching_off", 0), ("reset", 0)],
+)
 def test_prefix_cache_hit_is_the_longest_matching_chain(variant: str, hit: int) -> None:
     h = Harness(config(enable_prefix_caching=variant != "caching_off"))
     prompt = prompt_of(16, 8)
     h.add("a", prompt, SamplingParams(max_tokens=1))
     h.run()
-    other = {"tail_differs": prompt[:12] + [901, 902, 903, 904, 905],
-             "head_differs": [prompt[0] + 1] + prompt[1:] + [7],
-             "extends": prompt + [5, 6, 7, 8, 9], "caching_off": prompt + [3],
-             "reset": prompt + [3]}[variant]
+    other = {
+        "tail_differs": prompt[:12] + [901, 902, 903, 904, 905],
+        "head_differs": [prompt[0] + 1] + prompt[1:] + [7],
+        "extends": prompt + [5, 6, 7, 8, 9],
+        "caching_off": prompt + [3],
+        "reset": prompt + [3],
+    }[variant]
     if variant == "reset":
         h.engine.reset_prefix_cache()
     h.add("b", other, SamplingParams(max_tokens=1))
     h.run()
     (pa, ia), (pb, ib) = rows_of(h.runner.plans, "a")[0], rows_of(h.runner.plans, "b")[0]
     assert int(pb["num_computed_tokens"][ib]) == hit == h.final["b"].num_cached_tokens
-    assert row_pages(pb, 0, ib)[:hit // 4] == row_pages(pa, 0, ia)[:hit // 4]
+    assert row_pages(pb, 0, ib)[: hit // 4] == row_pages(pa, 0, ia)[: hit // 4]
 
 
 def test_prefix_pages_shared_with_a_running_request() -> None:
@@ -277,8 +338,12 @@ def test_prefix_cache_hit_with_a_sliding_window_group() -> None:
 
 def test_sliding_window_group_lists_only_window_pages() -> None:
     window = 8
-    specs = [LayerCacheSpec.full(64), LayerCacheSpec.sliding_window(window, 64),
-             LayerCacheSpec.full(64), LayerCacheSpec.sliding_window(window, 64)]
+    specs = [
+        LayerCacheSpec.full(64),
+        LayerCacheSpec.sliding_window(window, 64),
+        LayerCacheSpec.full(64),
+        LayerCacheSpec.sliding_window(window, 64),
+    ]
     runner = CacheRunner(specs)
     h = Harness(config(num_pages=128, max_num_batched_tokens=16), runner)
     assert len(runner.layouts) == 1
@@ -322,7 +387,12 @@ def test_sliding_window_frees_pages_behind_the_window() -> None:
 def test_layer_cache_spec_properties_and_recurrent_rejected() -> None:
     full, sw = LayerCacheSpec.full(64), LayerCacheSpec.sliding_window(8, 32)
     rec = LayerCacheSpec.recurrent(4096)
-    assert (full.kind, full.bytes_per_token, full.window, full.state_bytes) == ("full", 64, None, None)
+    assert (full.kind, full.bytes_per_token, full.window, full.state_bytes) == (
+        "full",
+        64,
+        None,
+        None,
+    )
     assert (sw.kind, sw.bytes_per_token, sw.window) == ("sliding_window", 32, 8)
     assert (rec.kind, rec.state_bytes) == ("recurrent", 4096)
     with pytest.raises(ValueError):
@@ -331,11 +401,36 @@ def test_layer_cache_spec_properties_and_recurrent_rejected() -> None:
 
 def test_banned_tokens_and_sampling_arrays_follow_params() -> None:
     h = Harness(config(eos_token_ids=[2, 3]))
-    h.add("A", prompt_of(5, 13), SamplingParams(
-        max_tokens=5, min_tokens=3, stop_token_ids=[7], temperature=0.5, top_p=0.9, top_k=-1,
-        min_p=0.1, seed=42, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2))
-    h.add("B", prompt_of(6, 14), SamplingParams(max_tokens=3, min_tokens=2, ignore_eos=True,
-                                                stop_token_ids=[9], top_k=5, logprobs=2, temperature=0))
+    h.add(
+        "A",
+        prompt_of(5, 13),
+        SamplingParams(
+            max_tokens=5,
+            min_tokens=3,
+            stop_token_ids=[7],
+            temperature=0.5,
+            top_p=0.9,
+            top_k=-1,
+            min_p=0.1,
+            seed=42,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.2,
+        ),
+    )
+    h.add(
+        "B",
+        prompt_of(6, 14),
+        SamplingParams(
+            max_tokens=3,
+            min_tokens=2,
+            ignore_eos=True,
+            stop_token_ids=[9],
+            top_k=5,
+            logprobs=2,
+            temperature=0,
+        ),
+    )
     h.add("C", prompt_of(7, 15), SamplingParams(max_tokens=2))
     h.run()  # the harness checks every row's sampling arrays and banned ids
     banned = {}
@@ -343,7 +438,7 @@ def test_banned_tokens_and_sampling_arrays_follow_params() -> None:
         sets = []
         for plan, i in rows_of(h.runner.plans, rid):
             b = plan["banned_token_indptr"]
-            sets.append(sorted(plan["banned_token_ids"][b[i]:b[i + 1]].tolist()))
+            sets.append(sorted(plan["banned_token_ids"][b[i] : b[i + 1]].tolist()))
         banned[rid] = sets
     assert banned == {"A": [[2, 3, 7]] * 3 + [[]] * 2, "B": [[9], [9], []], "C": [[], []]}
     plan = h.runner.plans[0]

@@ -27,9 +27,13 @@ def live_plans() -> int:
 
 
 def test_plans_whose_arrays_were_read_are_freed() -> None:
-    engine = resin.Engine(resin.EngineConfig(page_size=4, num_pages=256, max_model_len=64), TouchingRunner())
+    engine = resin.Engine(
+        resin.EngineConfig(page_size=4, num_pages=256, max_model_len=64), TouchingRunner()
+    )
     for i in range(8):
-        engine.add_request(f"r{i}", list(range(1, 20)), resin.SamplingParams(max_tokens=30, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", list(range(1, 20)), resin.SamplingParams(max_tokens=30, ignore_eos=True)
+        )
     before = live_plans()
     for _ in range(40):
         engine.step()
@@ -37,7 +41,9 @@ def test_plans_whose_arrays_were_read_are_freed() -> None:
 
 
 def test_a_view_outlives_its_plan() -> None:
-    engine = resin.Engine(resin.EngineConfig(page_size=4, num_pages=64, max_model_len=32), TouchingRunner())
+    engine = resin.Engine(
+        resin.EngineConfig(page_size=4, num_pages=64, max_model_len=32), TouchingRunner()
+    )
     engine.add_request("a", [5, 6, 7], resin.SamplingParams(max_tokens=2))
     plan = engine.schedule()
     ids = plan.input_ids
@@ -49,11 +55,12 @@ def test_a_view_outlives_its_plan() -> None:
     assert not ids.flags.writeable and ids.base is not None
 
 
-
 def test_request_outputs_stay_out_of_the_cyclic_gc() -> None:
     """RequestOutputs hold no Python references, so the engine untracks them: a large step's
     thousand outputs then cost the cycle collector nothing. Their data stays readable."""
-    engine = resin.Engine(resin.EngineConfig(page_size=4, num_pages=64, max_model_len=32), TouchingRunner())
+    engine = resin.Engine(
+        resin.EngineConfig(page_size=4, num_pages=64, max_model_len=32), TouchingRunner()
+    )
     engine.add_request("a", [1, 2, 3], resin.SamplingParams(max_tokens=2, logprobs=None))
     outs = engine.step()
     assert [gc.is_tracked(o) for o in outs] == [False]

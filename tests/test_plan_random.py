@@ -40,18 +40,31 @@ SCENARIOS = [
 def make_runner(layers: str) -> RecordingRunner:
     if layers == "full":
         return RecordingRunner(token_for)
-    specs = {"full+window": [LayerCacheSpec.full(8), LayerCacheSpec.sliding_window(6, 8)],
-             "window+full": [LayerCacheSpec.sliding_window(5, 8), LayerCacheSpec.full(8),
-                             LayerCacheSpec.sliding_window(5, 8)]}[layers]
+    specs = {
+        "full+window": [LayerCacheSpec.full(8), LayerCacheSpec.sliding_window(6, 8)],
+        "window+full": [
+            LayerCacheSpec.sliding_window(5, 8),
+            LayerCacheSpec.full(8),
+            LayerCacheSpec.sliding_window(5, 8),
+        ],
+    }[layers]
     return CacheRunner(specs, token_for)
 
 
 @pytest.mark.parametrize(("seed", "policy", "layers", "page_size", "num_pages"), SCENARIOS)
-def test_random_scenario(seed: int, policy: str, layers: str, page_size: int, num_pages: int) -> None:
+def test_random_scenario(
+    seed: int, policy: str, layers: str, page_size: int, num_pages: int
+) -> None:
     rng = random.Random(seed)
-    config = resin.EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=4,
-                                max_num_batched_tokens=16, max_model_len=40, eos_token_ids=[EOS],
-                                policy=policy)  # type: ignore[arg-type]
+    config = resin.EngineConfig(
+        page_size=page_size,
+        num_pages=num_pages,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=40,
+        eos_token_ids=[EOS],
+        policy=policy,
+    )  # type: ignore[arg-type]
     h = Harness(config, make_runner(layers))
     prefixes = [[rng.randrange(2, 60) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
     count = 0
@@ -59,12 +72,18 @@ def test_random_scenario(seed: int, policy: str, layers: str, page_size: int, nu
         live = [r for r in h.prompts if r not in h.final and r not in h.aborted]
         roll = rng.random()
         if roll < 0.25 and len(live) < 10:
-            prompt = rng.choice(prefixes) + [rng.randrange(2, 60) for _ in range(rng.randrange(1, 12))]
+            prompt = rng.choice(prefixes) + [
+                rng.randrange(2, 60) for _ in range(rng.randrange(1, 12))
+            ]
             max_tokens = rng.randrange(1, 20)
             min_tokens = rng.randrange(0, min(3, max_tokens) + 1)
-            params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens,
-                                    ignore_eos=rng.random() < 0.2, priority=rng.randrange(3),
-                                    stop_token_ids=rng.choice([[], [7], [8, 9]]))
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                min_tokens=min_tokens,
+                ignore_eos=rng.random() < 0.2,
+                priority=rng.randrange(3),
+                stop_token_ids=rng.choice([[], [7], [8, 9]]),
+            )
             h.add(f"q{count}", prompt[:39], params)
             count += 1
         elif roll < 0.32 and live:
@@ -84,8 +103,9 @@ def test_random_scenario(seed: int, policy: str, layers: str, page_size: int, nu
 
 
 def test_abort_keeps_pages_another_request_shares() -> None:
-    config = resin.EngineConfig(page_size=4, num_pages=24, max_num_seqs=4, max_num_batched_tokens=64,
-                                max_model_len=48)
+    config = resin.EngineConfig(
+        page_size=4, num_pages=24, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48
+    )
     h = Harness(config, RecordingRunner(token_for))
     prompt = list(range(10, 27))
     h.add("a", prompt, SamplingParams(max_tokens=20, ignore_eos=True))

@@ -56,9 +56,10 @@ def test_builtin_families_resolve_to_the_reference_runner(name: str) -> None:
     assert (entry.name, entry.origin, entry.model_dir) == ("torch", "built-in", None)
 
 
-def test_gpt_oss_resolves_to_the_shipped_model_everywhere(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)       # not the checkout: shipped models come from the package
+def test_gpt_oss_resolves_to_the_shipped_model_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # not the checkout: shipped models come from the package
     entry = ModelRegistry().for_checkpoint(GPT_OSS_TINY)
     assert (entry.name, entry.origin) == ("gpt_oss", "shipped")
     llm = resin.LLM(GPT_OSS_TINY, max_model_len=64)
@@ -76,8 +77,14 @@ def test_unknown_architecture_names_what_is_registered(tmp_path: Path) -> None:
     with pytest.raises(UnknownArchitectureError) as info:
         ModelRegistry(use_cwd=False).for_checkpoint(model)
     message = str(info.value)
-    for needle in ("GPT2LMHeadModel", "gpt_oss", "LlamaForCausalLM", "resin new-model",
-                   "--models-dir", MODELS_PATH_ENV):
+    for needle in (
+        "GPT2LMHeadModel",
+        "gpt_oss",
+        "LlamaForCausalLM",
+        "resin new-model",
+        "--models-dir",
+        MODELS_PATH_ENV,
+    ):
         assert needle in message, needle
     from typer.testing import CliRunner
 
@@ -87,20 +94,22 @@ def test_unknown_architecture_names_what_is_registered(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "GPT2LMHeadModel" in result.output
 
 
-def test_user_model_dirs_come_first_and_runner_overrides(user_models: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_user_model_dirs_come_first_and_runner_overrides(
+    user_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     checkpoint = FIXTURES / "llama"
     registry = ModelRegistry([user_models], use_cwd=False, use_env=False)
     assert registry.for_checkpoint(checkpoint).name == "my_llama"
-    monkeypatch.setenv(MODELS_PATH_ENV, str(user_models / "my_llama"))   # one model directory
+    monkeypatch.setenv(MODELS_PATH_ENV, str(user_models / "my_llama"))  # one model directory
     assert ModelRegistry(use_cwd=False).for_checkpoint(checkpoint).origin == "user"
     generated = resin.LLM(checkpoint, models_dirs=[user_models])
     builtin = resin.LLM(checkpoint, runner="torch")
     assert type(generated.runner).__name__ == "ModelDirRunner"
     assert type(builtin.runner).__name__ == "TorchRunner"
     prompts = [[3, 9, 27, 81], list(range(2, 40))]
-    assert [o.token_ids for o in generated.generate(prompts, GREEDY)] == \
-        [o.token_ids for o in builtin.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in generated.generate(prompts, GREEDY)] == [
+        o.token_ids for o in builtin.generate(prompts, GREEDY)
+    ]
     by_path = resolve_runner(checkpoint, str(user_models / "my_llama"))
     assert type(by_path).__name__ == "ModelDirRunner"
     with pytest.raises(ValueError, match="unknown runner 'nope'"):
@@ -121,10 +130,10 @@ def test_resin_models_lists_the_registry(user_models: Path) -> None:
 
 
 def test_resin_llm_is_lazy_and_torch_free() -> None:
-    code = ("import sys, resin; llm = resin.LLM; "
-            "print(llm.__module__, 'torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=True)
+    code = "import sys, resin; llm = resin.LLM; print(llm.__module__, 'torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert done.stdout.split() == ["resin.llm", "False"]
 
 
@@ -135,19 +144,23 @@ def test_serve_gpt_oss_through_the_registry() -> None:
     from resin.server.serve import build_context
     from tests.server_harness import LiveServer
 
-    ctx = build_context(GPT_OSS_TINY, options=ServerOptions(served_model_names=["oss"]),
-                        max_model_len=64)
+    ctx = build_context(
+        GPT_OSS_TINY, options=ServerOptions(served_model_names=["oss"]), max_model_len=64
+    )
     assert type(ctx.loop.runner).__name__ == "ModelDirRunner"
     with LiveServer(ctx) as server:
-        reply = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                           json={"model": "oss", "prompt": "hello", "max_tokens": 4,
-                                 "temperature": 0})
+        reply = httpx.post(
+            f"{server.base_url}/v1/completions",
+            timeout=60,
+            json={"model": "oss", "prompt": "hello", "max_tokens": 4, "temperature": 0},
+        )
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 4
 
 
-def test_a_shared_runner_change_reaches_generated_models(user_models: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_shared_runner_change_reaches_generated_models(
+    user_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The generated directory holds no runner code: change the shared paged runner (here its
     final-norm step negates the hidden state, so every logit flips sign) and the generated
     model's tokens follow, with nothing edited in its directory — as a fix to the base would."""

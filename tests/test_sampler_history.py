@@ -17,9 +17,17 @@ from resin.sampling import Sampler
 
 VOCAB_SIZE = 32
 TABLE = np.random.default_rng(1).normal(0.0, 2.0, (VOCAB_SIZE, VOCAB_SIZE)).astype(np.float32)
-LIFECYCLE_FIELDS = {"finished_request_slots", "new_request_slots", "new_request_token_indptr",
-                    "new_request_token_ids", "new_request_num_prompt_tokens", "request_slots",
-                    "committed_token_indptr", "committed_token_ids", "num_output_tokens"}
+LIFECYCLE_FIELDS = {
+    "finished_request_slots",
+    "new_request_slots",
+    "new_request_token_indptr",
+    "new_request_token_ids",
+    "new_request_num_prompt_tokens",
+    "request_slots",
+    "committed_token_indptr",
+    "committed_token_ids",
+    "num_output_tokens",
+}
 
 
 class DiffOnly:
@@ -42,7 +50,7 @@ class CheckingRunner:
         self.sampler = Sampler(VOCAB_SIZE)
         self.table = torch.from_numpy(TABLE.copy())
         self.fail_calls, self.calls = fail_calls, 0
-        self.expected: dict[str, list[int]] = {}   # request id -> prompt + outputs so far
+        self.expected: dict[str, list[int]] = {}  # request id -> prompt + outputs so far
         self.num_rows_checked = 0
 
     def forward(self, plan: resin.BatchPlan) -> resin.ForwardOutput:
@@ -64,11 +72,16 @@ PROMPTS = {"a": [1, 2, 3, 4, 5, 6, 7, 8, 9], "b": [1, 2, 3, 4, 5, 6, 7, 8, 20, 2
 
 
 def run(runner: CheckingRunner, **config: Any) -> dict[str, list[int]]:
-    engine = resin.Engine(resin.EngineConfig(**{"page_size": 4, "num_pages": 64, "max_model_len": 64,
-                                                **config}), runner)
-    params = [resin.SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=1.5,
-                                   frequency_penalty=0.5),
-              resin.SamplingParams(max_tokens=14, temperature=0.9, seed=11, presence_penalty=0.7)]
+    engine = resin.Engine(
+        resin.EngineConfig(**{"page_size": 4, "num_pages": 64, "max_model_len": 64, **config}),
+        runner,
+    )
+    params = [
+        resin.SamplingParams(
+            max_tokens=14, temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5
+        ),
+        resin.SamplingParams(max_tokens=14, temperature=0.9, seed=11, presence_penalty=0.7),
+    ]
     for copy in range(2):
         for name, prompt in PROMPTS.items():
             request_id = f"{name}{copy}"
@@ -90,9 +103,11 @@ def run(runner: CheckingRunner, **config: Any) -> dict[str, list[int]]:
     return finished
 
 
-@pytest.mark.parametrize("config", [dict(), dict(page_size=1, num_pages=48, max_model_len=40,
-                                                max_num_batched_tokens=5)],
-                         ids=["plain", "chunked_preempted"])
+@pytest.mark.parametrize(
+    "config",
+    [dict(), dict(page_size=1, num_pages=48, max_model_len=40, max_num_batched_tokens=5)],
+    ids=["plain", "chunked_preempted"],
+)
 def test_history_comes_from_the_diff_and_survives_failed_plans(config: dict[str, Any]) -> None:
     clean = CheckingRunner()
     expected = run(clean, **config)

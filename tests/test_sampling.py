@@ -35,12 +35,16 @@ class TableRunner:
         return self.sampler.sample(self.table[torch.from_numpy(last_tokens)], plan, rows)
 
 
-def generate(requests: dict[str, tuple[list[int], resin.SamplingParams]],
-             table: np.ndarray = TABLE, expect_preemption: bool = False,
-             **config: Any) -> dict[str, Any]:
-    engine = resin.Engine(resin.EngineConfig(**{"page_size": 4, "num_pages": 256,
-                                                "max_model_len": 128, **config}),
-                          TableRunner(table))
+def generate(
+    requests: dict[str, tuple[list[int], resin.SamplingParams]],
+    table: np.ndarray = TABLE,
+    expect_preemption: bool = False,
+    **config: Any,
+) -> dict[str, Any]:
+    engine = resin.Engine(
+        resin.EngineConfig(**{"page_size": 4, "num_pages": 256, "max_model_len": 128, **config}),
+        TableRunner(table),
+    )
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
     finished = {}
@@ -48,22 +52,29 @@ def generate(requests: dict[str, tuple[list[int], resin.SamplingParams]],
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     engine.check_integrity()
     if expect_preemption:
-        (line,) = [line for line in engine.metrics_text().splitlines()
-                   if line.startswith("resin:num_preemptions_total")]
+        (line,) = [
+            line
+            for line in engine.metrics_text().splitlines()
+            if line.startswith("resin:num_preemptions_total")
+        ]
         assert float(line.split()[-1]) > 0
     return finished
 
 
-def reference_penalised_greedy(prompt: list[int], num_tokens: int, repetition: float,
-                               frequency: float, presence: float) -> list[int]:
+def reference_penalised_greedy(
+    prompt: list[int], num_tokens: int, repetition: float, frequency: float, presence: float
+) -> list[int]:
     """Independent numpy reference of penalised greedy decoding over TABLE."""
     outputs: list[int] = []
     for _ in range(num_tokens):
         logits = TABLE[(prompt + outputs)[-1]].copy()
         seen = np.zeros(VOCAB_SIZE, dtype=bool)
         seen[prompt + outputs] = True
-        logits = np.where(seen, np.where(logits > 0, logits / np.float32(repetition),
-                                         logits * np.float32(repetition)), logits)
+        logits = np.where(
+            seen,
+            np.where(logits > 0, logits / np.float32(repetition), logits * np.float32(repetition)),
+            logits,
+        )
         counts = np.bincount(np.array(outputs, dtype=np.int64), minlength=VOCAB_SIZE)
         logits = logits - np.float32(frequency) * counts - np.float32(presence) * (counts > 0)
         outputs.append(int(np.argmax(logits)))
@@ -73,31 +84,43 @@ def reference_penalised_greedy(prompt: list[int], num_tokens: int, repetition: f
 PROMPTS = {"a": [1, 2, 3], "b": [7, 7, 9, 11, 13, 2, 5, 8, 1, 0, 3], "c": [30, 31, 4, 4, 4]}
 
 
-@pytest.mark.parametrize("config", [dict(), dict(page_size=1, num_pages=40, max_model_len=32,
-                                                max_num_batched_tokens=4, expect_preemption=True)],
-                         ids=["plain", "chunked_preempted"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),
+        dict(
+            page_size=1,
+            num_pages=40,
+            max_model_len=32,
+            max_num_batched_tokens=4,
+            expect_preemption=True,
+        ),
+    ],
+    ids=["plain", "chunked_preempted"],
+)
 def test_penalties_match_reference(config: dict[str, Any]) -> None:
     penalties = dict(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.5)
     params = resin.SamplingParams(max_tokens=12, temperature=0.0, **penalties)
     # Twice the same prompts: the second copy hits the prefix cache, so its prompt tokens are
     # never in input_ids: penalties must come from new_request_token_ids.
-    requests = {f"{name}{copy}": (prompt, params) for copy in range(2)
-                for name, prompt in PROMPTS.items()}
+    requests = {
+        f"{name}{copy}": (prompt, params) for copy in range(2) for name, prompt in PROMPTS.items()
+    }
     finished = generate(requests, **config)
     for request_id, (prompt, _) in requests.items():
         expected = reference_penalised_greedy(prompt, 12, 1.7, 0.6, 0.5)
         assert finished[request_id].token_ids == expected, request_id
         unpenalised = reference_penalised_greedy(prompt, 12, 1.0, 0.0, 0.0)
-        assert expected != unpenalised   # the test exercises the penalties
+        assert expected != unpenalised  # the test exercises the penalties
 
 
 def test_banned_stop_tokens_before_min_tokens() -> None:
     table = TABLE.copy()
-    table[:, 5] += 100.0   # token 5 always wins
+    table[:, 5] += 100.0  # token 5 always wins
     params = resin.SamplingParams(max_tokens=8, min_tokens=3, temperature=0.0, stop_token_ids=[5])
     out = generate({"r": ([1, 2], params)}, table)["r"]
     expected, last = [], 2
-    for _ in range(3):   # token 5 banned: the best other token
+    for _ in range(3):  # token 5 banned: the best other token
         last = int(np.argmax(np.where(np.arange(VOCAB_SIZE) == 5, -np.inf, table[last])))
         expected.append(last)
     assert out.token_ids == expected + [5]
@@ -110,11 +133,21 @@ def seeded(seed: int, max_tokens: int = 12, **kwargs: Any) -> resin.SamplingPara
 
 def test_seed_reproducible_across_batches() -> None:
     alone = generate({"s": ([1, 2, 3], seeded(7))})["s"].token_ids
-    crowd = {"x": ([4, 5], seeded(1)), "y": ([9] * 7, resin.SamplingParams(max_tokens=20)),
-             "s": ([1, 2, 3], seeded(7)), "z": ([3, 1], seeded(7, max_tokens=5))}
+    crowd = {
+        "x": ([4, 5], seeded(1)),
+        "y": ([9] * 7, resin.SamplingParams(max_tokens=20)),
+        "s": ([1, 2, 3], seeded(7)),
+        "z": ([3, 1], seeded(7, max_tokens=5)),
+    }
     assert generate(crowd)["s"].token_ids == alone
-    preempted = generate(crowd, page_size=1, num_pages=24, max_model_len=23,
-                         max_num_batched_tokens=3, expect_preemption=True)
+    preempted = generate(
+        crowd,
+        page_size=1,
+        num_pages=24,
+        max_model_len=23,
+        max_num_batched_tokens=3,
+        expect_preemption=True,
+    )
     assert preempted["s"].token_ids == alone
     assert generate({"s": ([1, 2, 3], seeded(8))})["s"].token_ids != alone
 
@@ -124,9 +157,11 @@ def test_top_k_one_is_greedy_and_masks_hold() -> None:
     top1 = generate({"g": ([1, 2, 3], seeded(3, max_tokens=10, top_k=1))})
     assert top1["g"].token_ids == greedy["g"].token_ids
     prompt = [1, 2, 3]
-    for params, allowed in [(seeded(5, 30, top_k=3), lambda row: np.argsort(-row)[:3]),
-                            (seeded(5, 30, min_p=0.3), lambda row: min_p_allowed(row, 0.3)),
-                            (seeded(5, 30, top_p=0.5), lambda row: top_p_allowed(row, 0.5))]:
+    for params, allowed in [
+        (seeded(5, 30, top_k=3), lambda row: np.argsort(-row)[:3]),
+        (seeded(5, 30, min_p=0.3), lambda row: min_p_allowed(row, 0.3)),
+        (seeded(5, 30, top_p=0.5), lambda row: top_p_allowed(row, 0.5)),
+    ]:
         tokens = generate({"r": (prompt, params)})["r"].token_ids
         for previous, token in zip(prompt[-1:] + tokens, tokens):
             assert token in allowed(TABLE[previous])
@@ -141,27 +176,35 @@ def top_p_allowed(logits: np.ndarray, top_p: float) -> np.ndarray:
     order = np.argsort(-logits)
     probs = np.exp(logits[order] - logits.max())
     probs /= probs.sum()
-    num_kept = int(np.searchsorted(np.cumsum(probs), top_p)) + 1   # reach top_p mass
+    num_kept = int(np.searchsorted(np.cumsum(probs), top_p)) + 1  # reach top_p mass
     return order[:num_kept]
 
 
 def test_mask_functions() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
-    kept = lambda x: torch.isfinite(x).tolist()   # noqa: E731
-    assert kept(apply_top_k(logits, torch.tensor([2, 0]))) == [[False, True, True, False],
-                                                                 [True] * 4]
+    kept = lambda x: torch.isfinite(x).tolist()  # noqa: E731
+    assert kept(apply_top_k(logits, torch.tensor([2, 0]))) == [
+        [False, True, True, False],
+        [True] * 4,
+    ]
     # Row 0 probs ~ [.09, .67, .24, .03]: 0.7 needs the top two; row 1: top_p 1 keeps all.
-    assert kept(apply_top_p(logits, torch.tensor([0.7, 1.0]))) == [[False, True, True, False],
-                                                                    [True] * 4]
+    assert kept(apply_top_p(logits, torch.tensor([0.7, 1.0]))) == [
+        [False, True, True, False],
+        [True] * 4,
+    ]
     # min_p 0.3: row 0 keeps p >= 0.3 * 0.67 (tokens 1, 2); row 1 keeps p >= 0.3 * p(2).
-    assert kept(apply_min_p(logits, torch.tensor([0.3, 0.01]))) == [[False, True, True, False],
-                                                                     [False, False, True, True]]
+    assert kept(apply_min_p(logits, torch.tensor([0.3, 0.01]))) == [
+        [False, True, True, False],
+        [False, False, True, True],
+    ]
 
 
 def test_logprobs_are_log_softmax_of_raw_logits() -> None:
-    requests = {"k3": ([1, 2, 3], seeded(11, 6, logprobs=3)),
-                "k0": ([4, 5], resin.SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)),
-                "none": ([6], seeded(2, 6))}
+    requests = {
+        "k3": ([1, 2, 3], seeded(11, 6, logprobs=3)),
+        "k0": ([4, 5], resin.SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)),
+        "none": ([6], seeded(2, 6)),
+    }
     finished = generate(requests)
     assert finished["none"].logprobs is None
     for request_id, num_top in (("k3", 3), ("k0", 0)):
@@ -184,7 +227,7 @@ def test_slot_state_follows_lifecycle() -> None:
     (slot,) = runner.sampler.slots
     assert runner.sampler.slots[slot].num_prompt_tokens == 3
     engine.step()
-    assert len(runner.sampler.slots[slot].token_ids) == 4   # prompt + first output (as input)
+    assert len(runner.sampler.slots[slot].token_ids) == 4  # prompt + first output (as input)
     while engine.has_unfinished():
         engine.step()
     engine.add_request("b", [9], resin.SamplingParams(max_tokens=1, temperature=0.0))

@@ -32,18 +32,43 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SUPPORTED = ("llama", "qwen3", "qwen3_moe", "mistral")
 # No runner.py (the shared paged runner runs every model) and no weights.py unless some
 # checkpoint name needs renaming (none of these architectures does).
-GENERATED = ("architecture.json", "blocks.py", "parity.toml", "perf.toml", "NOTES.md",
-             "test_parity.py")
+GENERATED = (
+    "architecture.json",
+    "blocks.py",
+    "parity.toml",
+    "perf.toml",
+    "NOTES.md",
+    "test_parity.py",
+)
 # gpt-oss-20b's shapes (config only: the meta device needs no weights).
-GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880,
-               intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
-               num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
-               vocab_size=201088, sliding_window=128, max_position_embeddings=131072,
-               rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0,
-               rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                                 truncate=False, original_max_position_embeddings=4096),
-               rope_theta=150000.0,
-               layer_types=["sliding_attention", "full_attention"] * 12)
+GPT_OSS = dict(
+    architectures=["GptOssForCausalLM"],
+    model_type="gpt_oss",
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    vocab_size=201088,
+    sliding_window=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    attention_bias=True,
+    swiglu_limit=7.0,
+    rope_scaling=dict(
+        rope_type="yarn",
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+    ),
+    rope_theta=150000.0,
+    layer_types=["sliding_attention", "full_attention"] * 12,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +101,12 @@ def test_generates_every_file_and_cache_specs_match_resin(models_root: Path) -> 
         runner = resolve_model(model_dir).load_runner()
         expected = layer_cache_specs(load_model_config(FIXTURES / arch), 4)
         got = runner.cache_spec()
-        assert [(s.kind, s.bytes_per_token, s.window) for s in got] == \
-            [(s.kind, s.bytes_per_token, s.window) for s in expected]
-    assert "sliding_window" in {s.kind for s in resolve_model(
-        models_root / "mistral_s").load_runner().cache_spec()}
+        assert [(s.kind, s.bytes_per_token, s.window) for s in got] == [
+            (s.kind, s.bytes_per_token, s.window) for s in expected
+        ]
+    assert "sliding_window" in {
+        s.kind for s in resolve_model(models_root / "mistral_s").load_runner().cache_spec()
+    }
     # perf.toml is in the layout `resin bench` reads; 9 batch sizes x the context lengths
     from resin.evals.perf_shapes import load_perf_spec
 
@@ -89,16 +116,18 @@ def test_generates_every_file_and_cache_specs_match_resin(models_root: Path) -> 
     assert len([s for s in spec.shapes if s.kind == "decode"]) == 9
 
 
-def test_llama_passes_through_the_cli_by_name(models_root: Path, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_passes_through_the_cli_by_name(
+    models_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from typer.testing import CliRunner
 
     from resin.evals.cli import eval_app
 
-    monkeypatch.chdir(models_root.parent)   # `llama_s` resolves as ./models/llama_s
+    monkeypatch.chdir(models_root.parent)  # `llama_s` resolves as ./models/llama_s
     out = tmp_path / "parity.json"
-    result = CliRunner().invoke(eval_app, ["parity", "llama_s", "--json", str(out),
-                                           "--max-new-tokens", "4"])
+    result = CliRunner().invoke(
+        eval_app, ["parity", "llama_s", "--json", str(out), "--max-new-tokens", "4"]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["passed"] and report["runner"] == "model:llama_s"
@@ -107,15 +136,19 @@ def test_llama_passes_through_the_cli_by_name(models_root: Path, tmp_path: Path,
 
 def test_qwen3_passes_through_its_generated_test(models_root: Path) -> None:
     module = import_model_module(models_root / "qwen3_s", "test_parity", "qwen3_s")
-    module.test_parity()   # asserts report.passed with parity.toml's settings
+    module.test_parity()  # asserts report.passed with parity.toml's settings
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mistral"])
 def test_passes_parity_unedited(models_root: Path, arch: str) -> None:
     ref = resolve_model(f"{arch}_s", models_root=models_root)
     assert ref.checkpoint_dir.resolve() == (FIXTURES / arch).resolve()
-    report = run_parity(ref.checkpoint_dir, runner_factory=ref.runner_factory(),
-                        runner_name=ref.runner_name, max_new_tokens=4)
+    report = run_parity(
+        ref.checkpoint_dir,
+        runner_factory=ref.runner_factory(),
+        runner_name=ref.runner_name,
+        max_new_tokens=4,
+    )
     assert report.passed, report.summary()
     assert report.stage("layers").metrics["missing"] == []
 
@@ -126,8 +159,11 @@ def test_a_planted_bug_in_a_generated_block_fails_at_its_layer(tmp_path: Path) -
     blocks = out / "blocks.py"
     text = blocks.read_text()
     # SwiGLU -> "GeGLU" in every MLP: the first departure must be layer 0's mlp
-    blocks.write_text(text.replace("return swiglu_mlp_block(x, w, ctx)",
-                                   "return 2 * swiglu_mlp_block(x, w, ctx)", 1))
+    blocks.write_text(
+        text.replace(
+            "return swiglu_mlp_block(x, w, ctx)", "return 2 * swiglu_mlp_block(x, w, ctx)", 1
+        )
+    )
     assert blocks.read_text() != text
     report = run_model_parity(resolve_model(out))
     assert not report.passed
@@ -145,20 +181,29 @@ def test_tiny_checkpoint_of_a_supported_architecture_passes(tmp_path: Path) -> N
         assert config[key] == source[key], key
     assert config.get("num_experts", config.get("num_local_experts")) == 4
     assert config["vocab_size"] == 384
-    assert {"model.safetensors", "tokenizer.json", "generation_config.json"} <= \
-        {p.name for p in tiny.iterdir()}
+    assert {"model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in tiny.iterdir()
+    }
     ref = resolve_model(out)
     assert ref.checkpoint_dir == out / "tiny"
-    report = run_parity(ref.checkpoint_dir, runner_factory=ref.runner_factory(),
-                        runner_name=ref.runner_name, checks=("layers",))
+    report = run_parity(
+        ref.checkpoint_dir,
+        runner_factory=ref.runner_factory(),
+        runner_name=ref.runner_name,
+        checks=("layers",),
+    )
     assert report.passed, report.summary()
 
 
 def test_unknown_architecture_gets_marked_stubs(gpt_oss_dir: Path) -> None:
     assert sorted(p.name for p in gpt_oss_dir.iterdir() if p.is_file()) == sorted(GENERATED)
     blocks = import_model_module(gpt_oss_dir, "blocks", "gpt_oss")
-    assert set(blocks.STUBS) == {"gpt_oss_attention", "gpt_oss_mlp", "gpt_oss_rms_norm",
-                                 "gpt_oss_rotary_embedding"}
+    assert set(blocks.STUBS) == {
+        "gpt_oss_attention",
+        "gpt_oss_mlp",
+        "gpt_oss_rms_norm",
+        "gpt_oss_rotary_embedding",
+    }
     assert blocks.ASSUMED == ("gpt_oss_decoder_layer",)
     notes = (gpt_oss_dir / "NOTES.md").read_text()
     for fn in blocks.STUBS:
@@ -181,18 +226,21 @@ def test_calling_a_stub_names_class_file_line_and_shapes(gpt_oss_dir: Path) -> N
 
     blocks = import_model_module(gpt_oss_dir, "blocks", "gpt_oss")
     tokens = torch.zeros(3, dtype=torch.long)
-    ctx = LayerContext(index=0, config=None, head_dim=64, dtype=torch.float32, input_ids=tokens,
-                       positions=tokens)
-    for fn, cls, shape in (("gpt_oss_attention", hf.GptOssAttention, "x [T, 2880] -> [T, 2880]"),
-                           ("gpt_oss_mlp", hf.GptOssMLP, "x [T, 2880] -> [T, 2880]"),
-                           ("gpt_oss_rms_norm", hf.GptOssRMSNorm, "x [T, 2880] -> [T, 2880]")):
-        message = _stub_error(lambda: getattr(blocks, fn)(torch.zeros(3, 2880), {}, ctx))
+    ctx = LayerContext(
+        index=0, config=None, head_dim=64, dtype=torch.float32, input_ids=tokens, positions=tokens
+    )
+    for fn, cls, shape in (
+        ("gpt_oss_attention", hf.GptOssAttention, "x [T, 2880] -> [T, 2880]"),
+        ("gpt_oss_mlp", hf.GptOssMLP, "x [T, 2880] -> [T, 2880]"),
+        ("gpt_oss_rms_norm", hf.GptOssRMSNorm, "x [T, 2880] -> [T, 2880]"),
+    ):
+        message = _stub_error(lambda fn=fn: getattr(blocks, fn)(torch.zeros(3, 2880), {}, ctx))
         line = inspect.getsourcelines(cls)[1]
         assert cls.__name__ in message and f"blocks.{fn}" in message
         assert f"{inspect.getsourcefile(cls)}:{line}" in message
         assert shape in message
     message = _stub_error(lambda: blocks.gpt_oss_attention(torch.zeros(3, 2880), {}, ctx))
-    assert "sinks (64,)" in message   # the weights it must use, with the source shapes
+    assert "sinks (64,)" in message  # the weights it must use, with the source shapes
     assert re.search(r"HF meta forward.*Tensor\[1,5,2880\]", message)
     # the runner itself stops at the first stub it needs, naming it
     message = _stub_error(lambda: resolve_model(gpt_oss_dir).load_runner())
@@ -221,7 +269,7 @@ def test_unknown_architecture_tiny_checkpoint_and_weight_map(gpt_oss_dir: Path) 
     assert loaded.unused == []
     assert loaded.layers[0]["self_attn.sinks"].shape == (4,)
     assert loaded.module(1, "mlp")["experts.gate_up_proj"].shape == (4, 64, 64)
-    problems = check_source_shapes(record, tiny)   # tiny shapes differ from gpt-oss-20b's
+    problems = check_source_shapes(record, tiny)  # tiny shapes differ from gpt-oss-20b's
     assert problems and any("self_attn.sinks" in p and "(64,)" in p for p in problems)
 
 
@@ -231,13 +279,23 @@ def test_cli_new_model(tmp_path: Path) -> None:
     from resin.cli import app
 
     out = tmp_path / "m"
-    result = CliRunner().invoke(app, ["new-model", str(FIXTURES / "llama" / "config.json"),
-                                      "--name", "llama_cli", "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "new-model",
+            str(FIXTURES / "llama" / "config.json"),
+            "--name",
+            "llama_cli",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "LlamaForCausalLM" in result.output and (out / "architecture.json").is_file()
     assert not (out / "runner.py").exists()
-    again = CliRunner().invoke(app, ["new-model", str(FIXTURES / "llama"), "--name", "llama_cli",
-                                     "--out", str(out)])
+    again = CliRunner().invoke(
+        app, ["new-model", str(FIXTURES / "llama"), "--name", "llama_cli", "--out", str(out)]
+    )
     assert again.exit_code == 2 and "--force" in again.output
     bad = CliRunner().invoke(app, ["new-model", str(tmp_path / "nope"), "--name", "x"])
     assert bad.exit_code == 2
@@ -249,15 +307,31 @@ def test_layer_map_names() -> None:
 
     assert function_name("GptOssRMSNorm") == "gpt_oss_rms_norm"
     assert function_name("Qwen3MoeSparseMoeBlock") == "qwen3_moe_sparse_moe_block"
-    assert name_pattern("model.layers.3.mlp.experts.7.w1.weight") == \
-        ("model.layers.{layer}.mlp.experts.{expert}.w1.weight", 3, 7)
-    assert runner_name("model.layers.0.mlp.experts.gate_up_proj",
-                       "model.layers.0.block_sparse_moe.experts.2.w1.weight", 8) == \
-        "layers.0.mlp.experts.2.w1.weight"
-    assert runner_name("model.layers.0.mlp.gate.weight",
-                       "model.layers.0.block_sparse_moe.gate.weight", 1) == "layers.0.mlp.gate.weight"
-    assert [compact_indices(x) for x in ([4], [0, 1, 2], [1, 3, 5], [0, 1, 5])] == \
-        ["4", "0-2", "1-5 step 2", "0, 1, 5"]
+    assert name_pattern("model.layers.3.mlp.experts.7.w1.weight") == (
+        "model.layers.{layer}.mlp.experts.{expert}.w1.weight",
+        3,
+        7,
+    )
+    assert (
+        runner_name(
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.block_sparse_moe.experts.2.w1.weight",
+            8,
+        )
+        == "layers.0.mlp.experts.2.w1.weight"
+    )
+    assert (
+        runner_name(
+            "model.layers.0.mlp.gate.weight", "model.layers.0.block_sparse_moe.gate.weight", 1
+        )
+        == "layers.0.mlp.gate.weight"
+    )
+    assert [compact_indices(x) for x in ([4], [0, 1, 2], [1, 3, 5], [0, 1, 5])] == [
+        "4",
+        "0-2",
+        "1-5 step 2",
+        "0, 1, 5",
+    ]
 
 
 def _fill_stub(source: str, fn: str, body: str) -> str:
@@ -265,8 +339,9 @@ def _fill_stub(source: str, fn: str, body: str) -> str:
     start = source.index(f"def {fn}(")
     stub = source.index("    # STUB:", start)
     end = source.index("\n\n\n", stub)
-    return source[:stub] + textwrap.indent(body.strip("\n") + "\n", "    ").rstrip("\n") + \
-        source[end:]
+    return (
+        source[:stub] + textwrap.indent(body.strip("\n") + "\n", "    ").rstrip("\n") + source[end:]
+    )
 
 
 def test_skill_worked_example_passes_parity(gpt_oss_dir: Path, tmp_path: Path) -> None:
@@ -275,13 +350,17 @@ def test_skill_worked_example_passes_parity(gpt_oss_dir: Path, tmp_path: Path) -
 
     skill = (Path(__file__).resolve().parents[1] / "skills" / "add-model" / "SKILL.md").read_text()
     attention, mlp = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", skill, re.S)]
-    rotary = re.search(r"`(return rope_from_config\(.*?\))`", skill).group(1)   # type: ignore[union-attr]
-    norm = re.search(r"`(return rms_norm\(.*?\)\))`", skill).group(1)   # type: ignore[union-attr]
+    rotary = re.search(r"`(return rope_from_config\(.*?\))`", skill).group(1)  # type: ignore[union-attr]
+    norm = re.search(r"`(return rms_norm\(.*?\)\))`", skill).group(1)  # type: ignore[union-attr]
     model = tmp_path / "gpt_oss"
     shutil.copytree(gpt_oss_dir, model)
     source = (model / "blocks.py").read_text()
-    for fn, body in (("gpt_oss_rotary_embedding", rotary), ("gpt_oss_rms_norm", norm),
-                     ("gpt_oss_attention", attention), ("gpt_oss_mlp", mlp)):
+    for fn, body in (
+        ("gpt_oss_rotary_embedding", rotary),
+        ("gpt_oss_rms_norm", norm),
+        ("gpt_oss_attention", attention),
+        ("gpt_oss_mlp", mlp),
+    ):
         source = _fill_stub(source, fn, body)
     assert "raise NotImplementedError(\n        'GptOss" not in source
     (model / "blocks.py").write_text(source)
@@ -293,8 +372,9 @@ def test_generation_is_deterministic_and_rejects_other_layouts(tmp_path: Path) -
     first, second = tmp_path / "a" / "m", tmp_path / "b" / "m"
     for out in (first, second):
         new_model(FIXTURES / "mistral", "m", out=out)
-    assert {p.name: p.read_bytes() for p in first.iterdir()} == \
-        {p.name: p.read_bytes() for p in second.iterdir()}
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == {
+        p.name: p.read_bytes() for p in second.iterdir()
+    }
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).to_json_file(gpt2 / "config.json")
@@ -302,8 +382,9 @@ def test_generation_is_deterministic_and_rejects_other_layouts(tmp_path: Path) -
         new_model(gpt2, "gpt2", out=tmp_path / "gpt2_out")
 
 
-def test_eval_parity_on_an_unfinished_runner_exits_one_with_json(gpt_oss_dir: Path,
-                                                                 tmp_path: Path) -> None:
+def test_eval_parity_on_an_unfinished_runner_exits_one_with_json(
+    gpt_oss_dir: Path, tmp_path: Path
+) -> None:
     from typer.testing import CliRunner
 
     from resin.evals.cli import eval_app

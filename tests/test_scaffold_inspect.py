@@ -17,39 +17,72 @@ import pytest
 
 from resin.scaffold.layer_map import is_moe_type, layer_types_from_config, mlp_types_from_config
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
-             vocab_size=384)
+SMALL = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16, vocab_size=384
+)
 
 
 def _dsv4(**kw: Any) -> Any:
     transformers = pytest.importorskip("transformers")
-    return transformers.DeepseekV4Config(**{**SMALL, "num_key_value_heads": 1, "q_lora_rank": 32,
-                                            "moe_intermediate_size": 32, "n_routed_experts": 4,
-                                            "num_experts_per_tok": 2, "o_lora_rank": 16,
-                                            "o_groups": 2, "index_n_heads": 4,
-                                            "index_head_dim": 16, "num_hidden_layers": 4,
-                                            "sliding_window": 32, **kw})
+    return transformers.DeepseekV4Config(
+        **{
+            **SMALL,
+            "num_key_value_heads": 1,
+            "q_lora_rank": 32,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "o_lora_rank": 16,
+            "o_groups": 2,
+            "index_n_heads": 4,
+            "index_head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 32,
+            **kw,
+        }
+    )
 
 
 def test_window_on_every_layer_type_whose_attention_uses_it() -> None:
     # DeepSeek-V4: all three attention types keep a raw sliding window
-    v4 = SimpleNamespace(num_hidden_layers=3, sliding_window=128, layer_types=[
-        "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
+    v4 = SimpleNamespace(
+        num_hidden_layers=3,
+        sliding_window=128,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+        ],
+    )
     assert layer_types_from_config(v4) == [(t, 128) for t in v4.layer_types]
     # Gemma 3 / gpt-oss: only sliding layers; full / indexed / recurrent never
-    mixed = SimpleNamespace(num_hidden_layers=4, sliding_window=512, layer_types=[
-        "sliding_attention", "full_attention", "indexed_attention", "linear_attention"])
+    mixed = SimpleNamespace(
+        num_hidden_layers=4,
+        sliding_window=512,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "indexed_attention",
+            "linear_attention",
+        ],
+    )
     assert [w for _, w in layer_types_from_config(mixed)] == [512, None, None, None]
-    off = SimpleNamespace(num_hidden_layers=1, sliding_window=512, use_sliding_window=False,
-                          layer_types=["sliding_attention"])
+    off = SimpleNamespace(
+        num_hidden_layers=1,
+        sliding_window=512,
+        use_sliding_window=False,
+        layer_types=["sliding_attention"],
+    )
     assert layer_types_from_config(off) == [("sliding_attention", None)]
 
 
 def test_real_configs_get_their_windows() -> None:
     transformers = pytest.importorskip("transformers")
     v4 = transformers.DeepseekV4Config(num_hidden_layers=6)
-    assert {t for t, _ in layer_types_from_config(v4)} >= {"compressed_sparse_attention",
-                                                          "heavily_compressed_attention"}
+    assert {t for t, _ in layer_types_from_config(v4)} >= {
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    }
     assert all(w == v4.sliding_window for _, w in layer_types_from_config(v4))
     gemma = transformers.Gemma3TextConfig(num_hidden_layers=6)
     assert layer_types_from_config(gemma)[5] == ("full_attention", None)
@@ -59,8 +92,9 @@ def test_real_configs_get_their_windows() -> None:
 
 def test_mlp_types_derived_from_moe_fields() -> None:
     assert mlp_types_from_config(SimpleNamespace(num_hidden_layers=2)) == ["dense", "dense"]
-    qwen_moe = SimpleNamespace(num_hidden_layers=6, num_experts=8, decoder_sparse_step=2,
-                               mlp_only_layers=[3])
+    qwen_moe = SimpleNamespace(
+        num_hidden_layers=6, num_experts=8, decoder_sparse_step=2, mlp_only_layers=[3]
+    )
     assert mlp_types_from_config(qwen_moe) == ["dense", "moe", "dense", "dense", "dense", "moe"]
     v3 = SimpleNamespace(num_hidden_layers=4, n_routed_experts=8, first_k_dense_replace=1)
     assert mlp_types_from_config(v3) == ["dense", "moe", "moe", "moe"]
@@ -68,8 +102,12 @@ def test_mlp_types_derived_from_moe_fields() -> None:
     assert mlp_types_from_config(mixtral) == ["moe", "moe"]
     glm = SimpleNamespace(num_hidden_layers=2, mlp_layer_types=["dense", "sparse", "sparse"])
     assert mlp_types_from_config(glm) == ["dense", "sparse"]
-    assert [is_moe_type(t) for t in ("dense", "sparse", "moe", "hash_moe")] == \
-        [False, True, True, True]
+    assert [is_moe_type(t) for t in ("dense", "sparse", "moe", "hash_moe")] == [
+        False,
+        True,
+        True,
+        True,
+    ]
     with pytest.raises(ValueError, match="mlp_layer_types"):
         mlp_types_from_config(SimpleNamespace(num_hidden_layers=3, mlp_layer_types=["moe"]))
 
@@ -79,11 +117,12 @@ def test_deepseek_v4_hc_head_is_reported_unplaced_with_shapes() -> None:
 
     arch = inspect_architecture(_dsv4())
     assert arch.meta_forward_error is None
-    assert [(l.layer_type, l.window, l.mlp_type) for l in arch.layers] == [
+    assert [(layer.layer_type, layer.window, layer.mlp_type) for layer in arch.layers] == [
         ("heavily_compressed_attention", 32, "hash_moe"),
         ("heavily_compressed_attention", 32, "hash_moe"),
         ("heavily_compressed_attention", 32, "hash_moe"),
-        ("compressed_sparse_attention", 32, "moe")]
+        ("compressed_sparse_attention", 32, "moe"),
+    ]
     extra = {m.path: m for m in arch.extra_modules}
     assert set(extra) == {"model.hc_head"}
     head = extra["model.hc_head"]
@@ -91,11 +130,12 @@ def test_deepseek_v4_hc_head_is_reported_unplaced_with_shapes() -> None:
     assert head.output_text == "Tensor[1,5,64]" and head.input_text.startswith("Tensor[1,5,4,64]")
     assert head.params and all(isinstance(s, tuple) for s in head.params.values())
     lines = Path(head.source_file).read_text().splitlines()
-    assert "DeepseekV4HyperHead" in "\n".join(lines[head.source_line - 1:head.source_line + 2])
+    assert "DeepseekV4HyperHead" in "\n".join(lines[head.source_line - 1 : head.source_line + 2])
     warnings = unplaced_warnings(arch)
     assert len(warnings) == 1
-    assert "module model.hc_head (DeepseekV4HyperHead, transformers/models/deepseek_v4/" in \
-        warnings[0]
+    assert (
+        "module model.hc_head (DeepseekV4HyperHead, transformers/models/deepseek_v4/" in warnings[0]
+    )
     assert "is not placed by the scaffold: write it as a hook in blocks.py" in warnings[0]
     # the full output structure, not only the first tensor: attention returns a tuple
     attn = arch.layers[0].children["self_attn"]
@@ -104,21 +144,24 @@ def test_deepseek_v4_hc_head_is_reported_unplaced_with_shapes() -> None:
     assert arch.layers[0].children["mlp"].buffers == {"gate.tid2eid": (384, 2)}
     # plain data: the lead serialises it to JSON
     json.dumps([dataclasses.asdict(m) for m in arch.extra_modules])
-    json.dumps([dataclasses.asdict(l) for l in arch.layers])
+    json.dumps([dataclasses.asdict(layer) for layer in arch.layers])
 
 
 def test_gemma3_places_everything_and_full_layers_have_no_window() -> None:
     transformers = pytest.importorskip("transformers")
     from resin.scaffold.inspect import inspect_architecture, unplaced_warnings
 
-    arch = inspect_architecture(transformers.Gemma3TextConfig(
-        **SMALL, num_key_value_heads=2, num_hidden_layers=6, sliding_window=32))
+    arch = inspect_architecture(
+        transformers.Gemma3TextConfig(
+            **SMALL, num_key_value_heads=2, num_hidden_layers=6, sliding_window=32
+        )
+    )
     assert arch.extra_modules == []
     # every module is placed, but the embedding is not a plain lookup (Gemma scales it)
     (warning,) = unplaced_warnings(arch)
     assert "Gemma3TextScaledWordEmbedding" in warning and "embed hook" in warning
-    assert [l.window for l in arch.layers] == [32] * 5 + [None]
-    assert {l.mlp_type for l in arch.layers} == {"dense"}
+    assert [layer.window for layer in arch.layers] == [32] * 5 + [None]
+    assert {layer.mlp_type for layer in arch.layers} == {"dense"}
     assert arch.layers[0].decoder.output_text == "Tensor[1,5,64]"
 
 
@@ -132,13 +175,14 @@ def test_unused_and_direct_tensors_are_reported(monkeypatch: pytest.MonkeyPatch)
     def with_extras(config: Any) -> Any:
         model = real(config)
         with torch.device("meta"):
-            model.model.mtp_head = torch.nn.Linear(64, 64)      # never called by forward
+            model.model.mtp_head = torch.nn.Linear(64, 64)  # never called by forward
             model.model.logit_scale = torch.nn.Parameter(torch.ones(1))
         return model
 
     monkeypatch.setattr(insp, "build_meta_model", with_extras)
-    arch = insp.inspect_architecture(transformers.LlamaConfig(
-        **SMALL, num_key_value_heads=2, num_hidden_layers=2))
+    arch = insp.inspect_architecture(
+        transformers.LlamaConfig(**SMALL, num_key_value_heads=2, num_hidden_layers=2)
+    )
     extra = {m.path: m for m in arch.extra_modules}
     assert set(extra) == {"model", "model.mtp_head"}
     assert extra["model"].params == {"logit_scale": (1,)}
@@ -154,24 +198,31 @@ def test_meta_forward_retries_past_item_on_meta_masks() -> None:
 
     from resin.scaffold import inspect as insp
 
-    config = transformers.Qwen3NextConfig(**{**SMALL, "num_key_value_heads": 2,
-                                             "num_hidden_layers": 4, "num_experts": 4,
-                                             "num_experts_per_tok": 2,
-                                             "moe_intermediate_size": 32,
-                                             "shared_expert_intermediate_size": 32,
-                                             "linear_num_key_heads": 2,
-                                             "linear_num_value_heads": 4,
-                                             "linear_key_head_dim": 16,
-                                             "linear_value_head_dim": 16})
+    config = transformers.Qwen3NextConfig(
+        **{
+            **SMALL,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        }
+    )
     _, first_error = insp._meta_forward(insp.build_meta_model(config))
-    assert first_error is not None and ".item()" in first_error   # why the retry exists
+    assert first_error is not None and ".item()" in first_error  # why the retry exists
     original = import_utils.is_tracing
     arch = insp.inspect_architecture(config)
     assert arch.meta_forward_error is None
     assert arch.layers[0].layer_type == "linear_attention"
     assert arch.layers[0].children["linear_attn"].output_text == "Tensor[1,5,64]"
     import transformers.masking_utils as mu
-    assert import_utils.is_tracing is original and mu.is_tracing is original   # restored
+
+    assert import_utils.is_tracing is original and mu.is_tracing is original  # restored
 
 
 def test_describe_structures() -> None:
@@ -180,8 +231,9 @@ def test_describe_structures() -> None:
 
     t = torch.zeros(1, 5, 64, device="meta")
     assert describe((t, None)) == "(Tensor[1,5,64], None)"
-    assert describe([t, torch.zeros(5, 2, dtype=torch.long)]) == \
-        "[Tensor[1,5,64], Tensor[5,2]:int64]"
+    assert (
+        describe([t, torch.zeros(5, 2, dtype=torch.long)]) == "[Tensor[1,5,64], Tensor[5,2]:int64]"
+    )
     assert describe({"a": t}) == "{a=Tensor[1,5,64]}"
     assert describe((t,)) == "(Tensor[1,5,64],)"
     assert len(describe(tuple([t] * 200), limit=60)) == 60
@@ -197,7 +249,8 @@ def test_new_model_prints_unplaced_modules(tmp_path: Path) -> None:
     raw["architectures"] = ["DeepseekV4ForCausalLM"]
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "config.json").write_text(json.dumps(raw))
-    result = CliRunner().invoke(app, ["new-model", str(tmp_path / "src"), "--name", "dsv4",
-                                      "--out", str(tmp_path / "out")])
+    result = CliRunner().invoke(
+        app, ["new-model", str(tmp_path / "src"), "--name", "dsv4", "--out", str(tmp_path / "out")]
+    )
     assert result.exit_code == 0, result.output
     assert "warning: module model.hc_head (DeepseekV4HyperHead" in result.output

@@ -57,8 +57,15 @@ HANDLED = {
     "resin bench NAME",
 }
 
-COMMAND_NAMES = {"resin new-model", "resin eval parity", "resin bench", "resin eval",
-                 "resin serve", "resin models", "resin generate"}
+COMMAND_NAMES = {
+    "resin new-model",
+    "resin eval parity",
+    "resin bench",
+    "resin eval",
+    "resin serve",
+    "resin models",
+    "resin generate",
+}
 
 
 def _skill_text() -> str:
@@ -66,16 +73,21 @@ def _skill_text() -> str:
 
 
 def _bash_blocks(text: str) -> list[list[str]]:
-    return [block.strip("\n").splitlines()
-            for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
+    return [
+        block.strip("\n").splitlines() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+    ]
 
 
 def skill_commands(text: str) -> list[str]:
     """Commands in ```bash blocks (non-comment lines) and inline spans starting resin/pytest."""
-    commands = [line.strip() for block in _bash_blocks(text) for line in block
-                if line.strip() and not line.lstrip().startswith("#")]
+    commands = [
+        line.strip()
+        for block in _bash_blocks(text)
+        for line in block
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     spans = re.findall(r"`((?:resin|pytest) [^`]+)`", text)
-    return commands + [c for c in spans if c not in COMMAND_NAMES]   # prose naming a command
+    return commands + [c for c in spans if c not in COMMAND_NAMES]  # prose naming a command
 
 
 def _normalise(command: str) -> str:
@@ -88,7 +100,7 @@ def _expected_output(block: list[str], command_prefix: str) -> list[str]:
     """The ``# ...`` lines right after the command starting with ``command_prefix``."""
     start = next(i for i, line in enumerate(block) if line.startswith(command_prefix))
     out = []
-    for line in block[start + 1:]:
+    for line in block[start + 1 :]:
         if not line.startswith("#"):
             break
         out.append(line[1:].strip())
@@ -101,8 +113,9 @@ def _pattern(expected: str) -> str:
     pieces = []
     for part in expected.split("..."):
         tokens = re.split(r"([0-9.]+e[-+][0-9]+)", part)
-        pieces.append("".join(r"[0-9.]+e[-+][0-9]+" if i % 2 else re.escape(t)
-                              for i, t in enumerate(tokens)))
+        pieces.append(
+            "".join(r"[0-9.]+e[-+][0-9]+" if i % 2 else re.escape(t) for i, t in enumerate(tokens))
+        )
     return ".*".join(pieces)
 
 
@@ -113,15 +126,17 @@ def _run(*args: str) -> Result:
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)     # ~50x faster on a shared 2-core machine (models/gpt_oss/NOTES.md)
+    torch.set_num_threads(1)  # ~50x faster on a shared 2-core machine (models/gpt_oss/NOTES.md)
     yield
     torch.set_num_threads(previous)
 
 
 def test_skill_shows_only_commands_this_test_runs() -> None:
     shown = {_normalise(c) for c in skill_commands(_skill_text())}
-    assert shown == HANDLED, f"SKILL.md commands not exercised here: {shown - HANDLED}; " \
-                             f"exercised but no longer shown: {HANDLED - shown}"
+    assert shown == HANDLED, (
+        f"SKILL.md commands not exercised here: {shown - HANDLED}; "
+        f"exercised but no longer shown: {HANDLED - shown}"
+    )
 
 
 def test_skill_loop_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,22 +184,41 @@ def test_skill_loop_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     result = _run("eval", "parity", "gpt_oss", "--dtype", "bfloat16")
     assert result.exit_code == 0, result.output
     import_model_module(model, "test_parity", "gpt_oss").test_parity()
-    result = _run("bench", "gpt_oss", "--shapes", "decode:2@24", "--repeats", "2",
-                  "--warmup", "0", "--out", str(tmp_path / "bench"))
+    result = _run(
+        "bench",
+        "gpt_oss",
+        "--shapes",
+        "decode:2@24",
+        "--repeats",
+        "2",
+        "--warmup",
+        "0",
+        "--out",
+        str(tmp_path / "bench"),
+    )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "bench" / "report.json").is_file()
-    result = _run("eval", "parity", str(REPO / "tests" / "fixtures" / "llama"),
-                  "--max-new-tokens", "4")
+    result = _run(
+        "eval", "parity", str(REPO / "tests" / "fixtures" / "llama"), "--max-new-tokens", "4"
+    )
     assert result.exit_code == 0, result.output
-    result = _run("eval", "parity", "gpt_oss", "--checkpoint", str(GPT_OSS / "tiny"),
-                  "--max-new-tokens", "4")
+    result = _run(
+        "eval", "parity", "gpt_oss", "--checkpoint", str(GPT_OSS / "tiny"), "--max-new-tokens", "4"
+    )
     assert result.exit_code == 0, result.output
     assert str(GPT_OSS / "tiny") in result.output
 
     # 6. A model directory elsewhere: registered with --models-dir, served by a real process.
     elsewhere = tmp_path / "my_models"
-    result = _run("new-model", str(source / "config.json"), "--name", "oss_elsewhere", "--tiny",
-                  "--out", str(elsewhere / "oss_elsewhere"))
+    result = _run(
+        "new-model",
+        str(source / "config.json"),
+        "--name",
+        "oss_elsewhere",
+        "--tiny",
+        "--out",
+        str(elsewhere / "oss_elsewhere"),
+    )
     assert result.exit_code == 0, result.output
     shutil.copy(GPT_OSS / "blocks.py", elsewhere / "oss_elsewhere" / "blocks.py")
     result = _run("models", "--models-dir", str(elsewhere))
@@ -206,10 +240,26 @@ def _serve_and_complete(checkpoint: Path, models_dir: Path, cwd: Path) -> None:
     port = free_port()
     resin_cli = Path(sys.executable).parent / "resin"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen([str(resin_cli), "serve", str(checkpoint), "--models-dir",
-                               str(models_dir), "--port", str(port), "--max-model-len", "128",
-                               "--served-model-name", "oss"], cwd=cwd, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [
+            str(resin_cli),
+            "serve",
+            str(checkpoint),
+            "--models-dir",
+            str(models_dir),
+            "--port",
+            str(port),
+            "--max-model-len",
+            "128",
+            "--served-model-name",
+            "oss",
+        ],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -219,9 +269,11 @@ def _serve_and_complete(checkpoint: Path, models_dir: Path, cwd: Path) -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                           json={"model": "oss", "prompt": "hello", "max_tokens": 3,
-                                 "temperature": 0})
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": "oss", "prompt": "hello", "max_tokens": 3, "temperature": 0},
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 3
     finally:

@@ -17,6 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed")
 def test_stubs_match_the_compiled_module() -> None:
-    done = subprocess.run([sys.executable, "-m", "mypy.stubtest", "resin._core"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "resin._core"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, f"stubtest failed:\n{done.stdout}\n{done.stderr}"

@@ -36,21 +36,25 @@ def _logits(path: Path, **overrides: Any) -> Any:
     """HF logits of the saved tiny checkpoint, optionally with config fields overridden."""
     config = transformers.AutoConfig.from_pretrained(path, **overrides)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, config=config, attn_implementation="eager").eval()
+        path, config=config, attn_implementation="eager"
+    ).eval()
     ids = torch.randint(4, 384, (1, 40), generator=torch.Generator().manual_seed(7))
     return model(ids).logits[0]
 
 
 def test_gemma3_scale_and_rope_bases_are_perturbed(tmp_path: Path) -> None:
     # Gemma 3: query_pre_attn_scalar == head_dim (256) by default; make both rope bases equal
-    src = transformers.Gemma3TextConfig(rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    src = transformers.Gemma3TextConfig(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    )
     tiny, cfg = _make(src, tmp_path)
     assert cfg["head_dim"] == 16 and cfg["query_pre_attn_scalar"] not in (16, 256)
     thetas = {k: v["rope_theta"] for k, v in cfg["rope_parameters"].items()}
     assert thetas["sliding_attention"] != thetas["full_attention"]
-    assert cfg["tie_word_embeddings"] is True      # kept: the real layout
+    assert cfg["tie_word_embeddings"] is True  # kept: the real layout
     text = "\n".join(tiny.changes)
     assert "perturbed: query_pre_attn_scalar 16 -> 24" in text
     assert "perturbed: rope_parameters.full_attention.rope_theta 10000 -> 40000" in text
@@ -63,11 +67,11 @@ def test_deepseek_v4_routing_tables_and_limit(tmp_path: Path) -> None:
     tiny, cfg = _make(transformers.DeepseekV4Config(), tmp_path)
     weights = load_file(tiny.path / "model.safetensors")
     tables = {k: v for k, v in weights.items() if k.endswith("tid2eid")}
-    assert len(tables) == 3        # the three hash_moe layers
+    assert len(tables) == 3  # the three hash_moe layers
     for table in tables.values():
         assert table.min() >= 0 and table.max() < cfg["n_routed_experts"]
         assert len(set(table.flatten().tolist())) > 1
-        assert bool((table[:, 0] != table[:, 1]).all())      # distinct experts per token
+        assert bool((table[:, 0] != table[:, 1]).all())  # distinct experts per token
     biases = [v for k, v in weights.items() if k.endswith("gate.bias")]
     assert biases and all(float(b.abs().max()) > 0 for b in biases)
     assert cfg["swiglu_limit"] < 10.0
@@ -90,27 +94,39 @@ def test_gpt_oss_swiglu_limit_binds(tmp_path: Path) -> None:
 def test_qwen3_moe_is_seeded_and_only_shrunk(tmp_path: Path) -> None:
     a = make_tiny_checkpoint(transformers.Qwen3MoeConfig(), tmp_path / "a")
     b = make_tiny_checkpoint(transformers.Qwen3MoeConfig(), tmp_path / "b")
-    assert (a.path / "model.safetensors").read_bytes() == \
-        (b.path / "model.safetensors").read_bytes()
+    assert (a.path / "model.safetensors").read_bytes() == (
+        b.path / "model.safetensors"
+    ).read_bytes()
     assert a.changes == b.changes and a.changes
     assert all(line.startswith("shrunk: ") for line in a.changes)
 
 
 def test_unit_scales_and_a_perturbation_without_effect(tmp_path: Path) -> None:
     tiny, cfg = _make(transformers.GraniteConfig(num_hidden_layers=2), tmp_path / "granite")
-    for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier",
-                "logits_scaling"):
+    for key in (
+        "attention_multiplier",
+        "embedding_multiplier",
+        "residual_multiplier",
+        "logits_scaling",
+    ):
         assert cfg[key] != 1.0, key
     # Llama ignores partial_rotary_factor: the perturbation changes nothing, so it is reverted
-    tiny, cfg = _make(transformers.LlamaConfig(num_hidden_layers=2, partial_rotary_factor=1.0),
-                      tmp_path / "llama")
+    tiny, cfg = _make(
+        transformers.LlamaConfig(num_hidden_layers=2, partial_rotary_factor=1.0), tmp_path / "llama"
+    )
     assert any(line.startswith("not perturbed: partial_rotary_factor") for line in tiny.changes)
 
 
 def test_constant_buffers_outside_routing_are_reported() -> None:
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1,
-        vocab_size=384))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_hidden_layers=1,
+            vocab_size=384,
+        )
+    )
     model.model.register_buffer("scale_table", torch.zeros(4))
     model.model.layers[0].mlp.register_buffer("router_bias", torch.zeros(4))
     originals: dict[str, Any] = {}

@@ -28,10 +28,26 @@ CORPUS = [
     "def main():\n    return 42\n",
     "You are a helpful assistant. What is the weather like today?",
 ] * 20
-SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|im_start|>",
-                  "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>",
-                  "<|eom_id|>", "<start_of_turn>", "<end_of_turn>", "<s>", "</s>",
-                  "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|python_tag|>",
+    "<|eom_id|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<s>",
+    "</s>",
+    "<|endoftext|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+]
 TEXTS = [
     "hello world",
     "  leading and trailing spaces  ",
@@ -48,13 +64,18 @@ def _byte_level_backend() -> BackendTokenizer:
     tok = BackendTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     bos_id = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
-        special_tokens=[("<|begin_of_text|>", bos_id)])
+        single="<|begin_of_text|> $A",
+        pair="<|begin_of_text|> $A $B",
+        special_tokens=[("<|begin_of_text|>", bos_id)],
+    )
     return tok
 
 
@@ -62,8 +83,14 @@ def _metaspace_backend() -> BackendTokenizer:
     """Llama-2-style: Metaspace "▁", byte fallback <0xXX> tokens, Replace/ByteFallback/Fuse/Strip."""
     tok = BackendTokenizer(models.BPE())
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
     tok.train_from_iterator(CORPUS, trainer)
     spec = json.loads(tok.to_str())
@@ -71,22 +98,29 @@ def _metaspace_backend() -> BackendTokenizer:
     for byte in range(256):  # byte-fallback tokens, as SentencePiece conversions have
         vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
     spec["model"].update(byte_fallback=True, unk_token="<unk>", fuse_unk=True)
-    spec["post_processor"] = {"type": "TemplateProcessing",
-                              "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                                         {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [{"Sequence": {"id": "A", "type_id": 0}},
-                                       {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<s>": {"id": "<s>", "ids": [vocab["<s>"]],
-                                                         "tokens": ["<s>"]}}}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [vocab["<s>"]], "tokens": ["<s>"]}},
+    }
     return BackendTokenizer.from_str(json.dumps(spec))
 
 
 _BACKENDS: dict[str, str] = {}
 
 
-def write_checkpoint(directory: Path, tokenizer_config: dict[str, Any], *, kind: str = "byte_level",
-                     generation_config: dict[str, Any] | None = None,
-                     model_config: dict[str, Any] | None = None) -> Path:
+def write_checkpoint(
+    directory: Path,
+    tokenizer_config: dict[str, Any],
+    *,
+    kind: str = "byte_level",
+    generation_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+) -> Path:
     """Write tokenizer.json (trained once per kind) and the given JSON configs into ``directory``."""
     if kind not in _BACKENDS:
         backend = _byte_level_backend() if kind == "byte_level" else _metaspace_backend()
@@ -95,8 +129,10 @@ def write_checkpoint(directory: Path, tokenizer_config: dict[str, Any], *, kind:
     (directory / "tokenizer.json").write_text(_BACKENDS[kind], encoding="utf-8")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}
     (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    for name, value in (("generation_config.json", generation_config),
-                        ("config.json", model_config)):
+    for name, value in (
+        ("generation_config.json", generation_config),
+        ("config.json", model_config),
+    ):
         if value is not None:
             (directory / name).write_text(json.dumps(value), encoding="utf-8")
     return directory
@@ -104,6 +140,7 @@ def write_checkpoint(directory: Path, tokenizer_config: dict[str, Any], *, kind:
 
 def hf_tokenizer(directory: Path) -> Any:
     import transformers
+
     return transformers.AutoTokenizer.from_pretrained(str(directory))
 
 
@@ -124,8 +161,9 @@ def test_encode_decode_match_transformers(checkpoint: Path, add_special_tokens: 
         ids = ours.encode(text, add_special_tokens=add_special_tokens)
         assert ids == theirs.encode(text, add_special_tokens=add_special_tokens), text
         for skip in (False, True):
-            assert ours.decode(ids, skip_special_tokens=skip) == \
-                theirs.decode(ids, skip_special_tokens=skip), (text, skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                ids, skip_special_tokens=skip
+            ), (text, skip)
 
 
 def test_vocab_and_special_tokens_match_transformers(checkpoint: Path) -> None:
@@ -140,11 +178,21 @@ def test_vocab_and_special_tokens_match_transformers(checkpoint: Path) -> None:
 
 def test_special_token_missing_from_tokenizer_json_is_added(tmp_path: Path) -> None:
     """A config names tokens tokenizer.json lacks: transformers adds them as special; so do we."""
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|new_eos|>",
-              "pad_token": {"__type": "AddedToken", "content": "<|pad|>", "lstrip": False,
-                            "rstrip": False, "normalized": False, "single_word": False,
-                            "special": True},
-              "image_token": "<|image|>", "extra_special_tokens": ["<|extra_0|>"]}
+    config = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|new_eos|>",
+        "pad_token": {
+            "__type": "AddedToken",
+            "content": "<|pad|>",
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+            "special": True,
+        },
+        "image_token": "<|image|>",
+        "extra_special_tokens": ["<|extra_0|>"],
+    }
     directory = write_checkpoint(tmp_path / "ckpt", config)
     ours, theirs = Tokenizer.from_pretrained(directory), hf_tokenizer(directory)
     assert ours.special_tokens_map == theirs.special_tokens_map
@@ -156,36 +204,52 @@ def test_special_token_missing_from_tokenizer_json_is_added(tmp_path: Path) -> N
     ids = ours.encode(text)
     assert ids == theirs.encode(text)
     for skip in (False, True):
-        assert ours.decode(ids, skip_special_tokens=skip) == \
-            theirs.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+            ids, skip_special_tokens=skip
+        )
 
 
 def test_eos_ids_merge_tokenizer_generation_config_and_config(tmp_path: Path) -> None:
     probe = Tokenizer.from_pretrained(write_checkpoint(tmp_path / "probe", LLAMA3_CONFIG))
     eot, end = probe.token_to_id("<|eot_id|>"), probe.token_to_id("<|end_of_text|>")
     eom = probe.token_to_id("<|eom_id|>")
-    both = write_checkpoint(tmp_path / "both", LLAMA3_CONFIG,
-                            generation_config={"eos_token_id": [end, eom, eot]},
-                            model_config={"eos_token_id": 7})
+    both = write_checkpoint(
+        tmp_path / "both",
+        LLAMA3_CONFIG,
+        generation_config={"eos_token_id": [end, eom, eot]},
+        model_config={"eos_token_id": 7},
+    )
     assert Tokenizer.from_pretrained(both).eos_token_ids == [eot, end, eom]
     # No generation config: config.json's eos (also nested under text_config) is the fallback.
-    only_config = write_checkpoint(tmp_path / "cfg", LLAMA3_CONFIG,
-                                   model_config={"text_config": {"eos_token_id": end}})
+    only_config = write_checkpoint(
+        tmp_path / "cfg", LLAMA3_CONFIG, model_config={"text_config": {"eos_token_id": end}}
+    )
     assert Tokenizer.from_pretrained(only_config).eos_token_ids == [eot, end]
     bare = write_checkpoint(tmp_path / "bare", {"bos_token": "<|begin_of_text|>"})
     assert Tokenizer.from_pretrained(bare).eos_token_ids == []
     bad = write_checkpoint(tmp_path / "bad", LLAMA3_CONFIG, generation_config={"eos_token_id": "x"})
     with pytest.raises(ValueError, match="eos_token_id"):
-        Tokenizer.from_pretrained(bad).eos_token_ids
+        _ = Tokenizer.from_pretrained(bad).eos_token_ids
 
 
 def test_sampling_defaults_follow_vllm_diff_rule(tmp_path: Path) -> None:
-    generation = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 50,
-                  "repetition_penalty": 1.0, "max_new_tokens": 256, "min_p": 0.05}
+    generation = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 50,
+        "repetition_penalty": 1.0,
+        "max_new_tokens": 256,
+        "min_p": 0.05,
+    }
     directory = write_checkpoint(tmp_path / "gen", LLAMA3_CONFIG, generation_config=generation)
     # top_k 50 and repetition_penalty 1.0 are transformers' defaults, so vLLM does not apply them.
     assert Tokenizer.from_pretrained(directory).sampling_defaults == {
-        "temperature": 0.6, "top_p": 0.95, "min_p": 0.05, "max_tokens": 256}
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "min_p": 0.05,
+        "max_tokens": 256,
+    }
     plain = write_checkpoint(tmp_path / "plain", LLAMA3_CONFIG)
     assert Tokenizer.from_pretrained(plain).sampling_defaults == {}
 
@@ -212,12 +276,13 @@ STREAM_TEXTS = [
 ]
 
 
-def _stream(tokenizer: Tokenizer, ids: list[int], chunk_sizes: list[int],
-            skip_special_tokens: bool = True) -> list[str]:
+def _stream(
+    tokenizer: Tokenizer, ids: list[int], chunk_sizes: list[int], skip_special_tokens: bool = True
+) -> list[str]:
     detok = tokenizer.incremental_detokenizer(skip_special_tokens=skip_special_tokens)
     deltas, start = [], 0
     for size in chunk_sizes:
-        deltas.append(detok.add_tokens(ids[start:start + size]))
+        deltas.append(detok.add_tokens(ids[start : start + size]))
         start += size
     assert start == len(ids)
     deltas.append(detok.finish())
@@ -242,8 +307,10 @@ def test_token_by_token_deltas_are_whole_characters(checkpoint: Path, text: str)
     for i in ids:
         detok.add_tokens([i])
         # the decode window stays a few tokens wide: the work per token does not grow
-        assert detok.read_offset - detok.prefix_offset <= 4 and len(detok._token_ids) - \
-            detok.prefix_offset <= 8
+        assert (
+            detok.read_offset - detok.prefix_offset <= 4
+            and len(detok._token_ids) - detok.prefix_offset <= 8
+        )
     assert all(REPLACEMENT_CHAR not in delta for delta in deltas)
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
     assert "".join(deltas) == hf_tokenizer(checkpoint).decode(ids, skip_special_tokens=True)
@@ -255,8 +322,11 @@ def test_random_chunks_and_special_tokens(checkpoint: Path) -> None:
     rng = random.Random(1234)
     eos = [tokenizer.eos_token_id or 0]
     for trial in range(40):
-        pieces = [tokenizer.encode(rng.choice(STREAM_TEXTS), add_special_tokens=False), eos,
-                  tokenizer.encode(rng.choice(STREAM_TEXTS)[: rng.randint(1, 30)], False)]
+        pieces = [
+            tokenizer.encode(rng.choice(STREAM_TEXTS), add_special_tokens=False),
+            eos,
+            tokenizer.encode(rng.choice(STREAM_TEXTS)[: rng.randint(1, 30)], False),
+        ]
         ids = [i for piece in pieces for i in piece]
         chunks = []
         while sum(chunks) < len(ids):
@@ -291,16 +361,24 @@ def test_prompt_context_keeps_the_first_tokens_spacing(checkpoint: Path) -> None
     detok = tokenizer.incremental_detokenizer(prompt_token_ids=prompt)
     deltas = [detok.add_tokens([i]) for i in output] + [detok.finish()]
     whole = tokenizer.decode(prompt + output, skip_special_tokens=True)
-    assert "".join(deltas) == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
+    assert "".join(deltas) == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
     assert all(REPLACEMENT_CHAR not in d for d in deltas)
 
 
 def test_legacy_special_tokens_map_json_matches_transformers(tmp_path: Path) -> None:
-    directory = write_checkpoint(tmp_path / "legacy", {"bos_token": "<|begin_of_text|>",
-                                                       "eos_token": "<|end_of_text|>"})
-    legacy = {"eos_token": {"content": "<|eot_id|>", "lstrip": False, "rstrip": False,
-                            "normalized": False, "single_word": False},
-              "pad_token": "<|endoftext|>"}
+    directory = write_checkpoint(
+        tmp_path / "legacy", {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    )
+    legacy = {
+        "eos_token": {
+            "content": "<|eot_id|>",
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        },
+        "pad_token": "<|endoftext|>",
+    }
     (directory / "special_tokens_map.json").write_text(json.dumps(legacy), encoding="utf-8")
     ours, theirs = Tokenizer.from_pretrained(directory), hf_tokenizer(directory)
     assert ours.special_tokens_map == theirs.special_tokens_map

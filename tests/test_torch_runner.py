@@ -26,21 +26,36 @@ from resin.loading import load_model_config
 from resin.loading.weights import WeightsError, load_weights
 from resin.runners.torch import TorchRunner
 
-PROMPTS = [[3, 5, 7], [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 7],
-           [100 - i for i in range(21)]]
+PROMPTS = [
+    [3, 5, 7],
+    [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 7],
+    [100 - i for i in range(21)],
+]
 NUM_NEW_TOKENS = 8
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 ARCHITECTURES: dict[str, Any] = {
     "llama": lambda: transformers.LlamaConfig(**COMMON),
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=8),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=32,
-                                                     num_experts=4, num_experts_per_tok=2,
-                                                     norm_topk_prob=False),
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4,
-                                                  num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, num_local_experts=4, num_experts_per_tok=2
+    ),
 }
 
 
@@ -56,7 +71,7 @@ def make_checkpoint(hf_config: Any, directory: Path, seed: int = 0, **save_kwarg
                 param.normal_(0.0, 0.1)
             else:
                 param.normal_(0.0, 0.5)
-    model.generation_config.eos_token_id = None   # generate exactly NUM_NEW_TOKENS
+    model.generation_config.eos_token_id = None  # generate exactly NUM_NEW_TOKENS
     model.generation_config.pad_token_id = 0
     model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
     return model
@@ -68,17 +83,24 @@ class Reference:
         self.directory = directory
         self.model = model
         with torch.no_grad():
-            self.tokens = [model.generate(torch.tensor([p]), do_sample=False,
-                                          max_new_tokens=NUM_NEW_TOKENS)[0, len(p):].tolist()
-                           for p in PROMPTS]
+            self.tokens = [
+                model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS)[
+                    0, len(p) :
+                ].tolist()
+                for p in PROMPTS
+            ]
             self.prompt_logits = [model(torch.tensor([p])).logits[0] for p in PROMPTS]
         assert all(len(t) == NUM_NEW_TOKENS for t in self.tokens)
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
-def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+def reference(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Reference:
     directory = tmp_path_factory.mktemp(request.param)
-    return Reference(request.param, directory, make_checkpoint(ARCHITECTURES[request.param](), directory))
+    return Reference(
+        request.param, directory, make_checkpoint(ARCHITECTURES[request.param](), directory)
+    )
 
 
 def run_engine(directory: Path, batches: int = 1, **config: Any) -> tuple[list[list[Any]], Any]:
@@ -111,8 +133,9 @@ def test_greedy_matches_hf(reference: Reference, setting: str) -> None:
 
 
 def test_prefix_cache_hit_matches_hf(reference: Reference) -> None:
-    (first, second), _ = run_engine(reference.directory, batches=2, page_size=4, num_pages=128,
-                                    max_model_len=64)
+    (first, second), _ = run_engine(
+        reference.directory, batches=2, page_size=4, num_pages=128, max_model_len=64
+    )
     assert [o.token_ids for o in first] == reference.tokens
     assert [o.token_ids for o in second] == reference.tokens
     assert max(o.num_cached_tokens for o in second) > 0
@@ -122,40 +145,55 @@ def test_preemption_matches_hf(reference: Reference) -> None:
     # The pool fits one request of max_model_len but not all three prompts' growth. Mistral's
     # window frees pages as it goes, so it needs a smaller pool (and small prefill chunks, so
     # that one chunk plus the window fits in it).
-    small_pool = (dict(num_pages=22, max_num_batched_tokens=8)
-                  if reference.architecture == "mistral" else dict(num_pages=42))
-    (outputs,), engine = run_engine(reference.directory, page_size=1, max_model_len=32,
-                                    **small_pool)
+    small_pool = (
+        dict(num_pages=22, max_num_batched_tokens=8)
+        if reference.architecture == "mistral"
+        else dict(num_pages=42)
+    )
+    (outputs,), engine = run_engine(
+        reference.directory, page_size=1, max_model_len=32, **small_pool
+    )
     assert [o.token_ids for o in outputs] == reference.tokens
-    preemptions = [line for line in engine.metrics_text().splitlines()
-                   if line.startswith("resin:num_preemptions_total")]
+    preemptions = [
+        line
+        for line in engine.metrics_text().splitlines()
+        if line.startswith("resin:num_preemptions_total")
+    ]
     assert preemptions and float(preemptions[0].split()[-1]) > 0
 
 
 def test_logits_match_hf(reference: Reference) -> None:
     """Every prompt position (capture hook) and the sampled position (logprobs) vs HF."""
     runner = TorchRunner.from_pretrained(reference.directory)
-    engine = resin.Engine(resin.EngineConfig(page_size=16, num_pages=64, max_model_len=64),
-                          runner)
+    engine = resin.Engine(resin.EngineConfig(page_size=16, num_pages=64, max_model_len=64), runner)
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, resin.SamplingParams(max_tokens=1, temperature=0.0,
-                                                                logprobs=5))
+        engine.add_request(
+            str(i), prompt, resin.SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+        )
     captured: dict[str, torch.Tensor] = {}
     runner.capture = captured
     outputs = {o.request_id: o for o in engine.step()}
     start = 0
     for i, (prompt, hf_logits) in enumerate(zip(PROMPTS, reference.prompt_logits)):
-        ours = captured["lm_head"][start:start + len(prompt)]
+        ours = captured["lm_head"][start : start + len(prompt)]
         start += len(prompt)
         torch.testing.assert_close(ours, hf_logits, atol=1e-4, rtol=1e-5)
         hf_top = torch.log_softmax(hf_logits[-1], dim=-1).topk(5)
         assert list(outputs[str(i)].logprobs[0]) == hf_top.indices.tolist()
-        torch.testing.assert_close(torch.tensor(list(outputs[str(i)].logprobs[0].values())),
-                                   hf_top.values, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(list(outputs[str(i)].logprobs[0].values())),
+            hf_top.values,
+            atol=1e-4,
+            rtol=1e-5,
+        )
     layers = {name for name in captured if name.startswith("model.layers.0")}
-    assert layers == {"model.layers.0", "model.layers.0.input_layernorm",
-                      "model.layers.0.self_attn", "model.layers.0.post_attention_layernorm",
-                      "model.layers.0.mlp"}
+    assert layers == {
+        "model.layers.0",
+        "model.layers.0.input_layernorm",
+        "model.layers.0.self_attn",
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.0.mlp",
+    }
 
 
 # -- weights -------------------------------------------------------------------------------
@@ -180,12 +218,15 @@ def test_sharded_and_tied_checkpoints(tmp_path: Path) -> None:
     weights = load_weights(tmp_path, load_model_config(tmp_path))
     assert "lm_head.weight" not in weights
     runner = TorchRunner.from_pretrained(tmp_path)
-    assert runner.lm_head is runner.embed_tokens   # tied: no lm_head tensor loaded
+    assert runner.lm_head is runner.embed_tokens  # tied: no lm_head tensor loaded
     (outputs,), _ = run_engine(tmp_path, page_size=4, num_pages=128, max_model_len=64)
     with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), do_sample=False,
-                                   max_new_tokens=NUM_NEW_TOKENS)[0, len(p):].tolist()
-                    for p in PROMPTS]
+        expected = [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS)[
+                0, len(p) :
+            ].tolist()
+            for p in PROMPTS
+        ]
     assert [o.token_ids for o in outputs] == expected
 
 
@@ -225,7 +266,7 @@ def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
 def test_shape_mismatch_is_named(llama_dir: Path, tmp_path: Path) -> None:
     directory = copy_checkpoint(llama_dir, tmp_path / "ckpt")
     config = json.loads((directory / "config.json").read_text())
-    config["num_key_value_heads"] = 4   # k_proj/v_proj in the file have 2 heads
+    config["num_key_value_heads"] = 4  # k_proj/v_proj in the file have 2 heads
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightsError, match=r"k_proj\.weight has shape \(32, 64\).*\(64, 64\)"):
         TorchRunner.from_pretrained(directory)
@@ -234,8 +275,10 @@ def test_shape_mismatch_is_named(llama_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_greedy_matches_cpu(llama_dir: Path) -> None:
     cpu, _ = run_engine(llama_dir, page_size=16, num_pages=64, max_model_len=64)
-    engine = resin.Engine(resin.EngineConfig(page_size=16, num_pages=64, max_model_len=64),
-                          TorchRunner.from_pretrained(llama_dir, device="cuda"))
+    engine = resin.Engine(
+        resin.EngineConfig(page_size=16, num_pages=64, max_model_len=64),
+        TorchRunner.from_pretrained(llama_dir, device="cuda"),
+    )
     params = resin.SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, params)

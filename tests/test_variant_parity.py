@@ -16,19 +16,48 @@ PROMPTS = [list(range(3, 12)), [(7 * i + 1) % 120 for i in range(90)]]  # 90 > o
 
 def save_tiny(tmp_path: Path, kind: str) -> Path:
     torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     if kind == "moe_unnormalised":
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **common, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            norm_topk_prob=False))
+        model = transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                **common,
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                norm_topk_prob=False,
+            )
+        )
     elif kind == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope))
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**common, rope_parameters=rope)
+        )
     else:
-        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_parameters=rope))
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        model = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**common, rope_parameters=rope)
+        )
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.3) if param.dim() > 1 else param.uniform_(0.5, 1.5)

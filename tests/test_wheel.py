@@ -38,13 +38,21 @@ SHIPPED = REPO / "resin" / "models"
 TEMPLATES = REPO / "resin" / "scaffold" / "templates"
 GPT_OSS_TINY = SHIPPED / "gpt_oss" / "tiny"
 LLAMA_FIXTURE = REPO / "tests" / "fixtures" / "llama"
-BUILD_TIMEOUT_S = 900          # a cold release build on 2 cores is ~70 s; warm it is ~2 s
+BUILD_TIMEOUT_S = 900  # a cold release build on 2 cores is ~70 s; warm it is ~2 s
 COMMAND_TIMEOUT_S = 180
 STARTUP_TIMEOUT_S = 120.0
 SERVED_NAME = "tiny-gpt-oss"
 BLOCKER = "raise ImportError('transformers is blocked: resin must run a model without it')\n"
-RUNTIME_DEPS = ("torch", "tokenizers", "safetensors", "numpy", "typer", "jinja2", "fastapi",
-                "uvicorn")
+RUNTIME_DEPS = (
+    "torch",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "typer",
+    "jinja2",
+    "fastapi",
+    "uvicorn",
+)
 
 
 @dataclass
@@ -53,16 +61,22 @@ class WheelEnv:
     venv: Path
     bin: Path
     site_packages: Path
-    env: dict[str, str]            # no transformers (the shim is first on PYTHONPATH)
-    env_dev: dict[str, str]        # transformers allowed (resin new-model)
-    cwd: Path                      # outside the checkout
+    env: dict[str, str]  # no transformers (the shim is first on PYTHONPATH)
+    env_dev: dict[str, str]  # transformers allowed (resin new-model)
+    cwd: Path  # outside the checkout
     tmp: Path
 
-    def run(self, *args: str | Path, dev: bool = False,
-            timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(a) for a in args], cwd=self.cwd,
-                              env=self.env_dev if dev else self.env, capture_output=True,
-                              text=True, timeout=timeout)
+    def run(
+        self, *args: str | Path, dev: bool = False, timeout: float = COMMAND_TIMEOUT_S
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(a) for a in args],
+            cwd=self.cwd,
+            env=self.env_dev if dev else self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 def _skip_reason() -> str | None:
@@ -89,13 +103,32 @@ def _tail(proc: subprocess.CompletedProcess[str], n: int = 3000) -> str:
 def _build_wheel(out: Path) -> Path:
     venv = Path(sys.prefix)
     # the same environment as `make install` (maturin develop), so cargo reuses its artifacts
-    env = dict(os.environ, VIRTUAL_ENV=str(venv),
-               PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        VIRTUAL_ENV=str(venv),
+        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                           "--no-build-isolation", "--no-index", "-w", str(out), str(REPO)],
-                          cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=BUILD_TIMEOUT_S)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(out),
+            str(REPO),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
     assert proc.returncode == 0, f"building the wheel (pip wheel .) failed\n{_tail(proc)}"
     wheels = sorted(out.glob("resin-*.whl"))
     assert len(wheels) == 1, f"expected one wheel in {out}: {wheels}"
@@ -113,18 +146,38 @@ def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> WheelEnv:
     wheel = _build_wheel(tmp / "dist")
 
     venv = tmp / "venv"
-    proc = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)],
-                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot create a venv: {proc.stderr.strip()[-500:]}")
     py = venv / "bin" / "python"
-    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
-                           "--no-deps", "--no-index", str(wheel)],
-                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
     assert proc.returncode == 0, f"pip install of the wheel failed\n{_tail(proc)}"
-    site_packages = Path(subprocess.check_output(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        text=True).strip())
+    site_packages = Path(
+        subprocess.check_output(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
     # this interpreter's dependencies, after the venv's own site-packages (no re-download)
     deps = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
     (site_packages / "_resin_test_deps.pth").write_text("".join(f"{d}\n" for d in deps))
@@ -134,47 +187,78 @@ def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> WheelEnv:
     (shim / "transformers" / "__init__.py").write_text(BLOCKER)
     cwd = tmp / "cwd"
     cwd.mkdir()
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "RESIN_MODELS_PATH")}
-    base.update(PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-                VIRTUAL_ENV=str(venv), PYTHONNOUSERSITE="1")
-    return WheelEnv(wheel=wheel, venv=venv, bin=venv / "bin", site_packages=site_packages,
-                    env=dict(base, PYTHONPATH=str(shim)), env_dev=base, cwd=cwd, tmp=tmp)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "RESIN_MODELS_PATH")
+    }
+    base.update(
+        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        VIRTUAL_ENV=str(venv),
+        PYTHONNOUSERSITE="1",
+    )
+    return WheelEnv(
+        wheel=wheel,
+        venv=venv,
+        bin=venv / "bin",
+        site_packages=site_packages,
+        env=dict(base, PYTHONPATH=str(shim)),
+        env_dev=base,
+        cwd=cwd,
+        tmp=tmp,
+    )
 
 
 def _data_files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(REPO)) for p in root.rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+    return sorted(
+        str(p.relative_to(REPO))
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    )
 
 
 def test_wheel_contents(wheel_env: WheelEnv) -> None:
     names = zipfile.ZipFile(wheel_env.wheel).namelist()
     # every shipped model file (tiny checkpoints included) and every template is package data
     expected = _data_files(SHIPPED) + _data_files(TEMPLATES)
-    for f in ("architecture.json", "blocks.py", "tiny/config.json", "tiny/model.safetensors",
-              "tiny/tokenizer.json", "tiny/tokenizer_config.json"):
+    for f in (
+        "architecture.json",
+        "blocks.py",
+        "tiny/config.json",
+        "tiny/model.safetensors",
+        "tiny/tokenizer.json",
+        "tiny/tokenizer_config.json",
+    ):
         assert f"resin/models/gpt_oss/{f}" in expected, f
     assert "resin/scaffold/templates/model/blocks.py.j2" in expected
     missing = [f for f in expected if f not in names]
     assert not missing, f"not in {wheel_env.wheel.name}: {missing}"
     assert any(n.startswith("resin/_core.") and n.endswith(".so") for n in names), names
-    odd = [n for n in names if not (n.startswith("resin/") or ".dist-info/" in n)
-           or "__pycache__" in n or n.endswith(".pyc")
-           or (n.endswith(".so") and not n.startswith("resin/_core."))]
+    odd = [
+        n
+        for n in names
+        if not (n.startswith("resin/") or ".dist-info/" in n)
+        or "__pycache__" in n
+        or n.endswith(".pyc")
+        or (n.endswith(".so") and not n.startswith("resin/_core."))
+    ]
     assert not odd, f"unexpected files in the wheel: {odd}"
 
 
 def test_wheel_is_imported_and_transformers_is_blocked(wheel_env: WheelEnv) -> None:
-    probe = ("import importlib.util, resin, resin._core, torch, fastapi, uvicorn\n"
-             "print(resin.__file__); print(resin._core.__file__)\n"
-             "try:\n    import transformers\nexcept ImportError:\n    print('blocked')\n"
-             "else:\n    print('IMPORTED', transformers.__file__)\n")
+    probe = (
+        "import importlib.util, resin, resin._core, torch, fastapi, uvicorn\n"
+        "print(resin.__file__); print(resin._core.__file__)\n"
+        "try:\n    import transformers\nexcept ImportError:\n    print('blocked')\n"
+        "else:\n    print('IMPORTED', transformers.__file__)\n"
+    )
     proc = wheel_env.run(wheel_env.bin / "python", "-c", probe)
     assert proc.returncode == 0, _tail(proc)
     resin_file, core_file, verdict = proc.stdout.split()
     for path in (resin_file, core_file):
-        assert Path(path).resolve().is_relative_to(wheel_env.site_packages.resolve()), \
+        assert Path(path).resolve().is_relative_to(wheel_env.site_packages.resolve()), (
             f"{path} is not the wheel's (the checkout's editable install shadows it?)"
+        )
     assert verdict == "blocked", proc.stdout
 
 
@@ -206,28 +290,48 @@ def test_wheel_serves_gpt_oss_without_transformers(wheel_env: WheelEnv) -> None:
     log_path = wheel_env.tmp / "serve.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [str(wheel_env.bin / "resin"), "serve", str(checkpoint), "--port", str(port),
-             "--max-model-len", "128", "--num-pages", "32", "--served-model-name", SERVED_NAME,
-             "--log-level", "warning"],
-            cwd=wheel_env.cwd, env=wheel_env.env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                str(wheel_env.bin / "resin"),
+                "serve",
+                str(checkpoint),
+                "--port",
+                str(port),
+                "--max-model-len",
+                "128",
+                "--num-pages",
+                "32",
+                "--served-model-name",
+                SERVED_NAME,
+                "--log-level",
+                "warning",
+            ],
+            cwd=wheel_env.cwd,
+            env=wheel_env.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if server.poll() is not None:
-                pytest.fail(f"resin serve exited with {server.returncode}:\n"
-                            f"{log_path.read_text()[-3000:]}")
+                pytest.fail(
+                    f"resin serve exited with {server.returncode}:\n{log_path.read_text()[-3000:]}"
+                )
             try:
                 if _get(f"{base}/health") == 200:
                     break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
-            assert time.monotonic() < deadline, \
+            assert time.monotonic() < deadline, (
                 f"no /health after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}"
+            )
             time.sleep(0.1)
-        body = json.dumps({"model": SERVED_NAME, "prompt": "hello", "max_tokens": 4,
-                           "temperature": 0}).encode()
-        request = urllib.request.Request(f"{base}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        ).encode()
+        request = urllib.request.Request(
+            f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             assert response.status == 200
             reply = json.loads(response.read())
@@ -251,11 +355,24 @@ def test_wheel_new_model_and_generated_runner(wheel_env: WheelEnv) -> None:
     source.mkdir()
     shutil.copyfile(LLAMA_FIXTURE / "config.json", source / "config.json")
     out = wheel_env.tmp / "my_models" / "x"
-    proc = wheel_env.run(wheel_env.bin / "resin", "new-model", source / "config.json",
-                         "--name", "x", "--out", out, "--tiny", dev=True)
+    proc = wheel_env.run(
+        wheel_env.bin / "resin",
+        "new-model",
+        source / "config.json",
+        "--name",
+        "x",
+        "--out",
+        out,
+        "--tiny",
+        dev=True,
+    )
     assert proc.returncode == 0, _tail(proc)
-    for name in ("blocks.py", "architecture.json", "tiny/model.safetensors",
-                 "tiny/tokenizer.json"):   # the tiny tokenizer is package data too
+    for name in (
+        "blocks.py",
+        "architecture.json",
+        "tiny/model.safetensors",
+        "tiny/tokenizer.json",
+    ):  # the tiny tokenizer is package data too
         assert (out / name).is_file(), f"new-model wrote no {name}\n{_tail(proc)}"
     json.loads((out / "architecture.json").read_text())
 
@@ -265,7 +382,18 @@ def test_wheel_new_model_and_generated_runner(wheel_env: WheelEnv) -> None:
     for f in LLAMA_FIXTURE.iterdir():
         if f.name != "goldens.json":
             shutil.copyfile(f, checkpoint / f.name)
-    proc = wheel_env.run(wheel_env.bin / "resin", "generate", checkpoint, "--runner", out,
-                         "--prompt", "hello", "--max-tokens", "4", "--temperature", "0")
+    proc = wheel_env.run(
+        wheel_env.bin / "resin",
+        "generate",
+        checkpoint,
+        "--runner",
+        out,
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+    )
     assert proc.returncode == 0, _tail(proc)
     assert proc.stdout.strip(), _tail(proc)

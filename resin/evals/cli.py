@@ -23,8 +23,12 @@ from typing import Annotated, Any
 
 import typer
 
-eval_app = typer.Typer(name="eval", help="Evaluate a runner: parity with HF transformers.",
-                       no_args_is_help=True, add_completion=False)
+eval_app = typer.Typer(
+    name="eval",
+    help="Evaluate a runner: parity with HF transformers.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 
 RUNNERS = ("torch", "model")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -37,37 +41,64 @@ def _group() -> None:
 
 def _runner_factory(runner: str, dtype: str, device: str) -> Any:
     if runner != "torch":
-        raise typer.BadParameter(f"unknown runner {runner!r}; known: {', '.join(RUNNERS)}",
-                                 param_hint="--runner")
+        raise typer.BadParameter(
+            f"unknown runner {runner!r}; known: {', '.join(RUNNERS)}", param_hint="--runner"
+        )
 
     def factory(model_dir: str) -> Any:
         import torch
 
         from resin.runners.torch import TorchRunner
 
-        return TorchRunner.from_pretrained(model_dir, device=device,
-                                           dtype=getattr(torch, dtype))
+        return TorchRunner.from_pretrained(model_dir, device=device, dtype=getattr(torch, dtype))
 
     return factory
 
 
 @eval_app.command()
 def parity(
-    model: Annotated[str, typer.Argument(
-        help="HF checkpoint directory, a models/NAME directory, or a model NAME under models/.")],
-    runner: Annotated[str | None, typer.Option(
-        help="torch (the reference runner) or model (models/NAME/runner.py). Default: model "
-             "for a model name or directory, torch for a checkpoint.")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the JSON report here.")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(
-        help="Greedy tokens per prompt in the engine stages (default: parity.toml, else 8).")] = None,
-    dtype: Annotated[str | None, typer.Option(
-        help="Runner dtype: float32, bfloat16 or float16 (default: parity.toml, else float32).")] = None,
-    device: Annotated[str | None, typer.Option(
-        help="Runner device; the HF reference stays on CPU (default: parity.toml, else cpu).")] = None,
-    checkpoint: Annotated[Path | None, typer.Option(
-        "--checkpoint", help="Check this HF checkpoint directory (config.json + safetensors) "
-        "instead of parity.toml's [reference] checkpoint; needs a model NAME or directory.")] = None,
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="HF checkpoint directory, a models/NAME directory, or a model NAME under models/."
+        ),
+    ],
+    runner: Annotated[
+        str | None,
+        typer.Option(
+            help="torch (the reference runner) or model (models/NAME/runner.py). Default: model "
+            "for a model name or directory, torch for a checkpoint."
+        ),
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the JSON report here.")
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Greedy tokens per prompt in the engine stages (default: parity.toml, else 8)."
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Runner dtype: float32, bfloat16 or float16 (default: parity.toml, else float32)."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="Runner device; the HF reference stays on CPU (default: parity.toml, else cpu)."
+        ),
+    ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint",
+            help="Check this HF checkpoint directory (config.json + safetensors) "
+            "instead of parity.toml's [reference] checkpoint; needs a model NAME or directory.",
+        ),
+    ] = None,
 ) -> None:
     """Check a runner against HF transformers: per-layer diffs, logits, greedy tokens under stress."""
     from resin.evals.model_ref import ModelRefError, resolve_model
@@ -75,15 +106,19 @@ def parity(
     if dtype is not None and dtype not in DTYPES:
         raise typer.BadParameter(f"unsupported dtype {dtype!r}", param_hint="--dtype")
     if runner is not None and runner not in RUNNERS:
-        raise typer.BadParameter(f"unknown runner {runner!r}; known: {', '.join(RUNNERS)}",
-                                 param_hint="--runner")
+        raise typer.BadParameter(
+            f"unknown runner {runner!r}; known: {', '.join(RUNNERS)}", param_hint="--runner"
+        )
     try:
         ref = resolve_model(model)
     except ModelRefError as exc:
         raise typer.BadParameter(str(exc), param_hint="MODEL") from exc
     if runner == "model" and ref.model_dir is None:
-        raise typer.BadParameter(f"{model} is a checkpoint, not a models/NAME directory: it has "
-                                 "no runner.py (use --runner torch)", param_hint="--runner")
+        raise typer.BadParameter(
+            f"{model} is a checkpoint, not a models/NAME directory: it has "
+            "no runner.py (use --runner torch)",
+            param_hint="--runner",
+        )
     if checkpoint is not None:
         ref = _with_checkpoint(ref, model, checkpoint)
     try:
@@ -92,15 +127,27 @@ def parity(
         # The runner could not be built: a stub in models/NAME/blocks.py hit while loading, or
         # a checkpoint it rejects (ConfigError / WeightsError are ValueErrors). run_parity
         # itself reports parity failures in the report, never as exceptions.
-        error = "runner not finished" if isinstance(exc, NotImplementedError) \
+        error = (
+            "runner not finished"
+            if isinstance(exc, NotImplementedError)
             else "runner failed to load"
+        )
         typer.echo(f"parity FAIL: {error}: {exc}", err=True)
         if json_path is not None:
             runner_name = "torch" if runner == "torch" else ref.runner_name
-            json_path.write_text(json.dumps({"model_dir": str(ref.checkpoint_dir),
-                                             "runner": runner_name, "passed": False,
-                                             "error": error, "detail": str(exc)},
-                                            indent=2) + "\n")
+            json_path.write_text(
+                json.dumps(
+                    {
+                        "model_dir": str(ref.checkpoint_dir),
+                        "runner": runner_name,
+                        "passed": False,
+                        "error": error,
+                        "detail": str(exc),
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
         raise typer.Exit(1) from exc
     typer.echo(report.summary())
     if json_path is not None:
@@ -112,29 +159,38 @@ def parity(
 def _with_checkpoint(ref: Any, model: str, checkpoint: Path) -> Any:
     """``ref`` with its checkpoint replaced by ``checkpoint`` (``--checkpoint``)."""
     if ref.model_dir is None:
-        raise typer.BadParameter(f"{model} is itself a checkpoint; --checkpoint needs a model "
-                                 "NAME or directory (pass the checkpoint as MODEL instead)",
-                                 param_hint="--checkpoint")
+        raise typer.BadParameter(
+            f"{model} is itself a checkpoint; --checkpoint needs a model "
+            "NAME or directory (pass the checkpoint as MODEL instead)",
+            param_hint="--checkpoint",
+        )
     path = checkpoint.expanduser()
     if path.is_file() and path.name == "config.json":
         path = path.parent
     if not (path / "config.json").is_file():
-        raise typer.BadParameter(f"{checkpoint}: not an HF checkpoint directory (no config.json)",
-                                 param_hint="--checkpoint")
+        raise typer.BadParameter(
+            f"{checkpoint}: not an HF checkpoint directory (no config.json)",
+            param_hint="--checkpoint",
+        )
     if dataclasses.is_dataclass(ref) and not isinstance(ref, type):
         return dataclasses.replace(ref, checkpoint_dir=path)
     ref.checkpoint_dir = path
     return ref
 
 
-def _run(ref: Any, runner: str | None, dtype: str | None, device: str | None,
-         max_new_tokens: int | None) -> Any:
+def _run(
+    ref: Any, runner: str | None, dtype: str | None, device: str | None, max_new_tokens: int | None
+) -> Any:
     from resin.evals.model_ref import run_model_parity
     from resin.evals.parity import run_parity
 
     if ref.model_dir is not None and runner != "torch":
         return run_model_parity(ref, dtype=dtype, device=device, max_new_tokens=max_new_tokens)
     dtype = dtype or "float32"
-    return run_parity(ref.checkpoint_dir,
-                      runner_factory=_runner_factory("torch", dtype, device or "cpu"),
-                      max_new_tokens=max_new_tokens or 8, runner_name="torch", dtype=dtype)
+    return run_parity(
+        ref.checkpoint_dir,
+        runner_factory=_runner_factory("torch", dtype, device or "cpu"),
+        max_new_tokens=max_new_tokens or 8,
+        runner_name="torch",
+        dtype=dtype,
+    )

@@ -75,14 +75,24 @@ class ModelRef:
         from resin.registry import BUILTIN_ARCHITECTURES, BUILTIN_NAME, ModelEntry
 
         if self.model_dir is None:
-            return ModelEntry(BUILTIN_NAME, tuple(BUILTIN_ARCHITECTURES),
-                              tuple(BUILTIN_ARCHITECTURES.values()), "built-in")
+            return ModelEntry(
+                BUILTIN_NAME,
+                tuple(BUILTIN_ARCHITECTURES),
+                tuple(BUILTIN_ARCHITECTURES.values()),
+                "built-in",
+            )
         record = read_record(self.model_dir)
-        return ModelEntry(self.name, tuple(record["architectures"]),
-                          tuple(record.get("model_types", ())), "user", self.model_dir)
+        return ModelEntry(
+            self.name,
+            tuple(record["architectures"]),
+            tuple(record.get("model_types", ())),
+            "user",
+            self.model_dir,
+        )
 
-    def load_runner(self, device: str = "cpu", dtype: Any = "float32",
-                    checkpoint_dir: str | Path | None = None) -> Any:
+    def load_runner(
+        self, device: str = "cpu", dtype: Any = "float32", checkpoint_dir: str | Path | None = None
+    ) -> Any:
         """A runner on ``checkpoint_dir`` (default: this reference's); ``dtype`` is a torch
         dtype or its name (``"bfloat16"``)."""
         return self.runner_factory(device, dtype)(str(checkpoint_dir or self.checkpoint_dir))
@@ -93,8 +103,9 @@ class ModelRef:
         backend = self.attention_backend
 
         def factory(checkpoint_dir: str) -> Any:
-            return entry.load_runner(checkpoint_dir, device=device, dtype=dtype,
-                                     attention_backend=backend)
+            return entry.load_runner(
+                checkpoint_dir, device=device, dtype=dtype, attention_backend=backend
+            )
 
         return factory
 
@@ -120,8 +131,10 @@ def resolve_model(spec: str | Path, models_root: str | Path | None = None) -> Mo
         ref.checkpoint_dir = path
         return ref
     if path.is_dir():
-        raise ModelRefError(f"{path} is neither a checkpoint (no config.json) nor a model "
-                            f"directory (no {RECORD_FILE})")
+        raise ModelRefError(
+            f"{path} is neither a checkpoint (no config.json) nor a model "
+            f"directory (no {RECORD_FILE})"
+        )
     name = str(spec)
     if "/" in name or "\\" in name or not name:
         raise ModelRefError(f"no such checkpoint or model directory: {spec}")
@@ -129,10 +142,12 @@ def resolve_model(spec: str | Path, models_root: str | Path | None = None) -> Mo
     if named is not None and named.model_dir is not None:
         return _model_ref(named.model_dir)
     known = ", ".join(e.name for e in registry.entries if e.model_dir is not None)
-    raise ModelRefError(f"unknown model {name!r}: not a directory, and no registered model "
-                        f"directory has that name (registered: {known or 'none'}; searched "
-                        f"{', '.join(str(r) for r in registry.user_roots)} and the shipped "
-                        f"models). Create one with `resin new-model SOURCE --name {name}`")
+    raise ModelRefError(
+        f"unknown model {name!r}: not a directory, and no registered model "
+        f"directory has that name (registered: {known or 'none'}; searched "
+        f"{', '.join(str(r) for r in registry.user_roots)} and the shipped "
+        f"models). Create one with `resin new-model SOURCE --name {name}`"
+    )
 
 
 def read_record(model_dir: Path) -> dict[str, Any]:
@@ -187,10 +202,17 @@ def _model_ref(model_dir: Path) -> ModelRef:
     checkpoint = Path(reference.get("checkpoint", DEFAULT_CHECKPOINT)).expanduser()
     checkpoint_dir = checkpoint if checkpoint.is_absolute() else model_dir / checkpoint
     if not (checkpoint_dir / "config.json").is_file():
-        raise ModelRefError(f"{model_dir / PARITY_FILE}: [reference] checkpoint = "
-                            f"{str(checkpoint)!r} -> {checkpoint_dir}, which has no config.json")
-    return ModelRef(name=model_dir.resolve().name, checkpoint_dir=checkpoint_dir,
-                    model_dir=model_dir, parity_spec=parity_spec, perf_spec=perf_spec)
+        raise ModelRefError(
+            f"{model_dir / PARITY_FILE}: [reference] checkpoint = "
+            f"{str(checkpoint)!r} -> {checkpoint_dir}, which has no config.json"
+        )
+    return ModelRef(
+        name=model_dir.resolve().name,
+        checkpoint_dir=checkpoint_dir,
+        model_dir=model_dir,
+        parity_spec=parity_spec,
+        perf_spec=perf_spec,
+    )
 
 
 def _identifier(name: str) -> str:
@@ -205,29 +227,43 @@ def parity_settings(ref: ModelRef) -> dict[str, Any]:
     spec = ref.parity_spec
     reference, tol, stress = (spec.get(k, {}) for k in ("reference", "tolerances", "stress"))
     tolerance_keys = {"hidden", "logits", "logprobs", "tie_margin"}
-    known = {"reference": {"checkpoint", "dtype", "device"},
-             "tolerances": tolerance_keys | set(DTYPES),
-             "stress": {"max_new_tokens", "checks", "prompts"}}
+    known = {
+        "reference": {"checkpoint", "dtype", "device"},
+        "tolerances": tolerance_keys | set(DTYPES),
+        "stress": {"max_new_tokens", "checks", "prompts"},
+    }
     for section, keys in known.items():
         unknown = set(spec.get(section, {})) - keys
-        for dtype_name in DTYPES:   # [tolerances.bfloat16] ...: per-dtype tables
-            unknown |= {f"{dtype_name}.{k}" for k in set(tol.get(dtype_name, {})) - tolerance_keys
-                        } if section == "tolerances" else set()
+        for dtype_name in DTYPES:  # [tolerances.bfloat16] ...: per-dtype tables
+            unknown |= (
+                {f"{dtype_name}.{k}" for k in set(tol.get(dtype_name, {})) - tolerance_keys}
+                if section == "tolerances"
+                else set()
+            )
         if unknown:
-            raise ModelRefError(f"{ref.model_dir}/{PARITY_FILE}: unknown key(s) in [{section}]: "
-                                f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(keys))}")
-    settings: dict[str, Any] = {"dtype": reference.get("dtype", "float32"),
-                                "device": reference.get("device", "cpu"),
-                                "tolerances": {k: v for k, v in tol.items() if k not in DTYPES},
-                                "dtype_tolerances": {d: dict(tol.get(d, {})) for d in DTYPES}}
+            raise ModelRefError(
+                f"{ref.model_dir}/{PARITY_FILE}: unknown key(s) in [{section}]: "
+                f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(keys))}"
+            )
+    settings: dict[str, Any] = {
+        "dtype": reference.get("dtype", "float32"),
+        "device": reference.get("device", "cpu"),
+        "tolerances": {k: v for k, v in tol.items() if k not in DTYPES},
+        "dtype_tolerances": {d: dict(tol.get(d, {})) for d in DTYPES},
+    }
     for key in ("max_new_tokens", "checks", "prompts"):
         if key in stress:
             settings[key] = stress[key]
     return settings
 
 
-def run_model_parity(ref: ModelRef, *, dtype: str | None = None, device: str | None = None,
-                     max_new_tokens: int | None = None) -> Any:
+def run_model_parity(
+    ref: ModelRef,
+    *,
+    dtype: str | None = None,
+    device: str | None = None,
+    max_new_tokens: int | None = None,
+) -> Any:
     """``run_parity`` on ``ref``'s checkpoint with its runner and parity.toml settings;
     explicit arguments override the file. Returns the :class:`ParityReport`."""
     from resin.evals.parity import Tolerances, run_parity
@@ -240,9 +276,12 @@ def run_model_parity(ref: ModelRef, *, dtype: str | None = None, device: str | N
     file_tolerances = {**file_tolerances, **settings["dtype_tolerances"].get(dtype, {})}
     device = device or settings["device"]
     tolerances = Tolerances(**{**vars(Tolerances.for_dtype(dtype)), **file_tolerances})
-    kwargs: dict[str, Any] = {"tolerances": tolerances, "dtype": dtype,
-                              "runner_name": ref.runner_name,
-                              "runner_factory": ref.runner_factory(device, dtype)}
+    kwargs: dict[str, Any] = {
+        "tolerances": tolerances,
+        "dtype": dtype,
+        "runner_name": ref.runner_name,
+        "runner_factory": ref.runner_factory(device, dtype),
+    }
     kwargs["max_new_tokens"] = max_new_tokens or settings.get("max_new_tokens", 8)
     if "checks" in settings:
         kwargs["checks"] = tuple(settings["checks"])

@@ -31,9 +31,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resin.evals.parity_engine import (REFERENCE_CRASHED, GreedyReference,
-                                       exception_text, greedy_stages_or_reference_failure,
-                                       reference_failed_stages, runner_capture_prefill)
+from resin.evals.parity_engine import (
+    REFERENCE_CRASHED,
+    GreedyReference,
+    exception_text,
+    greedy_stages_or_reference_failure,
+    reference_failed_stages,
+    runner_capture_prefill,
+)
 
 # Mixtral before transformers 5 calls its MoE block ``block_sparse_moe``; runners say ``mlp``.
 CHILD_ALIASES = {"block_sparse_moe": "mlp"}
@@ -105,23 +110,32 @@ class ParityReport:
         return next((row for row in self.layers if not row["passed"]), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model_dir": self.model_dir, "runner": self.runner, "dtype": self.dtype,
-                "passed": self.passed, "tolerances": asdict(self.tolerances),
-                "first_departure": self.first_departure, "layers": self.layers,
-                "stages": [asdict(s) for s in self.stages],
-                "reference_error": self.reference_error}
+        return {
+            "model_dir": self.model_dir,
+            "runner": self.runner,
+            "dtype": self.dtype,
+            "passed": self.passed,
+            "tolerances": asdict(self.tolerances),
+            "first_departure": self.first_departure,
+            "layers": self.layers,
+            "stages": [asdict(s) for s in self.stages],
+            "reference_error": self.reference_error,
+        }
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=_json_default)
 
     def summary(self) -> str:
-        lines = [f"parity {'PASS' if self.passed else 'FAIL'}: {self.model_dir} "
-                 f"(runner {self.runner}, {self.dtype})"]
+        lines = [
+            f"parity {'PASS' if self.passed else 'FAIL'}: {self.model_dir} "
+            f"(runner {self.runner}, {self.dtype})"
+        ]
         for s in self.stages:
             line = f"  [{'pass' if s.passed else 'FAIL'}] {s.name}: {s.detail}"
             if s.first_mismatch and not s.passed:
-                line += "  first mismatch: " + ", ".join(f"{k}={_short(v)}"
-                                                         for k, v in s.first_mismatch.items())
+                line += "  first mismatch: " + ", ".join(
+                    f"{k}={_short(v)}" for k, v in s.first_mismatch.items()
+                )
             lines.append(line)
         return "\n".join(lines)
 
@@ -178,7 +192,8 @@ def load_hf_model(model_dir: str | Path, dtype: str = "float32") -> Any:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=getattr(torch, dtype), attn_implementation="eager")
+        str(model_dir), dtype=getattr(torch, dtype), attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -197,11 +212,15 @@ def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
     def hook(name: str) -> Callable[..., None]:
         def fn(_module: Any, _inputs: Any, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) and output else output
-            if not isinstance(out, torch.Tensor) or not out.is_floating_point() or \
-                    out.numel() % num_tokens or (out.dim() > 1 and out.shape[1] != num_tokens
-                                                  and out.shape[0] != num_tokens):
+            if (
+                not isinstance(out, torch.Tensor)
+                or not out.is_floating_point()
+                or out.numel() % num_tokens
+                or (out.dim() > 1 and out.shape[1] != num_tokens and out.shape[0] != num_tokens)
+            ):
                 return
             acts[name] = out.detach().to(torch.float32).reshape(num_tokens, -1)
+
         return fn
 
     inner = model.model
@@ -240,8 +259,9 @@ def scaled_error(got: Any, ref: Any) -> tuple[float, float, float]:
     return diff, ref_max, diff / max(1.0, ref_max)
 
 
-def compare_layers(hf: dict[str, Any], runner: dict[str, Any], num_layers: int,
-                   tol: Tolerances) -> tuple[list[dict[str, Any]], StageResult]:
+def compare_layers(
+    hf: dict[str, Any], runner: dict[str, Any], num_layers: int, tol: Tolerances
+) -> tuple[list[dict[str, Any]], StageResult]:
     """Per-checkpoint diffs in the reference's execution order (``hf``'s order), and the
     ``layers`` stage naming the first departure. Checkpoints the runner did not capture are
     listed in ``metrics["missing"]``."""
@@ -255,30 +275,50 @@ def compare_layers(hf: dict[str, Any], runner: dict[str, Any], num_layers: int,
         got = runner[name].detach().float().cpu()
         got = got.reshape(hf[name].shape) if got.numel() == hf[name].numel() else got
         diff, ref_max, scaled = scaled_error(got, hf[name])
-        rows.append({"name": name, "layer": layer, "module": module, "max_abs_diff": diff,
-                     "ref_max_abs": ref_max, "scaled_diff": scaled,
-                     "passed": scaled <= tol.hidden})
+        rows.append(
+            {
+                "name": name,
+                "layer": layer,
+                "module": module,
+                "max_abs_diff": diff,
+                "ref_max_abs": ref_max,
+                "scaled_diff": scaled,
+                "passed": scaled <= tol.hidden,
+            }
+        )
     first = next((r for r in rows if not r["passed"]), None)
     worst = max((r["scaled_diff"] for r in rows), default=0.0)
     metrics = {"num_checkpoints": len(rows), "max_scaled_diff": worst, "missing": missing}
     if first is not None:
-        where = f"layer {first['layer']} {first['module']}" if first["layer"] is not None \
+        where = (
+            f"layer {first['layer']} {first['module']}"
+            if first["layer"] is not None
             else first["module"]
-        return rows, StageResult("layers", False, f"first departure at {where} "
-                                 f"(scaled diff {first['scaled_diff']:.3g} > {tol.hidden:g})",
-                                 {k: first[k] for k in ("name", "layer", "module", "max_abs_diff",
-                                                        "scaled_diff")}, metrics)
+        )
+        return rows, StageResult(
+            "layers",
+            False,
+            f"first departure at {where} (scaled diff {first['scaled_diff']:.3g} > {tol.hidden:g})",
+            {k: first[k] for k in ("name", "layer", "module", "max_abs_diff", "scaled_diff")},
+            metrics,
+        )
     if not rows:
         return rows, StageResult("layers", False, "runner captured no checkpoint", None, metrics)
     detail = f"{len(rows)} checkpoints within {tol.hidden:g} (max scaled diff {worst:.3g})"
     if missing:
-        detail += f"; not captured by the runner: {', '.join(missing[:4])}" + \
-            ("..." if len(missing) > 4 else "")
+        detail += f"; not captured by the runner: {', '.join(missing[:4])}" + (
+            "..." if len(missing) > 4 else ""
+        )
     return rows, StageResult("layers", True, detail, None, metrics)
 
 
-def compare_logits(hf_logits: Any, runner_logits: Any | None, engine_logprobs: dict[int, float] | None,
-                   sampled: int | None, tol: Tolerances) -> StageResult:
+def compare_logits(
+    hf_logits: Any,
+    runner_logits: Any | None,
+    engine_logprobs: dict[int, float] | None,
+    sampled: int | None,
+    tol: Tolerances,
+) -> StageResult:
     """Logits / top-k log-probs at every position, and the engine's own top-k log-probs."""
     import torch
 
@@ -297,20 +337,40 @@ def compare_logits(hf_logits: Any, runner_logits: Any | None, engine_logprobs: d
             top2 = hf_logits.topk(2, dim=-1).values
             near_tie = (top2[:, 0] - top2[:, 1]) < tol.tie_margin
             agree = (got.argmax(-1) == hf_logits.argmax(-1)) | near_tie
-            metrics.update(topk_logprob_max_diff=float(lp_diff.max()),
-                           top1_agreement=float(agree.float().mean()))
+            metrics.update(
+                topk_logprob_max_diff=float(lp_diff.max()),
+                top1_agreement=float(agree.float().mean()),
+            )
             per_pos = (got - hf_logits).abs().amax(-1) / max(1.0, ref_max)
             bad = (per_pos > tol.logits) | (lp_diff.amax(-1) > tol.logprobs) | ~agree
             if bool(bad.any()):
                 pos = int(bad.nonzero()[0])
-                problems.append(("logits", {"position": pos, "expected": int(hf_logits[pos].argmax()),
-                                            "got": int(got[pos].argmax()),
-                                            "scaled_diff": float(per_pos[pos])}))
+                problems.append(
+                    (
+                        "logits",
+                        {
+                            "position": pos,
+                            "expected": int(hf_logits[pos].argmax()),
+                            "got": int(got[pos].argmax()),
+                            "scaled_diff": float(per_pos[pos]),
+                        },
+                    )
+                )
         else:
-            problems.append(("logits", {"position": None, "shape": list(got.shape),
-                                        "expected_shape": list(hf_logits.shape)}))
+            problems.append(
+                (
+                    "logits",
+                    {
+                        "position": None,
+                        "shape": list(got.shape),
+                        "expected_shape": list(hf_logits.shape),
+                    },
+                )
+            )
     else:
-        metrics["note"] = "runner did not capture logits; only the engine's last position is checked"
+        metrics["note"] = (
+            "runner did not capture logits; only the engine's last position is checked"
+        )
     if engine_logprobs is not None:
         last = hf_lp[-1]
         worst = max((abs(lp - float(last[t])) for t, lp in engine_logprobs.items()), default=0.0)
@@ -319,16 +379,30 @@ def compare_logits(hf_logits: Any, runner_logits: Any | None, engine_logprobs: d
         top2 = hf_logits[-1].topk(2).values
         tie = float(top2[0] - top2[1]) < tol.tie_margin
         if (sampled != expected and not tie) or worst > tol.logprobs or math.isnan(worst):
-            problems.append(("engine_logprobs", {"position": hf_logits.shape[0] - 1,
-                                                 "expected": expected, "got": sampled,
-                                                 "logprob_diff": worst}))
+            problems.append(
+                (
+                    "engine_logprobs",
+                    {
+                        "position": hf_logits.shape[0] - 1,
+                        "expected": expected,
+                        "got": sampled,
+                        "logprob_diff": worst,
+                    },
+                )
+            )
     if problems:
         what, first = problems[0]
-        return StageResult("logits", False, f"{what} depart at position {first.get('position')}",
-                           first, metrics)
-    return StageResult("logits", True, f"{metrics.get('num_positions', 1)} positions within "
-                       f"tolerance (top-1 agreement {metrics.get('top1_agreement', 1.0):.3f})",
-                       None, metrics)
+        return StageResult(
+            "logits", False, f"{what} depart at position {first.get('position')}", first, metrics
+        )
+    return StageResult(
+        "logits",
+        True,
+        f"{metrics.get('num_positions', 1)} positions within "
+        f"tolerance (top-1 agreement {metrics.get('top1_agreement', 1.0):.3f})",
+        None,
+        metrics,
+    )
 
 
 _HF_CACHE: dict[tuple[str, float, str], Any] = {}
@@ -346,11 +420,16 @@ def _cached_hf_model(model_dir: Path, dtype: str) -> Any:
     return _HF_CACHE[key]
 
 
-def run_parity(model_dir: str | Path, runner_factory: Callable[[str], Any] | None = None,
-               prompts: Sequence[str | Sequence[int]] | None = None,
-               tolerances: Tolerances | None = None, max_new_tokens: int = 8,
-               runner_name: str = "torch", dtype: str = "float32",
-               checks: Sequence[str] = CHECKS) -> ParityReport:
+def run_parity(
+    model_dir: str | Path,
+    runner_factory: Callable[[str], Any] | None = None,
+    prompts: Sequence[str | Sequence[int]] | None = None,
+    tolerances: Tolerances | None = None,
+    max_new_tokens: int = 8,
+    runner_name: str = "torch",
+    dtype: str = "float32",
+    checks: Sequence[str] = CHECKS,
+) -> ParityReport:
     """Run the selected ``checks`` (``layers`` includes ``logits``; ``greedy`` = every stress
     stage) and return the report. ``dtype`` is the runner's: the HF reference runs in it and
     the default tolerances follow it (``Tolerances.for_dtype``). Never raises for a parity
@@ -370,8 +449,15 @@ def run_parity(model_dir: str | Path, runner_factory: Callable[[str], Any] | Non
         hf = _cached_hf_model(model_dir, dtype)
     except Exception as exc:  # noqa: BLE001 - the reference failing is reported, not raised
         report.reference_error = f"HF reference failed to load ({dtype}): {exception_text(exc)}"
-        report.stages.append(StageResult("reference", False, report.reference_error, None,
-                                         {"reference_error": report.reference_error}))
+        report.stages.append(
+            StageResult(
+                "reference",
+                False,
+                report.reference_error,
+                None,
+                {"reference_error": report.reference_error},
+            )
+        )
         return report
     vocab_size = int(hf.config.vocab_size)
     token_prompts = _encode_prompts(model_dir, prompts) if prompts else default_prompts(vocab_size)
@@ -383,10 +469,12 @@ def run_parity(model_dir: str | Path, runner_factory: Callable[[str], Any] | Non
         try:
             hf_acts = hf_activations(hf, probe)
         except Exception as exc:  # noqa: BLE001 - HF's own forward raised: nothing to compare
-            report.reference_error = (f"{REFERENCE_CRASHED}: HF forward ({dtype}) raised "
-                                      f"{exception_text(exc)}")
-            report.stages.extend(reference_failed_stages(("layers", "logits"),
-                                                         report.reference_error))
+            report.reference_error = (
+                f"{REFERENCE_CRASHED}: HF forward ({dtype}) raised {exception_text(exc)}"
+            )
+            report.stages.extend(
+                reference_failed_stages(("layers", "logits"), report.reference_error)
+            )
     if hf_acts is not None:
         try:
             acts, engine_lp, sampled = runner_capture_prefill(runner, probe, vocab_size, TOP_K)
@@ -395,8 +483,11 @@ def run_parity(model_dir: str | Path, runner_factory: Callable[[str], Any] | Non
             else:
                 report.layers, stage = compare_layers(hf_acts, acts, len(hf.model.layers), tol)
                 report.stages.append(stage)
-            report.stages.append(compare_logits(hf_acts["logits"], (acts or {}).get("logits"),
-                                                engine_lp, sampled, tol))
+            report.stages.append(
+                compare_logits(
+                    hf_acts["logits"], (acts or {}).get("logits"), engine_lp, sampled, tol
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported like one
             report.stages.append(StageResult("layers", False, f"prefill crashed: {exc!r}"))
     if "greedy" in checks:
@@ -405,12 +496,12 @@ def run_parity(model_dir: str | Path, runner_factory: Callable[[str], Any] | Non
         def compute() -> GreedyReference:
             if key not in _REFERENCE_CACHE:
                 _REFERENCE_CACHE.clear()
-                _REFERENCE_CACHE[key] = GreedyReference.compute(hf, token_prompts,
-                                                                max_new_tokens)
+                _REFERENCE_CACHE[key] = GreedyReference.compute(hf, token_prompts, max_new_tokens)
             return _REFERENCE_CACHE[key]
 
-        reference, stages = greedy_stages_or_reference_failure(runner, compute, vocab_size,
-                                                               tol.tie_margin)
+        reference, stages = greedy_stages_or_reference_failure(
+            runner, compute, vocab_size, tol.tie_margin
+        )
         if reference is None and report.reference_error is None:
             report.reference_error = stages[0].detail
         report.stages.extend(stages)

@@ -44,7 +44,9 @@ class GreedyReference:
     max_new_tokens: int
 
     @classmethod
-    def compute(cls, model: Any, prompts: Sequence[list[int]], max_new_tokens: int) -> GreedyReference:
+    def compute(
+        cls, model: Any, prompts: Sequence[list[int]], max_new_tokens: int
+    ) -> GreedyReference:
         """Greedy decode each prompt alone: one prefill, then incremental steps on HF's cache."""
         import inspect
 
@@ -62,8 +64,11 @@ class GreedyReference:
                 out: list[int] = []
                 gap: list[float] = []
                 for _ in range(max_new_tokens):
-                    logits = model(torch.tensor([step_ids]), use_cache=True,
-                                   **{cache_kwarg: cache}).logits[0, -1].float()
+                    logits = (
+                        model(torch.tensor([step_ids]), use_cache=True, **{cache_kwarg: cache})
+                        .logits[0, -1]
+                        .float()
+                    )
                     top = logits.topk(2)
                     out.append(int(top.indices[0]))
                     gap.append(float(top.values[0] - top.values[1]))
@@ -83,25 +88,40 @@ def _num_groups(runner: Any) -> int:
     return max(1, len({(s.kind, s.bytes_per_token, s.window) for s in specs}))
 
 
-def _make_engine(runner: Any, vocab_size: int, page_size: int, num_pages: int,
-                 max_batched: int, max_model_len: int) -> Any:
+def _make_engine(
+    runner: Any,
+    vocab_size: int,
+    page_size: int,
+    num_pages: int,
+    max_batched: int,
+    max_model_len: int,
+) -> Any:
     import resin
 
-    config = resin.EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=64,
-                                max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-                                enable_prefix_caching=True, eos_token_ids=[], vocab_size=vocab_size)
+    config = resin.EngineConfig(
+        page_size=page_size,
+        num_pages=num_pages,
+        max_num_seqs=64,
+        max_num_batched_tokens=max_batched,
+        max_model_len=max_model_len,
+        enable_prefix_caching=True,
+        eos_token_ids=[],
+        vocab_size=vocab_size,
+    )
     return resin.Engine(config, runner)
 
 
-def _smallest_engine(runner: Any, vocab_size: int, page_size: int, max_batched: int,
-                     max_model_len: int) -> Any:
+def _smallest_engine(
+    runner: Any, vocab_size: int, page_size: int, max_batched: int, max_model_len: int
+) -> Any:
     """The engine with the fewest pages the engine accepts (one max-length request)."""
     num_pages = -(-max_model_len // page_size) + 1
     last: Exception | None = None
     for extra in range(0, 64):
         try:
-            return _make_engine(runner, vocab_size, page_size, num_pages + extra, max_batched,
-                                max_model_len)
+            return _make_engine(
+                runner, vocab_size, page_size, num_pages + extra, max_batched, max_model_len
+            )
         except ValueError as exc:
             last = exc
     raise RuntimeError(f"no small pool accepted: {last}")
@@ -125,8 +145,9 @@ def _drive(engine: Any, ref: GreedyReference, prefix: str) -> dict[str, Any]:
     return finished
 
 
-def _compare(ref: GreedyReference, outputs: dict[str, Any], prefix: str,
-             tie_margin: float) -> tuple[dict[str, Any] | None, int, int]:
+def _compare(
+    ref: GreedyReference, outputs: dict[str, Any], prefix: str, tie_margin: float
+) -> tuple[dict[str, Any] | None, int, int]:
     """(first real mismatch or None, near-ties, tokens that matched before either)."""
     ties = compared = 0
     for i, expected in enumerate(ref.tokens):
@@ -141,15 +162,33 @@ def _compare(ref: GreedyReference, outputs: dict[str, Any], prefix: str,
             if have is not None and ref.gaps[i][pos] < tie_margin:
                 ties += 1
                 break
-            return ({"request": rid, "prompt_index": i, "prompt_len": len(ref.prompts[i]),
-                     "position": pos, "expected": want, "got": have,
-                     "hf_top2_gap": ref.gaps[i][pos]}, ties, compared)
+            return (
+                {
+                    "request": rid,
+                    "prompt_index": i,
+                    "prompt_len": len(ref.prompts[i]),
+                    "position": pos,
+                    "expected": want,
+                    "got": have,
+                    "hf_top2_gap": ref.gaps[i][pos],
+                },
+                ties,
+                compared,
+            )
     return None, ties, compared
 
 
-def _stage(name: str, runner: Any, ref: GreedyReference, vocab_size: int, tie_margin: float,
-           page_size: int, max_batched: int, small_pool: bool = False,
-           passes: int = 1) -> Any:
+def _stage(
+    name: str,
+    runner: Any,
+    ref: GreedyReference,
+    vocab_size: int,
+    tie_margin: float,
+    page_size: int,
+    max_batched: int,
+    small_pool: bool = False,
+    passes: int = 1,
+) -> Any:
     from resin.evals.parity import StageResult
 
     max_model_len = max(len(p) for p in ref.prompts) + ref.max_new_tokens + 1
@@ -158,12 +197,17 @@ def _stage(name: str, runner: Any, ref: GreedyReference, vocab_size: int, tie_ma
             engine = _smallest_engine(runner, vocab_size, page_size, max_batched, max_model_len)
         else:
             need = sum(-(-(len(p) + ref.max_new_tokens) // page_size) + 1 for p in ref.prompts)
-            num_pages = (need + -(-max(max_model_len, max_batched) // page_size) + 8) \
-                * _num_groups(runner)
-            engine = _make_engine(runner, vocab_size, page_size, num_pages, max_batched,
-                                  max_model_len)
-        metrics: dict[str, Any] = {"page_size": page_size, "max_num_batched_tokens": max_batched,
-                                   "num_pages": engine.config.num_pages}
+            num_pages = (need + -(-max(max_model_len, max_batched) // page_size) + 8) * _num_groups(
+                runner
+            )
+            engine = _make_engine(
+                runner, vocab_size, page_size, num_pages, max_batched, max_model_len
+            )
+        metrics: dict[str, Any] = {
+            "page_size": page_size,
+            "max_num_batched_tokens": max_batched,
+            "num_pages": engine.config.num_pages,
+        }
         first = None
         ties = compared = 0
         for p in range(passes):
@@ -176,21 +220,33 @@ def _stage(name: str, runner: Any, ref: GreedyReference, vocab_size: int, tie_ma
                 first["pass"] = p
                 break
         text = engine.metrics_text()
-        metrics.update(num_preemptions=_metric(text, "num_preemptions_total"),
-                       prefix_cache_hit_tokens=_metric(text, "prefix_cache_hits_total"),
-                       near_ties=ties, tokens_matched=compared)
+        metrics.update(
+            num_preemptions=_metric(text, "num_preemptions_total"),
+            prefix_cache_hit_tokens=_metric(text, "prefix_cache_hits_total"),
+            near_ties=ties,
+            tokens_matched=compared,
+        )
         engine.check_integrity()
     except Exception as exc:  # noqa: BLE001 - a crash is a finding
         return StageResult(name, False, f"crashed: {exc!r}")
     if first is not None:
-        return StageResult(name, False, f"request {first['request']} departs at output position "
-                           f"{first['position']}", first, metrics)
-    if passes > 1 and metrics["num_cached_tokens"] == 0 and \
-            any(len(p) > page_size for p in ref.prompts):
+        return StageResult(
+            name,
+            False,
+            f"request {first['request']} departs at output position {first['position']}",
+            first,
+            metrics,
+        )
+    if (
+        passes > 1
+        and metrics["num_cached_tokens"] == 0
+        and any(len(p) > page_size for p in ref.prompts)
+    ):
         return StageResult(name, False, "second pass did not hit the prefix cache", None, metrics)
     if small_pool and metrics["num_preemptions"] == 0 and len(ref.prompts) > 1:
-        return StageResult(name, False, "pool did not force a preemption (setting not exercised)",
-                           None, metrics)
+        return StageResult(
+            name, False, "pool did not force a preemption (setting not exercised)", None, metrics
+        )
     detail = f"{compared} tokens match"
     if ties:
         detail += f" ({ties} near-tie divergences skipped)"
@@ -199,29 +255,49 @@ def _stage(name: str, runner: Any, ref: GreedyReference, vocab_size: int, tie_ma
 
 PAGE_SIZES = (1, 16, 64)
 GREEDY_STAGES = tuple(f"greedy/page_size={ps}" for ps in PAGE_SIZES) + (
-    "greedy/chunked_prefill", "greedy/prefix_cache", "greedy/preemption")
+    "greedy/chunked_prefill",
+    "greedy/prefix_cache",
+    "greedy/preemption",
+)
 REFERENCE_CRASHED = "reference crashed"
 
 
-def run_greedy_stages(runner: Any, ref: GreedyReference, vocab_size: int,
-                      tie_margin: float) -> list[Any]:
+def run_greedy_stages(
+    runner: Any, ref: GreedyReference, vocab_size: int, tie_margin: float
+) -> list[Any]:
     """All stress stages, in order (:data:`GREEDY_STAGES`); each is independent (a fresh engine)."""
     big = max(len(p) for p in ref.prompts) * len(ref.prompts) + 64
-    stages = [_stage(f"greedy/page_size={ps}", runner, ref, vocab_size, tie_margin, ps, big)
-              for ps in PAGE_SIZES]
-    stages.append(_stage("greedy/chunked_prefill", runner, ref, vocab_size, tie_margin, 16,
-                         CHUNK_BUDGET_TOKENS))
-    stages.append(_stage("greedy/prefix_cache", runner, ref, vocab_size, tie_margin, 16, big,
-                         passes=2))
-    stages.append(_stage("greedy/preemption", runner, ref, vocab_size, tie_margin,
-                         PREEMPTION_PAGE_SIZE, 64, small_pool=True))
+    stages = [
+        _stage(f"greedy/page_size={ps}", runner, ref, vocab_size, tie_margin, ps, big)
+        for ps in PAGE_SIZES
+    ]
+    stages.append(
+        _stage(
+            "greedy/chunked_prefill", runner, ref, vocab_size, tie_margin, 16, CHUNK_BUDGET_TOKENS
+        )
+    )
+    stages.append(
+        _stage("greedy/prefix_cache", runner, ref, vocab_size, tie_margin, 16, big, passes=2)
+    )
+    stages.append(
+        _stage(
+            "greedy/preemption",
+            runner,
+            ref,
+            vocab_size,
+            tie_margin,
+            PREEMPTION_PAGE_SIZE,
+            64,
+            small_pool=True,
+        )
+    )
     return stages
 
 
 def exception_text(exc: BaseException, limit: int = 600) -> str:
     """``Type: message`` on one line, at most ``limit`` characters (for stage details)."""
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def reference_failed_stages(names: Sequence[str], detail: str) -> list[Any]:
@@ -233,8 +309,8 @@ def reference_failed_stages(names: Sequence[str], detail: str) -> list[Any]:
 
 
 def greedy_stages_or_reference_failure(
-        runner: Any, compute: Any, vocab_size: int,
-        tie_margin: float) -> tuple[GreedyReference | None, list[Any]]:
+    runner: Any, compute: Any, vocab_size: int, tie_margin: float
+) -> tuple[GreedyReference | None, list[Any]]:
     """(reference, stages): ``compute()`` builds the HF greedy reference; if it raises, every
     greedy stage fails with ``reference crashed: ...`` instead of the exception escaping."""
     try:
@@ -245,8 +321,9 @@ def greedy_stages_or_reference_failure(
     return reference, run_greedy_stages(runner, reference, vocab_size, tie_margin)
 
 
-def runner_capture_prefill(runner: Any, prompt: list[int], vocab_size: int, top_k: int = 5) -> tuple[
-        dict[str, Any] | None, dict[int, float] | None, int | None]:
+def runner_capture_prefill(
+    runner: Any, prompt: list[int], vocab_size: int, top_k: int = 5
+) -> tuple[dict[str, Any] | None, dict[int, float] | None, int | None]:
     """One-request engine prefill with the runner's capture hook on.
 
     The capture protocol (the torch reference runner's): ``runner.capture`` is None or a dict;
@@ -258,13 +335,22 @@ def runner_capture_prefill(runner: Any, prompt: list[int], vocab_size: int, top_
 
     page_size = 16
     pages = -(-(len(prompt) + 2) // page_size) * 4 + 4
-    config = resin.EngineConfig(page_size=page_size, num_pages=pages, max_num_seqs=4,
-                                max_num_batched_tokens=max(len(prompt), 16),
-                                max_model_len=len(prompt) + 2, enable_prefix_caching=False,
-                                eos_token_ids=[], vocab_size=vocab_size)
+    config = resin.EngineConfig(
+        page_size=page_size,
+        num_pages=pages,
+        max_num_seqs=4,
+        max_num_batched_tokens=max(len(prompt), 16),
+        max_model_len=len(prompt) + 2,
+        enable_prefix_caching=False,
+        eos_token_ids=[],
+        vocab_size=vocab_size,
+    )
     engine = resin.Engine(config, runner)
-    engine.add_request("parity-prefill", prompt, resin.SamplingParams(
-        max_tokens=1, temperature=0.0, logprobs=top_k, ignore_eos=True))
+    engine.add_request(
+        "parity-prefill",
+        prompt,
+        resin.SamplingParams(max_tokens=1, temperature=0.0, logprobs=top_k, ignore_eos=True),
+    )
     if not hasattr(runner, "capture"):
         return None, *_first_token(engine.step())
     captured: dict[str, Any] = {}
@@ -286,4 +372,4 @@ def _normalise(name: str) -> str:
     """Runner capture names (transformers module names) -> checkpoint names."""
     if name == "lm_head":
         return "logits"
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name

@@ -52,13 +52,19 @@ class BenchSettings:
     device: str
     dtype: str
     num_threads: int | None
-    confirm: int = 1   # re-measurements of a flagged shape before it counts as regressed
+    confirm: int = 1  # re-measurements of a flagged shape before it counts as regressed
 
 
-def run_bench(model: str, settings: BenchSettings, load_runner: Callable[[], Any],
-              model_config: Any, checkpoint_dir: str, command: str,
-              baseline: dict[str, Any] | None = None,
-              baseline_name: str = "baseline") -> dict[str, Any]:
+def run_bench(
+    model: str,
+    settings: BenchSettings,
+    load_runner: Callable[[], Any],
+    model_config: Any,
+    checkpoint_dir: str,
+    command: str,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> dict[str, Any]:
     """Calibrate, measure every shape, compare with ``baseline`` if given, and return the
     report dict (not yet written). Shapes too long for the checkpoint's
     ``max_position_embeddings`` are skipped with a note.
@@ -82,8 +88,10 @@ def run_bench(model: str, settings: BenchSettings, load_runner: Callable[[], Any
     for shape in settings.shapes:
         needed = shape.max_len_tokens + settings.warmup + settings.repeats + 2
         if needed > max_len:
-            notes.append(f"skipped {shape.id}: needs ~{needed} positions, the checkpoint has "
-                         f"max_position_embeddings {max_len}")
+            notes.append(
+                f"skipped {shape.id}: needs ~{needed} positions, the checkpoint has "
+                f"max_position_embeddings {max_len}"
+            )
         else:
             shapes.append(shape)
     if not shapes:
@@ -94,21 +102,40 @@ def run_bench(model: str, settings: BenchSettings, load_runner: Callable[[], Any
     # A throwaway pass of the cheapest shape warms the process (allocator, lazy imports,
     # clocks), so the first measured shape is not the only one paying for it.
     measurer.measure(min(shapes, key=lambda s: s.batch_size * s.max_len_tokens), 2, 0)
-    entries = [shape_entry(measurer.measure(s, settings.repeats, settings.warmup), peaks)
-               for s in shapes]
-    device_name = (torch.cuda.get_device_name(settings.device)
-                   if settings.device.startswith("cuda") else platform.processor() or "cpu")
+    entries = [
+        shape_entry(measurer.measure(s, settings.repeats, settings.warmup), peaks) for s in shapes
+    ]
+    device_name = (
+        torch.cuda.get_device_name(settings.device)
+        if settings.device.startswith("cuda")
+        else platform.processor() or "cpu"
+    )
     report = {
-        "schema": SCHEMA, "model": model, "checkpoint_dir": checkpoint_dir,
-        "device": settings.device, "dtype": settings.dtype,
+        "schema": SCHEMA,
+        "model": model,
+        "checkpoint_dir": checkpoint_dir,
+        "device": settings.device,
+        "dtype": settings.dtype,
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "git_commit": _git_commit(), "command": command,
-        "host": {"python": platform.python_version(), "torch": torch.__version__,
-                 "torch_num_threads": torch.get_num_threads(), "device_name": device_name,
-                 "platform": platform.platform()},
-        "settings": {"repeats": settings.repeats, "warmup": settings.warmup,
-                     "threshold": settings.threshold, "shapes": " ".join(s.id for s in shapes)},
-        "calibration": peaks.to_dict(), "shapes": entries, "notes": notes, "comparison": None,
+        "git_commit": _git_commit(),
+        "command": command,
+        "host": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_num_threads": torch.get_num_threads(),
+            "device_name": device_name,
+            "platform": platform.platform(),
+        },
+        "settings": {
+            "repeats": settings.repeats,
+            "warmup": settings.warmup,
+            "threshold": settings.threshold,
+            "shapes": " ".join(s.id for s in shapes),
+        },
+        "calibration": peaks.to_dict(),
+        "shapes": entries,
+        "notes": notes,
+        "comparison": None,
     }
     if baseline is None:
         return report
@@ -122,12 +149,15 @@ def run_bench(model: str, settings: BenchSettings, load_runner: Callable[[], Any
             again = shape_entry(measurer.measure(shape, settings.repeats, settings.warmup), peaks)
             first = entries[index]
             kept, dropped = sorted((first, again), key=lambda e: e["time"]["median_s"])
-            kept["discarded_medians_s"] = (first["discarded_medians_s"]
-                                           + [dropped["time"]["median_s"]])
+            kept["discarded_medians_s"] = first["discarded_medians_s"] + [
+                dropped["time"]["median_s"]
+            ]
             entries[index] = kept
-            notes.append(f"re-measured {shape_id} (flagged): medians "
-                         f"{first['time']['median_s'] * 1e3:.3f} and "
-                         f"{again['time']['median_s'] * 1e3:.3f} ms, kept the lower")
+            notes.append(
+                f"re-measured {shape_id} (flagged): medians "
+                f"{first['time']['median_s'] * 1e3:.3f} and "
+                f"{again['time']['median_s'] * 1e3:.3f} ms, kept the lower"
+            )
         comparison = compare(report, baseline, settings.threshold, baseline_name)
     report["comparison"] = {**comparison.to_dict(), "summary": comparison.summary()}
     return report
@@ -135,8 +165,13 @@ def run_bench(model: str, settings: BenchSettings, load_runner: Callable[[], Any
 
 def _git_commit() -> str:
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=False)
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except OSError:
         return "unknown"
     return done.stdout.strip() if done.returncode == 0 else "unknown"
@@ -173,38 +208,75 @@ def _default_out_dir(model: str) -> Path:
 
 
 def bench(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory, or a model name under "
-                                         "models/ (see resin.evals.model_ref).")],
-    baseline: Annotated[Path | None, typer.Option(
-        help="A previous report.json to compare with; exit 1 on a regression.")] = None,
-    spec_path: Annotated[Path | None, typer.Option(
-        "--spec", help="A perf.toml to use instead of the model's own (e.g. a suite under "
-                       "evals/perf/suites/).")] = None,
-    shapes: Annotated[str | None, typer.Option(
-        help="Shapes, e.g. 'decode:1,8,64@128,512 prefill:128,512 e2e:8@64+32'. Default: "
-             f"perf.toml's, else {DEFAULT_SHAPES!r}.")] = None,
-    out: Annotated[Path | None, typer.Option(
-        help="Report directory. Default: evals/perf/reports/<model>-<UTC timestamp>/.")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda[:N]. Default: perf.toml's, "
-                                               "else cpu.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16. Default: "
-                                              "perf.toml's, else float32.")] = None,
-    threshold: Annotated[float | None, typer.Option(
-        help=f"Regression threshold, a fraction of the baseline median (default "
-             f"{DEFAULT_THRESHOLD}); a regression must also exceed the measured noise.")] = None,
-    repeats: Annotated[int | None, typer.Option(
-        help=f"Timed repeats per shape (default {DEFAULT_REPEATS}).")] = None,
-    warmup: Annotated[int | None, typer.Option(
-        help=f"Untimed repeats per shape first (default {DEFAULT_WARMUP}).")] = None,
-    confirm: Annotated[int, typer.Option(
-        help="Re-measure a shape flagged as regressed up to N times and keep its faster run; "
-             "a real regression persists, a burst of load from other processes does not.")
-    ] = 1,
-    num_threads: Annotated[int | None, typer.Option(
-        help="CPU only: torch threads (default: torch's). 1 is steadier on a shared machine.")
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Checkpoint directory, or a model name under models/ (see resin.evals.model_ref)."
+        ),
+    ],
+    baseline: Annotated[
+        Path | None,
+        typer.Option(help="A previous report.json to compare with; exit 1 on a regression."),
     ] = None,
-    attention_backend: Annotated[str | None, typer.Option(
-        help="Attention backend of the torch runners (default: reference).")] = None,
+    spec_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--spec",
+            help="A perf.toml to use instead of the model's own (e.g. a suite under "
+            "evals/perf/suites/).",
+        ),
+    ] = None,
+    shapes: Annotated[
+        str | None,
+        typer.Option(
+            help="Shapes, e.g. 'decode:1,8,64@128,512 prefill:128,512 e2e:8@64+32'. Default: "
+            f"perf.toml's, else {DEFAULT_SHAPES!r}."
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Report directory. Default: evals/perf/reports/<model>-<UTC timestamp>/."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda[:N]. Default: perf.toml's, else cpu.")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="float32, bfloat16 or float16. Default: perf.toml's, else float32."),
+    ] = None,
+    threshold: Annotated[
+        float | None,
+        typer.Option(
+            help=f"Regression threshold, a fraction of the baseline median (default "
+            f"{DEFAULT_THRESHOLD}); a regression must also exceed the measured noise."
+        ),
+    ] = None,
+    repeats: Annotated[
+        int | None, typer.Option(help=f"Timed repeats per shape (default {DEFAULT_REPEATS}).")
+    ] = None,
+    warmup: Annotated[
+        int | None,
+        typer.Option(help=f"Untimed repeats per shape first (default {DEFAULT_WARMUP})."),
+    ] = None,
+    confirm: Annotated[
+        int,
+        typer.Option(
+            help="Re-measure a shape flagged as regressed up to N times and keep its faster run; "
+            "a real regression persists, a burst of load from other processes does not."
+        ),
+    ] = 1,
+    num_threads: Annotated[
+        int | None,
+        typer.Option(
+            help="CPU only: torch threads (default: torch's). 1 is steadier on a shared machine."
+        ),
+    ] = None,
+    attention_backend: Annotated[
+        str | None,
+        typer.Option(help="Attention backend of the torch runners (default: reference)."),
+    ] = None,
 ) -> None:
     """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
 
@@ -216,35 +288,52 @@ def bench(
         ref = resolve_model(model)
         if spec_path is not None and not spec_path.is_file():
             raise ValueError(f"--spec {spec_path}: no such file")
-        spec = (load_perf_spec(spec_path) if spec_path is not None
-                else load_perf_spec(ref.perf_spec or None, base_dir=ref.model_dir))
+        spec = (
+            load_perf_spec(spec_path)
+            if spec_path is not None
+            else load_perf_spec(ref.perf_spec or None, base_dir=ref.model_dir)
+        )
         checkpoint_dir = spec.checkpoint or ref.checkpoint_dir
         if not (Path(checkpoint_dir) / "config.json").is_file():
-            raise ValueError(f"{spec.source or 'perf spec'}: [reference] checkpoint "
-                             f"{checkpoint_dir} has no config.json")
-        chosen = parse_shapes(shapes) if shapes is not None else (
-            spec.shapes or parse_shapes(DEFAULT_SHAPES))
+            raise ValueError(
+                f"{spec.source or 'perf spec'}: [reference] checkpoint "
+                f"{checkpoint_dir} has no config.json"
+            )
+        chosen = (
+            parse_shapes(shapes)
+            if shapes is not None
+            else (spec.shapes or parse_shapes(DEFAULT_SHAPES))
+        )
         model_config, dims_note = load_dims(checkpoint_dir)
-    except (ModelRefError, ValueError, OSError) as exc:   # ConfigError is a ValueError
+    except (ModelRefError, ValueError, OSError) as exc:  # ConfigError is a ValueError
         raise _usage_error(str(exc)) from exc
     settings = BenchSettings(
-        shapes=chosen, repeats=_first(repeats, spec.repeats, DEFAULT_REPEATS),
+        shapes=chosen,
+        repeats=_first(repeats, spec.repeats, DEFAULT_REPEATS),
         warmup=_first(warmup, spec.warmup, DEFAULT_WARMUP),
         threshold=_first(threshold, spec.threshold, DEFAULT_THRESHOLD),
         device=_first(device, spec.device, _machine_device()),
         dtype=_first(dtype, spec.dtype, "float32"),
-        num_threads=_first(num_threads, spec.num_threads, 0) or None, confirm=confirm)
+        num_threads=_first(num_threads, spec.num_threads, 0) or None,
+        confirm=confirm,
+    )
     if settings.dtype not in DTYPE_BYTES:
         raise _usage_error(f"--dtype {settings.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     if not (settings.device == "cpu" or settings.device.startswith("cuda")):
         raise _usage_error(f"--device {settings.device!r}: use cpu or cuda[:N]")
     if settings.device.startswith("cuda") and not _cuda_available():
-        where = "--device" if device is not None else f"{spec.source or 'perf.toml'} [reference] device"
-        raise _usage_error(f"{where} = {settings.device!r}, but this machine has no CUDA device: "
-                           "pass --device cpu (and --dtype float32 for the CPU reference runner)")
+        where = (
+            "--device" if device is not None else f"{spec.source or 'perf.toml'} [reference] device"
+        )
+        raise _usage_error(
+            f"{where} = {settings.device!r}, but this machine has no CUDA device: "
+            "pass --device cpu (and --dtype float32 for the CPU reference runner)"
+        )
     if settings.repeats < 2 or min(settings.warmup, settings.threshold, confirm) < 0:
-        raise _usage_error("--repeats must be >= 2 (the noise needs two samples); --warmup, "
-                           "--threshold and --confirm >= 0")
+        raise _usage_error(
+            "--repeats must be >= 2 (the noise needs two samples); --warmup, "
+            "--threshold and --confirm >= 0"
+        )
     base_report = None
     if baseline is not None:
         try:
@@ -252,20 +341,41 @@ def bench(
         except (OSError, json.JSONDecodeError) as exc:
             raise _usage_error(f"cannot read baseline {baseline}: {exc}") from exc
         if base_report.get("schema") != SCHEMA:
-            raise _usage_error(f"{baseline} is not a resin bench report (schema "
-                               f"{base_report.get('schema')!r}, expected {SCHEMA!r})")
-    command = shlex.join(["resin", "bench", model, "--shapes",
-                          " ".join(s.id for s in settings.shapes), "--device", settings.device,
-                          "--dtype", settings.dtype, "--repeats", str(settings.repeats),
-                          "--warmup", str(settings.warmup)]
-                         + ([] if settings.num_threads is None
-                            else ["--num-threads", str(settings.num_threads)]))
+            raise _usage_error(
+                f"{baseline} is not a resin bench report (schema "
+                f"{base_report.get('schema')!r}, expected {SCHEMA!r})"
+            )
+    command = shlex.join(
+        [
+            "resin",
+            "bench",
+            model,
+            "--shapes",
+            " ".join(s.id for s in settings.shapes),
+            "--device",
+            settings.device,
+            "--dtype",
+            settings.dtype,
+            "--repeats",
+            str(settings.repeats),
+            "--warmup",
+            str(settings.warmup),
+        ]
+        + ([] if settings.num_threads is None else ["--num-threads", str(settings.num_threads)])
+    )
     ref.attention_backend = attention_backend
     try:
         factory = ref.runner_factory(settings.device, settings.dtype)
-        report = run_bench(ref.name, settings, lambda: factory(str(checkpoint_dir)),
-                           model_config, str(checkpoint_dir), command, base_report,
-                           str(baseline))
+        report = run_bench(
+            ref.name,
+            settings,
+            lambda: factory(str(checkpoint_dir)),
+            model_config,
+            str(checkpoint_dir),
+            command,
+            base_report,
+            str(baseline),
+        )
     except ValueError as exc:
         raise _usage_error(str(exc)) from exc
     except RuntimeError as exc:

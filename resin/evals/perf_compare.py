@@ -32,7 +32,7 @@ class ShapeComparison:
     baseline_spread_s: float
     new_spread_s: float
     ratio: float
-    verdict: str   # "regressed", "improved" or "same"
+    verdict: str  # "regressed", "improved" or "same"
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Comparison:
         return {**asdict(self), "passed": self.passed}
 
     def summary(self) -> str:
-        head = (f"compare vs {self.baseline} (threshold {self.threshold:.0%}, beyond noise): ")
+        head = f"compare vs {self.baseline} (threshold {self.threshold:.0%}, beyond noise): "
         if self.regressed:
             worst = {s.id: s.ratio for s in self.shapes}
             detail = ", ".join(f"{i} x{worst[i]:.2f}" for i in self.regressed)
@@ -74,16 +74,21 @@ class Comparison:
         return "\n".join(lines)
 
 
-def compare(new: dict[str, Any], baseline: dict[str, Any], threshold: float = DEFAULT_THRESHOLD,
-            baseline_name: str = "baseline") -> Comparison:
+def compare(
+    new: dict[str, Any],
+    baseline: dict[str, Any],
+    threshold: float = DEFAULT_THRESHOLD,
+    baseline_name: str = "baseline",
+) -> Comparison:
     """Compare two ``report.json`` dicts (module doc for the rule)."""
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
     result = Comparison(baseline=baseline_name, threshold=threshold)
     for key in ("model", "device", "dtype"):
         if new.get(key) != baseline.get(key):
-            result.warnings.append(f"{key} differs: baseline {baseline.get(key)!r}, "
-                                   f"new {new.get(key)!r}")
+            result.warnings.append(
+                f"{key} differs: baseline {baseline.get(key)!r}, new {new.get(key)!r}"
+            )
     base_shapes = {s["id"]: s for s in baseline.get("shapes", [])}
     new_ids = [s["id"] for s in new.get("shapes", [])]
     for shape in new.get("shapes", []):
@@ -101,8 +106,16 @@ def compare(new: dict[str, Any], baseline: dict[str, Any], threshold: float = DE
         elif m_new < m_base * (1 - threshold) and m_base - m_new > noise:
             verdict = "improved"
             result.improved.append(shape["id"])
-        result.shapes.append(ShapeComparison(shape["id"], m_base, m_new, s_base, s_new,
-                                             m_new / m_base if m_base > 0 else float("inf"),
-                                             verdict))
+        result.shapes.append(
+            ShapeComparison(
+                shape["id"],
+                m_base,
+                m_new,
+                s_base,
+                s_new,
+                m_new / m_base if m_base > 0 else float("inf"),
+                verdict,
+            )
+        )
     result.missing_in_new = [i for i in base_shapes if i not in new_ids]
     return result

@@ -34,7 +34,7 @@ from resin.evals.perf_shapes import Shape
 from resin.evals.roofline import ZERO_COST, ModelDims, StepCost, plan_cost
 
 PAGE_SIZE = 16
-MAX_UNTIMED_STEPS = 100_000   # guard against an engine that never reaches the wanted plan
+MAX_UNTIMED_STEPS = 100_000  # guard against an engine that never reaches the wanted plan
 
 
 @dataclass
@@ -58,8 +58,16 @@ class Stats:
         a = np.asarray(samples_s, dtype=np.float64)
         p10, median, p90 = (float(x) for x in np.percentile(a, [10, 50, 90]))
         spread = (p90 - p10) / 2
-        return cls(median, p10, p90, float(a.min()), float(a.max()), spread,
-                   spread / median if median > 0 else 0.0, len(samples_s))
+        return cls(
+            median,
+            p10,
+            p90,
+            float(a.min()),
+            float(a.max()),
+            spread,
+            spread / median if median > 0 else 0.0,
+            len(samples_s),
+        )
 
 
 @dataclass
@@ -79,7 +87,7 @@ class ShapeTiming:
     num_tokens: int = 0
     num_generated: int = 0
     num_steps_per_sample: int = 1
-    mean_context_len: float = 0.0   # tokens cached per row at the first timed step
+    mean_context_len: float = 0.0  # tokens cached per row at the first timed step
     roofline_parts: list[StepCost] = field(default_factory=list)  # e2e: per step of one run
 
 
@@ -139,8 +147,9 @@ def _num_cache_groups(runner: Any) -> int:
 class ShapeRunner:
     """Measures shapes on one loaded runner; a fresh engine per shape (sized for it)."""
 
-    def __init__(self, runner: Any, config: ModelDims, device: str, dtype_bytes: int,
-                 seed: int = 0):
+    def __init__(
+        self, runner: Any, config: ModelDims, device: str, dtype_bytes: int, seed: int = 0
+    ):
         self.runner = runner
         self.config = config
         self.timer = ForwardTimer(device)
@@ -159,18 +168,27 @@ class ShapeRunner:
     def _engine(self, max_num_seqs: int, max_len: int, budget_tokens: int) -> Engine:
         # Every cache group (e.g. sliding-window and full layers) draws its own pages from the pool.
         pages_per_seq = (math.ceil(max_len / PAGE_SIZE) + 1) * _num_cache_groups(self.runner)
-        config = EngineConfig(page_size=PAGE_SIZE, num_pages=1 + max_num_seqs * pages_per_seq,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=budget_tokens,
-                              max_model_len=max_len, enable_prefix_caching=False,
-                              eos_token_ids=[], vocab_size=self.config.vocab_size)
+        config = EngineConfig(
+            page_size=PAGE_SIZE,
+            num_pages=1 + max_num_seqs * pages_per_seq,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget_tokens,
+            max_model_len=max_len,
+            enable_prefix_caching=False,
+            eos_token_ids=[],
+            vocab_size=self.config.vocab_size,
+        )
         return Engine(config, self.runner)
 
     def _add(self, engine: Engine, num_prompt_tokens: int, max_tokens: int) -> str:
         request_id = f"bench-{self._next_id}"
         self._next_id += 1
         prompt = self.rng.integers(0, self.config.vocab_size, num_prompt_tokens).tolist()
-        engine.add_request(request_id, prompt, SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+        engine.add_request(
+            request_id,
+            prompt,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+        )
         return request_id
 
     def _record(self, timing: ShapeTiming, step: Step) -> None:
@@ -198,7 +216,7 @@ class ShapeRunner:
             if plan.num_sequences != b or plan.num_decode_sequences != b:
                 continue
             num_full += 1
-            if num_full == warmup + 1:   # the first timed step fixes the cost
+            if num_full == warmup + 1:  # the first timed step fixes the cost
                 timing.cost = plan_cost(self.config, plan, self.dtype_bytes)
                 timing.mean_context_len = float(np.mean(plan.num_computed_tokens))
             if num_full > warmup:
@@ -217,8 +235,10 @@ class ShapeRunner:
             self._add(engine, n, 1)
             step = drive_step(engine, self.runner, self.timer)
             if step.plan.num_tokens != n or not any(o.finished for o in step.outputs):
-                raise RuntimeError(f"{shape.id}: expected one {n}-token chunk that finishes the "
-                                   f"request, got a plan of {step.plan.num_tokens} tokens")
+                raise RuntimeError(
+                    f"{shape.id}: expected one {n}-token chunk that finishes the "
+                    f"request, got a plan of {step.plan.num_tokens} tokens"
+                )
             if index == warmup:
                 timing.cost = plan_cost(self.config, step.plan, self.dtype_bytes)
             if index >= warmup:
@@ -229,7 +249,7 @@ class ShapeRunner:
         b, p, o = shape.batch_size, shape.context_len, shape.num_output_tokens
         engine = self._engine(b, p + o + 1, max(2048, p))
         timing = ShapeTiming(shape, num_tokens=b * (p + o), num_generated=b * o)
-        for index in range(min(warmup, 1) + repeats):   # one warm-up run is plenty
+        for index in range(min(warmup, 1) + repeats):  # one warm-up run is plenty
             ids = {self._add(engine, p, o) for _ in range(b)}
             parts = [0.0, 0.0, 0.0]
             costs: list[StepCost] = []

@@ -42,25 +42,33 @@ def shape_entry(timing: ShapeTiming, peaks: DevicePeaks) -> dict[str, Any]:
         roofline_s, bound = peaks.roofline_s(timing.cost), peaks.bound(timing.cost)
     cost = timing.cost
     return {
-        "id": shape.id, "kind": shape.kind, "batch_size": shape.batch_size,
-        "context_len": shape.context_len, "num_output_tokens": shape.num_output_tokens,
-        "num_tokens": timing.num_tokens, "num_generated": timing.num_generated,
+        "id": shape.id,
+        "kind": shape.kind,
+        "batch_size": shape.batch_size,
+        "context_len": shape.context_len,
+        "num_output_tokens": shape.num_output_tokens,
+        "num_tokens": timing.num_tokens,
+        "num_generated": timing.num_generated,
         "num_steps_per_sample": timing.num_steps_per_sample,
         "mean_context_len": timing.mean_context_len,
-        "time": vars(stats), "samples_s": timing.samples_s,
+        "time": vars(stats),
+        "samples_s": timing.samples_s,
         "schedule_median_s": float(np.median(timing.schedule_s)),
         "update_median_s": float(np.median(timing.update_s)),
         "step_wall_median_s": wall_median,
         "engine_overhead_frac": float(np.median(overhead)),
         "tokens_per_s": (timing.num_generated if shape.kind == "e2e" else timing.num_tokens)
         / wall_median,
-        "cost": cost.to_dict(), "flops": cost.flops, "bytes": cost.bytes,
+        "cost": cost.to_dict(),
+        "flops": cost.flops,
+        "bytes": cost.bytes,
         "arithmetic_intensity": cost.flops / cost.bytes if cost.bytes else 0.0,
         "achieved_flops_per_s": cost.flops / stats.median_s,
         "achieved_bytes_per_s": cost.bytes / stats.median_s,
-        "roofline_s": roofline_s, "roofline_pct": 100 * roofline_s / stats.median_s,
+        "roofline_s": roofline_s,
+        "roofline_pct": 100 * roofline_s / stats.median_s,
         "bound": bound,
-        "discarded_medians_s": [],   # slower runs of a re-measured shape (resin.evals.perf)
+        "discarded_medians_s": [],  # slower runs of a re-measured shape (resin.evals.perf)
     }
 
 
@@ -74,25 +82,48 @@ def _table_rows(report: dict[str, Any]) -> list[list[str]]:
     for s in report["shapes"]:
         t = s["time"]
         v = verdicts.get(s["id"])
-        rows.append([s["id"], _fmt_s(t["median_s"]), f"{_fmt_s(t['p10_s'])}–{_fmt_s(t['p90_s'])}",
-                     f"{t['noise_frac']:.0%}", f"{s['tokens_per_s']:,.0f}",
-                     f"{s['engine_overhead_frac']:.1%}", f"{s['flops'] / 1e6:.3g}",
-                     f"{s['bytes'] / 1e6:.3g}", f"{s['roofline_pct']:.2g}%", s["bound"],
-                     "" if v is None else f"x{v['ratio']:.2f} {v['verdict']}"])
+        rows.append(
+            [
+                s["id"],
+                _fmt_s(t["median_s"]),
+                f"{_fmt_s(t['p10_s'])}–{_fmt_s(t['p90_s'])}",
+                f"{t['noise_frac']:.0%}",
+                f"{s['tokens_per_s']:,.0f}",
+                f"{s['engine_overhead_frac']:.1%}",
+                f"{s['flops'] / 1e6:.3g}",
+                f"{s['bytes'] / 1e6:.3g}",
+                f"{s['roofline_pct']:.2g}%",
+                s["bound"],
+                "" if v is None else f"x{v['ratio']:.2f} {v['verdict']}",
+            ]
+        )
     return rows
 
 
-HEADER = ["shape", "median ms", "p10–p90 ms", "noise", "tok/s", "overhead", "MFLOP",
-          "MB", "roofline", "bound", "vs baseline"]
+HEADER = [
+    "shape",
+    "median ms",
+    "p10–p90 ms",
+    "noise",
+    "tok/s",
+    "overhead",
+    "MFLOP",
+    "MB",
+    "roofline",
+    "bound",
+    "vs baseline",
+]
 
 
 def summary(report: dict[str, Any], out_dir: Path | None = None) -> str:
     """The lines printed after a run: settings, one line per shape, the verdict, the files."""
     p = report["calibration"]
-    lines = [f"resin bench {report['model']}: {report['device']} {report['dtype']}, "
-             f"{len(report['shapes'])} shape(s), repeats {report['settings']['repeats']} "
-             f"(warm-up {report['settings']['warmup']}); measured peaks "
-             f"{p['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, {p['peak_bytes_per_s'] / 1e9:.1f} GB/s"]
+    lines = [
+        f"resin bench {report['model']}: {report['device']} {report['dtype']}, "
+        f"{len(report['shapes'])} shape(s), repeats {report['settings']['repeats']} "
+        f"(warm-up {report['settings']['warmup']}); measured peaks "
+        f"{p['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, {p['peak_bytes_per_s'] / 1e9:.1f} GB/s"
+    ]
     rows = [HEADER] + _table_rows(report)
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -103,15 +134,15 @@ def summary(report: dict[str, Any], out_dir: Path | None = None) -> str:
         lines.append(comparison["summary"])
     if out_dir is not None:
         lines.append(f"report: {out_dir}/report.json, report.md, report.png")
-    lines.append("result: " + ("REGRESSION" if comparison and not comparison["passed"]
-                               else "ok"))
+    lines.append("result: " + ("REGRESSION" if comparison and not comparison["passed"] else "ok"))
     return "\n".join(lines)
 
 
 def markdown(report: dict[str, Any]) -> str:
     p, st = report["calibration"], report["settings"]
     lines = [
-        f"# Perf report: {report['model']}", "",
+        f"# Perf report: {report['model']}",
+        "",
         f"- checkpoint: `{report['checkpoint_dir']}`",
         f"- device: {report['device']} ({report['host']['device_name']}), dtype {report['dtype']}, "
         f"torch threads {report['host']['torch_num_threads']}",
@@ -120,12 +151,16 @@ def markdown(report: dict[str, Any]) -> str:
         f"- repeats {st['repeats']}, warm-up {st['warmup']}, threshold {st['threshold']:.0%}",
         f"- measured peaks: {p['peak_flops_per_s'] / 1e9:.2f} GFLOP/s (matmul {p['matmul_n']}², "
         f"{p['dtype']}), {p['peak_bytes_per_s'] / 1e9:.2f} GB/s (copy of "
-        f"{p['copy_bytes'] >> 20} MiB)", "",
+        f"{p['copy_bytes'] >> 20} MiB)",
+        "",
         "Step time = `runner.forward(plan)` (e2e: whole run wall time); overhead = engine "
         "schedule + update as a fraction of the step's wall time; roofline = "
         "max(FLOPs / peak FLOP/s, bytes / peak bytes/s) as a % of the measured median "
-        "(formulas: `resin/evals/roofline.py`).", "",
-        "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+        "(formulas: `resin/evals/roofline.py`).",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in _table_rows(report)]
     for note in report.get("notes", []):
         lines += ["", f"Note: {note}"]
@@ -168,8 +203,10 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
             ax.legend(fontsize=8)
     ax_time.set_yscale("log")
     ax_time.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    fig.suptitle(f"{report['model']} — {report['device']} {report['dtype']} "
-                 f"({report['created_utc']})", fontsize=10)
+    fig.suptitle(
+        f"{report['model']} — {report['device']} {report['dtype']} ({report['created_utc']})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -59,7 +59,7 @@ SPEC_TABLES: dict[str, tuple[str, ...]] = {
     "prefill": ("chunk_sizes",),
     "e2e": ("batch_sizes", "prompt_lens", "output_lens"),
     "reference": ("checkpoint", "dtype", "device"),
-    "model": (),   # informational: any keys
+    "model": (),  # informational: any keys
 }
 
 
@@ -109,16 +109,17 @@ class PerfSpec:
     dtype: str | None = None
     device: str | None = None
     num_threads: int | None = None
-    checkpoint: Path | None = None   # resolved against the perf.toml's directory when read
-    source: str | None = None   # where it came from (a perf.toml path), for the report
+    checkpoint: Path | None = None  # resolved against the perf.toml's directory when read
+    source: str | None = None  # where it came from (a perf.toml path), for the report
 
 
 def _ints(text: str, what: str, group: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
-        raise ValueError(f"shape {group!r}: {what} must be comma-separated integers, "
-                         f"got {text!r}") from exc
+        raise ValueError(
+            f"shape {group!r}: {what} must be comma-separated integers, got {text!r}"
+        ) from exc
     if not values or min(values) < 1:
         raise ValueError(f"shape {group!r}: {what} must be positive integers, got {text!r}")
     return values
@@ -134,30 +135,40 @@ def parse_shapes(spec: str) -> list[Shape]:
     for group in spec.split():
         kind, sep, body = group.partition(":")
         if not sep or kind not in KINDS:
-            raise ValueError(f"shape {group!r}: expected KIND:..., KIND one of {', '.join(KINDS)} "
-                             "(e.g. decode:1,8@128 prefill:512 e2e:8@64+32)")
+            raise ValueError(
+                f"shape {group!r}: expected KIND:..., KIND one of {', '.join(KINDS)} "
+                "(e.g. decode:1,8@128 prefill:512 e2e:8@64+32)"
+            )
         if kind == "prefill":
             if "@" in body:
-                raise ValueError(f"shape {group!r}: prefill takes chunk sizes only "
-                                 "(prefill:128,512); chunks start from an empty cache")
+                raise ValueError(
+                    f"shape {group!r}: prefill takes chunk sizes only "
+                    "(prefill:128,512); chunks start from an empty cache"
+                )
             shapes += [Shape("prefill", num_tokens=n) for n in _ints(body, "chunk sizes", group)]
             continue
         batches, at, rest = body.partition("@")
         if not at:
-            raise ValueError(f"shape {group!r}: expected {kind}:BATCHES@CONTEXTS "
-                             f"(e.g. {'decode:1,8@128' if kind == 'decode' else 'e2e:8@64+32'})")
+            raise ValueError(
+                f"shape {group!r}: expected {kind}:BATCHES@CONTEXTS "
+                f"(e.g. {'decode:1,8@128' if kind == 'decode' else 'e2e:8@64+32'})"
+            )
         if kind == "decode":
             for b in _ints(batches, "batch sizes", group):
-                shapes += [Shape("decode", batch_size=b, context_len=c)
-                           for c in _ints(rest, "context lengths", group)]
+                shapes += [
+                    Shape("decode", batch_size=b, context_len=c)
+                    for c in _ints(rest, "context lengths", group)
+                ]
             continue
         prompt, plus, outputs = rest.partition("+")
         if not plus:
             raise ValueError(f"shape {group!r}: expected e2e:BATCHES@PROMPT+OUTPUT (e2e:8@64+32)")
         for b in _ints(batches, "batch sizes", group):
             for p in _ints(prompt, "prompt lengths", group):
-                shapes += [Shape("e2e", batch_size=b, context_len=p, num_output_tokens=o)
-                           for o in _ints(outputs, "output lengths", group)]
+                shapes += [
+                    Shape("e2e", batch_size=b, context_len=p, num_output_tokens=o)
+                    for o in _ints(outputs, "output lengths", group)
+                ]
     if not shapes:
         raise ValueError("no shapes given (e.g. --shapes 'decode:1,8@128 prefill:512')")
     return list(dict.fromkeys(shapes))
@@ -165,8 +176,11 @@ def parse_shapes(spec: str) -> list[Shape]:
 
 def _int_list(table: Mapping[str, Any], key: str, where: str) -> str:
     values = table.get(key)
-    if (not isinstance(values, list) or not values
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
+    if (
+        not isinstance(values, list)
+        or not values
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    ):
         raise ValueError(f"{where}: '{key}' must be a non-empty list of integers, got {values!r}")
     return ",".join(str(v) for v in values)
 
@@ -176,26 +190,33 @@ def _table_shapes(raw: Mapping[str, Any], where: str) -> str:
     groups = []
     if "decode" in raw:
         t = raw["decode"]
-        groups.append(f"decode:{_int_list(t, 'batch_sizes', where + ' [decode]')}"
-                      f"@{_int_list(t, 'context_lens', where + ' [decode]')}")
+        groups.append(
+            f"decode:{_int_list(t, 'batch_sizes', where + ' [decode]')}"
+            f"@{_int_list(t, 'context_lens', where + ' [decode]')}"
+        )
     if "prefill" in raw:
         groups.append(f"prefill:{_int_list(raw['prefill'], 'chunk_sizes', where + ' [prefill]')}")
     if "e2e" in raw:
         t, w = raw["e2e"], where + " [e2e]"
-        groups.append(f"e2e:{_int_list(t, 'batch_sizes', w)}@{_int_list(t, 'prompt_lens', w)}"
-                      f"+{_int_list(t, 'output_lens', w)}")
+        groups.append(
+            f"e2e:{_int_list(t, 'batch_sizes', w)}@{_int_list(t, 'prompt_lens', w)}"
+            f"+{_int_list(t, 'output_lens', w)}"
+        )
     return " ".join(groups)
 
 
-def perf_spec_from_mapping(raw: Mapping[str, Any], source: str | None = None,
-                           base_dir: Path | None = None) -> PerfSpec:
+def perf_spec_from_mapping(
+    raw: Mapping[str, Any], source: str | None = None, base_dir: Path | None = None
+) -> PerfSpec:
     """A :class:`PerfSpec` from ``perf.toml``'s keys and tables (module doc); unknown keys are
     errors. ``base_dir``: where a relative ``[reference] checkpoint`` points from."""
     where = source or "perf spec"
     unknown = sorted(set(raw) - set(SPEC_KEYS) - set(SPEC_TABLES))
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; known: "
-                         f"{list(SPEC_KEYS)} and tables {list(SPEC_TABLES)}")
+        raise ValueError(
+            f"{where}: unknown key(s) {unknown}; known: "
+            f"{list(SPEC_KEYS)} and tables {list(SPEC_TABLES)}"
+        )
     for table, keys in SPEC_TABLES.items():
         if table not in raw:
             continue
@@ -212,9 +233,15 @@ def perf_spec_from_mapping(raw: Mapping[str, Any], source: str | None = None,
     shapes = f"{shapes} {_table_shapes(raw, where)}".strip()
     spec = PerfSpec(shapes=parse_shapes(shapes) if shapes else [], source=source)
     settings = {**raw.get("reference", {}), **{k: v for k, v in raw.items() if k in SPEC_KEYS}}
-    for key, kind in (("repeats", int), ("warmup", int), ("threshold", (int, float)),
-                      ("dtype", str), ("device", str), ("num_threads", int),
-                      ("checkpoint", str)):
+    for key, kind in (
+        ("repeats", int),
+        ("warmup", int),
+        ("threshold", (int, float)),
+        ("dtype", str),
+        ("device", str),
+        ("num_threads", int),
+        ("checkpoint", str),
+    ):
         if key in settings:
             if not isinstance(settings[key], kind) or isinstance(settings[key], bool):
                 raise ValueError(f"{where}: '{key}' has the wrong type ({settings[key]!r})")
@@ -227,8 +254,9 @@ def perf_spec_from_mapping(raw: Mapping[str, Any], source: str | None = None,
     return spec
 
 
-def load_perf_spec(source: str | Path | Mapping[str, Any] | PerfSpec | None,
-                   base_dir: Path | None = None) -> PerfSpec:
+def load_perf_spec(
+    source: str | Path | Mapping[str, Any] | PerfSpec | None, base_dir: Path | None = None
+) -> PerfSpec:
     """Read a perf spec from a ``perf.toml`` path, a model directory holding one, an already
     parsed mapping (``base_dir``: its directory), or pass a :class:`PerfSpec` through. ``None``
     or a missing file: empty spec."""

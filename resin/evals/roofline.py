@@ -94,7 +94,7 @@ class DevicePeaks:
         return max(cost.flops / self.peak_flops_per_s, cost.bytes / self.peak_bytes_per_s)
 
     def bound(self, cost: StepCost) -> str:
-        """"compute" or "memory": which roof the step sits under."""
+        """ "compute" or "memory": which roof the step sits under."""
         compute_s = cost.flops / self.peak_flops_per_s
         return "compute" if compute_s >= cost.bytes / self.peak_bytes_per_s else "memory"
 
@@ -177,8 +177,9 @@ def generic_dims(raw: Mapping[str, Any]) -> GenericDims:
     def need(key: str) -> int:
         value = cfg.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"config.json: '{key}' must be a positive integer for the roofline, "
-                             f"got {value!r}")
+            raise ValueError(
+                f"config.json: '{key}' must be a positive integer for the roofline, got {value!r}"
+            )
         return value
 
     h, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
@@ -188,32 +189,48 @@ def generic_dims(raw: Mapping[str, Any]) -> GenericDims:
         windows = tuple(window if k == "sliding_attention" else None for k in kinds)
     else:
         windows = (window,) * layers
-    num_experts = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                        if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
+    num_experts = next(
+        (
+            cfg[k]
+            for k in ("num_experts", "num_local_experts", "n_routed_experts")
+            if isinstance(cfg.get(k), int) and cfg[k] > 0
+        ),
+        None,
+    )
     moe = None
     if num_experts is not None:
         first_dense = cfg.get("first_k_dense_replace") or 0
         dense = set(cfg.get("mlp_only_layers") or [])
         step = cfg.get("decoder_sparse_step") or 1
-        moe = MoeConfig(num_experts=num_experts, num_experts_per_tok=need("num_experts_per_tok"),
-                        moe_intermediate_size=cfg.get("moe_intermediate_size")
-                        or need("intermediate_size"),
-                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                        moe_layer_indices=tuple(i for i in range(first_dense, layers)
-                                                if i not in dense and (i + 1) % step == 0),
-                        num_shared_experts=cfg.get("n_shared_experts") or 0)
+        moe = MoeConfig(
+            num_experts=num_experts,
+            num_experts_per_tok=need("num_experts_per_tok"),
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or need("intermediate_size"),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            moe_layer_indices=tuple(
+                i for i in range(first_dense, layers) if i not in dense and (i + 1) % step == 0
+            ),
+            num_shared_experts=cfg.get("n_shared_experts") or 0,
+        )
     intermediate = cfg.get("intermediate_size") or (moe.moe_intermediate_size if moe else None)
     if not isinstance(intermediate, int) or intermediate <= 0:
-        raise ValueError("config.json: 'intermediate_size' must be a positive integer for the "
-                         f"roofline, got {intermediate!r}")
+        raise ValueError(
+            "config.json: 'intermediate_size' must be a positive integer for the "
+            f"roofline, got {intermediate!r}"
+        )
     return GenericDims(
         architecture=str((raw.get("architectures") or ["unknown"])[0]),
-        vocab_size=need("vocab_size"), hidden_size=h, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads,
+        vocab_size=need("vocab_size"),
+        hidden_size=h,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or h // heads,
         max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
-        window_of_layer=windows, moe=moe)
+        window_of_layer=windows,
+        moe=moe,
+    )
 
 
 def load_dims(checkpoint_dir: str | Path) -> tuple[ModelDims, str | None]:
@@ -226,13 +243,20 @@ def load_dims(checkpoint_dir: str | Path) -> tuple[ModelDims, str | None]:
             raise
     raw = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8"))
     dims = generic_dims(raw)
-    return dims, (f"{dims.architecture} is not parsed by resin.loading: FLOPs and bytes come from "
-                  "generic config.json keys (standard attention + MLP/experts per layer), an "
-                  "approximation")
+    return dims, (
+        f"{dims.architecture} is not parsed by resin.loading: FLOPs and bytes come from "
+        "generic config.json keys (standard attention + MLP/experts per layer), an "
+        "approximation"
+    )
 
 
-def step_cost(config: ModelDims, query_lens: np.ndarray, context_lens: np.ndarray,
-              num_sampled: int, dtype_bytes: int) -> StepCost:
+def step_cost(
+    config: ModelDims,
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    num_sampled: int,
+    dtype_bytes: int,
+) -> StepCost:
     """FLOPs and bytes of one step (module doc). ``query_lens`` int[S]: new tokens per row;
     ``context_lens`` int[S]: tokens already cached per row; ``num_sampled``: rows that sample
     (the LM head runs only for those); ``dtype_bytes``: element size of weights, KV and
@@ -242,8 +266,13 @@ def step_cost(config: ModelDims, query_lens: np.ndarray, context_lens: np.ndarra
     context_lens = np.asarray(context_lens, dtype=np.int64)
     seq_lens = context_lens + query_lens
     num_tokens = float(query_lens.sum())
-    h, d, nq, nkv, e = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, \
-        dtype_bytes
+    h, d, nq, nkv, e = (
+        c.hidden_size,
+        c.head_dim,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        dtype_bytes,
+    )
     attn_params = h * d * (2 * nq + 2 * nkv)
     kv_token_bytes = 2 * nkv * d * e
     matmul_flops = attention_flops = weight_bytes = kv_bytes = activation_bytes = 0.0
@@ -253,40 +282,57 @@ def step_cost(config: ModelDims, query_lens: np.ndarray, context_lens: np.ndarra
             assert c.moe is not None
             m = c.moe
             expert_params = 3 * h * m.moe_intermediate_size
-            shared_params = m.num_shared_experts * expert_params   # run for every token
-            active_params = (h * m.num_experts + m.num_experts_per_tok * expert_params
-                             + shared_params)
-            touched = m.num_experts * (1 - (1 - m.num_experts_per_tok / m.num_experts)
-                                       ** num_tokens)
+            shared_params = m.num_shared_experts * expert_params  # run for every token
+            active_params = (
+                h * m.num_experts + m.num_experts_per_tok * expert_params + shared_params
+            )
+            touched = m.num_experts * (
+                1 - (1 - m.num_experts_per_tok / m.num_experts) ** num_tokens
+            )
             mlp_weight_params = h * m.num_experts + touched * expert_params + shared_params
-            mlp_act = h + m.num_experts + (m.num_experts_per_tok + m.num_shared_experts) * (
-                h + 3 * m.moe_intermediate_size + h)
+            mlp_act = (
+                h
+                + m.num_experts
+                + (m.num_experts_per_tok + m.num_shared_experts)
+                * (h + 3 * m.moe_intermediate_size + h)
+            )
         else:
             active_params = mlp_weight_params = 3 * h * c.intermediate_size
-            mlp_act = h + 3 * c.intermediate_size + h   # gate/up in, 2I out, act I, down -> h
+            mlp_act = h + 3 * c.intermediate_size + h  # gate/up in, 2I out, act I, down -> h
         matmul_flops += 2 * num_tokens * (attn_params + active_params)
-        pairs = float((_attended_keys(seq_lens, window) - _attended_keys(context_lens, window))
-                      .sum())
+        pairs = float(
+            (_attended_keys(seq_lens, window) - _attended_keys(context_lens, window)).sum()
+        )
         attention_flops += 4 * nq * d * pairs
-        weight_bytes += (attn_params + mlp_weight_params + 2 * h) * e   # + two norm weights
+        weight_bytes += (attn_params + mlp_weight_params + 2 * h) * e  # + two norm weights
         visible = seq_lens if window is None else np.minimum(seq_lens, window)
         kv_bytes += float(visible.sum()) * kv_token_bytes + num_tokens * kv_token_bytes
-        per_token = (h + (nq + 2 * nkv) * d      # qkv projection in, out
-                     + 2 * nq * d                # attention reads q, writes its output
-                     + nq * d + h                # o projection in, out
-                     + 2 * 2 * h + 2 * 3 * h     # two norms (in, out), two residual adds
-                     + mlp_act)
+        per_token = (
+            h
+            + (nq + 2 * nkv) * d  # qkv projection in, out
+            + 2 * nq * d  # attention reads q, writes its output
+            + nq * d
+            + h  # o projection in, out
+            + 2 * 2 * h
+            + 2 * 3 * h  # two norms (in, out), two residual adds
+            + mlp_act
+        )
         activation_bytes += num_tokens * per_token * e
     matmul_flops += 2 * num_sampled * h * c.vocab_size
-    weight_bytes += (h * c.vocab_size + h) * e + num_tokens * h * e   # LM head, final norm, embed
+    weight_bytes += (h * c.vocab_size + h) * e + num_tokens * h * e  # LM head, final norm, embed
     activation_bytes += num_sampled * (h + c.vocab_size) * e
     return StepCost(matmul_flops, attention_flops, weight_bytes, kv_bytes, activation_bytes)
 
 
 def plan_cost(config: ModelDims, plan: Any, dtype_bytes: int) -> StepCost:
     """:func:`step_cost` of a :class:`resin.BatchPlan` (its rows' query and context lengths)."""
-    return step_cost(config, np.diff(plan.query_indptr.astype(np.int64)),
-                     plan.num_computed_tokens, int(plan.sample_indptr[-1]), dtype_bytes)
+    return step_cost(
+        config,
+        np.diff(plan.query_indptr.astype(np.int64)),
+        plan.num_computed_tokens,
+        int(plan.sample_indptr[-1]),
+        dtype_bytes,
+    )
 
 
 def calibrate(device: str, dtype: str, repeats: int = 5) -> DevicePeaks:
@@ -307,7 +353,10 @@ def calibrate(device: str, dtype: str, repeats: int = 5) -> DevicePeaks:
         for _ in range(repeats):
             if cuda:
                 torch.cuda.synchronize(torch_device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
                 fn()
                 end.record()
@@ -324,12 +373,16 @@ def calibrate(device: str, dtype: str, repeats: int = 5) -> DevicePeaks:
         b = torch.randn(n, n, device=torch_device).to(torch_dtype)
         out = torch.empty(n, n, device=torch_device, dtype=torch_dtype)
         matmul_s = best_time(lambda: torch.matmul(a, b, out=out))
-        a = b = out = torch.empty(0)   # free the matrices before the copy buffers
+        a = b = out = torch.empty(0)  # free the matrices before the copy buffers
         src = torch.ones(copy_bytes // 4, device=torch_device, dtype=torch.float32)
         dst = torch.empty_like(src)
         copy_s = best_time(lambda: dst.copy_(src))
-    return DevicePeaks(device=str(torch_device), dtype=dtype,
-                       peak_flops_per_s=2 * n ** 3 / matmul_s,
-                       peak_bytes_per_s=2 * copy_bytes / copy_s,
-                       matmul_n=n, copy_bytes=copy_bytes,
-                       calibration_s=time.perf_counter() - started)
+    return DevicePeaks(
+        device=str(torch_device),
+        dtype=dtype,
+        peak_flops_per_s=2 * n**3 / matmul_s,
+        peak_bytes_per_s=2 * copy_bytes / copy_s,
+        matmul_n=n,
+        copy_bytes=copy_bytes,
+        calibration_s=time.perf_counter() - started,
+    )

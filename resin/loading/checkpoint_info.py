@@ -60,6 +60,11 @@ def read_checkpoint_info(checkpoint_dir: str | Path) -> CheckpointInfo:
     max_positions = pick("max_position_embeddings")
     if not isinstance(max_positions, int) or max_positions <= 0:
         max_positions = DEFAULT_MAX_POSITION_EMBEDDINGS
-    return CheckpointInfo(path=path.parent, architecture=str(architectures[0]) if architectures
-                          else "", model_type=model_type, vocab_size=vocab_size,
-                          max_position_embeddings=max_positions, raw=raw)
+    return CheckpointInfo(
+        path=path.parent,
+        architecture=str(architectures[0]) if architectures else "",
+        model_type=model_type,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_positions,
+        raw=raw,
+    )

@@ -40,35 +40,95 @@ SLIDING_ATTENTION = "sliding_attention"
 # config.json may omit ("head_dim": None means hidden_size // num_attention_heads,
 # "num_key_value_heads": None means num_attention_heads). Shape keys have no default here.
 _ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(model_type="llama", num_key_value_heads=None, head_dim=None,
-                             rms_norm_eps=1e-6, max_position_embeddings=2048, bos_token_id=1,
-                             eos_token_id=2, rope_theta=10000.0, sliding_window=None),
-    "MistralForCausalLM": dict(model_type="mistral", num_key_value_heads=8, head_dim=None,
-                               rms_norm_eps=1e-6, max_position_embeddings=131072, bos_token_id=1,
-                               eos_token_id=2, rope_theta=10000.0, sliding_window=4096),
-    "Qwen2ForCausalLM": dict(model_type="qwen2", num_key_value_heads=32, head_dim=None,
-                             rms_norm_eps=1e-6, max_position_embeddings=32768, bos_token_id=None,
-                             eos_token_id=None, rope_theta=10000.0, sliding_window=4096),
-    "Qwen3ForCausalLM": dict(model_type="qwen3", num_key_value_heads=32, head_dim=128,
-                             rms_norm_eps=1e-6, max_position_embeddings=32768, bos_token_id=None,
-                             eos_token_id=None, rope_theta=10000.0, sliding_window=4096),
-    "Qwen3MoeForCausalLM": dict(model_type="qwen3_moe", num_key_value_heads=4, head_dim=None,
-                                rms_norm_eps=1e-6, max_position_embeddings=32768,
-                                bos_token_id=None, eos_token_id=None, rope_theta=10000.0,
-                                sliding_window=4096),
-    "MixtralForCausalLM": dict(model_type="mixtral", num_key_value_heads=8, head_dim=None,
-                               rms_norm_eps=1e-5, max_position_embeddings=131072, bos_token_id=1,
-                               eos_token_id=2, rope_theta=1e6, sliding_window=None),
+    "LlamaForCausalLM": dict(
+        model_type="llama",
+        num_key_value_heads=None,
+        head_dim=None,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_theta=10000.0,
+        sliding_window=None,
+    ),
+    "MistralForCausalLM": dict(
+        model_type="mistral",
+        num_key_value_heads=8,
+        head_dim=None,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_theta=10000.0,
+        sliding_window=4096,
+    ),
+    "Qwen2ForCausalLM": dict(
+        model_type="qwen2",
+        num_key_value_heads=32,
+        head_dim=None,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_theta=10000.0,
+        sliding_window=4096,
+    ),
+    "Qwen3ForCausalLM": dict(
+        model_type="qwen3",
+        num_key_value_heads=32,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_theta=10000.0,
+        sliding_window=4096,
+    ),
+    "Qwen3MoeForCausalLM": dict(
+        model_type="qwen3_moe",
+        num_key_value_heads=4,
+        head_dim=None,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_theta=10000.0,
+        sliding_window=4096,
+    ),
+    "MixtralForCausalLM": dict(
+        model_type="mixtral",
+        num_key_value_heads=8,
+        head_dim=None,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_theta=1e6,
+        sliding_window=None,
+    ),
     # Config only: the torch reference runner does not run gpt-oss (sinks, clamped SwiGLU
     # experts); models/gpt_oss/ does. Parsed so `resin bench` can cost its steps.
-    "GptOssForCausalLM": dict(model_type="gpt_oss", num_key_value_heads=8, head_dim=64,
-                              rms_norm_eps=1e-5, max_position_embeddings=131072,
-                              bos_token_id=None, eos_token_id=None, rope_theta=150000.0,
-                              sliding_window=128),
+    "GptOssForCausalLM": dict(
+        model_type="gpt_oss",
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_theta=150000.0,
+        sliding_window=128,
+    ),
 }
 # GptOssConfig.__post_init__'s rope when a config gives none.
-_GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "truncate": False, "original_max_position_embeddings": 4096}
+_GPT_OSS_DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 _ARCH_BY_MODEL_TYPE = {spec["model_type"]: arch for arch, spec in _ARCHITECTURES.items()}
 
@@ -175,20 +235,25 @@ def _architecture(raw: Mapping[str, Any]) -> str:
             architectures = [architectures]
         arch = architectures[0]
         if not isinstance(arch, str) or arch not in _ARCHITECTURES:
-            raise ConfigError(f"unsupported architecture {arch!r}; supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ConfigError(
+                f"unsupported architecture {arch!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         return arch
     model_type = raw.get("model_type")
     if model_type is None:
         raise ConfigError("config: missing required field 'architectures' (or 'model_type')")
     if model_type not in _ARCH_BY_MODEL_TYPE:
-        raise ConfigError(f"unsupported architecture (model_type {model_type!r}); supported: "
-                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ConfigError(
+            f"unsupported architecture (model_type {model_type!r}); supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     return _ARCH_BY_MODEL_TYPE[model_type]
 
 
-def _parse_layer_types(raw: Mapping[str, Any], arch: str, num_layers: int,
-                       default_window: int | None) -> tuple[tuple[str, ...], int | None]:
+def _parse_layer_types(
+    raw: Mapping[str, Any], arch: str, num_layers: int, default_window: int | None
+) -> tuple[tuple[str, ...], int | None]:
     if arch == "LlamaForCausalLM":
         return (FULL_ATTENTION,) * num_layers, None
     window = read_field(raw, "sliding_window", (int, type(None)), default_window)
@@ -200,8 +265,9 @@ def _parse_layer_types(raw: Mapping[str, Any], arch: str, num_layers: int,
         raise ConfigError(f"config: field 'sliding_window' must be positive, got {window}")
     if arch == "GptOssForCausalLM" and raw.get("layer_types") is None:
         # GptOssConfig: sliding on even layers, full on odd ones
-        return tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION
-                     for i in range(num_layers)), window
+        return tuple(
+            SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
+        ), window
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM"):
         # Mistral, Mixtral and Qwen3Moe apply the window (if any) to every layer; Mistral's
         # config ignores `layer_types` (configuration_mistral.py warns and moves on).
@@ -210,25 +276,34 @@ def _parse_layer_types(raw: Mapping[str, Any], arch: str, num_layers: int,
     layer_types = raw.get("layer_types")
     if layer_types is None:
         max_window_layers = read_field(raw, "max_window_layers", int, 28)
-        layer_types = [SLIDING_ATTENTION if window is not None and i >= max_window_layers
-                       else FULL_ATTENTION for i in range(num_layers)]
+        layer_types = [
+            SLIDING_ATTENTION if window is not None and i >= max_window_layers else FULL_ATTENTION
+            for i in range(num_layers)
+        ]
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        raise ConfigError(f"config: field 'layer_types' must list {num_layers} layer types "
-                          f"(num_hidden_layers), got {layer_types!r}")
+        raise ConfigError(
+            f"config: field 'layer_types' must list {num_layers} layer types "
+            f"(num_hidden_layers), got {layer_types!r}"
+        )
     for index, kind in enumerate(layer_types):
         if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
-            raise ConfigError(f"config: layer_types[{index}] is {kind!r}; supported: "
-                              f"{FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}")
+            raise ConfigError(
+                f"config: layer_types[{index}] is {kind!r}; supported: "
+                f"{FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}"
+            )
         if kind == SLIDING_ATTENTION and window is None:
-            raise ConfigError(f"config: layer_types[{index}] is {SLIDING_ATTENTION!r} but no "
-                              "sliding window is in effect (sliding_window null or "
-                              "use_sliding_window false)")
+            raise ConfigError(
+                f"config: layer_types[{index}] is {SLIDING_ATTENTION!r} but no "
+                "sliding window is in effect (sliding_window null or "
+                "use_sliding_window false)"
+            )
     has_sliding = SLIDING_ATTENTION in layer_types
     return tuple(layer_types), window if has_sliding else None
 
 
-def _parse_moe(raw: Mapping[str, Any], arch: str, num_layers: int,
-               intermediate_size: int) -> MoeConfig | None:
+def _parse_moe(
+    raw: Mapping[str, Any], arch: str, num_layers: int, intermediate_size: int
+) -> MoeConfig | None:
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
         return None
     # Both config classes map num_experts <-> num_local_experts (attribute_map).
@@ -237,8 +312,10 @@ def _parse_moe(raw: Mapping[str, Any], arch: str, num_layers: int,
         raise ConfigError("config: missing required field 'num_experts' (or 'num_local_experts')")
     num_experts = read_field(raw, names[0], int)
     if len(names) == 2 and raw[names[1]] != num_experts:
-        raise ConfigError(f"config: 'num_experts' ({num_experts}) and 'num_local_experts' "
-                          f"({raw[names[1]]}) disagree")
+        raise ConfigError(
+            f"config: 'num_experts' ({num_experts}) and 'num_local_experts' "
+            f"({raw[names[1]]}) disagree"
+        )
     top_k = read_positive(raw, "num_experts_per_tok")
     if arch == "MixtralForCausalLM":
         # MixtralTopKRouter always renormalises the top-k; experts use intermediate_size.
@@ -249,13 +326,22 @@ def _parse_moe(raw: Mapping[str, Any], arch: str, num_layers: int,
         return MoeConfig(num_experts, top_k, intermediate_size, True, tuple(range(num_layers)))
     sparse_step = read_positive(raw, "decoder_sparse_step", 1)
     mlp_only = read_field(raw, "mlp_only_layers", (list, type(None)), None) or []
-    moe_layers = tuple(i for i in range(num_layers) if i not in mlp_only
-                       and num_experts > 0 and (i + 1) % sparse_step == 0)
+    moe_layers = tuple(
+        i
+        for i in range(num_layers)
+        if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0
+    )
     if moe_layers and top_k > num_experts:
-        raise ConfigError(f"config: num_experts_per_tok ({top_k}) exceeds num_experts "
-                          f"({num_experts})")
-    return MoeConfig(num_experts, top_k, read_positive(raw, "moe_intermediate_size"),
-                     read_field(raw, "norm_topk_prob", bool, False), moe_layers)
+        raise ConfigError(
+            f"config: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})"
+        )
+    return MoeConfig(
+        num_experts,
+        top_k,
+        read_positive(raw, "moe_intermediate_size"),
+        read_field(raw, "norm_topk_prob", bool, False),
+        moe_layers,
+    )
 
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
@@ -265,27 +351,35 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     num_heads = read_positive(raw, "num_attention_heads")
     num_layers = read_positive(raw, "num_hidden_layers")
     intermediate_size = read_positive(raw, "intermediate_size")
-    num_kv_heads = read_field(raw, "num_key_value_heads", (int, type(None)),
-                          defaults["num_key_value_heads"]) or num_heads
+    num_kv_heads = (
+        read_field(raw, "num_key_value_heads", (int, type(None)), defaults["num_key_value_heads"])
+        or num_heads
+    )
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ConfigError(f"config: num_attention_heads ({num_heads}) must be a multiple of "
-                          f"num_key_value_heads ({num_kv_heads})")
+        raise ConfigError(
+            f"config: num_attention_heads ({num_heads}) must be a multiple of "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
     head_dim = read_field(raw, "head_dim", (int, type(None)), defaults["head_dim"])
     if head_dim is None:
         if hidden_size % num_heads:
-            raise ConfigError(f"config: hidden_size ({hidden_size}) is not a multiple of "
-                              f"num_attention_heads ({num_heads}) and head_dim is not given")
+            raise ConfigError(
+                f"config: hidden_size ({hidden_size}) is not a multiple of "
+                f"num_attention_heads ({num_heads}) and head_dim is not given"
+            )
         head_dim = hidden_size // num_heads
     if head_dim <= 0 or head_dim % 2:
         raise ConfigError(f"config: head_dim must be a positive even number, got {head_dim}")
-    max_positions = read_positive(raw, "max_position_embeddings",
-                                  defaults["max_position_embeddings"])
+    max_positions = read_positive(
+        raw, "max_position_embeddings", defaults["max_position_embeddings"]
+    )
     layer_types, window = _parse_layer_types(raw, arch, num_layers, defaults["sliding_window"])
     eos = read_field(raw, "eos_token_id", (int, list, type(None)), defaults["eos_token_id"])
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos_ids):
-        raise ConfigError("config: field 'eos_token_id' must be an int or a list of ints, "
-                          f"got {eos!r}")
+        raise ConfigError(
+            f"config: field 'eos_token_id' must be an int or a list of ints, got {eos!r}"
+        )
     # Bias per projection, as each modeling file builds its nn.Linear layers.
     attention_bias = read_field(raw, "attention_bias", bool, False)
     qkv_bias, o_proj_bias = {
@@ -323,6 +417,8 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=read_field(raw, "bos_token_id", (int, type(None)), defaults["bos_token_id"]),
         eos_token_ids=eos_ids,
         pad_token_id=read_field(raw, "pad_token_id", (int, type(None)), None),
-        dtype=(read_field(raw, "dtype", (str, type(None)), None)
-               or read_field(raw, "torch_dtype", (str, type(None)), None)),
+        dtype=(
+            read_field(raw, "dtype", (str, type(None)), None)
+            or read_field(raw, "torch_dtype", (str, type(None)), None)
+        ),
     )

@@ -14,8 +14,13 @@ class ConfigError(ValueError):
     """A checkpoint config Resin cannot load; the message names what is wrong."""
 
 
-def read_field(raw: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
-               default: Any = ..., where: str = "config") -> Any:
+def read_field(
+    raw: Mapping[str, Any],
+    name: str,
+    kind: type | tuple[type, ...],
+    default: Any = ...,
+    where: str = "config",
+) -> Any:
     """``raw[name]`` checked against ``kind``; ``default`` when absent (... = required)."""
     if name not in raw:
         if default is ...:

@@ -50,26 +50,39 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
 
 
-def parse_rope_tables(raw: Mapping[str, Any], default_theta: float,
-                      max_position_embeddings: int) -> dict[str, RopeConfig]:
+def parse_rope_tables(
+    raw: Mapping[str, Any], default_theta: float, max_position_embeddings: int
+) -> dict[str, RopeConfig]:
     """Every rotary table a config defines, for model directories: ``rope_parameters`` nested
     by table name (Gemma 3's ``{"full_attention": ..., "sliding_attention": ...}``,
     DeepSeek-V4's ``{"main": ..., "compress": ...}``) gives one :class:`RopeConfig` per name;
     a flat one gives ``{"*": ...}``. Partial rotary is allowed (``rope_inv_freq`` sizes the
     table by ``partial_rotary_factor``; which dims rotate is the model's)."""
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping)
-                                                      for v in params.values()):
+    if (
+        isinstance(params, Mapping)
+        and params
+        and all(isinstance(v, Mapping) for v in params.values())
+    ):
         shared = {k: v for k, v in raw.items() if k not in ("rope_scaling", "rope_parameters")}
-        return {name: parse_rope_config({**shared, "rope_parameters": dict(table)}, default_theta,
-                                        max_position_embeddings, allow_partial=True)
-                for name, table in params.items()}
-    return {"*": parse_rope_config(raw, default_theta, max_position_embeddings,
-                                   allow_partial=True)}
+        return {
+            name: parse_rope_config(
+                {**shared, "rope_parameters": dict(table)},
+                default_theta,
+                max_position_embeddings,
+                allow_partial=True,
+            )
+            for name, table in params.items()
+        }
+    return {"*": parse_rope_config(raw, default_theta, max_position_embeddings, allow_partial=True)}
 
 
-def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
-                      max_position_embeddings: int, allow_partial: bool = False) -> RopeConfig:
+def parse_rope_config(
+    raw: Mapping[str, Any],
+    default_theta: float,
+    max_position_embeddings: int,
+    allow_partial: bool = False,
+) -> RopeConfig:
     """The RoPE of a whole config dict ``raw``; ``default_theta`` is the architecture's
     ``RotaryEmbeddingConfigMixin.default_theta``, used when no ``rope_theta`` is given.
     ``allow_partial``: accept ``partial_rotary_factor`` < 1 (the built-in families rotate the
@@ -82,8 +95,10 @@ def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}: expected a dict, got {params!r}")
     if any(key in _LAYER_TYPE_KEYS or isinstance(value, Mapping) for key, value in params.items()):
-        raise ConfigError(f"{where}: per-layer-type rope parameters (keys {sorted(params)}) "
-                          "need a table per type: parse_rope_tables")
+        raise ConfigError(
+            f"{where}: per-layer-type rope parameters (keys {sorted(params)}) "
+            "need a table per type: parse_rope_tables"
+        )
     params = dict(params)
     params.setdefault("rope_theta", read_field(raw, "rope_theta", float, default_theta))
     if "partial_rotary_factor" in raw:
@@ -97,37 +112,55 @@ def parse_rope_config(raw: Mapping[str, Any], default_theta: float,
     partial = read_field(params, "partial_rotary_factor", (float, type(None)), None, where) or 1.0
     if partial != 1.0 and not allow_partial:
         # The built-in modeling files rotate the whole head; HF would fail on a partial rotary.
-        raise ConfigError(f"{where}: partial_rotary_factor {partial} is not supported for this "
-                          "architecture (it rotates the whole head)")
+        raise ConfigError(
+            f"{where}: partial_rotary_factor {partial} is not supported for this "
+            "architecture (it rotates the whole head)"
+        )
     if rope_type == "default":
         return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if rope_type == "linear":
-        return RopeConfig("linear", theta, factor=read_field(params, "factor", float, where=where),
-                          partial_rotary_factor=partial)
+        return RopeConfig(
+            "linear",
+            theta,
+            factor=read_field(params, "factor", float, where=where),
+            partial_rotary_factor=partial,
+        )
     # llama3 / yarn read the pretraining length; a top-level original_max_position_embeddings
     # overrides the dict's (standardize_rope_params, re-run inside each init function).
-    orig_len = read_field(params, "original_max_position_embeddings", int,
-                          max_position_embeddings, where)
+    orig_len = read_field(
+        params, "original_max_position_embeddings", int, max_position_embeddings, where
+    )
     orig_len = read_field(raw, "original_max_position_embeddings", int, orig_len)
     if rope_type == "llama3":
         return RopeConfig(
-            "llama3", theta, factor=read_field(params, "factor", float, where=where),
+            "llama3",
+            theta,
+            factor=read_field(params, "factor", float, where=where),
             original_max_position_embeddings=orig_len,
             low_freq_factor=read_field(params, "low_freq_factor", float, where=where),
             high_freq_factor=read_field(params, "high_freq_factor", float, where=where),
-            partial_rotary_factor=partial)
+            partial_rotary_factor=partial,
+        )
     factor = read_field(params, "factor", (float, type(None)), None, where)
     if factor is None:  # DeepSeek-V3 style: the extension ratio is implied by the lengths
         factor = max_position_embeddings / orig_len
-    optional = {name: read_field(params, name, (float, type(None)), None, where)
-                for name in ("attention_factor", "beta_fast", "beta_slow", "mscale",
-                             "mscale_all_dim")}
+    optional = {
+        name: read_field(params, name, (float, type(None)), None, where)
+        for name in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+    }
     return RopeConfig(
-        "yarn", theta, factor=factor, original_max_position_embeddings=orig_len,
-        beta_fast=optional["beta_fast"] or 32.0, beta_slow=optional["beta_slow"] or 1.0,
-        attention_factor=optional["attention_factor"], mscale=optional["mscale"],
+        "yarn",
+        theta,
+        factor=factor,
+        original_max_position_embeddings=orig_len,
+        beta_fast=optional["beta_fast"] or 32.0,
+        beta_slow=optional["beta_slow"] or 1.0,
+        attention_factor=optional["attention_factor"],
+        mscale=optional["mscale"],
         mscale_all_dim=optional["mscale_all_dim"],
-        truncate=read_field(params, "truncate", bool, True, where), partial_rotary_factor=partial)
+        truncate=read_field(params, "truncate", bool, True, where),
+        partial_rotary_factor=partial,
+    )
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
@@ -158,8 +191,9 @@ def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray, factor: float) -> n
     # edge are divided by factor; in between, interpolate (transformers _compute_llama3_parameters).
     low_freq_factor = float(_need(rope.low_freq_factor, "low_freq_factor"))
     high_freq_factor = float(_need(rope.high_freq_factor, "high_freq_factor"))
-    old_context_len = float(_need(rope.original_max_position_embeddings,
-                                  "original_max_position_embeddings"))
+    old_context_len = float(
+        _need(rope.original_max_position_embeddings, "original_max_position_embeddings")
+    )
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -176,16 +210,18 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn_inv_freq(rope: RopeConfig, inv_freq: np.ndarray, factor: float,
-                   dim: int) -> tuple[np.ndarray, float]:
+def _yarn_inv_freq(
+    rope: RopeConfig, inv_freq: np.ndarray, factor: float, dim: int
+) -> tuple[np.ndarray, float]:
     # transformers _compute_yarn_parameters: blend interpolated (1/factor) and extrapolated
     # frequencies with a linear ramp over the dimensions that make between beta_fast and
     # beta_slow rotations in the pretraining context.
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
-            attention_factor = float(_yarn_mscale(factor, rope.mscale)
-                                     / _yarn_mscale(factor, rope.mscale_all_dim))
+            attention_factor = float(
+                _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+            )
         else:
             attention_factor = _yarn_mscale(factor)
     beta_fast = rope.beta_fast or 32
@@ -216,5 +252,4 @@ def _need(value: Any, name: str) -> Any:
 
 
 def _unsupported_rope(rope_type: object) -> str:
-    return (f"unsupported rope type {rope_type!r}; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    return f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"

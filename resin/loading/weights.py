@@ -45,8 +45,10 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     accepts its absence.
     """
     if config.architecture in CONFIG_ONLY_ARCHITECTURES:
-        raise WeightsError(f"{config.architecture}: the torch reference runner does not run this "
-                           f"architecture; its runner is {CONFIG_ONLY_ARCHITECTURES[config.architecture]}")
+        raise WeightsError(
+            f"{config.architecture}: the torch reference runner does not run this "
+            f"architecture; its runner is {CONFIG_ONLY_ARCHITECTURES[config.architecture]}"
+        )
     hidden, head_dim = config.hidden_size, config.head_dim
     q_size = config.num_attention_heads * head_dim
     kv_size = config.num_key_value_heads * head_dim
@@ -73,12 +75,15 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.is_moe_layer(i):
             shapes.update(_moe_shapes(config, i))
         else:
-            shapes.update(_mlp_shapes(f"{layer}.mlp", hidden, config.intermediate_size,
-                                      config.mlp_bias))
+            shapes.update(
+                _mlp_shapes(f"{layer}.mlp", hidden, config.intermediate_size, config.mlp_bias)
+            )
     return shapes
 
 
-def moe_expert_names(config: ModelConfig, layer_index: int, expert_index: int) -> tuple[str, str, str]:
+def moe_expert_names(
+    config: ModelConfig, layer_index: int, expert_index: int
+) -> tuple[str, str, str]:
     """Checkpoint names of one expert's (gate, up, down) weights. Mixtral calls them w1, w3, w2."""
     if config.architecture == "MixtralForCausalLM":
         prefix = f"model.layers.{layer_index}.block_sparse_moe.experts.{expert_index}"
@@ -92,17 +97,22 @@ def moe_router_name(config: ModelConfig, layer_index: int) -> str:
     return f"model.layers.{layer_index}.{block}.gate.weight"
 
 
-def load_weights(model_dir: str | os.PathLike[str], config: ModelConfig, *,
-                 device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def load_weights(
+    model_dir: str | os.PathLike[str],
+    config: ModelConfig,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     """Every tensor of :func:`expected_tensor_shapes`, on ``device`` in ``dtype``.
 
     Reads ``model.safetensors`` or the shards of ``model.safetensors.index.json`` in
     ``model_dir``, memory-mapped; each tensor is read once and converted on the way.
     """
     if dtype not in SUPPORTED_DTYPES:
-        raise WeightsError(f"unsupported dtype {dtype}; supported: "
-                           f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+        raise WeightsError(
+            f"unsupported dtype {dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
     directory = Path(model_dir)
     file_of_tensor = locate_tensors(directory)
     expected = expected_tensor_shapes(config)
@@ -116,9 +126,10 @@ def load_weights(model_dir: str | os.PathLike[str], config: ModelConfig, *,
     weights: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         with _open(path, device) as handle:
-            for name in names:   # check every shape before copying anything from this file
-                _check_shape(name, list(handle.get_slice(name).get_shape()), expected[name],
-                             path, config)
+            for name in names:  # check every shape before copying anything from this file
+                _check_shape(
+                    name, list(handle.get_slice(name).get_shape()), expected[name], path, config
+                )
             for name in names:
                 weights[name] = handle.get_tensor(name).to(dtype=dtype)
     return weights
@@ -138,8 +149,9 @@ def locate_tensors(directory: Path) -> dict[str, Path]:
         files = {name: directory / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():
-                raise WeightsError(f"{index_path} lists shard {shard.name}, which is missing "
-                                   f"from {directory}")
+                raise WeightsError(
+                    f"{index_path} lists shard {shard.name}, which is missing from {directory}"
+                )
         return files
     single = directory / SINGLE_FILE
     if not single.is_file():
@@ -155,25 +167,28 @@ def _open(path: Path, device: str | torch.device):  # type: ignore[no-untyped-de
         raise WeightsError(f"cannot open {path}: {exc}") from exc
 
 
-def _check_present(expected: dict[str, tuple[int, ...]], file_of_tensor: dict[str, Path],
-                   directory: Path) -> None:
+def _check_present(
+    expected: dict[str, tuple[int, ...]], file_of_tensor: dict[str, Path], directory: Path
+) -> None:
     missing = [name for name in expected if name not in file_of_tensor]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
-                                           else "")
-        raise WeightsError(f"{directory}: missing tensor(s) {shown} "
-                           f"(required by its config.json)")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise WeightsError(f"{directory}: missing tensor(s) {shown} (required by its config.json)")
 
 
-def _check_shape(name: str, actual: list[int], expected: tuple[int, ...], path: Path,
-                 config: ModelConfig) -> None:
+def _check_shape(
+    name: str, actual: list[int], expected: tuple[int, ...], path: Path, config: ModelConfig
+) -> None:
     if tuple(actual) != expected:
         raise WeightsError(
             f"{path.name}: tensor {name} has shape {tuple(actual)}, but config.json implies "
             f"{expected} (hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, "
             f"num_attention_heads={config.num_attention_heads}, "
             f"num_key_value_heads={config.num_key_value_heads}, head_dim={config.head_dim}, "
-            f"intermediate_size={config.intermediate_size})")
+            f"intermediate_size={config.intermediate_size})"
+        )
 
 
 def _mlp_shapes(prefix: str, hidden: int, width: int, bias: bool) -> dict[str, tuple[int, ...]]:
@@ -183,8 +198,13 @@ def _mlp_shapes(prefix: str, hidden: int, width: int, bias: bool) -> dict[str, t
         f"{prefix}.down_proj.weight": (hidden, width),
     }
     if bias:
-        shapes.update({f"{prefix}.gate_proj.bias": (width,), f"{prefix}.up_proj.bias": (width,),
-                       f"{prefix}.down_proj.bias": (hidden,)})
+        shapes.update(
+            {
+                f"{prefix}.gate_proj.bias": (width,),
+                f"{prefix}.up_proj.bias": (width,),
+                f"{prefix}.down_proj.bias": (hidden,),
+            }
+        )
     return shapes
 
 
@@ -192,7 +212,8 @@ def _moe_shapes(config: ModelConfig, layer_index: int) -> dict[str, tuple[int, .
     assert config.moe is not None
     hidden, width = config.hidden_size, config.moe.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
-        moe_router_name(config, layer_index): (config.moe.num_experts, hidden)}
+        moe_router_name(config, layer_index): (config.moe.num_experts, hidden)
+    }
     for expert in range(config.moe.num_experts):
         gate, up, down = moe_expert_names(config, layer_index, expert)
         shapes.update({gate: (width, hidden), up: (width, hidden), down: (hidden, width)})

@@ -35,7 +35,7 @@ class _PerSlotCounter:
         needed = int(slots.max()) + 1 if len(slots) else 0
         if needed > len(self.num_prompt_tokens):
             grown = np.zeros(needed, dtype=np.int64)
-            grown[:len(self.num_prompt_tokens)] = self.num_prompt_tokens
+            grown[: len(self.num_prompt_tokens)] = self.num_prompt_tokens
             self.num_prompt_tokens = grown
         new = plan.new_request_slots
         if len(new):
@@ -61,7 +61,7 @@ class CyclingRunner:
         if len(self._indptr) < num_rows + 1:
             self._indptr = np.arange(2 * num_rows + 1, dtype=np.uint32)
         tokens = self.token_ids[plan.seq_lens % len(self.token_ids)]
-        return ForwardOutput(token_ids=tokens, token_indptr=self._indptr[:num_rows + 1])
+        return ForwardOutput(token_ids=tokens, token_indptr=self._indptr[: num_rows + 1])
 
 
 class ScriptedRunner:
@@ -73,5 +73,6 @@ class ScriptedRunner:
         samples, counts = self._counter.advance(plan)
         tokens = np.zeros(plan.num_sequences, dtype=np.uint32)
         tokens[samples] = self.script[np.minimum(counts, len(self.script) - 1)]
-        return ForwardOutput(token_ids=tokens,
-                             token_indptr=np.arange(plan.num_sequences + 1, dtype=np.uint32))
+        return ForwardOutput(
+            token_ids=tokens, token_indptr=np.arange(plan.num_sequences + 1, dtype=np.uint32)
+        )

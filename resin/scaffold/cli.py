@@ -25,15 +25,19 @@ MODEL_MARKERS = ("architecture.json", "runner.py")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def new_model(source: str | Path, name: str, out: Path | None = None, tiny: bool = False,
-              force: bool = False) -> dict[str, Any]:
+def new_model(
+    source: str | Path, name: str, out: Path | None = None, tiny: bool = False, force: bool = False
+) -> dict[str, Any]:
     """Generate ``models/NAME`` (or ``out``); returns a summary (paths, stubs, assumed blocks)."""
     if not _NAME.match(name):
-        raise ValueError(f"--name {name!r}: use letters, digits and underscores "
-                         "(it becomes a directory and a Python package name)")
+        raise ValueError(
+            f"--name {name!r}: use letters, digits and underscores "
+            "(it becomes a directory and a Python package name)"
+        )
     source_path = Path(source)
-    if not (source_path / "config.json").is_file() and not \
-            (source_path.is_file() and source_path.suffix == ".json"):
+    if not (source_path / "config.json").is_file() and not (
+        source_path.is_file() and source_path.suffix == ".json"
+    ):
         raise FileNotFoundError(f"{source}: expected an HF checkpoint directory or a config.json")
     out_dir = Path(out) if out is not None else Path("models") / name
     for marker in MODEL_MARKERS:
@@ -63,31 +67,49 @@ def new_model(source: str | Path, name: str, out: Path | None = None, tiny: bool
     blocks = blocks_of(arch)
     warnings = list(unplaced_warnings(arch))
     if not tiny and not has_weights:
-        warnings.append(f"{source} has no weights and --tiny was not given: parity.toml points "
-                        f"at {out_dir / TINY_DIR}, which does not exist (rerun with --tiny, or "
-                        "set [reference] checkpoint)")
-    return {"out_dir": out_dir, "files": written, "architecture": arch.architecture,
-            "reference_checkpoint": reference, "warnings": warnings,
-            "tiny_changes": tiny_changes,
-            "stubs": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.stub],
-            "assumed": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.assumed]}
+        warnings.append(
+            f"{source} has no weights and --tiny was not given: parity.toml points "
+            f"at {out_dir / TINY_DIR}, which does not exist (rerun with --tiny, or "
+            "set [reference] checkpoint)"
+        )
+    return {
+        "out_dir": out_dir,
+        "files": written,
+        "architecture": arch.architecture,
+        "reference_checkpoint": reference,
+        "warnings": warnings,
+        "tiny_changes": tiny_changes,
+        "stubs": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.stub],
+        "assumed": [(b.fn, b.cls_name, b.short_where) for b in blocks if b.assumed],
+    }
 
 
 def _accepts_extra(fn: Any) -> bool:
     """Whether ``fn`` takes ``**kwargs`` (render_model's extra template context)."""
     import inspect
 
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD
-               for p in inspect.signature(fn).parameters.values())
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()
+    )
 
 
 def new_model_command(
     source: Annotated[Path, typer.Argument(help="HF checkpoint directory or config.json path.")],
     name: Annotated[str, typer.Option("--name", help="Model name: the directory under models/.")],
-    out: Annotated[Path | None, typer.Option("--out", help="Output directory (default models/NAME).")] = None,
-    tiny: Annotated[bool, typer.Option("--tiny", help="Also write a tiny random-weight checkpoint "
-                                       "into OUT/tiny/ and use it as the parity reference.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model directory.")] = False,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Output directory (default models/NAME).")
+    ] = None,
+    tiny: Annotated[
+        bool,
+        typer.Option(
+            "--tiny",
+            help="Also write a tiny random-weight checkpoint "
+            "into OUT/tiny/ and use it as the parity reference.",
+        ),
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Overwrite an existing model directory.")
+    ] = False,
 ) -> None:
     """Generate a runner skeleton for an HF architecture: runner, blocks, weight map, specs."""
     try:
@@ -95,12 +117,16 @@ def new_model_command(
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
-    typer.echo(f"{summary['architecture']} -> {summary['out_dir']}/ "
-               f"({', '.join(p.name for p in summary['files'])})")
+    typer.echo(
+        f"{summary['architecture']} -> {summary['out_dir']}/ "
+        f"({', '.join(p.name for p in summary['files'])})"
+    )
     if tiny:
-        typer.echo(f"tiny checkpoint: {summary['out_dir']}/{TINY_DIR}/ "
-                   f"({len(summary['tiny_changes'])} changes from the source config: "
-                   f"{summary['out_dir']}/{TINY_DIR}/CHANGES.md)")
+        typer.echo(
+            f"tiny checkpoint: {summary['out_dir']}/{TINY_DIR}/ "
+            f"({len(summary['tiny_changes'])} changes from the source config: "
+            f"{summary['out_dir']}/{TINY_DIR}/CHANGES.md)"
+        )
     for warning in summary["warnings"]:
         typer.echo(f"warning: {warning}")
     if summary["stubs"] or summary["assumed"]:

@@ -48,34 +48,55 @@ from typing import Any
 import torch
 import transformers
 
-from resin.scaffold.layer_map import (FULL, RECURRENT_TYPES, WINDOWED_LAYER_TYPES,
-                                     layer_types_from_config, mlp_types_from_config)
+from resin.scaffold.layer_map import (
+    FULL,
+    RECURRENT_TYPES,
+    WINDOWED_LAYER_TYPES,
+    layer_types_from_config,
+    mlp_types_from_config,
+)
 
 PROBE_TOKENS = 5
 # Children of the HF model / its ``model`` that the scaffold places (everything else is extra).
 PLACED_TOP = ("model", "lm_head")
 PLACED_INNER = ("embed_tokens", "layers", "norm", "rotary_emb")
 HOOKS = "pre_layers / post_layers / embed / logits"
-MTP_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules",
-              "mtp_num_layers")
-MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
-              "moe_intermediate_size", "norm_topk_prob", "n_shared_experts",
-              "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-              "first_k_dense_replace", "routed_scaling_factor", "scoring_func", "topk_method")
+MTP_FIELDS = (
+    "num_nextn_predict_layers",
+    "mtp_num_hidden_layers",
+    "num_mtp_modules",
+    "mtp_num_layers",
+)
+MOE_FIELDS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "n_shared_experts",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "first_k_dense_replace",
+    "routed_scaling_factor",
+    "scoring_func",
+    "topk_method",
+)
 
 
 @dataclass
 class BlockInfo:
     """One HF module class as found in the tree: where its code lives and what it holds."""
 
-    path: str            # module path in the HF model, e.g. "model.layers.0.self_attn"
+    path: str  # module path in the HF model, e.g. "model.layers.0.self_attn"
     cls_name: str
-    module: str          # python module of the class
-    source_file: str     # absolute path, or "?" when unknown
+    module: str  # python module of the class
+    source_file: str  # absolute path, or "?" when unknown
     source_line: int
     params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # relative name -> shape
-    inputs: list[tuple[int, ...]] = field(default_factory=list)       # meta-forward shapes
-    output: tuple[int, ...] | None = None      # shape of the first output tensor only
+    inputs: list[tuple[int, ...]] = field(default_factory=list)  # meta-forward shapes
+    output: tuple[int, ...] | None = None  # shape of the first output tensor only
     submodules: list[tuple[str, str, str]] = field(default_factory=list)  # (name, class, where)
     # The whole meta-forward call, readable: "hidden_states=Tensor[1,5,64], attention_mask=None"
     # and "(Tensor[1,5,64], None)"; "" when the meta forward did not reach this module.
@@ -98,8 +119,8 @@ class BlockInfo:
 @dataclass
 class LayerInfo:
     index: int
-    layer_type: str            # config.layer_types entry, or derived (see layer_map)
-    window: int | None         # sliding window in tokens for layer types that have one
+    layer_type: str  # config.layer_types entry, or derived (see layer_map)
+    window: int | None  # sliding window in tokens for layer types that have one
     decoder: BlockInfo
     children: dict[str, BlockInfo]
     # config.mlp_layer_types entry (e.g. "hash_moe"), or derived "dense" / "moe" (layer_map)
@@ -118,9 +139,9 @@ class Architecture:
     norm: BlockInfo | None
     rotary: BlockInfo | None
     lm_head: BlockInfo | None
-    param_shapes: dict[str, tuple[int, ...]]           # in-memory name -> shape
-    checkpoint_names: dict[str, list[str]]             # in-memory name -> on-disk names
-    checkpoint_shapes: dict[str, tuple[int, ...]]      # on-disk name -> shape
+    param_shapes: dict[str, tuple[int, ...]]  # in-memory name -> shape
+    checkpoint_names: dict[str, list[str]]  # in-memory name -> on-disk names
+    checkpoint_shapes: dict[str, tuple[int, ...]]  # on-disk name -> shape
     moe: dict[str, Any]
     mtp: dict[str, Any]
     rope: dict[str, Any]
@@ -179,43 +200,61 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
         io_shapes["__complete__"] = forward_error is None
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
-        raise ValueError(f"{type(model).__name__}: expected the Llama-style layout "
-                         "model.model.embed_tokens / model.model.layers (the scaffold and the "
-                         "parity harness hook those); this model has top-level children "
-                         f"{[n for n, _ in model.named_children()]}")
+        raise ValueError(
+            f"{type(model).__name__}: expected the Llama-style layout "
+            "model.model.embed_tokens / model.model.layers (the scaffold and the "
+            "parity harness hook those); this model has top-level children "
+            f"{[n for n, _ in model.named_children()]}"
+        )
     layers = []
     layer_types = layer_types_from_config(config)
     mlp_types = mlp_types_from_config(config)
     extra: list[BlockInfo] = []
     for index, layer in enumerate(inner.layers):
         path = f"model.layers.{index}"
-        if index >= len(layer_types):   # built past num_hidden_layers (MTP layers, usually)
+        if index >= len(layer_types):  # built past num_hidden_layers (MTP layers, usually)
             extra.append(_block(path, layer, io_shapes))
             continue
-        children = {name: _block(f"{path}.{name}", child, io_shapes)
-                    for name, child in layer.named_children()}
+        children = {
+            name: _block(f"{path}.{name}", child, io_shapes)
+            for name, child in layer.named_children()
+        }
         layer_type, window = layer_types[index]
         if window is None:
             window = _module_window(config, layer_type, layer)
-        layers.append(LayerInfo(index, layer_type, window, _block(path, layer, io_shapes),
-                                children, mlp_types[index]))
+        layers.append(
+            LayerInfo(
+                index,
+                layer_type,
+                window,
+                _block(path, layer, io_shapes),
+                children,
+                mlp_types[index],
+            )
+        )
     extra = _extra_modules(model, inner, io_shapes) + extra
     param_shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     checkpoint_names = _checkpoint_names(model)
     checkpoint_shapes = _checkpoint_shapes(model)
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     return Architecture(
-        architecture=architectures[0], model_type=config.model_type, config=config,
-        layers=layers, embed=_block("model.embed_tokens", inner.embed_tokens, io_shapes),
+        architecture=architectures[0],
+        model_type=config.model_type,
+        config=config,
+        layers=layers,
+        embed=_block("model.embed_tokens", inner.embed_tokens, io_shapes),
         norm=_optional_block("model.norm", getattr(inner, "norm", None), io_shapes),
         rotary=_optional_block("model.rotary_emb", getattr(inner, "rotary_emb", None), io_shapes),
         lm_head=_optional_block("lm_head", getattr(model, "lm_head", None), io_shapes),
-        param_shapes=param_shapes, checkpoint_names=checkpoint_names,
+        param_shapes=param_shapes,
+        checkpoint_names=checkpoint_names,
         checkpoint_shapes=checkpoint_shapes,
         moe={k: getattr(config, k) for k in MOE_FIELDS if getattr(config, k, None) is not None},
         mtp={k: getattr(config, k) for k in MTP_FIELDS if getattr(config, k, None)},
         rope=dict(getattr(config, "rope_parameters", None) or {}),
-        meta_forward_error=forward_error, extra_modules=extra)
+        meta_forward_error=forward_error,
+        extra_modules=extra,
+    )
 
 
 PLAIN_EMBEDDINGS = ("Embedding",)
@@ -232,27 +271,37 @@ def unplaced_warnings(arch: Architecture) -> list[str]:
         what = f"module {info.path or '<root>'} ({info.cls_name}, {info.short_where})"
         if info.path in ("model", ""):
             names = ", ".join(sorted({**info.params, **info.buffers})) or "none"
-            out.append(f"{what} holds tensors directly ({names}) that the scaffold does not "
-                       f"place: load and use them in a hook in blocks.py ({HOOKS})")
+            out.append(
+                f"{what} holds tensors directly ({names}) that the scaffold does not "
+                f"place: load and use them in a hook in blocks.py ({HOOKS})"
+            )
             continue
-        line = (f"{what} is not placed by the scaffold: write it as a hook in blocks.py "
-                f"({HOOKS})")
+        line = f"{what} is not placed by the scaffold: write it as a hook in blocks.py ({HOOKS})"
         if info.called is False:
-            line += ("; HF's forward never calls it (its weights load but nothing runs them, "
-                     "e.g. MTP): say so in NOTES.md if the runner skips it too")
+            line += (
+                "; HF's forward never calls it (its weights load but nothing runs them, "
+                "e.g. MTP): say so in NOTES.md if the runner skips it too"
+            )
         elif info.output_text:
             line += f"; HF meta forward: in {info.input_text or 'none'} -> out {info.output_text}"
         out.append(line)
     embed_cls = arch.embed.cls_name
     if embed_cls not in PLAIN_EMBEDDINGS:
-        out.append(f"model.embed_tokens is {embed_cls} ({arch.embed.short_where}), not a plain "
-                   "nn.Embedding: it computes something (a scale, extra inputs) — write the "
-                   "embed hook in blocks.py")
-    for key in sorted(k for k, v in arch.config.to_dict().items()
-                      if v not in (None, False, 0) and LOGIT_HOOK_KEYS.search(k)):
-        out.append(f"config.{key} = {getattr(arch.config, key)!r}: the CausalLM head or the "
-                   "attention may transform logits (soft-capping, scaling) — check the HF "
-                   "forward and write the logits hook / pass it to ctx.attention")
+        out.append(
+            f"model.embed_tokens is {embed_cls} ({arch.embed.short_where}), not a plain "
+            "nn.Embedding: it computes something (a scale, extra inputs) — write the "
+            "embed hook in blocks.py"
+        )
+    for key in sorted(
+        k
+        for k, v in arch.config.to_dict().items()
+        if v not in (None, False, 0) and LOGIT_HOOK_KEYS.search(k)
+    ):
+        out.append(
+            f"config.{key} = {getattr(arch.config, key)!r}: the CausalLM head or the "
+            "attention may transform logits (soft-capping, scaling) — check the HF "
+            "forward and write the logits hook / pass it to ctx.attention"
+        )
     return out
 
 
@@ -262,7 +311,7 @@ def describe(value: Any, limit: int = 240) -> str:
 
 
 def _truncate(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe(value: Any, depth: int) -> str:
@@ -275,7 +324,7 @@ def _describe(value: Any, depth: int) -> str:
         return repr(value) if not isinstance(value, str) or len(value) < 24 else "str"
     if depth >= 3:
         return type(value).__name__
-    if isinstance(value, dict):   # ModelOutput included (an OrderedDict of the set fields)
+    if isinstance(value, dict):  # ModelOutput included (an OrderedDict of the set fields)
         fields = ", ".join(f"{k}={_describe(v, depth + 1)}" for k, v in value.items())
         name = "" if type(value) is dict else type(value).__name__
         return f"{name}({fields})" if name else f"{{{fields}}}"
@@ -292,9 +341,15 @@ def _module_window(config: Any, layer_type: str, layer: Any) -> int | None:
     """``config.sliding_window`` for a layer type ``layer_map`` does not list, when the built
     attention module keeps exactly that window (see the module doc); else None."""
     window = getattr(config, "sliding_window", None)
-    if (not isinstance(window, int) or isinstance(window, bool) or window <= 0
-            or getattr(config, "use_sliding_window", True) is False or layer_type == FULL
-            or layer_type in WINDOWED_LAYER_TYPES or layer_type in RECURRENT_TYPES):
+    if (
+        not isinstance(window, int)
+        or isinstance(window, bool)
+        or window <= 0
+        or getattr(config, "use_sliding_window", True) is False
+        or layer_type == FULL
+        or layer_type in WINDOWED_LAYER_TYPES
+        or layer_type in RECURRENT_TYPES
+    ):
         return None
     for _name, child in layer.named_children():
         held = getattr(child, "sliding_window", None)
@@ -309,8 +364,11 @@ def _extra_modules(model: Any, inner: Any, io_shapes: dict[str, Any]) -> list[Bl
     out = []
     for owner, prefix, placed in ((model, "", PLACED_TOP), (inner, "model.", PLACED_INNER)):
         own = {n: tuple(p.shape) for n, p in owner.named_parameters(recurse=False)}
-        own_buffers = {n: tuple(b.shape) for n, b in owner.named_buffers(recurse=False)
-                       if n not in owner._non_persistent_buffers_set}
+        own_buffers = {
+            n: tuple(b.shape)
+            for n, b in owner.named_buffers(recurse=False)
+            if n not in owner._non_persistent_buffers_set
+        }
         if own or own_buffers:
             info = _block(prefix.rstrip(".") or "", owner, io_shapes)
             info.params, info.buffers, info.submodules = own, own_buffers, []
@@ -321,7 +379,7 @@ def _extra_modules(model: Any, inner: Any, io_shapes: dict[str, Any]) -> list[Bl
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_location(cls: type) -> tuple[str, int]:
     """(absolute source file, first line) of a class; ("?", 0) when Python cannot tell.
 
@@ -379,8 +437,21 @@ def _block(path: str, module: Any, io_shapes: dict[str, Any]) -> BlockInfo:
             sub_file, sub_line = source_location(type(sub))  # type: ignore[arg-type]
             submodules.append((name, type(sub).__name__, f"{_short(sub_file)}:{sub_line}"))
     called = True if path in io_shapes else (False if io_shapes.get("__complete__") else None)
-    return BlockInfo(path, cls.__name__, cls.__module__, source_file, line, params, inputs, output,
-                     submodules, input_text, output_text, called, buffers)
+    return BlockInfo(
+        path,
+        cls.__name__,
+        cls.__module__,
+        source_file,
+        line,
+        params,
+        inputs,
+        output,
+        submodules,
+        input_text,
+        output_text,
+        called,
+        buffers,
+    )
 
 
 def persistent_buffers(module: Any) -> list[tuple[str, Any]]:
@@ -406,7 +477,7 @@ def _checkpoint_names(model: Any) -> dict[str, list[str]]:
     """In-memory parameter name -> the checkpoint names ``save_pretrained`` writes it as."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:   # older transformers: names on disk are the in-memory names
+    except ImportError:  # older transformers: names on disk are the in-memory names
         return {name: [name] for name in model.state_dict()}
     out: dict[str, list[str]] = {}
     for name, tensor in model.state_dict().items():
@@ -452,11 +523,16 @@ def _meta_forward(model: Any) -> tuple[dict[str, Any], str | None]:
         def fn(_module: Any, args: Any, kwargs: Any, out: Any) -> None:
             tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
             first = out[0] if isinstance(out, (tuple, list)) and out else out
-            args_text = [describe(a, 120) for a in args] + \
-                [f"{k}={describe(v, 120)}" for k, v in kwargs.items() if v is not None]
-            shapes[name] = ([tuple(t.shape) for t in tensors],
-                            tuple(first.shape) if isinstance(first, torch.Tensor) else None,
-                            _truncate(", ".join(args_text), 400), describe(out))
+            args_text = [describe(a, 120) for a in args] + [
+                f"{k}={describe(v, 120)}" for k, v in kwargs.items() if v is not None
+            ]
+            shapes[name] = (
+                [tuple(t.shape) for t in tensors],
+                tuple(first.shape) if isinstance(first, torch.Tensor) else None,
+                _truncate(", ".join(args_text), 400),
+                describe(out),
+            )
+
         return fn
 
     for name, module in model.named_modules():
@@ -465,9 +541,11 @@ def _meta_forward(model: Any) -> tuple[dict[str, Any], str | None]:
         with torch.no_grad():
             # An explicit attention mask skips transformers' packed-sequence check, which
             # calls .item() (impossible on meta tensors).
-            model(input_ids=torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device="meta"),
-                  attention_mask=torch.ones(1, PROBE_TOKENS, dtype=torch.long, device="meta"),
-                  use_cache=False)
+            model(
+                input_ids=torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device="meta"),
+                attention_mask=torch.ones(1, PROBE_TOKENS, dtype=torch.long, device="meta"),
+                use_cache=False,
+            )
         error = None
     except Exception as exc:  # noqa: BLE001 - best effort; callers fall back to role shapes
         error = f"{type(exc).__name__}: {exc}"
@@ -486,19 +564,21 @@ class _meta_is_tracing:
 
         from transformers.utils import import_utils
 
-        original = getattr(import_utils, "is_tracing")
+        original = import_utils.is_tracing
 
         def is_tracing(tensor: Any = None) -> bool:
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 return True
             return original(tensor)
 
-        self.patched = [(mod, original) for name, mod in list(sys.modules.items())
-                        if name.startswith("transformers") and
-                        getattr(mod, "is_tracing", None) is original]
+        self.patched = [
+            (mod, original)
+            for name, mod in list(sys.modules.items())
+            if name.startswith("transformers") and getattr(mod, "is_tracing", None) is original
+        ]
         for mod, _ in self.patched:
-            setattr(mod, "is_tracing", is_tracing)
+            mod.is_tracing = is_tracing
 
     def __exit__(self, *exc: Any) -> None:
         for mod, original in self.patched:
-            setattr(mod, "is_tracing", original)
+            mod.is_tracing = original

@@ -47,40 +47,62 @@ from typing import Any
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 # Layer types whose HF attention uses the raw config.sliding_window (see the module doc).
-WINDOWED_LAYER_TYPES = (SLIDING, "hybrid_sliding", "compressed_sparse_attention",
-                        "heavily_compressed_attention")
+WINDOWED_LAYER_TYPES = (
+    SLIDING,
+    "hybrid_sliding",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
 DENSE_MLP = "dense"
 MOE_MLP = "moe"
 # Values of config.mlp_layer_types that mean "no experts" (HF's canonical "dense").
 DENSE_MLP_TYPES = (DENSE_MLP, "mlp")
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-RECURRENT_TYPES = ("linear_attention", "mamba", "mamba2", "recurrent", "ssm", "gated_deltanet",
-                   "lightning_attention", "conv")
+RECURRENT_TYPES = (
+    "linear_attention",
+    "mamba",
+    "mamba2",
+    "recurrent",
+    "ssm",
+    "gated_deltanet",
+    "lightning_attention",
+    "conv",
+)
 
 # HF class -> block kind. A class is "known" only when Resin's torch layers reproduce it op for
 # op (checked by parity against the fixtures); a look-alike from another family is NOT listed,
 # so its differences (sinks, clamps, offsets) cannot slip through unnoticed.
 KNOWN_BLOCKS: dict[str, str] = {
-    **{f"{p}RMSNorm": "rms_norm" for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe",
-                                            "Mixtral")},
-    **{f"{p}RotaryEmbedding": "rotary" for p in ("Llama", "Mistral", "Qwen2", "Qwen3",
-                                                  "Qwen3Moe", "Mixtral")},
-    **{f"{p}Attention": "gqa_attention" for p in ("Llama", "Mistral", "Qwen2", "Qwen3",
-                                                   "Qwen3Moe", "Mixtral")},
+    **{
+        f"{p}RMSNorm": "rms_norm"
+        for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Mixtral")
+    },
+    **{
+        f"{p}RotaryEmbedding": "rotary"
+        for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Mixtral")
+    },
+    **{
+        f"{p}Attention": "gqa_attention"
+        for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Mixtral")
+    },
     **{f"{p}MLP": "swiglu_mlp" for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe")},
     "Qwen3MoeSparseMoeBlock": "topk_moe",
     "MixtralSparseMoeBlock": "topk_moe",
-    **{f"{p}DecoderLayer": "prenorm_decoder_layer" for p in ("Llama", "Mistral", "Qwen2",
-                                                             "Qwen3", "Qwen3Moe", "Mixtral")},
+    **{
+        f"{p}DecoderLayer": "prenorm_decoder_layer"
+        for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Mixtral")
+    },
     "Embedding": "embedding",
     "Linear": "linear",
 }
 # The direct children a pre-norm residual decoder layer has (Llama's layout).
 PRENORM_CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 # Expert weight names (gate, up, down) per MoE block class, relative to the block.
-MOE_EXPERT_NAMES = {"Qwen3MoeSparseMoeBlock": ("gate_proj", "up_proj", "down_proj"),
-                    "MixtralSparseMoeBlock": ("w1", "w3", "w2")}
-_MOE_RENORMALISES = {"MixtralSparseMoeBlock": True}   # others read config.norm_topk_prob
+MOE_EXPERT_NAMES = {
+    "Qwen3MoeSparseMoeBlock": ("gate_proj", "up_proj", "down_proj"),
+    "MixtralSparseMoeBlock": ("w1", "w3", "w2"),
+}
+_MOE_RENORMALISES = {"MixtralSparseMoeBlock": True}  # others read config.norm_topk_prob
 
 
 def layer_types_from_config(config: Any) -> list[tuple[str, int | None]]:
@@ -92,16 +114,20 @@ def layer_types_from_config(config: Any) -> list[tuple[str, int | None]]:
     types = getattr(config, "layer_types", None)
     if types:
         if len(types) < num_layers:
-            raise ValueError(f"config.layer_types lists {len(types)} layers, "
-                             f"num_hidden_layers is {num_layers}")
-        return [(t, window if (t in WINDOWED_LAYER_TYPES and window) else None)
-                for t in list(types)[:num_layers]]
+            raise ValueError(
+                f"config.layer_types lists {len(types)} layers, num_hidden_layers is {num_layers}"
+            )
+        return [
+            (t, window if (t in WINDOWED_LAYER_TYPES and window) else None)
+            for t in list(types)[:num_layers]
+        ]
     pattern = getattr(config, "sliding_window_pattern", None)
     if window and isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
         # Older Gemma 2/3 configs: every pattern-th layer is global (transformers derives
         # layer_types the same way when a config.json has only the pattern).
-        return [(FULL, None) if (i + 1) % pattern == 0 else (SLIDING, window)
-                for i in range(num_layers)]
+        return [
+            (FULL, None) if (i + 1) % pattern == 0 else (SLIDING, window) for i in range(num_layers)
+        ]
     kind = SLIDING if window else FULL
     return [(kind, window if window else None)] * num_layers
 
@@ -112,11 +138,19 @@ def mlp_types_from_config(config: Any) -> list[str]:
     types = getattr(config, "mlp_layer_types", None)
     if types:
         if len(types) < num_layers:
-            raise ValueError(f"config.mlp_layer_types lists {len(types)} layers, "
-                             f"num_hidden_layers is {num_layers}")
+            raise ValueError(
+                f"config.mlp_layer_types lists {len(types)} layers, "
+                f"num_hidden_layers is {num_layers}"
+            )
         return [str(t) for t in list(types)[:num_layers]]
-    experts = max((int(v) for v in (getattr(config, k, None) for k in EXPERT_COUNT_FIELDS)
-                   if isinstance(v, int) and not isinstance(v, bool)), default=0)
+    experts = max(
+        (
+            int(v)
+            for v in (getattr(config, k, None) for k in EXPERT_COUNT_FIELDS)
+            if isinstance(v, int) and not isinstance(v, bool)
+        ),
+        default=0,
+    )
     if experts <= 0:
         return [DENSE_MLP] * num_layers
     mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
@@ -184,8 +218,9 @@ def runner_name(param_name: str, checkpoint_name: str, num_checkpoint_names: int
     checkpoint's tail after that module's last component (``mlp.experts`` + ``0.w1.weight``).
     The ``model.`` prefix is dropped.
     """
+
     def strip(name: str) -> str:
-        return name[len("model."):] if name.startswith("model.") else name
+        return name[len("model.") :] if name.startswith("model.") else name
 
     if num_checkpoint_names == 1:
         return strip(param_name)
@@ -207,11 +242,11 @@ def name_pattern(name: str) -> tuple[str, int | None, int | None]:
     m = _LAYER.search(name)
     if m:
         layer = int(m.group(2))
-        name = name[:m.start()] + f"{m.group(1)}layers.{{layer}}." + name[m.end():]
+        name = name[: m.start()] + f"{m.group(1)}layers.{{layer}}." + name[m.end() :]
     m = _EXPERT.search(name)
     if m:
         expert = int(m.group(1))
-        name = name[:m.start()] + ".experts.{expert}." + name[m.end():]
+        name = name[: m.start()] + ".experts.{expert}." + name[m.end() :]
     return name, layer, expert
 
 
@@ -225,7 +260,9 @@ def weight_map(checkpoint_names: dict[str, list[str]]) -> dict[str, str]:
     return out
 
 
-def pattern_shapes(checkpoint_shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[tuple[int, ...], list[int]]]:
+def pattern_shapes(
+    checkpoint_shapes: dict[str, tuple[int, ...]],
+) -> dict[str, dict[tuple[int, ...], list[int]]]:
     """Checkpoint name pattern -> {shape: layers having it} (layer -1 for non-layer tensors)."""
     out: dict[str, dict[tuple[int, ...], list[int]]] = {}
     for name, shape in checkpoint_shapes.items():

@@ -16,16 +16,36 @@ from typing import Any
 from resin.scaffold.inspect import Architecture
 from resin.scaffold.layer_map import mlp_types_from_config, name_pattern, pattern_shapes
 
-
 # HF config keys that say nothing about the model's math.
-BOOKKEEPING_KEYS = ("architectures", "transformers_version", "_name_or_path", "dtype",
-                    "torch_dtype", "id2label", "label2id", "problem_type", "return_dict",
-                    "output_hidden_states", "output_attentions", "chunk_size_feed_forward",
-                    "is_encoder_decoder", "use_cache", "output_router_logits",
-                    "router_aux_loss_coef", "initializer_range", "tokenizer_class", "prefix",
-                    "task_specific_params", "finetuning_task", "cross_attention_hidden_size",
-                    "add_cross_attention", "tf_legacy_loss", "pruned_heads", "torchscript",
-                    "use_bfloat16")
+BOOKKEEPING_KEYS = (
+    "architectures",
+    "transformers_version",
+    "_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "use_cache",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "initializer_range",
+    "tokenizer_class",
+    "prefix",
+    "task_specific_params",
+    "finetuning_task",
+    "cross_attention_hidden_size",
+    "add_cross_attention",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "torchscript",
+    "use_bfloat16",
+)
 
 
 def model_record(arch: Architecture, name: str, source: str) -> Any:
@@ -38,33 +58,43 @@ def model_record(arch: Architecture, name: str, source: str) -> Any:
     layer_patterns = _layer_patterns(arch)
     for layer, mlp_type in zip(arch.layers, mlp_types):
         kind = f"{layer.layer_type}/{mlp_type}"
-        entry = {"decoder": layer.decoder.cls_name,
-                 "children": {child: info.cls_name for child, info in layer.children.items()},
-                 "tensors": sorted(layer_patterns.get(layer.index, set()))}
+        entry = {
+            "decoder": layer.decoder.cls_name,
+            "children": {child: info.cls_name for child, info in layer.children.items()},
+            "tensors": sorted(layer_patterns.get(layer.index, set())),
+        }
         known = kinds.setdefault(kind, entry)
         if known["decoder"] != entry["decoder"] or known["children"] != entry["children"]:
-            raise ValueError(f"layers of kind {kind!r} use different classes ({known} vs "
-                             f"{entry} at layer {layer.index}): the scaffold cannot tell them "
-                             "apart from the config")
+            raise ValueError(
+                f"layers of kind {kind!r} use different classes ({known} vs "
+                f"{entry} at layer {layer.index}): the scaffold cannot tell them "
+                "apart from the config"
+            )
     patterns = sorted({name_pattern(n)[0] for n in arch.checkpoint_shapes} | {"lm_head.weight"})
     return ModelRecord(
-        name=name, architectures=[arch.architecture], model_types=[arch.model_type],
-        config_defaults=config_defaults(arch.config), layer_kinds=kinds,
+        name=name,
+        architectures=[arch.architecture],
+        model_types=[arch.model_type],
+        config_defaults=config_defaults(arch.config),
+        layer_kinds=kinds,
         norm=arch.norm.cls_name if arch.norm else None,
         rotary=arch.rotary.cls_name if arch.rotary else None,
         checkpoint_patterns=patterns,
         source_shapes=source_shapes(arch),
         windowed_layer_types=sorted({layer.layer_type for layer in arch.layers if layer.window}),
         keep_in_fp32=keep_in_fp32_patterns(arch.architecture),
-        generated_from=source)
+        generated_from=source,
+    )
 
 
 def source_shapes(arch: Architecture) -> dict[str, list[list[Any]]]:
     """Checkpoint name pattern -> ``[[shape, [layers having it]], ...]`` of the model the record
     was generated from (layer -1: not a layer tensor), so a real checkpoint's safetensors
     headers can be checked against it without loading anything."""
-    return {pattern: [[list(shape), layers] for shape, layers in by_shape.items()]
-            for pattern, by_shape in pattern_shapes(arch.checkpoint_shapes).items()}
+    return {
+        pattern: [[list(shape), layers] for shape, layers in by_shape.items()]
+        for pattern, by_shape in pattern_shapes(arch.checkpoint_shapes).items()
+    }
 
 
 def config_defaults(config: Any) -> dict[str, Any]:

@@ -10,11 +10,10 @@ Rendering is deterministic: the same architecture gives byte-identical files.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import textwrap
 
 import jinja2
 
@@ -31,15 +30,25 @@ from resin.scaffold.layer_map import (
 )
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates" / "model"
-FILES = {"blocks.py": "blocks.py.j2", "weights.py": "weights.py.j2",
-         "parity.toml": "parity.toml.j2", "perf.toml": "perf.toml.j2", "NOTES.md": "NOTES.md.j2",
-         "test_parity.py": "test_parity.py.j2"}
+FILES = {
+    "blocks.py": "blocks.py.j2",
+    "weights.py": "weights.py.j2",
+    "parity.toml": "parity.toml.j2",
+    "perf.toml": "perf.toml.j2",
+    "NOTES.md": "NOTES.md.j2",
+    "test_parity.py": "test_parity.py.j2",
+}
 RECORD_FILE = "architecture.json"
 # Files of the previous layout that a regeneration removes (the runner is shared now).
 OBSOLETE_FILES = ("runner.py",)
-BLOCK_FUNCTIONS = {"rms_norm": "rms_norm_block", "rotary": "rope_from_config",
-                   "gqa_attention": "gqa_attention_block", "swiglu_mlp": "swiglu_mlp_block",
-                   "topk_moe": "topk_moe_block", "prenorm_decoder_layer": "prenorm_decoder_layer"}
+BLOCK_FUNCTIONS = {
+    "rms_norm": "rms_norm_block",
+    "rotary": "rope_from_config",
+    "gqa_attention": "gqa_attention_block",
+    "swiglu_mlp": "swiglu_mlp_block",
+    "topk_moe": "topk_moe_block",
+    "prenorm_decoder_layer": "prenorm_decoder_layer",
+}
 CONTEXT_LENS = (128, 1024, 4096, 16384, 32768)
 CHUNK_SIZES = (128, 512, 2048, 8192)
 # A tiny checkpoint is a CPU smoke run of the harness: short contexts keep 256-row batches small.
@@ -54,14 +63,14 @@ class Block:
 
     fn: str
     cls_name: str
-    role: str                 # "module" (norm / attention / mlp), "decoder" or "rotary"
-    kind: str | None          # layer_map kind when implemented; None for a stub
+    role: str  # "module" (norm / attention / mlp), "decoder" or "rotary"
+    kind: str | None  # layer_map kind when implemented; None for a stub
     where: str
     short_where: str
     shapes: str
     weights: str
     message: str = ""
-    message_lines: list[str] = field(default_factory=list)   # repr'd chunks of message
+    message_lines: list[str] = field(default_factory=list)  # repr'd chunks of message
     kind_doc: str = ""
     assumed: bool = False
     rotary_key: str = ""
@@ -84,28 +93,41 @@ def blocks_of(arch: Architecture) -> list[Block]:
     for layer in arch.layers:
         if layer.decoder.cls_name not in seen:
             seen[layer.decoder.cls_name] = _decoder_block(arch, layer)
-        for child, info in layer.children.items():
+        for info in layer.children.values():
             if info.cls_name not in seen:
                 seen[info.cls_name] = _module_block(arch, info, f"x [T, {hidden}] -> [T, {hidden}]")
     if arch.norm is not None and arch.norm.cls_name not in seen:
-        seen[arch.norm.cls_name] = _module_block(arch, arch.norm,
-                                                 f"x [T, {hidden}] -> [T, {hidden}]")
+        seen[arch.norm.cls_name] = _module_block(
+            arch, arch.norm, f"x [T, {hidden}] -> [T, {hidden}]"
+        )
     return list(seen.values())
 
 
-def render_model(arch: Architecture, name: str, out_dir: Path, source: str, tiny: bool,
-                 reference_checkpoint: str, perf_checkpoint: str | None = None,
-                 **extra: Any) -> list[Path]:
+def render_model(
+    arch: Architecture,
+    name: str,
+    out_dir: Path,
+    source: str,
+    tiny: bool,
+    reference_checkpoint: str,
+    perf_checkpoint: str | None = None,
+    **extra: Any,
+) -> list[Path]:
     """Write every file of :data:`FILES` (``weights.py`` only when some checkpoint name needs
     renaming) and the model record into ``out_dir``; returns the paths written. ``extra``
     joins the template context (e.g. ``tiny_changes``)."""
     from resin.scaffold.record import model_record
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-                             undefined=jinja2.StrictUndefined, trim_blocks=True,
-                             lstrip_blocks=True, keep_trailing_newline=True)
-    context = model_context(arch, name, source, tiny, reference_checkpoint,
-                            perf_checkpoint or reference_checkpoint)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    context = model_context(
+        arch, name, source, tiny, reference_checkpoint, perf_checkpoint or reference_checkpoint
+    )
     context.update(extra)
     context.setdefault("tiny_changes", [])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,59 +147,91 @@ def render_model(arch: Architecture, name: str, out_dir: Path, source: str, tiny
     return written
 
 
-def model_context(arch: Architecture, name: str, source: str, tiny: bool,
-                  reference_checkpoint: str, perf_checkpoint: str) -> dict[str, Any]:
+def model_context(
+    arch: Architecture,
+    name: str,
+    source: str,
+    tiny: bool,
+    reference_checkpoint: str,
+    perf_checkpoint: str,
+) -> dict[str, Any]:
     import transformers
 
     config = arch.config
     blocks = blocks_of(arch)
     used = {b.kind for b in blocks if b.kind in BLOCK_FUNCTIONS}
     # With stubs left, every shared block is imported: the stubs' authors start from them.
-    block_imports = sorted(BLOCK_FUNCTIONS.values() if any(b.stub for b in blocks)
-                           else (BLOCK_FUNCTIONS[k] for k in used))
+    block_imports = sorted(
+        BLOCK_FUNCTIONS.values()
+        if any(b.stub for b in blocks)
+        else (BLOCK_FUNCTIONS[k] for k in used)
+    )
     max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or max(CONTEXT_LENS)
     return {
-        "name": name, "architecture": arch.architecture, "model_type": arch.model_type,
-        "source": source, "tiny": tiny, "transformers_version": transformers.__version__,
-        "blocks": blocks, "stubs": [b for b in blocks if b.stub],
+        "name": name,
+        "architecture": arch.architecture,
+        "model_type": arch.model_type,
+        "source": source,
+        "tiny": tiny,
+        "transformers_version": transformers.__version__,
+        "blocks": blocks,
+        "stubs": [b for b in blocks if b.stub],
         "assumed": [b for b in blocks if b.assumed],
         "weight_map": weight_map(arch.checkpoint_names),
         "renamed_weights": renamed_weights(weight_map(arch.checkpoint_names)),
-        "block_imports": block_imports, "default_theta": 10000.0,
+        "block_imports": block_imports,
+        "default_theta": 10000.0,
         "extra_modules": extra_module_lines(arch),
-        "uncached_types": sorted({layer.layer_type for layer in arch.layers
-                                  if cache_kind(layer.layer_type, layer.window)
-                                  in ("recurrent", "unknown")}),
+        "uncached_types": sorted(
+            {
+                layer.layer_type
+                for layer in arch.layers
+                if cache_kind(layer.layer_type, layer.window) in ("recurrent", "unknown")
+            }
+        ),
         "source_shapes": pattern_shapes(arch.checkpoint_shapes),
         "reference_checkpoint": reference_checkpoint,
         "perf_checkpoint": perf_checkpoint,
-        "context_lens": _capped(TINY_CONTEXT_LENS if perf_checkpoint == "tiny" else CONTEXT_LENS,
-                                max_positions),
-        "chunk_sizes": _capped(TINY_CHUNK_SIZES if perf_checkpoint == "tiny" else CHUNK_SIZES,
-                               max_positions),
-        "num_layers": arch.num_layers, "hidden_size": config.hidden_size,
-        "num_heads": config.num_attention_heads, "num_kv_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim, "vocab_size": config.vocab_size,
+        "context_lens": _capped(
+            TINY_CONTEXT_LENS if perf_checkpoint == "tiny" else CONTEXT_LENS, max_positions
+        ),
+        "chunk_sizes": _capped(
+            TINY_CHUNK_SIZES if perf_checkpoint == "tiny" else CHUNK_SIZES, max_positions
+        ),
+        "num_layers": arch.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_heads": config.num_attention_heads,
+        "num_kv_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "vocab_size": config.vocab_size,
         "max_positions": max_positions,
         "tied": bool(getattr(config, "tie_word_embeddings", False)),
         "layer_type_summary": _type_summary(arch.layers),
         "layer_rows": _layer_rows(arch.layers),
         "rope_text": ", ".join(f"{k}={v}" for k, v in sorted(arch.rope.items())) or "none",
         "moe_text": ", ".join(f"{k}={v}" for k, v in arch.moe.items()) or "none",
-        "mtp_text": (", ".join(f"{k}={v}" for k, v in arch.mtp.items()) +
-                     " (the HF class builds no MTP layers: their checkpoint tensors load as "
-                     "unused; speculative decoding is not wired)") if arch.mtp else "none",
-        "meta_forward_text": ("ran; stub messages carry its shapes" if arch.meta_forward_error is None
-                              else f"failed ({arch.meta_forward_error[:120]}); stub messages "
-                                   "give the runner-side shapes only"),
+        "mtp_text": (
+            ", ".join(f"{k}={v}" for k, v in arch.mtp.items())
+            + " (the HF class builds no MTP layers: their checkpoint tensors load as "
+            "unused; speculative decoding is not wired)"
+        )
+        if arch.mtp
+        else "none",
+        "meta_forward_text": (
+            "ran; stub messages carry its shapes"
+            if arch.meta_forward_error is None
+            else f"failed ({arch.meta_forward_error[:120]}); stub messages "
+            "give the runner-side shapes only"
+        ),
         "warnings": generator_warnings(arch),
     }
 
 
 def renamed_weights(mapping: dict[str, str]) -> dict[str, str]:
     """The weight-map entries whose runner name is not the checkpoint name minus ``model.``."""
+
     def default(pattern: str) -> str:
-        return pattern[len("model."):] if pattern.startswith("model.") else pattern
+        return pattern[len("model.") :] if pattern.startswith("model.") else pattern
 
     return {k: v for k, v in mapping.items() if v != default(k)}
 
@@ -196,13 +250,17 @@ def generator_warnings(arch: Architecture) -> list[str]:
     for layer in arch.layers:
         kind = cache_kind(layer.layer_type, layer.window)
         if kind == "recurrent":
-            out.append(f"layer {layer.index} is {layer.layer_type!r}: a recurrent state; the "
-                       "engine rejects recurrent cache groups today (blocks.recurrent_state_bytes "
-                       "is a stub)")
+            out.append(
+                f"layer {layer.index} is {layer.layer_type!r}: a recurrent state; the "
+                "engine rejects recurrent cache groups today (blocks.recurrent_state_bytes "
+                "is a stub)"
+            )
             break
         if kind == "unknown":
-            out.append(f"layer {layer.index} has type {layer.layer_type!r}, which Resin has no "
-                       "cache spec for: cache_spec() will raise until blocks.py handles it")
+            out.append(
+                f"layer {layer.index} has type {layer.layer_type!r}, which Resin has no "
+                "cache spec for: cache_spec() will raise until blocks.py handles it"
+            )
             break
     if arch.mtp:
         out.append(f"MTP settings {arch.mtp}: MTP heads are not loaded or run")
@@ -213,10 +271,19 @@ def _rotary_block(arch: Architecture, info: BlockInfo | None) -> Block:
     rotary_dim = int(arch.head_dim * float(arch.rope.get("partial_rotary_factor") or 1.0))
     shapes = f"positions int64[T] -> (cos, sin), each [T, {rotary_dim}]"
     if info is None:
-        return _stub("rotary_embedding", "(no model.rotary_emb)", "?", "?", "rotary", shapes, "",
-                     "the model has no top-level rotary_emb: positions are encoded elsewhere "
-                     "(per layer, or no RoPE); return an object whose cos_sin gives what the "
-                     "attention blocks need", rotary_key="")
+        return _stub(
+            "rotary_embedding",
+            "(no model.rotary_emb)",
+            "?",
+            "?",
+            "rotary",
+            shapes,
+            "",
+            "the model has no top-level rotary_emb: positions are encoded elsewhere "
+            "(per layer, or no RoPE); return an object whose cos_sin gives what the "
+            "attention blocks need",
+            rotary_key="",
+        )
     block = _base(info, "rotary", shapes)
     block.rotary_key = info.cls_name
     if block_kind(info.cls_name) != "rotary":
@@ -231,15 +298,18 @@ def _rotary_block(arch: Architecture, info: BlockInfo | None) -> Block:
 
 def _decoder_block(arch: Architecture, layer: LayerInfo) -> Block:
     hidden = arch.config.hidden_size
-    block = _base(layer.decoder, "decoder", f"hidden [T, {hidden}] -> [T, {hidden}]",
-                  with_weights=False)
+    block = _base(
+        layer.decoder, "decoder", f"hidden [T, {hidden}] -> [T, {hidden}]", with_weights=False
+    )
     known = block_kind(layer.decoder.cls_name) == "prenorm_decoder_layer"
     if set(layer.children) == set(PRENORM_CHILDREN):
         block.kind, block.assumed = "prenorm_decoder_layer", not known
         block.kind_doc = "pre-norm residual decoder layer"
         return block
-    return _as_stub(block, f"children {list(layer.children)} are not Llama's pre-norm layout "
-                           f"{list(PRENORM_CHILDREN)}")
+    return _as_stub(
+        block,
+        f"children {list(layer.children)} are not Llama's pre-norm layout {list(PRENORM_CHILDREN)}",
+    )
 
 
 def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
@@ -249,10 +319,16 @@ def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
     if kind == "rms_norm":
         block.kind, block.kind_doc = kind, "RMSNorm (resin rms_norm)"
     elif kind == "gqa_attention":
-        traits = [t for t, on in (("sliding window", any(layer.window for layer in arch.layers)),
-                                  ("qkv bias", "q_proj.bias" in info.params),
-                                  ("o bias", "o_proj.bias" in info.params),
-                                  ("q/k RMSNorm", "q_norm.weight" in info.params)) if on]
+        traits = [
+            t
+            for t, on in (
+                ("sliding window", any(layer.window for layer in arch.layers)),
+                ("qkv bias", "q_proj.bias" in info.params),
+                ("o bias", "o_proj.bias" in info.params),
+                ("q/k RMSNorm", "q_norm.weight" in info.params),
+            )
+            if on
+        ]
         block.kind = kind
         block.kind_doc = "GQA paged attention" + "".join(f", {t}" for t in traits)
     elif kind == "swiglu_mlp":
@@ -267,8 +343,10 @@ def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
         renorm = moe_renormalises(info.cls_name, config)
         block.kind, block.expert_names = kind, names
         block.renormalise = "True" if info.cls_name == "MixtralSparseMoeBlock" else "None"
-        block.kind_doc = (f"top-k MoE (softmax router, top {getattr(config, 'num_experts_per_tok', '?')}, "
-                          f"renormalise: {renorm})")
+        block.kind_doc = (
+            f"top-k MoE (softmax router, top {getattr(config, 'num_experts_per_tok', '?')}, "
+            f"renormalise: {renorm})"
+        )
     else:
         return _as_stub(block)
     return block
@@ -283,14 +361,23 @@ def _base(info: BlockInfo, role: str, shapes: str, with_weights: bool = True) ->
         outs = info.output_text or str(info.output)
         hf_shapes = f" (HF meta forward, batch 1, T=5: in {ins} -> out {outs})"
         if outs.startswith("("):
-            hf_shapes += ("; HF returns a tuple: return what your decoder-layer function uses "
-                          "(a shared decoder layer expects only the first tensor)")
+            hf_shapes += (
+                "; HF returns a tuple: return what your decoder-layer function uses "
+                "(a shared decoder layer expects only the first tensor)"
+            )
     weights = ", ".join(f"{n} {s}" for n, s in list(info.params.items())[:MAX_LISTED])
     if len(info.params) > MAX_LISTED:
         weights += f", ... {len(info.params) - MAX_LISTED} more"
-    block = Block(fn=function_name(info.cls_name), cls_name=info.cls_name, role=role, kind=None,
-                  where=info.where, short_where=info.short_where, shapes=shapes + hf_shapes,
-                  weights=weights if with_weights else "")
+    block = Block(
+        fn=function_name(info.cls_name),
+        cls_name=info.cls_name,
+        role=role,
+        kind=None,
+        where=info.where,
+        short_where=info.short_where,
+        shapes=shapes + hf_shapes,
+        weights=weights if with_weights else "",
+    )
     subs = [f"{n} {c} ({w})" for n, c, w in info.submodules[:MAX_LISTED]]
     if subs and role != "decoder":
         block.notes.append("submodules: " + "; ".join(subs))
@@ -302,8 +389,7 @@ def _runner_shapes(info: BlockInfo, default: str) -> str:
     batch dimension dropped (T tokens) — when the meta forward saw them, else ``default``
     (e.g. ``x [T, hidden] -> [T, hidden]``). A hyper-connection layer then reads
     ``[T, hc, hidden]``, not an invented ``[T, hidden]``."""
-    if not info.inputs or info.output is None or len(info.output) < 2 or \
-            len(info.inputs[0]) < 2:
+    if not info.inputs or info.output is None or len(info.output) < 2 or len(info.inputs[0]) < 2:
         return default
     label = default.split(" ", 1)[0]
 
@@ -316,8 +402,10 @@ def _runner_shapes(info: BlockInfo, default: str) -> str:
 def _as_stub(block: Block, reason: str = "") -> Block:
     block.kind = None
     block.assumed = False
-    parts = [f"{block.cls_name} is not implemented in Resin: write blocks.{block.fn} "
-             f"(port {block.cls_name}.forward from {block.where})"]
+    parts = [
+        f"{block.cls_name} is not implemented in Resin: write blocks.{block.fn} "
+        f"(port {block.cls_name}.forward from {block.where})"
+    ]
     if reason:
         parts.append(reason)
     parts.append(f"shapes: {block.shapes}")
@@ -330,10 +418,28 @@ def _as_stub(block: Block, reason: str = "") -> Block:
     return block
 
 
-def _stub(fn: str, cls_name: str, where: str, short_where: str, role: str, shapes: str,
-          weights: str, reason: str, rotary_key: str = "") -> Block:
-    block = Block(fn=fn, cls_name=cls_name, role=role, kind=None, where=where,
-                  short_where=short_where, shapes=shapes, weights=weights, rotary_key=rotary_key)
+def _stub(
+    fn: str,
+    cls_name: str,
+    where: str,
+    short_where: str,
+    role: str,
+    shapes: str,
+    weights: str,
+    reason: str,
+    rotary_key: str = "",
+) -> Block:
+    block = Block(
+        fn=fn,
+        cls_name=cls_name,
+        role=role,
+        kind=None,
+        where=where,
+        short_where=short_where,
+        shapes=shapes,
+        weights=weights,
+        rotary_key=rotary_key,
+    )
     return _as_stub(block, reason)
 
 
@@ -365,14 +471,24 @@ def _layer_rows(layers: list[LayerInfo]) -> list[dict[str, str]]:
     rows: dict[tuple[str, ...], list[int]] = {}
     for layer in layers:
         kind = cache_kind(layer.layer_type, layer.window)
-        cache = {"full": "full", "sliding_window": f"sliding_window({layer.window})",
-                 "recurrent": "recurrent (stub)"}.get(kind, "unknown (stub)")
-        key = (layer.layer_type, str(layer.window or "-"), cache, layer.decoder.cls_name,
-               ", ".join(f"{n}: {i.cls_name}" for n, i in layer.children.items()))
+        cache = {
+            "full": "full",
+            "sliding_window": f"sliding_window({layer.window})",
+            "recurrent": "recurrent (stub)",
+        }.get(kind, "unknown (stub)")
+        key = (
+            layer.layer_type,
+            str(layer.window or "-"),
+            cache,
+            layer.decoder.cls_name,
+            ", ".join(f"{n}: {i.cls_name}" for n, i in layer.children.items()),
+        )
         rows.setdefault(key, []).append(layer.index)
     names = ("layer_type", "window", "cache", "decoder", "children")
-    return [{"layers": compact_indices(indices), **dict(zip(names, key))}
-            for key, indices in rows.items()]
+    return [
+        {"layers": compact_indices(indices), **dict(zip(names, key))}
+        for key, indices in rows.items()
+    ]
 
 
 def compact_indices(indices: list[int]) -> str:

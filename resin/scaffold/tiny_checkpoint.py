@@ -46,7 +46,6 @@ Imports torch and transformers.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import re
 import shutil
@@ -71,33 +70,72 @@ CHANGES_FILE = "CHANGES.md"
 # package data so `resin new-model --tiny` works from an installed wheel.
 TINY_TOKENIZER = Path(__file__).resolve().parent / "tiny_tokenizer"
 # Width fields shrunk when present (value for the tiny model).
-TINY_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-               "shared_expert_intermediate_size": 32, "head_dim": 16, "q_lora_rank": 32,
-               "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
-               "v_head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-               "linear_conv_kernel_dim": 4, "linear_num_key_heads": 2,
-               "linear_num_value_heads": 4, "linear_num_heads": 4, "linear_head_dim": 16,
-               "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 16}
+TINY_WIDTHS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "head_dim": 16,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "o_lora_rank": 16,
+    "index_n_heads": 4,
+    "index_head_dim": 16,
+}
 # Widths the source derives from others (MLA: head_dim is the rope part, qk_head_dim the sum):
 # recomputed from the shrunk parts when the source's value is that sum.
-DERIVED_WIDTHS = {"head_dim": ("qk_rope_head_dim",),
-                  "qk_head_dim": ("qk_nope_head_dim", "qk_rope_head_dim")}
+DERIVED_WIDTHS = {
+    "head_dim": ("qk_rope_head_dim",),
+    "qk_head_dim": ("qk_nope_head_dim", "qk_rope_head_dim"),
+}
 # Fields capped (never raised) at the value given: group counts that must divide 4 heads.
 TINY_CAPS = {"o_groups": 2, "n_group": 1, "topk_group": 1}
 # Sequence-length thresholds the parity prompts must cross (module doc); dict values capped too.
-LENGTH_LIMITS = {"sliding_window": TINY_WINDOW, "attention_chunk_size": 16, "index_topk": 4,
-                 "compress_rates": 8, "floor_scale": 16}
+LENGTH_LIMITS = {
+    "sliding_window": TINY_WINDOW,
+    "attention_chunk_size": 16,
+    "index_topk": 4,
+    "compress_rates": 8,
+    "floor_scale": 16,
+}
 # Scale fields a runner could hard-code as 1 (perturbed when exactly 1), besides *_multiplier.
-UNIT_SCALES = ("routed_scaling_factor", "router_scaling_factor", "route_scale", "logits_scaling",
-               "attention_multiplier", "embedding_multiplier", "residual_multiplier",
-               "logit_scale", "attn_scale", "embedding_scale", "residual_scale")
+UNIT_SCALES = (
+    "routed_scaling_factor",
+    "router_scaling_factor",
+    "route_scale",
+    "logits_scaling",
+    "attention_multiplier",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "logit_scale",
+    "attn_scale",
+    "embedding_scale",
+    "residual_scale",
+)
 UNIT_SCALE_VALUE = 0.75
 MIN_ROTARY_DIMS = 8
 ROPE_THETA_FIELD = re.compile(r"(^|_)rope_theta$|base_freq$")
 THRESHOLD_PATTERN = re.compile(r"limit$|clamp|clip_qkv|softcap|soft_cap")
-ROUTING_BUFFER_MARKERS = ("tid2eid", "correction_bias", "expert_bias", "router", "gate",
-                          "routing", "expert")
-BIND_DIFF = 1e-2            # scaled logits change that counts as "binds" / "has an effect"
+ROUTING_BUFFER_MARKERS = (
+    "tid2eid",
+    "correction_bias",
+    "expert_bias",
+    "router",
+    "gate",
+    "routing",
+    "expert",
+)
+BIND_DIFF = 1e-2  # scaled logits change that counts as "binds" / "has an effect"
 NO_EFFECT = 1e-6
 PROBE_LEN = 48
 THRESHOLD_HALVINGS = 6
@@ -127,8 +165,9 @@ def tiny_config(source: str | Path | Any, seed_layers: int = 4) -> Any:
     return _config_from_raw(raw)
 
 
-def _tiny_raw(source: str | Path | Any, seed_layers: int = 4) -> tuple[
-        dict[str, Any], list[str], list[_Change]]:
+def _tiny_raw(
+    source: str | Path | Any, seed_layers: int = 4
+) -> tuple[dict[str, Any], list[str], list[_Change]]:
     """(tiny raw config dict, shrink lines, default traps applied to it)."""
     config = load_config(source)
     raw = config.to_dict()
@@ -138,16 +177,19 @@ def _tiny_raw(source: str | Path | Any, seed_layers: int = 4) -> tuple[
     for key, value in TINY_WIDTHS.items():
         if isinstance(raw.get(key), int) and not isinstance(raw.get(key), bool) and raw[key] > 0:
             tiny[key] = value
-    for key, parts in DERIVED_WIDTHS.items():   # keep sums / aliases of shrunk widths exact
-        if isinstance(raw.get(key), int) and all(isinstance(raw.get(k), int) for k in parts) \
-                and raw[key] == sum(raw[k] for k in parts):
+    for key, parts in DERIVED_WIDTHS.items():  # keep sums / aliases of shrunk widths exact
+        if (
+            isinstance(raw.get(key), int)
+            and all(isinstance(raw.get(k), int) for k in parts)
+            and raw[key] == sum(raw[k] for k in parts)
+        ):
             tiny[key] = sum(tiny[k] for k in parts)
     for key, cap in TINY_CAPS.items():
         if isinstance(raw.get(key), int) and raw[key] > cap:
             tiny[key] = cap
     heads = int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
-    tiny["num_attention_heads"] = 4   # with hidden 64: head_dim 16 when it is derived
+    tiny["num_attention_heads"] = 4  # with hidden 64: head_dim 16 when it is derived
     if "num_key_value_heads" in raw:
         tiny["num_key_value_heads"] = 4 if kv_heads == heads else (1 if kv_heads == 1 else 2)
     has_experts = False
@@ -157,7 +199,7 @@ def _tiny_raw(source: str | Path | Any, seed_layers: int = 4) -> tuple[
     if has_experts:
         tiny["num_experts_per_tok"] = min(int(raw.get("num_experts_per_tok") or 2), 2)
         if "moe_intermediate_size" not in raw:
-            tiny["intermediate_size"] = 32    # experts use intermediate_size (Mixtral, GptOss)
+            tiny["intermediate_size"] = 32  # experts use intermediate_size (Mixtral, GptOss)
     for key in ("n_shared_experts", "num_shared_experts"):
         if isinstance(raw.get(key), int) and raw[key] > 1:
             tiny[key] = 1
@@ -165,7 +207,7 @@ def _tiny_raw(source: str | Path | Any, seed_layers: int = 4) -> tuple[
         tiny["first_k_dense_replace"] = min(raw["first_k_dense_replace"], 1)
     if isinstance(raw.get("mlp_only_layers"), list):
         tiny["mlp_only_layers"] = [i for i in raw["mlp_only_layers"] if i < n]
-    for key, value in raw.items():   # per-layer lists (layer_types, ...) keep their first n
+    for key, value in raw.items():  # per-layer lists (layer_types, ...) keep their first n
         if isinstance(value, list) and len(value) == num_layers and key != "architectures":
             tiny[key] = value[:n]
     for key, limit in LENGTH_LIMITS.items():
@@ -173,23 +215,39 @@ def _tiny_raw(source: str | Path | Any, seed_layers: int = 4) -> tuple[
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
             tiny[key] = limit
         elif isinstance(value, dict):
-            tiny[key] = {k: (min(v, limit) if isinstance(v, int) and not isinstance(v, bool)
-                             else v) for k, v in value.items()}
-    if isinstance(tiny.get("query_pre_attn_scalar"), (int, float)) and \
-            isinstance(raw.get("head_dim"), int) and raw["head_dim"] > 0 and \
-            isinstance(tiny.get("head_dim"), int):
+            tiny[key] = {
+                k: (min(v, limit) if isinstance(v, int) and not isinstance(v, bool) else v)
+                for k, v in value.items()
+            }
+    if (
+        isinstance(tiny.get("query_pre_attn_scalar"), (int, float))
+        and isinstance(raw.get("head_dim"), int)
+        and raw["head_dim"] > 0
+        and isinstance(tiny.get("head_dim"), int)
+    ):
         # it scales with head_dim: keep the source's ratio (the trap below handles ratio 1)
         ratio = float(raw["query_pre_attn_scalar"]) / raw["head_dim"]
         scaled = ratio * tiny["head_dim"]
-        tiny["query_pre_attn_scalar"] = int(scaled) if isinstance(
-            raw["query_pre_attn_scalar"], int) and scaled == int(scaled) else scaled
-    tiny.update(num_hidden_layers=n, vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID,
-                eos_token_id=EOS_ID, pad_token_id=EOS_ID, dtype="float32")
+        tiny["query_pre_attn_scalar"] = (
+            int(scaled)
+            if isinstance(raw["query_pre_attn_scalar"], int) and scaled == int(scaled)
+            else scaled
+        )
+    tiny.update(
+        num_hidden_layers=n,
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        dtype="float32",
+    )
     for key in ("torch_dtype", "transformers_version", "_name_or_path"):
         tiny.pop(key, None)
-    lines = [f"shrunk: {key} {_fmt(raw.get(key))} -> {_fmt(tiny[key])}"
-             for key in sorted(tiny) if key in raw and raw[key] != tiny[key]
-             and key not in ("dtype",)]
+    lines = [
+        f"shrunk: {key} {_fmt(raw.get(key))} -> {_fmt(tiny[key])}"
+        for key in sorted(tiny)
+        if key in raw and raw[key] != tiny[key] and key not in ("dtype",)
+    ]
     traps = _default_traps(tiny)
     for change in traps:
         _apply(tiny, change, new=True)
@@ -203,17 +261,34 @@ def _default_traps(tiny: dict[str, Any]) -> list[_Change]:
     if head_dim is None and isinstance(tiny.get("hidden_size"), int):
         head_dim = tiny["hidden_size"] // int(tiny["num_attention_heads"])
     qpas = tiny.get("query_pre_attn_scalar")
-    if isinstance(qpas, (int, float)) and not isinstance(qpas, bool) and head_dim and \
-            float(qpas) == float(head_dim):
+    if (
+        isinstance(qpas, (int, float))
+        and not isinstance(qpas, bool)
+        and head_dim
+        and float(qpas) == float(head_dim)
+    ):
         new = int(head_dim * 3 // 2) if isinstance(qpas, int) else head_dim * 1.5
-        out.append(_Change(f"query_pre_attn_scalar {qpas} -> {new} (it equalled head_dim "
-                           f"{head_dim}: the default 1/sqrt(head_dim) scale would pass)",
-                           [(("query_pre_attn_scalar",), qpas, new)]))
+        out.append(
+            _Change(
+                f"query_pre_attn_scalar {qpas} -> {new} (it equalled head_dim "
+                f"{head_dim}: the default 1/sqrt(head_dim) scale would pass)",
+                [(("query_pre_attn_scalar",), qpas, new)],
+            )
+        )
     for key, value in sorted(tiny.items()):
-        if (key in UNIT_SCALES or key.endswith("_multiplier")) and \
-                isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1:
-            out.append(_Change(f"{key} {value} -> {UNIT_SCALE_VALUE} (it was 1: a runner "
-                               "that ignores it would pass)", [((key,), value, UNIT_SCALE_VALUE)]))
+        if (
+            (key in UNIT_SCALES or key.endswith("_multiplier"))
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value == 1
+        ):
+            out.append(
+                _Change(
+                    f"{key} {value} -> {UNIT_SCALE_VALUE} (it was 1: a runner "
+                    "that ignores it would pass)",
+                    [((key,), value, UNIT_SCALE_VALUE)],
+                )
+            )
     out += _rotary_traps(tiny, head_dim)
     out += _rope_theta_traps(tiny)
     return out
@@ -246,11 +321,19 @@ def _rotary_traps(tiny: dict[str, Any], head_dim: int | None) -> list[_Change]:
         return []
     olds = sorted({_fmt(e[1]) for e in edits})
     new = edits[0][2]
-    why = ("it was 1: a runner that rotates every dim would pass" if olds == ["1.0"] or
-           olds == ["1"] else f"{', '.join(olds)} x head_dim {head_dim} left fewer than "
-           f"{MIN_ROTARY_DIMS} rotated dims, too few to tell rope layouts apart")
-    return [_Change(f"partial_rotary_factor {', '.join(olds)} -> {new} ({why}; at "
-                    f"{', '.join('.'.join(e[0]) for e in edits)})", edits)]
+    why = (
+        "it was 1: a runner that rotates every dim would pass"
+        if olds == ["1.0"] or olds == ["1"]
+        else f"{', '.join(olds)} x head_dim {head_dim} left fewer than "
+        f"{MIN_ROTARY_DIMS} rotated dims, too few to tell rope layouts apart"
+    )
+    return [
+        _Change(
+            f"partial_rotary_factor {', '.join(olds)} -> {new} ({why}; at "
+            f"{', '.join('.'.join(e[0]) for e in edits)})",
+            edits,
+        )
+    ]
 
 
 def _rope_theta_traps(tiny: dict[str, Any]) -> list[_Change]:
@@ -258,12 +341,19 @@ def _rope_theta_traps(tiny: dict[str, Any]) -> list[_Change]:
     rope = tiny.get("rope_parameters")
     paths: list[tuple[str, ...]] = []
     if isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values()):
-        paths = [("rope_parameters", name, "rope_theta") for name, sub in rope.items()
-                 if isinstance(sub, dict) and isinstance(sub.get("rope_theta"), (int, float))]
+        paths = [
+            ("rope_parameters", name, "rope_theta")
+            for name, sub in rope.items()
+            if isinstance(sub, dict) and isinstance(sub.get("rope_theta"), (int, float))
+        ]
     else:
-        paths = [(key,) for key, value in sorted(tiny.items())
-                 if ROPE_THETA_FIELD.search(key) and isinstance(value, (int, float))
-                 and not isinstance(value, bool)]
+        paths = [
+            (key,)
+            for key, value in sorted(tiny.items())
+            if ROPE_THETA_FIELD.search(key)
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+        ]
     out = []
     seen: dict[float, int] = {}
     for path in paths:
@@ -271,18 +361,24 @@ def _rope_theta_traps(tiny: dict[str, Any]) -> list[_Change]:
         repeats = seen.get(float(value), 0)
         seen[float(value)] = repeats + 1
         if repeats:
-            new = float(value) * 4 ** repeats
+            new = float(value) * 4**repeats
             while float(new) in seen:
                 new *= 4
             seen[float(new)] = 1
-            out.append(_Change(f"{'.'.join(path)} {_fmt(value)} -> {_fmt(new)} (equal to "
-                               "another layer type's rope base: a runner using one base for "
-                               "every layer would pass)", [(path, value, new)]))
+            out.append(
+                _Change(
+                    f"{'.'.join(path)} {_fmt(value)} -> {_fmt(new)} (equal to "
+                    "another layer type's rope base: a runner using one base for "
+                    "every layer would pass)",
+                    [(path, value, new)],
+                )
+            )
     return out
 
 
-def make_tiny_checkpoint(source: str | Path | Any, out_dir: Path,
-                         seed: int = 1234) -> TinyCheckpoint:
+def make_tiny_checkpoint(
+    source: str | Path | Any, out_dir: Path, seed: int = 1234
+) -> TinyCheckpoint:
     """Save the tiny model, generation config, tokenizer and ``CHANGES.md`` into ``out_dir``."""
     raw, lines, traps = _tiny_raw(source)
     config = _config_from_raw(raw)
@@ -295,22 +391,26 @@ def make_tiny_checkpoint(source: str | Path | Any, out_dir: Path,
     originals: dict[str, Any] = {}
     buffer_lines = reinit_routing_buffers(model, seed, originals)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    probe = torch.randint(4, VOCAB_SIZE, (1, PROBE_LEN),
-                          generator=torch.Generator().manual_seed(seed))
+    probe = torch.randint(
+        4, VOCAB_SIZE, (1, PROBE_LEN), generator=torch.Generator().manual_seed(seed)
+    )
     lines += _buffer_effects(raw, state, probe, originals, buffer_lines)
     lines += _verify_traps(raw, traps, state, probe)
     lines += _tune_thresholds(raw, state, probe)
     final = _build(_config_from_raw(raw))
     final.load_state_dict(state)
     final.generation_config = transformers.GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=EOS_ID)
+        bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=EOS_ID
+    )
     final.save_pretrained(out_dir, safe_serialization=True)
     _write_tokenizer(out_dir)
     write_changes(out_dir / CHANGES_FILE, lines)
     size = sum(f.stat().st_size for f in out_dir.iterdir())
     if size > SIZE_BUDGET_BYTES:
-        raise ValueError(f"tiny checkpoint is {size / 1e6:.2f} MB (> {SIZE_BUDGET_BYTES / 1e6} "
-                         f"MB): shrink more fields in resin.scaffold.tiny_checkpoint.TINY_WIDTHS")
+        raise ValueError(
+            f"tiny checkpoint is {size / 1e6:.2f} MB (> {SIZE_BUDGET_BYTES / 1e6} "
+            f"MB): shrink more fields in resin.scaffold.tiny_checkpoint.TINY_WIDTHS"
+        )
     return TinyCheckpoint(out_dir, lines)
 
 
@@ -321,11 +421,14 @@ def write_tiny_checkpoint(source: str | Path | Any, out_dir: Path, seed: int = 1
 
 def write_changes(path: Path, lines: list[str]) -> None:
     """``CHANGES.md``: every change from the source config and HF's init, one bullet each."""
-    text = ["# Tiny checkpoint: what differs from the source", "",
-            "Written by `resin new-model --tiny` (resin/scaffold/tiny_checkpoint.py). Shrunk "
-            "fields make it CPU-sized; perturbed ones keep defaults a runner could assume from "
-            "passing by accident; thresholds are lowered until the tiny activations cross them.",
-            ""]
+    text = [
+        "# Tiny checkpoint: what differs from the source",
+        "",
+        "Written by `resin new-model --tiny` (resin/scaffold/tiny_checkpoint.py). Shrunk "
+        "fields make it CPU-sized; perturbed ones keep defaults a runner could assume from "
+        "passing by accident; thresholds are lowered until the tiny activations cross them.",
+        "",
+    ]
     text += [f"- {line}" for line in lines] or ["- nothing"]
     path.write_text("\n".join(text) + "\n", encoding="utf-8")
 
@@ -343,25 +446,36 @@ def reinit_weights(model: torch.nn.Module, seed: int) -> None:
         elif name.startswith("lm_head"):
             values = torch.randn(param.shape, generator=gen) * (16.0 / math.sqrt(hidden))
         elif name.endswith("bias") or param.dim() == 1:
-            values = torch.randn(param.shape, generator=gen) * (0.1 if name.endswith("bias") else 0.5)
-        elif param.dim() == 2:   # nn.Linear [out, in]
+            values = torch.randn(param.shape, generator=gen) * (
+                0.1 if name.endswith("bias") else 0.5
+            )
+        elif param.dim() == 2:  # nn.Linear [out, in]
             values = torch.randn(param.shape, generator=gen) / math.sqrt(int(param.shape[-1]))
-        else:   # fused experts: which of the last two dims is fan-in varies by model
-            values = torch.randn(param.shape, generator=gen) / \
-                (int(param.shape[-1]) * int(param.shape[-2])) ** 0.25
+        else:  # fused experts: which of the last two dims is fan-in varies by model
+            values = (
+                torch.randn(param.shape, generator=gen)
+                / (int(param.shape[-1]) * int(param.shape[-2])) ** 0.25
+            )
         param.copy_(values.to(param.dtype))
 
 
 @torch.no_grad()
-def reinit_routing_buffers(model: torch.nn.Module, seed: int,
-                           originals: dict[str, Any] | None = None) -> list[str]:
+def reinit_routing_buffers(
+    model: torch.nn.Module, seed: int, originals: dict[str, Any] | None = None
+) -> list[str]:
     """Seeded values for constant persistent buffers that feed routing (module doc); returns
     one line per buffer changed, and per constant buffer left alone. ``originals``, when given,
     receives each changed buffer's previous value (state-dict name -> tensor)."""
     gen = torch.Generator().manual_seed(seed + 1)
     config = model.config  # type: ignore[union-attr]
-    experts = max((int(getattr(config, k)) for k in EXPERT_COUNT_FIELDS
-                   if isinstance(getattr(config, k, None), int)), default=0)
+    experts = max(
+        (
+            int(getattr(config, k))
+            for k in EXPERT_COUNT_FIELDS
+            if isinstance(getattr(config, k, None), int)
+        ),
+        default=0,
+    )
     lines = []
     for name, buf in persistent_buffers(model):
         if buf.numel() < 2 or buf.is_meta:
@@ -373,36 +487,46 @@ def reinit_routing_buffers(model: torch.nn.Module, seed: int,
         shape = "x".join(str(d) for d in buf.shape)
         routing = any(marker in name for marker in ROUTING_BUFFER_MARKERS)
         if not routing:
-            lines.append(f"kept: buffer {name} [{shape}] is all {_fmt(value)} but does not look "
-                         "like routing (not in ROUTING_BUFFER_MARKERS)")
+            lines.append(
+                f"kept: buffer {name} [{shape}] is all {_fmt(value)} but does not look "
+                "like routing (not in ROUTING_BUFFER_MARKERS)"
+            )
             continue
         if originals is not None and (buf.dtype.is_floating_point or experts > 0):
             originals[name] = buf.detach().clone()
         if buf.dtype.is_floating_point:
             new = value + 0.2 * torch.randn(buf.shape, generator=gen)
             buf.copy_(new.to(buf.dtype))
-            lines.append(f"buffer: {name} [{shape}] was all {_fmt(value)} (HF's init; routing "
-                         "would not depend on it) -> seeded N(value, 0.2)")
+            lines.append(
+                f"buffer: {name} [{shape}] was all {_fmt(value)} (HF's init; routing "
+                "would not depend on it) -> seeded N(value, 0.2)"
+            )
         elif experts > 0:
             rows = buf.reshape(-1, buf.shape[-1]) if buf.dim() > 1 else buf.reshape(1, -1)
             k = rows.shape[-1]
             if k <= experts:
-                table = torch.stack([torch.randperm(experts, generator=gen)[:k]
-                                     for _ in range(rows.shape[0])])
+                table = torch.stack(
+                    [torch.randperm(experts, generator=gen)[:k] for _ in range(rows.shape[0])]
+                )
             else:
                 table = torch.randint(0, experts, tuple(rows.shape), generator=gen)
             buf.copy_(table.reshape(buf.shape).to(buf.dtype))
-            lines.append(f"buffer: {name} [{shape}] was all {_fmt(value)} (every token routed to "
-                         f"the same experts) -> seeded random expert ids in [0, {experts})"
-                         + (", distinct per row" if k <= experts else ""))
+            lines.append(
+                f"buffer: {name} [{shape}] was all {_fmt(value)} (every token routed to "
+                f"the same experts) -> seeded random expert ids in [0, {experts})"
+                + (", distinct per row" if k <= experts else "")
+            )
         else:
-            lines.append(f"kept: integer buffer {name} [{shape}] is all {_fmt(value)} and feeds "
-                         "routing, but the config names no expert count: set it by hand")
+            lines.append(
+                f"kept: integer buffer {name} [{shape}] is all {_fmt(value)} and feeds "
+                "routing, but the config names no expert count: set it by hand"
+            )
     return lines
 
 
-def _verify_traps(raw: dict[str, Any], traps: list[_Change], state: dict[str, Any],
-                  probe: Any) -> list[str]:
+def _verify_traps(
+    raw: dict[str, Any], traps: list[_Change], state: dict[str, Any], probe: Any
+) -> list[str]:
     """Keep a perturbation only if HF runs with it and undoing it changes HF's logits; the
     others are reverted in ``raw``."""
     lines = []
@@ -414,23 +538,32 @@ def _verify_traps(raw: dict[str, Any], traps: list[_Change], state: dict[str, An
         name = change.what.split(" (")[0]
         if with_it is None and without is not None:
             _apply(raw, change, new=False)
-            lines.append(f"not perturbed: {name} made HF's forward fail on the tiny model, so "
-                         "it was reverted")
+            lines.append(
+                f"not perturbed: {name} made HF's forward fail on the tiny model, so "
+                "it was reverted"
+            )
         elif with_it is None or without is None:
-            lines.append(f"perturbed: {change.what} (effect not checked: the tiny HF model "
-                         "did not run)")
+            lines.append(
+                f"perturbed: {change.what} (effect not checked: the tiny HF model did not run)"
+            )
         elif _scaled_diff(with_it, without) <= NO_EFFECT:
             _apply(raw, change, new=False)
-            lines.append(f"not perturbed: {name} had no effect on HF's logits, so it was "
-                         "reverted")
+            lines.append(f"not perturbed: {name} had no effect on HF's logits, so it was reverted")
         else:
-            lines.append(f"perturbed: {change.what}; HF's logits move by "
-                         f"{_scaled_diff(with_it, without):.3g} (scaled)")
+            lines.append(
+                f"perturbed: {change.what}; HF's logits move by "
+                f"{_scaled_diff(with_it, without):.3g} (scaled)"
+            )
     return lines
 
 
-def _buffer_effects(raw: dict[str, Any], state: dict[str, Any], probe: Any,
-                    originals: dict[str, Any], lines: list[str]) -> list[str]:
+def _buffer_effects(
+    raw: dict[str, Any],
+    state: dict[str, Any],
+    probe: Any,
+    originals: dict[str, Any],
+    lines: list[str],
+) -> list[str]:
     """Each ``buffer:`` line with how far HF's logits move when that buffer is put back."""
     base = _logits(raw, state, probe) if originals else None
     out = []
@@ -441,8 +574,15 @@ def _buffer_effects(raw: dict[str, Any], state: dict[str, Any], probe: Any,
             continue
         other = _logits(raw, {**state, name: originals[name]}, probe)
         diff = None if other is None else _scaled_diff(base, other)
-        out.append(line + ("" if diff is None else f"; HF's logits move by {diff:.3g} (scaled)"
-                           + (" - no visible effect on the probe" if diff <= NO_EFFECT else "")))
+        out.append(
+            line
+            + (
+                ""
+                if diff is None
+                else f"; HF's logits move by {diff:.3g} (scaled)"
+                + (" - no visible effect on the probe" if diff <= NO_EFFECT else "")
+            )
+        )
     return out
 
 
@@ -451,8 +591,12 @@ def _tune_thresholds(raw: dict[str, Any], state: dict[str, Any], probe: Any) -> 
     lines = []
     for key in sorted(raw):
         value = raw[key]
-        if not THRESHOLD_PATTERN.search(key) or isinstance(value, bool) or \
-                not isinstance(value, (int, float)) or value <= 0:
+        if (
+            not THRESHOLD_PATTERN.search(key)
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value <= 0
+        ):
             continue
         original = value
         bound = first = None
@@ -473,17 +617,23 @@ def _tune_thresholds(raw: dict[str, Any], state: dict[str, Any], probe: Any) -> 
         if bound is None:
             tried = raw[key]
             raw[key] = original
-            lines.append(f"threshold: {key} = {_fmt(original)} kept: the tiny model's "
-                         f"activations never cross it, even at {_fmt(tried)} (or HF did not "
-                         "run): parity cannot check it, test it by hand")
+            lines.append(
+                f"threshold: {key} = {_fmt(original)} kept: the tiny model's "
+                f"activations never cross it, even at {_fmt(tried)} (or HF did not "
+                "run): parity cannot check it, test it by hand"
+            )
         elif raw[key] != original:
             how = "never reach it" if not first else "barely cross it"
-            lines.append(f"threshold: {key} {_fmt(original)} -> {_fmt(raw[key])} (at "
-                         f"{_fmt(original)} the tiny activations {how}: removing it moves HF's "
-                         f"logits by {first:.3g} scaled; at {_fmt(raw[key])} by {bound:.3g})")
+            lines.append(
+                f"threshold: {key} {_fmt(original)} -> {_fmt(raw[key])} (at "
+                f"{_fmt(original)} the tiny activations {how}: removing it moves HF's "
+                f"logits by {first:.3g} scaled; at {_fmt(raw[key])} by {bound:.3g})"
+            )
         else:
-            lines.append(f"threshold: {key} = {_fmt(original)} kept: it already binds "
-                         f"(removing it moves HF's logits by {bound:.3g} scaled)")
+            lines.append(
+                f"threshold: {key} = {_fmt(original)} kept: it already binds "
+                f"(removing it moves HF's logits by {bound:.3g} scaled)"
+            )
     return lines
 
 

@@ -11,7 +11,9 @@ Every chat API ends here: ``/v1/chat/completions`` directly, ``/v1/responses`` a
    objects (templates ``tojson`` them); ``reasoning`` → ``reasoning_content``;
 2. renders with ``add_generation_prompt=True`` plus ``tools`` and ``chat_template_kwargs``;
 3. tokenizes without adding special tokens (the template has them), as ``LLM.chat`` does — so
-   the server and ``resin.LLM.chat`` build identical prompts.
+   the server and ``resin.LLM.chat`` build identical prompts — unless the rendered text is too
+   long to fit the context whatever it tokenizes to (refused untokenized). Handlers call this
+   in a worker thread for large requests (:meth:`ServerContext.prepare`).
 
 It also reports whether the prompt ends inside an open ``<think>`` block (a template that
 pre-fills ``<think>\\n``: output starts as reasoning) or right after ``</think>`` (thinking
@@ -169,8 +171,12 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
 def build_chat_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
                       tools: list[dict[str, Any]] | None,
                       chat_template_kwargs: Mapping[str, Any] | None = None,
-                      chat_template: str | None = None) -> ChatPrompt:
-    """Render normalised messages (see :func:`normalize_chat_messages`) and tokenize."""
+                      chat_template: str | None = None, *, check_length: bool = True,
+                      anthropic: bool = False, param: str = "messages") -> ChatPrompt:
+    """Render normalised messages (see :func:`normalize_chat_messages`) and tokenize. With
+    ``check_length`` (every generating endpoint; not ``count_tokens``), a rendered text that
+    cannot fit the context is refused before it is tokenized (:meth:`ServerContext.
+    check_prompt_text`)."""
     kwargs = dict(chat_template_kwargs or {})
     for reserved in ("messages", "tools", "add_generation_prompt"):
         kwargs.pop(reserved, None)
@@ -181,7 +187,9 @@ def build_chat_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
     except (ChatTemplateError, ValueError, TypeError) as exc:
         raise APIError(400, f"chat template error: {exc}", param="messages",
                        headers={"x-should-retry": "false"}) from exc
-    token_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    if check_length:
+        ctx.check_prompt_text(text, anthropic=anthropic, param=param)
+    token_ids = ctx.encode(text, add_special_tokens=False)
     if not token_ids:
         raise APIError(400, "the rendered prompt is empty", param="messages")
     tail = text.rstrip()

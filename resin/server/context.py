@@ -6,21 +6,39 @@
 Claude Code sends those unless told otherwise), and admission (``check_capacity``: 429 with
 ``retry-after`` once ``max_num_seqs + max_queued_requests`` requests are in flight), then
 ``start`` hands the request to the generator.
+
+It also owns the request-size guards (conformance-independent hardening, docs/server.md
+"Limits"): the body size limit (``max_request_body_bytes``, default
+``max(4 MiB, 128 bytes × max_model_len)``), ``check_prompt_text`` (a rendered prompt whose
+length alone proves it cannot fit the context is refused before it is tokenized, see
+:mod:`resin.server.prompt_limits`), ``check_logprob_entries`` (n × max_tokens × (1 +
+top_logprobs) at most ``--max-logprob-entries``), and ``prepare`` — handlers build a large
+request's prompt (template render + tokenize) in a worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from resin.chat_template import ChatTemplate
 from resin.server.engine_loop import EngineLoop
-from resin.server.errors import APIError, model_not_found
+from resin.server.errors import APIError, model_not_found, prompt_too_long
 from resin.server.generation import Generation, GenerationRequest, Generator
+from resin.server.prompt_limits import PromptBound, encode_releasing_gil
 from resin.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
+MIN_BODY_BYTES = 4 << 20
+BODY_BYTES_PER_TOKEN = 128  # ~30x the JSON a typical token of text takes (about 4 bytes)
+MAX_LOGPROB_ENTRIES = 1 << 20  # ~70 MB of chat logprobs JSON
+OFFLOAD_MIN_BYTES = 32 << 10  # bodies at least this big are prepared in a worker thread
+PREPARE_WORKERS = 2
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,6 +53,15 @@ class ServerOptions:
     max_queued_requests: int = 4096
     emit_reasoning_content: bool = True  # also emit the legacy ``reasoning_content`` name
     trust_request_chat_template: bool = False  # accept a ``chat_template`` field in requests
+    max_request_body_bytes: int | None = None  # None: max(4 MiB, 128 x max_model_len)
+    max_logprob_entries: int = MAX_LOGPROB_ENTRIES  # n x max_tokens x (1 + top_logprobs)
+    # connection limits (uvicorn; see resin.server.http_protocol), nginx-like defaults
+    timeout_keep_alive: float = 75.0  # idle keep-alive connection closed after this long
+    timeout_header: float = 60.0  # the request line and headers must arrive within this
+    timeout_body: float = 60.0  # longest wait between two reads of a request body
+    max_header_bytes: int = 32 << 10  # request line + headers
+    max_connections: int | None = None  # None: max_num_seqs + max_queued_requests + 128
+    enable_docs: bool | None = None  # /docs, /redoc, /openapi.json; None: unless api_key
 
 
 @dataclass
@@ -49,6 +76,9 @@ class ServerContext:
     sampling_defaults: dict[str, Any]
     model_type: str
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_bound: PromptBound | None = None  # None: no sound bound for this tokenizer
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        PREPARE_WORKERS, thread_name_prefix="resin-prepare"))
 
     @property
     def model_name(self) -> str:
@@ -67,6 +97,54 @@ class ServerContext:
         if anthropic and model.startswith("claude"):
             return model
         raise model_not_found(model)
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        if self.options.max_request_body_bytes is not None:
+            return self.options.max_request_body_bytes
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * self.max_model_len)
+
+    async def prepare(self, body_size: int, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` — request validation and prompt building — inline for a small
+        body, in a worker thread for a large one (rendering and tokenizing a big prompt on the
+        event loop would stall every other client)."""
+        if body_size < OFFLOAD_MIN_BYTES:
+            return function(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt text; other threads keep running meanwhile."""
+        if len(text) < OFFLOAD_MIN_BYTES:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encode_releasing_gil(self.tokenizer, text, add_special_tokens)
+
+    def check_prompt_text(self, text: str, *, anthropic: bool = False,
+                          param: str = "messages") -> None:
+        """``context_length_exceeded`` for a prompt text that cannot fit the context whatever
+        it tokenizes to — checked from its length, before tokenizing (a no-op when the
+        tokenizer has no sound bound)."""
+        if self.prompt_bound is None:
+            return
+        at_least = self.prompt_bound.min_tokens(text)
+        if at_least >= self.max_model_len:
+            raise prompt_too_long(self.max_model_len, at_least, anthropic=anthropic,
+                                  param=param)
+
+    def check_logprob_entries(self, n: int, max_tokens: int, num_top_logprobs: int | None, *,
+                              param: str = "top_logprobs", prompts: int = 1) -> None:
+        """400 when the response could carry more logprob entries than the server allows
+        (a small request must not be able to ask for a body of hundreds of MB)."""
+        if num_top_logprobs is None:
+            return
+        limit = self.options.max_logprob_entries
+        total = prompts * n * max_tokens * (1 + num_top_logprobs)
+        if total > limit:
+            factors = f"{prompts} prompts x " if prompts > 1 else ""
+            raise APIError(400, f"the response could hold {factors}n x max_tokens x (1 + "
+                           f"{param}) = {factors}{n} x {max_tokens} x {1 + num_top_logprobs} = "
+                           f"{total} logprob entries, over this server's limit of {limit} "
+                           "(--max-logprob-entries); lower n, max_tokens or "
+                           f"{param}", param=param)
 
     def check_capacity(self, num_new: int = 1) -> None:
         if not self.loop.alive:

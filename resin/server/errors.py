@@ -18,7 +18,8 @@ from resin.server.ids import random_id
 
 ANTHROPIC_ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
-    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+    403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+    413: "request_too_large",
     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error",
     529: "overloaded_error"}
 OPENAI_ERROR_TYPES: dict[int, str] = {
@@ -72,6 +73,21 @@ def context_length_exceeded(max_model_len: int, num_prompt_tokens: int, max_toke
                    f"requested {requested} tokens ({num_prompt_tokens} in the {where}, "
                    f"{max_tokens or 0} in the completion). Please reduce the length of the "
                    f"{where} or completion.")
+    return APIError(400, message, code="context_length_exceeded", param=param,
+                    headers={"x-should-retry": "false"})
+
+
+def prompt_too_long(max_model_len: int, at_least: int, *, anthropic: bool = False,
+                    param: str = "messages") -> APIError:
+    """A prompt known to exceed the context from its length alone (not tokenized, so only a
+    lower bound on its token count is known); same code and wording as above."""
+    if anthropic:
+        message = f"prompt is too long: at least {at_least} tokens > {max_model_len - 1} maximum"
+    else:
+        where = "messages" if param == "messages" else "prompt"
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, "
+                   f"your {where} is at least {at_least} tokens long (from its length; it was "
+                   f"not tokenized). Please reduce the length of the {where}.")
     return APIError(400, message, code="context_length_exceeded", param=param,
                     headers={"x-should-retry": "false"})
 

@@ -10,7 +10,9 @@ client costs fewer, larger chunks, never lost tokens). Per choice it owns:
   ``usage.completion_tokens`` but not in the text (vLLM's behaviour);
 - stop strings (:class:`StopStringMatcher`): the text ends before the match, ``finish_reason``
   is ``"stop"``, ``stop_string`` names it, and the engine request is aborted at once;
-- logprobs: the sampled token's logprob and the top ``num_top_logprobs``, with token text.
+- logprobs: the sampled token's logprob and the top ``num_top_logprobs``, with token text; a
+  logprob that is not finite (a masked token) is reported as ``-9999.0``, as vLLM does, so
+  every response stays valid JSON.
 
 When the consumer stops iterating early (a client disconnected, an exception), every unfinished
 choice is aborted in ``finally`` — the pages go back to the pool at once.
@@ -19,6 +21,7 @@ choice is aborted in ``finally`` — the pages go back to the pool at once.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -195,9 +198,17 @@ class Generation:
         for token_id, entry in zip(new_ids, entries):
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
             result.append(TokenLogprob(
-                token_id, decode([token_id]), float(entry.get(token_id, float("-inf"))),
-                [(int(t), decode([int(t)]), float(lp)) for t, lp in top]))
+                token_id, decode([token_id]), _finite(entry.get(token_id, MIN_LOGPROB)),
+                [(int(t), decode([int(t)]), _finite(lp)) for t, lp in top]))
         return result
+
+
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    value = float(logprob)
+    return value if math.isfinite(value) else MIN_LOGPROB
 
 
 def _with_seed_offset(params: SamplingParams, offset: int) -> SamplingParams:

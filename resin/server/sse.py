@@ -4,7 +4,15 @@ way every endpoint answers for a generation (stream or JSON, aborted when the ex
 OpenAI chat/completions streams are ``data: <json>\\n\\n`` lines only, ending ``data: [DONE]``
 (no ``event:`` lines, no comments: sglang's benchmark ``json.loads`` every line). Anthropic
 Messages and OpenAI Responses streams put ``event: <type>`` before each ``data:`` line (the
-Anthropic SDK dispatches on the ``event:`` field). JSON is compact and keeps non-ASCII as is.
+Anthropic SDK dispatches on the ``event:`` field). JSON is compact, keeps non-ASCII as is, and
+never contains ``NaN`` / ``Infinity`` (``allow_nan=False``: requests with them are refused, and
+logprobs are finite).
+
+A non-streaming answer that can be large (logprobs, several choices) is written by
+:class:`IncrementalJSONResponse`: the body is encoded piece by piece (no single ``json.dumps``
+call over more than one slice of a long list) and sent in ~64 KiB chunks, yielding to the event
+loop between chunks — an 80 MB body neither blocks other clients for its whole encoding time
+nor sits in memory twice (object and text).
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -23,7 +31,69 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+CHUNK_BYTES = 64 * 1024
+SPLIT_DICT_DEPTH = 6  # objects this shallow are written key by key
+SPLIT_LIST_DEPTH = 4  # arrays this shallow item by item; deeper ones ...
+LIST_SLICE = 32  # ... in slices of this many items, one dumps call each
+
+
+def json_pieces(value: Any, depth: int = 0) -> Iterator[str]:
+    """``dumps(value)`` as a sequence of strings (their concatenation), none of them the
+    encoding of a whole big container: a response's logprob lists sit 4-5 levels deep."""
+    if isinstance(value, dict) and value and depth < SPLIT_DICT_DEPTH:
+        separator = "{"
+        for key, item in value.items():
+            yield separator + dumps(str(key)) + ":"
+            separator = ","
+            yield from json_pieces(item, depth + 1)
+        yield "}"
+    elif isinstance(value, list) and value and depth < SPLIT_LIST_DEPTH:
+        separator = "["
+        for item in value:
+            yield separator
+            separator = ","
+            yield from json_pieces(item, depth + 1)
+        yield "]"
+    elif isinstance(value, list) and len(value) > LIST_SLICE:
+        yield "["
+        for start in range(0, len(value), LIST_SLICE):
+            part = dumps(value[start:start + LIST_SLICE])[1:-1]
+            yield part if start == 0 else "," + part
+        yield "]"
+    else:
+        yield dumps(value)
+
+
+class IncrementalJSONResponse(Response):
+    """``application/json`` written in chunks as it is encoded (see the module doc)."""
+
+    media_type = "application/json"
+
+    def __init__(self, content: Any) -> None:
+        self.content = content
+        self.status_code = 200
+        self.background = None
+        self.init_headers()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        buffer: list[str] = []
+        size = 0
+        for piece in json_pieces(self.content):
+            buffer.append(piece)
+            size += len(piece)
+            if size >= CHUNK_BYTES:
+                await send({"type": "http.response.body", "body": "".join(buffer).encode(),
+                            "more_body": True})
+                buffer.clear()
+                size = 0
+                await asyncio.sleep(0)  # let the event loop serve others between chunks
+        await send({"type": "http.response.body", "body": "".join(buffer).encode(),
+                    "more_body": False})
 
 
 def data_event(value: Any) -> str:
@@ -93,13 +163,15 @@ def sse_response(events: AsyncIterator[str], on_close: Callable[[], None]) -> Re
 
 async def generation_response(stream: bool, events: Callable[[], AsyncIterator[str]],
                               body: Callable[[], Awaitable[dict[str, Any]]],
-                              abort: Callable[[], None]) -> Response:
+                              abort: Callable[[], None], *, large: bool = False) -> Response:
     """Every endpoint's answer for a started generation: ``events()`` as a stream, or
-    ``body()`` as JSON; either way ``abort`` runs when the response is over, so no request
-    outlives its HTTP exchange."""
+    ``body()`` as JSON (written incrementally when ``large``: logprobs or several choices);
+    either way ``abort`` runs when the response is over, so no request outlives its HTTP
+    exchange."""
     if stream:
         return sse_response(events(), abort)
     try:
-        return JSONResponse(await body())
+        content = await body()
     finally:
         abort()
+    return IncrementalJSONResponse(content) if large else JSONResponse(content)

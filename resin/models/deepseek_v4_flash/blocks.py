@@ -75,16 +75,18 @@ class InterleavedRotary:
     def rope_dim(self) -> int:
         return 2 * int(self.inv_freq.numel())
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = freqs.cos() * self.attention_scaling
         sin = freqs.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
 
-def _rope_table(params: dict[str, Any], head_dim: int, max_positions: int,
-                device: torch.device) -> InterleavedRotary:
+def _rope_table(
+    params: dict[str, Any], head_dim: int, max_positions: int, device: torch.device
+) -> InterleavedRotary:
     """One ``rope_parameters`` sub-dict (``main`` / ``compress``) -> its table. Built from
     :class:`RopeConfig` directly: ``resin.loading.parse_rope_config`` rejects both the
     per-type dict and ``partial_rotary_factor != 1`` (toolkit gap, NOTES.md). As HF
@@ -98,13 +100,19 @@ def _rope_table(params: dict[str, Any], head_dim: int, max_positions: int,
     elif rope_type == "yarn":
         orig = int(params.get("original_max_position_embeddings") or max_positions)
         factor = params.get("factor") or max_positions / orig
-        rope = RopeConfig("yarn", theta, factor=float(factor),
-                          original_max_position_embeddings=orig,
-                          beta_fast=float(params.get("beta_fast") or 32.0),
-                          beta_slow=float(params.get("beta_slow") or 1.0),
-                          attention_factor=params.get("attention_factor", 1.0),
-                          mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
-                          truncate=True, partial_rotary_factor=partial)
+        rope = RopeConfig(
+            "yarn",
+            theta,
+            factor=float(factor),
+            original_max_position_embeddings=orig,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            attention_factor=params.get("attention_factor", 1.0),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            truncate=True,
+            partial_rotary_factor=partial,
+        )
     else:
         raise NotImplementedError(f"deepseek_v4 rope type {rope_type!r}")
     inv_freq, scaling = rope_inv_freq(rope, head_dim)
@@ -158,8 +166,9 @@ def deepseek_v4_rms_norm(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torc
 # -- hyper-connections ----------------------------------------------------------------------
 
 
-def deepseek_v4_hyper_connection(x: torch.Tensor, w: Weights, ctx: LayerContext
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def deepseek_v4_hyper_connection(
+    x: torch.Tensor, w: Weights, ctx: LayerContext
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepseekV4HyperConnection (M:885-996): streams [T, hc, D] -> (post [T, hc] fp32,
     comb [T, hc, hc] fp32 (Sinkhorn: columns first, then iters-1 x (rows, columns)),
     collapsed [T, D] = sum_j pre_j h_j in the streams' dtype). Weights: fn, base, scale."""
@@ -181,17 +190,23 @@ def deepseek_v4_hyper_connection(x: torch.Tensor, w: Weights, ctx: LayerContext
     return post, comb, collapsed
 
 
-def _mix(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
-         streams: torch.Tensor) -> torch.Tensor:
+def _mix(
+    post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+) -> torch.Tensor:
     """``post ⊗ block_out + combᵀ @ streams`` (M:1190-1199), in the streams' dtype."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + \
-        torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
 
 
-def deepseek_v4_decoder_layer(hidden: torch.Tensor, fns: dict[str, Callable[..., Any]],
-                              weights: dict[str, Weights], ctx: LayerContext,
-                              emit: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+def deepseek_v4_decoder_layer(
+    hidden: torch.Tensor,
+    fns: dict[str, Callable[..., Any]],
+    weights: dict[str, Weights],
+    ctx: LayerContext,
+    emit: Callable[[str, torch.Tensor], None],
+) -> torch.Tensor:
     """DeepseekV4DecoderLayer (M:1149): two hyper-connection sites on [T, hc, D] streams.
     Parity checkpoints are what HF's hooked modules output: the two layernorms and the
     attention / MoE blocks act on the collapsed [T, D] stream."""
@@ -220,16 +235,18 @@ def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
     cfg = ctx.config
     flat = unweighted_rms_norm(hidden.flatten(1).float(), float(cfg.rms_norm_eps))
     mixes = F.linear(flat, w["hc_head.hc_fn"].float())
-    pre = torch.sigmoid(mixes * w["hc_head.hc_scale"].float() + w["hc_head.hc_base"].float()) \
-        + float(cfg.hc_eps)
+    pre = torch.sigmoid(
+        mixes * w["hc_head.hc_scale"].float() + w["hc_head.hc_base"].float()
+    ) + float(cfg.hc_eps)
     return (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
 
 
 # -- caches ---------------------------------------------------------------------------------
 
 
-def layer_cache(layer_type: str, window: int | None, config: Any, head_dim: int,
-                num_kv_heads: int) -> LayerCache:
+def layer_cache(
+    layer_type: str, window: int | None, config: Any, head_dim: int, num_kv_heads: int
+) -> LayerCache:
     """Per-token storage (guide table): sliding -> ``kv`` (K = V, post-norm, post-rope) in a
     window group; HCA -> full history of ``kv`` + raw compressor ``comp_kv`` / ``comp_gate``
     [D]; CSA -> ``kv`` + ``comp_kv`` / ``comp_gate`` [2D] + indexer ``index_kv`` /
@@ -241,8 +258,16 @@ def layer_cache(layer_type: str, window: int | None, config: Any, head_dim: int,
         return LayerCache("full", {"kv": (1, d), "comp_kv": (d,), "comp_gate": (d,)})
     if layer_type == CSA:
         di = int(config.index_head_dim)
-        return LayerCache("full", {"kv": (1, d), "comp_kv": (2 * d,), "comp_gate": (2 * d,),
-                                   "index_kv": (2 * di,), "index_gate": (2 * di,)})
+        return LayerCache(
+            "full",
+            {
+                "kv": (1, d),
+                "comp_kv": (2 * d,),
+                "comp_gate": (2 * d,),
+                "index_kv": (2 * di,),
+                "index_gate": (2 * di,),
+            },
+        )
     raise NotImplementedError(f"deepseek_v4 layer type {layer_type!r}")
 
 
@@ -264,19 +289,20 @@ def deepseek_v4_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> tor
     attention = ctx.require_attention()
     if ctx.layer_type == SLIDING:
         attention.write(kv=kv[:, None, :])
-        out = attention.attend(q, scale=d ** -0.5, keys="kv", values=None, sinks=w["sinks"])
+        out = attention.attend(q, scale=d**-0.5, keys="kv", values=None, sinks=w["sinks"])
     else:
         out = _compressed_attention(x, q, kv, q_residual, w, ctx)
-    out = apply_rope(out, cos, -sin)                         # undo V's rope at the query position
+    out = apply_rope(out, cos, -sin)  # undo V's rope at the query position
     groups = int(cfg.o_groups)
-    grouped = out.reshape(num_tokens, groups, -1)             # heads contiguous per group
+    grouped = out.reshape(num_tokens, groups, -1)  # heads contiguous per group
     w_a = w["o_a_proj.weight"].view(groups, -1, grouped.shape[-1])
     y = torch.einsum("tgi,gji->tgj", grouped, w_a).reshape(num_tokens, -1)
     return F.linear(y, w["o_b_proj.weight"])
 
 
-def _pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, rate: int,
-          overlap: bool) -> torch.Tensor:
+def _pool(
+    kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, rate: int, overlap: bool
+) -> torch.Tensor:
     """Compressor pooling over complete windows of ``rate`` tokens starting at position 0.
     ``kv`` / ``gate`` [K, c·d] raw per-token projections (K = tokens 0..K-1), ``bias``
     [rate, c·d] -> entries [K // rate, d] (before kv_norm and rope). HCA (``overlap`` False):
@@ -284,7 +310,7 @@ def _pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, rate: int,
     window w's second half (Cb) over 2·rate slots; window -1 is zero kv / -inf gate
     (M:407-423, M:669-693)."""
     n, channels = kv.shape[0] // rate, kv.shape[-1]
-    kv = kv[: n * rate].view(n, rate, channels)           # n may be 0 (no window closed yet)
+    kv = kv[: n * rate].view(n, rate, channels)  # n may be 0 (no window closed yet)
     gate = gate[: n * rate].view(n, rate, channels) + bias
     if not overlap:
         return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
@@ -298,19 +324,35 @@ def _pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, rate: int,
     return (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(new_kv.dtype)).sum(dim=1)
 
 
-def _entries(kv: torch.Tensor, gate: torch.Tensor, w: Weights, prefix: str, rate: int,
-             overlap: bool, ctx: LayerContext) -> torch.Tensor:
+def _entries(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    w: Weights,
+    prefix: str,
+    rate: int,
+    overlap: bool,
+    ctx: LayerContext,
+) -> torch.Tensor:
     """Compressed entries [n, d]: pool, ``kv_norm``, rope (this layer's ``compress`` table) at
     the window's first position ``i·rate``."""
-    entries = rms_norm(_pool(kv, gate, w[f"{prefix}position_bias"], rate, overlap),
-                       w[f"{prefix}kv_norm.weight"], float(ctx.config.rms_norm_eps))
+    entries = rms_norm(
+        _pool(kv, gate, w[f"{prefix}position_bias"], rate, overlap),
+        w[f"{prefix}kv_norm.weight"],
+        float(ctx.config.rms_norm_eps),
+    )
     positions = torch.arange(entries.shape[0], device=entries.device) * rate
     cos, sin = ctx.rotary.cos_sin(positions, ctx.dtype)
     return apply_rope(entries, cos, sin)
 
 
-def _compressed_attention(x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
-                          q_residual: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+def _compressed_attention(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    q_residual: torch.Tensor,
+    w: Weights,
+    ctx: LayerContext,
+) -> torch.Tensor:
     """CSA / HCA attention recomputed from each row's full per-token history: keys = the
     sliding window's K = V vectors + the row's compressed entries (entry i visible to query t
     iff its window closed, ``i < (t+1) // rate``; CSA: and among the indexer's top-k), one
@@ -321,8 +363,11 @@ def _compressed_attention(x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
     window = int(cfg.sliding_window)
     d = ctx.head_dim
     attention = ctx.require_attention()
-    new = {"kv": kv[:, None, :], "comp_kv": F.linear(x, w["compressor.kv_proj.weight"]),
-           "comp_gate": F.linear(x, w["compressor.gate_proj.weight"])}
+    new = {
+        "kv": kv[:, None, :],
+        "comp_kv": F.linear(x, w["compressor.kv_proj.weight"]),
+        "comp_gate": F.linear(x, w["compressor.gate_proj.weight"]),
+    }
     if csa:
         new["index_kv"] = F.linear(x, w["compressor.indexer.kv_proj.weight"])
         new["index_gate"] = F.linear(x, w["compressor.indexer.gate_proj.weight"])
@@ -335,44 +380,69 @@ def _compressed_attention(x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
         q_pos = ctx.positions[query]
         k_pos = hist.positions
         if not torch.equal(k_pos, torch.arange(k_pos.numel(), device=k_pos.device)):
-            raise RuntimeError("deepseek_v4 compressed attention needs each row's whole "
-                               "history from position 0 (a full-attention cache group)")
-        keys = hist.values[:, 0, :]                                            # [K, D]
-        window_mask = hist.mask & (k_pos[None, :] > q_pos[:, None] - window)   # [Tq, K]
-        comp = _entries(histories["comp_kv"][row].values, histories["comp_gate"][row].values,
-                        w, "compressor.", rate, csa, ctx)                       # [n, D]
+            raise RuntimeError(
+                "deepseek_v4 compressed attention needs each row's whole "
+                "history from position 0 (a full-attention cache group)"
+            )
+        keys = hist.values[:, 0, :]  # [K, D]
+        window_mask = hist.mask & (k_pos[None, :] > q_pos[:, None] - window)  # [Tq, K]
+        comp = _entries(
+            histories["comp_kv"][row].values,
+            histories["comp_gate"][row].values,
+            w,
+            "compressor.",
+            rate,
+            csa,
+            ctx,
+        )  # [n, D]
         n = comp.shape[0]
         visible = torch.arange(n, device=comp.device)[None, :] < ((q_pos + 1) // rate)[:, None]
         if csa and n > 0:
             visible = visible & _indexer_selection(
-                x[query], q_residual[query], q_pos, histories["index_kv"][row].values,
-                histories["index_gate"][row].values, visible, w, rate, ctx)
-        all_keys = torch.cat([keys, comp], dim=0)                              # [K + n, D]
+                x[query],
+                q_residual[query],
+                q_pos,
+                histories["index_kv"][row].values,
+                histories["index_gate"][row].values,
+                visible,
+                w,
+                rate,
+                ctx,
+            )
+        all_keys = torch.cat([keys, comp], dim=0)  # [K + n, D]
         mask = torch.cat([window_mask, visible], dim=1)
-        scores = torch.einsum("qhd,kd->hqk", q[query], all_keys) * d ** -0.5
+        scores = torch.einsum("qhd,kd->hqk", q[query], all_keys) * d**-0.5
         scores = scores.masked_fill(~mask[None], float("-inf"))
         sink = sinks.reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
-        logits = torch.cat([scores, sink], dim=-1)      # sinks fp32: fp32 logits, as HF
+        logits = torch.cat([scores, sink], dim=-1)  # sinks fp32: fp32 logits, as HF
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(all_keys.dtype)
         out[query] = torch.einsum("hqk,kd->qhd", probs, all_keys)
     return out
 
 
-def _indexer_selection(x: torch.Tensor, q_residual: torch.Tensor, q_pos: torch.Tensor,
-                       index_kv: torch.Tensor, index_gate: torch.Tensor, visible: torch.Tensor,
-                       w: Weights, rate: int, ctx: LayerContext) -> torch.Tensor:
+def _indexer_selection(
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    q_pos: torch.Tensor,
+    index_kv: torch.Tensor,
+    index_gate: torch.Tensor,
+    visible: torch.Tensor,
+    w: Weights,
+    rate: int,
+    ctx: LayerContext,
+) -> torch.Tensor:
     """DeepseekV4Indexer + DeepseekV4IndexerScorer (M:458-597): bool [Tq, n], the top-k
     visible entries per query by ``sum_h w[t,h]·HI^-½ · ReLU(qI[t,h]·kI[w])·dI^-½``."""
     cfg = ctx.config
     p = "compressor.indexer."
     heads, di = int(cfg.index_n_heads), int(cfg.index_head_dim)
-    keys = _entries(index_kv, index_gate, w, p, rate, True, ctx)               # [n, dI]
+    keys = _entries(index_kv, index_gate, w, p, rate, True, ctx)  # [n, dI]
     cos, sin = ctx.rotary.cos_sin(q_pos, ctx.dtype)
     iq = apply_rope(F.linear(q_residual, w[f"{p}q_b_proj.weight"]).view(-1, heads, di), cos, sin)
-    scores = F.relu(torch.einsum("qhd,kd->qhk", iq.float(), keys.float())) * di ** -0.5
-    weights = F.linear(x, w[f"{p}scorer.weights_proj.weight"]).float() * heads ** -0.5
-    score = (scores * weights[..., None]).sum(dim=1)                          # [Tq, n]
+    scores = F.relu(torch.einsum("qhd,kd->qhk", iq.float(), keys.float())) * di**-0.5
+    weights = F.linear(x, w[f"{p}scorer.weights_proj.weight"]).float() * heads**-0.5
+    score = (scores * weights[..., None]).sum(dim=1)  # [Tq, n]
     score = score.masked_fill(~visible, float("-inf"))
     top = score.topk(min(int(cfg.index_topk), score.shape[1]), dim=-1).indices
     selected = torch.zeros_like(visible).scatter_(1, top, True)
@@ -407,22 +477,29 @@ def deepseek_v4_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext)
     if "gate.tid2eid" in w:
         experts = w["gate.tid2eid"][ctx.input_ids].long()
     else:
-        experts = torch.topk(scores + w["gate.e_score_correction_bias"], top_k, dim=-1,
-                             sorted=False).indices
+        experts = torch.topk(
+            scores + w["gate.e_score_correction_bias"], top_k, dim=-1, sorted=False
+        ).indices
     weights = scores.gather(1, experts)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * float(cfg.routed_scaling_factor)
+    weights = (
+        weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * float(cfg.routed_scaling_factor)
+    )
     out = torch.zeros_like(x)
     for expert in torch.unique(experts).tolist():
         token, slot = torch.where(experts == expert)
         e = f"experts.{expert}."
-        h = _clamped_swiglu(F.linear(x[token], w[e + "w1.weight"]),
-                            F.linear(x[token], w[e + "w3.weight"]), limit)
+        h = _clamped_swiglu(
+            F.linear(x[token], w[e + "w1.weight"]), F.linear(x[token], w[e + "w3.weight"]), limit
+        )
         y = F.linear(h, w[e + "w2.weight"]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     s = "shared_experts."
-    shared = F.linear(_clamped_swiglu(F.linear(x, w[s + "gate_proj.weight"]),
-                                      F.linear(x, w[s + "up_proj.weight"]), limit),
-                      w[s + "down_proj.weight"])
+    shared = F.linear(
+        _clamped_swiglu(
+            F.linear(x, w[s + "gate_proj.weight"]), F.linear(x, w[s + "up_proj.weight"]), limit
+        ),
+        w[s + "down_proj.weight"],
+    )
     return out + shared
 
 

@@ -97,9 +97,11 @@ def rope_parameters_by_type(config: Any) -> dict[str, dict[str, Any]]:
     if legacy_scaling:
         params["full_attention"].update(legacy_scaling)
     params["full_attention"].setdefault(
-        "rope_theta", _cfg(config, "rope_theta", DEFAULT_THETA["full_attention"]))
+        "rope_theta", _cfg(config, "rope_theta", DEFAULT_THETA["full_attention"])
+    )
     params["sliding_attention"].setdefault(
-        "rope_theta", _cfg(config, "rope_local_base_freq", DEFAULT_THETA["sliding_attention"]))
+        "rope_theta", _cfg(config, "rope_local_base_freq", DEFAULT_THETA["sliding_attention"])
+    )
     return params
 
 
@@ -111,8 +113,9 @@ def gemma3_rotary_embedding(config: Any, head_dim: int, device: torch.device) ->
     max_positions = int(_cfg(config, "max_position_embeddings", 2048))
     tables = {}
     for layer_type, params in rope_parameters_by_type(config).items():
-        rope = parse_rope_config({"rope_parameters": params}, DEFAULT_THETA.get(
-            layer_type, 10_000.0), max_positions)
+        rope = parse_rope_config(
+            {"rope_parameters": params}, DEFAULT_THETA.get(layer_type, 10_000.0), max_positions
+        )
         inv_freq, attention_scaling = rope_inv_freq(rope, head_dim)
         tables[layer_type] = RotaryEmbedding(inv_freq, attention_scaling, device)
     return tables
@@ -167,9 +170,13 @@ def gemma3_mlp(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     return F.linear(gate * F.linear(x, w["up_proj.weight"]), w["down_proj.weight"])
 
 
-def gemma3_decoder_layer(hidden: torch.Tensor, fns: dict[str, Callable[..., torch.Tensor]],
-                         weights: dict[str, Weights], ctx: LayerContext,
-                         emit: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+def gemma3_decoder_layer(
+    hidden: torch.Tensor,
+    fns: dict[str, Callable[..., torch.Tensor]],
+    weights: dict[str, Weights],
+    ctx: LayerContext,
+    emit: Callable[[str, torch.Tensor], None],
+) -> torch.Tensor:
     """Gemma3DecoderLayer (modeling_gemma3.py:359-403), sandwich norms::
 
         h = h + post_attention_layernorm(self_attn(input_layernorm(h)))
@@ -180,6 +187,7 @@ def gemma3_decoder_layer(hidden: torch.Tensor, fns: dict[str, Callable[..., torc
     (Llama's is the pre-MLP norm). The two feed-forward norms are emitted too, although the
     harness hooks only the four Llama-named children.
     """
+
     def run(child: str, x: torch.Tensor) -> torch.Tensor:
         y = fns[child](x, weights[child], ctx)
         emit(child, y)

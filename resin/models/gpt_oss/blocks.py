@@ -53,9 +53,13 @@ def gpt_oss_rotary_embedding(config: Any, head_dim: int, device: torch.device) -
     return rope_from_config(config, head_dim, device, default_theta=150000.0)
 
 
-def gpt_oss_decoder_layer(hidden: torch.Tensor, fns: dict[str, Callable[..., torch.Tensor]],
-                          weights: dict[str, Weights], ctx: LayerContext,
-                          emit: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+def gpt_oss_decoder_layer(
+    hidden: torch.Tensor,
+    fns: dict[str, Callable[..., torch.Tensor]],
+    weights: dict[str, Weights],
+    ctx: LayerContext,
+    emit: Callable[[str, torch.Tensor], None],
+) -> torch.Tensor:
     """GptOssDecoderLayer (modeling_gpt_oss.py:331): pre-norm residual, as Llama's
     (``h += self_attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))``; the MLP's
     router scores, HF's second output, are not used by the layer)."""
@@ -86,7 +90,7 @@ def gpt_oss_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.T
     v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(num_tokens, -1, head_dim)
     cos, sin = ctx.require_rotary()
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    out = ctx.require_attention()(q, k, v, scale=head_dim ** -0.5, sinks=w["sinks"])
+    out = ctx.require_attention()(q, k, v, scale=head_dim**-0.5, sinks=w["sinks"])
     return F.linear(out.reshape(num_tokens, -1), w["o_proj.weight"], w.get("o_proj.bias"))
 
 
@@ -99,11 +103,16 @@ def gpt_oss_mlp(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     ``num_experts_per_tok``, ``swiglu_alpha`` (1.702), ``swiglu_limit`` (7.0).
     """
     moe = GptOssMoeWeights(
-        router=w["router.weight"], router_bias=w["router.bias"],
-        gate_up=w["experts.gate_up_proj"], gate_up_bias=w["experts.gate_up_proj_bias"],
-        down=w["experts.down_proj"], down_bias=w["experts.down_proj_bias"],
+        router=w["router.weight"],
+        router_bias=w["router.bias"],
+        gate_up=w["experts.gate_up_proj"],
+        gate_up_bias=w["experts.gate_up_proj_bias"],
+        down=w["experts.down_proj"],
+        down_bias=w["experts.down_proj_bias"],
         num_experts_per_tok=int(ctx.config.num_experts_per_tok),
-        swiglu_alpha=float(ctx.config.swiglu_alpha), swiglu_limit=float(ctx.config.swiglu_limit))
+        swiglu_alpha=float(ctx.config.swiglu_alpha),
+        swiglu_limit=float(ctx.config.swiglu_limit),
+    )
     return moe_mlp(x, moe)
 
 
@@ -148,8 +157,9 @@ class GptOssMoeWeights:
     swiglu_limit: float
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-          top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GptOssTopKRouter: (scores [T, k], expert ids [T, k]). Top-k of the biased logits, then a
     softmax over the k kept (equal to Qwen3-MoE's softmax-all + top-k + renormalise, except
     for the router bias)."""
@@ -176,7 +186,9 @@ def moe_mlp(x: torch.Tensor, moe: GptOssMoeWeights) -> torch.Tensor:
     for expert in torch.unique(experts).tolist():
         token_index, slot = torch.where(experts == expert)
         gate_up = x[token_index] @ moe.gate_up[expert] + moe.gate_up_bias[expert]
-        y = clamped_swiglu(gate_up, moe.swiglu_alpha, moe.swiglu_limit) @ moe.down[expert] \
+        y = (
+            clamped_swiglu(gate_up, moe.swiglu_alpha, moe.swiglu_limit) @ moe.down[expert]
             + moe.down_bias[expert]
+        )
         out.index_add_(0, token_index, (y * scores[token_index, slot, None]).to(x.dtype))
     return out

@@ -42,13 +42,18 @@ class AttentionBackend:
 
     name = "base"
 
-    def begin_step(self, step: StepInputs, group_windows: Sequence[int | None],
-                   page_size: int) -> None:
+    def begin_step(
+        self, step: StepInputs, group_windows: Sequence[int | None], page_size: int
+    ) -> None:
         """Plan the step: called once per forward, before any layer."""
         raise NotImplementedError
 
-    def write(self, caches: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-              slot_mapping: torch.Tensor) -> None:
+    def write(
+        self,
+        caches: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """Store each ``values[i]`` [T, kv_heads, dim] into ``caches[i]`` at ``slot_mapping``
         (int64[T]); skip slot -1 (one mask for all the buffers).
 
@@ -59,9 +64,18 @@ class AttentionBackend:
         for cache, tensor in zip(caches, values):
             cache.view(-1, *cache.shape[2:])[slots] = tensor[keep].to(cache.dtype)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
-               group: int, *, scale: float, value_dim: int | None = None,
-               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        group: int,
+        *,
+        scale: float,
+        value_dim: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def gather(self, cache: torch.Tensor, group: int) -> list[RowHistory]:
@@ -97,28 +111,48 @@ class ReferenceBackend(AttentionBackend):
     def __init__(self) -> None:
         self.views: list[list[SequenceView]] = []
 
-    def begin_step(self, step: StepInputs, group_windows: Sequence[int | None],
-                   page_size: int) -> None:
+    def begin_step(
+        self, step: StepInputs, group_windows: Sequence[int | None], page_size: int
+    ) -> None:
         plan = step.plan
-        self.views = [build_sequence_views(plan.query_indptr, plan.seq_lens, plan.kv_indptr[g],
-                                           plan.kv_indices[g], step.positions, page_size,
-                                           window, step.device)
-                      for g, window in enumerate(group_windows)]
+        self.views = [
+            build_sequence_views(
+                plan.query_indptr,
+                plan.seq_lens,
+                plan.kv_indptr[g],
+                plan.kv_indices[g],
+                step.positions,
+                page_size,
+                window,
+                step.device,
+            )
+            for g, window in enumerate(group_windows)
+        ]
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
-               group: int, *, scale: float, value_dim: int | None = None,
-               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        group: int,
+        *,
+        scale: float,
+        value_dim: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         if num_heads % num_kv_heads:
-            raise ValueError(f"{num_heads} query heads are not a multiple of the cache's "
-                             f"{num_kv_heads} KV heads")
+            raise ValueError(
+                f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads"
+            )
         repeat = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = k_flat if v_cache is None else v_cache.view(-1, *v_cache.shape[2:])
         dim_v = value_dim if value_dim is not None else v_flat.shape[-1]
         out = q.new_empty(q.shape[0], num_heads, dim_v)
         for view in self.views[group]:
-            k = k_flat[view.slots].repeat_interleave(repeat, dim=1)               # [K, H, D]
+            k = k_flat[view.slots].repeat_interleave(repeat, dim=1)  # [K, H, D]
             v = v_flat[view.slots][..., :dim_v].repeat_interleave(repeat, dim=1)  # [K, H, Dv]
             scores = torch.einsum("qhd,khd->hqk", q[view.query], k) * scale
             if softcap is not None:
@@ -143,8 +177,14 @@ class ReferenceBackend(AttentionBackend):
         for view in self.views[group]:
             assert view.key_positions is not None
             readable = view.mask.any(dim=0)
-            out.append(RowHistory(view.query, view.key_positions[readable],
-                                  flat[view.slots[readable]], view.mask[:, readable]))
+            out.append(
+                RowHistory(
+                    view.query,
+                    view.key_positions[readable],
+                    flat[view.slots[readable]],
+                    view.mask[:, readable],
+                )
+            )
         return out
 
 
@@ -158,8 +198,9 @@ def make_attention_backend(name: str | AttentionBackend | None = None) -> Attent
         return name
     key = name or DEFAULT_BACKEND
     if key not in BACKENDS:
-        raise ValueError(f"unknown attention backend {key!r}; available: "
-                         f"{', '.join(sorted(BACKENDS))}")
+        raise ValueError(
+            f"unknown attention backend {key!r}; available: {', '.join(sorted(BACKENDS))}"
+        )
     return BACKENDS[key]()
 
 
@@ -178,20 +219,45 @@ class LayerAttention:
 
     def write(self, **values: torch.Tensor) -> None:
         """Store this step's per-token tensors, e.g. ``write(k=k, v=v)`` ([T, heads, dim])."""
-        self.backend.write([self._cache(name) for name in values], list(values.values()),
-                           self.slot_mapping)
+        self.backend.write(
+            [self._cache(name) for name in values], list(values.values()), self.slot_mapping
+        )
 
-    def attend(self, q: torch.Tensor, *, scale: float, keys: str = "k", values: str | None = "v",
-               value_dim: int | None = None, sinks: torch.Tensor | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        *,
+        scale: float,
+        keys: str = "k",
+        values: str | None = "v",
+        value_dim: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         """Attention of ``q`` [T, heads, dim] over the cached ``keys`` / ``values`` buffers
         (``values=None``: values are the keys' first ``value_dim`` channels)."""
         v_cache = None if values is None or values == keys else self._cache(values)
-        return self.backend.attend(q, self._cache(keys), v_cache, self.group, scale=scale,
-                                   value_dim=value_dim, sinks=sinks, softcap=softcap)
+        return self.backend.attend(
+            q,
+            self._cache(keys),
+            v_cache,
+            self.group,
+            scale=scale,
+            value_dim=value_dim,
+            sinks=sinks,
+            softcap=softcap,
+        )
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                 sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         """Write ``k``/``v`` then attend: the common GQA case in one call."""
         self.write(k=k, v=v)
         return self.attend(q, scale=scale, sinks=sinks, softcap=softcap)
@@ -203,6 +269,7 @@ class LayerAttention:
 
     def _cache(self, name: str) -> torch.Tensor:
         if name not in self.caches:
-            raise KeyError(f"layer cache has no buffer {name!r}; declared: "
-                           f"{', '.join(self.caches) or 'none'}")
+            raise KeyError(
+                f"layer cache has no buffer {name!r}; declared: {', '.join(self.caches) or 'none'}"
+            )
         return self.caches[name]

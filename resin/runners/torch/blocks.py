@@ -58,19 +58,29 @@ def gqa_attention_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
     cos, sin = ctx.require_rotary()
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    out = ctx.require_attention()(q, k, v, scale=head_dim ** -0.5)
+    out = ctx.require_attention()(q, k, v, scale=head_dim**-0.5)
     return F.linear(out.reshape(num_tokens, -1), w["o_proj.weight"], w.get("o_proj.bias"))
 
 
 def swiglu_mlp_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` with optional biases."""
-    return swiglu_mlp(x, w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"],
-                      w.get("gate_proj.bias"), w.get("up_proj.bias"), w.get("down_proj.bias"))
+    return swiglu_mlp(
+        x,
+        w["gate_proj.weight"],
+        w["up_proj.weight"],
+        w["down_proj.weight"],
+        w.get("gate_proj.bias"),
+        w.get("up_proj.bias"),
+        w.get("down_proj.bias"),
+    )
 
 
-def topk_moe_block(expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                   renormalise: bool | None = None, router: str = "gate",
-                   num_experts_per_tok: int | None = None) -> Block:
+def topk_moe_block(
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    renormalise: bool | None = None,
+    router: str = "gate",
+    num_experts_per_tok: int | None = None,
+) -> Block:
     """A top-k MoE block (``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``): router
     ``{router}.weight``, experts ``experts.{e}.{gate,up,down}.weight`` under ``expert_names``;
     renormalise the kept weights iff ``renormalise`` (None: ``config.norm_topk_prob``); keep
@@ -78,26 +88,35 @@ def topk_moe_block(expert_names: tuple[str, str, str] = ("gate_proj", "up_proj",
     gate_name, up_name, down_name = expert_names
 
     def moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
-        num_experts = sum(1 for k in w if k.startswith("experts.") and k.endswith(
-            f".{gate_name}.weight"))
-        norm = bool(config_value(ctx.config, "norm_topk_prob", False)) if renormalise is None \
+        num_experts = sum(
+            1 for k in w if k.startswith("experts.") and k.endswith(f".{gate_name}.weight")
+        )
+        norm = (
+            bool(config_value(ctx.config, "norm_topk_prob", False))
+            if renormalise is None
             else renormalise
+        )
         moe = MoeWeights(
             router=w[f"{router}.weight"],
             gate=[w[f"experts.{e}.{gate_name}.weight"] for e in range(num_experts)],
             up=[w[f"experts.{e}.{up_name}.weight"] for e in range(num_experts)],
             down=[w[f"experts.{e}.{down_name}.weight"] for e in range(num_experts)],
-            num_experts_per_tok=num_experts_per_tok or int(config_value(ctx.config,
-                                                                        "num_experts_per_tok")),
-            norm_topk_prob=norm)
+            num_experts_per_tok=num_experts_per_tok
+            or int(config_value(ctx.config, "num_experts_per_tok")),
+            norm_topk_prob=norm,
+        )
         return moe_mlp(x, moe)
 
     return moe_block
 
 
-def prenorm_decoder_layer(hidden: torch.Tensor, fns: dict[str, Block],
-                          weights: dict[str, Weights], ctx: LayerContext,
-                          emit: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+def prenorm_decoder_layer(
+    hidden: torch.Tensor,
+    fns: dict[str, Block],
+    weights: dict[str, Weights],
+    ctx: LayerContext,
+    emit: Callable[[str, torch.Tensor], None],
+) -> torch.Tensor:
     """``h += self_attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))``."""
     x = fns["input_layernorm"](hidden, weights["input_layernorm"], ctx)
     emit("input_layernorm", x)
@@ -111,8 +130,9 @@ def prenorm_decoder_layer(hidden: torch.Tensor, fns: dict[str, Block],
     return hidden + x
 
 
-def rope_from_config(config: Any, head_dim: int, device: torch.device,
-                     default_theta: float = 10000.0) -> RotaryEmbedding:
+def rope_from_config(
+    config: Any, head_dim: int, device: torch.device, default_theta: float = 10000.0
+) -> RotaryEmbedding:
     """cos/sin tables from a config's rope parameters (default, linear, llama3, yarn; both the
     ``rope_parameters`` and the ``rope_theta`` + ``rope_scaling`` spellings)."""
     raw = config if isinstance(config, dict) else config.to_dict()
@@ -122,9 +142,13 @@ def rope_from_config(config: Any, head_dim: int, device: torch.device,
     return RotaryEmbedding(inv_freq, attention_scaling, device)
 
 
-def rope_tables_from_config(config: Any, head_dim: int, device: torch.device,
-                            default_theta: float = 10000.0,
-                            interleaved: bool = False) -> dict[str, RotaryEmbedding]:
+def rope_tables_from_config(
+    config: Any,
+    head_dim: int,
+    device: torch.device,
+    default_theta: float = 10000.0,
+    interleaved: bool = False,
+) -> dict[str, RotaryEmbedding]:
     """One table per name of a nested ``rope_parameters`` (by layer type, or any names the
     model's layers pick from, e.g. DeepSeek-V4's ``main`` / ``compress``), or ``{"*": table}``
     for a flat one; partial rotary sizes each table (``partial_rotary_factor``)."""

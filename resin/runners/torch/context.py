@@ -50,13 +50,17 @@ class LayerContext:
     def require_attention(self) -> LayerAttention:
         """``self.attention``, or a RuntimeError naming the layer when it has no cache."""
         if self.attention is None:
-            raise RuntimeError(f"layer {self.index} ({self.layer_type or 'no type'}) has no "
-                               "attention cache: declare one in blocks.layer_cache")
+            raise RuntimeError(
+                f"layer {self.index} ({self.layer_type or 'no type'}) has no "
+                "attention cache: declare one in blocks.layer_cache"
+            )
         return self.attention
 
     def require_rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, or a RuntimeError when the model has no rotary table for this layer."""
         if self.cos is None or self.sin is None:
-            raise RuntimeError(f"layer {self.index}: no rotary table for layer type "
-                               f"{self.layer_type!r} (blocks.ROTARY / rotary_tables)")
+            raise RuntimeError(
+                f"layer {self.index}: no rotary table for layer type "
+                f"{self.layer_type!r} (blocks.ROTARY / rotary_tables)"
+            )
         return self.cos, self.sin

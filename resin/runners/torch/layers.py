@@ -36,25 +36,41 @@ class RotaryEmbedding:
     repeated twice in place) instead of halves (HF ``rotate_half``: frequencies concatenated).
     """
 
-    def __init__(self, inv_freq: np.ndarray, attention_scaling: float, device: torch.device,
-                 interleaved: bool = False):
+    def __init__(
+        self,
+        inv_freq: np.ndarray,
+        attention_scaling: float,
+        device: torch.device,
+        interleaved: bool = False,
+    ):
         # transformers keeps inv_freq in fp32 and multiplies positions in fp32; so do we.
         self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)
         self.attention_scaling = attention_scaling
         self.interleaved = interleaved
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int64[T] -> (cos, sin), each [T, rotary_dim] in ``dtype``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = freqs.repeat_interleave(2, dim=-1) if self.interleaved \
+        angles = (
+            freqs.repeat_interleave(2, dim=-1)
+            if self.interleaved
             else torch.cat((freqs, freqs), dim=-1)
+        )
         cos = angles.cos() * self.attention_scaling
         sin = angles.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                 interleaved: bool = False, trailing: bool = False) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    trailing: bool = False,
+) -> torch.Tensor:
     """Rotate ``x`` [T, heads, head_dim] by the per-token angles of ``cos``/``sin``
     [T, rotary_dim]: halves (HF ``rotate_half``) or, with ``interleaved``, adjacent pairs.
     Partial rotary (``rotary_dim < head_dim``): the first ``rotary_dim`` channels rotate (the
@@ -75,9 +91,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
-               gate_b: torch.Tensor | None = None, up_b: torch.Tensor | None = None,
-               down_b: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_mlp(
+    x: torch.Tensor,
+    gate_w: torch.Tensor,
+    up_w: torch.Tensor,
+    down_w: torch.Tensor,
+    gate_b: torch.Tensor | None = None,
+    up_b: torch.Tensor | None = None,
+    down_b: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))``."""
     return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
 
@@ -132,9 +154,16 @@ class SequenceView:
     key_positions: torch.Tensor | None = None
 
 
-def build_sequence_views(query_indptr: np.ndarray, seq_lens: np.ndarray, kv_indptr: np.ndarray,
-                         kv_indices: np.ndarray, positions: torch.Tensor, page_size: int,
-                         window_tokens: int | None, device: torch.device) -> list[SequenceView]:
+def build_sequence_views(
+    query_indptr: np.ndarray,
+    seq_lens: np.ndarray,
+    kv_indptr: np.ndarray,
+    kv_indices: np.ndarray,
+    positions: torch.Tensor,
+    page_size: int,
+    window_tokens: int | None,
+    device: torch.device,
+) -> list[SequenceView]:
     """Per row: the cache slots its listed pages cover and its attention mask.
 
     A sliding-window group lists only the pages that intersect the window, so the first
@@ -145,8 +174,9 @@ def build_sequence_views(query_indptr: np.ndarray, seq_lens: np.ndarray, kv_indp
     offsets = torch.arange(page_size, device=device)
     for row in range(len(seq_lens)):
         seq_len = int(seq_lens[row])
-        pages = torch.as_tensor(kv_indices[kv_indptr[row]:kv_indptr[row + 1]].astype(np.int64),
-                                device=device)
+        pages = torch.as_tensor(
+            kv_indices[kv_indptr[row] : kv_indptr[row + 1]].astype(np.int64), device=device
+        )
         first_page = -(-seq_len // page_size) - len(pages)
         slots = (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
         key_positions = first_page * page_size + torch.arange(len(slots), device=device)
@@ -159,8 +189,13 @@ def build_sequence_views(query_indptr: np.ndarray, seq_lens: np.ndarray, kv_indp
     return views
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store new K/V [T, kv_heads, head_dim] at ``slot_mapping`` (int64[T]); skip slot -1.
 
     Caches are [num_pages, page_size, kv_heads, head_dim]; slot = page * page_size + offset.
@@ -172,8 +207,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    views: list[SequenceView], scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    views: list[SequenceView],
+    scale: float,
+) -> torch.Tensor:
     """Attention of q [T, heads, head_dim] over each sequence's cached keys -> [T, heads, head_dim].
 
     K/V are gathered from the cache by slot (so they include this step's tokens, written
@@ -211,8 +251,9 @@ def sampling_rows(plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:
     sample; a row verifying draft tokens (more than one sample) is not supported here."""
     sample_counts = np.diff(plan.sample_indptr)
     if (sample_counts > 1).any():
-        raise NotImplementedError("this runner does not verify draft tokens (a sample_indptr "
-                                  "row with more than one token)")
+        raise NotImplementedError(
+            "this runner does not verify draft tokens (a sample_indptr "
+            "row with more than one token)"
+        )
     rows = np.flatnonzero(sample_counts == 1)
     return rows, plan.query_indptr[rows + 1].astype(np.int64) - 1
-

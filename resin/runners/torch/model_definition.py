@@ -76,8 +76,10 @@ class LayerCache:
 
 def attention_cache(num_kv_heads: int, head_dim: int, window: int | None = None) -> LayerCache:
     """The usual K and V cache of a (GQA) attention layer, windowed when ``window`` is set."""
-    buffers: dict[str, tuple[int, ...]] = {"k": (num_kv_heads, head_dim),
-                                           "v": (num_kv_heads, head_dim)}
+    buffers: dict[str, tuple[int, ...]] = {
+        "k": (num_kv_heads, head_dim),
+        "v": (num_kv_heads, head_dim),
+    }
     if window:
         return LayerCache("sliding_window", buffers, window)
     return LayerCache("full", buffers)

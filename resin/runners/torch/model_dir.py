@@ -50,8 +50,10 @@ ARCHITECTURE_FILE = "architecture.json"
 RECORD_FORMAT = 1
 # Config keys HF derives in the config class from older spellings: a default of the derived key
 # is dropped when the checkpoint gives one of its sources.
-DERIVED_CONFIG_KEYS = {"rope_parameters": ("rope_theta", "rope_scaling", "rope_type"),
-                       "layer_types": ("sliding_window_pattern",)}
+DERIVED_CONFIG_KEYS = {
+    "rope_parameters": ("rope_theta", "rope_scaling", "rope_type"),
+    "layer_types": ("sliding_window_pattern",),
+}
 
 
 class ModelArgs(types.SimpleNamespace):
@@ -89,30 +91,35 @@ class ModelRecord:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read {path}: {exc} (regenerate it with resin new-model)") \
-                from exc
+            raise ValueError(
+                f"cannot read {path}: {exc} (regenerate it with resin new-model)"
+            ) from exc
         if raw.get("format") != RECORD_FORMAT:
-            raise ValueError(f"{path}: format {raw.get('format')!r}, this Resin reads format "
-                             f"{RECORD_FORMAT} (regenerate it with resin new-model --force)")
+            raise ValueError(
+                f"{path}: format {raw.get('format')!r}, this Resin reads format "
+                f"{RECORD_FORMAT} (regenerate it with resin new-model --force)"
+            )
         fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         return cls(**fields)
 
     def to_json(self) -> str:
         """Readable, deterministic JSON: one key per line, lists of plain values on one line."""
-        data = {"format": RECORD_FORMAT, **{k: getattr(self, k)
-                                            for k in self.__dataclass_fields__}}
+        data = {"format": RECORD_FORMAT, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
         return _json_lines(data, 0) + "\n"
 
 
 def _json_lines(value: Any, depth: int) -> str:
     pad, inner = " " * depth, " " * (depth + 1)
     if isinstance(value, dict) and value:
-        items = [f"{inner}{json.dumps(str(k))}: {_json_lines(v, depth + 1)}"
-                 for k, v in value.items()]
+        items = [
+            f"{inner}{json.dumps(str(k))}: {_json_lines(v, depth + 1)}" for k, v in value.items()
+        ]
         return "{\n" + ",\n".join(items) + f"\n{pad}}}"
-    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value) and \
-            not all(isinstance(v, list) and not any(isinstance(x, dict) for x in v)
-                    for v in value):
+    if (
+        isinstance(value, list)
+        and any(isinstance(v, (dict, list)) for v in value)
+        and not all(isinstance(v, list) and not any(isinstance(x, dict) for x in v) for v in value)
+    ):
         items = [f"{inner}{_json_lines(v, depth + 1)}" for v in value]
         return "[\n" + ",\n".join(items) + f"\n{pad}]"
     return json.dumps(value)
@@ -139,9 +146,10 @@ def check_source_shapes(record: ModelRecord, checkpoint_dir: str | Path) -> list
                 if known is None:
                     problems.append(f"{tensor_name}: not in the source model")
                 elif not any(shape == s and index in layers for s, layers in known):
-                    problems.append(f"{tensor_name}: shape {tuple(shape)}, source model has "
-                                    + ", ".join(f"{tuple(s)} (layers {layers})"
-                                                for s, layers in known))
+                    problems.append(
+                        f"{tensor_name}: shape {tuple(shape)}, source model has "
+                        + ", ".join(f"{tuple(s)} (layers {layers})" for s, layers in known)
+                    )
     return problems
 
 
@@ -158,8 +166,11 @@ def load_model_args(checkpoint_dir: str | Path, record: ModelRecord) -> ModelArg
         raise ValueError(f"{path}: expected a JSON object")
     num_layers = values.get("num_hidden_layers", record.config_defaults.get("num_hidden_layers"))
     default_layers = record.config_defaults.get("num_hidden_layers")
-    defaults = {k: v for k, v in record.config_defaults.items()
-                if not (isinstance(v, list) and len(v) == default_layers != num_layers)}
+    defaults = {
+        k: v
+        for k, v in record.config_defaults.items()
+        if not (isinstance(v, list) and len(v) == default_layers != num_layers)
+    }
     for derived, sources in DERIVED_CONFIG_KEYS.items():
         # A checkpoint that spells a setting the legacy way (rope_theta, a window pattern)
         # must not get the default's derived form of it.
@@ -174,8 +185,14 @@ def layer_kinds(args: Any, record: ModelRecord) -> list[tuple[str, int | None, s
     types_ = layer_types_from_config(args)
     mlps = mlp_types_from_config(args)
     window = getattr(args, "sliding_window", None)
-    return [(layer_type, window if layer_type in record.windowed_layer_types else None,
-             f"{layer_type}/{mlp}") for (layer_type, _), mlp in zip(types_, mlps)]
+    return [
+        (
+            layer_type,
+            window if layer_type in record.windowed_layer_types else None,
+            f"{layer_type}/{mlp}",
+        )
+        for (layer_type, _), mlp in zip(types_, mlps)
+    ]
 
 
 def head_dim_of(args: Any) -> int:
@@ -186,41 +203,50 @@ def num_kv_heads_of(args: Any) -> int:
     return int(getattr(args, "num_key_value_heads", None) or args.num_attention_heads)
 
 
-def default_layer_cache(layer_type: str, window: int | None, args: Any, head_dim: int,
-                        num_kv_heads: int) -> LayerCache:
+def default_layer_cache(
+    layer_type: str, window: int | None, args: Any, head_dim: int, num_kv_heads: int
+) -> LayerCache:
     """K and V per token for full and sliding layers; anything else must be declared in
     ``blocks.layer_cache``."""
     kind = cache_kind(layer_type, window)
     if kind in ("full", "sliding_window"):
-        return attention_cache(num_kv_heads, head_dim, window if kind == "sliding_window"
-                               else None)
+        return attention_cache(num_kv_heads, head_dim, window if kind == "sliding_window" else None)
     raise NotImplementedError(
         f"layer type {layer_type!r} has no default cache ({kind}): write "
         "blocks.layer_cache(layer_type, window, config, head_dim, num_kv_heads) returning a "
-        "resin.runners.torch.LayerCache (its per-token buffers, or a recurrent state)")
+        "resin.runners.torch.LayerCache (its per-token buffers, or a recurrent state)"
+    )
 
 
-def model_definition(name: str, record: ModelRecord, blocks: Any, args: ModelArgs,
-                     device: torch.device) -> ModelDefinition:
+def model_definition(
+    name: str, record: ModelRecord, blocks: Any, args: ModelArgs, device: torch.device
+) -> ModelDefinition:
     """The definition of one checkpoint (``args``) of a model directory (``record`` + ``blocks``)."""
-    head_dim = int(getattr(blocks, "head_dim")(args)) if hasattr(blocks, "head_dim") \
-        else head_dim_of(args)
+    head_dim = int(blocks.head_dim(args)) if hasattr(blocks, "head_dim") else head_dim_of(args)
     num_kv_heads = num_kv_heads_of(args)
     layer_cache = getattr(blocks, "layer_cache", default_layer_cache)
     layers = []
     for index, (layer_type, window, kind) in enumerate(layer_kinds(args, record)):
         classes = record.layer_kinds.get(kind)
         if classes is None:
-            raise ValueError(f"{name}: layer {index} is of kind {kind!r}, which "
-                             f"{ARCHITECTURE_FILE} does not know (known: "
-                             f"{', '.join(record.layer_kinds)}); regenerate with resin new-model "
-                             "from a config that has this layer kind")
-        layers.append(LayerDefinition(
-            index=index, layer_type=layer_type, window=window,
-            decoder=_block(blocks, classes["decoder"], name),
-            children={child: _block(blocks, cls, name)
-                      for child, cls in classes["children"].items()},
-            cache=layer_cache(layer_type, window, args, head_dim, num_kv_heads)))
+            raise ValueError(
+                f"{name}: layer {index} is of kind {kind!r}, which "
+                f"{ARCHITECTURE_FILE} does not know (known: "
+                f"{', '.join(record.layer_kinds)}); regenerate with resin new-model "
+                "from a config that has this layer kind"
+            )
+        layers.append(
+            LayerDefinition(
+                index=index,
+                layer_type=layer_type,
+                window=window,
+                decoder=_block(blocks, classes["decoder"], name),
+                children={
+                    child: _block(blocks, cls, name) for child, cls in classes["children"].items()
+                },
+                cache=layer_cache(layer_type, window, args, head_dim, num_kv_heads),
+            )
+        )
     rotary: dict[str, Any] = {}
     if record.rotary is not None:
         factories = getattr(blocks, "ROTARY", {})
@@ -232,19 +258,28 @@ def model_definition(name: str, record: ModelRecord, blocks: Any, args: ModelArg
     if final_norm is None and record.norm is not None:
         final_norm = _block(blocks, record.norm, name)
     return ModelDefinition(
-        name=name, architecture=record.architectures[0], config=args,
-        vocab_size=int(args.vocab_size), head_dim=head_dim, layers=layers, rotary=rotary,
+        name=name,
+        architecture=record.architectures[0],
+        config=args,
+        vocab_size=int(args.vocab_size),
+        head_dim=head_dim,
+        layers=layers,
+        rotary=rotary,
         embed=getattr(blocks, "embed", default_embed),
         pre_layers=getattr(blocks, "pre_layers", None),
         post_layers=getattr(blocks, "post_layers", None),
-        final_norm=final_norm, logits=getattr(blocks, "logits", default_logits))
+        final_norm=final_norm,
+        logits=getattr(blocks, "logits", default_logits),
+    )
 
 
 def _block(blocks: Any, cls_name: str, name: str) -> Any:
     table = getattr(blocks, "BLOCKS", {})
     if cls_name not in table:
-        raise KeyError(f"{name}: no block function for HF class {cls_name!r} in blocks.py; "
-                       f"known: {', '.join(table)} (add one to BLOCKS)")
+        raise KeyError(
+            f"{name}: no block function for HF class {cls_name!r} in blocks.py; "
+            f"known: {', '.join(table)} (add one to BLOCKS)"
+        )
     return table[cls_name]
 
 
@@ -254,11 +289,16 @@ class ModelDirRunner(PagedRunner):
     model_dir: Path
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, checkpoint_dir: str | os.PathLike[str], *,
-                       name: str | None = None, device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.float32,
-                       attention_backend: str | AttentionBackend | None = None,
-                       ) -> ModelDirRunner:
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attention_backend: str | AttentionBackend | None = None,
+    ) -> ModelDirRunner:
         """Load ``checkpoint_dir`` with the model directory ``model_dir``'s blocks."""
         from resin.evals.model_ref import import_model_module
 
@@ -273,23 +313,33 @@ class ModelDirRunner(PagedRunner):
             # compress_ratios -> layer_types), written by the model since no transformers here.
             args = ModelArgs(**blocks.normalise_config(args.to_dict()))
         architecture = (getattr(args, "architectures", None) or [None])[0]
-        if architecture not in record.architectures and \
-                getattr(args, "model_type", None) not in record.model_types:
-            raise ValueError(f"{checkpoint_dir} is a {architecture or args.model_type} "
-                             f"checkpoint; {model_dir} runs {', '.join(record.architectures)}")
+        if (
+            architecture not in record.architectures
+            and getattr(args, "model_type", None) not in record.model_types
+        ):
+            raise ValueError(
+                f"{checkpoint_dir} is a {architecture or args.model_type} "
+                f"checkpoint; {model_dir} runs {', '.join(record.architectures)}"
+            )
         weight_map = {}
         if (model_dir / "weights.py").is_file():
-            weight_map = dict(getattr(import_model_module(model_dir, "weights", name),
-                                      "WEIGHT_MAP", {}))
+            weight_map = dict(
+                getattr(import_model_module(model_dir, "weights", name), "WEIGHT_MAP", {})
+            )
         device = torch.device(device)
         definition = model_definition(name, record, blocks, args, device)
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
         dtype_name = str(dtype).removeprefix("torch.")
         weights = load_model_weights(
-            checkpoint_dir, len(definition.layers), weight_map=weight_map,
+            checkpoint_dir,
+            len(definition.layers),
+            weight_map=weight_map,
             known_patterns=record.checkpoint_patterns,
             required=lambda i: record.layer_kinds[kinds[i]].get("tensors", []),
-            keep_in_fp32=record.keep_in_fp32.get(dtype_name, []), device=device, dtype=dtype)
+            keep_in_fp32=record.keep_in_fp32.get(dtype_name, []),
+            device=device,
+            dtype=dtype,
+        )
         runner = cls(definition, weights, device, dtype, attention_backend)
         runner.model_dir = model_dir
         return runner

@@ -49,8 +49,12 @@ class ModelWeights:
         return _relative(self.globals, name)
 
     @classmethod
-    def from_flat(cls, tensors: Mapping[str, torch.Tensor], num_layers: int,
-                  rename: Callable[[str], str] | None = None) -> ModelWeights:
+    def from_flat(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        num_layers: int,
+        rename: Callable[[str], str] | None = None,
+    ) -> ModelWeights:
         """Group checkpoint-named tensors (``model.layers.3.mlp...``) by layer."""
         out = cls({}, [{} for _ in range(num_layers)])
         for name, tensor in tensors.items():
@@ -59,10 +63,12 @@ class ModelWeights:
 
     def _place(self, runner_name: str, tensor: torch.Tensor) -> None:
         if runner_name.startswith("layers."):
-            index, rest = runner_name[len("layers."):].split(".", 1)
+            index, rest = runner_name[len("layers.") :].split(".", 1)
             if int(index) >= len(self.layers):
-                raise WeightsError(f"tensor {runner_name}: layer {index} is past the "
-                                   f"{len(self.layers)} layers of config.json")
+                raise WeightsError(
+                    f"tensor {runner_name}: layer {index} is past the "
+                    f"{len(self.layers)} layers of config.json"
+                )
             self.layers[int(index)][rest] = tensor
         else:
             self.globals[runner_name] = tensor
@@ -70,22 +76,29 @@ class ModelWeights:
 
 def _relative(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     start = prefix + "."
-    return {k[len(start):]: v for k, v in tensors.items() if k.startswith(start)}
+    return {k[len(start) :]: v for k, v in tensors.items() if k.startswith(start)}
 
 
 def default_runner_name(checkpoint_name: str) -> str:
     """The runner's name for a checkpoint tensor no map renames: without the ``model.`` prefix."""
-    return checkpoint_name[len("model."):] if checkpoint_name.startswith("model.") \
+    return (
+        checkpoint_name[len("model.") :]
+        if checkpoint_name.startswith("model.")
         else checkpoint_name
+    )
 
 
-def load_model_weights(checkpoint_dir: str | Path, num_layers: int, *,
-                       weight_map: Mapping[str, str] | None = None,
-                       known_patterns: Iterable[str] | None = None,
-                       required: Callable[[int], Iterable[str]] | None = None,
-                       keep_in_fp32: Iterable[str] = (),
-                       device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.float32) -> ModelWeights:
+def load_model_weights(
+    checkpoint_dir: str | Path,
+    num_layers: int,
+    *,
+    weight_map: Mapping[str, str] | None = None,
+    known_patterns: Iterable[str] | None = None,
+    required: Callable[[int], Iterable[str]] | None = None,
+    keep_in_fp32: Iterable[str] = (),
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> ModelWeights:
     """Every tensor of the checkpoint the model knows, renamed and cast (see module doc).
 
     ``known_patterns``: checkpoint name patterns the model has (others are left in ``unused``
@@ -93,8 +106,9 @@ def load_model_weights(checkpoint_dir: str | Path, num_layers: int, *,
     (relative to ``model.layers.{layer}.``, ``{expert}`` allowed) that layer must have.
     """
     if dtype not in SUPPORTED_DTYPES:
-        raise WeightsError(f"unsupported dtype {dtype}; supported: "
-                           f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+        raise WeightsError(
+            f"unsupported dtype {dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
     directory = Path(checkpoint_dir)
     files = locate_tensors(directory)
     mapping = dict(weight_map or {})
@@ -105,13 +119,15 @@ def load_model_weights(checkpoint_dir: str | Path, num_layers: int, *,
     present: dict[int, set[str]] = {}
     for name in files:
         pattern, layer, expert = name_pattern(name)
-        if (known is not None and pattern not in known) or \
-                (layer is not None and layer >= num_layers):   # e.g. MTP layers past the stack
+        if (known is not None and pattern not in known) or (
+            layer is not None and layer >= num_layers
+        ):  # e.g. MTP layers past the stack
             unused.append(name)
             continue
         target = mapping.get(pattern)
-        chosen[name] = target.format(layer=layer, expert=expert) if target \
-            else default_runner_name(name)
+        chosen[name] = (
+            target.format(layer=layer, expert=expert) if target else default_runner_name(name)
+        )
         if layer is not None:
             relative = pattern.split("layers.{layer}.", 1)[1]
             present.setdefault(layer, set()).add(relative)
@@ -119,12 +135,17 @@ def load_model_weights(checkpoint_dir: str | Path, num_layers: int, *,
         for layer in range(num_layers):
             missing = sorted(set(required(layer)) - present.get(layer, set()))
             if missing:
-                raise WeightsError(f"{directory}: layer {layer} is missing tensor(s) "
-                                   f"{', '.join('model.layers.%d.' % layer + m for m in missing[:5])}"
-                                   " (its layer kind has them)")
+                names = ", ".join(f"model.layers.{layer}.{m}" for m in missing[:5])
+                raise WeightsError(
+                    f"{directory}: layer {layer} is missing tensor(s) {names} "
+                    "(its layer kind has them)"
+                )
     if unused:
-        warnings.warn(f"{directory}: {len(unused)} checkpoint tensor(s) the model does not use, "
-                      f"not loaded (first: {sorted(unused)[0]})", stacklevel=2)
+        warnings.warn(
+            f"{directory}: {len(unused)} checkpoint tensor(s) the model does not use, "
+            f"not loaded (first: {sorted(unused)[0]})",
+            stacklevel=2,
+        )
     fp32_patterns = tuple(keep_in_fp32)
     out = ModelWeights({}, [{} for _ in range(num_layers)], sorted(unused))
     by_file: dict[Path, list[str]] = {}

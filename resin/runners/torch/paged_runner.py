@@ -40,16 +40,24 @@ Capture = Callable[[str, torch.Tensor], None] | dict[str, torch.Tensor]
 class PagedRunner:
     """Runs one model for the engine. Subclasses add ``from_pretrained``."""
 
-    def __init__(self, model: ModelDefinition, weights: ModelWeights, device: torch.device,
-                 dtype: torch.dtype, attention_backend: str | AttentionBackend | None = None):
+    def __init__(
+        self,
+        model: ModelDefinition,
+        weights: ModelWeights,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: str | AttentionBackend | None = None,
+    ):
         self.model = model
         self.config = model.config
         self.weights = weights
         self.device = torch.device(device)
         self.dtype = dtype
         self.attention_backend = make_attention_backend(attention_backend)
-        self.child_weights = [{child: weights.module(layer.index, child)
-                               for child in layer.children} for layer in model.layers]
+        self.child_weights = [
+            {child: weights.module(layer.index, child) for child in layer.children}
+            for layer in model.layers
+        ]
         self.sampler = Sampler(model.vocab_size, self.device)
         self.capture: Capture | None = None
         self.layer_caches: list[dict[str, torch.Tensor]] = []
@@ -68,13 +76,21 @@ class PagedRunner:
         self.layer_caches = []
         for layer in self.model.layers:
             cache = layer.cache
-            self.layer_caches.append({
-                name: torch.zeros((layout.num_pages, layout.page_size, *shape),
-                                  dtype=cache.dtype or self.dtype, device=self.device)
-                for name, shape in cache.buffers.items()})
+            self.layer_caches.append(
+                {
+                    name: torch.zeros(
+                        (layout.num_pages, layout.page_size, *shape),
+                        dtype=cache.dtype or self.dtype,
+                        device=self.device,
+                    )
+                    for name, shape in cache.buffers.items()
+                }
+            )
         self.group_of_layer = [layout.group_of_layer(i) for i in range(len(self.model.layers))]
-        self.group_windows = [group.spec.window if group.spec.kind == "sliding_window" else None
-                              for group in layout.groups]
+        self.group_windows = [
+            group.spec.window if group.spec.kind == "sliding_window" else None
+            for group in layout.groups
+        ]
         self.page_size = layout.page_size
 
     # -- forward -------------------------------------------------------------------------
@@ -82,8 +98,10 @@ class PagedRunner:
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> ForwardOutput:
         if not self.layer_caches:
-            raise RuntimeError(f"{type(self).__name__}.forward before bind_cache: create the "
-                               "runner's resin.Engine first (it calls bind_cache)")
+            raise RuntimeError(
+                f"{type(self).__name__}.forward before bind_cache: create the "
+                "runner's resin.Engine first (it calls bind_cache)"
+            )
         model, globals_ = self.model, self.weights.globals
         self.sampler.begin_step(plan)
         step = StepInputs.from_plan(plan, self.device)
@@ -98,8 +116,9 @@ class PagedRunner:
         for layer in model.layers:
             ctx = self._context(step, layer.index, tables)
             emit = self._layer_emitter(layer.index)
-            hidden = layer.decoder(hidden, layer.children, self.child_weights[layer.index], ctx,
-                                   emit)
+            hidden = layer.decoder(
+                hidden, layer.children, self.child_weights[layer.index], ctx, emit
+            )
             self._emit(f"model.layers.{layer.index}", hidden)
         if model.post_layers is not None:
             hidden = model.post_layers(hidden, globals_, top)
@@ -115,11 +134,20 @@ class PagedRunner:
             logits = model.logits(self._final_norm(hidden[last], top), globals_, top)
         return self.sampler.sample(logits.float(), plan, step.sample_rows)
 
-    def _context(self, step: StepInputs, index: int,
-                 tables: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 ) -> LayerContext:
-        ctx = LayerContext(index=index, config=self.config, head_dim=self.model.head_dim,
-                           dtype=self.dtype, input_ids=step.input_ids, positions=step.positions)
+    def _context(
+        self,
+        step: StepInputs,
+        index: int,
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> LayerContext:
+        ctx = LayerContext(
+            index=index,
+            config=self.config,
+            head_dim=self.model.head_dim,
+            dtype=self.dtype,
+            input_ids=step.input_ids,
+            positions=step.positions,
+        )
         if index < 0 or tables is None:
             return ctx
         layer = self.model.layers[index]
@@ -127,14 +155,15 @@ class PagedRunner:
         ctx.layer_type, ctx.window = layer.layer_type, layer.window
         ctx.rotary = self.model.rotary_for(layer.layer_type)
         if ctx.rotary is not None:
-            key = id(ctx.rotary)   # one evaluation per table per step, shared by its layers
+            key = id(ctx.rotary)  # one evaluation per table per step, shared by its layers
             if key not in tables:
                 tables[key] = ctx.rotary.cos_sin(step.positions, self.dtype)
             ctx.cos, ctx.sin = tables[key]
         ctx.caches = self.layer_caches[index]
         if ctx.caches:
-            ctx.attention = LayerAttention(self.attention_backend, group,
-                                           step.slot_mappings[group], ctx.caches)
+            ctx.attention = LayerAttention(
+                self.attention_backend, group, step.slot_mappings[group], ctx.caches
+            )
         return ctx
 
     def _final_norm(self, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
@@ -145,6 +174,7 @@ class PagedRunner:
     def _layer_emitter(self, index: int) -> Callable[[str, torch.Tensor], None]:
         def emit(child: str, tensor: torch.Tensor) -> None:
             self._emit(f"model.layers.{index}.{child}", tensor)
+
         return emit
 
     def _emit(self, name: str, tensor: torch.Tensor) -> None:
@@ -157,6 +187,11 @@ class PagedRunner:
 
     def describe(self) -> dict[str, Any]:
         """A short summary for logs: model, layers, backend, dtype, device."""
-        return {"model": self.model.name, "architecture": self.model.architecture,
-                "num_layers": len(self.model.layers), "attention_backend":
-                self.attention_backend.name, "dtype": str(self.dtype), "device": str(self.device)}
+        return {
+            "model": self.model.name,
+            "architecture": self.model.architecture,
+            "num_layers": len(self.model.layers),
+            "attention_backend": self.attention_backend.name,
+            "dtype": str(self.dtype),
+            "device": str(self.device),
+        }

@@ -43,16 +43,21 @@ class TorchRunner(PagedRunner):
     model_config: ModelConfig
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike[str], device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32,
-                        attention_backend: str | AttentionBackend | None = None) -> TorchRunner:
+    def from_pretrained(
+        cls,
+        model_dir: str | os.PathLike[str],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attention_backend: str | AttentionBackend | None = None,
+    ) -> TorchRunner:
         """Load ``config.json`` and the safetensors weights of ``model_dir`` onto ``device``."""
         config = load_model_config(model_dir)
         device = torch.device(device)
         flat = load_weights(model_dir, config, device=device, dtype=dtype)
         weights = ModelWeights.from_flat(flat, config.num_hidden_layers, rename=_runner_name)
-        runner = cls(llama_family_definition(config, device), weights, device, dtype,
-                     attention_backend)
+        runner = cls(
+            llama_family_definition(config, device), weights, device, dtype, attention_backend
+        )
         runner.model_config = config
         return runner
 
@@ -72,25 +77,41 @@ def llama_family_definition(config: ModelConfig, device: torch.device) -> ModelD
     moe = None
     if config.moe is not None:
         mixtral = config.architecture == "MixtralForCausalLM"
-        moe = topk_moe_block(MIXTRAL_EXPERT_NAMES if mixtral else ("gate_proj", "up_proj",
-                                                                    "down_proj"),
-                             renormalise=config.moe.norm_topk_prob,
-                             num_experts_per_tok=config.moe.num_experts_per_tok)
+        moe = topk_moe_block(
+            MIXTRAL_EXPERT_NAMES if mixtral else ("gate_proj", "up_proj", "down_proj"),
+            renormalise=config.moe.norm_topk_prob,
+            num_experts_per_tok=config.moe.num_experts_per_tok,
+        )
     layers = []
     for i in range(config.num_hidden_layers):
         window = config.layer_window_tokens(i)
-        layers.append(LayerDefinition(
-            index=i, layer_type=config.layer_types[i], window=window,
-            decoder=prenorm_decoder_layer,
-            children={"input_layernorm": rms_norm_block, "self_attn": gqa_attention_block,
-                      "post_attention_layernorm": rms_norm_block,
-                      "mlp": moe if moe and config.is_moe_layer(i) else swiglu_mlp_block},
-            cache=attention_cache(config.num_key_value_heads, config.head_dim, window)))
+        layers.append(
+            LayerDefinition(
+                index=i,
+                layer_type=config.layer_types[i],
+                window=window,
+                decoder=prenorm_decoder_layer,
+                children={
+                    "input_layernorm": rms_norm_block,
+                    "self_attn": gqa_attention_block,
+                    "post_attention_layernorm": rms_norm_block,
+                    "mlp": moe if moe and config.is_moe_layer(i) else swiglu_mlp_block,
+                },
+                cache=attention_cache(config.num_key_value_heads, config.head_dim, window),
+            )
+        )
     inv_freq, attention_scaling = rope_inv_freq(config.rope, config.head_dim)
     rotary = RotaryEmbedding(inv_freq, attention_scaling, device)
-    return ModelDefinition(name=config.model_type, architecture=config.architecture,
-                           config=config, vocab_size=config.vocab_size, head_dim=config.head_dim,
-                           layers=layers, rotary={"*": rotary}, final_norm=rms_norm_block)
+    return ModelDefinition(
+        name=config.model_type,
+        architecture=config.architecture,
+        config=config,
+        vocab_size=config.vocab_size,
+        head_dim=config.head_dim,
+        layers=layers,
+        rotary={"*": rotary},
+        final_norm=rms_norm_block,
+    )
 
 
 def _runner_name(checkpoint_name: str) -> str:

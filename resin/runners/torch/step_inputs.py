@@ -34,13 +34,17 @@ class StepInputs:
     @classmethod
     def from_plan(cls, plan: BatchPlan, device: torch.device) -> StepInputs:
         rows, last = sampling_rows(plan)
-        return cls(plan=plan, device=device,
-                   input_ids=plan_tensor(plan.input_ids, device).long(),
-                   positions=plan_tensor(plan.positions, device),
-                   slot_mappings=[plan_tensor(plan.slot_mapping[g], device)
-                                  for g in range(plan.num_cache_groups)],
-                   sample_rows=rows,
-                   last_token_indices=torch.as_tensor(last, device=device))
+        return cls(
+            plan=plan,
+            device=device,
+            input_ids=plan_tensor(plan.input_ids, device).long(),
+            positions=plan_tensor(plan.positions, device),
+            slot_mappings=[
+                plan_tensor(plan.slot_mapping[g], device) for g in range(plan.num_cache_groups)
+            ],
+            sample_rows=rows,
+            last_token_indices=torch.as_tensor(last, device=device),
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -6,12 +6,17 @@
                ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
     V3.1/V3.2: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{"arg": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-The outer ``calls begin/end`` markers are dropped. Each ``call begin ... call end`` whose body
-reaches a ``{`` in either shape (``function<sep>NAME`` + fence, or ``NAME<sep>``) streams: start
-with the name, then the arguments as they arrive (``ToolParser._step_json_stream``), then end;
-a code fence or other text after the object is dropped. Any other body (a fenced V3.1 body, a
-body with no ``<sep>``) is read whole and decoded either way; when that fails, it goes out as
-raw content, as does an unterminated call at ``finish`` unless its body already decodes.
+Each ``call begin ... call end`` whose body reaches a ``{`` in either shape (``function<sep>NAME``
++ fence, or ``NAME<sep>``) streams: start with the name, then the arguments as they arrive
+(``ToolParser._step_json_stream``), then end; a code fence or other text after the object is
+dropped. Any other body (a fenced V3.1 body, a body with no ``<sep>``) is read whole and decoded
+either way; when that fails, it goes out as raw content, as does an unterminated call at
+``finish`` unless its body already decodes. ``NAME`` must be a function name.
+
+The outer ``calls begin ... calls end`` block is dropped only when a call forms inside it:
+after ``calls begin``, content is held until the block's first call (then released without the
+marker) or its end / the end of the output (then released with the markers, as text). A
+``calls end`` outside a block is dropped once a call was made, else it is text.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import json
 import re
 
 from .events import OutputEvent
-from .tool_parser import ToolParser
+from .holdback import split_at_marker
+from .schema import ToolSchemas
+from .tool_parser import ToolParser, is_function_name
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -34,7 +41,7 @@ _V31_HEAD = re.compile(r"\s*(?P<name>[^\n{<]+?)\s*" + SEP + r"\s*(?=\{)")
 _FENCE = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
 
 
-def parse_deepseek_body(body: str) -> tuple[str, str] | None:
+def parse_deepseek_body(body: str, schemas: ToolSchemas | None = None) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` of one call body (either shape), or ``None``."""
     match = _V3_BODY.fullmatch(body) or _V31_BODY.fullmatch(body)
     if match is None:
@@ -43,7 +50,7 @@ def parse_deepseek_body(body: str) -> tuple[str, str] | None:
     fenced = _FENCE.fullmatch(args_text)
     if fenced:
         args_text = fenced.group(1)
-    if not name:
+    if not is_function_name(name, schemas):
         return None
     try:
         args = json.loads(args_text) if args_text else {}
@@ -56,13 +63,61 @@ def parse_deepseek_body(body: str) -> tuple[str, str] | None:
 
 class DeepSeekToolParser(ToolParser):
     start_markers = (CALL_BEGIN,)
-    drop_markers = (CALLS_BEGIN, CALLS_END)
+    reasoning_exit_markers = (CALLS_BEGIN, CALL_BEGIN)
     json_heads = (_V3_HEAD, _V31_HEAD)
     call_end = CALL_END
     buffered_state = "body"
+    _block: str | None = None  # inside calls begin, before its first call: the text held
 
     def _open_call(self, marker: str) -> None:
         self._state = "json_head"
+
+    def in_plain_content(self) -> bool:
+        return super().in_plain_content() and self._block is None
+
+    def _step_content(self, out: list[OutputEvent], final: bool) -> bool:
+        before, marker, after = split_at_marker(self._buf, (CALL_BEGIN, CALLS_BEGIN, CALLS_END))
+        if marker is None:
+            self._content(out, self._buf if final else before)
+            self._buf = "" if final else after
+            return False
+        self._content(out, before)
+        self._buf = after
+        self._scan_from = 0
+        if marker == CALL_BEGIN:
+            self._raw = marker
+            self._open_call(marker)
+        elif marker == CALLS_BEGIN:
+            if self._block is None and not self._in_block:
+                self._block, self._in_block = "", True
+            else:
+                self._content(out, marker)  # a second begin inside a block: text
+        elif self._in_block:  # calls end
+            held, self._block, self._in_block = self._block, None, False
+            if held is not None:  # no call formed in the block: all of it is text
+                super()._content(out, CALLS_BEGIN + held + marker)
+        elif not self.num_calls:
+            self._content(out, marker)
+        return True
+
+    _in_block = False  # between calls begin and calls end
+
+    def _content(self, out: list[OutputEvent], text: str) -> None:
+        if self._block is not None:
+            self._block += text
+        else:
+            super()._content(out, text)
+
+    def _start_call(self, out: list[OutputEvent], name: str) -> None:
+        if self._block is not None:  # the block's first call: its markers were structure
+            held, self._block = self._block, None
+            super()._content(out, held)
+        super()._start_call(out, name)
+
+    def _at_finish(self, out: list[OutputEvent]) -> None:
+        if self._block is not None:
+            held, self._block = self._block, None
+            super()._content(out, CALLS_BEGIN + held)
 
     def _step_body(self, out: list[OutputEvent], final: bool) -> bool:
         at = self._find(CALL_END)
@@ -70,7 +125,7 @@ class DeepSeekToolParser(ToolParser):
             return False
         body = self._buf if at == -1 else self._buf[:at]
         self._buf = "" if at == -1 else self._buf[at + len(CALL_END):]
-        call = parse_deepseek_body(body)
+        call = parse_deepseek_body(body, self.schemas)
         if call is None:
             return self._fallback(out, body + ("" if at == -1 else CALL_END))
         self._emit_call(out, *call)

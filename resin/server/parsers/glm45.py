@@ -5,11 +5,16 @@
     <arg_value>SF</arg_value>
     </tool_call>
 
+GLM-4.7 (parser ``glm47``, the same class) writes the same tags without the newlines:
+``<tool_call>NAME<arg_key>city</arg_key><arg_value>SF</arg_value></tool_call>``.
+
 Streams: ``ToolCallStart`` once the name line ends (at a newline, ``<arg_key>`` or
-``</tool_call>``), one arguments fragment per finished key/value pair, and ``}`` (or ``{}``) with
-the end at ``</tool_call>``. Values are converted by the tool's JSON schema
-(``schema.convert_value``: JSON-parsed unless the parameter is a string or unknown). A value ends
-only at ``</arg_value>``. Text between pairs is ignored.
+``</tool_call>``); a string value (by the tool's JSON schema, or a key the schema does not know)
+as its text arrives, any other value in one fragment once its pair is finished; and ``}`` (or
+``{}``) with the end at ``</tool_call>``. Values are converted by the tool's JSON schema
+(``schema.convert_value``: JSON-parsed unless the parameter is a string or unknown; a number
+quoted as ``"5"`` for a numeric parameter is the number). A value ends only at
+``</arg_value>``. Text between pairs is ignored; a key given twice keeps its first value.
 
 A hermes JSON body (``<tool_call>{"name": ...}</tool_call>``) is read as hermes does. A name
 that is empty or does not look like a function name (``<``, spaces, quotes) means this is not a call: its raw text is content. At ``finish`` a call whose name is known is closed with the
@@ -22,7 +27,7 @@ from __future__ import annotations
 import re
 
 from .events import OutputEvent
-from .holdback import expect_marker, split_at_marker
+from .holdback import expect_marker, partial_tail, split_at_marker
 from .schema import convert_value
 from .tool_parser import ToolParser
 
@@ -37,6 +42,8 @@ class Glm45ToolParser(ToolParser):
     start_markers = (TOOL_CALL,)
     _tool = ""  # the call being read
     _key = ""  # the argument being read
+    _vstream = False  # its value streams as a JSON string
+    _vsent = 0  # characters of the value streamed so far
 
     def _open_call(self, marker: str) -> None:
         self._state = "name"
@@ -99,6 +106,11 @@ class Glm45ToolParser(ToolParser):
             return False
         if found:
             self._buf = self._buf.lstrip()[len(VALUE):]
+            self._skip_param = self._key in self._seen_keys
+            self._vstream = self._param_streams(self._key)
+            self._vsent = 0
+            if self._vstream:
+                self._open_string_param(out, self._key)
             self._state = "value"
         else:
             self._state = "args"  # a key without a value is dropped
@@ -107,9 +119,19 @@ class Glm45ToolParser(ToolParser):
     def _step_value(self, out: list[OutputEvent], final: bool) -> bool:
         at = self._find(VALUE_END)
         if at == -1 and not final:
+            if self._vstream:  # release all but a possible partial </arg_value>
+                limit = len(self._buf) - partial_tail(self._buf, (VALUE_END,))
+                self._string_param_text(out, self._buf[self._vsent:limit])
+                self._vsent = max(self._vsent, limit)
             return False
         value = self._buf if at == -1 else self._buf[:at]
         self._buf = "" if at == -1 else self._buf[at + len(VALUE_END):]
-        self._add_param(out, self._key, convert_value(value, self.param_schema(self._tool, self._key)))
+        if self._skip_param:
+            pass  # a key the call already has
+        elif self._vstream:
+            self._string_param_text(out, value[self._vsent:])
+            self._close_string_param(out)
+        else:
+            self._add_param(out, self._key, convert_value(value, self.param_schema(self._tool, self._key)))
         self._state = "args"
         return True

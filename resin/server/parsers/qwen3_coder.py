@@ -8,18 +8,36 @@
     </function>
     </tool_call>
 
-Streams: ``ToolCallStart`` as soon as ``<function=NAME>`` is complete, one arguments fragment per
-finished parameter (``{"a": 1`` then ``, "b": "x"``), and ``}`` (or ``{}``) with the end at
-``</function>``. A value loses one leading and one trailing newline and is converted by the
-tool's JSON schema (``schema.convert_value``). A value ends only at ``</parameter>``, so code
-that contains ``</function>`` stays inside the value.
+Streams: ``ToolCallStart`` as soon as ``<function=NAME>`` is complete; a string parameter (by
+the tool's JSON schema, or one the schema does not know) as its text arrives; any other
+parameter in one fragment once finished (``{"a": 1`` then ``, "b": "x"``); and ``}`` (or ``{}``)
+with the end at ``</function>``. A value loses one leading and one trailing newline and is
+converted by the tool's JSON schema (``schema.convert_value``). ``NAME`` must be a function name
+(``tool_parser.is_function_name``): ``<function={{ tc.name }}>`` is text.
 
-Lenient where Qwen models are known to slip: ``<function=`` without ``<tool_call>`` starts a
-call; a missing ``</function>`` is closed by ``</tool_call>`` or by the next call; a hermes JSON
-body (``<tool_call>{"name": ...}</tool_call>``) is read as hermes does. Text between parameters
-is ignored. ``<tool_call>`` followed by something other than ``<function=`` is not a
-call: its raw text is content. At ``finish`` a call whose name is known is closed with the
-parameters read so far (a parameter cut off mid-value keeps the partial value).
+Where a value ends (the rules of vLLM's ``qwen3_coder`` parser, decided as text arrives). A
+value holds code, so the closing tags can occur inside it as text:
+
+* ``</parameter>`` ends it only when what follows (after whitespace) is structure: ``</function>``,
+  ``</tool_call>``, ``<tool_call>``, the end of the output, or ``<parameter=NAME>`` naming a
+  parameter of the tool (any name when the tool has no schema). Any other ``</parameter>`` is
+  part of the value.
+* A ``<parameter=NAME>`` at the start of a line inside the value opens a nested level (a tool
+  call quoted in the value); the next ``</parameter>`` closes that level, not the value.
+* A value whose ``</parameter>`` never comes (the model forgot it) is closed by the call's end:
+  a ``</function>`` followed by ``</tool_call>`` and then the end of the output or the next call
+  (or directly by those), or a ``</tool_call>`` followed by them. The value then ends at the
+  first nested ``<parameter=NAME>`` that names another parameter of the tool not given yet
+  (that parameter and those after it are read again as parameters), else at that end. When the
+  output ends first, the same choice is made at its end (else at the first ``</function>``).
+
+A parameter given twice in one call keeps its first value. Lenient where Qwen models are known to
+slip: ``<function=`` without ``<tool_call>`` starts a call; a missing ``</function>`` is closed
+by ``</tool_call>`` or by the next call; a hermes JSON body (``<tool_call>{"name": ...}
+</tool_call>``) is read as hermes does. Text between parameters is ignored. ``<tool_call>``
+followed by something other than ``<function=`` is not a call: its raw text is content. At
+``finish`` a call whose name is known is closed with the parameters read so far (a parameter cut
+off mid-value keeps the partial value).
 """
 
 from __future__ import annotations
@@ -27,11 +45,13 @@ from __future__ import annotations
 from .events import OutputEvent
 from .holdback import expect_marker, split_at_marker
 from .schema import convert_value
-from .tool_parser import ToolParser
+from .tool_parser import MAX_NAME, ToolParser, could_be_function_name, is_function_name
 
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+_VALUE_MARKERS = (PARAMETER, PARAMETER_END, FUNCTION_END, TOOL_CALL_END)
+_NEXT_CALL = (TOOL_CALL, FUNCTION)
 
 
 def _trim_newline(value: str) -> str:
@@ -44,8 +64,15 @@ def _trim_newline(value: str) -> str:
 
 class Qwen3CoderToolParser(ToolParser):
     start_markers: tuple[str, ...] = (TOOL_CALL, FUNCTION)
-    _tool = ""  # the call being read
     _param = ""  # the parameter being read
+    # The value being read is self._buf[:end]; its scan (see _scan_value):
+    _vpos = 0  # resume point: everything before it has been classified
+    _vdepth = 0  # nested <parameter=...> levels open
+    _vopens: list[int] = []  # nested opens that could close the value (forgotten </parameter>)
+    _vhold = -1  # text from here may not belong to the value: not streamed yet
+    _vcall_end = -1  # first </function> or </tool_call> inside the value
+    _vstream = False  # the value streams as a JSON string
+    _vsent = 0  # characters of the (trimmed) value streamed so far
 
     def _open_call(self, marker: str) -> None:
         self._state = "open" if marker == TOOL_CALL else "name"
@@ -68,11 +95,13 @@ class Qwen3CoderToolParser(ToolParser):
 
     def _step_name(self, out: list[OutputEvent], final: bool) -> bool:
         at = self._buf.find(">")
-        if at == -1 and not final:
-            return False
-        name = self._buf[:at].strip() if at != -1 else ""
-        if not name or "<" in name or "\n" in name:
+        if at == -1:
+            if not final and could_be_function_name(self._buf, self.schemas):
+                return False
             return self._fallback(out)
+        name = self._buf[:at].strip()
+        if at > 2 * MAX_NAME or not is_function_name(name, self.schemas):
+            return self._fallback(out)  # prose or a template that leaked: content
         self._buf = self._buf[at + 1:]
         self._tool = name
         self._start_call(out, name)
@@ -114,23 +143,164 @@ class Qwen3CoderToolParser(ToolParser):
             return True
         self._param = self._buf[:at].strip()
         self._buf = self._buf[at + 1:]
+        self._vpos, self._vdepth, self._vopens, self._vhold, self._vcall_end = 0, 0, [], -1, -1
+        self._vsent = 0
+        self._skip_param = self._param in self._seen_keys
+        self._vstream = self._param_streams(self._param)
+        if self._vstream:
+            self._open_string_param(out, self._param)
         self._state = "param_value"
         return True
 
+    # -- one parameter's value -----------------------------------------------------------------
+
     def _step_param_value(self, out: list[OutputEvent], final: bool) -> bool:
-        at = self._find(PARAMETER_END)
-        if at == -1:
+        end, resume = self._scan_value(final)
+        if end == -1:
             if not final:
+                self._stream_value(out, resume)
                 return False
-            value = self._buf.split("\n" + FUNCTION_END, 1)[0]
-            self._buf = ""
+            end = resume = min((at for at in (*self._vopens[:1], self._vcall_end) if at >= 0), default=len(self._buf))
+        raw = _trim_newline(self._buf[:end])
+        self._buf = self._buf[resume:]
+        self._scan_from = 0
+        if self._skip_param:
+            pass  # a parameter the call already has
+        elif self._vstream:
+            self._string_param_text(out, raw[self._vsent:])
+            self._close_string_param(out)
         else:
-            value = self._buf[:at]
-            self._buf = self._buf[at + len(PARAMETER_END):]
-        raw = _trim_newline(value)
-        self._add_param(out, self._param, convert_value(raw, self.param_schema(self._tool, self._param)))
+            self._add_param(out, self._param, convert_value(raw, self.param_schema(self._tool, self._param)))
         self._state = "function"
         return True
+
+    def _scan_value(self, final: bool) -> tuple[int, int]:
+        """``(end of the value, where the text after it resumes)``, or ``(-1, limit)`` when the
+        end is not known yet (``limit``: text before it is surely inside the value, unless
+        held by ``_vhold``). Resumes at ``_vpos``; state before it is never revisited."""
+        buf = self._buf
+        pos = self._vpos
+        while True:
+            at = buf.find("<", pos)
+            if at == -1:
+                self._vpos = len(buf)
+                return -1, len(buf)
+            marker = next((m for m in _VALUE_MARKERS if buf.startswith(m, at)), None)
+            if marker is None:
+                if not final and any(m.startswith(buf[at:]) for m in _VALUE_MARKERS):
+                    self._vpos = at  # a marker may be arriving
+                    return -1, at
+                pos = at + 1
+                continue
+            after = at + len(marker)
+            if marker == PARAMETER:
+                if at == 0 or buf[at - 1] == "\n":
+                    name = self._tag_name(buf, after, final)
+                    if name is None:
+                        self._vpos = at
+                        return -1, at
+                    if name is not False:
+                        if self._vdepth == 0 and self._closes_value(name):
+                            self._vopens.append(at)
+                            self._hold(at)
+                        self._vdepth += 1
+                        pos = buf.index(">", after) + 1
+                        continue
+                pos = after
+                continue
+            if marker == PARAMETER_END:
+                if self._vdepth:
+                    self._vdepth -= 1  # closes a nested (quoted) parameter
+                    pos = after
+                    continue
+                follows = self._ends_after_parameter(buf, after, final)
+                if follows is None:
+                    self._vpos = at
+                    return -1, at
+                if follows:
+                    return at, after
+                pos = after
+                continue
+            # </function> or </tool_call>: the call's end, if the value never got its </parameter>
+            self._hold(at)
+            if self._vcall_end < 0:
+                self._vcall_end = at
+            follows = self._ends_call(buf, marker, after, final)
+            if follows is None:
+                self._vpos = at
+                return -1, at
+            if follows:
+                end = self._vopens[0] if self._vopens else at
+                return end, end  # the text from there is read again as parameters / the end
+            pos = after
+
+    def _hold(self, at: int) -> None:
+        if self._vhold < 0:
+            self._vhold = at
+
+    def _stream_value(self, out: list[OutputEvent], limit: int) -> None:
+        """Stream the part of a string value that is surely in it (not a possible last newline)."""
+        if not self._vstream or not self._buf:
+            return
+        if self._vhold >= 0:
+            limit = min(limit, self._vhold)
+        start = 1 if self._buf.startswith("\n") else 0
+        if limit > start and self._buf[limit - 1] == "\n":
+            limit -= 1
+        if limit - start > self._vsent:
+            self._string_param_text(out, self._buf[start + self._vsent:limit])
+            self._vsent = limit - start
+
+    @staticmethod
+    def _tag_name(text: str, at: int, final: bool) -> str | bool | None:
+        """The NAME of ``<parameter=NAME>`` whose NAME starts at ``at``: a string, ``False`` when
+        this is not such a tag, ``None`` when more text is needed to tell."""
+        gt = text.find(">", at)
+        segment = text[at:] if gt == -1 else text[at:gt]
+        if "\n" in segment or len(segment) > MAX_NAME:
+            return False
+        if gt == -1:
+            return False if final else None
+        name = segment.strip()
+        return name if name else False
+
+    def _known_param(self, name: str) -> bool:
+        props = self.schemas.get(self._tool)
+        return name in props if props else is_function_name(name)
+
+    def _closes_value(self, name: str) -> bool:
+        """Whether a nested ``<parameter=NAME>`` could be the next parameter of this call."""
+        return name != self._param and name not in self._seen_keys and self._known_param(name)
+
+    def _ends_after_parameter(self, text: str, at: int, final: bool) -> bool | None:
+        """Whether the ``</parameter>`` ending just before ``at`` closes the value."""
+        rest = text[at:].lstrip()
+        if not rest:
+            return True if final else None
+        if rest.startswith((FUNCTION_END, TOOL_CALL_END, TOOL_CALL)):
+            return True
+        if rest.startswith(PARAMETER):
+            name = self._tag_name(rest, len(PARAMETER), final)
+            return name if name is None else (name is not False and self._known_param(name))
+        if not final and any(m.startswith(rest) for m in (FUNCTION_END, TOOL_CALL_END, TOOL_CALL, PARAMETER)):
+            return None
+        return False
+
+    def _ends_call(self, text: str, marker: str, at: int, final: bool) -> bool | None:
+        """Whether ``marker`` (``</function>`` / ``</tool_call>``, ending just before ``at``)
+        is followed by the end of the output or the next call (``</function>``: optionally
+        after ``</tool_call>``)."""
+        rest = text[at:].lstrip()
+        if not rest:
+            return True if final else None
+        if rest.startswith(_NEXT_CALL):
+            return True
+        if marker == FUNCTION_END and rest.startswith(TOOL_CALL_END):
+            return self._ends_call(text, TOOL_CALL_END, len(text) - len(rest) + len(TOOL_CALL_END), final)
+        ahead = _NEXT_CALL + ((TOOL_CALL_END,) if marker == FUNCTION_END else ())
+        if not final and any(m.startswith(rest) for m in ahead):
+            return None
+        return False
 
     def _step_after_function(self, out: list[OutputEvent], final: bool) -> bool:
         """After ``</function>``: swallow an optional ``</tool_call>``."""

@@ -5,14 +5,29 @@ tool definitions say what each parameter is; ``convert_value`` turns ``"3"`` int
 ``integer`` parameter, ``"true"`` into ``True`` for a ``boolean``, ``"[1, 2]"`` into a list for an
 ``array``, and leaves ``string`` parameters (and parameters the schema does not know) as text.
 A value that does not parse as its declared type stays text: the call is still delivered.
+
+Models also write values the way their chat templates rendered them in the prompt, which for
+several templates is Python's ``str()`` rather than JSON (vLLM's ``qwen3_coder`` parser handles
+the same cases): ``{'k': 'v'}`` / ``['a', 1]`` / ``(1, 2)`` for objects and arrays (read with
+``ast.literal_eval`` when JSON fails, only literals, only JSON-representable results), ``None``
+for null, ``True`` / ``False`` for booleans; and numbers quoted as JSON strings (``"5"``, seen
+from GLM) for numeric parameters. ``null`` / ``None`` become ``None`` for a parameter whose
+schema allows null (``"null"`` in its types, ``anyOf``/``oneOf`` with a null option, or OpenAPI
+``"nullable": true``), even a string one; and for any non-string parameter.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 from typing import Any
 
 ToolSchemas = dict[str, dict[str, Any]]  # tool name -> {parameter name -> JSON schema}
+
+_STRING_TYPES = frozenset({"string", "str", "text"})
+_NULL_WORDS = ("null", "none")
+_LITERAL_LIMIT = 100_000  # longest text handed to ast.literal_eval
 
 
 def tool_schemas(tools: list[dict] | None) -> ToolSchemas:
@@ -40,15 +55,27 @@ def _types(schema: dict | None) -> set[str]:
     found: set[str] = set()
     declared = schema.get("type")
     if isinstance(declared, str):
-        found.add(declared)
+        found.add(declared.strip().lower())
     elif isinstance(declared, list):
-        found.update(t for t in declared if isinstance(t, str))
+        found.update(t.strip().lower() for t in declared if isinstance(t, str))
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key) or []:
             found |= _types(option)
+    if schema.get("nullable") is True:
+        found.add("null")
     if not found and "enum" in schema:
         found.add("string")  # enums are almost always strings; keep them as written
     return found
+
+
+def is_plain_string(schema: dict | None) -> bool:
+    """Whether ``convert_value`` returns any raw text for this schema unchanged (so the value
+    can be streamed as a JSON string before it is complete): no schema at all, or a string type
+    that does not also allow null."""
+    if schema is None:
+        return True
+    types = _types(schema)
+    return bool(types & _STRING_TYPES) and "null" not in types
 
 
 def _loads(text: str) -> tuple[bool, Any]:
@@ -58,35 +85,114 @@ def _loads(text: str) -> tuple[bool, Any]:
         return False, None
 
 
-def convert_value(raw: str, schema: dict | None) -> Any:
-    """The JSON value for one parameter's raw text, by its schema's type (see module doc)."""
-    types = _types(schema)
-    stripped = raw.strip()
-    if stripped == "null" and "null" in types:
-        return None
-    if not types or types == {"null"}:
-        # No schema for this parameter: text, unless the schema allows anything ({}).
-        if schema is None:
-            return raw
-        ok, value = _loads(stripped)
-        return value if ok else raw
-    if types & {"string", "str", "text"}:
-        return raw
+def _jsonable(value: Any) -> tuple[bool, Any]:
+    """``value`` (from ``ast.literal_eval``) as JSON data: tuples become lists; sets, bytes,
+    complex numbers, non-finite floats and non-string keys are refused."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return True, value
+    if isinstance(value, float):
+        return math.isfinite(value), value
+    if isinstance(value, (list, tuple)):
+        items = []
+        for item in value:
+            ok, item = _jsonable(item)
+            if not ok:
+                return False, None
+            items.append(item)
+        return True, items
+    if isinstance(value, dict):
+        obj = {}
+        for key, item in value.items():
+            ok, item = _jsonable(item)
+            if not ok or not isinstance(key, str):
+                return False, None
+            obj[key] = item
+        return True, obj
+    return False, None
+
+
+def _literal(text: str) -> tuple[bool, Any]:
+    """JSON, else a Python literal (``{'k': 'v'}``, ``None``, ``True``), as JSON data."""
+    ok, value = _loads(text)
+    if ok:
+        return True, value
+    if len(text) > _LITERAL_LIMIT:
+        return False, None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return False, None
+    return _jsonable(value)
+
+
+def _unquote(text: str) -> str | None:
+    """The content of a JSON string literal (``"5"`` -> ``5``), else ``None``."""
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        ok, value = _loads(text)
+        if ok and isinstance(value, str):
+            return value.strip()
+    return None
+
+
+def _convert_typed(stripped: str, types: set[str]) -> tuple[bool, Any]:
     if types & {"integer", "int"}:
         try:
-            return int(stripped)
+            return True, int(stripped)
         except ValueError:
             pass
+        try:
+            number = float(stripped)
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(number) and number.is_integer():
+                return True, int(number)
     if types & {"number", "integer", "float"}:
         ok, value = _loads(stripped)
         if ok and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return value
+            return True, value
+        try:
+            number = float(stripped)
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(number):
+                return True, number
     if types & {"boolean", "bool"}:
         lowered = stripped.lower()
         if lowered in ("true", "false"):
-            return lowered == "true"
+            return True, lowered == "true"
     if types & {"object", "array", "dict", "list"}:
-        ok, value = _loads(stripped)
-        if ok and isinstance(value, (dict, list)):
+        ok, value = _literal(stripped)
+        if ok and isinstance(value, str):  # a Python repr inside a JSON string: "{'k': 1}"
+            ok, value = _literal(value.strip())
+        if ok and isinstance(value, dict) and types & {"object", "dict"}:
+            return True, value
+        if ok and isinstance(value, list) and types & {"array", "list"}:
+            return True, value
+    return False, None
+
+
+def convert_value(raw: str, schema: dict | None) -> Any:
+    """The JSON value for one parameter's raw text, by its schema's type (see module doc)."""
+    if schema is None:
+        return raw  # a parameter the tool does not declare (or no tools): text
+    types = _types(schema)
+    stripped = raw.strip()
+    if stripped.lower() in _NULL_WORDS and ("null" in types or not types & _STRING_TYPES):
+        return None
+    if types & _STRING_TYPES:
+        return raw
+    if not types - {"null"}:
+        # The schema allows anything ({} or only a description): JSON or a Python literal.
+        ok, value = _literal(stripped)
+        return value if ok else raw
+    ok, value = _convert_typed(stripped, types)
+    if ok:
+        return value
+    inner = _unquote(stripped)
+    if inner is not None:
+        ok, value = _convert_typed(inner, types)
+        if ok:
             return value
     return raw

@@ -14,6 +14,12 @@ chunking of the same text gives the same content and the same calls.
 Whitespace: trailing whitespace of content is held until more content follows. It is dropped
 when a tool call starts right after it, and at the end once any call was made (vLLM likewise
 drops the blank lines around calls); with no calls it is released at the end.
+
+Names: a call is made only for a name that can be a function name (``is_function_name``): a
+template that leaked unrendered (``<function={{ tc.name }}>``) or prose is text, not a call.
+Arguments: a parameter written twice in one call (XML formats) keeps its first value, so the
+streamed arguments never hold a duplicated key. String parameters of the XML formats stream
+as their text arrives (``_open_string_param`` ...), other parameters when complete.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from .events import (
 )
 from .holdback import split_at_marker
 from .json_stream import JsonObjectStreamer
-from .schema import ToolSchemas, tool_schemas
+from .schema import ToolSchemas, is_plain_string, tool_schemas
 
 JSON_BODY_END = "</tool_call>"
 # The start of a hermes body up to its arguments object: what lets the arguments stream.
@@ -41,7 +47,32 @@ HERMES_HEAD = re.compile(
 )
 
 
-def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
+# Characters no function name has; vLLM's qwen3_coder parser refuses the same set.
+_NOT_IN_NAMES = frozenset('{}<>()[]"\'`\\,;=')
+MAX_NAME = 256
+
+
+def is_function_name(name: str, schemas: ToolSchemas | None = None) -> bool:
+    """Whether ``name`` (already stripped) can name a function: one of the request's tools, or
+    a non-empty word with no whitespace and none of ``{}<>()[]"'`\\,;=`` (letters of any script,
+    digits, ``_ - . : /`` are fine: ``get_weather``, ``mcp.fs/read``, ``ns__tool``)."""
+    if schemas and name in schemas:
+        return True
+    return (0 < len(name) <= MAX_NAME and not any(c.isspace() or c in _NOT_IN_NAMES for c in name))
+
+
+def could_be_function_name(prefix: str, schemas: ToolSchemas | None = None) -> bool:
+    """Whether more text can still make ``prefix`` (a name arriving, surrounding whitespace
+    allowed) a function name: lets a parser reject prose at once instead of at the next ``>``."""
+    name = prefix.strip()
+    if len(prefix) > 2 * MAX_NAME:
+        return False
+    if not name or (schemas and any(tool.startswith(name) for tool in schemas)):
+        return True
+    return is_function_name(name, schemas)
+
+
+def call_from_json(obj: Any, args_keys: tuple[str, ...], schemas: ToolSchemas | None = None) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` from a decoded ``{"name": ..., "arguments": {...}}`` object.
 
     The arguments may sit under any of ``args_keys``, be absent (``{}``) or be a JSON string that
@@ -50,7 +81,7 @@ def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | No
     if not isinstance(obj, dict):
         return None
     name = obj.get("name")
-    if not isinstance(name, str) or not name.strip():
+    if not isinstance(name, str) or not is_function_name(name.strip(), schemas):
         return None
     args: Any = {}
     for key in args_keys:
@@ -69,15 +100,15 @@ def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | No
     return name.strip(), json.dumps(args, ensure_ascii=False)
 
 
-def parse_json_calls(body: str) -> list[tuple[str, str]] | None:
+def parse_json_calls(body: str, schemas: ToolSchemas | None = None) -> list[tuple[str, str]] | None:
     """``[(name, arguments JSON)]`` for a hermes-style body: one call object or a list of them;
-    ``None`` when the body is not that (bad JSON, no name, arguments not an object)."""
+    ``None`` when the body is not that (bad JSON, no function name, arguments not an object)."""
     try:
         obj = json.loads(body)
     except ValueError:
         return None
     items = obj if isinstance(obj, list) else [obj]
-    calls = [call_from_json(item, ("arguments", "parameters")) for item in items]
+    calls = [call_from_json(item, ("arguments", "parameters"), schemas) for item in items]
     if not calls or any(c is None for c in calls):
         return None
     return calls  # type: ignore[return-value]
@@ -89,7 +120,10 @@ class ToolParser:
     state. A step returns True when it changed something and the loop should run again."""
 
     start_markers: tuple[str, ...] = ()
-    drop_markers: tuple[str, ...] = ()  # removed from content, start nothing (DeepSeek's outer block)
+    drop_markers: tuple[str, ...] = ()  # removed from content, start nothing
+    # Markers that, met inside reasoning the model never closed, may end it there (see
+    # ``reasoning.py``); None means ``start_markers``.
+    reasoning_exit_markers: tuple[str, ...] | None = None
     # Streamed JSON calls (state "json_head"): a call body that matches one of ``json_heads``
     # (group "name") right up to its arguments object streams those arguments; any other body
     # is read whole up to ``call_end`` by ``buffered_state``.
@@ -110,6 +144,16 @@ class ToolParser:
         self._scan_from = 0  # the buffer before this offset holds no whole ``_find`` marker
         self._streamer = JsonObjectStreamer()  # the arguments being streamed (state json_stream)
         self._leftover = ""  # text after the streamed arguments turned invalid
+        self._seen_keys: set[str] = set()  # parameters of the current call (XML formats)
+        self._skip_param = False  # the parameter being read repeats one: dropped
+
+    @classmethod
+    def exit_markers(cls) -> tuple[str, ...]:
+        return cls.start_markers if cls.reasoning_exit_markers is None else cls.reasoning_exit_markers
+
+    def in_plain_content(self) -> bool:
+        """No call made and none being read: everything consumed so far went out as content."""
+        return self._state == "content" and self.num_calls == 0
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -124,6 +168,7 @@ class ToolParser:
         out: list[OutputEvent] = []
         while getattr(self, "_step_" + self._state)(out, True):
             pass
+        self._at_finish(out)
         if self._pending_ws and self.num_calls == 0:
             out.append(ContentDelta(self._pending_ws))
         self._pending_ws = ""
@@ -147,6 +192,9 @@ class ToolParser:
 
     def _open_call(self, marker: str) -> None:
         raise NotImplementedError
+
+    def _at_finish(self, out: list[OutputEvent]) -> None:
+        """Hook: release anything a subclass still holds once every state has finished."""
 
     def _find(self, marker: str) -> int:
         """``self._buf.find(marker)``, resuming where the last miss left off.
@@ -181,6 +229,7 @@ class ToolParser:
         self.num_calls += 1
         self._args_parts = []
         self._num_params = 0
+        self._seen_keys = set()
         self._raw = ""
 
     def _args(self, out: list[OutputEvent], text: str) -> None:
@@ -204,7 +253,7 @@ class ToolParser:
             return self._fallback(out)  # not JSON (say, prose naming the tag): content at once
         for head in self.json_heads:
             match = head.match(self._buf)
-            if match:
+            if match and is_function_name(match.group("name").strip(), self.schemas):
                 self._buf = self._buf[match.end():]
                 self._scan_from = 0
                 self._start_call(out, match.group("name").strip())
@@ -251,7 +300,7 @@ class ToolParser:
             return False
         body = self._buf if at == -1 else self._buf[:at]
         self._buf = "" if at == -1 else self._buf[at + len(JSON_BODY_END):]
-        calls = parse_json_calls(body)
+        calls = parse_json_calls(body, self.schemas)
         if calls is None:
             return self._fallback(out, body + ("" if at == -1 else JSON_BODY_END))
         for name, arguments in calls:
@@ -266,14 +315,38 @@ class ToolParser:
         self._end_call(out)
 
     def _add_param(self, out: list[OutputEvent], key: str, value: Any) -> None:
-        """One parameter of a call streamed parameter by parameter (XML formats)."""
+        """One parameter of a call streamed parameter by parameter (XML formats); a key the
+        call already has is dropped."""
+        if key in self._seen_keys:
+            return
+        self._seen_keys.add(key)
         sep = ", " if self._num_params else "{"
         self._args(out, sep + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
         self._num_params += 1
 
+    def _param_streams(self, key: str) -> bool:
+        """Whether this parameter's value streams as a JSON string (see ``schema.is_plain_string``)."""
+        return key not in self._seen_keys and is_plain_string(self.param_schema(self._tool, key))
+
+    def _open_string_param(self, out: list[OutputEvent], key: str) -> None:
+        """Start a string parameter whose text follows in ``_string_param_text`` pieces."""
+        self._seen_keys.add(key)
+        sep = ", " if self._num_params else "{"
+        self._args(out, sep + json.dumps(key, ensure_ascii=False) + ': "')
+        self._num_params += 1
+
+    def _string_param_text(self, out: list[OutputEvent], text: str) -> None:
+        if text:
+            self._args(out, json.dumps(text, ensure_ascii=False)[1:-1])
+
+    def _close_string_param(self, out: list[OutputEvent]) -> None:
+        self._args(out, '"')
+
     def _close_params(self, out: list[OutputEvent]) -> None:
         self._args(out, "}" if self._num_params else "{}")
         self._end_call(out)
+
+    _tool = ""  # the call being read (XML formats)
 
     def param_schema(self, tool: str, param: str) -> dict | None:
         return self.schemas.get(tool, {}).get(param)
