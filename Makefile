@@ -6,7 +6,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-stamp
 
-.PHONY: install develop test test-rust test-python test-wheel wheel bench serve clean
+.PHONY: install develop lint test test-rust test-python test-wheel wheel bench serve clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "maturin>=1.7,<2" "numpy>=1.26" "typer>=0.12" "pytest>=8" "mypy>=1.10" \
 		"jinja2>=3.1" "tokenizers>=0.20" "safetensors>=0.4" "transformers>=4.45" "torch>=2.4" \
-		"fastapi>=0.110" "uvicorn>=0.29" "uvloop>=0.19" "httptools>=0.6" "httpx>=0.27" "openai>=1.40" "anthropic>=0.40" "matplotlib>=3.8"
+		"fastapi>=0.110" "uvicorn>=0.29" "uvloop>=0.19" "httptools>=0.6" "httpx>=0.27" "openai>=1.40" "anthropic>=0.40" "matplotlib>=3.8" "ruff>=0.6"
 	touch $(STAMP)
 
 # Editable install with a release build of the extension (resin/_core.*.so).
@@ -32,6 +32,15 @@ test-python: install
 	$(VPY) -m pytest -q
 
 test: test-rust test-python
+
+# The habits the code keeps, enforced (CI runs this before the tests): ruff lint + format,
+# mypy on the package, rustfmt, clippy with warnings as errors.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VPY) -m mypy resin/
+	cargo fmt --all -- --check
+	cargo clippy -q --workspace --all-targets -- -D warnings
 
 # The release wheel (what `pip install .` builds) into .whl/; reuses target/ from `make install`.
 wheel: install
