@@ -260,7 +260,9 @@ def test_cli_exits_one_on_a_parity_failure(
     from resin.evals import cli
 
     monkeypatch.setattr(
-        cli, "_runner_factory", lambda runner, dtype, device: _patched(_swap_layer1_norms)
+        cli,
+        "_runner_factory",
+        lambda runner, dtype, device, backend=None: _patched(_swap_layer1_norms),
     )
     out = tmp_path / "parity.json"
     result = CliRunner().invoke(

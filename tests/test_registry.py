@@ -181,3 +181,51 @@ def test_a_shared_runner_change_reaches_generated_models(
     changed = llm.generate(prompt, GREEDY)[0].token_ids
     assert changed != normal
     assert {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file()} == before
+
+
+def test_eval_parity_and_bench_take_runner_models_dir_and_backend(
+    user_models: Path, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from resin.cli import app
+
+    report = tmp_path / "parity.json"
+    args = [
+        "eval",
+        "parity",
+        str(FIXTURES / "llama"),
+        "--runner",
+        "my_llama",
+        "--models-dir",
+        str(user_models),
+        "--attention-backend",
+        "reference",
+        "--json",
+        str(report),
+        "--max-new-tokens",
+        "2",
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["runner"] == "model:my_llama"
+    bad = CliRunner().invoke(app, [*args[:-4], "--attention-backend", "nope"])
+    assert bad.exit_code == 1 and "unknown attention backend 'nope'" in bad.output
+    bench = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "my_llama",
+            "--models-dir",
+            str(user_models),
+            "--shapes",
+            "decode:2@8",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path / "bench"),
+        ],
+    )
+    assert bench.exit_code == 0, bench.output

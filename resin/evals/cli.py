@@ -39,7 +39,9 @@ def _group() -> None:
     """Evaluate a runner (a callback keeps ``parity`` a sub-command even while it is the only one)."""
 
 
-def _runner_factory(runner: str, dtype: str, device: str) -> Any:
+def _runner_factory(
+    runner: str, dtype: str, device: str, attention_backend: str | None = None
+) -> Any:
     if runner != "torch":
         raise typer.BadParameter(
             f"unknown runner {runner!r}; known: {', '.join(RUNNERS)}", param_hint="--runner"
@@ -50,7 +52,12 @@ def _runner_factory(runner: str, dtype: str, device: str) -> Any:
 
         from resin.runners.torch import TorchRunner
 
-        return TorchRunner.from_pretrained(model_dir, device=device, dtype=getattr(torch, dtype))
+        return TorchRunner.from_pretrained(
+            model_dir,
+            device=device,
+            dtype=getattr(torch, dtype),
+            attention_backend=attention_backend,
+        )
 
     return factory
 
@@ -66,8 +73,9 @@ def parity(
     runner: Annotated[
         str | None,
         typer.Option(
-            help="torch (the reference runner) or model (models/NAME/runner.py). Default: model "
-            "for a model name or directory, torch for a checkpoint."
+            help="torch (the built-in reference runner), model (MODEL's own model directory), "
+            "or another registered model name or model directory to run MODEL's checkpoint "
+            "with. Default: the model registry's choice for the checkpoint."
         ),
     ] = None,
     json_path: Annotated[
@@ -99,30 +107,46 @@ def parity(
             "instead of parity.toml's [reference] checkpoint; needs a model NAME or directory.",
         ),
     ] = None,
+    models_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--models-dir",
+            help="Directory of model directories to register, or one model directory "
+            "(repeatable; also $RESIN_MODELS_PATH).",
+        ),
+    ] = None,
+    attention_backend: Annotated[
+        str | None,
+        typer.Option(help="Attention backend of the torch runners (default: reference)."),
+    ] = None,
 ) -> None:
     """Check a runner against HF transformers: per-layer diffs, logits, greedy tokens under stress."""
     from resin.evals.model_ref import ModelRefError, resolve_model
 
     if dtype is not None and dtype not in DTYPES:
         raise typer.BadParameter(f"unsupported dtype {dtype!r}", param_hint="--dtype")
-    if runner is not None and runner not in RUNNERS:
-        raise typer.BadParameter(
-            f"unknown runner {runner!r}; known: {', '.join(RUNNERS)}", param_hint="--runner"
-        )
+    dirs = list(models_dir or ())
     try:
-        ref = resolve_model(model)
+        ref = resolve_model(model, models_dirs=dirs)
+        if runner is not None and runner not in RUNNERS:
+            # another model's blocks (and its parity.toml) on MODEL's checkpoint
+            other = resolve_model(runner, models_dirs=dirs)
+            if other.model_dir is None:
+                raise ModelRefError(f"--runner {runner}: not a model directory or name")
+            ref = dataclasses.replace(other, checkpoint_dir=ref.checkpoint_dir)
     except ModelRefError as exc:
-        raise typer.BadParameter(str(exc), param_hint="MODEL") from exc
+        raise typer.BadParameter(str(exc), param_hint="MODEL / --runner") from exc
+    ref.attention_backend = attention_backend
     if runner == "model" and ref.model_dir is None:
         raise typer.BadParameter(
             f"{model} is a checkpoint, not a models/NAME directory: it has "
-            "no runner.py (use --runner torch)",
+            "no model directory (use --runner torch)",
             param_hint="--runner",
         )
     if checkpoint is not None:
         ref = _with_checkpoint(ref, model, checkpoint)
     try:
-        report = _run(ref, runner, dtype, device, max_new_tokens)
+        report = _run(ref, runner, dtype, device, max_new_tokens, attention_backend)
     except (NotImplementedError, ValueError) as exc:
         # The runner could not be built: a stub in models/NAME/blocks.py hit while loading, or
         # a checkpoint it rejects (ConfigError / WeightsError are ValueErrors). run_parity
@@ -179,7 +203,12 @@ def _with_checkpoint(ref: Any, model: str, checkpoint: Path) -> Any:
 
 
 def _run(
-    ref: Any, runner: str | None, dtype: str | None, device: str | None, max_new_tokens: int | None
+    ref: Any,
+    runner: str | None,
+    dtype: str | None,
+    device: str | None,
+    max_new_tokens: int | None,
+    attention_backend: str | None = None,
 ) -> Any:
     from resin.evals.model_ref import run_model_parity
     from resin.evals.parity import run_parity
@@ -189,7 +218,7 @@ def _run(
     dtype = dtype or "float32"
     return run_parity(
         ref.checkpoint_dir,
-        runner_factory=_runner_factory("torch", dtype, device or "cpu"),
+        runner_factory=_runner_factory("torch", dtype, device or "cpu", attention_backend),
         max_new_tokens=max_new_tokens or 8,
         runner_name="torch",
         dtype=dtype,

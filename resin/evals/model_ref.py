@@ -110,8 +110,11 @@ class ModelRef:
         return factory
 
 
-def resolve_model(spec: str | Path, models_root: str | Path | None = None) -> ModelRef:
-    """Resolve a checkpoint path, a model directory path, or a model name (see module doc)."""
+def resolve_model(
+    spec: str | Path, models_root: str | Path | None = None, models_dirs: Any = ()
+) -> ModelRef:
+    """Resolve a checkpoint path, a model directory path, or a model name (see module doc);
+    ``models_root`` / ``models_dirs`` register more model directories (``--models-dir``)."""
     from resin.registry import ModelRegistry, UnknownArchitectureError
 
     path = Path(spec)
@@ -119,7 +122,8 @@ def resolve_model(spec: str | Path, models_root: str | Path | None = None) -> Mo
         path = path.parent
     if path.is_dir() and (path / RECORD_FILE).is_file():
         return _model_ref(path)
-    registry = ModelRegistry([models_root] if models_root is not None else ())
+    roots = [*([models_root] if models_root is not None else []), *models_dirs]
+    registry = ModelRegistry(roots)
     if path.is_dir() and (path / "config.json").is_file():
         try:
             entry = registry.for_checkpoint(path)

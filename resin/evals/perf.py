@@ -277,6 +277,14 @@ def bench(
         str | None,
         typer.Option(help="Attention backend of the torch runners (default: reference)."),
     ] = None,
+    models_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--models-dir",
+            help="Directory of model directories to register, or one model directory "
+            "(repeatable; also $RESIN_MODELS_PATH).",
+        ),
+    ] = None,
 ) -> None:
     """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
 
@@ -285,7 +293,7 @@ def bench(
     from resin.evals.model_ref import ModelRefError, resolve_model
 
     try:
-        ref = resolve_model(model)
+        ref = resolve_model(model, models_dirs=list(models_dir or ()))
         if spec_path is not None and not spec_path.is_file():
             raise ValueError(f"--spec {spec_path}: no such file")
         spec = (
