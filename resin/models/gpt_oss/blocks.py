@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from resin.runners.torch.blocks import rope_from_config
+from resin.runners.torch.blocks import prenorm_decoder_layer, rope_from_config
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import apply_rotary
 
@@ -62,17 +62,8 @@ def gpt_oss_decoder_layer(
 ) -> torch.Tensor:
     """GptOssDecoderLayer (modeling_gpt_oss.py:331): pre-norm residual, as Llama's
     (``h += self_attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))``; the MLP's
-    router scores, HF's second output, are not used by the layer)."""
-    x = fns["input_layernorm"](hidden, weights["input_layernorm"], ctx)
-    emit("input_layernorm", x)
-    x = fns["self_attn"](x, weights["self_attn"], ctx)
-    emit("self_attn", x)
-    hidden = hidden + x
-    x = fns["post_attention_layernorm"](hidden, weights["post_attention_layernorm"], ctx)
-    emit("post_attention_layernorm", x)
-    x = fns["mlp"](x, weights["mlp"], ctx)
-    emit("mlp", x)
-    return hidden + x
+    router scores, HF's second output, are not used by the layer): the shared one."""
+    return prenorm_decoder_layer(hidden, fns, weights, ctx, emit)
 
 
 def gpt_oss_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
