@@ -191,3 +191,28 @@ def test_fp32_sinks_make_the_softmax_fp32() -> None:
     )
     assert not torch.equal(out16, out16_bf_sinks)  # the fp32 sink changed the softmax dtype
     assert (out16.float() - want).abs().max() <= (out16_bf_sinks.float() - want).abs().max()
+
+
+def test_a_mismatched_checkpoint_is_refused_before_loading(tmp_path: Path) -> None:
+    """gpt_oss's record turns shapes into config formulas (q_proj rows = head_dim x heads): a
+    checkpoint whose tensor disagrees with its own config.json is named, nothing loaded."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from resin.loading.weights import WeightsError
+    from resin.registry import ModelRegistry
+
+    tiny = Path(__file__).resolve().parents[1] / "resin" / "models" / "gpt_oss" / "tiny"
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    tensors[name] = torch.cat([tensors[name], tensors[name][:16]])  # 16 extra rows
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(broken)
+    with pytest.raises(
+        WeightsError, match=r"q_proj\.weight has shape \(80, 64\).*implies \(64, 64\)"
+    ):
+        entry.load_runner(broken)
+    entry.load_runner(tiny)  # the intact checkpoint loads

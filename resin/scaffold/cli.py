@@ -63,9 +63,12 @@ def new_model(
     # bench measures the real checkpoint when SOURCE has weights, else the tiny one
     perf = str(checkpoint_dir.resolve()) if has_weights else TINY_DIR
     extra = {"tiny_changes": tiny_changes} if _accepts_extra(render_model) else {}
-    written = render_model(arch, name, out_dir, str(source), tiny, reference, perf, **extra)
+    probe, probe_warning = _probe_architecture(source_path)
+    written = render_model(
+        arch, name, out_dir, str(source), tiny, reference, perf, probe=probe, **extra
+    )
     blocks = blocks_of(arch)
-    warnings = list(unplaced_warnings(arch))
+    warnings = list(unplaced_warnings(arch)) + ([probe_warning] if probe_warning else [])
     if not tiny and not has_weights:
         warnings.append(
             f"{source} has no weights and --tiny was not given: parity.toml points "
@@ -138,3 +141,19 @@ def new_model_command(
     else:
         typer.echo("every block is one Resin has; run parity:")
     typer.echo(f"  resin eval parity {summary['out_dir']} --json /tmp/{name}_parity.json")
+
+
+def _probe_architecture(source: Path) -> tuple[Any, str | None]:
+    """The architecture at the tiny widths: with the source's, it turns every tensor shape into
+    a formula of config fields the runner checks at load (``architecture.json`` shape rules).
+    A config the shrink cannot build leaves the rules out, with a warning."""
+    from resin.scaffold.inspect import inspect_architecture
+    from resin.scaffold.tiny_checkpoint import tiny_config
+
+    try:
+        return inspect_architecture(tiny_config(source), probe_shapes=False), None
+    except Exception as exc:  # noqa: BLE001 - the rules are a check, not a requirement
+        return None, (
+            f"no shape rules in architecture.json (the shrunk probe config does not "
+            f"build: {type(exc).__name__}: {exc}); tensor shapes are not checked at load"
+        )

@@ -15,6 +15,7 @@ from typing import Any
 
 from resin.scaffold.inspect import Architecture
 from resin.scaffold.layer_map import mlp_types_from_config, name_pattern, pattern_shapes
+from resin.scaffold.shape_rules import shape_rules
 
 # HF config keys that say nothing about the model's math.
 BOOKKEEPING_KEYS = (
@@ -48,9 +49,13 @@ BOOKKEEPING_KEYS = (
 )
 
 
-def model_record(arch: Architecture, name: str, source: str) -> Any:
+def model_record(
+    arch: Architecture, name: str, source: str, probe: Architecture | None = None
+) -> Any:
     """The record of ``arch`` (see module doc); raises ValueError when two layers of one kind
-    use different classes (the kind rule cannot tell them apart)."""
+    use different classes (the kind rule cannot tell them apart). ``probe``: the same model at
+    other widths (the tiny config), from which each tensor's shape becomes a formula of config
+    fields (:mod:`resin.scaffold.shape_rules`; none without a probe)."""
     from resin.runners.torch.model_dir import ModelRecord
 
     mlp_types = mlp_types_from_config(arch.config)
@@ -81,6 +86,7 @@ def model_record(arch: Architecture, name: str, source: str) -> Any:
         rotary=arch.rotary.cls_name if arch.rotary else None,
         checkpoint_patterns=patterns,
         source_shapes=source_shapes(arch),
+        shape_rules=shape_rules(arch, probe) if probe is not None else {},
         windowed_layer_types=sorted({layer.layer_type for layer in arch.layers if layer.window}),
         keep_in_fp32=keep_in_fp32_patterns(arch.architecture),
         generated_from=source,

@@ -111,11 +111,13 @@ def render_model(
     tiny: bool,
     reference_checkpoint: str,
     perf_checkpoint: str | None = None,
+    probe: Architecture | None = None,
     **extra: Any,
 ) -> list[Path]:
     """Write every file of :data:`FILES` (``weights.py`` only when some checkpoint name needs
-    renaming) and the model record into ``out_dir``; returns the paths written. ``extra``
-    joins the template context (e.g. ``tiny_changes``)."""
+    renaming) and the model record into ``out_dir``; returns the paths written. ``probe``: the
+    architecture at other widths, for the record's shape rules. ``extra`` joins the template
+    context (e.g. ``tiny_changes``)."""
     from resin.scaffold.record import model_record
 
     env = jinja2.Environment(
@@ -140,7 +142,7 @@ def render_model(
         path.write_text(env.get_template(template).render(**context), encoding="utf-8")
         written.append(path)
     record_path = out_dir / RECORD_FILE
-    record_path.write_text(model_record(arch, name, source).to_json(), encoding="utf-8")
+    record_path.write_text(model_record(arch, name, source, probe).to_json(), encoding="utf-8")
     written.append(record_path)
     for obsolete in OBSOLETE_FILES:
         (out_dir / obsolete).unlink(missing_ok=True)

@@ -82,6 +82,7 @@ class ModelRecord:
     checkpoint_patterns: list[str]
     windowed_layer_types: list[str] = field(default_factory=list)
     source_shapes: dict[str, list[list[Any]]] = field(default_factory=dict)
+    shape_rules: dict[str, Any] = field(default_factory=dict)
     keep_in_fp32: dict[str, list[str]] = field(default_factory=dict)
     generated_from: str = ""
 
@@ -336,6 +337,7 @@ class ModelDirRunner(PagedRunner):
             weight_map=weight_map,
             known_patterns=record.checkpoint_patterns,
             required=lambda i: record.layer_kinds[kinds[i]].get("tensors", []),
+            expected_shape=_shape_checker(record, args, kinds),
             keep_in_fp32=record.keep_in_fp32.get(dtype_name, []),
             device=device,
             dtype=dtype,
@@ -343,3 +345,24 @@ class ModelDirRunner(PagedRunner):
         runner = cls(definition, weights, device, dtype, attention_backend)
         runner.model_dir = model_dir
         return runner
+
+
+def _shape_checker(record: ModelRecord, args: ModelArgs, kinds: list[str]) -> Any:
+    """``expected(pattern, layer) -> dims or None`` from the record's shape rules evaluated on
+    the checkpoint's config (None entries: unchecked dims)."""
+    from resin.scaffold.shape_rules import evaluate
+
+    rules = record.shape_rules
+    if not rules:
+        return None
+    config = args.to_dict()
+
+    def expected(pattern: str, layer: int | None) -> list[int | None] | None:
+        if layer is None:
+            rule = rules.get("global", {}).get(pattern)
+        else:
+            relative = pattern.split("layers.{layer}.", 1)[-1]
+            rule = rules.get("kinds", {}).get(kinds[layer], {}).get(relative)
+        return None if rule is None else evaluate(rule, config)
+
+    return expected

@@ -11,9 +11,10 @@ each checkpoint name is renamed by the model's weight map (a pattern with ``{lay
   bf16: substring match on the checkpoint name, as HF's dtype plan), which load as fp32;
 - integer tensors (hash-routing tables, index buffers) keep their dtype: never cast to float.
 
-Guarantees: a missing required tensor raises :class:`resin.loading.weights.WeightsError` naming
-the layer and the tensor before anything is copied. Shapes are the blocks' to check (a built-in
-family checks them against its parsed config first, :mod:`resin.loading.weights`). Imports torch.
+Guarantees: a missing required tensor, or (with ``expected_shape``) a tensor whose shape is not
+what the checkpoint's config implies, raises :class:`resin.loading.weights.WeightsError` naming
+it before anything is copied (a built-in family checks shapes against its parsed config in
+:mod:`resin.loading.weights`). Imports torch.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def load_model_weights(
     weight_map: Mapping[str, str] | None = None,
     known_patterns: Iterable[str] | None = None,
     required: Callable[[int], Iterable[str]] | None = None,
+    expected_shape: Callable[[str, int | None], list[int | None] | None] | None = None,
     keep_in_fp32: Iterable[str] = (),
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -151,6 +153,8 @@ def load_model_weights(
     by_file: dict[Path, list[str]] = {}
     for name in chosen:
         by_file.setdefault(files[name], []).append(name)
+    if expected_shape is not None:
+        _check_shapes(directory, by_file, expected_shape)
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device=str(device)) as handle:
             for name in names:
@@ -161,3 +165,28 @@ def load_model_weights(
                     tensor = tensor.to(dtype=torch.float32 if keep else dtype)
                 out._place(chosen[name], tensor)
     return out
+
+
+def _check_shapes(
+    directory: Path,
+    by_file: Mapping[Path, list[str]],
+    expected_shape: Callable[[str, int | None], list[int | None] | None],
+) -> None:
+    """Every tensor's header shape against what the checkpoint's config implies, before any
+    tensor is copied; WeightsError naming the tensor, the file and both shapes."""
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as handle:
+            for name in names:
+                pattern, layer, _ = name_pattern(name)
+                want = expected_shape(pattern, layer)
+                if want is None:
+                    continue
+                got = tuple(handle.get_slice(name).get_shape())
+                if len(got) != len(want) or any(
+                    w is not None and w != g for w, g in zip(want, got)
+                ):
+                    shown = tuple("?" if w is None else w for w in want)
+                    raise WeightsError(
+                        f"{path.name}: tensor {name} has shape {got}, but {directory}/config.json "
+                        f"implies {shown} (from the model record's shape rules)"
+                    )
