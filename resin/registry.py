@@ -126,6 +126,7 @@ class ModelRegistry:
         if use_cwd:
             roots.append(Path.cwd() / "models")
         self.user_roots = roots
+        self.skipped: list[str] = []  # model directories whose record could not be read
         entries: list[ModelEntry] = []
         seen: set[Path] = set()
         for origin, root_list in (("user", roots), ("shipped", [SHIPPED_MODELS_DIR])):
@@ -136,7 +137,11 @@ class ModelRegistry:
                         continue
                     seen.add(resolved)
                     is_shipped = resolved.is_relative_to(SHIPPED_MODELS_DIR.resolve())
-                    entries.append(_entry_of(model_dir, "shipped" if is_shipped else origin))
+                    try:
+                        entries.append(_entry_of(model_dir, "shipped" if is_shipped else origin))
+                    except ValueError as exc:  # one broken directory must not stop the rest
+                        warnings.warn(f"model directory skipped: {exc}", stacklevel=2)
+                        self.skipped.append(str(exc))
         entries.sort(key=lambda e: ("user", "shipped").index(e.origin))
         entries.append(
             ModelEntry(

@@ -229,3 +229,12 @@ def test_eval_parity_and_bench_take_runner_models_dir_and_backend(
         ],
     )
     assert bench.exit_code == 0, bench.output
+
+
+def test_a_broken_model_directory_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    broken = tmp_path / "models" / "broken"
+    broken.mkdir(parents=True)
+    (broken / "architecture.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="model directory skipped"):
+        registry = ModelRegistry([tmp_path / "models"], use_cwd=False, use_env=False)
+    assert registry.skipped and registry.for_checkpoint(FIXTURES / "llama").name == "torch"
