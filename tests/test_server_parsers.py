@@ -103,12 +103,23 @@ def run(chunks: list[str], tool: str | None = None, reasoning: str | None = None
 
 
 def random_splits(text: str, rng: random.Random) -> list[str]:
-    cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(len(text) - 1, 12)))) if len(text) > 1 else []
+    cuts = (
+        sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(len(text) - 1, 12))))
+        if len(text) > 1
+        else []
+    )
     bounds = [0, *cuts, len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def check(text: str, tool: str | None = None, reasoning: str | None = None, seed: int = 0, splits: int = 40, **kw) -> Result:
+def check(
+    text: str,
+    tool: str | None = None,
+    reasoning: str | None = None,
+    seed: int = 0,
+    splits: int = 40,
+    **kw,
+) -> Result:
     """The result of ``text`` fed whole, after asserting that feeding it one character at a time
     and at ``splits`` seeded random split points gives the same content, reasoning and calls."""
     whole = run([text], tool, reasoning, **kw)
@@ -123,7 +134,17 @@ def check(text: str, tool: str | None = None, reasoning: str | None = None, seed
 
 
 def no_markers(content: str) -> None:
-    for marker in ("<tool", "</tool", "<｜", "<function", "<parameter", "<arg_", "<|python_tag", "<think", "</think"):
+    for marker in (
+        "<tool",
+        "</tool",
+        "<｜",
+        "<function",
+        "<parameter",
+        "<arg_",
+        "<|python_tag",
+        "<think",
+        "</think",
+    ):
         assert marker not in content
 
 
@@ -139,7 +160,13 @@ def test_hermes_single_call():
 
 
 def test_hermes_content_before_and_multiple_calls():
-    text = "Sure, checking both.\n\n" + HERMES_ONE + "\n" + HERMES_ONE.replace("São Paulo", "Oslo") + "\n"
+    text = (
+        "Sure, checking both.\n\n"
+        + HERMES_ONE
+        + "\n"
+        + HERMES_ONE.replace("São Paulo", "Oslo")
+        + "\n"
+    )
     r = check(text, "qwen25")
     assert r.content == "Sure, checking both."
     assert [c[0] for c in r.calls] == ["get_weather", "get_weather"]
@@ -147,7 +174,10 @@ def test_hermes_content_before_and_multiple_calls():
 
 
 def test_hermes_reasoning_and_call():
-    text = "<think>\nThe user wants weather. <tool_call>not parsed</tool_call>\n</think>\n\n" + HERMES_ONE
+    text = (
+        "<think>\nThe user wants weather. <tool_call>not parsed</tool_call>\n</think>\n\n"
+        + HERMES_ONE
+    )
     r = check(text, "hermes", "qwen3")
     assert r.reasoning == "\nThe user wants weather. <tool_call>not parsed</tool_call>\n"
     assert r.content == ""
@@ -162,25 +192,41 @@ def test_hermes_arguments_variants():
         '<tool_call>[{"name": "d", "arguments": {}}, {"name": "e", "arguments": {"z": null}}]</tool_call>'
     )
     r = check(text, "hermes")
-    assert r.calls == [("a", '{"x": 1}'), ("b", "{}"), ("c", '{"y": [1, 2]}'), ("d", "{}"), ("e", '{"z": null}')]
+    assert r.calls == [
+        ("a", '{"x": 1}'),
+        ("b", "{}"),
+        ("c", '{"y": [1, 2]}'),
+        ("d", "{}"),
+        ("e", '{"z": null}'),
+    ]
 
 
 def test_hermes_malformed_json():
     # Arguments that turn invalid after the call started: the valid part, then the rest as content.
-    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3, "city": Paris}\n</tool_call>'
+    bad = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3, "city": Paris}\n</tool_call>'
+    )
     r = check("Hi " + bad + " " + HERMES_ONE, "hermes")
-    assert r.calls == [("get_weather", '{"days": 3}'), ("get_weather", '{"city": "São Paulo", "days": 2}')]
+    assert r.calls == [
+        ("get_weather", '{"days": 3}'),
+        ("get_weather", '{"city": "São Paulo", "days": 2}'),
+    ]
     assert r.content == "HiParis}"  # the space before the call went with it (whitespace rule)
     # A body that never reached its arguments object is not a call: raw content.
-    for bad in ['<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
-                "<tool_call>{'name': 'f'}</tool_call>"]:
+    for bad in [
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+        "<tool_call>{'name': 'f'}</tool_call>",
+    ]:
         r = check(bad, "hermes")
         assert r.content == bad and r.calls == []
 
 
 def test_hermes_arguments_stream_as_they_arrive():
     parser = OutputParser("hermes")
-    events = parser.feed('<tool_call>\n{"name": "write", "arguments": {"path": "a.txt", "text": "line one\\nline')
+    events = parser.feed(
+        '<tool_call>\n{"name": "write", "arguments": {"path": "a.txt", "text": "line one\\nline'
+    )
     assert isinstance(events[0], ToolCallStart) and events[0].name == "write"
     assert "".join(e.text for e in events[1:]) == '{"path": "a.txt", "text": "line one\\nline'
     events = parser.feed(' two", "n": 1')
@@ -233,7 +279,10 @@ def test_hermes_reads_qwen3_coder_xml_bodies():
     # Qwen3-Coder's config says qwen3_moe, so the default hermes parser may see its XML.
     text = "On it.\n" + coder_call("get_weather", {"days": "4"}) + "\n<function=x> stays text"
     r = check(text, "hermes", tools=WEATHER_TOOLS)
-    assert r.calls == [("get_weather", '{"days": 4}')] and r.content == "On it.\n<function=x> stays text"
+    assert (
+        r.calls == [("get_weather", '{"days": 4}')]
+        and r.content == "On it.\n<function=x> stays text"
+    )
 
 
 def test_tool_call_start_streams_before_later_content():
@@ -245,6 +294,7 @@ def test_tool_call_start_streams_before_later_content():
 
 # --- JSON argument streaming ------------------------------------------------------------------
 
+
 def _stream_json(chunks: list[str]) -> tuple[str, bool]:
     streamer = JsonObjectStreamer()
     released = ""
@@ -254,9 +304,18 @@ def _stream_json(chunks: list[str]) -> tuple[str, bool]:
     return released + streamer.close(), streamer.error
 
 
-@pytest.mark.parametrize("obj", [
-    {}, {"a": 1}, {"s": 'x"y\\z\n\u00e9日\t', "l": [1, 2.5, -3e5, True, False, None, {"k": []}], "o": {"p": {"q": [[]]}}},
-])
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {},
+        {"a": 1},
+        {
+            "s": 'x"y\\z\n\u00e9日\t',
+            "l": [1, 2.5, -3e5, True, False, None, {"k": []}],
+            "o": {"p": {"q": [[]]}},
+        },
+    ],
+)
 def test_json_streamer_every_prefix_closes_to_valid_json(obj):
     for text in (json.dumps(obj), json.dumps(obj, ensure_ascii=False, indent=2)):
         whole, error = _stream_json([text])
@@ -271,14 +330,26 @@ def test_json_streamer_every_prefix_closes_to_valid_json(obj):
 def test_json_streamer_invalid_input():
     assert _stream_json(['{"a": 1, "b": tru']) == ('{"a": 1}', False)
     assert _stream_json(['{"a": [1, {"b": "c\\u12']) == ('{"a": [1, {"b": "c"}]}', False)
-    assert _stream_json(['{"a": "line\nbreak"}']) == ('{"a": "line\\nbreak"}', False)  # raw newline escaped
-    for bad in ["{'a': 1}", '{"a": 01}', '{"a" 1}', '{"a": 1 2}', '[1]', '{"a": x}', '{"a": "\\q"}']:
+    assert _stream_json(['{"a": "line\nbreak"}']) == (
+        '{"a": "line\\nbreak"}',
+        False,
+    )  # raw newline escaped
+    for bad in [
+        "{'a': 1}",
+        '{"a": 01}',
+        '{"a" 1}',
+        '{"a": 1 2}',
+        "[1]",
+        '{"a": x}',
+        '{"a": "\\q"}',
+    ]:
         released, error = _stream_json(list(bad))
         assert error, bad
         json.loads(released)
 
 
 # --- qwen3_coder -------------------------------------------------------------------------------
+
 
 def coder_call(name: str, params: dict[str, str]) -> str:
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
@@ -288,40 +359,75 @@ def coder_call(name: str, params: dict[str, str]) -> str:
 def test_qwen3_coder_schema_conversion():
     text = coder_call(
         "get_weather",
-        {"city": "Paris", "days": "3", "scale": "1.5", "metric": "True", "opts": '{"a": [1]}',
-         "tags": '["x", "y"]', "zip": "02139", "note": "null", "extra": "42"},
+        {
+            "city": "Paris",
+            "days": "3",
+            "scale": "1.5",
+            "metric": "True",
+            "opts": '{"a": [1]}',
+            "tags": '["x", "y"]',
+            "zip": "02139",
+            "note": "null",
+            "extra": "42",
+        },
     )
     r = check(text, "qwen3_coder", tools=WEATHER_TOOLS)
     assert len(r.calls) == 1 and r.calls[0][0] == "get_weather"
     assert json.loads(r.calls[0][1]) == {
-        "city": "Paris", "days": 3, "scale": 1.5, "metric": True, "opts": {"a": [1]},
-        "tags": ["x", "y"], "zip": "02139", "note": None, "extra": "42",
+        "city": "Paris",
+        "days": 3,
+        "scale": 1.5,
+        "metric": True,
+        "opts": {"a": [1]},
+        "tags": ["x", "y"],
+        "zip": "02139",
+        "note": None,
+        "extra": "42",
     }
     assert r.content == ""
     # Without a schema every value is a string; a bad integer stays a string.
-    assert json.loads(check(coder_call("get_weather", {"days": "soon"}), "qwen3_xml", tools=WEATHER_TOOLS).calls[0][1]) == {"days": "soon"}
-    assert json.loads(check(coder_call("other", {"days": "3"}), "qwen3_coder", tools=WEATHER_TOOLS).calls[0][1]) == {"days": "3"}
+    assert json.loads(
+        check(coder_call("get_weather", {"days": "soon"}), "qwen3_xml", tools=WEATHER_TOOLS).calls[
+            0
+        ][1]
+    ) == {"days": "soon"}
+    assert json.loads(
+        check(coder_call("other", {"days": "3"}), "qwen3_coder", tools=WEATHER_TOOLS).calls[0][1]
+    ) == {"days": "3"}
 
 
 def test_qwen3_coder_streams_per_parameter():
     parser = OutputParser("qwen3_coder", tools=WEATHER_TOOLS)
-    events = parser.feed("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n")
+    events = parser.feed(
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n"
+    )
     assert events[0] == ContentDelta("Checking.")
     assert isinstance(events[1], ToolCallStart) and events[1].name == "get_weather"
     assert events[2] == ToolCallArgumentsDelta(0, '{"days": 2')
-    events = parser.feed("<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
-    assert events == [ToolCallArgumentsDelta(0, ', "city": "Rome"'), ToolCallArgumentsDelta(0, "}"), ToolCallEnd(0, '{"days": 2, "city": "Rome"}')]
+    events = parser.feed("<parameter=city>\nRo")  # a string parameter streams as it arrives
+    assert events == [ToolCallArgumentsDelta(0, ', "city": "Ro')]
+    events = parser.feed("me\n</parameter>\n</function>\n</tool_call>")
+    assert events == [
+        ToolCallArgumentsDelta(0, 'me"}'),
+        ToolCallEnd(0, '{"days": 2, "city": "Rome"}'),
+    ]
 
 
 def test_qwen3_coder_multiple_calls_content_and_multiline_values():
     code = "def f():\n    return '</function>'\n"
     text = (
-        "I'll write it.\n\n" + coder_call("write", {"path": "a.py", "content": code}) + "\n"
-        + coder_call("noargs", {}) + "\n\n"
+        "I'll write it.\n\n"
+        + coder_call("write", {"path": "a.py", "content": code})
+        + "\n"
+        + coder_call("noargs", {})
+        + "\n\n"
     )
     r = check(text, "qwen3_coder", "qwen3")
     assert r.content == "I'll write it."
-    assert r.calls[0][0] == "write" and json.loads(r.calls[0][1]) == {"path": "a.py", "content": code}
+    assert r.calls[0][0] == "write" and json.loads(r.calls[0][1]) == {
+        "path": "a.py",
+        "content": code,
+    }
     assert r.calls[1] == ("noargs", "{}")
     no_markers(r.content)
 
@@ -335,20 +441,32 @@ def test_qwen3_coder_lenient_forms():
 
 
 def test_qwen3_coder_reads_hermes_json_body():
-    r = check("Ok.\n" + HERMES_ONE + "\n" + coder_call("f", {"a": "1"}), "qwen3_coder", tools=WEATHER_TOOLS)
+    r = check(
+        "Ok.\n" + HERMES_ONE + "\n" + coder_call("f", {"a": "1"}),
+        "qwen3_coder",
+        tools=WEATHER_TOOLS,
+    )
     assert r.content == "Ok."
     assert r.calls == [("get_weather", '{"city": "São Paulo", "days": 2}'), ("f", '{"a": "1"}')]
 
 
 def test_qwen3_coder_malformed_and_unterminated():
-    assert check("<tool_call>\nhello</tool_call>", "qwen3_coder").content == "<tool_call>\nhello</tool_call>"
-    r = check("<tool_call>\n<function=get_weather>\n<parameter=city>\nBer", "qwen3_coder", tools=WEATHER_TOOLS)
+    assert (
+        check("<tool_call>\nhello</tool_call>", "qwen3_coder").content
+        == "<tool_call>\nhello</tool_call>"
+    )
+    r = check(
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nBer",
+        "qwen3_coder",
+        tools=WEATHER_TOOLS,
+    )
     assert r.calls == [("get_weather", '{"city": "Ber"}')]
     r = check("ok <tool_call>\n<function=get_wea", "qwen3_coder")
     assert r.calls == [] and r.content == "ok <tool_call>\n<function=get_wea"
 
 
 # --- deepseek ----------------------------------------------------------------------------------
+
 
 def ds_v3(name: str, args: str) -> str:
     return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"
@@ -361,31 +479,46 @@ def ds_v31(name: str, args: str) -> str:
 @pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
 def test_deepseek_both_shapes(parser):
     text = (
-        "Let me look.\n<｜tool▁calls▁begin｜>" + ds_v3("get_weather", '{"city": "Tokyo"}') + "\n"
-        + ds_v31("function", '{"k": [1, {"a": "日本"}]}') + "<｜tool▁calls▁end｜>"
+        "Let me look.\n<｜tool▁calls▁begin｜>"
+        + ds_v3("get_weather", '{"city": "Tokyo"}')
+        + "\n"
+        + ds_v31("function", '{"k": [1, {"a": "日本"}]}')
+        + "<｜tool▁calls▁end｜>"
     )
     r = check(text, parser)
     assert r.content == "Let me look."
-    assert r.calls == [("get_weather", '{"city": "Tokyo"}'), ("function", '{"k": [1, {"a": "日本"}]}')]
+    assert r.calls == [
+        ("get_weather", '{"city": "Tokyo"}'),
+        ("function", '{"k": [1, {"a": "日本"}]}'),
+    ]
     no_markers(r.content)
 
 
 def test_deepseek_with_r1_reasoning_without_think_tag():
-    text = "I should call it.\n</think>\n\n<｜tool▁calls▁begin｜>" + ds_v31("f", "{}") + "<｜tool▁calls▁end｜>"
+    text = (
+        "I should call it.\n</think>\n\n<｜tool▁calls▁begin｜>"
+        + ds_v31("f", "{}")
+        + "<｜tool▁calls▁end｜>"
+    )
     r = check(text, "deepseek_v31", "deepseek_r1")
     assert r.reasoning == "I should call it.\n" and r.content == "" and r.calls == [("f", "{}")]
 
 
 def test_deepseek_malformed_and_unterminated():
     cut = ds_v31("f", '{"a": 1, "b": ')  # arguments cut short: the complete part
-    r = check("<｜tool▁calls▁begin｜>" + cut + ds_v31("g", '{"b": 2}') + "<｜tool▁calls▁end｜>", "deepseek_v3")
+    r = check(
+        "<｜tool▁calls▁begin｜>" + cut + ds_v31("g", '{"b": 2}') + "<｜tool▁calls▁end｜>",
+        "deepseek_v3",
+    )
     assert r.content == "" and r.calls == [("f", '{"a": 1}'), ("g", '{"b": 2}')]
     bad = "<｜tool▁call▁begin｜>no separator<｜tool▁call▁end｜>"
-    r = check("<｜tool▁calls▁begin｜>" + bad + ds_v31("g", "{}") + "<｜tool▁calls▁end｜>", "deepseek_v31")
+    r = check(
+        "<｜tool▁calls▁begin｜>" + bad + ds_v31("g", "{}") + "<｜tool▁calls▁end｜>", "deepseek_v31"
+    )
     assert r.content == bad and r.calls == [("g", "{}")]
-    fenced = "<｜tool▁call▁begin｜>h<｜tool▁sep｜>```json\n{\"c\": 3}\n```<｜tool▁call▁end｜>"
+    fenced = '<｜tool▁call▁begin｜>h<｜tool▁sep｜>```json\n{"c": 3}\n```<｜tool▁call▁end｜>'
     assert check(fenced, "deepseek_v31").calls == [("h", '{"c": 3}')]
-    r = check("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{\"b\": 2}", "deepseek_v3")
+    r = check('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{"b": 2}', "deepseek_v3")
     assert r.calls == [("g", '{"b": 2}')] and r.content == ""
     text = "x <｜end▁of▁sentence｜>"
     assert check(text, "deepseek_v3").content == text  # other <｜...｜> tokens are content
@@ -393,19 +526,35 @@ def test_deepseek_malformed_and_unterminated():
 
 # --- glm45 -------------------------------------------------------------------------------------
 
+
 def glm_call(name: str, pairs: dict[str, str]) -> str:
-    return f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in pairs.items()) + "</tool_call>"
+    return (
+        f"<tool_call>{name}\n"
+        + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in pairs.items())
+        + "</tool_call>"
+    )
 
 
 def test_glm45_calls_with_reasoning_and_schema():
     text = (
         "<think>Need weather.</think>\nChecking.\n"
-        + glm_call("get_weather", {"city": "Beijing", "days": "5", "metric": "false", "tags": '["a"]', "zip": "007"})
-        + "\n" + glm_call("ping", {}) + "\n"
+        + glm_call(
+            "get_weather",
+            {"city": "Beijing", "days": "5", "metric": "false", "tags": '["a"]', "zip": "007"},
+        )
+        + "\n"
+        + glm_call("ping", {})
+        + "\n"
     )
     r = check(text, "glm45", "glm45", tools=WEATHER_TOOLS)
     assert r.reasoning == "Need weather." and r.content == "\nChecking."
-    assert json.loads(r.calls[0][1]) == {"city": "Beijing", "days": 5, "metric": False, "tags": ["a"], "zip": "007"}
+    assert json.loads(r.calls[0][1]) == {
+        "city": "Beijing",
+        "days": 5,
+        "metric": False,
+        "tags": ["a"],
+        "zip": "007",
+    }
     assert r.calls[1] == ("ping", "{}")
     no_markers(r.content)
 
@@ -418,17 +567,23 @@ def test_glm45_name_then_key_on_same_line_and_malformed():
     bad = '<tool_call>\n{"name": "f", "arguments": [1]}</tool_call>'
     assert check(bad, "glm45").content == bad
     # A hermes JSON body inside the GLM markers is still a call.
-    assert check('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "glm45").calls == [("f", '{"a": 1}')]
+    assert check(
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "glm45"
+    ).calls == [("f", '{"a": 1}')]
     r = check("<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>par", "glm45")
     assert r.calls == [("f", '{"a": "par"}')]
 
 
 # --- llama3_json -------------------------------------------------------------------------------
 
+
 def test_llama3_json_calls():
     r = check('{"name": "get_weather", "parameters": {"city": "SF"}}', "llama3_json")
     assert r.calls == [("get_weather", '{"city": "SF"}')] and r.content == ""
-    r = check(' <|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": "}{"}}\n', "llama3_json")
+    r = check(
+        ' <|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": "}{"}}\n',
+        "llama3_json",
+    )
     assert r.calls == [("a", "{}"), ("b", '{"x": "}{"}')] and r.content == ""
     r = check('{"name": "a", "parameters": {"s": "q\\"}]\\\\", "n": [1, {"m": 2}]}}', "llama3_json")
     assert json.loads(r.calls[0][1]) == {"s": 'q"}]\\', "n": [1, {"m": 2}]}
@@ -440,18 +595,21 @@ def test_llama3_json_content_and_non_calls():
     assert check('{"answer": 42}', "llama3_json").content == '{"answer": 42}'
     r = check('{"name": "a", "parameters": {}} and then some text', "llama3_json")
     assert r.calls == [("a", "{}")] and r.content == " and then some text"
-    assert check('{"parameters": {"x": 1}, "na', "llama3_json").content == '{"parameters": {"x": 1}, "na'
-    assert check('<|python_tag|>', "llama3_json").content == "<|python_tag|>"
+    assert (
+        check('{"parameters": {"x": 1}, "na', "llama3_json").content
+        == '{"parameters": {"x": 1}, "na'
+    )
+    assert check("<|python_tag|>", "llama3_json").content == "<|python_tag|>"
 
 
-def test_llama3_json_streams_arguments():
+def test_llama3_json_calls_come_whole():
+    # No argument streaming: a call is emitted once its object is complete and valid.
     parser = OutputParser("llama3_json")
     assert parser.feed('{"name": "a", "par') == []
-    events = parser.feed('ameters": {"q": "he')
-    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta]
-    assert events[0].name == "a" and events[1].text == '{"q": "he'
+    assert parser.feed('ameters": {"q": "he') == []
     events = parser.feed('llo"}};{"name": "b",')
-    assert events[-1] == ToolCallEnd(0, '{"q": "hello"}')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd]
+    assert events[0].name == "a" and events[-1] == ToolCallEnd(0, '{"q": "hello"}')
     # Name after the arguments: decoded whole once the object closes.
     parser = OutputParser("llama3_json")
     assert parser.feed('{"parameters": {"q": 1}, "name": "c"') == []
@@ -460,13 +618,17 @@ def test_llama3_json_streams_arguments():
 
 
 def test_llama3_json_invalid_arguments():
-    r = check('{"name": "a", "parameters": {"x": 1, "y": oops}} bye', "llama3_json")
-    assert r.calls == [("a", '{"x": 1}')] and r.content == "oops}} bye"
-    r = check('{"name": "a", "parameters": {"x": [1, 2', "llama3_json")
-    assert r.calls == [("a", '{"x": [1, 2]}')] and r.content == ""
+    # Invalid arguments JSON is no call at all (not a call with the valid part): content.
+    text = '{"name": "a", "parameters": {"x": 1, "y": oops}} bye'
+    r = check(text, "llama3_json")
+    assert r.calls == [] and r.content == text
+    text = '{"name": "a", "parameters": {"x": [1, 2'  # cut off: never complete
+    r = check(text, "llama3_json")
+    assert r.calls == [] and r.content == text
 
 
 # --- reasoning ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
 def test_reasoning_with_think_tags(name):
@@ -488,16 +650,23 @@ def test_reasoning_without_start_tag():
 
 # --- registry ----------------------------------------------------------------------------------
 
+
 def test_default_parsers():
     assert default_parsers("qwen2") == ("hermes", None)
     assert default_parsers("qwen3") == ("hermes", "qwen3")
     assert default_parsers("qwen3_moe") == ("hermes", "qwen3")
-    assert default_parsers("qwen3_moe", model_id="Qwen/Qwen3-Coder-30B-A3B-Instruct") == ("qwen3_coder", None)
-    assert default_parsers("deepseek_v3") == ("deepseek_v3", "deepseek_r1")
+    assert default_parsers("qwen3_moe", model_id="Qwen/Qwen3-Coder-30B-A3B-Instruct") == (
+        "qwen3_coder",
+        None,
+    )
+    assert default_parsers("deepseek_v3") == ("deepseek_v3", "deepseek_v3")
     assert default_parsers("glm4_moe") == ("glm45", "glm45")
     assert default_parsers("llama") == ("llama3_json", None)
     assert default_parsers("mistral") == (None, None) and default_parsers("mixtral") == (None, None)
-    for tool, reasoning in [default_parsers(t) for t in ("qwen2", "qwen3", "deepseek_v3", "glm4_moe", "llama", "qwen3_5")]:
+    for tool, reasoning in [
+        default_parsers(t)
+        for t in ("qwen2", "qwen3", "deepseek_v3", "glm4_moe", "llama", "qwen3_5")
+    ]:
         assert tool in TOOL_PARSERS and (reasoning is None or reasoning in REASONING_PARSERS)
     with pytest.raises(ValueError, match="tool_parser"):
         OutputParser("nope")
@@ -506,10 +675,35 @@ def test_default_parsers():
 # --- randomized: arbitrary mixes of pieces, every parser --------------------------------------
 
 PIECES = {
-    "hermes": [HERMES_ONE, "<tool_call>{bad}</tool_call>", "<tool_call>", "</tool_call>", '{"name": "x"}'],
-    "qwen3_coder": [coder_call("f", {"a": "1", "b": "<x>"}), "<function=", "</parameter>", "<parameter=p>", "<tool_call>\n"],
-    "deepseek_v3": [ds_v3("f", '{"a": 1}'), ds_v31("g", "{}"), "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜", "```"],
-    "glm45": [glm_call("f", {"days": "2"}), "<arg_key>", "<arg_value>", "<tool_call>", "</tool_call>"],
+    "hermes": [
+        HERMES_ONE,
+        "<tool_call>{bad}</tool_call>",
+        "<tool_call>",
+        "</tool_call>",
+        '{"name": "x"}',
+    ],
+    "qwen3_coder": [
+        coder_call("f", {"a": "1", "b": "<x>"}),
+        "<function=",
+        "</parameter>",
+        "<parameter=p>",
+        "<tool_call>\n",
+    ],
+    "deepseek_v3": [
+        ds_v3("f", '{"a": 1}'),
+        ds_v31("g", "{}"),
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜",
+        "```",
+    ],
+    "glm45": [
+        glm_call("f", {"days": "2"}),
+        "<arg_key>",
+        "<arg_value>",
+        "<tool_call>",
+        "</tool_call>",
+    ],
     "llama3_json": ['{"name": "f", "parameters": {"a": 1}}', ";", "<|python_tag|>", "{", "}", '"'],
 }
 COMMON = ["Hello", " ", "\n", "<", "<b>", "<think>", "</think>", "x < y", "é", "}"]
@@ -527,13 +721,30 @@ def test_random_mixtures_are_split_invariant(tool, reasoning):
 
 # --- randomized: well-formed outputs parse to exactly what was rendered ------------------------
 
-WORDS = ["Sure", " thing", ".", "\n", " a < b", " <b>", " {x}", " é日本", " 100%", ' "quoted"', " \\", " ;"]
+WORDS = [
+    "Sure",
+    " thing",
+    ".",
+    "\n",
+    " a < b",
+    " <b>",
+    " {x}",
+    " é日本",
+    " 100%",
+    ' "quoted"',
+    " \\",
+    " ;",
+]
 VALUE_CHARS = 'ab "\\\n<>{}[],:;é日\t/'
 
 
 def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
     if tool == "hermes":
-        return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=rng.random() < 0.5) + "\n</tool_call>"
+        return (
+            "<tool_call>\n"
+            + json.dumps({"name": name, "arguments": args}, ensure_ascii=rng.random() < 0.5)
+            + "\n</tool_call>"
+        )
     if tool == "deepseek_v3":
         if rng.random() < 0.5:
             return ds_v3(name, json.dumps(args, indent=rng.choice([None, 2])))
@@ -541,19 +752,41 @@ def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
     if tool == "llama3_json":
         return json.dumps({"name": name, rng.choice(["parameters", "arguments"]): args})
     if tool == "qwen3_coder":
-        return coder_call(name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()})
+        return coder_call(
+            name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()}
+        )
     return glm_call(name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()})
 
 
 @pytest.mark.parametrize("tool", ["hermes", "qwen3_coder", "deepseek_v3", "glm45", "llama3_json"])
 def test_random_well_formed_outputs(tool):
     rng = random.Random(tool)
-    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"properties": {
-        "s": {"type": "string"}, "n": {"type": "integer"}, "l": {"type": "array"}}}}} for i in range(3)]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"t{i}",
+                "parameters": {
+                    "properties": {
+                        "s": {"type": "string"},
+                        "n": {"type": "integer"},
+                        "l": {"type": "array"},
+                    }
+                },
+            },
+        }
+        for i in range(3)
+    ]
     for trial in range(40):
         thinking = rng.random() < 0.4
-        reasoning = "".join(rng.choice(WORDS + ["<tool_call>", "<function="]) for _ in range(rng.randint(0, 4)))
-        content = "" if tool == "llama3_json" else "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 5)))
+        reasoning = "".join(
+            rng.choice(WORDS + ["<tool_call>", "<function="]) for _ in range(rng.randint(0, 4))
+        )
+        content = (
+            ""
+            if tool == "llama3_json"
+            else "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 5)))
+        )
         calls = []
         for _ in range(rng.randint(1, 3)):
             args: dict = {}

@@ -32,11 +32,15 @@ from .tool_parser import ToolParser, is_function_name
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
-_V3_BODY = re.compile(r"\s*function\s*" + SEP + r"\s*([^\n]+?)\s*\n\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+_V3_BODY = re.compile(
+    r"\s*function\s*" + SEP + r"\s*([^\n]+?)\s*\n\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL
+)
 _V31_BODY = re.compile(r"\s*([^\n]+?)\s*" + SEP + r"(.*)", re.DOTALL)
 # Heads up to the arguments object; exclusive (after <sep>: a name vs "{"), so the shape chosen
 # while streaming is the one the whole text would give.
-_V3_HEAD = re.compile(r"\s*function\s*" + SEP + r"\s*(?P<name>[^\n{<]+?)\s*\n\s*```(?:json)?\s*(?=\{)")
+_V3_HEAD = re.compile(
+    r"\s*function\s*" + SEP + r"\s*(?P<name>[^\n{<]+?)\s*\n\s*```(?:json)?\s*(?=\{)"
+)
 _V31_HEAD = re.compile(r"\s*(?P<name>[^\n{<]+?)\s*" + SEP + r"\s*(?=\{)")
 _FENCE = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
 
@@ -68,6 +72,7 @@ class DeepSeekToolParser(ToolParser):
     call_end = CALL_END
     buffered_state = "body"
     _block: str | None = None  # inside calls begin, before its first call: the text held
+    _in_block = False  # between calls begin and calls end
 
     def _open_call(self, marker: str) -> None:
         self._state = "json_head"
@@ -100,8 +105,6 @@ class DeepSeekToolParser(ToolParser):
             self._content(out, marker)
         return True
 
-    _in_block = False  # between calls begin and calls end
-
     def _content(self, out: list[OutputEvent], text: str) -> None:
         if self._block is not None:
             self._block += text
@@ -124,7 +127,7 @@ class DeepSeekToolParser(ToolParser):
         if at == -1 and not final:
             return False
         body = self._buf if at == -1 else self._buf[:at]
-        self._buf = "" if at == -1 else self._buf[at + len(CALL_END):]
+        self._buf = "" if at == -1 else self._buf[at + len(CALL_END) :]
         call = parse_deepseek_body(body, self.schemas)
         if call is None:
             return self._fallback(out, body + ("" if at == -1 else CALL_END))

@@ -96,7 +96,7 @@ class Glm45ToolParser(ToolParser):
             self._state = "args"  # a key cut off mid-way is dropped
             return True
         self._key = self._buf[:at].strip()
-        self._buf = self._buf[at + len(KEY_END):]
+        self._buf = self._buf[at + len(KEY_END) :]
         self._state = "value_open"
         return True
 
@@ -105,7 +105,7 @@ class Glm45ToolParser(ToolParser):
         if found is None:
             return False
         if found:
-            self._buf = self._buf.lstrip()[len(VALUE):]
+            self._buf = self._buf.lstrip()[len(VALUE) :]
             self._skip_param = self._key in self._seen_keys
             self._vstream = self._param_streams(self._key)
             self._vsent = 0
@@ -121,17 +121,19 @@ class Glm45ToolParser(ToolParser):
         if at == -1 and not final:
             if self._vstream:  # release all but a possible partial </arg_value>
                 limit = len(self._buf) - partial_tail(self._buf, (VALUE_END,))
-                self._string_param_text(out, self._buf[self._vsent:limit])
+                self._string_param_text(out, self._buf[self._vsent : limit])
                 self._vsent = max(self._vsent, limit)
             return False
         value = self._buf if at == -1 else self._buf[:at]
-        self._buf = "" if at == -1 else self._buf[at + len(VALUE_END):]
+        self._buf = "" if at == -1 else self._buf[at + len(VALUE_END) :]
         if self._skip_param:
             pass  # a key the call already has
         elif self._vstream:
-            self._string_param_text(out, value[self._vsent:])
+            self._string_param_text(out, value[self._vsent :])
             self._close_string_param(out)
         else:
-            self._add_param(out, self._key, convert_value(value, self.param_schema(self._tool, self._key)))
+            self._add_param(
+                out, self._key, convert_value(value, self.param_schema(self._tool, self._key))
+            )
         self._state = "args"
         return True

@@ -17,7 +17,9 @@ def find_first(text: str, markers: Sequence[str]) -> tuple[int, str]:
     best_at, best = -1, ""
     for marker in markers:
         at = text.find(marker)
-        if at != -1 and (best_at == -1 or at < best_at or (at == best_at and len(marker) > len(best))):
+        if at != -1 and (
+            best_at == -1 or at < best_at or (at == best_at and len(marker) > len(best))
+        ):
             best_at, best = at, marker
     return best_at, best
 
@@ -25,10 +27,12 @@ def find_first(text: str, markers: Sequence[str]) -> tuple[int, str]:
 def partial_tail(text: str, markers: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
     longest = max((len(m) for m in markers), default=0)
-    for length in range(min(longest - 1, len(text)), 0, -1):
-        tail = text[len(text) - length:]
-        if any(m.startswith(tail) for m in markers):
-            return length
+    firsts = {m[0] for m in markers if m}
+    for at in range(max(0, len(text) - longest + 1), len(text)):  # the longest tail first
+        if text[at] in firsts:  # only a marker's first character starts a partial marker
+            tail = text[at:]
+            if any(m.startswith(tail) for m in markers):
+                return len(text) - at
     return 0
 
 
@@ -40,9 +44,9 @@ def split_at_marker(text: str, markers: Sequence[str]) -> tuple[str, str | None,
     """
     at, marker = find_first(text, markers)
     if at != -1:
-        return text[:at], marker, text[at + len(marker):]
+        return text[:at], marker, text[at + len(marker) :]
     keep = partial_tail(text, markers)
-    return text[:len(text) - keep], None, text[len(text) - keep:]
+    return text[: len(text) - keep], None, text[len(text) - keep :]
 
 
 def expect_marker(text: str, marker: str, final: bool) -> bool | None:

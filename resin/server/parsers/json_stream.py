@@ -147,7 +147,11 @@ class JsonObjectStreamer:
             self._escape += ch
             if len(self._escape) == 2 and ch in _SIMPLE_ESCAPES:
                 piece = self._escape
-            elif len(self._escape) >= 2 and self._escape[1] == "u" and (len(self._escape) == 2 or ch in _HEX):
+            elif (
+                len(self._escape) >= 2
+                and self._escape[1] == "u"
+                and (len(self._escape) == 2 or ch in _HEX)
+            ):
                 if len(self._escape) < 6:
                     return True
                 piece = self._escape

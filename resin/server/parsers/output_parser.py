@@ -2,20 +2,24 @@
 
 The pipeline is reasoning first, tool calls second: the reasoning parser separates
 ``<think>...</think>`` text, and only the content that comes out of it is given to the tool
-parser, so a tool call written inside reasoning stays reasoning text. With no tool parser (or
-``enable_tools=False``, used for ``tool_choice="none"`` and requests without tools) content
-passes through untouched, markers and all.
+parser, so a tool call written inside a closed ``<think>`` block stays reasoning text. A call
+start marker in reasoning that is never closed ends the reasoning there when a call follows
+(the reasoning parser is given the tool parser's class for that; see ``reasoning.py``). With no
+tool parser (or ``enable_tools=False``, used for ``tool_choice="none"`` and requests without
+tools) content passes through untouched, markers and all.
 
 ``reasoning_started`` only means something with a reasoning parser: it tells it the prompt
 already opened ``<think>``. Without one, all text is content (``<think>`` tags included).
+``tools`` (the request's tool list, OpenAI or Anthropic shape) gives the tool parser the
+parameter schemas it converts XML values by and tells real parameter tags from quoted ones.
 
 Guarantee: for any split of the same text into ``feed`` calls, the events concatenate to the
 same reasoning, the same content and the same calls (names and argument JSON); only the
 ``call_id`` values differ between runs. Each returned list has adjacent content (and adjacent
-reasoning) deltas merged and no empty deltas. Nothing else comes between a call's
-``ToolCallStart`` and its ``ToolCallEnd`` (so an Anthropic ``tool_use`` block can stay open
-alone), and calls never overlap. Whitespace-only content next to tool calls is dropped (see
-``tool_parser.py``).
+reasoning, and one call's adjacent argument) deltas merged and no empty deltas. Nothing else
+comes between a call's ``ToolCallStart`` and its ``ToolCallEnd`` (so an Anthropic ``tool_use``
+block can stay open alone), and calls never overlap. Whitespace-only content next to tool calls
+is dropped (see ``tool_parser.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .events import (
     OutputEvent,
     ParsedToolCall,
     ReasoningDelta,
+    ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
 )
@@ -46,9 +51,16 @@ class OutputParser:
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_parser {tool_parser!r} is not one of {sorted(TOOL_PARSERS)}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser {reasoning_parser!r} is not one of {sorted(REASONING_PARSERS)}")
-        self._reasoning = REASONING_PARSERS[reasoning_parser](reasoning_started) if reasoning_parser else None
-        self._tools = TOOL_PARSERS[tool_parser](tools) if tool_parser and enable_tools else None
+            raise ValueError(
+                f"reasoning_parser {reasoning_parser!r} is not one of {sorted(REASONING_PARSERS)}"
+            )
+        tool_class = TOOL_PARSERS[tool_parser] if tool_parser and enable_tools else None
+        self._reasoning = (
+            REASONING_PARSERS[reasoning_parser](reasoning_started, tool_class, tools)
+            if reasoning_parser
+            else None
+        )
+        self._tools = tool_class(tools) if tool_class else None
         self._reasoning_parts: list[str] = []
         self._content_parts: list[str] = []
         self._calls: list[ParsedToolCall] = []
@@ -87,10 +99,21 @@ class OutputParser:
             if isinstance(event, (ContentDelta, ReasoningDelta)):
                 if not event.text:
                     continue
-                parts = self._content_parts if isinstance(event, ContentDelta) else self._reasoning_parts
+                parts = (
+                    self._content_parts
+                    if isinstance(event, ContentDelta)
+                    else self._reasoning_parts
+                )
                 parts.append(event.text)
                 if merged and type(merged[-1]) is type(event):
                     event = type(event)(merged.pop().text + event.text)  # type: ignore[union-attr]
+            elif isinstance(event, ToolCallArgumentsDelta):
+                if not event.text:
+                    continue
+                last = merged[-1] if merged else None
+                if isinstance(last, ToolCallArgumentsDelta) and last.index == event.index:
+                    merged.pop()
+                    event = ToolCallArgumentsDelta(event.index, last.text + event.text)
             elif isinstance(event, ToolCallStart):
                 self._started[event.index] = event
             elif isinstance(event, ToolCallEnd):

@@ -19,17 +19,21 @@ Where a value ends (the rules of vLLM's ``qwen3_coder`` parser, decided as text 
 value holds code, so the closing tags can occur inside it as text:
 
 * ``</parameter>`` ends it only when what follows (after whitespace) is structure: ``</function>``,
-  ``</tool_call>``, ``<tool_call>``, the end of the output, or ``<parameter=NAME>`` naming a
-  parameter of the tool (any name when the tool has no schema). Any other ``</parameter>`` is
-  part of the value.
+  ``</tool_call>``, ``<tool_call>``, the end of the output, or a ``<parameter=NAME>`` tag that
+  names a parameter of the tool (any name when the tool has no schema; an undeclared name when
+  laid out as the template does, ``</parameter>\n<parameter=NAME>\n``). Any other
+  ``</parameter>`` is part of the value. A parameter whose schema type cannot be text
+  (number, boolean, object, array) ends at its first tag: ``</parameter>``, a
+  ``<parameter=NAME>`` (its ``</parameter>`` was forgotten), ``</function>``, ``</tool_call>``.
 * A ``<parameter=NAME>`` at the start of a line inside the value opens a nested level (a tool
   call quoted in the value); the next ``</parameter>`` closes that level, not the value.
 * A value whose ``</parameter>`` never comes (the model forgot it) is closed by the call's end:
-  a ``</function>`` followed by ``</tool_call>`` and then the end of the output or the next call
-  (or directly by those), or a ``</tool_call>`` followed by them. The value then ends at the
-  first nested ``<parameter=NAME>`` that names another parameter of the tool not given yet
-  (that parameter and those after it are read again as parameters), else at that end. When the
-  output ends first, the same choice is made at its end (else at the first ``</function>``).
+  a ``</tool_call>`` followed by the end of the output or the next ``<tool_call>`` (as vLLM
+  splits calls), a ``</function>`` followed by the next call (``<tool_call><function=``,
+  ``<function=``) or the end, or the end of the output. The value then ends at the first nested
+  ``<parameter=NAME>`` that names another parameter of the tool not given yet (that parameter
+  and those after it are read again as parameters), else at that ``</function>`` (or
+  ``</tool_call>``, or the end).
 
 A parameter given twice in one call keeps its first value. Lenient where Qwen models are known to
 slip: ``<function=`` without ``<tool_call>`` starts a call; a missing ``</function>`` is closed
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 from .events import OutputEvent
 from .holdback import expect_marker, split_at_marker
-from .schema import convert_value
+from .schema import allows_text, convert_value
 from .tool_parser import MAX_NAME, ToolParser, could_be_function_name, is_function_name
 
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -70,7 +74,7 @@ class Qwen3CoderToolParser(ToolParser):
     _vdepth = 0  # nested <parameter=...> levels open
     _vopens: list[int] = []  # nested opens that could close the value (forgotten </parameter>)
     _vhold = -1  # text from here may not belong to the value: not streamed yet
-    _vcall_end = -1  # first </function> or </tool_call> inside the value
+    _vtext = True  # the value may be free text (holding markup)
     _vstream = False  # the value streams as a JSON string
     _vsent = 0  # characters of the (trimmed) value streamed so far
 
@@ -102,7 +106,7 @@ class Qwen3CoderToolParser(ToolParser):
         name = self._buf[:at].strip()
         if at > 2 * MAX_NAME or not is_function_name(name, self.schemas):
             return self._fallback(out)  # prose or a template that leaked: content
-        self._buf = self._buf[at + 1:]
+        self._buf = self._buf[at + 1 :]
         self._tool = name
         self._start_call(out, name)
         self._state = "function"
@@ -110,7 +114,9 @@ class Qwen3CoderToolParser(ToolParser):
 
     def _step_function(self, out: list[OutputEvent], final: bool) -> bool:
         """Inside ``<function=...>``: parameters until the function (or the call) ends."""
-        _, marker, after = split_at_marker(self._buf, (PARAMETER, FUNCTION_END, TOOL_CALL_END, TOOL_CALL, FUNCTION))
+        _, marker, after = split_at_marker(
+            self._buf, (PARAMETER, FUNCTION_END, TOOL_CALL_END, TOOL_CALL, FUNCTION)
+        )
         if marker is None:
             if not final:
                 self._buf = after  # text between parameters is ignored; keep a partial marker
@@ -142,11 +148,12 @@ class Qwen3CoderToolParser(ToolParser):
             self._state = "function"
             return True
         self._param = self._buf[:at].strip()
-        self._buf = self._buf[at + 1:]
-        self._vpos, self._vdepth, self._vopens, self._vhold, self._vcall_end = 0, 0, [], -1, -1
+        self._buf = self._buf[at + 1 :]
+        self._vpos, self._vdepth, self._vopens, self._vhold = 0, 0, [], -1
         self._vsent = 0
         self._skip_param = self._param in self._seen_keys
         self._vstream = self._param_streams(self._param)
+        self._vtext = allows_text(self.param_schema(self._tool, self._param))
         if self._vstream:
             self._open_string_param(out, self._param)
         self._state = "param_value"
@@ -160,17 +167,20 @@ class Qwen3CoderToolParser(ToolParser):
             if not final:
                 self._stream_value(out, resume)
                 return False
-            end = resume = min((at for at in (*self._vopens[:1], self._vcall_end) if at >= 0), default=len(self._buf))
+            # The output ended inside the value: as at a call end (see the module doc).
+            end = resume = self._vopens[0] if self._vopens else len(self._buf)
         raw = _trim_newline(self._buf[:end])
         self._buf = self._buf[resume:]
         self._scan_from = 0
         if self._skip_param:
             pass  # a parameter the call already has
         elif self._vstream:
-            self._string_param_text(out, raw[self._vsent:])
+            self._string_param_text(out, raw[self._vsent :])
             self._close_string_param(out)
         else:
-            self._add_param(out, self._param, convert_value(raw, self.param_schema(self._tool, self._param)))
+            self._add_param(
+                out, self._param, convert_value(raw, self.param_schema(self._tool, self._param))
+            )
         self._state = "function"
         return True
 
@@ -193,6 +203,19 @@ class Qwen3CoderToolParser(ToolParser):
                 pos = at + 1
                 continue
             after = at + len(marker)
+            if not self._vtext:  # a number, boolean, object or array holds no tags: any ends it
+                if marker == PARAMETER_END:
+                    return at, after
+                if marker != PARAMETER:
+                    return at, at
+                name = self._tag_name(buf, after, final)
+                if name is None:
+                    self._vpos = at
+                    return -1, at
+                if name is not False:
+                    return at, at
+                pos = after
+                continue
             if marker == PARAMETER:
                 if at == 0 or buf[at - 1] == "\n":
                     name = self._tag_name(buf, after, final)
@@ -221,16 +244,19 @@ class Qwen3CoderToolParser(ToolParser):
                     return at, after
                 pos = after
                 continue
-            # </function> or </tool_call>: the call's end, if the value never got its </parameter>
+            # </function> or </tool_call>: text, unless the value never got its </parameter>
+            # and the call ends here.
             self._hold(at)
-            if self._vcall_end < 0:
-                self._vcall_end = at
             follows = self._ends_call(buf, marker, after, final)
             if follows is None:
                 self._vpos = at
                 return -1, at
             if follows:
                 end = self._vopens[0] if self._vopens else at
+                if not self._vopens and marker == TOOL_CALL_END:
+                    before = buf[:at].rstrip()
+                    if before.endswith(FUNCTION_END):
+                        end = len(before) - len(FUNCTION_END)
                 return end, end  # the text from there is read again as parameters / the end
             pos = after
 
@@ -248,7 +274,7 @@ class Qwen3CoderToolParser(ToolParser):
         if limit > start and self._buf[limit - 1] == "\n":
             limit -= 1
         if limit - start > self._vsent:
-            self._string_param_text(out, self._buf[start + self._vsent:limit])
+            self._string_param_text(out, self._buf[start + self._vsent : limit])
             self._vsent = limit - start
 
     @staticmethod
@@ -281,24 +307,44 @@ class Qwen3CoderToolParser(ToolParser):
             return True
         if rest.startswith(PARAMETER):
             name = self._tag_name(rest, len(PARAMETER), final)
-            return name if name is None else (name is not False and self._known_param(name))
-        if not final and any(m.startswith(rest) for m in (FUNCTION_END, TOOL_CALL_END, TOOL_CALL, PARAMETER)):
+            if name is None or name is False:
+                return name
+            if self._known_param(name):
+                return True
+            if not is_function_name(name):
+                return False
+            # A name the tool's schema does not declare: a parameter only when laid out as the
+            # template lays parameters out, "</parameter>\n<parameter=NAME>\n".
+            after_tag = rest[rest.index(">") + 1 :][:1]
+            if not after_tag:
+                return False if final else None
+            return text[at : len(text) - len(rest)] == "\n" and after_tag == "\n"
+        if not final and any(
+            m.startswith(rest) for m in (FUNCTION_END, TOOL_CALL_END, TOOL_CALL, PARAMETER)
+        ):
             return None
         return False
 
     def _ends_call(self, text: str, marker: str, at: int, final: bool) -> bool | None:
-        """Whether ``marker`` (``</function>`` / ``</tool_call>``, ending just before ``at``)
-        is followed by the end of the output or the next call (``</function>``: optionally
-        after ``</tool_call>``)."""
+        """Whether ``marker``, ending just before ``at``, is where the call ends: a
+        ``</tool_call>`` followed by the end of the output or the next ``<tool_call>``; a
+        ``</function>`` followed by the end or by the next call (``<tool_call>`` then
+        ``<function=``, or ``<function=``) without its ``</tool_call>``."""
         rest = text[at:].lstrip()
         if not rest:
             return True if final else None
-        if rest.startswith(_NEXT_CALL):
+        if marker == TOOL_CALL_END:
+            if rest.startswith(TOOL_CALL):
+                return True
+            return None if not final and TOOL_CALL.startswith(rest) else False
+        if rest.startswith(FUNCTION):
             return True
-        if marker == FUNCTION_END and rest.startswith(TOOL_CALL_END):
-            return self._ends_call(text, TOOL_CALL_END, len(text) - len(rest) + len(TOOL_CALL_END), final)
-        ahead = _NEXT_CALL + ((TOOL_CALL_END,) if marker == FUNCTION_END else ())
-        if not final and any(m.startswith(rest) for m in ahead):
+        if rest.startswith(TOOL_CALL):
+            rest = rest[len(TOOL_CALL) :].lstrip()
+            if rest.startswith(FUNCTION):
+                return True
+            return None if not final and FUNCTION.startswith(rest) else False
+        if not final and (FUNCTION.startswith(rest) or TOOL_CALL.startswith(rest)):
             return None
         return False
 
@@ -308,6 +354,6 @@ class Qwen3CoderToolParser(ToolParser):
         if found is None:
             return False
         if found:
-            self._buf = self._buf.lstrip()[len(TOOL_CALL_END):]
+            self._buf = self._buf.lstrip()[len(TOOL_CALL_END) :]
         self._state = "content"
         return True

@@ -18,17 +18,23 @@ TOOL_PARSERS: dict[str, type] = {
     "deepseek_v3": DeepSeekToolParser,  # reads the V3.1 body shape too
     "deepseek_v31": DeepSeekToolParser,  # reads the V3 body shape too
     "glm45": Glm45ToolParser,
+    "glm47": Glm45ToolParser,  # GLM-4.7: the same tags, no newlines between them
     "llama3_json": Llama3JsonToolParser,
 }
 
 REASONING_PARSERS: dict[str, type] = {
     "qwen3": ThinkReasoningParser,
     "glm45": ThinkReasoningParser,
+    "deepseek_v3": ThinkReasoningParser,  # reasoning only after <think> (in the output or prompt)
     "deepseek_r1": DeepSeekR1ReasoningParser,
 }
 
 # model_type -> (tool parser, reasoning parser). Qwen3-Coder shares "qwen3_moe" with the
 # thinking Qwen3 MoE models, so it is told apart by the model id (see default_parsers).
+# "deepseek_v3" is the model_type of DeepSeek-V3 (no thinking), R1 and V3.1 (hybrid) alike, so
+# its reasoning parser is "deepseek_v3": reasoning only after a <think> the model writes or the
+# template pre-fills (R1-0528 / V3.1 thinking templates do; ChatPrompt.reasoning_started), never
+# a plain V3 answer. "deepseek_r1" (all text before </think> is reasoning) stays selectable.
 _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     "qwen2": ("hermes", None),  # Qwen2.5 does not think
     "qwen2_moe": ("hermes", None),
@@ -42,15 +48,17 @@ _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     "qwen3_5": ("qwen3_coder", "qwen3"),
     "qwen3_5_moe": ("qwen3_coder", "qwen3"),
     "qwen3_coder": ("qwen3_coder", None),
-    "deepseek_v3": ("deepseek_v3", "deepseek_r1"),
-    "deepseek_v32": ("deepseek_v31", "deepseek_r1"),
+    "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
+    "deepseek_v32": ("deepseek_v31", "deepseek_v3"),
     "glm4_moe": ("glm45", "glm45"),
     "glm4v_moe": ("glm45", "glm45"),
     "llama": ("llama3_json", None),
 }
 
 
-def default_parsers(model_type: str, *, model_id: str | None = None) -> tuple[str | None, str | None]:
+def default_parsers(
+    model_type: str, *, model_id: str | None = None
+) -> tuple[str | None, str | None]:
     """``(tool_parser, reasoning_parser)`` for a config's ``model_type``; ``(None, None)`` when
     Resin knows no format for it (mistral, mixtral, gemma, gpt_oss, ...).
 

@@ -78,6 +78,13 @@ def is_plain_string(schema: dict | None) -> bool:
     return bool(types & _STRING_TYPES) and "null" not in types
 
 
+def allows_text(schema: dict | None) -> bool:
+    """Whether a value of this schema may be free text (no schema, no type, or a string type),
+    which can contain any markup; a number, boolean, object or array cannot."""
+    types = _types(schema) - {"null"}
+    return schema is None or not types or bool(types & _STRING_TYPES)
+
+
 def _loads(text: str) -> tuple[bool, Any]:
     try:
         return True, json.loads(text)

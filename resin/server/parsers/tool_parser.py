@@ -48,7 +48,7 @@ HERMES_HEAD = re.compile(
 
 
 # Characters no function name has; vLLM's qwen3_coder parser refuses the same set.
-_NOT_IN_NAMES = frozenset('{}<>()[]"\'`\\,;=')
+_NOT_IN_NAMES = frozenset("{}<>()[]\"'`\\,;=")
 MAX_NAME = 256
 
 
@@ -58,7 +58,7 @@ def is_function_name(name: str, schemas: ToolSchemas | None = None) -> bool:
     digits, ``_ - . : /`` are fine: ``get_weather``, ``mcp.fs/read``, ``ns__tool``)."""
     if schemas and name in schemas:
         return True
-    return (0 < len(name) <= MAX_NAME and not any(c.isspace() or c in _NOT_IN_NAMES for c in name))
+    return 0 < len(name) <= MAX_NAME and not any(c.isspace() or c in _NOT_IN_NAMES for c in name)
 
 
 def could_be_function_name(prefix: str, schemas: ToolSchemas | None = None) -> bool:
@@ -72,7 +72,9 @@ def could_be_function_name(prefix: str, schemas: ToolSchemas | None = None) -> b
     return is_function_name(name, schemas)
 
 
-def call_from_json(obj: Any, args_keys: tuple[str, ...], schemas: ToolSchemas | None = None) -> tuple[str, str] | None:
+def call_from_json(
+    obj: Any, args_keys: tuple[str, ...], schemas: ToolSchemas | None = None
+) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` from a decoded ``{"name": ..., "arguments": {...}}`` object.
 
     The arguments may sit under any of ``args_keys``, be absent (``{}``) or be a JSON string that
@@ -149,11 +151,17 @@ class ToolParser:
 
     @classmethod
     def exit_markers(cls) -> tuple[str, ...]:
-        return cls.start_markers if cls.reasoning_exit_markers is None else cls.reasoning_exit_markers
+        return (
+            cls.start_markers if cls.reasoning_exit_markers is None else cls.reasoning_exit_markers
+        )
 
     def in_plain_content(self) -> bool:
         """No call made and none being read: everything consumed so far went out as content."""
         return self._state == "content" and self.num_calls == 0
+
+    def held_back(self) -> int:
+        """How many characters received last are not consumed yet (a possible partial marker)."""
+        return len(self._buf)
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -212,7 +220,7 @@ class ToolParser:
         body = text.rstrip()
         if body:
             out.append(ContentDelta(body))
-        self._pending_ws = text[len(body):]
+        self._pending_ws = text[len(body) :]
 
     def _fallback(self, out: list[OutputEvent], rest: str = "") -> bool:
         """Give up on the call being read: its raw text (plus ``rest``) becomes content."""
@@ -254,7 +262,7 @@ class ToolParser:
         for head in self.json_heads:
             match = head.match(self._buf)
             if match and is_function_name(match.group("name").strip(), self.schemas):
-                self._buf = self._buf[match.end():]
+                self._buf = self._buf[match.end() :]
                 self._scan_from = 0
                 self._start_call(out, match.group("name").strip())
                 self._streamer = JsonObjectStreamer()
@@ -299,7 +307,7 @@ class ToolParser:
         if at == -1 and not final:
             return False
         body = self._buf if at == -1 else self._buf[:at]
-        self._buf = "" if at == -1 else self._buf[at + len(JSON_BODY_END):]
+        self._buf = "" if at == -1 else self._buf[at + len(JSON_BODY_END) :]
         calls = parse_json_calls(body, self.schemas)
         if calls is None:
             return self._fallback(out, body + ("" if at == -1 else JSON_BODY_END))
@@ -321,11 +329,17 @@ class ToolParser:
             return
         self._seen_keys.add(key)
         sep = ", " if self._num_params else "{"
-        self._args(out, sep + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
+        self._args(
+            out,
+            sep
+            + json.dumps(key, ensure_ascii=False)
+            + ": "
+            + json.dumps(value, ensure_ascii=False),
+        )
         self._num_params += 1
 
     def _param_streams(self, key: str) -> bool:
-        """Whether this parameter's value streams as a JSON string (see ``schema.is_plain_string``)."""
+        """Whether this parameter's value streams as a JSON string (``schema.is_plain_string``)."""
         return key not in self._seen_keys and is_plain_string(self.param_schema(self._tool, key))
 
     def _open_string_param(self, out: list[OutputEvent], key: str) -> None:

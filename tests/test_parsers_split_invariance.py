@@ -1,0 +1,222 @@
+"""Property: for every parser — each tool parser, each reasoning parser, and reasoning + tools
+chained as the server chains them (``OutputParser``) — any split of an output into deltas gives
+the same content, reasoning and calls as parsing it whole.
+
+Each case is fed whole, one character at a time, and at seeded random split points
+(``tests.test_server_parsers.check``, which also checks that the event stream is well-formed).
+The corpus per format covers well-formed calls, the malformed shapes the parsers are lenient
+about, and the robustness classes of ``test_parsers_robustness.py``; each text is also wrapped in
+reasoning (closed, unterminated, pre-filled) and run under every reasoning parser, with and
+without ``reasoning_started``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from resin.server.parsers import REASONING_PARSERS, TOOL_PARSERS
+from tests.test_server_parsers import WEATHER_TOOLS, check
+
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+TOOLS = WEATHER_TOOLS + [
+    {
+        "type": "function",
+        "function": {
+            "name": "write",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "content": {"type": "string"},
+                    "mode": {"type": "integer"},
+                    "opts": {"type": "object"},
+                },
+            },
+        },
+    }
+]
+
+HERMES = [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "SF", "days": 2}}\n</tool_call>',
+    'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "write", "arguments": {"path": "a", "content": "x\\ny"}}\n</tool_call>\nDone.',
+    '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>[{"name": "b"}, {"name": "c", "parameters": {}}]</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3, "city": Paris}\n</tool_call> tail',
+    '<tool_call>\n{"name": "{{ tc.name }}", "arguments": {}}\n</tool_call>',
+    "Use <tool_call> tags for calls.",
+    '<tool_call>\n{"name": "f", "arguments": {"a": [1, "x',
+    '<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2}}</tool_call>',
+]
+
+CODER = [
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nSF\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "I'll write it.\n<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n"
+    "def f():\n    return '</function>' + \"</parameter>\"\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>\n<tool_call>\n<function=write>\n"
+    "<parameter=mode>\n1\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=write>\n<parameter=content>\nSee:\n<tool_call>\n<function=write>\n<parameter=path>\nx\n</parameter>\n"
+    "</function>\n</tool_call>\nok\n</parameter>\n<parameter=path>\nd.md\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=write>\n<parameter=opts>\n{'a': None, 'b': (1, 2)}\n</parameter>\n<parameter=mode>\n\"7\"\n</parameter>\n"
+    "<parameter=path>\na\n</parameter>\n<parameter=path>\nb\n</parameter>\n</function>\n</tool_call>",
+    "<function=a>\n<parameter=x>\n1\n</parameter>\n</tool_call>\n<tool_call>\n<function=b>\n<function=c>\n</function>",
+    "<tool_call>\n<function={{ tc.name }}>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\nhello</tool_call> and <function=get weather> too",
+    "<tool_call>\n<function=write>\n<parameter=content>\ncut off </parameter> mid",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nBer",
+]
+
+DEEPSEEK = [
+    f'Let me look.\n{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Tokyo"}}\n```{DS_END}\n'
+    f'{DS_CALL}write{DS_SEP}{{"path": "a", "content": "日本"}}{DS_END}{DS_CALLS_END}',
+    f'{DS_CALLS}{DS_CALL}no separator{DS_END}{DS_CALL}g{DS_SEP}{{"b": 2}}{DS_END}{DS_CALLS_END}',
+    f"Text {DS_CALLS}not a call{DS_CALLS_END} after",
+    f"Cut off {DS_CALLS}",
+    f"Stray {DS_CALLS_END} end",
+    f'{DS_CALLS}{DS_CALL}f{DS_SEP}{{"a": 1, "b": ',
+    f'{DS_CALL}h{DS_SEP}```json\n{{"c": 3}}\n```{DS_END}',
+    f"{DS_CALLS}{DS_CALL}{{{{ name }}}}{DS_SEP}{{}}{DS_END}{DS_CALLS_END}",
+    "x <｜end▁of▁sentence｜>",
+]
+
+GLM = [
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n<arg_key>days</arg_key>\n"
+    '<arg_value>"5"</arg_value>\n</tool_call>\n<tool_call>ping\n</tool_call>',
+    "Checking.<tool_call>write<arg_key>content</arg_key><arg_value>line one\nline </arg_val two</arg_value>"
+    "<arg_key>mode</arg_key><arg_value>3</arg_value></tool_call>",
+    "<tool_call>not a name\n<arg_key>a</arg_key></tool_call>",
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+    "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>par",
+    "<tool_call>write<arg_key>path</arg_key><arg_value>a</arg_value><arg_key>path</arg_key><arg_value>b</arg_value></tool_call>",
+]
+
+LLAMA = [
+    '{"name": "get_weather", "parameters": {"city": "SF"}}',
+    ' <|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": "}{"}}\n',
+    'Let me check.<|python_tag|>{"name": "get_weather", "parameters": {"city": "SF"}} and more',
+    '{"name": "a", "parameters": {"x": 1, "y": oops}} bye',
+    '{"name": "a", "parameters": {"x": [1, 2',
+    'The JSON is {"name": "x", "parameters": {}}.',
+    "<|python_tag|>",
+    '{"name": "{{ tc.name }}", "parameters": {}}',
+]
+
+CORPUS = {
+    "hermes": HERMES + CODER[:2],
+    "qwen3_coder": CODER + HERMES[:1],
+    "deepseek": DEEPSEEK,
+    "glm": GLM,
+    "llama": LLAMA,
+}
+FORMAT_OF = {
+    "hermes": "hermes",
+    "qwen25": "hermes",
+    "qwen3": "hermes",
+    "qwen3_coder": "qwen3_coder",
+    "qwen3_xml": "qwen3_coder",
+    "deepseek_v3": "deepseek",
+    "deepseek_v31": "deepseek",
+    "glm45": "glm",
+    "glm47": "glm",
+    "llama3_json": "llama",
+}
+
+# How the reasoning around a call may look: closed, unterminated (the call start ends it),
+# pre-filled by the template (no <think> in the output), and a call start named in prose.
+WRAPPERS = [
+    "{}",
+    "<think>Plan it.</think>\n\n{}",
+    "<think>Plan it.\n{}",
+    "Plan it.</think>{}",
+    "Plan it. {}",
+    "<think>Say <tool_call> and {}</think> ok",
+]
+
+
+def test_every_parser_has_a_corpus():
+    assert set(FORMAT_OF) == set(TOOL_PARSERS)
+
+
+@pytest.mark.parametrize("tool", sorted(TOOL_PARSERS))
+def test_tool_parsers_are_split_invariant(tool):
+    for i, text in enumerate(CORPUS[FORMAT_OF[tool]]):
+        check(text, tool, seed=i, splits=15, tools=TOOLS)
+        check(text, tool, seed=i, splits=3)  # without schemas
+
+
+@pytest.mark.parametrize("reasoning", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("started", [False, True])
+def test_reasoning_parsers_are_split_invariant(reasoning, started):
+    texts = [
+        "<think>\nstep 1\n</think>\n\nAnswer: 4",
+        "<think>cut off",
+        "thinking...</think>answer <think>",
+        "plain answer </think> x",
+        "\n\n<think>a</think>",
+        "<thi",
+        "",
+        "  ",
+        "all reasoning </thin",
+    ]
+    for i, text in enumerate(texts):
+        check(text, None, reasoning, seed=i, splits=15, reasoning_started=started)
+
+
+@pytest.mark.parametrize("tool", sorted(set(FORMAT_OF.values())))
+@pytest.mark.parametrize("reasoning", sorted(REASONING_PARSERS))
+def test_reasoning_and_tools_chained_are_split_invariant(tool, reasoning):
+    name = next(n for n, f in sorted(FORMAT_OF.items()) if f == tool)
+    rng = random.Random(f"{tool}-{reasoning}")
+    for i, text in enumerate(CORPUS[tool]):
+        for wrapper in WRAPPERS:
+            started = rng.random() < 0.5
+            check(
+                wrapper.format(text),
+                name,
+                reasoning,
+                seed=i,
+                splits=4,
+                tools=TOOLS,
+                reasoning_started=started,
+            )
+
+
+@pytest.mark.parametrize("tool", sorted(set(FORMAT_OF.values())))
+def test_random_mixtures_of_corpus_pieces_are_split_invariant(tool):
+    # Pieces of the corpus (markers, half calls) glued at random: every parser of the format,
+    # chained with each reasoning parser, still agrees across splits.
+    rng = random.Random(tool)
+    pieces: list[str] = []
+    for text in CORPUS[tool]:
+        cuts = sorted(rng.sample(range(len(text)), k=min(3, len(text))))
+        pieces += [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if b > a]
+    pieces += [
+        "<think>",
+        "</think>",
+        "\n",
+        " ",
+        "x",
+        "<",
+        "</parameter>",
+        "<parameter=city>",
+        "<|python_tag|>",
+        DS_CALLS,
+    ]
+    names = sorted(n for n, f in FORMAT_OF.items() if f == tool)
+    for trial in range(40):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+        reasoning = rng.choice([None, *sorted(REASONING_PARSERS)])
+        check(
+            text,
+            rng.choice(names),
+            reasoning,
+            seed=trial,
+            splits=5,
+            tools=TOOLS,
+            reasoning_started=rng.random() < 0.3,
+        )
