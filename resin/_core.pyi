@@ -95,7 +95,8 @@ class LayerCacheSpec:
     def sliding_window(window: int, bytes_per_token: int) -> LayerCacheSpec: ...
     @staticmethod
     def recurrent(state_bytes: int) -> LayerCacheSpec:
-        """Defined for the layout API; engines reject it until recurrent groups are implemented."""
+        """A recurrent state of state_bytes per request (per layer), held in
+        CacheGroup.pages_per_state pages of CacheLayout.page_bytes each."""
 
 @final
 class CacheGroup:
@@ -105,6 +106,10 @@ class CacheGroup:
     def spec(self) -> LayerCacheSpec: ...
     @property
     def layer_indices(self) -> list[int]: ...
+    @property
+    def pages_per_state(self) -> int:
+        """Pages one recurrent state occupies: max(1, ceil(state_bytes / page_bytes)), 1 when
+        page_bytes is 0; 0 for a token (full / sliding-window) group."""
 
 @final
 class CacheLayout:
@@ -119,6 +124,12 @@ class CacheLayout:
     @property
     def page_size(self) -> int:
         """Tokens per page."""
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page holds in one layer's buffer: the largest page_size * bytes_per_token
+        over the token layers (0 if none). A recurrent layer's buffer is num_pages pages of
+        page_bytes (of state_bytes when page_bytes is 0); a state spans pages_per_state of
+        them, the last one padded."""
     @property
     def groups(self) -> list[CacheGroup]: ...
     def group_of_layer(self, layer_index: int) -> int: ...
@@ -250,17 +261,43 @@ class BatchPlan:
         """Per cache group: uint32[S+1] CSR offsets into kv_indices[g]."""
     @property
     def kv_indices(self) -> tuple[npt.NDArray[np.uint32], ...]:
-        """Per cache group: uint32[nnz_g] page ids; a sliding-window group lists only in-window pages."""
+        """Per cache group: uint32[nnz_g] page ids; a sliding-window group lists only in-window
+        pages; a recurrent group lists each row's pages_per_state state pages, in byte order."""
     @property
     def kv_last_page_len(self) -> tuple[npt.NDArray[np.uint32], ...]:
-        """Per cache group: uint32[S], tokens in each row's last page (1..page_size)."""
+        """Per cache group: uint32[S], tokens in each row's last page (1..page_size); 0 for a
+        recurrent group."""
     @property
     def slot_mapping(self) -> tuple[npt.NDArray[np.int64], ...]:
-        """Per cache group: int64[T], page * page_size + offset where each new token's KV goes; -1 = skip."""
+        """Per cache group: int64[T], page * page_size + offset where each new token's KV goes;
+        -1 = skip (every token of a recurrent group, which has no per-token cache)."""
+    @property
+    def state_slots(self) -> tuple[npt.NDArray[np.uint32], ...]:
+        """Per cache group: uint32[S] for a recurrent group (empty for a token group), the first
+        page of the row's state (= its first kv_indices entry); byte b of a state lives in the
+        row's state page b // page_bytes, at offset b % page_bytes."""
+    @property
+    def has_initial_state(self) -> tuple[npt.NDArray[np.uint8], ...]:
+        """Per cache group: uint8[S] for a recurrent group (empty for a token group), 1 if the
+        row's state pages hold its state after num_computed_tokens tokens (continuing, or
+        copied from a checkpoint by this plan's copy_pages); 0 if the row starts fresh
+        (num_computed_tokens == 0): start from a zero state, ignore the pages' stale bytes."""
+    @property
+    def copy_pages(self) -> npt.NDArray[np.uint32]:
+        """uint32[n, 2] (src, dst) page pairs to copy before the forward, in every layer of every
+        recurrent group, reading all sources before writing any destination
+        (buf[dst] = buf[src]): own state -> checkpoint after a chunk that ended on a page
+        boundary, checkpoint -> own state for a prefix hit (copy-on-write)."""
+    @property
+    def zero_pages(self) -> npt.NDArray[np.uint32]:
+        """uint32[n]: pages to zero after copy_pages and before the forward: pages that last held
+        a recurrent state and now hold token K/V (needed only when buffers alias across
+        groups: stale state bytes read as K/V can be NaN)."""
     @property
     def block_table(self) -> tuple[npt.NDArray[np.uint32], ...]:
         """Per cache group: uint32[S, max_pages], column j = page holding positions
         [j*page_size, (j+1)*page_size); 0 (the null page) before the window and past the end.
+        A recurrent group: uint32[S, pages_per_state], the state pages.
         Derived from kv_indices on first access (the one plan array that is a new array)."""
     @property
     def new_request_slots(self) -> npt.NDArray[np.uint32]:
@@ -374,7 +411,10 @@ class Engine:
         """Validate and commit the runner's output. On ValueError nothing changes and the plan
         stays pending, so update can be retried with a corrected output."""
     def discard_plan(self) -> None:
-        """Drop the pending plan without committing it; the next schedule() plans the work again."""
+        """Drop the pending plan without committing it; the next schedule() plans the work again.
+        With recurrent cache groups, the plan's requests restart instead (states are advanced
+        in place, so the forward may have changed them): back to waiting, to recompute from
+        their longest checkpoint."""
     def step(self) -> list[RequestOutput]:
         """schedule() + runner.forward(plan) + update(plan, output). An empty plan (nothing to
         run) is committed without calling the runner; it carries no lifecycle notices. If

@@ -138,15 +138,16 @@ class LLM:
             # A runner without cache_spec (scripted, null) stores nothing: size as one small
             # layer so the pool still holds full-length sequences.
             specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
-            num_groups = len({(s.kind, s.window, s.bytes_per_token) for s in specs}) or 1
+            token_specs = [s for s in specs if s.kind != "recurrent"]
+            num_groups = len({(s.kind, s.window, s.bytes_per_token) for s in token_specs}) or 1
             settings["num_pages"] = default_num_pages(
-                [s.bytes_per_token for s in specs] or [1],
+                [s.bytes_per_token for s in token_specs] or [1],
                 settings["page_size"],
                 settings["max_model_len"],
                 settings["max_num_seqs"],
                 kv_cache_bytes,
                 num_groups,
-            )
+            ) + state_pages(specs, settings["page_size"], settings["max_num_seqs"])
         return EngineConfig(**settings)
 
     # -- generation -------------------------------------------------------------------------
@@ -282,6 +283,21 @@ def default_num_pages(
     page_bytes = max(1, page_size * sum(bytes_per_token))
     fit = kv_cache_bytes // page_bytes
     return 1 + max(pages_per_seq, min(pages_per_seq * max_num_seqs, fit))
+
+
+def state_pages(specs: Sequence[Any], page_size: int, max_num_seqs: int) -> int:
+    """Pages for recurrent states: per recurrent group (distinct ``state_bytes``), one state for
+    each of ``max_num_seqs`` requests plus prefix checkpoints in flight (two per group), each
+    state ``ceil(state_bytes / page_bytes)`` pages (the engine's rule, ``CacheGroup.
+    pages_per_state``; a page holds ``page_size`` tokens of the widest token layer)."""
+    page_bytes = max(
+        (page_size * s.bytes_per_token for s in specs if s.kind != "recurrent"), default=0
+    )
+    total = 0
+    for state_bytes in {s.state_bytes for s in specs if s.kind == "recurrent"}:
+        per_state = max(1, math.ceil(state_bytes / page_bytes)) if page_bytes else 1
+        total += per_state * (max_num_seqs + 2)
+    return total
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -26,6 +26,15 @@ Logprobs (``num_logprobs >= 0``) are ``log_softmax`` of the raw model logits (be
 bans and temperature; vLLM's default "raw" mode), in float32. ``top_logprob_ids`` has
 ``k = max num_logprobs`` of the batch columns; rows asking fewer just carry extra columns.
 
+Structured outputs (:mod:`resin.structured_output`): ``sampler.grammars`` is a
+:class:`~resin.structured_output.GrammarRegistry` the server fills (request id -> compiled
+grammar). A slot whose request has a grammar when it is (re)created gets a matcher, advanced
+over the outputs it already has; each row's ``committed_token_ids`` advance it further (never
+the sampled tokens, so a discarded plan replays exactly). In :meth:`Sampler.sample` the grammar
+rows' logits are masked (disallowed tokens ``-inf``, after penalties and bans, before greedy /
+temperature), one bitmask for the batch; rows without a grammar are untouched. A grammar row
+whose bans leave no allowed token falls back to the grammar mask alone.
+
 Imports torch; ``import resin`` does not import this module.
 """
 
@@ -37,6 +46,7 @@ import numpy as np
 import torch
 
 from resin._core import BatchPlan, ForwardOutput
+from resin.structured_output import GrammarRegistry, GrammarSlot, MaskBuffer, apply_grammar_masks
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, step) -> distinct seeds
 _SEED_MASK = (1 << 63) - 1
@@ -63,6 +73,9 @@ class Sampler:
         self.slots: dict[int, SlotState] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
+        self.grammars = GrammarRegistry()
+        self.grammar_slots: dict[int, GrammarSlot] = {}
+        self._mask_buffer = MaskBuffer(vocab_size)
 
     def begin_step(self, plan: BatchPlan) -> None:
         """Apply the plan's lifecycle diff: drop finished slots, start new ones from their
@@ -74,12 +87,37 @@ class Sampler:
         """
         for slot in plan.finished_request_slots.tolist():
             self.slots.pop(slot, None)
+            self.grammar_slots.pop(slot, None)
         indptr, token_ids = plan.new_request_token_indptr, plan.new_request_token_ids
-        for j, slot in enumerate(plan.new_request_slots.tolist()):
+        new_slots = plan.new_request_slots.tolist()
+        for j, slot in enumerate(new_slots):
             self.slots[slot] = SlotState(
                 token_ids[indptr[j] : indptr[j + 1]].tolist(),
                 int(plan.new_request_num_prompt_tokens[j]),
             )
+        if new_slots and (self.grammars.active or self.grammar_slots):
+            self._start_grammars(plan, new_slots)
+        self._append_committed(plan)
+        for slot, grammar in self.grammar_slots.items():
+            state = self.slots.get(slot)
+            if state is not None:
+                grammar.sync(state.token_ids, state.num_prompt_tokens)
+
+    def _start_grammars(self, plan: BatchPlan, new_slots: list[int]) -> None:
+        """A (re)created slot drops its old matcher; one whose request has a grammar gets a
+        new one (:meth:`begin_step` then advances it over the outputs the request has)."""
+        row_of = {slot: row for row, slot in enumerate(plan.request_slots.tolist())}
+        request_ids = plan.request_ids if self.grammars.active else []
+        for slot in new_slots:
+            self.grammar_slots.pop(slot, None)
+            row = row_of.get(slot)
+            if row is None or not request_ids:
+                continue
+            grammar = self.grammars.get(request_ids[row])
+            if grammar is not None:
+                self.grammar_slots[slot] = GrammarSlot(grammar)
+
+    def _append_committed(self, plan: BatchPlan) -> None:
         committed = plan.committed_token_ids
         if len(committed) == 0:
             return
@@ -119,6 +157,8 @@ class Sampler:
                 processed[
                     r, torch.as_tensor(banned.astype(np.int64), device=self.device)
                 ] = -torch.inf
+        if self.grammar_slots:
+            self._mask(processed, logits, slots)
 
         greedy = temperature == 0
         scaled = processed / torch.where(greedy, 1.0, temperature)[:, None]
@@ -141,6 +181,26 @@ class Sampler:
             generator = self.generator if seed < 0 else self._seeded(seed, num_output_tokens[r])
             tokens[r] = torch.multinomial(probs[r], 1, generator=generator)[0]
         return self._output(plan, rows, tokens, logits)
+
+    def _mask(self, processed: torch.Tensor, logits: torch.Tensor, slots: list[int]) -> None:
+        """Apply the grammar rows' token masks to ``processed`` in place."""
+        indices, grammars = [], []
+        for r, slot in enumerate(slots):
+            grammar = self.grammar_slots.get(slot)
+            if grammar is not None and grammar.constrains:
+                indices.append(r)
+                grammars.append(grammar)
+        if not grammars:
+            return
+        apply_grammar_masks(processed, indices, grammars, self._mask_buffer)
+        index = torch.as_tensor(indices, device=processed.device)
+        dead = torch.isneginf(processed[index]).all(dim=-1)
+        if bool(dead.any()):  # bans (min_tokens) removed every allowed token: grammar wins
+            for r in index[dead].tolist():
+                processed[r] = logits[r]
+                apply_grammar_masks(
+                    processed, [r], [self.grammar_slots[slots[r]]], self._mask_buffer
+                )
 
     def _penalise(
         self, logits: torch.Tensor, slot: int, repetition: float, frequency: float, presence: float

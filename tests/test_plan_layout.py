@@ -384,7 +384,7 @@ def test_sliding_window_frees_pages_behind_the_window() -> None:
     assert h.engine.num_free_pages == 7
 
 
-def test_layer_cache_spec_properties_and_recurrent_rejected() -> None:
+def test_layer_cache_spec_properties_and_recurrent_pool_size() -> None:
     full, sw = LayerCacheSpec.full(64), LayerCacheSpec.sliding_window(8, 32)
     rec = LayerCacheSpec.recurrent(4096)
     assert (full.kind, full.bytes_per_token, full.window, full.state_bytes) == (
@@ -395,8 +395,14 @@ def test_layer_cache_spec_properties_and_recurrent_rejected() -> None:
     )
     assert (sw.kind, sw.bytes_per_token, sw.window) == ("sliding_window", 32, 8)
     assert (rec.kind, rec.state_bytes) == ("recurrent", 4096)
-    with pytest.raises(ValueError):
+    # A recurrent group is schedulable, but its state (and one checkpoint in flight, with
+    # prefix caching) must fit beside one full-length request's pages: 64 pages are too few
+    # for 32 full pages + a 16-page state + a 16-page checkpoint.
+    with pytest.raises(ValueError, match="num_pages"):
         resin.Engine(config(), CacheRunner([LayerCacheSpec.full(64), rec]))
+    engine = resin.Engine(config(num_pages=80), CacheRunner([LayerCacheSpec.full(64), rec]))
+    (group,) = [g for g in engine.layout.groups if g.spec.kind == "recurrent"]
+    assert group.pages_per_state == 16 and engine.layout.page_bytes == 256
 
 
 def test_banned_tokens_and_sampling_arrays_follow_params() -> None:

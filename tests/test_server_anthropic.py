@@ -47,11 +47,19 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODEL_DIR = FIXTURES / "qwen3"
 QWEN3_TEMPLATE = FIXTURES / "chat_templates" / "qwen3.jinja"
 MODEL = "qwen3-tiny"
-SCRIPT = ("<think>\nplan\n</think>\n\nSure.<tool_call>\n{\"name\": \"get_weather\", "
-          "\"arguments\": {\"city\": \"SF\"}}\n</tool_call>")
-WEATHER_TOOL = {"name": "get_weather", "description": "Get the weather for a city",
-                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
-                                 "required": ["city"]}}
+SCRIPT = (
+    '<think>\nplan\n</think>\n\nSure.<tool_call>\n{"name": "get_weather", '
+    '"arguments": {"city": "SF"}}\n</tool_call>'
+)
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Get the weather for a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
 SERVER_TOOL = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 SYSTEM = "You are terse."
@@ -98,8 +106,7 @@ class ControlledRunner:
 
 def _serve(ctx: ServerContext) -> Iterator[Server]:
     with LiveServer(ctx) as live:
-        client = anthropic.Anthropic(base_url=live.base_url, api_key="x", max_retries=0,
-                                     timeout=60)
+        client = anthropic.Anthropic(base_url=live.base_url, api_key="x", max_retries=0, timeout=60)
         http = httpx.Client(base_url=live.base_url, timeout=60)
         try:
             yield Server(ctx, live.port, client, http)
@@ -110,27 +117,36 @@ def _serve(ctx: ServerContext) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[Server]:
-    ctx = build_context(MODEL_DIR, runner="torch",
-                        options=ServerOptions(served_model_names=[MODEL]), max_num_seqs=8)
+    ctx = build_context(
+        MODEL_DIR, runner="torch", options=ServerOptions(served_model_names=[MODEL]), max_num_seqs=8
+    )
     yield from _serve(ctx)
 
 
 @pytest.fixture(scope="module")
 def runner() -> ControlledRunner:
     tokenizer = Tokenizer.from_pretrained(MODEL_DIR)
-    cycle = [t for t in tokenizer.encode(" the quick brown fox", add_special_tokens=False)
-             if t not in tokenizer.eos_token_ids]
+    cycle = [
+        t
+        for t in tokenizer.encode(" the quick brown fox", add_special_tokens=False)
+        if t not in tokenizer.eos_token_ids
+    ]
     return ControlledRunner(
-        ScriptedRunner(tokenizer.encode(SCRIPT, add_special_tokens=False),
-                       tokenizer.eos_token_ids[0]), CyclingRunner(cycle))
+        ScriptedRunner(
+            tokenizer.encode(SCRIPT, add_special_tokens=False), tokenizer.eos_token_ids[0]
+        ),
+        CyclingRunner(cycle),
+    )
 
 
 @pytest.fixture(scope="module")
 def scripted(runner: ControlledRunner) -> Iterator[Server]:
-    options = ServerOptions(served_model_names=[MODEL],
-                            chat_template=QWEN3_TEMPLATE.read_text(encoding="utf-8"))
-    ctx = build_context(MODEL_DIR, runner=runner, options=options, max_num_seqs=8,
-                        max_model_len=2048)
+    options = ServerOptions(
+        served_model_names=[MODEL], chat_template=QWEN3_TEMPLATE.read_text(encoding="utf-8")
+    )
+    ctx = build_context(
+        MODEL_DIR, runner=runner, options=options, max_num_seqs=8, max_model_len=2048
+    )
     yield from _serve(ctx)
 
 
@@ -163,8 +179,9 @@ def _expected_stop_reason(finish_reason: str | None) -> str:
 # -- text generation on the real model --------------------------------------------------------
 def test_create_matches_llm_chat(tiny: Server, llm: LLM) -> None:
     reference = _reference(llm, 24)
-    message = tiny.client.messages.create(model=MODEL, max_tokens=24, system=SYSTEM,
-                                          messages=HELLO, extra_body=GREEDY)
+    message = tiny.client.messages.create(
+        model=MODEL, max_tokens=24, system=SYSTEM, messages=HELLO, extra_body=GREEDY
+    )
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg_") and len(message.id) >= 28
     assert message.model == MODEL
@@ -180,8 +197,9 @@ def test_create_matches_llm_chat(tiny: Server, llm: LLM) -> None:
 def test_repeat_reads_the_prefix_cache(tiny: Server, llm: LLM) -> None:
     num_prompt = len(_reference(llm, 1).prompt_token_ids)
     for _ in range(2):
-        message = tiny.client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM,
-                                              messages=HELLO, extra_body=GREEDY)
+        message = tiny.client.messages.create(
+            model=MODEL, max_tokens=4, system=SYSTEM, messages=HELLO, extra_body=GREEDY
+        )
         usage = message.usage
         assert usage.input_tokens + usage.cache_read_input_tokens == num_prompt
     # the second request found the first one's full pages: cache reads are not input_tokens
@@ -191,22 +209,28 @@ def test_repeat_reads_the_prefix_cache(tiny: Server, llm: LLM) -> None:
 
 def test_stream_matches_llm_chat(tiny: Server, llm: LLM) -> None:
     reference = _reference(llm, 24)
-    with tiny.client.messages.stream(model=MODEL, max_tokens=24, system=SYSTEM, messages=HELLO,
-                                     extra_body=GREEDY) as stream:
+    with tiny.client.messages.stream(
+        model=MODEL, max_tokens=24, system=SYSTEM, messages=HELLO, extra_body=GREEDY
+    ) as stream:
         events = list(stream)
         final = stream.get_final_message()
     assert events[0].type == "message_start"
-    assert events[0].message.usage.input_tokens \
-        + events[0].message.usage.cache_read_input_tokens == len(reference.prompt_token_ids)
+    assert events[0].message.usage.input_tokens + events[
+        0
+    ].message.usage.cache_read_input_tokens == len(reference.prompt_token_ids)
     assert [e.type for e in events[-2:]] == ["message_delta", "message_stop"]
     assert _text(final) == reference.text
     assert final.model == MODEL
     assert final.stop_reason == _expected_stop_reason(reference.finish_reason)
     assert final.usage.output_tokens == len(reference.token_ids)
-    assert final.usage.input_tokens + final.usage.cache_read_input_tokens \
-        == len(reference.prompt_token_ids)
-    deltas = "".join(e.delta.text for e in events
-                     if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == len(
+        reference.prompt_token_ids
+    )
+    deltas = "".join(
+        e.delta.text
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "text_delta"
+    )
     assert deltas == reference.text
 
 
@@ -215,31 +239,45 @@ def test_count_tokens_equals_prompt_length(tiny: Server, llm: LLM) -> None:
     counted = tiny.client.beta.messages.count_tokens(model=MODEL, system=SYSTEM, messages=HELLO)
     assert counted.input_tokens == len(reference.prompt_token_ids)
     # Claude Code's per-request billing block is dropped before rendering
-    blocks = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=a5145;"},
-              {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
-    counted = tiny.client.beta.messages.count_tokens(model="claude-haiku-4-5", system=blocks,
-                                                     messages=HELLO)
+    blocks = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=a5145;"},
+        {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}},
+    ]
+    counted = tiny.client.beta.messages.count_tokens(
+        model="claude-haiku-4-5", system=blocks, messages=HELLO
+    )
     assert counted.input_tokens == len(reference.prompt_token_ids)
 
 
 def test_mid_conversation_system_betas_and_unknown_fields(tiny: Server, llm: LLM) -> None:
-    messages = [{"role": "user", "content": "Hello"},
-                {"role": "system", "content": "Be brief."}]
-    demoted = [{"role": "user",
-                "content": "Hello\n\n<system-reminder>\nBe brief.\n</system-reminder>"}]
+    messages = [{"role": "user", "content": "Hello"}, {"role": "system", "content": "Be brief."}]
+    demoted = [
+        {"role": "user", "content": "Hello\n\n<system-reminder>\nBe brief.\n</system-reminder>"}
+    ]
     reference = llm.chat(demoted, SamplingParams(temperature=0.0, max_tokens=8))[0]
     message = tiny.client.messages.create(
-        model="claude-opus-4-7", max_tokens=8, messages=messages,
+        model="claude-opus-4-7",
+        max_tokens=8,
+        messages=messages,
         metadata={"user_id": "u1"},
-        extra_headers={"anthropic-beta": "claude-code-20250219,mid-conversation-system-2026-04-07,"
-                       "interleaved-thinking-2025-05-14,no-such-beta-2099-01-01"},
-        extra_body={"temperature": 0.0, "top_k": 5, "top_p": 0.9,
-                    "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
-                    "output_config": {"effort": "high"}, "speed": "fast"})
+        extra_headers={
+            "anthropic-beta": "claude-code-20250219,mid-conversation-system-2026-04-07,"
+            "interleaved-thinking-2025-05-14,no-such-beta-2099-01-01"
+        },
+        extra_body={
+            "temperature": 0.0,
+            "top_k": 5,
+            "top_p": 0.9,
+            "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+            "output_config": {"effort": "high"},
+            "speed": "fast",
+        },
+    )
     assert message.model == "claude-opus-4-7"
     assert _text(message) == reference.text
-    assert message.usage.input_tokens + message.usage.cache_read_input_tokens \
-        == len(reference.prompt_token_ids)
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(
+        reference.prompt_token_ids
+    )
 
 
 def test_stop_sequences(tiny: Server, llm: LLM) -> None:
@@ -247,11 +285,16 @@ def test_stop_sequences(tiny: Server, llm: LLM) -> None:
     start = next((i for i in range(3, len(full) - 2) if full[:i].strip()), None)
     if start is None:
         pytest.fail(f"the fixture's greedy output is too short for this test: {full!r}")
-    stop = full[start:start + 2]
-    expected = full[:full.find(stop)]
-    kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": 24, "system": SYSTEM,
-                              "messages": HELLO, "extra_body": GREEDY,
-                              "stop_sequences": [stop, "never-appears-xyz"]}
+    stop = full[start : start + 2]
+    expected = full[: full.find(stop)]
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 24,
+        "system": SYSTEM,
+        "messages": HELLO,
+        "extra_body": GREEDY,
+        "stop_sequences": [stop, "never-appears-xyz"],
+    }
     message = tiny.client.messages.create(**kwargs)
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
     assert _text(message) == expected
@@ -264,12 +307,10 @@ def test_stop_sequences(tiny: Server, llm: LLM) -> None:
 def test_max_tokens_over_the_context_is_clamped(tiny: Server) -> None:
     # a long prompt leaves little room, so running to the end of the context is quick
     messages = [{"role": "user", "content": "Hello there " * 115}]
-    num_prompt = tiny.client.beta.messages.count_tokens(model=MODEL,
-                                                        messages=messages).input_tokens
+    num_prompt = tiny.client.beta.messages.count_tokens(model=MODEL, messages=messages).input_tokens
     room = tiny.ctx.max_model_len - num_prompt
     assert 0 < room < 100
-    kwargs: dict[str, Any] = {"model": "claude-opus-4-7", "max_tokens": 64000,
-                              "messages": messages}
+    kwargs: dict[str, Any] = {"model": "claude-opus-4-7", "max_tokens": 64000, "messages": messages}
     with tiny.client.messages.stream(**kwargs) as stream:
         streamed = stream.get_final_message()
     for message in (tiny.client.messages.create(**kwargs), streamed):
@@ -286,8 +327,9 @@ def test_max_tokens_over_the_context_is_clamped(tiny: Server) -> None:
 
 def test_prompt_over_the_context_is_400(tiny: Server) -> None:
     with pytest.raises(anthropic.BadRequestError) as info:
-        tiny.client.messages.create(model=MODEL, max_tokens=10,
-                                    messages=[{"role": "user", "content": "word " * 600}])
+        tiny.client.messages.create(
+            model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "word " * 600}]
+        )
     assert info.value.body["error"]["type"] == "invalid_request_error"
     assert "prompt is too long" in info.value.body["error"]["message"]
 
@@ -302,49 +344,131 @@ def test_unknown_model_is_404(tiny: Server) -> None:
 BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
     ("missing max_tokens", {"model": MODEL, "messages": HELLO}, 400, "max_tokens"),
     ("max_tokens 0", {"model": MODEL, "max_tokens": 0, "messages": HELLO}, 400, "max_tokens"),
-    ("max_tokens string", {"model": MODEL, "max_tokens": "ten", "messages": HELLO}, 400,
-     "max_tokens"),
+    (
+        "max_tokens string",
+        {"model": MODEL, "max_tokens": "ten", "messages": HELLO},
+        400,
+        "max_tokens",
+    ),
     ("messages not a list", {"model": MODEL, "max_tokens": 5, "messages": "hi"}, 400, "messages"),
     ("empty messages", {"model": MODEL, "max_tokens": 5, "messages": []}, 400, "messages"),
-    ("bad role", {"model": MODEL, "max_tokens": 5,
-                  "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
-    ("content a number", {"model": MODEL, "max_tokens": 5,
-                          "messages": [{"role": "user", "content": 7}]}, 400, "content"),
-    ("block without type", {"model": MODEL, "max_tokens": 5,
-                            "messages": [{"role": "user", "content": [{"text": "hi"}]}]}, 400,
-     "type"),
-    ("image block", {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
-        {"type": "text", "text": "what is this?"}]}]}, 400, "text only"),
-    ("document block", {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "document", "source": {"type": "text", "media_type": "text/plain",
-                                        "data": "x"}}]}]}, 400, "text only"),
-    ("temperature over 1", {"model": MODEL, "max_tokens": 5, "messages": HELLO,
-                            "temperature": 1.5}, 400, "temperature"),
-    ("stream not a bool", {"model": MODEL, "max_tokens": 5, "messages": HELLO, "stream": "yes"},
-     400, "stream"),
-    ("system a number", {"model": MODEL, "max_tokens": 5, "messages": HELLO, "system": 3}, 400,
-     "system"),
-    ("tools not a list", {"model": MODEL, "max_tokens": 5, "messages": HELLO, "tools": {}}, 400,
-     "tools"),
-    ("tool_choice unknown type", {"model": MODEL, "max_tokens": 5, "messages": HELLO,
-                                  "tool_choice": {"type": "sometimes"}}, 400, "tool_choice"),
+    (
+        "bad role",
+        {"model": MODEL, "max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]},
+        400,
+        "role",
+    ),
+    (
+        "content a number",
+        {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": 7}]},
+        400,
+        "content",
+    ),
+    (
+        "block without type",
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": [{"text": "hi"}]}],
+        },
+        400,
+        "type",
+    ),
+    (
+        "image block",
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                        },
+                        {"type": "text", "text": "what is this?"},
+                    ],
+                }
+            ],
+        },
+        400,
+        "text only",
+    ),
+    (
+        "document block",
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "document",
+                            "source": {"type": "text", "media_type": "text/plain", "data": "x"},
+                        }
+                    ],
+                }
+            ],
+        },
+        400,
+        "text only",
+    ),
+    (
+        "temperature over 1",
+        {"model": MODEL, "max_tokens": 5, "messages": HELLO, "temperature": 1.5},
+        400,
+        "temperature",
+    ),
+    (
+        "stream not a bool",
+        {"model": MODEL, "max_tokens": 5, "messages": HELLO, "stream": "yes"},
+        400,
+        "stream",
+    ),
+    (
+        "system a number",
+        {"model": MODEL, "max_tokens": 5, "messages": HELLO, "system": 3},
+        400,
+        "system",
+    ),
+    (
+        "tools not a list",
+        {"model": MODEL, "max_tokens": 5, "messages": HELLO, "tools": {}},
+        400,
+        "tools",
+    ),
+    (
+        "tool_choice unknown type",
+        {"model": MODEL, "max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "sometimes"}},
+        400,
+        "tool_choice",
+    ),
     ("missing model", {"max_tokens": 5, "messages": HELLO}, 400, "model"),
-    ("unknown model", {"model": "llama-70b", "max_tokens": 5, "messages": HELLO}, 404,
-     "llama-70b"),
+    ("unknown model", {"model": "llama-70b", "max_tokens": 5, "messages": HELLO}, 404, "llama-70b"),
     ("invalid JSON", b'{"model": "qwen3-tiny", "max_tokens": 5,', 400, "JSON"),
-    ("body not an object", b'[1, 2]', 400, "object"),
+    ("body not an object", b"[1, 2]", 400, "object"),
 ]
 
 
-@pytest.mark.parametrize("body,status,needle", [case[1:] for case in BAD_REQUESTS],
-                         ids=[case[0] for case in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
 def test_malformed_requests(tiny: Server, body: Any, status: int, needle: str) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     for path in ("/v1/messages", "/v1/messages?beta=true"):
-        response = tiny.http.post(path, content=content,
-                                  headers={"content-type": "application/json", "x-api-key": "x",
-                                           "anthropic-version": "2023-06-01"})
+        response = tiny.http.post(
+            path,
+            content=content,
+            headers={
+                "content-type": "application/json",
+                "x-api-key": "x",
+                "anthropic-version": "2023-06-01",
+            },
+        )
         assert response.status_code == status, response.text
         error = response.json()
         assert error["type"] == "error"
@@ -366,9 +490,20 @@ def test_serving_after_malformed_requests(tiny: Server) -> None:
 
 def test_count_tokens_errors(tiny: Server) -> None:
     with pytest.raises(anthropic.BadRequestError) as info:
-        tiny.client.beta.messages.count_tokens(model=MODEL, messages=[
-            {"role": "user", "content": [{"type": "image", "source": {
-                "type": "url", "url": "http://example.invalid/x.png"}}]}])
+        tiny.client.beta.messages.count_tokens(
+            model=MODEL,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "url", "url": "http://example.invalid/x.png"},
+                        }
+                    ],
+                }
+            ],
+        )
     assert info.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         tiny.client.beta.messages.count_tokens(model="gpt-4o", messages=HELLO)
@@ -376,9 +511,12 @@ def test_count_tokens_errors(tiny: Server) -> None:
 
 # -- thinking and tool_use on the scripted runner -------------------------------------------
 TOOL_REQUEST: dict[str, Any] = {
-    "model": MODEL, "max_tokens": 200, "tools": [WEATHER_TOOL, SERVER_TOOL],
+    "model": MODEL,
+    "max_tokens": 200,
+    "tools": [WEATHER_TOOL, SERVER_TOOL],
     "thinking": {"type": "enabled", "budget_tokens": 1024},
-    "messages": [{"role": "user", "content": "Weather in SF?"}]}
+    "messages": [{"role": "user", "content": "Weather in SF?"}],
+}
 
 
 def _check_tool_message(message: Any) -> None:
@@ -390,8 +528,10 @@ def _check_tool_message(message: Any) -> None:
     assert tool_use.id.startswith("toolu_")
     assert (tool_use.name, tool_use.input) == ("get_weather", {"city": "SF"})
     assert (message.stop_reason, message.stop_sequence) == ("tool_use", None)
-    assert message.usage.output_tokens == len(Tokenizer.from_pretrained(MODEL_DIR).encode(
-        SCRIPT, add_special_tokens=False)) + 1  # the script, then EOS
+    assert (
+        message.usage.output_tokens
+        == len(Tokenizer.from_pretrained(MODEL_DIR).encode(SCRIPT, add_special_tokens=False)) + 1
+    )  # the script, then EOS
 
 
 def test_tool_use_and_thinking_non_stream(scripted: Server) -> None:
@@ -406,9 +546,19 @@ def test_tool_use_and_thinking_stream(scripted: Server, runner: ControlledRunner
         final = stream.get_final_message()
     assert sum(e.type == "content_block_delta" for e in events) >= 5
     _check_tool_message(final)
-    raw = [e for e in events if e.type in ("message_start", "content_block_start",
-                                           "content_block_delta", "content_block_stop",
-                                           "message_delta", "message_stop")]
+    raw = [
+        e
+        for e in events
+        if e.type
+        in (
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        )
+    ]
     assert raw[0].type == "message_start" and raw[-1].type == "message_stop"
     open_index: int | None = None
     next_index = 0
@@ -445,69 +595,122 @@ def test_tool_choice_none_leaves_markup_as_text(scripted: Server) -> None:
 
 def test_tool_choice_naming_an_unknown_tool_is_400(scripted: Server) -> None:
     with pytest.raises(anthropic.BadRequestError) as info:
-        scripted.client.messages.create(**{**TOOL_REQUEST,
-                                           "tool_choice": {"type": "tool", "name": "nope"}})
+        scripted.client.messages.create(
+            **{**TOOL_REQUEST, "tool_choice": {"type": "tool", "name": "nope"}}
+        )
     assert info.value.body["error"]["type"] == "invalid_request_error"
 
 
 def test_history_conversion_renders_through_the_template(scripted: Server) -> None:
-    body = {"model": MODEL, "tools": [WEATHER_TOOL, SERVER_TOOL],
-            "tool_choice": {"type": "any"},
-            "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=00000;"},
-                       {"type": "text", "text": "Be helpful."}],
-            "messages": [
-                {"role": "user", "content": [{"type": "text", "text": "Weather in SF?"}]},
-                {"role": "assistant", "content": [
+    body = {
+        "model": MODEL,
+        "tools": [WEATHER_TOOL, SERVER_TOOL],
+        "tool_choice": {"type": "any"},
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cch=00000;"},
+            {"type": "text", "text": "Be helpful."},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in SF?"}]},
+            {
+                "role": "assistant",
+                "content": [
                     {"type": "thinking", "thinking": "need a tool", "signature": "abc"},
                     {"type": "redacted_thinking", "data": "opaque"},
                     {"type": "text", "text": "Checking."},
-                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                     "input": {"city": "SF"}},
-                    {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
-                     "input": {"query": "sf"}}]},
-                {"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
-                     "content": [{"type": "text", "text": "boom"},
-                                 {"type": "tool_reference", "tool_name": "get_weather"}]},
-                    {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1",
-                     "content": []},
-                    {"type": "search_result", "source": "kb", "title": "t",
-                     "content": [{"type": "text", "text": "found it"}]},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "get_weather",
+                        "input": {"city": "SF"},
+                    },
+                    {
+                        "type": "server_tool_use",
+                        "id": "srvtoolu_1",
+                        "name": "web_search",
+                        "input": {"query": "sf"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "is_error": True,
+                        "content": [
+                            {"type": "text", "text": "boom"},
+                            {"type": "tool_reference", "tool_name": "get_weather"},
+                        ],
+                    },
+                    {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
+                    {
+                        "type": "search_result",
+                        "source": "kb",
+                        "title": "t",
+                        "content": [{"type": "text", "text": "found it"}],
+                    },
                     {"type": "container_upload", "file_id": "file_1"},
-                    {"type": "text", "text": "Try again."}]},
-                {"role": "system", "content": [{"type": "text", "text": "Reminder."}]}]}
+                    {"type": "text", "text": "Try again."},
+                ],
+            },
+            {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+        ],
+    }
     prompt, tool_choice = build_prompt(scripted.ctx, body)
     text = prompt.text
     assert tool_choice == "required"
     assert "billing" not in text and text.startswith("<|im_start|>system\nBe helpful.\n\n# Tools")
     assert '"name": "get_weather"' in text and "web_search" not in text
     # the template shows earlier turns' reasoning only after the last real user query
-    assert ("<|im_start|>user\nWeather in SF?<|im_end|>\n<|im_start|>assistant\nChecking.\n"
-            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "SF"}}\n</tool_call>'
-            "<|im_end|>") in text
+    assert (
+        "<|im_start|>user\nWeather in SF?<|im_end|>\n<|im_start|>assistant\nChecking.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "SF"}}\n</tool_call>'
+        "<|im_end|>"
+    ) in text
     assert "opaque" not in text and "srvtoolu" not in text
-    assert ("<|im_start|>user\n<tool_response>\nError: boom\n</tool_response><|im_end|>\n"
-            "<|im_start|>user\nfound it\nTry again.\n\n<system-reminder>\nReminder.\n</system-reminder>"
-            "<|im_end|>\n<|im_start|>assistant\n") in text
+    assert (
+        "<|im_start|>user\n<tool_response>\nError: boom\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\nfound it\nTry again.\n\n<system-reminder>\nReminder.\n</system-reminder>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    ) in text
     counted = scripted.client.beta.messages.count_tokens(**body)
     assert counted.input_tokens == len(prompt.token_ids)
 
 
 def test_thinking_history_becomes_reasoning_content(scripted: Server) -> None:
-    body = {"model": MODEL, "tools": [WEATHER_TOOL], "messages": [
-        {"role": "user", "content": "Weather in SF?"},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "need a tool", "signature": "abc"},
-            {"type": "text", "text": "Checking."},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "SF"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                      "content": "sunny"}]}]}
+    body = {
+        "model": MODEL,
+        "tools": [WEATHER_TOOL],
+        "messages": [
+            {"role": "user", "content": "Weather in SF?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "need a tool", "signature": "abc"},
+                    {"type": "text", "text": "Checking."},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "get_weather",
+                        "input": {"city": "SF"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}],
+            },
+        ],
+    }
     prompt, _ = build_prompt(scripted.ctx, body)
     assert prompt.text.endswith(
         "<|im_start|>assistant\n<think>\nneed a tool\n</think>\n\nChecking.\n<tool_call>\n"
         '{"name": "get_weather", "arguments": {"city": "SF"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_thinking_switch_reaches_the_template(scripted: Server) -> None:
@@ -517,8 +720,14 @@ def test_thinking_switch_reaches_the_template(scripted: Server) -> None:
     assert off.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert on.text.endswith("<|im_start|>assistant\n")
     # explicit chat_template_kwargs win over the thinking switch
-    forced, _ = build_prompt(scripted.ctx, {**base, "thinking": {"type": "disabled"},
-                                            "chat_template_kwargs": {"enable_thinking": True}})
+    forced, _ = build_prompt(
+        scripted.ctx,
+        {
+            **base,
+            "thinking": {"type": "disabled"},
+            "chat_template_kwargs": {"enable_thinking": True},
+        },
+    )
     assert forced.text == on.text
 
 
@@ -529,11 +738,14 @@ def test_max_tokens_cuts_a_tool_call(scripted: Server) -> None:
     assert [block.type for block in message.content][:1] == ["thinking"]
 
 
-def test_runner_failure_mid_stream_is_an_error_event(scripted: Server,
-                                                     runner: ControlledRunner) -> None:
+def test_runner_failure_mid_stream_is_an_error_event(
+    scripted: Server, runner: ControlledRunner
+) -> None:
     runner.fail_after = 4
-    with pytest.raises(anthropic.APIStatusError) as info, \
-            scripted.client.messages.stream(**TOOL_REQUEST) as stream:
+    with (
+        pytest.raises(anthropic.APIStatusError) as info,
+        scripted.client.messages.stream(**TOOL_REQUEST) as stream,
+    ):
         for _ in stream:
             pass
     assert info.value.body["type"] == "error"
@@ -546,13 +758,15 @@ def test_runner_failure_mid_stream_is_an_error_event(scripted: Server,
     _check_tool_message(scripted.client.messages.create(**TOOL_REQUEST))  # still serving
 
 
-def test_client_disconnect_aborts_the_generation(scripted: Server,
-                                                 runner: ControlledRunner) -> None:
+def test_client_disconnect_aborts_the_generation(
+    scripted: Server, runner: ControlledRunner
+) -> None:
     runner.endless, runner.delay = True, 0.01
     loop = scripted.ctx.loop
     body = {**TOOL_REQUEST, "stream": True, "max_tokens": 1500}
-    with httpx.stream("POST", scripted.url + "/v1/messages", json=body, timeout=30,
-                      headers={"x-api-key": "x"}) as response:
+    with httpx.stream(
+        "POST", scripted.url + "/v1/messages", json=body, timeout=30, headers={"x-api-key": "x"}
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = response.iter_lines()
@@ -564,8 +778,9 @@ def test_client_disconnect_aborts_the_generation(scripted: Server,
     assert loop.num_active_requests == 0
 
 
-def test_pings_while_nothing_else_is_sent(scripted: Server, runner: ControlledRunner,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pings_while_nothing_else_is_sent(
+    scripted: Server, runner: ControlledRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(messages_module, "PING_INTERVAL_S", 0.05)
     runner.delay = 0.15
     body = {**TOOL_REQUEST, "stream": True, "max_tokens": 5}
@@ -573,7 +788,7 @@ def test_pings_while_nothing_else_is_sent(scripted: Server, runner: ControlledRu
         text = response.read().decode()
     events = [chunk.split("\n")[0] for chunk in text.split("\n\n") if chunk]
     assert events.count("event: ping") >= 2
-    assert "data: {\"type\":\"ping\"}" in text
+    assert 'data: {"type":"ping"}' in text
     others = [e for e in events if e != "event: ping"]
     assert others[0] == "event: message_start" and others[-1] == "event: message_stop"
 
@@ -619,31 +834,47 @@ def _without_ids(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
 def test_block_writer_same_blocks_for_any_split(chunk: int) -> None:
-    text = ("<think>\n plan\n\n more\n</think>\n\nSure.\n\n" + SCRIPT.split("Sure.")[1]
-            + "\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>")
+    text = (
+        "<think>\n plan\n\n more\n</think>\n\nSure.\n\n"
+        + SCRIPT.split("Sure.")[1]
+        + '\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    )
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     parser = OutputParser("hermes", "qwen3", tools=tools)
     writer = BlockWriter()
     wire: list[str] = []
     for at in range(0, len(text), chunk):
-        wire += writer.feed(parser.feed(text[at:at + chunk]))
+        wire += writer.feed(parser.feed(text[at : at + chunk]))
     wire += writer.feed(parser.finish())
     wire += writer.finish()
     content = writer.content()
     assert _replay(wire) == content
     assert _without_ids(content) == [
-        {"type": "thinking", "thinking": "plan\n\n more"}, {"type": "text", "text": "Sure."},
+        {"type": "thinking", "thinking": "plan\n\n more"},
+        {"type": "text", "text": "Sure."},
         {"type": "tool_use", "name": "get_weather", "input": {"city": "SF"}},
-        {"type": "tool_use", "name": "get_weather", "input": {}}]
+        {"type": "tool_use", "name": "get_weather", "input": {}},
+    ]
 
 
 def test_block_writer_orders_and_closes_blocks() -> None:
     writer = BlockWriter()
-    wire = writer.feed([ReasoningDelta("\n"), ReasoningDelta("a\n"), ContentDelta("\n\n"),
-                        ContentDelta("hi"), ReasoningDelta("b"), ContentDelta("\n"),
-                        ToolCallStart(0, "call_1", "f"), ToolCallArgumentsDelta(0, "{\"x\": "),
-                        ToolCallArgumentsDelta(0, "1}"), ToolCallEnd(0, "{\"x\": 1}"),
-                        ContentDelta("  "), ContentDelta(" end \n")])
+    wire = writer.feed(
+        [
+            ReasoningDelta("\n"),
+            ReasoningDelta("a\n"),
+            ContentDelta("\n\n"),
+            ContentDelta("hi"),
+            ReasoningDelta("b"),
+            ContentDelta("\n"),
+            ToolCallStart(0, "call_1", "f"),
+            ToolCallArgumentsDelta(0, '{"x": '),
+            ToolCallArgumentsDelta(0, "1}"),
+            ToolCallEnd(0, '{"x": 1}'),
+            ContentDelta("  "),
+            ContentDelta(" end \n"),
+        ]
+    )
     wire += writer.finish()
     content = writer.content()
     assert [b["type"] for b in content] == ["thinking", "text", "thinking", "tool_use", "text"]

@@ -29,8 +29,13 @@ MAX_MODEL_LEN = 128
 
 @pytest.fixture(scope="module")
 def server():
-    ctx = build_context(FIXTURE, runner="null", max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
-                        options=ServerOptions(served_model_names=[MODEL]))
+    ctx = build_context(
+        FIXTURE,
+        runner="null",
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        options=ServerOptions(served_model_names=[MODEL]),
+    )
     with LiveServer(ctx) as live:
         yield live
 
@@ -42,10 +47,29 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL}, 400, "messages", None),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages", None),
     (CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages", None),
-    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", None),
+    (
+        CHAT,
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages",
+        None,
+    ),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages", None),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}, 400, "messages", None),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}],
+                }
+            ],
+        },
+        400,
+        "messages",
+        None,
+    ),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "temperature": "hot"}, 400, "temperature", None),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "temperature": 3}, 400, "temperature", None),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "top_p": 1.5}, 400, "top_p", None),
@@ -53,48 +77,89 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": "ten"}, 400, "max_tokens", None),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "n": 0}, 400, "n", None),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "stop": 7}, 400, "stop", None),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, 400,
-     "top_logprobs", None),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 50},
+        400,
+        "top_logprobs",
+        None,
+    ),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": "all"}, 400, "tools", None),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "tool_choice": "sometimes"}, 400,
-     "tool_choice", None),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 10_000}, 400, "messages",
-     "context_length_exceeded"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, 400,
-     "messages", "context_length_exceeded"),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MESSAGES, "tool_choice": "sometimes"},
+        400,
+        "tool_choice",
+        None,
+    ),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MESSAGES, "max_tokens": 10_000},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        CHAT,
+        {"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
     (CHAT, {"model": "gpt-9", "messages": MESSAGES}, 404, "model", "model_not_found"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "seed": -1}, 400, "seed", None),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "seed": 2**64}, 400, "seed", None),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "stream_options": "x"}, 400, "stream_options",
-     None),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "chat_template": "{{ 'x' }}"}, 400,
-     "chat_template", None),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MESSAGES, "stream_options": "x"},
+        400,
+        "stream_options",
+        None,
+    ),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MESSAGES, "chat_template": "{{ 'x' }}"},
+        400,
+        "chat_template",
+        None,
+    ),
     (COMPLETIONS, {"model": MODEL}, 400, "prompt", None),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "prompt", None),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", None),
-    (COMPLETIONS, {"model": MODEL, "prompt": [[1, 2], [10 ** 9]]}, 400, "prompt", None),
+    (COMPLETIONS, {"model": MODEL, "prompt": [[1, 2], [10**9]]}, 400, "prompt", None),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logprobs": 9}, 400, "logprobs", None),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "suffix": "!"}, 400, "suffix", None),
-    (COMPLETIONS, {"model": MODEL, "prompt": list(range(5, 200))}, 400, "prompt",
-     "context_length_exceeded"),
+    (
+        COMPLETIONS,
+        {"model": MODEL, "prompt": list(range(5, 200))},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
     (COMPLETIONS, {"model": "nope", "prompt": "hi"}, 404, "model", "model_not_found"),
 ]
 
 
 def test_stream_must_be_a_boolean(server):
-    response = httpx.post(f"{server.base_url}{CHAT}", json={"model": MODEL, "messages": MESSAGES,
-                                                            "stream": "false"})
+    response = httpx.post(
+        f"{server.base_url}{CHAT}", json={"model": MODEL, "messages": MESSAGES, "stream": "false"}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
 
 
 def test_largest_seed_with_n_choices(server):
-    response = httpx.post(f"{server.base_url}{CHAT}", json={
-        "model": MODEL, "messages": MESSAGES, "max_tokens": 2, "seed": 2**63 - 1, "n": 3})
+    response = httpx.post(
+        f"{server.base_url}{CHAT}",
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "seed": 2**63 - 1, "n": 3},
+    )
     assert response.status_code == 200 and len(response.json()["choices"]) == 3
 
 
-@pytest.mark.parametrize("path,body,status,param,code", BAD_REQUESTS,
-                         ids=[f"{p.rsplit('/', 1)[1]}-{i}" for i, (p, *_) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "path,body,status,param,code",
+    BAD_REQUESTS,
+    ids=[f"{p.rsplit('/', 1)[1]}-{i}" for i, (p, *_) in enumerate(BAD_REQUESTS)],
+)
 def test_bad_request_gets_openai_error(server, path, body, status, param, code):
     for stream in (False, True):
         response = httpx.post(f"{server.base_url}{path}", json={**body, "stream": stream})
@@ -106,16 +171,18 @@ def test_bad_request_gets_openai_error(server, path, body, status, param, code):
         assert error["code"] == code
         if code == "context_length_exceeded":
             assert "maximum context length" in error["message"]
-    ok = httpx.post(f"{server.base_url}{CHAT}",
-                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+    ok = httpx.post(
+        f"{server.base_url}{CHAT}", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", "\"caf\xe9\"".encode("latin-1")])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", '"caf\xe9"'.encode("latin-1")])
 def test_malformed_json_is_400_everywhere(server, raw):
     for path in (CHAT, COMPLETIONS, "/v1/responses"):
-        response = httpx.post(f"{server.base_url}{path}", content=raw,
-                              headers={"content-type": "application/json"})
+        response = httpx.post(
+            f"{server.base_url}{path}", content=raw, headers={"content-type": "application/json"}
+        )
         assert response.status_code == 400
         assert response.json()["error"]["type"] == "invalid_request_error"
     anthropic = httpx.post(f"{server.base_url}/v1/messages", content=raw)
@@ -125,10 +192,22 @@ def test_malformed_json_is_400_everywhere(server, raw):
 
 
 def test_unknown_fields_query_strings_and_unknown_routes(server):
-    response = httpx.post(f"{server.base_url}{CHAT}?beta=true", json={
-        "model": MODEL, "messages": MESSAGES, "max_tokens": 2, "store": False,
-        "metadata": {"a": "b"}, "best_of": 1, "repetition_penalty": 1.0, "logprobs": None,
-        "service_tier": "auto", "prompt_cache_key": "k", "stream_options": None})
+    response = httpx.post(
+        f"{server.base_url}{CHAT}?beta=true",
+        json={
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 2,
+            "store": False,
+            "metadata": {"a": "b"},
+            "best_of": 1,
+            "repetition_penalty": 1.0,
+            "logprobs": None,
+            "service_tier": "auto",
+            "prompt_cache_key": "k",
+            "stream_options": None,
+        },
+    )
     assert response.status_code == 200
     missing = httpx.get(f"{server.base_url}/v1/nothing-here")
     assert missing.status_code == 404 and "error" in missing.json()
@@ -154,8 +233,10 @@ class FlakyRunner:
         if self.mode == "raise":
             raise RuntimeError("kernel exploded")
         if self.mode == "garbage":
-            return ForwardOutput(token_ids=np.zeros(plan.num_sequences + 3, dtype=np.uint32),
-                                 token_indptr=np.arange(plan.num_sequences + 1, dtype=np.uint32))
+            return ForwardOutput(
+                token_ids=np.zeros(plan.num_sequences + 3, dtype=np.uint32),
+                token_indptr=np.arange(plan.num_sequences + 1, dtype=np.uint32),
+            )
         return self.inner.forward(plan)
 
 
@@ -163,8 +244,13 @@ class FlakyRunner:
 def test_runner_failure_fails_only_its_requests_and_server_recovers(mode):
     ctx0 = build_context(FIXTURE, runner="null", max_num_seqs=4, max_model_len=MAX_MODEL_LEN)
     runner = FlakyRunner(list(ctx0.tokenizer.encode(" a b c", add_special_tokens=False)))
-    ctx = build_context(FIXTURE, runner=runner, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                        options=ServerOptions(served_model_names=[MODEL]))
+    ctx = build_context(
+        FIXTURE,
+        runner=runner,
+        max_num_seqs=4,
+        max_model_len=MAX_MODEL_LEN,
+        options=ServerOptions(served_model_names=[MODEL]),
+    )
     with LiveServer(ctx) as live:
         runner.mode = mode
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
@@ -184,13 +270,20 @@ def test_runner_failure_fails_only_its_requests_and_server_recovers(mode):
 def test_runner_broken_for_good_turns_health_503():
     ctx0 = build_context(FIXTURE, runner="null", max_num_seqs=4, max_model_len=MAX_MODEL_LEN)
     runner = FlakyRunner(list(ctx0.tokenizer.encode(" a b c", add_special_tokens=False)))
-    ctx = build_context(FIXTURE, runner=runner, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                        options=ServerOptions(served_model_names=[MODEL]))
+    ctx = build_context(
+        FIXTURE,
+        runner=runner,
+        max_num_seqs=4,
+        max_model_len=MAX_MODEL_LEN,
+        options=ServerOptions(served_model_names=[MODEL]),
+    )
     with LiveServer(ctx) as live:
         runner.mode = "raise"
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
-        statuses = [httpx.post(f"{live.base_url}{CHAT}", json=body).status_code
-                    for _ in range(MAX_CONSECUTIVE_FAILED_STEPS + 2)]
+        statuses = [
+            httpx.post(f"{live.base_url}{CHAT}", json=body).status_code
+            for _ in range(MAX_CONSECUTIVE_FAILED_STEPS + 2)
+        ]
         assert statuses[0] == 500 and statuses[-1] == 503
         assert httpx.get(f"{live.base_url}/health").status_code == 503
 
@@ -204,12 +297,20 @@ class SlowRunner(CyclingRunner):
 def test_queue_full_is_429_with_retry_after():
     ctx0 = build_context(FIXTURE, runner="null", max_num_seqs=1, max_model_len=MAX_MODEL_LEN)
     runner = SlowRunner(list(ctx0.tokenizer.encode(" a b", add_special_tokens=False)))
-    ctx = build_context(FIXTURE, runner=runner, max_num_seqs=1, max_model_len=MAX_MODEL_LEN,
-                        options=ServerOptions(served_model_names=[MODEL], max_queued_requests=0))
+    ctx = build_context(
+        FIXTURE,
+        runner=runner,
+        max_num_seqs=1,
+        max_model_len=MAX_MODEL_LEN,
+        options=ServerOptions(served_model_names=[MODEL], max_queued_requests=0),
+    )
     with LiveServer(ctx) as live:
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50}
-        first = threading.Thread(target=httpx.post, args=(f"{live.base_url}{CHAT}",),
-                                 kwargs={"json": body, "timeout": 30})
+        first = threading.Thread(
+            target=httpx.post,
+            args=(f"{live.base_url}{CHAT}",),
+            kwargs={"json": body, "timeout": 30},
+        )
         first.start()
         deadline = time.monotonic() + 10
         while live.metric("resin:num_requests_running") < 1 and time.monotonic() < deadline:
@@ -219,4 +320,6 @@ def test_queue_full_is_429_with_retry_after():
         assert busy.headers["retry-after"] == "1"
         assert busy.json()["error"]["type"] == "rate_limit_error"
         first.join()
-        assert httpx.post(f"{live.base_url}{CHAT}", json={**body, "max_tokens": 2}).status_code == 200
+        assert (
+            httpx.post(f"{live.base_url}{CHAT}", json={**body, "max_tokens": 2}).status_code == 200
+        )

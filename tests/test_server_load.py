@@ -18,9 +18,9 @@ import httpx
 import openai
 import pytest
 
+from resin.registry import NULL_RUNNER_TEXT
 from resin.runners.scripted import CyclingRunner
 from resin.server.context import ServerOptions
-from resin.registry import NULL_RUNNER_TEXT
 from resin.server.serve import build_context
 from resin.tokenizer import Tokenizer
 from tests.server_harness import LiveServer
@@ -46,23 +46,34 @@ def setup():
     tokenizer = Tokenizer.from_pretrained(FIXTURE)
     cycle = tokenizer.encode(NULL_RUNNER_TEXT, add_special_tokens=False)
     runner = SleepyCyclingRunner(cycle)
-    ctx = build_context(FIXTURE, runner=runner, max_num_seqs=256, max_model_len=1024,
-                        options=ServerOptions(served_model_names=[MODEL]))
+    ctx = build_context(
+        FIXTURE,
+        runner=runner,
+        max_num_seqs=256,
+        max_model_len=1024,
+        options=ServerOptions(served_model_names=[MODEL]),
+    )
+
     def expected(num_prompt_tokens: int) -> str:
         """The null runner's text: output j is cycle[(prompt length + j) % len(cycle)]."""
-        return tokenizer.decode([cycle[(num_prompt_tokens + j) % len(cycle)]
-                                 for j in range(MAX_TOKENS)], skip_special_tokens=True)
+        return tokenizer.decode(
+            [cycle[(num_prompt_tokens + j) % len(cycle)] for j in range(MAX_TOKENS)],
+            skip_special_tokens=True,
+        )
 
     with LiveServer(ctx, backlog=4096) as live:
         yield live, runner, expected
 
 
-async def _one_stream(client: openai.AsyncOpenAI,
-                      index: int) -> tuple[str, int, int, str | None]:
+async def _one_stream(client: openai.AsyncOpenAI, index: int) -> tuple[str, int, int, str | None]:
     stream = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": f"request {index}"}],
-        max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": f"request {index}"}],
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     text, usage, num_prompt, finish = "", 0, 0, None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -78,8 +89,9 @@ def test_200_concurrent_streams_complete_untruncated(setup):
     live, _, expected = setup
 
     async def main() -> list[tuple[str, int, int, str | None]]:
-        async with openai.AsyncOpenAI(base_url=f"{live.base_url}/v1", api_key="x",
-                                      max_retries=0, timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{live.base_url}/v1", api_key="x", max_retries=0, timeout=120
+        ) as client:
             return await asyncio.gather(*(_one_stream(client, i) for i in range(NUM_STREAMS)))
 
     results = asyncio.run(main())
@@ -98,11 +110,17 @@ def test_disconnects_abort_and_free_the_cache(setup):
     runner.step_sleep_s = 0.01  # 900 tokens would take 9 s if nobody aborted them
 
     async def hang_up(client: httpx.AsyncClient, index: int) -> int:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"leaver {index}"}],
-                "max_tokens": 900, "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"leaver {index}"}],
+            "max_tokens": 900,
+            "stream": True,
+            "ignore_eos": True,
+        }
         chunks = 0
-        async with client.stream("POST", f"{live.base_url}/v1/chat/completions",
-                                 json=body) as response:
+        async with client.stream(
+            "POST", f"{live.base_url}/v1/chat/completions", json=body
+        ) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
@@ -112,16 +130,19 @@ def test_disconnects_abort_and_free_the_cache(setup):
         return chunks
 
     async def main() -> list[int]:
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(
-                max_connections=NUM_DISCONNECTS)) as client:
+        async with httpx.AsyncClient(
+            timeout=60, limits=httpx.Limits(max_connections=NUM_DISCONNECTS)
+        ) as client:
             return await asyncio.gather(*(hang_up(client, i) for i in range(NUM_DISCONNECTS)))
 
     try:
         assert asyncio.run(main()) == [3] * NUM_DISCONNECTS
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
-            if live.metric("resin:num_requests_running") == 0 and \
-                    live.metric("resin:num_requests_waiting") == 0:
+            if (
+                live.metric("resin:num_requests_running") == 0
+                and live.metric("resin:num_requests_waiting") == 0
+            ):
                 break
             time.sleep(0.05)
     finally:
@@ -142,13 +163,23 @@ def test_client_that_hangs_up_at_once_is_aborted_too(setup):
     runner.step_sleep_s = 0.01
     try:
         for index in range(5):
-            body = json.dumps({"model": MODEL, "max_tokens": 900, "stream": True,
-                               "ignore_eos": True, "messages": [
-                                   {"role": "user", "content": f"gone {index}"}]}).encode()
+            body = json.dumps(
+                {
+                    "model": MODEL,
+                    "max_tokens": 900,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"gone {index}"}],
+                }
+            ).encode()
             with socket.create_connection(("127.0.0.1", live.port)) as sock:
-                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                             b"Content-Type: application/json\r\nContent-Length: "
-                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             aborted = live.metric('resin:request_success_total{finished_reason="abort"}')
@@ -157,8 +188,7 @@ def test_client_that_hangs_up_at_once_is_aborted_too(setup):
             time.sleep(0.05)
     finally:
         runner.step_sleep_s = 0.0
-    assert live.metric('resin:request_success_total{finished_reason="abort"}') - \
-        aborted_before == 5
+    assert live.metric('resin:request_success_total{finished_reason="abort"}') - aborted_before == 5
     assert live.metric("resin:num_requests_running") == 0
     assert live.ctx.loop.num_active_requests == 0
 
@@ -169,12 +199,22 @@ def test_non_streaming_client_that_hangs_up_is_aborted(setup):
     aborted_before = live.metric('resin:request_success_total{finished_reason="abort"}')
     runner.step_sleep_s = 0.01
     try:
-        body = json.dumps({"model": MODEL, "max_tokens": 900, "ignore_eos": True,
-                           "messages": [{"role": "user", "content": "patience"}]}).encode()
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "max_tokens": 900,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "patience"}],
+            }
+        ).encode()
         with socket.create_connection(("127.0.0.1", live.port)) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             deadline = time.monotonic() + 5
             while live.metric("resin:num_requests_running") < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -184,5 +224,4 @@ def test_non_streaming_client_that_hangs_up_is_aborted(setup):
     finally:
         runner.step_sleep_s = 0.0
     assert live.metric("resin:num_requests_running") == 0
-    assert live.metric('resin:request_success_total{finished_reason="abort"}') == \
-        aborted_before + 1
+    assert live.metric('resin:request_success_total{finished_reason="abort"}') == aborted_before + 1

@@ -26,14 +26,21 @@ from tests.server_harness import LiveServer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3"
 MODEL = "qwen3-tiny"
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name three colours."}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours."},
+]
 
 
 @pytest.fixture(scope="module")
 def server():
-    ctx = build_context(FIXTURE, runner="torch", options=ServerOptions(served_model_names=[MODEL]),
-                        max_num_seqs=8, max_model_len=256)
+    ctx = build_context(
+        FIXTURE,
+        runner="torch",
+        options=ServerOptions(served_model_names=[MODEL]),
+        max_num_seqs=8,
+        max_model_len=256,
+    )
     with LiveServer(ctx) as live:
         yield live
 
@@ -50,8 +57,9 @@ def llm():
 
 def test_chat_greedy_equals_offline_llm(client, llm):
     expected = llm.chat(MESSAGES, SamplingParams(max_tokens=12, temperature=0.0))[0]
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                              temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+    )
     choice = response.choices[0]
     assert choice.message.content == expected.text
     assert choice.message.role == "assistant"
@@ -63,16 +71,24 @@ def test_chat_greedy_equals_offline_llm(client, llm):
 
 
 def test_chat_stream_matches_non_stream_and_counts_usage(client):
-    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
-                                           temperature=0)
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == [plain.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
@@ -91,7 +107,7 @@ def test_stream_wire_format(server):
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     for event in events[:-2]:
         assert event.startswith("data: ") and "\n" not in event  # no event: or comment lines
-        chunk = json.loads(event[len("data: "):])
+        chunk = json.loads(event[len("data: ") :])
         assert chunk["choices"], "no usage chunk without stream_options.include_usage"
         assert "usage" not in chunk
 
@@ -99,33 +115,34 @@ def test_stream_wire_format(server):
 def test_completions_token_id_prompts_equal_offline_llm(client, llm):
     prompts = [[5, 17, 42, 99, 7], [120, 3, 64]]
     expected = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
-    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6,
-                                         temperature=0)
+    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
     assert [c.index for c in response.choices] == [0, 1]
     assert [c.text for c in response.choices] == [e.text for e in expected]
     assert response.usage.prompt_tokens == 8
     assert response.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
-    streamed = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6,
-                                         temperature=0, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected[0].text
 
 
 def test_completions_string_prompt_default_max_tokens_and_echo(client, llm):
     expected = llm.generate("The sky is", SamplingParams(max_tokens=16, temperature=0.0))[0]
-    response = client.completions.create(model=MODEL, prompt="The sky is", temperature=0,
-                                         echo=True)
+    response = client.completions.create(model=MODEL, prompt="The sky is", temperature=0, echo=True)
     assert response.choices[0].text == "The sky is" + expected.text
     assert response.usage.completion_tokens == len(expected.token_ids) <= 16
 
 
 def test_n_gives_distinct_indexed_choices(client):
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
-                                              temperature=1.0, seed=7, n=3)
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=7, n=3
+    )
     assert [c.index for c in response.choices] == [0, 1, 2]
     assert 3 <= response.usage.completion_tokens <= 24
     assert len({c.message.content for c in response.choices}) > 1
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
-                                            temperature=1.0, seed=7, n=3, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=7, n=3, stream=True
+    )
     texts = ["", "", ""]
     for chunk in stream:
         for choice in chunk.choices:
@@ -134,30 +151,50 @@ def test_n_gives_distinct_indexed_choices(client):
 
 
 def test_stop_string_truncates_and_seeded_sampling_repeats(client):
-    base = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16,
-                                          temperature=0).choices[0].message.content
-    stop = base[len(base) // 2: len(base) // 2 + 2]
+    base = (
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
     assert stop and stop in base
-    cut = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16,
-                                         temperature=0, stop=[stop])
-    assert cut.choices[0].message.content == base[:base.index(stop)]
+    cut = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].message.content == base[: base.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16,
-                                              temperature=0, stop=stop, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
-        base[:base.index(stop)]
-    one = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
-                                         temperature=1.0, seed=123, top_p=0.9,
-                                         extra_body={"top_k": 20, "min_p": 0.01})
-    two = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
-                                         temperature=1.0, seed=123, top_p=0.9,
-                                         extra_body={"top_k": 20, "min_p": 0.01})
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, stop=stop, stream=True
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        == base[: base.index(stop)]
+    )
+    one = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=1.0,
+        seed=123,
+        top_p=0.9,
+        extra_body={"top_k": 20, "min_p": 0.01},
+    )
+    two = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=1.0,
+        seed=123,
+        top_p=0.9,
+        extra_body={"top_k": 20, "min_p": 0.01},
+    )
     assert one.choices[0].message.content == two.choices[0].message.content
 
 
 def test_logprobs_shape_and_greedy_top1(client):
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
-                                              temperature=0, logprobs=True, top_logprobs=3)
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     entries = response.choices[0].logprobs.content
     assert len(entries) == response.usage.completion_tokens
     for entry in entries:
@@ -168,25 +205,49 @@ def test_logprobs_shape_and_greedy_top1(client):
 
 def test_streamed_logprobs_cover_held_back_tokens(client):
     """Tokens whose text is held back (a possible stop string) still report their logprobs."""
-    base = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                          temperature=0).choices[0].message.content
+    base = (
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+        .choices[0]
+        .message.content
+    )
     stop = base[-3:] + "\u2603"  # a prefix of it is held back at the end, never matched
-    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                           temperature=0, logprobs=True, top_logprobs=1,
-                                           stop=[stop])
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                            temperature=0, logprobs=True, top_logprobs=1,
-                                            stop=[stop], stream=True)
-    streamed = [e for c in stream if c.choices and c.choices[0].logprobs
-                for e in c.choices[0].logprobs.content]
+    plain = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        stop=[stop],
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        stop=[stop],
+        stream=True,
+    )
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in plain.choices[0].logprobs.content]
     assert len(streamed) == plain.usage.completion_tokens
 
 
 def test_ignore_eos_and_max_completion_tokens(client):
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                              max_completion_tokens=30,
-                                              extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_completion_tokens=30,
+        extra_body={"ignore_eos": True},
+    )
     assert response.usage.completion_tokens == 30
     assert response.choices[0].finish_reason == "length"
 
@@ -197,41 +258,54 @@ def test_models_health_version(server, client):
     assert httpx.get(f"{server.base_url}/v1/models?client_version=0.99").status_code == 200
     assert httpx.get(f"{server.base_url}/health").json() == {}
     assert "version" in httpx.get(f"{server.base_url}/version").json()
-    anthropic_shape = httpx.get(f"{server.base_url}/v1/models",
-                                headers={"anthropic-version": "2023-06-01"}).json()
+    anthropic_shape = httpx.get(
+        f"{server.base_url}/v1/models", headers={"anthropic-version": "2023-06-01"}
+    ).json()
     assert anthropic_shape["data"][0]["type"] == "model" and anthropic_shape["has_more"] is False
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed"
+)
 def test_metrics_pass_promtool_and_count_http_requests(server, client):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     text = httpx.get(f"{server.base_url}/metrics").text
     parse_metrics(text)
-    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
-                            text=True, check=False)
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
     complaints = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert [c for c in complaints if "metric names should not contain ':'" not in c] == []
-    assert 'resin:http_requests_total{endpoint="/v1/chat/completions",method="POST",' \
-           'status="200"}' in text
+    assert (
+        'resin:http_requests_total{endpoint="/v1/chat/completions",method="POST",'
+        'status="200"}' in text
+    )
     assert server.metric("resin:generation_tokens_total") > 0
 
 
 def test_api_key_required_when_configured():
-    ctx = build_context(FIXTURE, runner="null", max_num_seqs=4, max_model_len=128,
-                        options=ServerOptions(served_model_names=[MODEL], api_key="sekret"))
+    ctx = build_context(
+        FIXTURE,
+        runner="null",
+        max_num_seqs=4,
+        max_model_len=128,
+        options=ServerOptions(served_model_names=[MODEL], api_key="sekret"),
+    )
     with LiveServer(ctx) as live:
         url = f"{live.base_url}/v1/chat/completions"
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
         assert httpx.post(url, json=body).status_code == 401
         assert httpx.post(url, json=body, headers={"x-api-key": "wrong"}).status_code == 401
         assert httpx.post(url, json=body, headers={"x-api-key": "sekret"}).status_code == 200
-        assert httpx.post(url, json=body,
-                          headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert (
+            httpx.post(url, json=body, headers={"Authorization": "Bearer sekret"}).status_code
+            == 200
+        )
         assert httpx.get(f"{live.base_url}/health").status_code == 200  # probes stay open
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="nope",
-                          max_retries=0).models.list()
+            openai.OpenAI(
+                base_url=f"{live.base_url}/v1", api_key="nope", max_retries=0
+            ).models.list()
         anthropic_401 = httpx.post(f"{live.base_url}/v1/messages", json={})
         assert anthropic_401.status_code == 401
         assert anthropic_401.json()["error"]["type"] == "authentication_error"

@@ -23,37 +23,81 @@ from tests.server_harness import LiveServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL = "scripted"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 DS_BEGIN, DS_CALL, DS_SEP, DS_END, DS_ALL_END = (
-    "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
-    "<｜tool▁calls▁end｜>")
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+)
 
 # parser name -> (reasoning parser, scripted model output, expected content, reasoning, calls)
 CASES = {
-    "hermes": ("qwen3", '<think>\nCheck the weather.\n</think>\n\nLet me look.<tool_call>\n'
-               '{"name": "get_weather", "arguments": {"city": "SF", "days": 2}}\n</tool_call>',
-               "Let me look.", "Check the weather.", [("get_weather", {"city": "SF", "days": 2})]),
-    "qwen3_coder": ("qwen3", '<tool_call>\n<function=get_weather>\n<parameter=city>\nSF\n'
-                    '</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n'
-                    '<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
-                    '</function>\n</tool_call>', "", "",
-                    [("get_weather", {"city": "SF", "days": 3}),
-                     ("get_weather", {"city": "Paris"})]),
-    "deepseek_v3": ("deepseek_r1", f'Thinking it over.</think>{DS_BEGIN}{DS_CALL}function{DS_SEP}'
-                    f'get_weather\n```json\n{{"city": "Oslo"}}\n```{DS_END}{DS_ALL_END}', "",
-                    "Thinking it over.", [("get_weather", {"city": "Oslo"})]),
-    "deepseek_v31": (None, f'Sure.{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}{{"city": "Rome", '
-                     f'"days": 1}}{DS_END}{DS_ALL_END}', "Sure.", "",
-                     [("get_weather", {"city": "Rome", "days": 1})]),
-    "glm45": ("glm45", '<think>weather?</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n'
-              '<arg_value>Lima</arg_value>\n<arg_key>days</arg_key>\n<arg_value>5</arg_value>\n'
-              '</tool_call>', "", "weather?", [("get_weather", {"city": "Lima", "days": 5})]),
-    "llama3_json": (None, '{"name": "get_weather", "parameters": {"city": "Kyiv"}}; '
-                    '{"name": "get_weather", "parameters": {"city": "Baku", "days": 4}}', "", "",
-                    [("get_weather", {"city": "Kyiv"}), ("get_weather", {"city": "Baku", "days": 4})]),
+    "hermes": (
+        "qwen3",
+        "<think>\nCheck the weather.\n</think>\n\nLet me look.<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "SF", "days": 2}}\n</tool_call>',
+        "Let me look.",
+        "Check the weather.",
+        [("get_weather", {"city": "SF", "days": 2})],
+    ),
+    "qwen3_coder": (
+        "qwen3",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nSF\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "",
+        "",
+        [("get_weather", {"city": "SF", "days": 3}), ("get_weather", {"city": "Paris"})],
+    ),
+    "deepseek_v3": (
+        "deepseek_r1",
+        f"Thinking it over.</think>{DS_BEGIN}{DS_CALL}function{DS_SEP}"
+        f'get_weather\n```json\n{{"city": "Oslo"}}\n```{DS_END}{DS_ALL_END}',
+        "",
+        "Thinking it over.",
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    "deepseek_v31": (
+        None,
+        f'Sure.{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}{{"city": "Rome", '
+        f'"days": 1}}{DS_END}{DS_ALL_END}',
+        "Sure.",
+        "",
+        [("get_weather", {"city": "Rome", "days": 1})],
+    ),
+    "glm45": (
+        "glm45",
+        "<think>weather?</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Lima</arg_value>\n<arg_key>days</arg_key>\n<arg_value>5</arg_value>\n"
+        "</tool_call>",
+        "",
+        "weather?",
+        [("get_weather", {"city": "Lima", "days": 5})],
+    ),
+    "llama3_json": (
+        None,
+        '{"name": "get_weather", "parameters": {"city": "Kyiv"}}; '
+        '{"name": "get_weather", "parameters": {"city": "Baku", "days": 4}}',
+        "",
+        "",
+        [("get_weather", {"city": "Kyiv"}), ("get_weather", {"city": "Baku", "days": 4})],
+    ),
 }
 
 
@@ -62,8 +106,13 @@ def scripted():
     tokenizer = Tokenizer.from_pretrained(FIXTURES / "qwen3")
     runner = ScriptedRunner([], tokenizer.eos_token_id)
     template = (FIXTURES / "chat_templates" / "qwen3.jinja").read_text()
-    ctx = build_context(FIXTURES / "qwen3", runner=runner, max_num_seqs=4, max_model_len=1024,
-                        options=ServerOptions(served_model_names=[MODEL], chat_template=template))
+    ctx = build_context(
+        FIXTURES / "qwen3",
+        runner=runner,
+        max_num_seqs=4,
+        max_model_len=1024,
+        options=ServerOptions(served_model_names=[MODEL], chat_template=template),
+    )
     with LiveServer(ctx) as live:
         client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="x", max_retries=0)
         yield ctx, runner, tokenizer, client
@@ -83,8 +132,9 @@ def test_tool_calls_and_reasoning_stream_and_not(scripted, parser):
     reasoning_parser, text, content, reasoning, calls = CASES[parser]
     _script(ctx, runner, tokenizer, parser, reasoning_parser, text)
     messages = [{"role": "user", "content": "Weather?"}]
-    response = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                              max_tokens=400, temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=400, temperature=0
+    )
     message = response.choices[0].message
     assert response.choices[0].finish_reason == "tool_calls"
     assert (message.content or "").strip() == content
@@ -93,8 +143,9 @@ def test_tool_calls_and_reasoning_stream_and_not(scripted, parser):
     assert got == calls
     assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
 
-    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                            max_tokens=400, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=400, temperature=0, stream=True
+    )
     streamed_content, streamed_reasoning, finish = "", "", None
     names: dict[int, str] = {}
     arguments: dict[int, str] = {}
@@ -110,13 +161,14 @@ def test_tool_calls_and_reasoning_stream_and_not(scripted, parser):
                     names[call.index] = call.function.name
                     assert call.id.startswith("call_")
                 arguments[call.index] = arguments.get(call.index, "") + (
-                    call.function.arguments or "")
+                    call.function.arguments or ""
+                )
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
     assert streamed_content.strip() == content
     assert streamed_reasoning.strip() == reasoning
     assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
-    for marker in ("<tool", "<｜", "<function", "<arg_", "</think>", "{\"name\""):
+    for marker in ("<tool", "<｜", "<function", "<arg_", "</think>", '{"name"'):
         assert marker not in streamed_content and marker not in (message.content or "")
 
 
@@ -125,8 +177,12 @@ def test_tool_choice_none_leaves_markers_as_text(scripted):
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "SF"}}\n</tool_call>'
     _script(ctx, runner, tokenizer, "hermes", None, text)
     response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
-        tool_choice="none", max_tokens=400)
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=400,
+    )
     assert response.choices[0].message.content == text
     assert not response.choices[0].message.tool_calls
     assert response.choices[0].finish_reason == "stop"
@@ -140,14 +196,23 @@ def test_tool_history_round_trip_renders(scripted):
     messages = [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": "Weather in SF?"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": "{\"city\": \"SF\"}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "SF"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
         {"role": "system", "content": "Answer in English."},
     ]
-    response = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                              max_tokens=50)
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=50
+    )
     assert response.choices[0].message.content == "It is sunny."
     assert response.choices[0].finish_reason == "stop"
 
@@ -159,11 +224,13 @@ def test_thinking_switched_off_by_the_template_disables_reasoning_parsing(script
     _script(ctx, runner, tokenizer, None, "deepseek_r1", "Plain answer.")
     messages = [{"role": "user", "content": "hi"}]
     thinking = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50)
-    assert thinking.choices[0].message.content is None or \
-        thinking.choices[0].message.content == ""
+    assert thinking.choices[0].message.content is None or thinking.choices[0].message.content == ""
     assert thinking.choices[0].message.model_extra["reasoning"] == "Plain answer."
-    off = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50,
-                                         extra_body={"chat_template_kwargs":
-                                                     {"enable_thinking": False}})
+    off = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=50,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     assert off.choices[0].message.content == "Plain answer."
     assert "reasoning" not in (off.choices[0].message.model_extra or {})

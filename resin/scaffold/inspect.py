@@ -577,8 +577,8 @@ class _meta_is_tracing:
             if name.startswith("transformers") and getattr(mod, "is_tracing", None) is original
         ]
         for mod, _ in self.patched:
-            mod.is_tracing = is_tracing
+            setattr(mod, "is_tracing", is_tracing)  # noqa: B010 - a module attribute mypy cannot see
 
     def __exit__(self, *exc: Any) -> None:
         for mod, original in self.patched:
-            mod.is_tracing = original
+            setattr(mod, "is_tracing", original)  # noqa: B010

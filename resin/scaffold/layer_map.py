@@ -6,8 +6,8 @@ Owns three mappings the scaffold generator and generated runners share:
   window from an HF config (``config.layer_types`` when present; else every layer sliding iff a
   ``sliding_window`` is set and not switched off by ``use_sliding_window``; else full), and
   :func:`cache_kind` says which ``resin.LayerCacheSpec`` a type needs: ``full``,
-  ``sliding_window``, ``recurrent`` (linear attention / SSM: defined in Resin, rejected by the
-  engine today) or ``unknown``;
+  ``sliding_window``, ``recurrent`` (linear attention / SSM: per-request state pages, declared
+  in the model's ``blocks.layer_cache``) or ``unknown``;
 - windows: a layer gets ``config.sliding_window`` iff its type is in :data:`WINDOWED_LAYER_TYPES`
   — the types whose HF attention is built with the raw ``config.sliding_window`` (read from the
   modeling code, transformers 5.x): ``sliding_attention`` (Gemma 2/3, gpt-oss, Mistral, Qwen2,

@@ -253,9 +253,9 @@ def generator_warnings(arch: Architecture) -> list[str]:
         kind = cache_kind(layer.layer_type, layer.window)
         if kind == "recurrent":
             out.append(
-                f"layer {layer.index} is {layer.layer_type!r}: a recurrent state; the "
-                "engine rejects recurrent cache groups today (blocks.recurrent_state_bytes "
-                "is a stub)"
+                f"layer {layer.index} is {layer.layer_type!r}: a recurrent state — declare it "
+                "in blocks.layer_cache (LayerCache('recurrent', {buffer: shape})) and read / "
+                "write it through ctx.state"
             )
             break
         if kind == "unknown":

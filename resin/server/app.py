@@ -6,22 +6,28 @@ Routes (query strings are ignored everywhere, conformance 0.1):
 - ``POST /v1/responses``                                      (:mod:`resin.server.openai.responses`)
 - ``POST /v1/messages``, ``POST /v1/messages/count_tokens``   (:mod:`resin.server.anthropic`)
 - ``GET /v1/models`` (OpenAI list; Anthropic's shape when ``anthropic-version`` is sent),
-  ``GET /health`` (200 ``{}``; 503 once the engine loop died), ``GET /metrics``, ``GET /version``.
+  ``GET /health`` (200 ``{}``; 503 once the engine loop died; ``HEAD`` too), ``GET /metrics``,
+  ``GET /version``.
 
-Bodies are read as JSON dicts (unknown fields ignored); malformed JSON, wrong types and every
-other client error become 400 in the API's own error shape (Anthropic's under
-``/v1/messages``), FastAPI's 422 included. With ``--api-key``, ``/v1/*`` needs
-``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (401 otherwise).
+Bodies are read as JSON dicts (unknown fields ignored; :mod:`resin.server.request_body`: size
+and time limits, strict JSON); malformed JSON, wrong types and every other client error become
+400 in the API's own error shape (Anthropic's under ``/v1/messages``), FastAPI's 422 included.
+A large request is validated and its prompt built in a worker thread
+(:meth:`ServerContext.prepare`), so the event loop keeps serving other clients meanwhile. With
+``--api-key``, ``/v1/*`` needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
+(compared in constant time; 401 with ``WWW-Authenticate: Bearer`` otherwise), and the
+FastAPI docs pages (``/docs``, ``/redoc``, ``/openapi.json``) are off unless
+``--enable-fastapi-docs``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,10 +40,20 @@ from resin.server.context import ServerContext
 from resin.server.engine_loop import RequestRejected, RunnerFailure
 from resin.server.errors import APIError
 from resin.server.http_metrics import HttpMetrics
+from resin.server.request_body import parse_json, read_body
 from resin.server.sse import generation_response
 
-ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-             "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/version"]
+ENDPOINTS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/version",
+]
 
 
 def _is_anthropic(path: str) -> bool:
@@ -55,6 +71,7 @@ class AuthAndMetrics:
     def __init__(self, app: ASGIApp, api_key: str | None, metrics: HttpMetrics) -> None:
         self.app = app
         self.api_key = api_key
+        self.key = None if api_key is None else api_key.encode("utf-8")
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -64,8 +81,12 @@ class AuthAndMetrics:
         path: str = scope["path"]
         started = time.perf_counter()
         if self.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
-            error = APIError(401, "Invalid API key: send it as 'Authorization: Bearer <key>' or "
-                             "'x-api-key: <key>'.", code="invalid_api_key")
+            error = APIError(
+                401,
+                "Invalid API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                code="invalid_api_key",
+                headers={"www-authenticate": 'Bearer realm="resin"'},
+            )
             response = error_response(path, error)
             self.metrics.observe(path, scope["method"], 401, time.perf_counter() - started)
             await response(scope, receive, send)
@@ -76,23 +97,28 @@ class AuthAndMetrics:
             nonlocal recorded
             if message["type"] == "http.response.start" and not recorded:
                 recorded = True
-                self.metrics.observe(path, scope["method"], message["status"],
-                                     time.perf_counter() - started)
+                self.metrics.observe(
+                    path, scope["method"], message["status"], time.perf_counter() - started
+                )
             await send(message)
 
         await self.app(scope, receive, send_and_count)
 
     def _authorized(self, scope: Scope) -> bool:
+        """Whether a header carries the key; compared in constant time (secrets.compare_digest),
+        so response timing does not reveal how much of a guess was right."""
+        assert self.key is not None
+        authorized = False
         for name, value in scope["headers"]:
             if name == b"authorization":
-                text = value.decode("latin-1")
-                if text.lower().startswith("bearer ") and text[7:].strip() == self.api_key:
-                    return True
-            elif name == b"x-api-key" and value.decode("latin-1").strip() == self.api_key:
-                return True
-        return False
+                if value[:7].lower() == b"bearer ":
+                    authorized |= secrets.compare_digest(value[7:].strip(), self.key)
+            elif name == b"x-api-key":
+                authorized |= secrets.compare_digest(value.strip(), self.key)
+        return authorized
 
 
+T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it
 
 
@@ -119,15 +145,22 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+async def read_raw(ctx: ServerContext, request: Request) -> bytes:
+    """The request body, within the size and time limits (413 / 408 / 400)."""
+    return await read_body(request, ctx.max_request_body_bytes, ctx.options.timeout_body)
+
+
+async def prepare_body(
+    ctx: ServerContext, raw: bytes, prepare: Callable[[dict[str, Any]], T]
+) -> tuple[dict[str, Any], T]:
+    """Parse the body and run the endpoint's ``prepare`` on it (in a worker thread when the
+    body is large): ``(body, prepared)``."""
+
+    def work() -> tuple[dict[str, Any], T]:
+        body = parse_json(raw)
+        return body, prepare(body)
+
+    return await ctx.prepare(len(raw), work)
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -141,7 +174,17 @@ def build_app(ctx: ServerContext) -> FastAPI:
         finally:
             ctx.loop.stop()
 
-    app = FastAPI(title="Resin", version=resin.__version__, lifespan=lifespan)
+    docs = ctx.options.enable_docs
+    if docs is None:  # the schema is no secret, but a locked server need not advertise it
+        docs = ctx.options.api_key is None
+    app = FastAPI(
+        title="Resin",
+        version=resin.__version__,
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.add_middleware(AuthAndMetrics, api_key=ctx.options.api_key, metrics=metrics)
     app.state.ctx = ctx
     app.state.http_metrics = metrics
@@ -157,8 +200,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
-        return error_response(request.url.path,
-                              APIError(exc.status_code, f"{message}: {request.url.path}"))
+        return error_response(
+            request.url.path, APIError(exc.status_code, f"{message}: {request.url.path}")
+        )
 
     @app.exception_handler(RequestRejected)
     async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
@@ -172,72 +216,116 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(request.url.path, APIError(500, f"internal error: {exc!r}"))
 
-    async def chat_response(body: dict[str, Any]) -> Response:
+    async def chat_response(raw: bytes) -> Response:
         from resin.server.openai import chat
 
-        model, gen_request, prompt, tool_choice = chat.prepare_chat(ctx, body)
+        body, (model, gen_request, prompt, tool_choice) = await prepare_body(
+            ctx, raw, lambda body: chat.prepare_chat(ctx, body)
+        )
+        return_ids = body.get("return_token_ids") is True
         generation = ctx.start(gen_request, "chatcmpl")
         return await generation_response(
             bool(body.get("stream")),
             lambda: chat.stream_chat(ctx, model, generation, prompt, tool_choice, body),
-            lambda: chat.complete_chat(ctx, model, generation, prompt, tool_choice),
-            generation.abort)
+            lambda: chat.complete_chat(
+                ctx, model, generation, prompt, tool_choice, return_token_ids=return_ids
+            ),
+            generation.abort,
+            large=gen_request.num_top_logprobs is not None or gen_request.n > 1,
+        )
 
-    async def completion_response(body: dict[str, Any]) -> Response:
+    async def completion_response(raw: bytes) -> Response:
         from resin.server.openai import completions as legacy
 
-        completion = legacy.CompletionRequest(ctx, body)
+        body, completion = await prepare_body(
+            ctx, raw, lambda body: legacy.CompletionRequest(ctx, body)
+        )
+        completion.start(ctx)
         return await generation_response(
-            bool(body.get("stream")), lambda: legacy.stream_completion(completion, body),
-            lambda: legacy.complete(completion), completion.abort)
+            bool(body.get("stream")),
+            lambda: legacy.stream_completion(completion, body),
+            lambda: legacy.complete(completion),
+            completion.abort,
+            large=completion.num_logprobs is not None
+            or len(completion.requests) * completion.n > 1,
+        )
 
-    async def responses_response(body: dict[str, Any]) -> Response:
+    async def responses_response(raw: bytes) -> Response:
         from resin.server.openai import responses as responses_api
+        from resin.server.openai.responses_request import prepare_response
 
-        return await responses_api.create_response(ctx, body)
+        _, request = await prepare_body(ctx, raw, lambda body: prepare_response(ctx, body))
+        return await responses_api.create_response(ctx, request)
 
-    async def messages_response(body: dict[str, Any]) -> Response:
+    async def messages_response(raw: bytes) -> Response:
         from resin.server.anthropic import messages as messages_api
 
-        return await messages_api.create_message(ctx, body)
+        _, request = await prepare_body(ctx, raw, lambda body: messages_api.prepare(ctx, body))
+        return await messages_api.create_message(ctx, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await unless_disconnected(request, chat_response(await read_json(request)))
+        return await unless_disconnected(request, chat_response(await read_raw(ctx, request)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await unless_disconnected(request, completion_response(await read_json(request)))
+        return await unless_disconnected(request, completion_response(await read_raw(ctx, request)))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await unless_disconnected(request, responses_response(await read_json(request)))
+        return await unless_disconnected(request, responses_response(await read_raw(ctx, request)))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await unless_disconnected(request, messages_response(await read_json(request)))
+        return await unless_disconnected(request, messages_response(await read_raw(ctx, request)))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        body = await read_json(request)
         from resin.server.anthropic import messages as messages_api
 
-        return JSONResponse(messages_api.count_tokens(ctx, body))
+        raw = await read_raw(ctx, request)
+        _, counted = await prepare_body(ctx, raw, lambda body: messages_api.count_tokens(ctx, body))
+        return JSONResponse(counted)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if request.headers.get("anthropic-version"):
-            data = [{"type": "model", "id": name, "display_name": name,
-                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                 time.gmtime(ctx.created))}
-                    for name in ctx.options.served_model_names]
-            return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"],
-                                 "last_id": data[-1]["id"]})
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": ctx.created, "owned_by": "resin",
-             "root": name, "parent": None, "max_model_len": ctx.max_model_len}
-            for name in ctx.options.served_model_names]})
+            data = [
+                {
+                    "type": "model",
+                    "id": name,
+                    "display_name": name,
+                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.created)),
+                }
+                for name in ctx.options.served_model_names
+            ]
+            return JSONResponse(
+                {
+                    "data": data,
+                    "has_more": False,
+                    "first_id": data[0]["id"],
+                    "last_id": data[-1]["id"],
+                }
+            )
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": ctx.created,
+                        "owned_by": "resin",
+                        "root": name,
+                        "parent": None,
+                        "max_model_len": ctx.max_model_len,
+                    }
+                    for name in ctx.options.served_model_names
+                ],
+            }
+        )
 
+    @app.head("/health", include_in_schema=False)  # load balancers' probes
     @app.get("/health")
     async def health() -> Response:
         if not ctx.loop.alive:

@@ -7,8 +7,8 @@ tool calls, the finish reason and logprobs. Streaming adapters take the events o
 :class:`ChoiceDelta` from :meth:`ChatChoice.events`; non-streaming ones read the totals.
 
 ``tool_choice`` rules: ``"none"`` (or no tools) turns tool parsing off — markers stay text;
-``"auto"``, ``"required"`` and a named function parse tool calls (Resin does not force the call
-with constrained decoding; the model's own output decides). ``finish_reason`` becomes
+``"auto"``, ``"required"`` and a named function parse tool calls; ``"required"`` and a named
+function are also forced with a grammar where the runner can (:mod:`resin.server.structured`). ``finish_reason`` becomes
 ``"tool_calls"`` when at least one call was parsed and generation stopped normally.
 """
 
@@ -37,11 +37,17 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | d
             return "auto"
         if isinstance(name, str):
             if not any(t["function"]["name"] == name for t in tools or ()):
-                raise APIError(400, f"tool_choice names function {name!r}, which is not in "
-                               "'tools'", param="tool_choice")
+                raise APIError(
+                    400,
+                    f"tool_choice names function {name!r}, which is not in 'tools'",
+                    param="tool_choice",
+                )
             return {"type": "function", "name": name}
-    raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or a named function",
-                   param="tool_choice")
+    raise APIError(
+        400,
+        "'tool_choice' must be 'none', 'auto', 'required' or a named function",
+        param="tool_choice",
+    )
 
 
 class ChatChoice:
@@ -51,9 +57,12 @@ class ChatChoice:
         enable_tools = bool(prompt.tools) and tool_choice != "none"
         reasoning_parser = None if prompt.reasoning_closed else ctx.options.reasoning_parser
         self.parser = OutputParser(
-            ctx.options.tool_parser if enable_tools else None, reasoning_parser,
-            tools=prompt.tools, reasoning_started=prompt.reasoning_started,
-            enable_tools=enable_tools and ctx.options.tool_parser is not None)
+            ctx.options.tool_parser if enable_tools else None,
+            reasoning_parser,
+            tools=prompt.tools,
+            reasoning_started=prompt.reasoning_started,
+            enable_tools=enable_tools and ctx.options.tool_parser is not None,
+        )
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
         self.logprobs: list[TokenLogprob] = []

@@ -49,8 +49,9 @@ TEXT_PARTS = ("text", "input_text", "output_text", "summary_text", "reasoning_te
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "file", "input_file")
 
 
-def flatten_content(content: Any, where: str, *, param: str = "messages",
-                    skip_unknown: bool = False) -> str:
+def flatten_content(
+    content: Any, where: str, *, param: str = "messages", skip_unknown: bool = False
+) -> str:
     """A message's content (a string, or a list of parts) as one string: text parts joined by
     newlines; media parts are a 400 (the runners are text-only); other part types are a 400,
     or skipped with ``skip_unknown`` (the Responses API, whose clients send many)."""
@@ -59,8 +60,9 @@ def flatten_content(content: Any, where: str, *, param: str = "messages",
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}: content must be a string or an array of content parts",
-                       param=param)
+        raise APIError(
+            400, f"{where}: content must be a string or an array of content parts", param=param
+        )
     texts = []
     for part in content:
         if isinstance(part, str):
@@ -74,8 +76,11 @@ def flatten_content(content: Any, where: str, *, param: str = "messages",
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         elif kind in MEDIA_PARTS:
-            raise APIError(400, f"{where}: this model accepts text only; '{kind}' content is "
-                           "not supported", param=param)
+            raise APIError(
+                400,
+                f"{where}: this model accepts text only; '{kind}' content is not supported",
+                param=param,
+            )
         elif not skip_unknown:
             raise APIError(400, f"{where}: unsupported content part type {kind!r}", param=param)
     return "\n".join(texts)
@@ -95,8 +100,13 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
                 pass  # keep the raw string; templates print strings as they are
-        result.append({"id": call.get("id"), "type": "function",
-                       "function": {"name": function["name"], "arguments": arguments}})
+        result.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
     return result
 
 
@@ -121,8 +131,10 @@ def normalize_chat_messages(messages: Any) -> list[dict[str, Any]]:
             else:
                 _append_user_text(turns, SYSTEM_REMINDER.format(text))
             continue
-        turn: dict[str, Any] = {"role": "tool" if role == "function" else role,
-                                "content": flatten_content(message.get("content"), where)}
+        turn: dict[str, Any] = {
+            "role": "tool" if role == "function" else role,
+            "content": flatten_content(message.get("content"), where),
+        }
         if role == "assistant":
             if message.get("tool_calls"):
                 turn["tool_calls"] = _tool_calls(message["tool_calls"], where)
@@ -141,8 +153,7 @@ def normalize_chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 def _append_user_text(turns: list[dict[str, Any]], text: str) -> None:
     if turns and turns[-1]["role"] == "user":
-        turns[-1]["content"] = f"{turns[-1]['content']}\n\n{text}" if turns[-1]["content"] \
-            else text
+        turns[-1]["content"] = f"{turns[-1]['content']}\n\n{text}" if turns[-1]["content"] else text
     else:
         turns.append({"role": "user", "content": text})
 
@@ -162,17 +173,26 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
         function = tool.get("function")
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise APIError(400, f"tools[{position}].function.name is required", param="tools")
-        entry = {"name": function["name"], "description": function.get("description", ""),
-                 "parameters": function.get("parameters") or {"type": "object", "properties": {}}}
+        entry = {
+            "name": function["name"],
+            "description": function.get("description", ""),
+            "parameters": function.get("parameters") or {"type": "object", "properties": {}},
+        }
         result.append({"type": "function", "function": entry})
     return result or None
 
 
-def build_chat_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None,
-                      chat_template_kwargs: Mapping[str, Any] | None = None,
-                      chat_template: str | None = None, *, check_length: bool = True,
-                      anthropic: bool = False, param: str = "messages") -> ChatPrompt:
+def build_chat_prompt(
+    ctx: ServerContext,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
+    *,
+    check_length: bool = True,
+    anthropic: bool = False,
+    param: str = "messages",
+) -> ChatPrompt:
     """Render normalised messages (see :func:`normalize_chat_messages`) and tokenize. With
     ``check_length`` (every generating endpoint; not ``count_tokens``), a rendered text that
     cannot fit the context is refused before it is tokenized (:meth:`ServerContext.
@@ -182,19 +202,32 @@ def build_chat_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
         kwargs.pop(reserved, None)
     try:
         text = ctx.chat_template.render(
-            messages, tools=tools, add_generation_prompt=True,
-            chat_template=chat_template or ctx.options.chat_template, **kwargs)
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            chat_template=chat_template or ctx.options.chat_template,
+            **kwargs,
+        )
     except (ChatTemplateError, ValueError, TypeError) as exc:
-        raise APIError(400, f"chat template error: {exc}", param="messages",
-                       headers={"x-should-retry": "false"}) from exc
+        raise APIError(
+            400,
+            f"chat template error: {exc}",
+            param="messages",
+            headers={"x-should-retry": "false"},
+        ) from exc
     if check_length:
         ctx.check_prompt_text(text, anthropic=anthropic, param=param)
     token_ids = ctx.encode(text, add_special_tokens=False)
     if not token_ids:
         raise APIError(400, "the rendered prompt is empty", param="messages")
     tail = text.rstrip()
-    return ChatPrompt(text, token_ids, tools, reasoning_started=tail.endswith(THINK_OPEN),
-                      reasoning_closed=tail.endswith(THINK_CLOSE))
+    return ChatPrompt(
+        text,
+        token_ids,
+        tools,
+        reasoning_started=tail.endswith(THINK_OPEN),
+        reasoning_closed=tail.endswith(THINK_CLOSE),
+    )
 
 
 def tool_names(tools: Sequence[Mapping[str, Any]] | None) -> set[str]:

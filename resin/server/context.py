@@ -30,6 +30,7 @@ from resin.server.engine_loop import EngineLoop
 from resin.server.errors import APIError, model_not_found, prompt_too_long
 from resin.server.generation import Generation, GenerationRequest, Generator
 from resin.server.prompt_limits import PromptBound, encode_releasing_gil
+from resin.server.structured import StructuredOutputs
 from resin.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
@@ -77,8 +78,12 @@ class ServerContext:
     model_type: str
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_bound: PromptBound | None = None  # None: no sound bound for this tokenizer
-    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        PREPARE_WORKERS, thread_name_prefix="resin-prepare"))
+    structured: StructuredOutputs | None = None  # None: grammars not enforced (no sampler)
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            PREPARE_WORKERS, thread_name_prefix="resin-prepare"
+        )
+    )
 
     @property
     def model_name(self) -> str:
@@ -118,8 +123,9 @@ class ServerContext:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return encode_releasing_gil(self.tokenizer, text, add_special_tokens)
 
-    def check_prompt_text(self, text: str, *, anthropic: bool = False,
-                          param: str = "messages") -> None:
+    def check_prompt_text(
+        self, text: str, *, anthropic: bool = False, param: str = "messages"
+    ) -> None:
         """``context_length_exceeded`` for a prompt text that cannot fit the context whatever
         it tokenizes to — checked from its length, before tokenizing (a no-op when the
         tokenizer has no sound bound)."""
@@ -127,11 +133,17 @@ class ServerContext:
             return
         at_least = self.prompt_bound.min_tokens(text)
         if at_least >= self.max_model_len:
-            raise prompt_too_long(self.max_model_len, at_least, anthropic=anthropic,
-                                  param=param)
+            raise prompt_too_long(self.max_model_len, at_least, anthropic=anthropic, param=param)
 
-    def check_logprob_entries(self, n: int, max_tokens: int, num_top_logprobs: int | None, *,
-                              param: str = "top_logprobs", prompts: int = 1) -> None:
+    def check_logprob_entries(
+        self,
+        n: int,
+        max_tokens: int,
+        num_top_logprobs: int | None,
+        *,
+        param: str = "top_logprobs",
+        prompts: int = 1,
+    ) -> None:
         """400 when the response could carry more logprob entries than the server allows
         (a small request must not be able to ask for a body of hundreds of MB)."""
         if num_top_logprobs is None:
@@ -140,21 +152,27 @@ class ServerContext:
         total = prompts * n * max_tokens * (1 + num_top_logprobs)
         if total > limit:
             factors = f"{prompts} prompts x " if prompts > 1 else ""
-            raise APIError(400, f"the response could hold {factors}n x max_tokens x (1 + "
-                           f"{param}) = {factors}{n} x {max_tokens} x {1 + num_top_logprobs} = "
-                           f"{total} logprob entries, over this server's limit of {limit} "
-                           "(--max-logprob-entries); lower n, max_tokens or "
-                           f"{param}", param=param)
+            raise APIError(
+                400,
+                f"the response could hold {factors}n x max_tokens x (1 + "
+                f"{param}) = {factors}{n} x {max_tokens} x {1 + num_top_logprobs} = "
+                f"{total} logprob entries, over this server's limit of {limit} "
+                "(--max-logprob-entries); lower n, max_tokens or "
+                f"{param}",
+                param=param,
+            )
 
     def check_capacity(self, num_new: int = 1) -> None:
         if not self.loop.alive:
-            raise APIError(503, "The engine is not running.",
-                           headers={"x-should-retry": "false"})
+            raise APIError(503, "The engine is not running.", headers={"x-should-retry": "false"})
         limit = self.max_num_seqs + self.options.max_queued_requests
         if self.loop.num_active_requests + num_new > limit:
-            raise APIError(429, f"The server is at capacity ({limit} requests in flight); "
-                           "retry shortly.", code="rate_limit_exceeded",
-                           headers={"retry-after": str(RETRY_AFTER_S)})
+            raise APIError(
+                429,
+                f"The server is at capacity ({limit} requests in flight); retry shortly.",
+                code="rate_limit_exceeded",
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            )
 
     def start(self, request: GenerationRequest, prefix: str) -> Generation:
         """Admit (429 when full) and start generating ``request``; ids are ``<prefix>-<n>``."""

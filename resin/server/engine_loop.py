@@ -94,7 +94,8 @@ class EngineLoop:
         self._queues: dict[str, OutputQueue] = {}
         self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
         self._outbox: collections.deque[tuple[list[RequestOutput], dict[str, BaseException]]] = (
-            collections.deque())
+            collections.deque()
+        )
         self._dispatch_pending = False
         self._last_wake_s = 0.0
         self._dispatch_lock = threading.Lock()
@@ -127,8 +128,9 @@ class EngineLoop:
         return len(self._queues)
 
     # -- called on the event loop's thread ----------------------------------------------------
-    def add(self, request_ids: Iterable[str], prompt_token_ids: list[int],
-            params: list[SamplingParams]) -> OutputQueue:
+    def add(
+        self, request_ids: Iterable[str], prompt_token_ids: list[int], params: list[SamplingParams]
+    ) -> OutputQueue:
         """Queue one engine request per id (the choices of one API request), sharing one
         output queue. The engine thread adds them before its next step; if the engine rejects
         one, the queue fails with :class:`RequestRejected` and its siblings are aborted."""
@@ -213,8 +215,10 @@ class EngineLoop:
                 elif ran_runner:
                     num_failed_steps = 0
                 if num_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
-                    raise RuntimeError(f"the runner failed {num_failed_steps} steps in a row; "
-                                       f"last error: {next(iter(errors.values()))}")
+                    raise RuntimeError(
+                        f"the runner failed {num_failed_steps} steps in a row; "
+                        f"last error: {next(iter(errors.values()))}"
+                    )
         except BaseException as exc:  # an engine bug: fail everyone, /health turns 503
             self.fatal_error = exc
             if self._loop is not None and not self._loop.is_closed():

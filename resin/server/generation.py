@@ -24,10 +24,12 @@ import itertools
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from resin._core import RequestOutput, SamplingParams
 from resin.server.engine_loop import EngineLoop
 from resin.server.stop_strings import StopStringMatcher
+from resin.structured_output import GrammarRegistry
 from resin.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -65,6 +67,7 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     num_top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
+    grammar: Any = None  # a resin.structured_output.CompiledGrammar every choice must follow
 
 
 @dataclass(slots=True)
@@ -81,8 +84,13 @@ class Usage:
 class _ChoiceState:
     __slots__ = ("index", "request_id", "detokenizer", "matcher", "num_tokens", "finished")
 
-    def __init__(self, index: int, request_id: str, detokenizer: IncrementalDetokenizer,
-                 matcher: StopStringMatcher) -> None:
+    def __init__(
+        self,
+        index: int,
+        request_id: str,
+        detokenizer: IncrementalDetokenizer,
+        matcher: StopStringMatcher,
+    ) -> None:
         self.index = index
         self.request_id = request_id
         self.detokenizer = detokenizer
@@ -94,9 +102,12 @@ class _ChoiceState:
 class Generator:
     """Turns :class:`GenerationRequest` into streams of :class:`ChoiceDelta` via an EngineLoop."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, loop: EngineLoop, tokenizer: Tokenizer, grammars: GrammarRegistry | None = None
+    ) -> None:
         self.loop = loop
         self.tokenizer = tokenizer
+        self.grammars = grammars  # the runner's sampler reads request grammars from here
         self._ids = itertools.count()
 
     def new_request_id(self, prefix: str) -> str:
@@ -119,13 +130,31 @@ class Generation:
         self.request_id = request_id
         self.usage = Usage(prompt_tokens=len(request.prompt_token_ids))
         ids = [request_id if request.n == 1 else f"{request_id}.{i}" for i in range(request.n)]
-        params = [request.params] + [_with_seed_offset(request.params, i)
-                                     for i in range(1, request.n)]
-        self._queue = self.loop.add(ids, request.prompt_token_ids, params)
-        self._states = {rid: _ChoiceState(i, rid, self.tokenizer.incremental_detokenizer(
-            request.prompt_token_ids, request.skip_special_tokens),
-            StopStringMatcher(request.stop, request.include_stop_str_in_output))
-            for i, rid in enumerate(ids)}
+        params = [request.params] + [
+            _with_seed_offset(request.params, i) for i in range(1, request.n)
+        ]
+        self._grammar_ids: list[str] = []
+        if request.grammar is not None and generator.grammars is not None:
+            self._grammars = generator.grammars
+            for rid in ids:  # before the engine can schedule the request
+                self._grammars.register(rid, request.grammar)
+            self._grammar_ids = ids
+        try:
+            self._queue = self.loop.add(ids, request.prompt_token_ids, params)
+        except BaseException:
+            self._release_grammars()
+            raise
+        self._states = {
+            rid: _ChoiceState(
+                i,
+                rid,
+                self.tokenizer.incremental_detokenizer(
+                    request.prompt_token_ids, request.skip_special_tokens
+                ),
+                StopStringMatcher(request.stop, request.include_stop_str_in_output),
+            )
+            for i, rid in enumerate(ids)
+        }
         self._num_unfinished = len(ids)
 
     @property
@@ -136,6 +165,12 @@ class Generation:
         if self._num_unfinished:
             self._num_unfinished = 0
             self.loop.abort(self._queue)
+        self._release_grammars()
+
+    def _release_grammars(self) -> None:
+        for rid in self._grammar_ids:
+            self._grammars.unregister(rid)
+        self._grammar_ids = []
 
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Delta batches (at most one per choice, in choice order) until every choice ends.
@@ -186,20 +221,25 @@ class Generation:
         logprobs = None
         if self.request.num_top_logprobs is not None:
             logprobs = self._logprobs(last, new_ids, self.request.num_top_logprobs)
-        return ChoiceDelta(state.index, text, list(new_ids), logprobs, finish_reason,
-                           stop_string)
+        return ChoiceDelta(state.index, text, list(new_ids), logprobs, finish_reason, stop_string)
 
-    def _logprobs(self, output: RequestOutput, new_ids: list[int],
-                  num_top: int) -> list[TokenLogprob]:
+    def _logprobs(
+        self, output: RequestOutput, new_ids: list[int], num_top: int
+    ) -> list[TokenLogprob]:
         entries = output.logprobs or []
-        entries = entries[len(entries) - len(new_ids):]
+        entries = entries[len(entries) - len(new_ids) :]
         decode = self.tokenizer.decode
         result = []
         for token_id, entry in zip(new_ids, entries):
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
-            result.append(TokenLogprob(
-                token_id, decode([token_id]), _finite(entry.get(token_id, MIN_LOGPROB)),
-                [(int(t), decode([int(t)]), _finite(lp)) for t, lp in top]))
+            result.append(
+                TokenLogprob(
+                    token_id,
+                    decode([token_id]),
+                    _finite(entry.get(token_id, MIN_LOGPROB)),
+                    [(int(t), decode([int(t)]), _finite(lp)) for t, lp in top],
+                )
+            )
         return result
 
 

@@ -45,24 +45,38 @@ class HttpMetrics:
             self._count[endpoint] += 1
 
     def render(self) -> str:
-        lines = ["# HELP resin:http_requests_total HTTP requests by endpoint, method and status.",
-                 "# TYPE resin:http_requests_total counter"]
+        lines = [
+            "# HELP resin:http_requests_total HTTP requests by endpoint, method and status.",
+            "# TYPE resin:http_requests_total counter",
+        ]
         with self._lock:
             for (endpoint, method, status), count in sorted(self._requests.items()):
-                lines.append(f'resin:http_requests_total{{endpoint="{endpoint}",'
-                             f'method="{method}",status="{status}"}} {count}')
-            lines += ["# HELP resin:http_request_duration_seconds Time to the response head.",
-                      "# TYPE resin:http_request_duration_seconds histogram"]
+                lines.append(
+                    f'resin:http_requests_total{{endpoint="{endpoint}",'
+                    f'method="{method}",status="{status}"}} {count}'
+                )
+            lines += [
+                "# HELP resin:http_request_duration_seconds Time to the response head.",
+                "# TYPE resin:http_request_duration_seconds histogram",
+            ]
             for endpoint in sorted(self._buckets):
                 cumulative = 0
                 for bound, count in zip(DURATION_BUCKETS_S, self._buckets[endpoint]):
                     cumulative += count
-                    lines.append(f'resin:http_request_duration_seconds_bucket{{endpoint='
-                                 f'"{endpoint}",le="{bound}"}} {cumulative}')
-                lines.append(f'resin:http_request_duration_seconds_bucket{{endpoint="{endpoint}",'
-                             f'le="+Inf"}} {self._count[endpoint]}')
-                lines.append(f'resin:http_request_duration_seconds_sum{{endpoint="{endpoint}"}} '
-                             f'{self._sum_s[endpoint]}')
-                lines.append(f'resin:http_request_duration_seconds_count{{endpoint='
-                             f'"{endpoint}"}} {self._count[endpoint]}')
+                    lines.append(
+                        f"resin:http_request_duration_seconds_bucket{{endpoint="
+                        f'"{endpoint}",le="{bound}"}} {cumulative}'
+                    )
+                lines.append(
+                    f'resin:http_request_duration_seconds_bucket{{endpoint="{endpoint}",'
+                    f'le="+Inf"}} {self._count[endpoint]}'
+                )
+                lines.append(
+                    f'resin:http_request_duration_seconds_sum{{endpoint="{endpoint}"}} '
+                    f"{self._sum_s[endpoint]}"
+                )
+                lines.append(
+                    f"resin:http_request_duration_seconds_count{{endpoint="
+                    f'"{endpoint}"}} {self._count[endpoint]}'
+                )
         return "\n".join(lines) + "\n"

@@ -40,8 +40,11 @@ _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}
 
 def _byte_level_alphabet() -> set[str]:
     """The 256 characters byte-level BPE writes bytes as (GPT-2's ``bytes_to_unicode``)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = [], 0
     for byte in range(256):
         if byte in keep:
@@ -73,8 +76,12 @@ def _normalizer_shrink(spec: Mapping[str, Any] | None) -> float | None:
     if kind == "Replace":
         pattern, content = spec.get("pattern") or {}, spec.get("content")
         literal = pattern.get("String") if isinstance(pattern, Mapping) else None
-        if not isinstance(literal, str) or not literal or not isinstance(content, str) \
-                or not content:
+        if (
+            not isinstance(literal, str)
+            or not literal
+            or not isinstance(content, str)
+            or not content
+        ):
             return None  # a regex or an empty replacement can delete any amount of text
         return max(1.0, len(literal) / len(content))
     return None  # Strip, StripAccents, BertNormalizer, Precompiled, unknown: may delete
@@ -118,8 +125,9 @@ class PromptBound:
         model = spec.get("model") or {}
         if model.get("type") != "BPE" or model.get("dropout"):
             return None
-        if any(token.get("lstrip") or token.get("rstrip")
-               for token in spec.get("added_tokens") or []):
+        if any(
+            token.get("lstrip") or token.get("rstrip") for token in spec.get("added_tokens") or []
+        ):
             return None
         shrink = _normalizer_shrink(spec.get("normalizer"))
         if shrink is None or not _pre_tokenizer_keeps_text(spec.get("pre_tokenizer")):
@@ -148,10 +156,12 @@ class PromptBound:
         return int(max_model_len * self.max_chars_per_token * self.shrink)
 
 
-def encode_releasing_gil(tokenizer: Tokenizer, text: str,
-                         add_special_tokens: bool = True) -> list[int]:
+def encode_releasing_gil(
+    tokenizer: Tokenizer, text: str, add_special_tokens: bool = True
+) -> list[int]:
     """``tokenizer.encode(text)``, letting other threads run meanwhile (see the module doc)."""
     if not isinstance(text, str):
         raise TypeError(f"encode expects a str, got {type(text).__name__}")
-    return list(tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-                .ids)
+    return list(
+        tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    )

@@ -52,7 +52,7 @@ async def _discard(request: Request, timeout: float) -> None:
     while time.monotonic() < deadline:
         try:
             message = await asyncio.wait_for(request.receive(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return
         if message["type"] == "http.disconnect" or not message.get("more_body", False):
             return
@@ -60,9 +60,13 @@ async def _discard(request: Request, timeout: float) -> None:
 
 def _too_large(limit: int, size: int | None) -> APIError:
     got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
-    return APIError(413, f"the request body is {got}, over this server's limit of {limit} "
-                    "bytes (--max-request-body-bytes)", code="request_too_large",
-                    headers=CLOSE)
+    return APIError(
+        413,
+        f"the request body is {got}, over this server's limit of {limit} "
+        "bytes (--max-request-body-bytes)",
+        code="request_too_large",
+        headers=CLOSE,
+    )
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
@@ -77,14 +81,26 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     while True:
         try:
             message = await asyncio.wait_for(request.receive(), timeout)
-        except asyncio.TimeoutError:
-            logger.warning("%s %s: no request body data for %.0f s (--timeout-body); closing",
-                           _client(request), request.url.path, timeout)
-            raise APIError(408, f"the request body did not arrive within {timeout:g} s",
-                           code="request_timeout", headers=CLOSE) from None
+        except TimeoutError:
+            logger.warning(
+                "%s %s: no request body data for %.0f s (--timeout-body); closing",
+                _client(request),
+                request.url.path,
+                timeout,
+            )
+            raise APIError(
+                408,
+                f"the request body did not arrive within {timeout:g} s",
+                code="request_timeout",
+                headers=CLOSE,
+            ) from None
         if message["type"] == "http.disconnect":
-            logger.warning("%s %s: client disconnected after %d bytes of the request body",
-                           _client(request), request.url.path, size)
+            logger.warning(
+                "%s %s: client disconnected after %d bytes of the request body",
+                _client(request),
+                request.url.path,
+                size,
+            )
             raise APIError(400, "the client disconnected before the request body was complete")
         body = message.get("body", b"")
         size += len(body)
@@ -105,42 +121,59 @@ def _reject_constant(name: str) -> Any:
 def _parse_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise APIError(400, f"the request body is not valid JSON: the number {text:.40} is "
-                       "out of range")
+        raise APIError(
+            400, f"the request body is not valid JSON: the number {text:.40} is out of range"
+        )
     return value
 
 
 def check_json_value(value: Any) -> None:
     """400 for nesting deeper than ``MAX_JSON_DEPTH`` or a lone surrogate in a string or key
     (iterative: a deep value cannot exhaust the stack here)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
+    if isinstance(value, str):
+        value = [value]
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
     while stack:
-        item, depth = stack.pop()
-        if isinstance(item, str):
-            if not item.isascii() and _SURROGATE.search(item):
-                raise APIError(400, "the request body has a string with a lone UTF-16 "
-                               "surrogate (an unpaired \\ud800-\\udfff escape); it is not "
-                               "valid Unicode text")
-        elif isinstance(item, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} "
-                               "levels deep")
-            if isinstance(item, dict):
-                for key, child in item.items():
-                    stack.append((key, depth))
-                    stack.append((child, depth + 1))
-            else:
-                stack.extend((child, depth + 1) for child in item)
+        container, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(
+                400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep"
+            )
+        if isinstance(container, dict):
+            for key in container:
+                if not key.isascii() and _SURROGATE.search(key):
+                    raise _surrogate()
+            children = container.values()
+        else:
+            children = container
+        for child in children:
+            if isinstance(child, str):
+                if not child.isascii() and _SURROGATE.search(child):
+                    raise _surrogate()
+            elif isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+
+
+def _surrogate() -> APIError:
+    return APIError(
+        400,
+        "the request body has a string with a lone UTF-16 surrogate (an unpaired "
+        "\\ud800-\\udfff escape); it is not valid Unicode text",
+    )
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object (see the module doc for what is refused)."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant,
-                          parse_float=_parse_float) if raw else None
+        body = (
+            json.loads(raw, parse_constant=_reject_constant, parse_float=_parse_float)
+            if raw
+            else None
+        )
     except RecursionError:
-        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels "
-                       "deep") from None
+        raise APIError(
+            400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep"
+        ) from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, over-long integers
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

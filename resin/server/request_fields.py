@@ -17,8 +17,9 @@ _MISSING = object()
 
 
 def _bad(name: str, expected: str, value: Any) -> APIError:
-    return APIError(400, f"'{name}' must be {expected}, got {type(value).__name__} {value!r:.80}",
-                    param=name)
+    return APIError(
+        400, f"'{name}' must be {expected}, got {type(value).__name__} {value!r:.80}", param=name
+    )
 
 
 def _check_range(name: str, value: float, minimum: float | None, maximum: float | None) -> None:
@@ -37,8 +38,14 @@ def get_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def get_int(body: Mapping[str, Any], name: str, default: int | None = None, *,
-            minimum: int | None = None, maximum: int | None = None) -> int | None:
+def get_int(
+    body: Mapping[str, Any],
+    name: str,
+    default: int | None = None,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -51,8 +58,14 @@ def get_int(body: Mapping[str, Any], name: str, default: int | None = None, *,
     return value
 
 
-def get_float(body: Mapping[str, Any], name: str, default: float | None = None, *,
-              minimum: float | None = None, maximum: float | None = None) -> float | None:
+def get_float(
+    body: Mapping[str, Any],
+    name: str,
+    default: float | None = None,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> float | None:
     value = body.get(name)
     if value is None:
         return default
@@ -62,8 +75,9 @@ def get_float(body: Mapping[str, Any], name: str, default: float | None = None, 
     return float(value)
 
 
-def get_str(body: Mapping[str, Any], name: str, default: str | None = None, *,
-            required: bool = False) -> str | None:
+def get_str(
+    body: Mapping[str, Any], name: str, default: str | None = None, *, required: bool = False
+) -> str | None:
     value = body.get(name)
     if value is None:
         if required:
@@ -110,7 +124,8 @@ def get_int_list(body: Mapping[str, Any], name: str) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                       for t in value):
+    if isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
         return value
     raise _bad(name, "an array of non-negative integers", value)

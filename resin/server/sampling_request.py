@@ -24,25 +24,40 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # the engine's seeds are non-negative int64
 
 
-def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int, *,
-                   default: int | None = None, clamp: bool = False, anthropic: bool = False,
-                   param: str = "messages") -> int:
+def max_tokens_for(
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    *,
+    default: int | None = None,
+    clamp: bool = False,
+    anthropic: bool = False,
+    param: str = "messages",
+) -> int:
     if num_prompt_tokens >= max_model_len:
-        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested,
-                                      anthropic=anthropic, param=param)
+        raise context_length_exceeded(
+            max_model_len, num_prompt_tokens, requested, anthropic=anthropic, param=param
+        )
     room = max_model_len - num_prompt_tokens
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
         if clamp:
             return room
-        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested,
-                                      anthropic=anthropic, param=param)
+        raise context_length_exceeded(
+            max_model_len, num_prompt_tokens, requested, anthropic=anthropic, param=param
+        )
     return requested
 
 
-def sampling_params(defaults: Mapping[str, Any], body: Mapping[str, Any], *, max_tokens: int,
-                    num_logprobs: int | None, temperature_max: float = 2.0) -> SamplingParams:
+def sampling_params(
+    defaults: Mapping[str, Any],
+    body: Mapping[str, Any],
+    *,
+    max_tokens: int,
+    num_logprobs: int | None,
+    temperature_max: float = 2.0,
+) -> SamplingParams:
     """SamplingParams from the request's fields over the checkpoint ``defaults``."""
     settings: dict[str, Any] = dict(defaults)
     settings["max_tokens"] = max_tokens
@@ -71,8 +86,9 @@ def sampling_params(defaults: Mapping[str, Any], body: Mapping[str, Any], *, max
     repetition_penalty = get_float(body, "repetition_penalty", minimum=0.0)
     if repetition_penalty is not None:
         if repetition_penalty == 0.0:
-            raise APIError(400, "'repetition_penalty' must be greater than 0",
-                           param="repetition_penalty")
+            raise APIError(
+                400, "'repetition_penalty' must be greater than 0", param="repetition_penalty"
+            )
         settings["repetition_penalty"] = repetition_penalty
     settings["ignore_eos"] = get_bool(body, "ignore_eos", False)
     min_tokens = get_int(body, "min_tokens", minimum=0)

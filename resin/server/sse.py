@@ -60,7 +60,7 @@ def json_pieces(value: Any, depth: int = 0) -> Iterator[str]:
     elif isinstance(value, list) and len(value) > LIST_SLICE:
         yield "["
         for start in range(0, len(value), LIST_SLICE):
-            part = dumps(value[start:start + LIST_SLICE])[1:-1]
+            part = dumps(value[start : start + LIST_SLICE])[1:-1]
             yield part if start == 0 else "," + part
         yield "]"
     else:
@@ -79,21 +79,28 @@ class IncrementalJSONResponse(Response):
         self.init_headers()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         buffer: list[str] = []
         size = 0
         for piece in json_pieces(self.content):
             buffer.append(piece)
             size += len(piece)
             if size >= CHUNK_BYTES:
-                await send({"type": "http.response.body", "body": "".join(buffer).encode(),
-                            "more_body": True})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": "".join(buffer).encode(),
+                        "more_body": True,
+                    }
+                )
                 buffer.clear()
                 size = 0
                 await asyncio.sleep(0)  # let the event loop serve others between chunks
-        await send({"type": "http.response.body", "body": "".join(buffer).encode(),
-                    "more_body": False})
+        await send(
+            {"type": "http.response.body", "body": "".join(buffer).encode(), "more_body": False}
+        )
 
 
 def data_event(value: Any) -> str:
@@ -137,11 +144,11 @@ class EventStreamResponse(Response):
 
         watcher = asyncio.get_running_loop().create_task(watch_disconnect())
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": self.raw_headers})
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(),
-                            "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": event.encode(), "more_body": True}
+                )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not disconnected:
@@ -161,9 +168,14 @@ def sse_response(events: AsyncIterator[str], on_close: Callable[[], None]) -> Re
     return EventStreamResponse(events, on_close)
 
 
-async def generation_response(stream: bool, events: Callable[[], AsyncIterator[str]],
-                              body: Callable[[], Awaitable[dict[str, Any]]],
-                              abort: Callable[[], None], *, large: bool = False) -> Response:
+async def generation_response(
+    stream: bool,
+    events: Callable[[], AsyncIterator[str]],
+    body: Callable[[], Awaitable[dict[str, Any]]],
+    abort: Callable[[], None],
+    *,
+    large: bool = False,
+) -> Response:
     """Every endpoint's answer for a started generation: ``events()`` as a stream, or
     ``body()`` as JSON (written incrementally when ``large``: logprobs or several choices);
     either way ``abort`` runs when the response is over, so no request outlives its HTTP

@@ -43,13 +43,13 @@ class StopStringMatcher:
             end = first_at + (len(first_stop) if self.include_in_output else 0)
             return text[:end]
         keep = self._partial_tail(text)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
 
     def _partial_tail(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
         for length in range(min(self._max_len - 1, len(text)), 0, -1):
-            tail = text[len(text) - length:]
+            tail = text[len(text) - length :]
             if any(stop.startswith(tail) for stop in self.stops):
                 return length
         return 0

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from resin.runners.torch.attention import LayerAttention
+from resin.runners.torch.recurrent_state import RecurrentState
 
 
 @dataclass
@@ -30,7 +31,11 @@ class LayerContext:
     - ``attention``: the layer's :class:`~.attention.LayerAttention` (``write``, ``attend``, or
       ``ctx.attention(q, k, v, scale=...)``); ``caches`` its declared buffers by name;
     - ``layer_type`` / ``window``: the layer's type (``full_attention``, ``sliding_attention``,
-      ...) and sliding window in tokens (None: unbounded).
+      ...) and sliding window in tokens (None: unbounded);
+    - ``query_indptr`` int64[S+1]: row i's tokens are ``[query_indptr[i], query_indptr[i+1])``
+      (a recurrence runs row by row);
+    - ``state``: a recurrent layer's :class:`~.recurrent_state.RecurrentState` (``load()`` every
+      row's state, zeros for a fresh row; ``store(states)``).
     """
 
     index: int
@@ -46,6 +51,18 @@ class LayerContext:
     rotary: Any = None
     attention: LayerAttention | None = None
     caches: dict[str, torch.Tensor] = field(default_factory=dict)
+    query_indptr: torch.Tensor | None = None
+    state: RecurrentState | None = None
+
+    def require_state(self) -> RecurrentState:
+        """``self.state`` (a recurrent layer's per-request state), or a RuntimeError."""
+        if self.state is None:
+            raise RuntimeError(
+                f"layer {self.index} ({self.layer_type or 'no type'}) has no "
+                "recurrent state: declare LayerCache('recurrent', ...) in "
+                "blocks.layer_cache"
+            )
+        return self.state
 
     def require_attention(self) -> LayerAttention:
         """``self.attention``, or a RuntimeError naming the layer when it has no cache."""

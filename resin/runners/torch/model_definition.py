@@ -39,34 +39,40 @@ CACHE_KINDS = ("full", "sliding_window", "recurrent")
 class LayerCache:
     """What one layer keeps, and the engine spec for it.
 
-    ``buffers``: name -> per-token shape (e.g. ``{"k": (kv_heads, head_dim), "v": (...)}``, or
-    ``{"kv": (1, head_dim)}`` for a shared K = V cache, plus any extra per-token projections);
-    each becomes a ``[num_pages, page_size, *shape]`` tensor of ``dtype`` (default: the
-    runner's). ``kind`` is ``full`` / ``sliding_window`` (``window`` tokens) / ``recurrent``
-    (``state_bytes`` per request; the engine rejects recurrent groups until the hybrid pool).
+    ``buffers``: name -> shape. For ``full`` / ``sliding_window`` (``window`` tokens) layers the
+    shape is per token (e.g. ``{"k": (kv_heads, head_dim), "v": (...)}``, or ``{"kv": (1,
+    head_dim)}`` for a shared K = V cache, plus any extra per-token projections); each becomes a
+    ``[num_pages, page_size, *shape]`` tensor of ``dtype`` (default: the runner's). For a
+    ``recurrent`` layer (linear attention, SSM) the shape is per request — the whole state, e.g.
+    ``{"conv": (channels, kernel - 1), "ssm": (heads, k_dim, v_dim)}`` — held in the engine's
+    state pages (``state_bytes`` is their total size; blocks read and write them through
+    ``ctx.state``).
     """
 
     kind: str = "full"
     buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
     window: int | None = None
     dtype: torch.dtype | None = None
-    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
             raise ValueError(f"cache kind {self.kind!r}; known: {', '.join(CACHE_KINDS)}")
         if self.kind == "sliding_window" and not self.window:
             raise ValueError("a sliding_window cache needs a window (tokens)")
-        if self.kind != "recurrent" and not self.buffers:
+        if not self.buffers:
             raise ValueError(f"a {self.kind} cache declares no buffers")
 
     def bytes_per_token(self, runner_dtype: torch.dtype) -> int:
         itemsize = (self.dtype or runner_dtype).itemsize
         return sum(math.prod(shape) for shape in self.buffers.values()) * itemsize
 
+    def state_bytes(self, runner_dtype: torch.dtype) -> int:
+        """A recurrent layer's state size in bytes (every buffer, one request)."""
+        return self.bytes_per_token(runner_dtype)
+
     def spec(self, runner_dtype: torch.dtype) -> LayerCacheSpec:
         if self.kind == "recurrent":
-            return LayerCacheSpec.recurrent(self.state_bytes)
+            return LayerCacheSpec.recurrent(self.state_bytes(runner_dtype))
         per_token = self.bytes_per_token(runner_dtype)
         if self.kind == "sliding_window":
             assert self.window is not None

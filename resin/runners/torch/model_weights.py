@@ -137,9 +137,9 @@ def load_model_weights(
         for layer in range(num_layers):
             missing = sorted(set(required(layer)) - present.get(layer, set()))
             if missing:
-                names = ", ".join(f"model.layers.{layer}.{m}" for m in missing[:5])
+                shown = ", ".join(f"model.layers.{layer}.{m}" for m in missing[:5])
                 raise WeightsError(
-                    f"{directory}: layer {layer} is missing tensor(s) {names} "
+                    f"{directory}: layer {layer} is missing tensor(s) {shown} "
                     "(its layer kind has them)"
                 )
     if unused:

@@ -29,8 +29,10 @@ import torch
 from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
 from resin.runners.torch.attention import AttentionBackend, LayerAttention, make_attention_backend
 from resin.runners.torch.context import LayerContext
+from resin.runners.torch.layers import plan_tensor
 from resin.runners.torch.model_definition import ModelDefinition
 from resin.runners.torch.model_weights import ModelWeights
+from resin.runners.torch.recurrent_state import RecurrentState, apply_copies
 from resin.runners.torch.step_inputs import StepInputs
 from resin.sampling import Sampler
 
@@ -61,6 +63,8 @@ class PagedRunner:
         self.sampler = Sampler(model.vocab_size, self.device)
         self.capture: Capture | None = None
         self.layer_caches: list[dict[str, torch.Tensor]] = []
+        self.state_pages: list[torch.Tensor | None] = []
+        self.pages_per_state: list[int] = []
         self.group_of_layer: list[int] = []
         self.group_windows: list[int | None] = []
         self.page_size = 0
@@ -72,10 +76,23 @@ class PagedRunner:
         return [layer.cache.spec(self.dtype) for layer in self.model.layers]
 
     def bind_cache(self, layout: CacheLayout) -> None:
-        """Allocate every layer's declared buffers: ``[num_pages, page_size, *shape]``, zeroed."""
+        """Allocate every layer's declared buffers, zeroed: ``[num_pages, page_size, *shape]``
+        per token buffer; for a recurrent layer one byte buffer ``[num_pages, page_bytes]``
+        holding its requests' states (:mod:`.recurrent_state`)."""
         self.layer_caches = []
+        self.state_pages = []
         for layer in self.model.layers:
             cache = layer.cache
+            if cache.kind == "recurrent":
+                page_bytes = layout.page_bytes or cache.state_bytes(self.dtype)
+                self.state_pages.append(
+                    torch.zeros(
+                        (layout.num_pages, page_bytes), dtype=torch.uint8, device=self.device
+                    )
+                )
+                self.layer_caches.append({})
+                continue
+            self.state_pages.append(None)
             self.layer_caches.append(
                 {
                     name: torch.zeros(
@@ -87,6 +104,7 @@ class PagedRunner:
                 }
             )
         self.group_of_layer = [layout.group_of_layer(i) for i in range(len(self.model.layers))]
+        self.pages_per_state = [group.pages_per_state for group in layout.groups]
         self.group_windows = [
             group.spec.window if group.spec.kind == "sliding_window" else None
             for group in layout.groups
@@ -106,6 +124,9 @@ class PagedRunner:
         self.sampler.begin_step(plan)
         step = StepInputs.from_plan(plan, self.device)
         self.attention_backend.begin_step(step, self.group_windows, self.page_size)
+        for pages in self.state_pages:  # copy-on-write from prefix checkpoints, first
+            if pages is not None:
+                apply_copies(pages, step.copy_pages)
         tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         top = self._context(step, -1)
 
@@ -141,6 +162,7 @@ class PagedRunner:
         tables: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> LayerContext:
         ctx = LayerContext(
+            query_indptr=step.query_indptr,
             index=index,
             config=self.config,
             head_dim=self.model.head_dim,
@@ -160,6 +182,16 @@ class PagedRunner:
                 tables[key] = ctx.rotary.cos_sin(step.positions, self.dtype)
             ctx.cos, ctx.sin = tables[key]
         ctx.caches = self.layer_caches[index]
+        pages = self.state_pages[index]
+        if pages is not None:
+            plan = step.plan
+            rows = len(plan.seq_lens)
+            table = plan_tensor(plan.kv_indices[group], self.device).long()
+            table = table.reshape(rows, self.pages_per_state[group])
+            initial = plan_tensor(plan.has_initial_state[group], self.device).bool()
+            ctx.state = RecurrentState(
+                pages, layer.cache.buffers, layer.cache.dtype or self.dtype, table, initial
+            )
         if ctx.caches:
             ctx.attention = LayerAttention(
                 self.attention_backend, group, step.slot_mappings[group], ctx.caches

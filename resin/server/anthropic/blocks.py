@@ -8,7 +8,9 @@ through it, so they always carry the same blocks in the same order.
 Block rules: indices are 0, 1, 2, ... in start order and only one block is open at a time — a
 change of kind closes the open block first, so reasoning that comes back after text opens a new
 thinking block. A thinking block gets a random ``signature`` (sent as ``signature_delta`` just
-before its ``content_block_stop``). Blocks carry none of the blank edges a model writes around
+before its ``content_block_stop``). With ``thinking.display: "omitted"`` (``omit_thinking``)
+thinking blocks are sent as Anthropic sends them then: the block with ``thinking: ""`` and its
+signature, no ``thinking_delta`` events. Blocks carry none of the blank edges a model writes around
 its markers: a thinking block starts at its first non-blank character and drops its trailing
 whitespace; a text block drops its leading whitespace when another block precedes it and its
 trailing whitespace when another block follows it (so the ``"\\n\\n"`` after ``</think>`` or
@@ -56,7 +58,8 @@ class BlockWriter:
     """Builds the content blocks of one message; :meth:`feed` and :meth:`finish` return the
     SSE events (``content_block_*``) for the events given; :meth:`content` is the final list."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, omit_thinking: bool = False) -> None:
+        self.omit_thinking = omit_thinking  # thinking.display "omitted": blocks without text
         self.blocks: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the last block of ``blocks`` while open
         self._open_call: int | None = None  # parser index of the open tool_use block
@@ -76,13 +79,22 @@ class BlockWriter:
                 self._text(event.text, out)
             elif isinstance(event, ToolCallStart):
                 self._pending_space = ""
-                self._start(out, {"type": "tool_use", "id": tool_use_id(event.call_id),
-                                  "name": event.name, "input": {}, "_call": event.index})
+                self._start(
+                    out,
+                    {
+                        "type": "tool_use",
+                        "id": tool_use_id(event.call_id),
+                        "name": event.name,
+                        "input": {},
+                        "_call": event.index,
+                    },
+                )
                 self._open_call = event.index
             elif isinstance(event, ToolCallArgumentsDelta):
                 if event.text and self._open_call == event.index:
-                    out.append(self._delta({"type": "input_json_delta",
-                                            "partial_json": event.text}))
+                    out.append(
+                        self._delta({"type": "input_json_delta", "partial_json": event.text})
+                    )
             elif isinstance(event, ToolCallEnd):
                 self._end_call(event, out)
         return out
@@ -124,7 +136,7 @@ class BlockWriter:
         if another block follows)."""
         text = self._held_space + text
         body = text.rstrip()
-        self._held_space = text[len(body):]
+        self._held_space = text[len(body) :]
         if body:
             self._emit(body, out)
 
@@ -132,6 +144,8 @@ class BlockWriter:
         block = self._open
         assert block is not None
         if block["type"] == "thinking":
+            if self.omit_thinking:
+                return  # the block, its signature and its place stay; its text is not sent
             block["thinking"] += text
             out.append(self._delta({"type": "thinking_delta", "thinking": text}))
         else:
@@ -151,13 +165,22 @@ class BlockWriter:
         self._close(out)
         self.blocks.append(block)
         self._open = block
-        out.append(named_event("content_block_start", {
-            "type": "content_block_start", "index": self.index,
-            "content_block": {k: v for k, v in block.items() if not k.startswith("_")}}))
+        out.append(
+            named_event(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": self.index,
+                    "content_block": {k: v for k, v in block.items() if not k.startswith("_")},
+                },
+            )
+        )
 
     def _delta(self, delta: dict[str, Any]) -> str:
-        return named_event("content_block_delta",
-                           {"type": "content_block_delta", "index": self.index, "delta": delta})
+        return named_event(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": self.index, "delta": delta},
+        )
 
     def _close(self, out: list[str]) -> None:
         block = self._open
@@ -166,20 +189,21 @@ class BlockWriter:
         if block["type"] == "thinking":
             block["signature"] = random_id("", 32)
             out.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
-        out.append(named_event("content_block_stop",
-                               {"type": "content_block_stop", "index": self.index}))
+        out.append(
+            named_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        )
         self._open = None
         self._open_call = None
         self._held_space = ""
 
     def content(self) -> list[dict[str, Any]]:
         """The finished blocks, without bookkeeping keys."""
-        return [{k: v for k, v in block.items() if not k.startswith("_")}
-                for block in self.blocks]
+        return [{k: v for k, v in block.items() if not k.startswith("_")} for block in self.blocks]
 
 
-def stop_reason(finish_reason: str | None, stop_string: str | None,
-                num_tool_calls: int, clamped: bool = False) -> tuple[str, str | None]:
+def stop_reason(
+    finish_reason: str | None, stop_string: str | None, num_tool_calls: int, clamped: bool = False
+) -> tuple[str, str | None]:
     """``(stop_reason, stop_sequence)`` for a finished choice. ``clamped``: the client's
     ``max_tokens`` did not fit and the context's room was used instead, so running out is
     ``model_context_window_exceeded``, not ``max_tokens`` (which Claude Code reports as "the
@@ -195,6 +219,9 @@ def stop_reason(finish_reason: str | None, stop_string: str | None,
 
 def usage_body(usage: Usage) -> dict[str, Any]:
     cached = min(usage.cached_tokens, usage.prompt_tokens)
-    return {"input_tokens": usage.prompt_tokens - cached,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
-            "output_tokens": usage.completion_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": usage.completion_tokens,
+    }

@@ -20,6 +20,7 @@ This module owns the request side of ``/v1/messages`` and ``/v1/messages/count_t
 - ``thinking`` ``{type: enabled|adaptive}`` → template switches ``enable_thinking`` and
   ``thinking`` True, ``disabled`` → False, under any explicit ``chat_template_kwargs`` (those
   win). ``budget_tokens`` is not enforced; an unknown type leaves the template's default.
+  ``display: "omitted"`` is applied to the output (:mod:`.blocks`), not to the prompt.
 
 Unknown fields and block attributes (``cache_control``, ``citations``, ``metadata``, betas) are
 ignored. Malformed structure raises :class:`APIError` 400 (rendered in Anthropic's shape).
@@ -70,8 +71,9 @@ def _text_of(block: Mapping[str, Any], where: str) -> str:
 
 def _reject_media(kind: str, where: str) -> None:
     if kind in UNSUPPORTED_MEDIA:
-        raise _bad(f"{where}: this model accepts text only; '{kind}' content blocks are not "
-                   "supported")
+        raise _bad(
+            f"{where}: this model accepts text only; '{kind}' content blocks are not supported"
+        )
 
 
 def _loose_text(block: Mapping[str, Any]) -> str | None:
@@ -82,8 +84,11 @@ def _loose_text(block: Mapping[str, Any]) -> str | None:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = [part["text"] for part in content
-                 if isinstance(part, Mapping) and isinstance(part.get("text"), str)]
+        texts = [
+            part["text"]
+            for part in content
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+        ]
         return "\n".join(texts) if texts else None
     return None
 
@@ -161,8 +166,13 @@ def _user_turns(content: list[Any], where: str) -> list[dict[str, Any]]:
             if not isinstance(tool_use_id, str):
                 raise _bad(f"{block_where}: tool_result needs a string 'tool_use_id'")
             flush()
-            turns.append({"role": "tool", "tool_call_id": tool_use_id,
-                          "content": _tool_result_text(block, block_where)})
+            turns.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": tool_use_id,
+                    "content": _tool_result_text(block, block_where),
+                }
+            )
         elif kind == "tool_use":
             raise _bad(f"{block_where}: tool_use blocks belong in assistant messages")
         elif kind not in ("thinking", "redacted_thinking"):
@@ -195,10 +205,16 @@ def _assistant_turn(content: list[Any], where: str) -> dict[str, Any]:
                 arguments = {}
             if not isinstance(arguments, Mapping):
                 raise _bad(f"{block_where}: tool_use 'input' must be an object")
-            calls.append({"id": block.get("id") if isinstance(block.get("id"), str) else None,
-                          "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(
-                              arguments, ensure_ascii=False)}})
+            calls.append(
+                {
+                    "id": block.get("id") if isinstance(block.get("id"), str) else None,
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "arguments": json.dumps(arguments, ensure_ascii=False),
+                    },
+                }
+            )
         elif kind == "tool_result":
             raise _bad(f"{block_where}: tool_result blocks belong in user messages")
         # redacted_thinking, server_tool_use, web_search_tool_result, ...: not for the template
@@ -265,9 +281,16 @@ def convert_tools(tools: Any) -> list[dict[str, Any]] | None:
         schema = dict(schema)
         schema.setdefault("type", "object")
         description = tool.get("description")
-        functions.append({"type": "function", "function": {
-            "name": name, "description": description if isinstance(description, str) else "",
-            "parameters": schema}})
+        functions.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": description if isinstance(description, str) else "",
+                    "parameters": schema,
+                },
+            }
+        )
     return normalize_tools(functions)
 
 
@@ -276,7 +299,7 @@ def convert_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
     if value is None:
         return parse_tool_choice(None, tools)
     if not isinstance(value, Mapping):
-        raise _bad("'tool_choice' must be an object such as {\"type\": \"auto\"}", "tool_choice")
+        raise _bad('\'tool_choice\' must be an object such as {"type": "auto"}', "tool_choice")
     kind = value.get("type")
     if kind == "auto":
         return parse_tool_choice("auto", tools)
@@ -307,10 +330,15 @@ def template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def build_prompt(ctx: ServerContext, body: Mapping[str, Any]) -> tuple[ChatPrompt, Any]:
-    """The request's prompt (rendered and tokenized) and its parsed tool_choice."""
+def build_prompt(
+    ctx: ServerContext, body: Mapping[str, Any], *, check_length: bool = True
+) -> tuple[ChatPrompt, Any]:
+    """The request's prompt (rendered and tokenized) and its parsed tool_choice;
+    ``check_length=False`` (count_tokens) counts a prompt too long for the context too."""
     messages = normalize_chat_messages(convert_messages(body.get("system"), body.get("messages")))
     tools = convert_tools(body.get("tools"))
     tool_choice = convert_tool_choice(body.get("tool_choice"), tools)
-    prompt = build_chat_prompt(ctx, messages, tools, template_kwargs(body))
+    prompt = build_chat_prompt(
+        ctx, messages, tools, template_kwargs(body), check_length=check_length, anthropic=True
+    )
     return prompt, tool_choice

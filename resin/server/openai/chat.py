@@ -7,6 +7,11 @@ choices, stop strings, logprobs) → :class:`Generation`; each choice's text goe
 role first (with the first token), then content / reasoning / tool-call fragments, a final
 ``delta: {}`` chunk with ``finish_reason`` per choice, the usage chunk only when
 ``stream_options.include_usage`` is set, and ``data: [DONE]``.
+
+vLLM's ``return_token_ids: true`` adds ``prompt_token_ids`` (top level; in a stream, on each
+choice's first chunk) and per-choice ``token_ids`` (the completion's ids, the stop token
+included; in a stream, each chunk's new ids). A request whose logprobs could make the response
+huge (n × max_tokens × (1 + top_logprobs) over ``--max-logprob-entries``) is a 400.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from resin.server.sampling_request import (
     sampling_params,
 )
 from resin.server.sse import DONE, data_event, dumps
+from resin.server.structured import parse_format, request_grammar, tool_param_paths
 
 MAX_N = 128
 
@@ -48,8 +54,12 @@ def request_chat_template(ctx: ServerContext, body: dict[str, Any]) -> str | Non
     the server; a hostile one could spin the event loop), as vLLM does."""
     template = get_str(body, "chat_template")
     if template is not None and not ctx.options.trust_request_chat_template:
-        raise APIError(400, "a chat_template was sent with the request, but the server was not "
-                       "started with --trust-request-chat-template", param="chat_template")
+        raise APIError(
+            400,
+            "a chat_template was sent with the request, but the server was not "
+            "started with --trust-request-chat-template",
+            param="chat_template",
+        )
     return template
 
 
@@ -63,28 +73,45 @@ def check_stream_fields(body: dict[str, Any]) -> None:
 
 
 def logprobs_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                              for _, t, lp in e.top]} for e in entries]
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode())} for _, t, lp in e.top
+            ],
+        }
+        for e in entries
+    ]
 
 
 def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+    }
 
 
-def prepare_chat(ctx: ServerContext, body: dict[str, Any]) -> tuple[
-        str, GenerationRequest, Any, Any]:
+def prepare_chat(
+    ctx: ServerContext, body: dict[str, Any]
+) -> tuple[str, GenerationRequest, Any, Any]:
     """Validate a chat request; return (model, generation request, prompt, tool_choice)."""
     model = ctx.check_model(body.get("model"))
     check_stream_fields(body)
     messages = normalize_chat_messages(body.get("messages"))
     tools = normalize_tools(body.get("tools"))
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
-    prompt = build_chat_prompt(ctx, messages, tools, get_dict(body, "chat_template_kwargs"),
-                               request_chat_template(ctx, body))
+    prompt = build_chat_prompt(
+        ctx,
+        messages,
+        tools,
+        get_dict(body, "chat_template_kwargs"),
+        request_chat_template(ctx, body),
+    )
     n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
     num_logprobs = None
     if get_bool(body, "logprobs", False):
@@ -93,14 +120,32 @@ def prepare_chat(ctx: ServerContext, body: dict[str, Any]) -> tuple[
     if requested is None:
         requested = get_int(body, "max_tokens", minimum=1)
     max_tokens = max_tokens_for(requested, len(prompt.token_ids), ctx.max_model_len)
-    params = sampling_params(ctx.sampling_defaults, body, max_tokens=max_tokens,
-                             num_logprobs=num_logprobs)
+    ctx.check_logprob_entries(n or 1, max_tokens, num_logprobs)
+    get_bool(body, "return_token_ids", False)
+    params = sampling_params(
+        ctx.sampling_defaults, body, max_tokens=max_tokens, num_logprobs=num_logprobs
+    )
+    output_format = parse_format(body.get("response_format"), "response_format", nested=True)
+    paths = tool_param_paths(tools, body.get("tools"), _chat_tool_path)
+    grammar = request_grammar(ctx, tools, tool_choice, paths, output_format)
     request = GenerationRequest(
-        prompt.token_ids, params, n=n or 1, stop=get_stop(body, "stop"),
+        prompt.token_ids,
+        params,
+        n=n or 1,
+        stop=get_stop(body, "stop"),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-        num_top_logprobs=num_logprobs)
+        num_top_logprobs=num_logprobs,
+        grammar=grammar,
+    )
     return model, request, prompt, tool_choice
+
+
+def _chat_tool_path(position: int, tool: Any) -> tuple[str, str] | None:
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return None
+    return function["name"], f"tools[{position}].function.parameters"
 
 
 def delta_body(events: list[OutputEvent], emit_reasoning_content: bool) -> dict[str, Any]:
@@ -113,11 +158,16 @@ def delta_body(events: list[OutputEvent], emit_reasoning_content: bool) -> dict[
         elif isinstance(event, ReasoningDelta):
             reasoning.append(event.text)
         elif isinstance(event, ToolCallStart):
-            calls[event.index] = {"index": event.index, "id": event.call_id, "type": "function",
-                                  "function": {"name": event.name, "arguments": ""}}
+            calls[event.index] = {
+                "index": event.index,
+                "id": event.call_id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
         elif isinstance(event, ToolCallArgumentsDelta):
-            call = calls.setdefault(event.index, {"index": event.index,
-                                                  "function": {"arguments": ""}})
+            call = calls.setdefault(
+                event.index, {"index": event.index, "function": {"arguments": ""}}
+            )
             call["function"]["arguments"] += event.text
     delta: dict[str, Any] = {}
     if content:
@@ -131,46 +181,83 @@ def delta_body(events: list[OutputEvent], emit_reasoning_content: bool) -> dict[
     return delta
 
 
-async def stream_chat(ctx: ServerContext, model: str, generation: Generation, prompt: Any,
-                      tool_choice: Any, body: dict[str, Any]) -> AsyncIterator[str]:
+async def stream_chat(
+    ctx: ServerContext,
+    model: str,
+    generation: Generation,
+    prompt: Any,
+    tool_choice: Any,
+    body: dict[str, Any],
+) -> AsyncIterator[str]:
     chunk_id = random_id("chatcmpl-", 32)
     options = get_dict(body, "stream_options") or {}
     include_usage = bool(options.get("include_usage"))
-    head = dumps({"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                  "model": model, "system_fingerprint": None})[:-1]
+    head = dumps(
+        {
+            "id": chunk_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": None,
+        }
+    )[:-1]
     tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
     choices = [ChatChoice(ctx, prompt, tool_choice) for _ in range(generation.request.n)]
     started = [False] * len(choices)
     emit_rc = ctx.options.emit_reasoning_content
+    # vLLM's return_token_ids: the prompt's ids on each choice's first chunk, every chunk's
+    # new completion ids on its choice (they concatenate to the non-streaming token_ids)
+    return_ids = body.get("return_token_ids") is True
+    prompt_ids = f',"prompt_token_ids":{dumps(prompt.token_ids)}' if return_ids else ""
     try:
         async for batch in generation.deltas():
             for delta in batch:
                 choice = choices[delta.index]
                 body_delta = delta_body(choice.events(delta), emit_rc)
-                if not started[delta.index]:
+                first = not started[delta.index]
+                if first:
                     started[delta.index] = True
                     body_delta = {"role": "assistant", "content": "", **body_delta}
-                if body_delta or delta.logprobs:  # held-back text still reports its logprobs
-                    entry: dict[str, Any] = {"index": delta.index, "delta": body_delta,
-                                             "logprobs": None, "finish_reason": None}
+                # held-back text still reports its logprobs and token ids
+                if body_delta or delta.logprobs or (return_ids and delta.token_ids):
+                    entry: dict[str, Any] = {
+                        "index": delta.index,
+                        "delta": body_delta,
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
                     if delta.logprobs:
-                        entry["logprobs"] = {"content": logprobs_content(delta.logprobs),
-                                             "refusal": None}
-                    yield f'data: {head},"choices":[{dumps(entry)}]{tail}'
+                        entry["logprobs"] = {
+                            "content": logprobs_content(delta.logprobs),
+                            "refusal": None,
+                        }
+                    if return_ids:
+                        entry["token_ids"] = delta.token_ids
+                    extra = prompt_ids if first else ""
+                    yield f'data: {head}{extra},"choices":[{dumps(entry)}]{tail}'
                 if choice.finish_reason is not None:
-                    final = {"index": delta.index, "delta": {}, "logprobs": None,
-                             "finish_reason": _finish_reason(choice.finish_reason)}
+                    final: dict[str, Any] = {
+                        "index": delta.index,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": _finish_reason(choice.finish_reason),
+                    }
                     if choice.stop_string is not None:
                         final["stop_reason"] = choice.stop_string
+                    if return_ids:
+                        final["token_ids"] = []
                     yield f'data: {head},"choices":[{dumps(final)}]{tail}'
     except Exception as exc:  # noqa: BLE001 - the runner failed: report it in-stream
-        yield data_event({"error": {"message": str(exc), "type": "server_error",
-                                    "param": None, "code": 500}})
+        yield data_event(
+            {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}}
+        )
         return
     if include_usage:
         reasoning_tokens = sum(_count_tokens(ctx, c.reasoning) for c in choices)
-        yield (f'data: {head},"choices":[],"usage":'
-               f'{dumps(usage_body(generation.usage, reasoning_tokens))}}}\n\n')
+        yield (
+            f'data: {head},"choices":[],"usage":'
+            f"{dumps(usage_body(generation.usage, reasoning_tokens))}}}\n\n"
+        )
     yield DONE
 
 
@@ -182,33 +269,66 @@ def _count_tokens(ctx: ServerContext, text: str) -> int:
     return len(ctx.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
 
-async def complete_chat(ctx: ServerContext, model: str, generation: Generation, prompt: Any,
-                        tool_choice: Any) -> dict[str, Any]:
+async def complete_chat(
+    ctx: ServerContext,
+    model: str,
+    generation: Generation,
+    prompt: Any,
+    tool_choice: Any,
+    *,
+    return_token_ids: bool = False,
+) -> dict[str, Any]:
     choices = [ChatChoice(ctx, prompt, tool_choice) for _ in range(generation.request.n)]
+    token_ids: list[list[int]] = [[] for _ in choices]
     async for batch in generation.deltas():
         for delta in batch:
             choices[delta.index].events(delta)
+            if return_token_ids:
+                token_ids[delta.index].extend(delta.token_ids)
     result_choices = []
     for index, choice in enumerate(choices):
-        calls = [{"id": c.call_id, "type": "function",
-                  "function": {"name": c.name, "arguments": c.arguments}}
-                 for c in choice.parser.tool_calls]
+        calls = [
+            {
+                "id": c.call_id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in choice.parser.tool_calls
+        ]
         content = choice.content
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": content if content or not calls else None,
-                                   "refusal": None, "tool_calls": calls}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content if content or not calls else None,
+            "refusal": None,
+            "tool_calls": calls,
+        }
         if choice.reasoning:
             message["reasoning"] = choice.reasoning
             if ctx.options.emit_reasoning_content:
                 message["reasoning_content"] = choice.reasoning
-        entry: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
-                                 "finish_reason": _finish_reason(choice.finish_reason or "stop")}
+        entry: dict[str, Any] = {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": _finish_reason(choice.finish_reason or "stop"),
+        }
         if choice.stop_string is not None:
             entry["stop_reason"] = choice.stop_string
         if generation.request.num_top_logprobs is not None:
             entry["logprobs"] = {"content": logprobs_content(choice.logprobs), "refusal": None}
+        if return_token_ids:
+            entry["token_ids"] = token_ids[index]
         result_choices.append(entry)
     reasoning_tokens = sum(_count_tokens(ctx, c.reasoning) for c in choices)
-    return {"id": random_id("chatcmpl-", 32), "object": "chat.completion",
-            "created": int(time.time()), "model": model, "system_fingerprint": None,
-            "choices": result_choices, "usage": usage_body(generation.usage, reasoning_tokens)}
+    result = {
+        "id": random_id("chatcmpl-", 32),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": result_choices,
+        "usage": usage_body(generation.usage, reasoning_tokens),
+    }
+    if return_token_ids:
+        result["prompt_token_ids"] = prompt.token_ids
+    return result

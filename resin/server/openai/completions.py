@@ -6,6 +6,10 @@
 ``echo`` prepends the prompt text; ``logprobs`` (0–5) uses the legacy shape (``tokens``,
 ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``, ``text_offset``). Several
 prompts run concurrently; their streams are merged as chunks arrive.
+
+vLLM's ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` (the completion's
+ids, the stop token included) to each choice; in a stream, ``prompt_token_ids`` comes on each
+choice's first chunk and ``token_ids`` on every chunk holds its new ids.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from resin.server.context import ServerContext
-from resin.server.errors import APIError
+from resin.server.errors import APIError, context_length_exceeded
 from resin.server.generation import (
     ChoiceDelta,
     Generation,
@@ -36,9 +40,13 @@ MAX_LEGACY_LOGPROBS = 5
 
 def parse_prompts(ctx: ServerContext, value: Any) -> list[tuple[str, list[int]]]:
     """(text, token ids) per prompt."""
+
     def is_ids(v: Any) -> bool:
-        return isinstance(v, list) and bool(v) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in v)
+        return (
+            isinstance(v, list)
+            and bool(v)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        )
 
     if isinstance(value, str):
         items: list[Any] = [value]
@@ -47,21 +55,31 @@ def parse_prompts(ctx: ServerContext, value: Any) -> list[tuple[str, list[int]]]
     elif isinstance(value, list) and value and all(isinstance(v, str) or is_ids(v) for v in value):
         items = value
     else:
-        raise APIError(400, "'prompt' must be a string, an array of strings, an array of token "
-                       "ids or an array of token-id arrays, and not empty", param="prompt")
+        raise APIError(
+            400,
+            "'prompt' must be a string, an array of strings, an array of token "
+            "ids or an array of token-id arrays, and not empty",
+            param="prompt",
+        )
     prompts = []
     vocab_size = ctx.tokenizer.vocab_size
     for item in items:
         if isinstance(item, str):
-            token_ids = ctx.tokenizer.encode(item)
+            ctx.check_prompt_text(item, param="prompt")
+            token_ids = ctx.encode(item)
             if not token_ids:
                 raise APIError(400, "'prompt' is empty: it has no tokens", param="prompt")
             prompts.append((item, token_ids))
         else:
+            if len(item) >= ctx.max_model_len:  # before decoding a huge id list
+                raise context_length_exceeded(ctx.max_model_len, len(item), None, param="prompt")
             bad = [t for t in item if t < 0 or t >= vocab_size]
             if bad:
-                raise APIError(400, f"'prompt' has token ids outside the vocabulary "
-                               f"[0, {vocab_size}): {bad[:5]}", param="prompt")
+                raise APIError(
+                    400,
+                    f"'prompt' has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                    param="prompt",
+                )
             prompts.append((ctx.tokenizer.decode(item), list(item)))
     return prompts
 
@@ -74,8 +92,12 @@ def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
         top.append({t: lp for _, t, lp in entry.top})
         text_offset.append(offset)
         offset += len(entry.token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": text_offset}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    }
 
 
 class CompletionRequest:
@@ -93,19 +115,43 @@ class CompletionRequest:
         self.num_logprobs = logprobs
         requested = get_int(body, "max_tokens", minimum=1)
         stop = get_stop(body, "stop")
+        self.return_token_ids = get_bool(body, "return_token_ids", False)
         self.requests = []
         for _, token_ids in self.prompts:
-            max_tokens = max_tokens_for(requested, len(token_ids), ctx.max_model_len,
-                                        default=DEFAULT_MAX_TOKENS, param="prompt")
-            params = sampling_params(ctx.sampling_defaults, body, max_tokens=max_tokens,
-                                     num_logprobs=logprobs)
-            self.requests.append(GenerationRequest(
-                token_ids, params, n=self.n, stop=stop,
-                include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-                skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-                num_top_logprobs=logprobs))
-        ctx.check_capacity(self.n * len(self.requests))
+            max_tokens = max_tokens_for(
+                requested,
+                len(token_ids),
+                ctx.max_model_len,
+                default=DEFAULT_MAX_TOKENS,
+                param="prompt",
+            )
+            params = sampling_params(
+                ctx.sampling_defaults, body, max_tokens=max_tokens, num_logprobs=logprobs
+            )
+            self.requests.append(
+                GenerationRequest(
+                    token_ids,
+                    params,
+                    n=self.n,
+                    stop=stop,
+                    include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+                    skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+                    num_top_logprobs=logprobs,
+                )
+            )
+        ctx.check_logprob_entries(
+            self.n,
+            max(r.params.max_tokens for r in self.requests),
+            logprobs,
+            param="logprobs",
+            prompts=len(self.requests),
+        )
         self.generations: list[Generation] = []
+
+    def start(self, ctx: ServerContext) -> None:
+        """Admit (429 when full) and start every prompt's generation (on the event loop;
+        ``__init__`` may run in a worker thread)."""
+        ctx.check_capacity(self.n * len(self.requests))
         try:
             for request in self.requests:
                 self.generations.append(ctx.start(request, "cmpl"))
@@ -127,8 +173,9 @@ class CompletionRequest:
             generation.abort()
 
 
-async def merged_deltas(generations: list[Generation]) -> AsyncIterator[
-        tuple[int, list[ChoiceDelta]]]:
+async def merged_deltas(
+    generations: list[Generation],
+) -> AsyncIterator[tuple[int, list[ChoiceDelta]]]:
     """(prompt index, deltas) from every generation, as they arrive."""
     if len(generations) == 1:
         async for batch in generations[0].deltas():
@@ -164,12 +211,21 @@ async def merged_deltas(generations: list[Generation]) -> AsyncIterator[
 async def stream_completion(request: CompletionRequest, body: dict[str, Any]) -> AsyncIterator[str]:
     options = get_dict(body, "stream_options") or {}
     include_usage = bool(options.get("include_usage"))
-    head = dumps({"id": random_id("cmpl-", 32), "object": "text_completion",
-                  "created": int(time.time()), "model": request.model})[:-1]
+    head = dumps(
+        {
+            "id": random_id("cmpl-", 32),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": request.model,
+        }
+    )[:-1]
     tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
-    offsets = [len(request.prompts[i // request.n][0]) if request.echo else 0
-               for i in range(len(request.prompts) * request.n)]
+    offsets = [
+        len(request.prompts[i // request.n][0]) if request.echo else 0
+        for i in range(len(request.prompts) * request.n)
+    ]
     echoed = [False] * len(offsets)
+    first = [True] * len(offsets)
     try:
         async for prompt_index, batch in merged_deltas(request.generations):
             for delta in batch:
@@ -178,8 +234,17 @@ async def stream_completion(request: CompletionRequest, body: dict[str, Any]) ->
                 if request.echo and not echoed[index]:
                     echoed[index] = True
                     text = request.prompts[prompt_index][0] + text
-                entry: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
-                                         "finish_reason": delta.finish_reason}
+                entry: dict[str, Any] = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": delta.finish_reason,
+                }
+                if request.return_token_ids:
+                    if first[index]:
+                        entry["prompt_token_ids"] = request.prompts[prompt_index][1]
+                    entry["token_ids"] = delta.token_ids
+                first[index] = False
                 if delta.finish_reason == "abort":
                     entry["finish_reason"] = "stop"
                 if delta.stop_string is not None:
@@ -189,8 +254,9 @@ async def stream_completion(request: CompletionRequest, body: dict[str, Any]) ->
                     offsets[index] += sum(len(e.token) for e in delta.logprobs)
                 yield f'data: {head},"choices":[{dumps(entry)}]{tail}'
     except Exception as exc:  # noqa: BLE001 - the runner failed: report it in-stream
-        yield data_event({"error": {"message": str(exc), "type": "server_error",
-                                    "param": None, "code": 500}})
+        yield data_event(
+            {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}}
+        )
         return
     if include_usage:
         yield f'data: {head},"choices":[],"usage":{dumps(usage_body(request.usage()))}}}\n\n'
@@ -203,10 +269,13 @@ async def complete(request: CompletionRequest) -> dict[str, Any]:
     finish: list[str | None] = [None] * size
     stops: list[str | None] = [None] * size
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(size)]
+    token_ids: list[list[int]] = [[] for _ in range(size)]
     async for prompt_index, batch in merged_deltas(request.generations):
         for delta in batch:
             index = prompt_index * request.n + delta.index
             texts[index] += delta.text
+            if request.return_token_ids:
+                token_ids[index].extend(delta.token_ids)
             finish[index] = delta.finish_reason
             stops[index] = delta.stop_string
             if delta.logprobs:
@@ -215,15 +284,26 @@ async def complete(request: CompletionRequest) -> dict[str, Any]:
     for index in range(size):
         prompt_text = request.prompts[index // request.n][0]
         entry: dict[str, Any] = {
-            "index": index, "text": (prompt_text if request.echo else "") + texts[index],
-            "logprobs": None, "finish_reason": "stop" if finish[index] in (None, "abort")
-            else finish[index]}
+            "index": index,
+            "text": (prompt_text if request.echo else "") + texts[index],
+            "logprobs": None,
+            "finish_reason": "stop" if finish[index] in (None, "abort") else finish[index],
+        }
         if stops[index] is not None:
             entry["stop_reason"] = stops[index]
         if request.num_logprobs is not None:
             entry["logprobs"] = legacy_logprobs(
-                logprobs[index], len(prompt_text) if request.echo else 0)
+                logprobs[index], len(prompt_text) if request.echo else 0
+            )
+        if request.return_token_ids:
+            entry["prompt_token_ids"] = request.prompts[index // request.n][1]
+            entry["token_ids"] = token_ids[index]
         choices.append(entry)
-    return {"id": random_id("cmpl-", 32), "object": "text_completion",
-            "created": int(time.time()), "model": request.model, "choices": choices,
-            "usage": usage_body(request.usage())}
+    return {
+        "id": random_id("cmpl-", 32),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": choices,
+        "usage": usage_body(request.usage()),
+    }

@@ -1,7 +1,8 @@
 """``POST /v1/responses``: the OpenAI Responses API, stateless, streaming and not (conformance §2).
 
 The adapter follows :mod:`resin.server.openai.chat`: prepare (:mod:`.responses_request`: input
-items and tools → chat messages → prompt; 400s before anything starts) → start (engine
+items and tools → chat messages → prompt; 400s before anything starts; the app runs it in a
+worker thread for a large body) → start (engine
 rejections become 400) → complete or stream, both through one :class:`OutputBuilder`
 (:mod:`.responses_output`) over a :class:`ChatChoice`'s parser events.
 
@@ -40,19 +41,26 @@ from resin.server.openai.responses_output import (
     response_object,
     usage_object,
 )
-from resin.server.openai.responses_request import ResponsesRequest, prepare_response
+from resin.server.openai.responses_request import ResponsesRequest
 from resin.server.sse import generation_response, named_event
 
-TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
-                   "failed": "response.failed"}
+TERMINAL_EVENTS = {
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "failed": "response.failed",
+}
 
 
-async def create_response(ctx: ServerContext, body: dict[str, Any]) -> Response:
-    request = prepare_response(ctx, body)
+async def create_response(ctx: ServerContext, request: ResponsesRequest) -> Response:
+    """Start a request :func:`prepare_response` built, and answer it."""
     generation = ctx.start(request.generation, "resp")
     return await generation_response(
-        request.stream, lambda: stream_response(ctx, request, generation),
-        lambda: complete_response(ctx, request, generation), generation.abort)
+        request.stream,
+        lambda: stream_response(ctx, request, generation),
+        lambda: complete_response(ctx, request, generation),
+        generation.abort,
+        large=request.generation.num_top_logprobs is not None,
+    )
 
 
 class _Outcome:
@@ -67,9 +75,13 @@ class _Outcome:
             self.incomplete_details = {"reason": "max_output_tokens"}
         elif reason == "length":
             self.status = "failed"
-            self.error = {"code": "context_length_exceeded", "message": (
-                f"The output reached this model's maximum context length of "
-                f"{ctx.max_model_len} tokens ({len(request.prompt.token_ids)} in the input).")}
+            self.error = {
+                "code": "context_length_exceeded",
+                "message": (
+                    f"The output reached this model's maximum context length of "
+                    f"{ctx.max_model_len} tokens ({len(request.prompt.token_ids)} in the input)."
+                ),
+            }
         elif reason == "abort":
             self.status = "failed"
             self.error = {"code": "server_error", "message": "the generation was aborted"}
@@ -80,13 +92,15 @@ class _Outcome:
 
 def _usage(ctx: ServerContext, generation: Generation, choice: ChatChoice) -> dict[str, Any]:
     reasoning = choice.reasoning
-    reasoning_tokens = len(ctx.tokenizer.encode(reasoning, add_special_tokens=False)) \
-        if reasoning else 0
+    reasoning_tokens = (
+        len(ctx.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    )
     return usage_object(generation.usage, reasoning_tokens)
 
 
-async def complete_response(ctx: ServerContext, request: ResponsesRequest,
-                            generation: Generation) -> dict[str, Any]:
+async def complete_response(
+    ctx: ServerContext, request: ResponsesRequest, generation: Generation
+) -> dict[str, Any]:
     response_id, created_at = new_id("resp"), int(time.time())
     choice = ChatChoice(ctx, request.prompt, request.tool_choice)
     builder = OutputBuilder(request.targets)
@@ -95,13 +109,21 @@ async def complete_response(ctx: ServerContext, request: ResponsesRequest,
             builder.feed(choice.events(delta), delta.logprobs)
     outcome = _Outcome(ctx, request, choice)
     builder.finish(outcome.item_status)
-    return response_object(request, response_id, created_at, status=outcome.status,
-                           output=builder.items, usage=_usage(ctx, generation, choice),
-                           incomplete_details=outcome.incomplete_details, error=outcome.error)
+    return response_object(
+        request,
+        response_id,
+        created_at,
+        status=outcome.status,
+        output=builder.items,
+        usage=_usage(ctx, generation, choice),
+        incomplete_details=outcome.incomplete_details,
+        error=outcome.error,
+    )
 
 
-async def stream_response(ctx: ServerContext, request: ResponsesRequest,
-                          generation: Generation) -> AsyncIterator[str]:
+async def stream_response(
+    ctx: ServerContext, request: ResponsesRequest, generation: Generation
+) -> AsyncIterator[str]:
     response_id, created_at = new_id("resp"), int(time.time())
     sequence = itertools.count()
     choice = ChatChoice(ctx, request.prompt, request.tool_choice)
@@ -111,8 +133,7 @@ async def stream_response(ctx: ServerContext, request: ResponsesRequest,
         return named_event(kind, {"type": kind, "sequence_number": next(sequence), **payload})
 
     try:
-        initial = response_object(request, response_id, created_at, status="in_progress",
-                                  output=[])
+        initial = response_object(request, response_id, created_at, status="in_progress", output=[])
         yield event("response.created", {"response": initial})
         yield event("response.in_progress", {"response": initial})
         try:
@@ -124,18 +145,29 @@ async def stream_response(ctx: ServerContext, request: ResponsesRequest,
             for kind, payload in builder.finish("incomplete"):
                 yield event(kind, payload)
             failed = response_object(
-                request, response_id, created_at, status="failed", output=builder.items,
+                request,
+                response_id,
+                created_at,
+                status="failed",
+                output=builder.items,
                 usage=_usage(ctx, generation, choice),
-                error={"code": "server_error", "message": f"generation failed: {exc}"})
+                error={"code": "server_error", "message": f"generation failed: {exc}"},
+            )
             yield event("response.failed", {"response": failed})
             return
         outcome = _Outcome(ctx, request, choice)
         for kind, payload in builder.finish(outcome.item_status):
             yield event(kind, payload)
-        final = response_object(request, response_id, created_at, status=outcome.status,
-                                output=builder.items, usage=_usage(ctx, generation, choice),
-                                incomplete_details=outcome.incomplete_details,
-                                error=outcome.error)
+        final = response_object(
+            request,
+            response_id,
+            created_at,
+            status=outcome.status,
+            output=builder.items,
+            usage=_usage(ctx, generation, choice),
+            incomplete_details=outcome.incomplete_details,
+            error=outcome.error,
+        )
         yield event(TERMINAL_EVENTS[outcome.status], {"response": final})
     finally:
         generation.abort()

@@ -61,9 +61,17 @@ def new_id(prefix: str) -> str:
 
 
 def logprobs_entries(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                              for _, t, lp in e.top]} for e in entries]
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode())} for _, t, lp in e.top
+            ],
+        }
+        for e in entries
+    ]
 
 
 def custom_input(arguments: str) -> str:
@@ -93,8 +101,9 @@ class OutputBuilder:
         self._pending_logprobs: list[dict[str, Any]] = []  # tokens whose text is held back
 
     # -- feeding ---------------------------------------------------------------------------
-    def feed(self, events: list[OutputEvent],
-             logprobs: list[TokenLogprob] | None = None) -> list[WireEvent]:
+    def feed(
+        self, events: list[OutputEvent], logprobs: list[TokenLogprob] | None = None
+    ) -> list[WireEvent]:
         out: list[WireEvent] = []
         if logprobs:
             self._pending_logprobs.extend(logprobs_entries(logprobs))
@@ -129,8 +138,9 @@ class OutputBuilder:
         return out
 
     # -- text items ------------------------------------------------------------------------
-    def _text_delta(self, out: list[WireEvent], kind: str, text: str,
-                    logprobs: list[dict[str, Any]]) -> None:
+    def _text_delta(
+        self, out: list[WireEvent], kind: str, text: str, logprobs: list[dict[str, Any]]
+    ) -> None:
         opening = self._open is None or self._open["type"] != kind
         if opening and kind == "message" and self.items and self.items[-1]["type"] == "reasoning":
             text = text.lstrip("\n")  # the ``</think>\n\n`` separator is not message text
@@ -141,24 +151,38 @@ class OutputBuilder:
             self._open_text(out, kind)
         assert self._open is not None
         self._text.append(text)
-        where = {"item_id": self._open["id"], "output_index": len(self.items) - 1,
-                 "content_index": 0}
+        where = {
+            "item_id": self._open["id"],
+            "output_index": len(self.items) - 1,
+            "content_index": 0,
+        }
         if kind == "reasoning":
             out.append(("response.reasoning_text.delta", {**where, "delta": text}))
         else:
             self._logprobs.extend(logprobs)
-            out.append(("response.output_text.delta", {**where, "delta": text,
-                                                       "logprobs": logprobs}))
+            out.append(
+                ("response.output_text.delta", {**where, "delta": text, "logprobs": logprobs})
+            )
 
     def _open_text(self, out: list[WireEvent], kind: str) -> None:
         if kind == "reasoning":
-            item: dict[str, Any] = {"type": "reasoning", "id": new_id("rs"), "summary": [],
-                                    "content": [], "encrypted_content": None,
-                                    "status": "in_progress"}
+            item: dict[str, Any] = {
+                "type": "reasoning",
+                "id": new_id("rs"),
+                "summary": [],
+                "content": [],
+                "encrypted_content": None,
+                "status": "in_progress",
+            }
             part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
         else:
-            item = {"type": "message", "id": new_id("msg"), "role": "assistant",
-                    "status": "in_progress", "content": []}
+            item = {
+                "type": "message",
+                "id": new_id("msg"),
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self._open = item
         self._text = []
@@ -166,8 +190,12 @@ class OutputBuilder:
         self.items.append(item)
         index = len(self.items) - 1
         out.append(("response.output_item.added", {"output_index": index, "item": _copy(item)}))
-        out.append(("response.content_part.added", {"item_id": item["id"], "output_index": index,
-                                                    "content_index": 0, "part": part}))
+        out.append(
+            (
+                "response.content_part.added",
+                {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
+            )
+        )
 
     def _close(self, out: list[WireEvent], status: str) -> None:
         item = self._open
@@ -183,33 +211,57 @@ class OutputBuilder:
             part: dict[str, Any] = {"type": "reasoning_text", "text": text}
             out.append(("response.reasoning_text.done", {**where, "text": text}))
         else:
-            part = {"type": "output_text", "text": text, "annotations": [],
-                    "logprobs": self._logprobs}
-            out.append(("response.output_text.done", {**where, "text": text,
-                                                       "logprobs": self._logprobs}))
+            part = {
+                "type": "output_text",
+                "text": text,
+                "annotations": [],
+                "logprobs": self._logprobs,
+            }
+            out.append(
+                ("response.output_text.done", {**where, "text": text, "logprobs": self._logprobs})
+            )
         out.append(("response.content_part.done", {**where, "part": part}))
         item["content"] = [part]
         item["status"] = status
-        out.append(("response.output_item.done", {"output_index": where["output_index"],
-                                                  "item": _copy(item)}))
+        out.append(
+            (
+                "response.output_item.done",
+                {"output_index": where["output_index"], "item": _copy(item)},
+            )
+        )
 
     # -- calls -----------------------------------------------------------------------------
     def _open_call(self, out: list[WireEvent], start: ToolCallStart) -> None:
         target = self.targets.get(start.name, ToolTarget("function", start.name))
         if target.kind == "custom":
-            item: dict[str, Any] = {"type": "custom_tool_call", "id": new_id("ctc"),
-                                    "call_id": start.call_id, "name": target.name, "input": "",
-                                    "status": "in_progress"}
+            item: dict[str, Any] = {
+                "type": "custom_tool_call",
+                "id": new_id("ctc"),
+                "call_id": start.call_id,
+                "name": target.name,
+                "input": "",
+                "status": "in_progress",
+            }
         else:
-            item = {"type": "function_call", "id": new_id("fc"), "call_id": start.call_id,
-                    "name": target.name, "arguments": "", "status": "in_progress"}
+            item = {
+                "type": "function_call",
+                "id": new_id("fc"),
+                "call_id": start.call_id,
+                "name": target.name,
+                "arguments": "",
+                "status": "in_progress",
+            }
         if target.namespace is not None:
             item["namespace"] = target.namespace
         self._open = item
         self._text = []
         self.items.append(item)
-        out.append(("response.output_item.added", {"output_index": len(self.items) - 1,
-                                                   "item": _copy(item)}))
+        out.append(
+            (
+                "response.output_item.added",
+                {"output_index": len(self.items) - 1, "item": _copy(item)},
+            )
+        )
 
     def _arguments_delta(self, out: list[WireEvent], text: str) -> None:
         item = self._open
@@ -217,11 +269,14 @@ class OutputBuilder:
             return
         self._text.append(text)
         if item["type"] == "function_call":
-            out.append(("response.function_call_arguments.delta", {
-                "item_id": item["id"], "output_index": len(self.items) - 1, "delta": text}))
+            out.append(
+                (
+                    "response.function_call_arguments.delta",
+                    {"item_id": item["id"], "output_index": len(self.items) - 1, "delta": text},
+                )
+            )
 
-    def _end_call(self, out: list[WireEvent], arguments: str,
-                  status: str = "completed") -> None:
+    def _end_call(self, out: list[WireEvent], arguments: str, status: str = "completed") -> None:
         item = self._open
         if item is None:
             return
@@ -230,15 +285,31 @@ class OutputBuilder:
         if item["type"] == "custom_tool_call":
             raw = custom_input(arguments)
             if raw:
-                out.append(("response.custom_tool_call_input.delta", {
-                    "item_id": item["id"], "output_index": index, "delta": raw}))
-            out.append(("response.custom_tool_call_input.done", {
-                "item_id": item["id"], "output_index": index, "input": raw}))
+                out.append(
+                    (
+                        "response.custom_tool_call_input.delta",
+                        {"item_id": item["id"], "output_index": index, "delta": raw},
+                    )
+                )
+            out.append(
+                (
+                    "response.custom_tool_call_input.done",
+                    {"item_id": item["id"], "output_index": index, "input": raw},
+                )
+            )
             item["input"] = raw
         else:
-            out.append(("response.function_call_arguments.done", {
-                "item_id": item["id"], "output_index": index, "name": item["name"],
-                "arguments": arguments}))
+            out.append(
+                (
+                    "response.function_call_arguments.done",
+                    {
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "name": item["name"],
+                        "arguments": arguments,
+                    },
+                )
+            )
             item["arguments"] = arguments
         item["status"] = status
         out.append(("response.output_item.done", {"output_index": index, "item": _copy(item)}))
@@ -249,41 +320,60 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 
 
 def usage_object(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens,
-                                     "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": usage.total_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": usage.total_tokens,
+    }
 
 
-def response_object(request: ResponsesRequest, response_id: str, created_at: int, *,
-                    status: str, output: list[dict[str, Any]],
-                    usage: dict[str, Any] | None = None,
-                    incomplete_details: dict[str, Any] | None = None,
-                    error: dict[str, Any] | None = None) -> dict[str, Any]:
+def response_object(
+    request: ResponsesRequest,
+    response_id: str,
+    created_at: int,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    incomplete_details: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The §2.2 ``Response``: request settings echoed, ``store`` always false."""
     body = request.body
     params = request.generation.params
-    reasoning: dict[str, Any] = body["reasoning"] if isinstance(body.get("reasoning"), dict) \
-        else {}
+    reasoning: dict[str, Any] = body["reasoning"] if isinstance(body.get("reasoning"), dict) else {}
     text = dict(body["text"]) if isinstance(body.get("text"), dict) else {}
     text.setdefault("format", {"type": "text"})
     tool_choice = body.get("tool_choice")
     result: dict[str, Any] = {
-        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
         "completed_at": int(time.time()) if status == "completed" else None,
-        "model": request.model, "output": output,
+        "model": request.model,
+        "output": output,
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "tool_choice": tool_choice if tool_choice is not None else "auto",
         "tools": body.get("tools") if isinstance(body.get("tools"), list) else [],
         "instructions": body.get("instructions"),
-        "temperature": params.temperature, "top_p": params.top_p,
-        "max_output_tokens": request.max_output_tokens, "previous_response_id": None,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_output_tokens": request.max_output_tokens,
+        "previous_response_id": None,
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-        "text": text, "truncation": "disabled", "incomplete_details": incomplete_details,
-        "error": error, "metadata": body.get("metadata") or {}, "store": False,
-        "background": False, "top_logprobs": request.generation.num_top_logprobs,
-        "prompt_cache_key": body.get("prompt_cache_key"), "user": body.get("user"),
-        "usage": usage}
+        "text": text,
+        "truncation": "disabled",
+        "incomplete_details": incomplete_details,
+        "error": error,
+        "metadata": body.get("metadata") or {},
+        "store": False,
+        "background": False,
+        "top_logprobs": request.generation.num_top_logprobs,
+        "prompt_cache_key": body.get("prompt_cache_key"),
+        "user": body.get("user"),
+        "usage": usage,
+    }
     return result

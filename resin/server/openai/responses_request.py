@@ -1,7 +1,9 @@
 """``POST /v1/responses`` request → one chat generation: input items, tools, tool choice, sampling.
 
 The Responses API is served statelessly (conformance §2.1): the client sends the whole history
-every turn, as Codex does, and ``previous_response_id`` / ``conversation`` are rejected with 400.
+every turn, as Codex does, and ``previous_response_id`` / ``conversation`` are rejected with 400,
+as are ``background: true`` (nothing could fetch the result later) and ``prompt`` (a stored
+prompt template: nothing is stored).
 This module owns the translation of a request body into what the shared chat plumbing takes:
 
 - ``instructions`` → the first system message; ``input`` (a string = one user message, or a list
@@ -30,10 +32,11 @@ This module owns the translation of a request body into what the shared chat plu
 - ``reasoning.effort``: ``"none"`` renders with ``enable_thinking=False``; every effort is also
   passed to the template as ``reasoning_effort``. ``chat_template_kwargs`` (vLLM's extension)
   is honoured too.
-- ``text.format`` is accepted and echoed; a ``json_schema`` format is NOT enforced (no
-  constrained decoding). ``include``, ``store``, ``prompt_cache_key``, ``parallel_tool_calls``,
-  ``metadata``, ``service_tier``, ``truncation``, ``user``, ``background`` ... are accepted and
-  ignored (``store`` is always reported ``false``: nothing is stored).
+- ``text.format`` ``json_schema`` / ``json_object`` is enforced (a grammar, see
+  :mod:`resin.server.structured`) when no tool may be called instead, and echoed; ``tool_choice``
+  required / named forces one call. ``include``, ``store``, ``prompt_cache_key``, ``parallel_tool_calls``,
+  ``metadata``, ``service_tier``, ``truncation``, ``user``, ``background: false`` ... are accepted
+  and ignored (``store`` is always reported ``false``: nothing is stored).
 - Sampling: ``max_output_tokens`` (absent → the room left in the context), ``temperature``,
   ``top_p``, ``top_logprobs`` (logprobs are also returned when ``include`` asks for
   ``message.output_text.logprobs``), plus the vLLM extensions :func:`sampling_params` reads.
@@ -63,9 +66,13 @@ from resin.server.sampling_request import (
     max_tokens_for,
     sampling_params,
 )
+from resin.server.structured import parse_format, request_grammar, tool_param_paths
 
-CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}},
-                          "required": ["input"]}
+CUSTOM_TOOL_PARAMETERS = {
+    "type": "object",
+    "properties": {"input": {"type": "string"}},
+    "required": ["input"],
+}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -98,31 +105,75 @@ def internal_name(name: str, namespace: str | None) -> str:
 def prepare_response(ctx: ServerContext, body: dict[str, Any]) -> ResponsesRequest:
     """Validate a Responses request and build its prompt and :class:`GenerationRequest`."""
     if body.get("previous_response_id") is not None:
-        raise APIError(400, "previous_response_id is not supported (the server is stateless; "
-                       "send the full input)", param="previous_response_id")
+        raise APIError(
+            400,
+            "previous_response_id is not supported (the server is stateless; send the full input)",
+            param="previous_response_id",
+        )
     if body.get("conversation") is not None:
-        raise APIError(400, "conversation is not supported (the server is stateless; send the "
-                       "full input)", param="conversation")
+        raise APIError(
+            400,
+            "conversation is not supported (the server is stateless; send the full input)",
+            param="conversation",
+        )
+    if get_bool(body, "background", False):
+        raise APIError(
+            400,
+            "background is not supported (the server is stateless: there is "
+            "nowhere to fetch the response from later); send the request without "
+            "it",
+            param="background",
+        )
+    if body.get("prompt") is not None:
+        raise APIError(
+            400,
+            "prompt (a stored prompt template) is not supported (the server "
+            "stores no prompts); send 'instructions' and 'input' instead",
+            param="prompt",
+        )
     model = ctx.check_model(body.get("model"))
     instructions = get_str(body, "instructions")
     messages = input_messages(instructions, body.get("input"))
     tools, targets = convert_tools(body.get("tools"))
     tool_choice = convert_tool_choice(body.get("tool_choice"), tools, targets)
-    prompt = build_chat_prompt(ctx, normalize_chat_messages(messages), tools,
-                               template_kwargs(body))
+    prompt = build_chat_prompt(
+        ctx, normalize_chat_messages(messages), tools, template_kwargs(body), param="input"
+    )
     requested = get_int(body, "max_output_tokens", minimum=1)
-    max_tokens = max_tokens_for(requested, len(prompt.token_ids), ctx.max_model_len,
-                                param="input")
+    max_tokens = max_tokens_for(requested, len(prompt.token_ids), ctx.max_model_len, param="input")
     num_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     include = get_list(body, "include") or []
     if num_logprobs is None and LOGPROBS_INCLUDE in include:
         num_logprobs = 0
-    params = sampling_params(ctx.sampling_defaults, body, max_tokens=max_tokens,
-                             num_logprobs=num_logprobs)
-    generation = GenerationRequest(prompt.token_ids, params, n=1,
-                                   num_top_logprobs=num_logprobs)
-    return ResponsesRequest(model, body, get_bool(body, "stream", False), prompt, tool_choice,
-                            targets, generation, requested)
+    ctx.check_logprob_entries(1, max_tokens, num_logprobs)
+    params = sampling_params(
+        ctx.sampling_defaults, body, max_tokens=max_tokens, num_logprobs=num_logprobs
+    )
+    text = get_dict(body, "text") or {}
+    output_format = parse_format(text.get("format"), "text.format", nested=False)
+    paths = tool_param_paths(tools, body.get("tools"), _responses_tool_path)
+    grammar = request_grammar(ctx, tools, tool_choice, paths, output_format)
+    generation = GenerationRequest(
+        prompt.token_ids, params, n=1, num_top_logprobs=num_logprobs, grammar=grammar
+    )
+    return ResponsesRequest(
+        model,
+        body,
+        get_bool(body, "stream", False),
+        prompt,
+        tool_choice,
+        targets,
+        generation,
+        requested,
+    )
+
+
+def _responses_tool_path(position: int, tool: Mapping[str, Any]) -> tuple[str, str] | None:
+    name = tool.get("name")
+    if not isinstance(name, str) or tool.get("type") not in ("function", "custom"):
+        return None
+    suffix = ".parameters" if tool.get("type") == "function" else ""
+    return name, f"tools[{position}]{suffix}"
 
 
 def template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -141,6 +192,7 @@ def template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
 
 # -- input items → chat messages -------------------------------------------------------------
 
+
 def input_messages(instructions: str | None, value: Any) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if instructions:
@@ -154,11 +206,15 @@ def input_messages(instructions: str | None, value: Any) -> list[dict[str, Any]]
         for position, item in enumerate(value):
             converter.add(position, item)
     else:
-        raise APIError(400, f"'input' must be a string or an array of input items, got "
-                       f"{type(value).__name__}", param="input")
+        raise APIError(
+            400,
+            f"'input' must be a string or an array of input items, got {type(value).__name__}",
+            param="input",
+        )
     if not messages:
-        raise APIError(400, "'input' has no messages (and there are no instructions)",
-                       param="input")
+        raise APIError(
+            400, "'input' has no messages (and there are no instructions)", param="input"
+        )
     return messages
 
 
@@ -195,19 +251,27 @@ class _InputConverter:
             raise APIError(400, f"{where} must be an object", param="input")
         kind = item.get("type") or ("message" if "role" in item else None)
         if not isinstance(kind, str):
-            raise APIError(400, f"{where} needs a 'type' (or a 'role' for a message)",
-                           param="input")
+            raise APIError(
+                400, f"{where} needs a 'type' (or a 'role' for a message)", param="input"
+            )
         if kind == "message":
             self._message(item, where)
         elif kind in ("function_call", "custom_tool_call"):
             self._call(item, where, kind)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
-            text = output if isinstance(output, (str, list)) or output is None \
+            text = (
+                output
+                if isinstance(output, (str, list)) or output is None
                 else json.dumps(output, ensure_ascii=False)
-            self.messages.append({"role": "tool",
-                                  "tool_call_id": _required_str(item, "call_id", where),
-                                  "content": content_text(text, where)})
+            )
+            self.messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _required_str(item, "call_id", where),
+                    "content": content_text(text, where),
+                }
+            )
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             text = content_text(parts, where) if isinstance(parts, list) else ""
@@ -219,10 +283,15 @@ class _InputConverter:
     def _message(self, item: Mapping[str, Any], where: str) -> None:
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
-            raise APIError(400, f"{where}: unknown role {role!r} (user, assistant, system or "
-                           "developer)", param="input")
-        message: dict[str, Any] = {"role": role,
-                                   "content": content_text(item.get("content"), where)}
+            raise APIError(
+                400,
+                f"{where}: unknown role {role!r} (user, assistant, system or developer)",
+                param="input",
+            )
+        message: dict[str, Any] = {
+            "role": role,
+            "content": content_text(item.get("content"), where),
+        }
         if role == "assistant":
             self._take_reasoning(message)
         elif self.pending_reasoning:
@@ -246,8 +315,11 @@ class _InputConverter:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             elif not isinstance(arguments, str):
                 raise APIError(400, f"{where}: 'arguments' must be a JSON string", param="input")
-        call = {"id": call_id, "type": "function",
-                "function": {"name": internal_name(name, namespace), "arguments": arguments}}
+        call = {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": internal_name(name, namespace), "arguments": arguments},
+        }
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "assistant":
             last.setdefault("tool_calls", []).append(call)
@@ -266,6 +338,7 @@ class _InputConverter:
 
 # -- tools ------------------------------------------------------------------------------------
 
+
 def convert_tools(value: Any) -> tuple[list[dict[str, Any]] | None, dict[str, ToolTarget]]:
     """Responses tools → (chat function tools, or None; the reverse name map)."""
     if value is None:
@@ -278,8 +351,7 @@ def convert_tools(value: Any) -> tuple[list[dict[str, Any]] | None, dict[str, To
     def add(tool: Mapping[str, Any], where: str, namespace: str | None) -> None:
         kind = tool.get("type")
         spec = tool
-        if kind == "function" and "name" not in tool and isinstance(tool.get("function"),
-                                                                     Mapping):
+        if kind == "function" and "name" not in tool and isinstance(tool.get("function"), Mapping):
             spec = tool["function"]  # the nested Chat Completions shape, tolerated
         name = spec.get("name")
         if not isinstance(name, str) or not name:
@@ -293,8 +365,12 @@ def convert_tools(value: Any) -> tuple[list[dict[str, Any]] | None, dict[str, To
                 raise APIError(400, f"{where}.parameters must be an object", param="tools")
         full = internal_name(name, namespace)
         targets[full] = ToolTarget(str(kind), name, namespace)
-        chat_tools.append({"type": "function", "function": {
-            "name": full, "description": description, "parameters": parameters}})
+        chat_tools.append(
+            {
+                "type": "function",
+                "function": {"name": full, "description": description, "parameters": parameters},
+            }
+        )
 
     for position, tool in enumerate(value):
         where = f"tools[{position}]"
@@ -307,8 +383,11 @@ def convert_tools(value: Any) -> tuple[list[dict[str, Any]] | None, dict[str, To
             namespace = tool.get("name")
             members = tool.get("tools") or []
             if not isinstance(namespace, str) or not namespace or not isinstance(members, list):
-                raise APIError(400, f"{where}: a namespace tool needs a 'name' and a 'tools' "
-                               "array", param="tools")
+                raise APIError(
+                    400,
+                    f"{where}: a namespace tool needs a 'name' and a 'tools' array",
+                    param="tools",
+                )
             for index, member in enumerate(members):
                 if isinstance(member, Mapping) and member.get("type") in ("function", "custom"):
                     add(member, f"{where}.tools[{index}]", namespace)
@@ -316,8 +395,9 @@ def convert_tools(value: Any) -> tuple[list[dict[str, Any]] | None, dict[str, To
     return normalize_tools(chat_tools), targets
 
 
-def convert_tool_choice(value: Any, tools: list[dict[str, Any]] | None,
-                        targets: Mapping[str, ToolTarget]) -> str | dict[str, Any]:
+def convert_tool_choice(
+    value: Any, tools: list[dict[str, Any]] | None, targets: Mapping[str, ToolTarget]
+) -> str | dict[str, Any]:
     if value is None or isinstance(value, str):
         return parse_tool_choice(value, tools)
     if isinstance(value, Mapping):
@@ -326,17 +406,25 @@ def convert_tool_choice(value: Any, tools: list[dict[str, Any]] | None,
             name = value.get("name")
             namespace = value.get("namespace")
             if not isinstance(name, str) or not (namespace is None or isinstance(namespace, str)):
-                raise APIError(400, f"tool_choice of type {kind!r} needs a 'name'",
-                               param="tool_choice")
+                raise APIError(
+                    400, f"tool_choice of type {kind!r} needs a 'name'", param="tool_choice"
+                )
             full = internal_name(name, namespace)
             target = targets.get(full)
             if target is None or target.kind != kind:
-                raise APIError(400, f"tool_choice names {kind} tool {name!r}, which is not in "
-                               "'tools'", param="tool_choice")
+                raise APIError(
+                    400,
+                    f"tool_choice names {kind} tool {name!r}, which is not in 'tools'",
+                    param="tool_choice",
+                )
             return {"type": "function", "name": full}
         if kind == "allowed_tools" and value.get("mode") == "required":
             return "required" if tools else "none"
         if isinstance(kind, str):  # allowed_tools, or a hosted tool the model is not offered
             return "auto" if tools else "none"
-    raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or "
-                   "{'type': 'function'|'custom', 'name': ...}", param="tool_choice")
+    raise APIError(
+        400,
+        "'tool_choice' must be 'none', 'auto', 'required' or "
+        "{'type': 'function'|'custom', 'name': ...}",
+        param="tool_choice",
+    )

@@ -46,6 +46,8 @@ off mid-value keeps the partial value).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from .events import OutputEvent
 from .holdback import expect_marker, split_at_marker
 from .schema import allows_text, convert_value
@@ -278,7 +280,7 @@ class Qwen3CoderToolParser(ToolParser):
             self._vsent = limit - start
 
     @staticmethod
-    def _tag_name(text: str, at: int, final: bool) -> str | bool | None:
+    def _tag_name(text: str, at: int, final: bool) -> str | Literal[False] | None:
         """The NAME of ``<parameter=NAME>`` whose NAME starts at ``at``: a string, ``False`` when
         this is not such a tag, ``None`` when more text is needed to tell."""
         gt = text.find(">", at)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from .events import ContentDelta, OutputEvent, ReasoningDelta
 from .holdback import expect_marker, partial_tail, split_at_marker
+from .tool_parser import ToolParser
 
 THINK, THINK_END = "<think>", "</think>"
 
@@ -56,7 +57,7 @@ class ThinkReasoningParser:
     def __init__(
         self,
         reasoning_started: bool = False,
-        tool_parser: type | None = None,
+        tool_parser: type[ToolParser] | None = None,
         tools: list[dict] | None = None,
     ) -> None:
         self._in_reasoning_first = reasoning_started or self.implicit_start
@@ -65,7 +66,7 @@ class ThinkReasoningParser:
         self._tool_parser = tool_parser
         self._tools = tools
         self._exit_markers: tuple[str, ...] = tool_parser.exit_markers() if tool_parser else ()
-        self._trial = None  # the tool parser fed the held text (state "held")
+        self._trial: ToolParser | None = None  # the tool parser fed the held text ("held")
         self._held: list[str] = []  # reasoning text from a call start marker on (state "held")
         self._tail = ""  # its last characters, where a "</think>" may be arriving
 
@@ -104,6 +105,7 @@ class ThinkReasoningParser:
                 self._state = "content"
             else:
                 self._state = "held"
+                assert self._tool_parser is not None  # exit markers come from it
                 self._trial = self._tool_parser(self._tools)
                 self._trial.feed(marker)
                 self._hold(marker)
@@ -114,17 +116,19 @@ class ThinkReasoningParser:
 
     def _step_held(self, out: list[OutputEvent], final: bool) -> bool:
         """Feed the held text on; True when the state changed (go on), False to wait."""
+        trial = self._trial
+        assert trial is not None  # set when the state became "held"
         buf, self._buf = self._buf, ""
         at = 0
         while at < len(buf):
-            if self._trial.num_calls:
+            if trial.num_calls:
                 # A call has started, so the marker can no longer be rejected: only a
                 # </think> matters, and the trial takes the rest in one piece.
                 probe = self._tail + buf[at:]
                 found = probe.find(THINK_END)
                 if found == -1:
                     self._hold(buf[at:])
-                    self._trial.feed(buf[at:])
+                    trial.feed(buf[at:])
                     break
                 cut = at + found - len(self._tail) + len(THINK_END)
                 self._hold(buf[at:cut])
@@ -135,12 +139,12 @@ class ThinkReasoningParser:
             self._hold(ch)
             if closes:
                 return self._close_held(out, buf[at:])
-            self._trial.feed(ch)
-            if self._trial.in_plain_content():  # the marker was not a call: reasoning
+            trial.feed(ch)
+            if trial.in_plain_content():  # the marker was not a call: reasoning
                 held = "".join(self._held)
                 # Scanned again as reasoning: a partial marker the trial still holds, or the
                 # start of a "</think>" that the trial took as text.
-                pending = max(self._trial.held_back(), partial_tail(held, (THINK_END,)))
+                pending = max(trial.held_back(), partial_tail(held, (THINK_END,)))
                 if len(held) > pending:
                     out.append(ReasoningDelta(held[: len(held) - pending]))
                 self._buf = held[len(held) - pending :] + buf[at:]
@@ -149,10 +153,10 @@ class ThinkReasoningParser:
                 return True
         if not final:
             return False
-        self._trial.finish()
+        trial.finish()
         held = "".join(self._held)
         if held:  # a call start the output never closed reasoning after
-            out.append((ContentDelta if self._trial.num_calls else ReasoningDelta)(held))
+            out.append((ContentDelta if trial.num_calls else ReasoningDelta)(held))
         self._held, self._tail, self._trial = [], "", None
         self._state = "content"
         return True

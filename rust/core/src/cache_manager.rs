@@ -1,12 +1,21 @@
 //! A request's pages in every cache group: allocation, prefix hits, caching full pages,
-//! sliding-window release and freeing.
+//! sliding-window release, recurrent states and their checkpoints, and freeing.
 //!
-//! Page tables are position-indexed: entry `j` of group `g` holds positions
+//! Page tables of token groups are position-indexed: entry `j` of group `g` holds positions
 //! `[j*page_size, (j+1)*page_size)`. A full-attention group keeps every entry; a
 //! sliding-window group replaces entries wholly before the window with `NULL_PAGE` and
-//! returns those pages to the pool. The scheduler asks this manager for pages; nothing
-//! else touches the pool.
+//! returns those pages to the pool. A recurrent group's "table" is the request's own state:
+//! `pages_per_state` pages, allocated at admission and kept until the request leaves.
+//!
+//! With prefix caching, a recurrent group caches *checkpoints*: copies of a request's
+//! state at a page boundary (`k * page_size` tokens), made by a `copy_pages` op the runner
+//! applies before the next forward, registered under the derived hashes
+//! [`checkpoint_hash`]`(H_{k-1}, p)` (one per state page `p`) once the plan carrying the
+//! copy is committed, then released to the LRU queue like any cached page. A hit restores
+//! a state by copy-on-write from a checkpoint into the request's own pages. The scheduler
+//! asks this manager for pages; nothing else touches the pool.
 
+use crate::block_hash::BlockHash;
 use crate::error::CoreError;
 use crate::kv_spec::{CacheLayout, KvCacheSpec};
 use crate::page_pool::{PageId, PagePool, NULL_PAGE};
@@ -26,6 +35,29 @@ pub struct KvCacheManager {
     pub pool: PagePool,
     pub layout: CacheLayout,
     pub enable_prefix_caching: bool,
+    /// Prefix caching with recurrent groups: prefill chunks are cut on page boundaries
+    /// and states are checkpointed there.
+    pub checkpointing: bool,
+    /// `copy_pages` pairs (src, dst, src, dst, ...) for the plan being built.
+    pub pending_copies: Vec<u32>,
+    /// Checkpoints whose copy rides on the plan being built or the pending plan: owned
+    /// (refcount 1) until that plan is committed (registered, then released) or discarded.
+    pub in_flight_checkpoints: Vec<Checkpoint>,
+}
+
+/// A checkpoint being made: group `group`'s state at the end of the page hashed `hash`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub group: usize,
+    pub hash: BlockHash,
+    pub pages: Vec<PageId>,
+}
+
+/// The prefix-map key of page `p` of a recurrent checkpoint taken at the end of the block
+/// hashed `block`. Each state page is registered (and can be evicted) separately; a
+/// checkpoint is usable only while all its pages are cached.
+pub fn checkpoint_hash(block: BlockHash, p: u32) -> BlockHash {
+    BlockHash::chain(Some(block), &[p], 1)
 }
 
 /// First position a query at `num_computed` (and later) still reads, for `spec`.
@@ -39,7 +71,15 @@ fn first_needed_position(spec: &KvCacheSpec, num_computed: u32) -> u32 {
 impl KvCacheManager {
     pub fn new(layout: CacheLayout, enable_prefix_caching: bool) -> Result<Self, CoreError> {
         let pool = PagePool::new(layout.num_pages, layout.groups.len())?;
-        Ok(KvCacheManager { pool, layout, enable_prefix_caching })
+        let checkpointing = enable_prefix_caching && layout.has_recurrent();
+        Ok(KvCacheManager {
+            pool,
+            layout,
+            enable_prefix_caching,
+            checkpointing,
+            pending_copies: Vec::new(),
+            in_flight_checkpoints: Vec::new(),
+        })
     }
 
     pub fn page_size(&self) -> u32 {
@@ -53,7 +93,9 @@ impl KvCacheManager {
     /// The longest cached prefix every group can serve, capped at `num_tokens - 1` so the
     /// last token is recomputed to produce logits. Groups reconcile by a fixed point:
     /// start from the longest full-attention chain and shorten until each sliding-window
-    /// group holds every page its window needs at that length.
+    /// group holds every page its window needs at that length and each recurrent group
+    /// holds a checkpoint at exactly that length. For a recurrent group the hit's pages
+    /// are the checkpoint's (the copy-on-write sources), not pages the request will own.
     pub fn find_prefix_hit(&self, req: &Request) -> PrefixHit {
         let num_groups = self.num_groups();
         let miss = PrefixHit { pages: vec![Vec::new(); num_groups], ..PrefixHit::default() };
@@ -70,7 +112,7 @@ impl KvCacheManager {
                 num_pages = num_pages.min(chain);
             }
         }
-        while num_pages > 0 && !self.windows_cached(req, num_pages) {
+        while num_pages > 0 && !(self.windows_cached(req, num_pages) && self.checkpoints_cached(req, num_pages)) {
             num_pages -= 1;
         }
         if num_pages == 0 {
@@ -79,6 +121,12 @@ impl KvCacheManager {
         let num_tokens = num_pages * ps;
         let mut hit = PrefixHit { num_tokens, pages: Vec::with_capacity(num_groups), num_idle_pages: 0 };
         for (g, group) in self.layout.groups.iter().enumerate() {
+            if group.is_recurrent() {
+                let block = req.block_hashes[num_pages as usize - 1];
+                let pages = (0..group.pages_per_state).map(|p| self.pool.lookup(g, checkpoint_hash(block, p)).unwrap());
+                hit.pages.push(pages.collect());
+                continue;
+            }
             let first = first_needed_position(&group.spec, num_tokens) / ps;
             let pages: Vec<PageId> = (0..num_pages)
                 .map(|j| if j < first { NULL_PAGE } else { self.pool.lookup(g, req.block_hashes[j as usize]).unwrap() })
@@ -101,17 +149,51 @@ impl KvCacheManager {
         })
     }
 
+    /// Whether every recurrent group holds a whole checkpoint at `num_pages * page_size` tokens.
+    fn checkpoints_cached(&self, req: &Request, num_pages: u32) -> bool {
+        let block = req.block_hashes[num_pages as usize - 1];
+        self.layout
+            .groups
+            .iter()
+            .enumerate()
+            .all(|(g, group)| (0..group.pages_per_state).all(|p| self.pool.lookup(g, checkpoint_hash(block, p)).is_some()))
+    }
+
     /// New pages `req` needs so its tables cover `num_computed + num_new_tokens` tokens
-    /// (starting from `hit` if it is being admitted with one).
+    /// (starting from `hit` if it is being admitted with one), its own states included.
     pub fn num_pages_to_allocate(&self, req: &Request, hit: Option<&PrefixHit>, num_new_tokens: u32) -> u32 {
         let base = hit.map_or(req.num_computed_tokens, |h| h.num_tokens);
         let target = (base + num_new_tokens).div_ceil(self.page_size());
         (0..self.num_groups())
             .map(|g| {
+                let group = &self.layout.groups[g];
+                if group.is_recurrent() {
+                    return if req.pages[g].is_empty() { group.pages_per_state } else { 0 };
+                }
                 let have = hit.map_or(req.pages[g].len(), |h| h.pages[g].len()) as u32;
                 target.saturating_sub(have)
             })
             .sum()
+    }
+
+    /// The chunk length to schedule for `req` from `start` when `num_new` tokens fit. With
+    /// checkpointing, a chunk that stops short of the request's last token is cut back to
+    /// end on a page boundary (if one lies inside it), and a last chunk is cut at the last
+    /// page boundary before the final token (`floor((num_tokens - 1) / page_size) *
+    /// page_size`, the longest hit a request with this prompt can take) if it crosses it.
+    pub fn cut_chunk(&self, req: &Request, start: u32, num_new: u32) -> u32 {
+        if !self.checkpointing {
+            return num_new;
+        }
+        let ps = self.page_size();
+        let end = start + num_new;
+        let num_tokens = req.num_tokens();
+        let boundary = if end < num_tokens { end / ps * ps } else { (num_tokens - 1) / ps * ps };
+        if boundary > start && boundary < end {
+            boundary - start
+        } else {
+            num_new
+        }
     }
 
     /// Admits a waiting request: takes the pages of `hit` (if any) and allocates pages for
@@ -123,19 +205,36 @@ impl KvCacheManager {
             return false;
         }
         let ps = self.page_size();
+        let mut sources: Vec<(usize, Vec<PageId>)> = Vec::new();
         for (g, pages) in hit.pages.into_iter().enumerate() {
+            let group = &self.layout.groups[g];
+            if group.is_recurrent() {
+                if !pages.is_empty() {
+                    sources.push((g, pages));
+                }
+                continue;
+            }
             for &p in &pages {
                 if p != NULL_PAGE {
                     self.pool.touch(p);
                 }
             }
-            let group = &self.layout.groups[g];
             req.num_released_pages[g] = first_needed_position(&group.spec, hit.num_tokens) / ps;
             req.num_hashed_pages[g] = pages.len() as u32;
             req.pages[g] = pages;
         }
         req.num_computed_tokens = hit.num_tokens;
-        self.allocate(req, num_new_tokens)
+        let allocated = self.allocate(req, num_new_tokens);
+        debug_assert!(allocated, "free pages were counted");
+        // Copy-on-write: the request's own state starts as the checkpoint (has_initial_state = 1).
+        // The checkpoint pages are not referenced: the copy runs before the forward, and all
+        // sources of a plan's copies are read before anything is written.
+        for (g, src) in sources {
+            for (&s, &d) in src.iter().zip(&req.pages[g]) {
+                self.pending_copies.extend_from_slice(&[s, d]);
+            }
+        }
+        allocated
     }
 
     /// Grows `req`'s tables to cover `num_computed + num_new_tokens` tokens. All or
@@ -145,12 +244,65 @@ impl KvCacheManager {
             return false;
         }
         let target = (req.num_computed_tokens + num_new_tokens).div_ceil(self.page_size()) as usize;
-        for pages in &mut req.pages {
+        for (pages, group) in req.pages.iter_mut().zip(&self.layout.groups) {
+            if group.is_recurrent() {
+                if pages.is_empty() {
+                    for _ in 0..group.pages_per_state {
+                        pages.push(self.pool.allocate_state().expect("free pages were counted"));
+                    }
+                }
+                continue;
+            }
             while pages.len() < target {
                 pages.push(self.pool.allocate().expect("free pages were counted"));
             }
         }
         true
+    }
+
+    /// Starts a checkpoint of `req`'s states after `num_blocks` full pages (its
+    /// `num_computed_tokens`), in every recurrent group that has none there yet: allocates
+    /// the checkpoint pages (skipping a group if the pool is short) and queues the copies
+    /// own state -> checkpoint for the plan being built.
+    pub fn start_checkpoint(&mut self, req: &Request, num_blocks: u32) {
+        let block = req.block_hashes[num_blocks as usize - 1];
+        for (g, group) in self.layout.groups.iter().enumerate() {
+            let n = group.pages_per_state;
+            if n == 0 || n > self.pool.num_free_pages() {
+                continue;
+            }
+            if (0..n).all(|p| self.pool.lookup(g, checkpoint_hash(block, p)).is_some()) {
+                continue; // already cached
+            }
+            let pages: Vec<PageId> = (0..n).map(|_| self.pool.allocate_state().expect("counted")).collect();
+            for (&s, &d) in req.pages[g].iter().zip(&pages) {
+                self.pending_copies.extend_from_slice(&[s, d]);
+            }
+            self.in_flight_checkpoints.push(Checkpoint { group: g, hash: block, pages });
+        }
+    }
+
+    /// The plan that carried the in-flight checkpoints' copies was committed: registers
+    /// each page under its checkpoint hash and releases it (cached pages go to the LRU end).
+    pub fn commit_checkpoints(&mut self) {
+        for ck in std::mem::take(&mut self.in_flight_checkpoints) {
+            for (p, &page) in ck.pages.iter().enumerate() {
+                if self.enable_prefix_caching {
+                    self.pool.cache_page(page, ck.group, checkpoint_hash(ck.hash, p as u32));
+                }
+                self.pool.release(page);
+            }
+        }
+    }
+
+    /// The plan that carried the in-flight checkpoints' copies was discarded: frees their
+    /// pages unregistered (the copies may not have run).
+    pub fn drop_checkpoints(&mut self) {
+        for ck in std::mem::take(&mut self.in_flight_checkpoints) {
+            for &page in ck.pages.iter().rev() {
+                self.pool.release(page);
+            }
+        }
     }
 
     /// Offers every newly computed full page to the prefix cache.
@@ -163,6 +315,9 @@ impl KvCacheManager {
             return; // the common decode step: no page filled up
         }
         for g in 0..self.num_groups() {
+            if self.layout.groups[g].is_recurrent() {
+                continue; // own states are never cached; checkpoints are (start_checkpoint)
+            }
             for j in req.num_hashed_pages[g]..upto {
                 let page = req.pages[g][j as usize];
                 if page != NULL_PAGE {
@@ -213,8 +368,12 @@ impl KvCacheManager {
     }
 
     /// Pages of `req` in group `g` a step over `[num_computed, seq_len)` reads:
-    /// (index of the first listed page, the listed pages).
+    /// (index of the first listed page, the listed pages). A recurrent group lists the
+    /// request's state pages.
     pub fn listed_pages<'r>(&self, req: &'r Request, g: usize, num_computed: u32, seq_len: u32) -> (u32, &'r [PageId]) {
+        if self.layout.groups[g].is_recurrent() {
+            return (0, &req.pages[g]);
+        }
         let ps = self.page_size();
         let first = first_needed_position(&self.layout.groups[g].spec, num_computed) / ps;
         let end = seq_len.div_ceil(ps);

@@ -37,6 +37,8 @@ struct PendingStep {
     rows: Vec<PendingRow>,
     /// Per row, what the runner's output must look like (read off the plan).
     expectations: Vec<RowExpectation>,
+    /// The plan's `zero_pages` (re-listed if the plan is discarded).
+    zero_pages: Vec<u32>,
 }
 
 pub struct Engine {
@@ -59,8 +61,15 @@ impl Engine {
         let pages_per_request: u32 = layout
             .groups
             .iter()
-            .map(|g| g.spec.max_pages_per_request(config.max_model_len, config.max_num_batched_tokens, config.page_size))
-            .sum();
+            .map(|g| {
+                g.max_pages_per_request(
+                    config.max_model_len,
+                    config.max_num_batched_tokens,
+                    config.page_size,
+                    config.enable_prefix_caching,
+                )
+            })
+            .fold(0u32, u32::saturating_add);
         if pages_per_request > config.num_pages - 1 {
             return Err(CoreError::invalid(format!(
                 "EngineConfig.num_pages = {} is too small: one request of max_model_len = {} tokens needs {} pages \
@@ -187,6 +196,14 @@ impl Engine {
         // (step() skips forward), so its notices wait for the next real plan.
         let diff = if rows.is_empty() { Default::default() } else { self.sched.slots.take_diff() };
         plan.set_lifecycle(diff.new, diff.finished, &self.sched.running, &self.sched.requests);
+        // Cache ops ride on plans with rows too (copies are only made for such plans).
+        debug_assert!(!rows.is_empty() || self.sched.kv.pending_copies.is_empty());
+        std::mem::swap(&mut plan.copy_pages, &mut self.sched.kv.pending_copies);
+        let mut zero_pages = Vec::new();
+        if !rows.is_empty() {
+            self.sched.kv.pool.take_zero_pages(&mut plan.zero_pages);
+            zero_pages.clone_from(&plan.zero_pages);
+        }
         let pending_rows = rows
             .iter()
             .map(|r| PendingRow {
@@ -203,7 +220,7 @@ impl Engine {
                 num_logprobs: plan.sampling.num_logprobs[i],
             })
             .collect();
-        self.pending = Some(PendingStep { step, rows: pending_rows, expectations });
+        self.pending = Some(PendingStep { step, rows: pending_rows, expectations, zero_pages });
         self.debug_check();
         Ok(plan)
     }
@@ -225,10 +242,31 @@ impl Engine {
     }
 
     /// Drops the pending plan uncommitted. Its lifecycle notices are re-sent with the next plan.
+    /// With recurrent groups, its forward may have advanced states in place, so every
+    /// request with a row in it restarts (pages and slot freed, back to waiting: it
+    /// recomputes from its longest cached checkpoint), its checkpoints are dropped, and
+    /// its `zero_pages` count as not zeroed.
     pub fn discard_plan(&mut self) {
-        if self.pending.take().is_some() {
-            self.sched.slots.resend_after_discard();
+        let Some(pending) = self.pending.take() else { return };
+        self.sched.slots.resend_after_discard();
+        if self.sched.kv.layout.has_recurrent() {
+            self.sched.kv.drop_checkpoints();
+            self.sched.kv.pool.mark_holding_state(&pending.zero_pages);
+            let live: Vec<usize> = pending
+                .rows
+                .iter()
+                .filter(|r| matches!(&self.sched.requests.get(r.req), Some(Some(q)) if q.arrival_seq == r.arrival_seq))
+                .map(|r| r.req)
+                .collect();
+            // Newest first, so FCFS keeps their order at the front of the queue.
+            for pos in (0..self.sched.running.len()).rev() {
+                let idx = self.sched.running[pos];
+                if live.contains(&idx) {
+                    self.sched.restart(idx);
+                }
+            }
         }
+        self.debug_check();
     }
 
     /// Validates `output` against the pending plan (`step` must be its id), then commits
@@ -241,6 +279,7 @@ impl Engine {
         output.validate(&pending.expectations, self.config.vocab_size)?;
         let pending = self.pending.take().expect("checked above");
         self.sched.slots.commit(); // the runner has now seen the plan's lifecycle notices for good
+        self.sched.kv.commit_checkpoints(); // and applied its copy_pages
         let now = Instant::now();
         let mut outputs = std::mem::take(&mut self.abort_outputs);
         outputs.reserve(pending.rows.len());
@@ -305,6 +344,10 @@ impl Engine {
         sched.kv.cache_full_pages(req);
         if finish.is_none() {
             sched.kv.release_out_of_window(req);
+            let computed = req.num_computed_tokens;
+            if sched.kv.checkpointing && computed > 0 && computed.is_multiple_of(page_size) {
+                sched.checkpoints_due.push((row.req, row.arrival_seq, computed / page_size));
+            }
         }
         let out = RequestOutput {
             record: req.record.clone(),

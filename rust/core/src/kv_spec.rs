@@ -15,8 +15,10 @@ pub enum KvCacheSpec {
     /// Sliding-window attention: a query at position `p` reads keys in `(p - window, p]`;
     /// pages wholly before that are returned to the pool every step.
     SlidingWindow { window: u32, bytes_per_token: u64 },
-    /// Recurrent state (Mamba, gated delta net, ...): one fixed-size state per request.
-    /// Defined for the layout API; not schedulable yet.
+    /// Recurrent state (Mamba, gated delta net, ...): one fixed-size state of
+    /// `state_bytes` per request (per layer), held in `pages_per_state` pages of the pool
+    /// (see [`CacheLayout::page_bytes`]); with prefix caching, checkpoints of it at page
+    /// boundaries are cached too.
     Recurrent { state_bytes: u64 },
 }
 
@@ -37,7 +39,8 @@ impl KvCacheSpec {
         }
     }
 
-    /// Most pages one request can hold at once in a group of this spec.
+    /// Most pages one request can hold at once in a group of this spec (for a recurrent
+    /// group: one state, `pages_per_state` pages; see [`CacheGroup::max_pages_per_request`]).
     pub fn max_pages_per_request(&self, max_model_len: u32, max_num_batched_tokens: u32, page_size: u32) -> u32 {
         let full = max_model_len.div_ceil(page_size);
         match self {
@@ -60,6 +63,31 @@ pub struct CacheGroup {
     pub spec: KvCacheSpec,
     /// Indices into the runner's `cache_spec()` list, ascending.
     pub layer_indices: Vec<u32>,
+    /// Pages one recurrent state occupies: `max(1, ceil(state_bytes / page_bytes))`
+    /// (1 when `page_bytes` is 0); 0 for a token (full / sliding-window) group.
+    pub pages_per_state: u32,
+}
+
+impl CacheGroup {
+    pub fn is_recurrent(&self) -> bool {
+        self.pages_per_state > 0
+    }
+
+    /// Most pages one request can hold at once in this group. A recurrent group holds one
+    /// state, plus one checkpoint in flight when prefix caching is on.
+    pub fn max_pages_per_request(
+        &self,
+        max_model_len: u32,
+        max_num_batched_tokens: u32,
+        page_size: u32,
+        prefix_caching: bool,
+    ) -> u32 {
+        if self.is_recurrent() {
+            self.pages_per_state.saturating_mul(1 + u32::from(prefix_caching))
+        } else {
+            self.spec.max_pages_per_request(max_model_len, max_num_batched_tokens, page_size)
+        }
+    }
 }
 
 /// How the cache is laid out: handed to the runner's `bind_cache` once.
@@ -69,6 +97,12 @@ pub struct CacheLayout {
     pub num_pages: u32,
     /// Tokens per page.
     pub page_size: u32,
+    /// Bytes one page holds in one layer's buffer: the largest `page_size * bytes_per_token`
+    /// over the token (full / sliding-window) layers; 0 if there are none or they keep no
+    /// bytes. A recurrent state of `state_bytes` spans `ceil(state_bytes / page_bytes)`
+    /// pages (the last one padded); the runner sizes each recurrent layer's buffer as
+    /// `num_pages` pages of `page_bytes` (or of `state_bytes` when `page_bytes` is 0).
+    pub page_bytes: u64,
     pub groups: Vec<CacheGroup>,
 }
 
@@ -90,23 +124,45 @@ impl CacheLayout {
         let mut groups: Vec<CacheGroup> = Vec::new();
         for (layer, spec) in specs.iter().enumerate() {
             match spec {
-                KvCacheSpec::Recurrent { .. } => {
-                    return Err(CoreError::invalid(format!(
-                        "layer {layer}: recurrent cache groups are not supported by this engine yet \
-                         (only full and sliding_window)"
-                    )))
-                }
                 KvCacheSpec::SlidingWindow { window: 0, .. } => {
                     return Err(CoreError::invalid(format!("layer {layer}: sliding window must be >= 1 token")))
+                }
+                KvCacheSpec::Recurrent { state_bytes: 0 } => {
+                    return Err(CoreError::invalid(format!("layer {layer}: recurrent state_bytes must be >= 1")))
                 }
                 _ => {}
             }
             match groups.iter_mut().find(|g| g.spec == *spec) {
                 Some(g) => g.layer_indices.push(layer as u32),
-                None => groups.push(CacheGroup { spec: *spec, layer_indices: vec![layer as u32] }),
+                None => groups.push(CacheGroup { spec: *spec, layer_indices: vec![layer as u32], pages_per_state: 0 }),
             }
         }
-        Ok(CacheLayout { num_pages, page_size, groups })
+        let page_bytes = groups
+            .iter()
+            .map(|g| match g.spec {
+                KvCacheSpec::Full { bytes_per_token } | KvCacheSpec::SlidingWindow { bytes_per_token, .. } => {
+                    bytes_per_token.saturating_mul(u64::from(page_size))
+                }
+                KvCacheSpec::Recurrent { .. } => 0,
+            })
+            .max()
+            .unwrap_or(0);
+        for g in &mut groups {
+            if let KvCacheSpec::Recurrent { state_bytes } = g.spec {
+                let pages = if page_bytes == 0 { 1 } else { state_bytes.div_ceil(page_bytes).max(1) };
+                g.pages_per_state = u32::try_from(pages).map_err(|_| {
+                    CoreError::invalid(format!(
+                        "recurrent state_bytes = {state_bytes} spans too many pages of {page_bytes} bytes"
+                    ))
+                })?;
+            }
+        }
+        Ok(CacheLayout { num_pages, page_size, page_bytes, groups })
+    }
+
+    /// Whether any group is recurrent.
+    pub fn has_recurrent(&self) -> bool {
+        self.groups.iter().any(CacheGroup::is_recurrent)
     }
 
     /// The group index holding `layer`.
@@ -132,8 +188,23 @@ mod tests {
     }
 
     #[test]
-    fn rejects_recurrent_and_bad_sizes() {
-        assert!(CacheLayout::from_layer_specs(&[KvCacheSpec::Recurrent { state_bytes: 8 }], 10, 4).is_err());
+    fn recurrent_states_span_whole_pages() {
+        let full = KvCacheSpec::Full { bytes_per_token: 8 };
+        let rec = KvCacheSpec::Recurrent { state_bytes: 100 };
+        // page_bytes = 4 tokens * 8 bytes = 32: a 100-byte state takes 4 pages (28 bytes padding).
+        let layout = CacheLayout::from_layer_specs(&[full, rec, rec], 10, 4).unwrap();
+        assert_eq!(layout.page_bytes, 32);
+        assert_eq!((layout.groups[0].pages_per_state, layout.groups[1].pages_per_state), (0, 4));
+        assert_eq!(layout.groups[1].layer_indices, vec![1, 2]);
+        assert_eq!(layout.groups[1].max_pages_per_request(100, 10, 4, true), 8);
+        // No per-token bytes: one page per state.
+        let only = CacheLayout::from_layer_specs(&[rec], 10, 4).unwrap();
+        assert_eq!((only.page_bytes, only.groups[0].pages_per_state), (0, 1));
+        assert!(CacheLayout::from_layer_specs(&[KvCacheSpec::Recurrent { state_bytes: 0 }], 10, 4).is_err());
+    }
+
+    #[test]
+    fn rejects_bad_sizes() {
         assert!(CacheLayout::from_layer_specs(&[], 1, 4).is_err());
         assert!(CacheLayout::from_layer_specs(&[], 10, 0).is_err());
         let l = CacheLayout::from_layer_specs(&[], 10, 4).unwrap();

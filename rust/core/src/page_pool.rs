@@ -44,6 +44,13 @@ pub struct PagePool {
     num_in_free_queue: u32,
     /// Per cache group: block hash -> page.
     cached: Vec<HashMap<BlockHash, PageId, BlockHashBuilder>>,
+    /// Per page: the runner's bytes may hold a recurrent state (set when the page is handed
+    /// out for a state or checkpoint, cleared once a plan lists it in `zero_pages`).
+    holds_state: Vec<bool>,
+    /// Per page: handed out for a state or checkpoint (vs. for token K/V), while owned.
+    state_use: Vec<bool>,
+    /// Pages with `holds_state` handed out for token K/V since the last `take_zero_pages`.
+    zero_candidates: Vec<PageId>,
 }
 
 impl PagePool {
@@ -67,6 +74,9 @@ impl PagePool {
             // Grows with the cache; a modest start avoids early rehashing without
             // reserving the whole pool once per group.
             cached: (0..num_groups).map(|_| HashMap::with_capacity_and_hasher(n.min(1 << 16), Default::default())).collect(),
+            holds_state: filled(n, false).map_err(too_big)?,
+            state_use: filled(n, false).map_err(too_big)?,
+            zero_candidates: Vec::new(),
         };
         for page in 1..num_pages {
             pool.push_back(page);
@@ -100,8 +110,26 @@ impl PagePool {
         self.hashes[page as usize].is_some()
     }
 
-    /// Hands out one page (refcount 1), evicting its hash if it was cached.
+    /// Hands out one page (refcount 1) for token K/V, evicting its hash if it was cached.
+    /// A page that last held a recurrent state becomes a `zero_pages` candidate.
     pub fn allocate(&mut self) -> Option<PageId> {
+        let page = self.pop_front()?;
+        if self.holds_state[page as usize] {
+            self.zero_candidates.push(page);
+        }
+        self.state_use[page as usize] = false;
+        Some(page)
+    }
+
+    /// Hands out one page (refcount 1) for a recurrent state or checkpoint.
+    pub fn allocate_state(&mut self) -> Option<PageId> {
+        let page = self.pop_front()?;
+        self.holds_state[page as usize] = true;
+        self.state_use[page as usize] = true;
+        Some(page)
+    }
+
+    fn pop_front(&mut self) -> Option<PageId> {
         let page = self.head;
         if page == NO_LINK {
             return None;
@@ -112,6 +140,31 @@ impl PagePool {
         }
         self.ref_counts[page as usize] = 1;
         Some(page)
+    }
+
+    /// Appends to `out` the pages the runner must zero before the next forward: pages that
+    /// last held a recurrent state and are now owned for token K/V (each once); they no
+    /// longer count as holding state. Candidates freed or reused for a state meanwhile are
+    /// dropped (they still hold state and are listed if later handed out for tokens).
+    pub fn take_zero_pages(&mut self, out: &mut Vec<PageId>) {
+        for page in std::mem::take(&mut self.zero_candidates) {
+            let i = page as usize;
+            if self.ref_counts[i] > 0 && !self.state_use[i] && self.holds_state[i] {
+                self.holds_state[i] = false;
+                out.push(page);
+            }
+        }
+    }
+
+    /// Marks `pages` as possibly holding state again (a discarded plan's `zero_pages` may
+    /// not have been applied).
+    pub fn mark_holding_state(&mut self, pages: &[PageId]) {
+        for &p in pages {
+            self.holds_state[p as usize] = true;
+            if self.ref_counts[p as usize] > 0 && !self.state_use[p as usize] {
+                self.zero_candidates.push(p);
+            }
+        }
     }
 
     /// Takes one more reference to `page` (a prefix hit); revives it if it was idle.

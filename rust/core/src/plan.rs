@@ -85,16 +85,29 @@ impl PlanRecycler {
 /// Page tables of one cache group for this step (FlashInfer CSR layout).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GroupPlan {
+    /// Pages per recurrent state; 0 for a token (full / sliding-window) group.
+    pub pages_per_state: u32,
     /// u32[S+1]: row i's pages are `kv_indices[kv_indptr[i]..kv_indptr[i+1]]`.
     pub kv_indptr: Vec<u32>,
     /// u32[nnz]: page ids in position order. A sliding-window group lists only pages
     /// intersecting `[max(0, num_computed - window + 1), seq_len)`; the first listed
     /// page of row i is logical page `ceil(seq_len/page_size) - (kv_indptr[i+1]-kv_indptr[i])`.
+    /// A recurrent group lists each row's `pages_per_state` state pages, in byte order.
     pub kv_indices: Vec<u32>,
-    /// u32[S]: tokens in the row's last page, 1..=page_size.
+    /// u32[S]: tokens in the row's last page, 1..=page_size; 0 for a recurrent group.
     pub kv_last_page_len: Vec<u32>,
-    /// i64[T]: `page * page_size + offset` where each new token's KV is written; -1 = skip.
+    /// i64[T]: `page * page_size + offset` where each new token's KV is written; -1 = skip
+    /// (every token of a recurrent group, which has no per-token cache).
     pub slot_mapping: Vec<i64>,
+    /// u32[S], recurrent groups only (empty otherwise): the first page of the row's state
+    /// (= its first `kv_indices` entry); byte b of a state lives in the row's state page
+    /// `b // page_bytes`, at offset `b % page_bytes`.
+    pub state_slots: Vec<u32>,
+    /// u8[S], recurrent groups only (empty otherwise): 1 if the row's state pages hold its
+    /// state after `num_computed_tokens` tokens (continuing, or copied from a checkpoint by
+    /// this plan's `copy_pages`); 0 if the row starts fresh (`num_computed_tokens == 0`):
+    /// the runner starts from a zero state and ignores the pages' stale bytes.
+    pub has_initial_state: Vec<u8>,
 }
 
 /// One step's plan. Immutable once built.
@@ -163,6 +176,15 @@ pub struct BatchPlan {
     pub new_request_num_prompt_tokens: Vec<u32>,
     /// u32[n]: slots whose request finished, was aborted or preempted since the last committed plan.
     pub finished_request_slots: Vec<u32>,
+    /// u32[n, 2] row-major (src, dst) page pairs the runner copies before the forward, in
+    /// every layer of every recurrent group, reading all sources before writing any
+    /// destination (`buf[dst] = buf[src]`): own state -> checkpoint after a chunk that ended
+    /// on a page boundary, and checkpoint -> own state for a prefix hit (copy-on-write).
+    pub copy_pages: Vec<u32>,
+    /// u32[n]: pages the runner zeroes after `copy_pages` and before the forward: pages that
+    /// last held a recurrent state and now hold token K/V (needed only by runners whose
+    /// buffers alias across groups: stale state bytes read as K/V can be NaN).
+    pub zero_pages: Vec<u32>,
 }
 
 /// One scheduled row: a request and how many new tokens it computes.
@@ -215,10 +237,15 @@ impl BatchPlan {
         plan.num_draft_tokens.resize(s, 0);
         plan.sampling.reserve(s);
         // kv_indices grows as rows are added; a recycled plan already has the capacity.
-        for gp in &mut plan.groups {
+        for (gp, group) in plan.groups.iter_mut().zip(&kv.layout.groups) {
+            gp.pages_per_state = group.pages_per_state;
             gp.kv_indptr.reserve(s + 1);
             gp.kv_last_page_len.reserve(s);
             gp.slot_mapping.reserve(t);
+            if group.is_recurrent() {
+                gp.state_slots.reserve(s);
+                gp.has_initial_state.reserve(s);
+            }
         }
         plan.query_indptr.push(0);
         plan.sample_indptr.push(0);
@@ -256,6 +283,13 @@ impl BatchPlan {
                 let (_, listed) = kv.listed_pages(req, g, start, seq_len);
                 gp.kv_indices.extend_from_slice(listed);
                 gp.kv_indptr.push(gp.kv_indices.len() as u32);
+                if gp.pages_per_state > 0 {
+                    gp.kv_last_page_len.push(0);
+                    gp.slot_mapping.extend(std::iter::repeat_n(-1, row.num_new_tokens as usize));
+                    gp.state_slots.push(listed[0]);
+                    gp.has_initial_state.push(u8::from(start > 0));
+                    continue;
+                }
                 gp.kv_last_page_len.push(seq_len - (seq_len.div_ceil(ps) - 1) * ps);
                 let pages = &req.pages[g];
                 gp.slot_mapping
@@ -301,6 +335,8 @@ impl BatchPlan {
             &mut self.new_request_token_ids,
             &mut self.new_request_num_prompt_tokens,
             &mut self.finished_request_slots,
+            &mut self.copy_pages,
+            &mut self.zero_pages,
         ] {
             v.clear();
         }
@@ -312,6 +348,8 @@ impl BatchPlan {
             g.kv_indices.clear();
             g.kv_last_page_len.clear();
             g.slot_mapping.clear();
+            g.state_slots.clear();
+            g.has_initial_state.clear();
         }
     }
 
@@ -352,9 +390,13 @@ impl BatchPlan {
 
     /// Dense page table of group `g`: (row-major u32[S * num_columns], num_columns).
     /// Column j holds the page of positions `[j*page_size, (j+1)*page_size)`; entries
-    /// before a sliding window and past a row's end are 0, the null page.
+    /// before a sliding window and past a row's end are 0, the null page. For a recurrent
+    /// group: `pages_per_state` columns, the row's state pages.
     pub fn block_table(&self, g: usize) -> (Vec<u32>, usize) {
         let gp = &self.groups[g];
+        if gp.pages_per_state > 0 {
+            return (gp.kv_indices.clone(), gp.pages_per_state as usize);
+        }
         let ps = self.page_size;
         let cols = self.seq_lens.iter().map(|&l| l.div_ceil(ps) as usize).max().unwrap_or(0);
         let mut table = vec![0u32; self.num_sequences as usize * cols];

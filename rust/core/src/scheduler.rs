@@ -53,6 +53,10 @@ pub struct Scheduler {
     /// Runner slots and their lifecycle notices (assigned on admission, released when a
     /// request leaves `running`).
     pub slots: RunnerSlots,
+    /// Checkpoints due (prefix caching with recurrent groups): (request index, its
+    /// `arrival_seq`, full pages computed) for requests whose last committed chunk ended on
+    /// a page boundary. Started by the next `schedule` with rows.
+    pub checkpoints_due: Vec<(usize, u64, u32)>,
 }
 
 impl Scheduler {
@@ -69,6 +73,7 @@ impl Scheduler {
             index_of: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            checkpoints_due: Vec::new(),
         }
     }
 
@@ -147,13 +152,26 @@ impl Scheduler {
 
     /// Preempts `running[pos]` by recompute.
     fn preempt(&mut self, pos: usize, metrics: &mut Metrics) {
+        self.requeue(pos);
+        metrics.num_preemptions += 1;
+    }
+
+    /// Frees `running[pos]`'s pages and slot and puts it back to waiting, to recompute.
+    fn requeue(&mut self, pos: usize) {
         let idx = self.running.remove(pos);
         self.release_resources(idx);
         let req = self.request_mut(idx);
         req.num_computed_tokens = 0;
         req.status = RequestStatus::Waiting;
-        metrics.num_preemptions += 1;
         self.enqueue_waiting(idx, true);
+    }
+
+    /// Sends running request `idx` back to recompute (not counted as a preemption): after a
+    /// discarded plan, whose forward may have advanced its recurrent state in place.
+    pub fn restart(&mut self, idx: usize) {
+        if let Some(pos) = self.running.iter().position(|&i| i == idx) {
+            self.requeue(pos);
+        }
     }
 
     /// Picks this step's rows, decode rows first. Returns (rows, number of decode rows).
@@ -167,6 +185,7 @@ impl Scheduler {
             let idx = self.running[i];
             let req = self.requests[idx].as_mut().expect("live request index");
             let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            let num_new = self.kv.cut_chunk(req, req.num_computed_tokens, num_new);
             if self.kv.allocate(req, num_new) {
                 rows.push(ScheduledRow { req: idx, num_new_tokens: num_new });
                 budget -= num_new;
@@ -190,7 +209,7 @@ impl Scheduler {
             let req = self.requests[idx].as_mut().expect("live request index");
             let hit = self.kv.find_prefix_hit(req);
             let num_hit = hit.num_tokens;
-            let num_new = (req.num_tokens() - num_hit).min(budget);
+            let num_new = self.kv.cut_chunk(req, num_hit, (req.num_tokens() - num_hit).min(budget));
             if !self.kv.admit(req, hit, num_new) {
                 break;
             }
@@ -217,6 +236,10 @@ impl Scheduler {
             budget -= num_new;
         }
 
+        if !rows.is_empty() && !self.checkpoints_due.is_empty() {
+            self.start_checkpoints();
+        }
+
         // Decode rows (one new token that is sampled) first, each part in schedule order.
         let is_decode = |r: &ScheduledRow| {
             let req = self.request(r.req);
@@ -229,23 +252,64 @@ impl Scheduler {
         (keyed.into_iter().map(|(_, r)| r).collect(), num_decode)
     }
 
-    /// Page owners per page id (for integrity checks): how many page-table entries hold each page.
+    /// Starts the due checkpoints with the pages left after this step's rows (a checkpoint
+    /// never takes pages a row needs). Skipped for a request preempted since (its state is
+    /// gone) or that finished.
+    fn start_checkpoints(&mut self) {
+        let ps = self.kv.page_size();
+        for (idx, arrival_seq, num_blocks) in std::mem::take(&mut self.checkpoints_due) {
+            let Some(Some(req)) = self.requests.get(idx) else { continue };
+            let same = req.arrival_seq == arrival_seq
+                && req.status == RequestStatus::Running
+                && req.num_computed_tokens == num_blocks * ps;
+            if same {
+                self.kv.start_checkpoint(req, num_blocks);
+            }
+        }
+    }
+
+    /// Page owners per page id (for integrity checks): how many page-table entries (and
+    /// in-flight checkpoints) hold each page.
     pub fn page_owner_counts(&self) -> Vec<u32> {
-        let mut counts = vec![0u32; self.kv.pool.num_pages() as usize];
+        self.page_owners().map(|(counts, _)| counts).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// (owner counts, owning group per page); fails if a page is owned by two groups.
+    fn page_owners(&self) -> Result<(Vec<u32>, Vec<u32>), String> {
+        let n = self.kv.pool.num_pages() as usize;
+        let mut counts = vec![0u32; n];
+        let mut group_of = vec![u32::MAX; n];
+        let mut own = |p: u32, g: usize| -> Result<(), String> {
+            if p == 0 {
+                return Ok(());
+            }
+            counts[p as usize] += 1;
+            let slot = &mut group_of[p as usize];
+            if *slot != u32::MAX && *slot != g as u32 {
+                return Err(format!("page {p} is owned by groups {} and {g}", *slot));
+            }
+            *slot = g as u32;
+            Ok(())
+        };
         for req in self.requests.iter().flatten() {
-            for pages in &req.pages {
+            for (g, pages) in req.pages.iter().enumerate() {
                 for &p in pages {
-                    counts[p as usize] += 1;
+                    own(p, g)?;
                 }
             }
         }
-        counts[0] = 0;
-        counts
+        for ck in &self.kv.in_flight_checkpoints {
+            for &p in &ck.pages {
+                own(p, ck.group)?;
+            }
+        }
+        Ok((counts, group_of))
     }
 
     /// Scheduler-level invariants on top of the pool's own.
     pub fn check_integrity(&self) -> Result<(), String> {
-        self.kv.pool.check_integrity(&self.page_owner_counts())?;
+        let (counts, _) = self.page_owners()?;
+        self.kv.pool.check_integrity(&counts)?;
         let num_live = self.requests.iter().flatten().count();
         if num_live != self.waiting.len() + self.running.len() || num_live != self.index_of.len() {
             return Err(format!(
@@ -262,6 +326,13 @@ impl Scheduler {
             slots_in_use.push(slot);
             let ps = self.kv.page_size();
             for (g, pages) in r.pages.iter().enumerate() {
+                let group = &self.kv.layout.groups[g];
+                if group.is_recurrent() {
+                    if pages.len() as u32 != group.pages_per_state || pages.contains(&0) {
+                        return Err(format!("request {}: group {g} does not hold exactly one state", r.id()));
+                    }
+                    continue;
+                }
                 if (pages.len() as u32) < r.num_computed_tokens.div_ceil(ps) {
                     return Err(format!("request {}: group {g} has too few pages for its computed tokens", r.id()));
                 }

@@ -1,6 +1,7 @@
 //! Seeded randomized invariant test: ≥ 100,000 operations (add, step with random
 //! outputs, abort, bad output, discard, prefix-cache reset) over many engine shapes —
-//! page sizes, full / sliding-window / hybrid groups, prefix caching on and off, FCFS
+//! page sizes, random mixes of full / sliding-window / recurrent groups (states of 1 to 3
+//! pages, checkpoints with prefix caching), prefix caching on and off, FCFS
 //! and priority, pools small enough to force preemption. After every operation:
 //! pages free + pages owned + pages cached = pool size - 1 (the null page), page 0
 //! never owned, refcounts equal owners (`check_integrity`), and at the end, once every
@@ -56,6 +57,17 @@ fn random_engine(rng: &mut Rng) -> Engine {
             KvCacheSpec::SlidingWindow { window: window + 7, bytes_per_token: 2 },
         ],
     };
+    // Half the engines mix in recurrent layers (1 or 2 groups; page_bytes = 2 * page_size).
+    let mut specs = specs;
+    if rng.chance(50) {
+        for _ in 0..1 + rng.below(2) {
+            let state_bytes = 1 + rng.below(3 * 2 * u64::from(page_size));
+            specs.insert(rng.below(specs.len() as u64 + 1) as usize, KvCacheSpec::Recurrent { state_bytes });
+        }
+        if rng.chance(10) {
+            specs.retain(|s| matches!(s, KvCacheSpec::Recurrent { .. })); // recurrent only
+        }
+    }
     let mut config = EngineConfig {
         page_size,
         num_pages: 2,
@@ -72,7 +84,7 @@ fn random_engine(rng: &mut Rng) -> Engine {
         Ok(_) => 2,
         Err(err) => err.message().split("needs ").nth(1).unwrap().split(' ').next().unwrap().parse::<u32>().unwrap() + 1,
     };
-    config.num_pages = min_pages + rng.below(3 * min_pages as u64) as u32;
+    config.num_pages = min_pages + rng.below(min_pages as u64) as u32;
     Engine::new(config, &specs).expect("sized to fit")
 }
 
@@ -95,6 +107,7 @@ fn randomized_operations_keep_every_invariant() {
     let mut num_ops = 0u64;
     let mut num_engines = 0;
     let mut num_preempting_engines = 0;
+    let mut num_recurrent_engines = 0;
     while num_ops < 100_000 {
         let mut e = random_engine(&mut rng);
         num_engines += 1;
@@ -160,10 +173,14 @@ fn randomized_operations_keep_every_invariant() {
         if e.metrics().num_preemptions > 0 {
             num_preempting_engines += 1;
         }
+        if e.layout().has_recurrent() {
+            num_recurrent_engines += 1;
+        }
         e.reset_prefix_cache();
         assert_eq!(e.num_free_pages(), e.pool().num_pages() - 1, "every page is free at the end");
         assert_eq!(e.pool().num_cached_pages(), 0);
     }
     assert!(num_ops >= 100_000);
     assert!(num_preempting_engines * 2 > num_engines, "most engines must have exercised preemption");
+    assert!(num_recurrent_engines * 3 > num_engines, "recurrent groups are well represented");
 }

@@ -85,6 +85,11 @@ impl CacheGroup {
         self.group.layer_indices.clone()
     }
 
+    #[getter]
+    fn pages_per_state(&self) -> u32 {
+        self.group.pages_per_state
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "CacheGroup(spec={}, layer_indices={:?})",
@@ -109,6 +114,11 @@ impl CacheLayout {
     #[getter]
     fn page_size(&self) -> u32 {
         self.layout.page_size
+    }
+
+    #[getter]
+    fn page_bytes(&self) -> u64 {
+        self.layout.page_bytes
     }
 
     #[getter]

@@ -26,8 +26,13 @@ use resin_core::plan as core;
 /// rust-numpy's `readwrite().make_nonwriteable()` would register and release a dynamic
 /// borrow for every view, a measurable cost per plan field per step.
 fn view<'py, T: Element>(owner: Bound<'py, PyAny>, data: &[T]) -> Bound<'py, PyAny> {
+    view_nd(owner, data, &mut [data.len() as npy_intp])
+}
+
+/// `view` with shape `dims` (C order; their product must be `data.len()`).
+fn view_nd<'py, T: Element>(owner: Bound<'py, PyAny>, data: &[T], dims: &mut [npy_intp]) -> Bound<'py, PyAny> {
     let py = owner.py();
-    let mut dims = [data.len() as npy_intp];
+    debug_assert_eq!(dims.iter().product::<npy_intp>(), data.len() as npy_intp);
     // SAFETY: `data` lives in a plan owned by `owner` and is never reallocated or mutated;
     // `owner` becomes the array's base object (the reference is stolen), so the memory
     // outlives the array. Flags 0: not writeable; numpy derives contiguity and alignment.
@@ -36,7 +41,7 @@ fn view<'py, T: Element>(owner: Bound<'py, PyAny>, data: &[T]) -> Bound<'py, PyA
             py,
             get_type_object(py, NpyTypes::PyArray_Type),
             T::get_dtype(py).into_dtype_ptr(),
-            1,
+            dims.len() as i32,
             dims.as_mut_ptr(),
             ptr::null_mut(),
             data.as_ptr() as *mut c_void,
@@ -123,6 +128,10 @@ views_struct!(Views {
     new_request_token_ids,
     new_request_num_prompt_tokens,
     finished_request_slots,
+    copy_pages,
+    zero_pages,
+    state_slots,
+    has_initial_state,
     kv_indptr,
     kv_indices,
     kv_last_page_len,
@@ -288,6 +297,26 @@ impl BatchPlan {
     #[getter]
     fn finished_request_slots<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
         array_view(slf, |v| &v.finished_request_slots, |p| &p.finished_request_slots)
+    }
+    #[getter]
+    fn copy_pages<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        let this = slf.get();
+        cached(&this.views.copy_pages, slf.py(), || {
+            let data = &this.plan.copy_pages;
+            view_nd(this.memory(slf.py()), data, &mut [(data.len() / 2) as npy_intp, 2])
+        })
+    }
+    #[getter]
+    fn zero_pages<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.zero_pages, |p| &p.zero_pages)
+    }
+    #[getter]
+    fn state_slots<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        group_views(slf, |v| &v.state_slots, |g| &g.state_slots)
+    }
+    #[getter]
+    fn has_initial_state<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        group_views(slf, |v| &v.has_initial_state, |g| &g.has_initial_state)
     }
     #[getter]
     fn kv_indptr<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
