@@ -1,0 +1,202 @@
+"""Structured outputs for the server: request fields → a compiled grammar for the sampler.
+
+What is enforced (docs/server.md "Structured outputs"), when the runner's sampler takes grammars
+(torch runners; ``sampler.grammars``) and ``xgrammar`` is installed:
+
+- a forced tool call — Chat/Responses ``tool_choice: "required"`` or a named function (custom
+  tools included: one ``input`` string), Anthropic ``tool_choice: any`` / ``tool`` — becomes
+  exactly one call in the model's tool-call format (tool parsers ``hermes``/``qwen25``/``qwen3``
+  and ``llama3_json``) with arguments matching the tool's parameters schema;
+- otherwise, Chat ``response_format`` ``json_schema`` / ``json_object`` and Responses
+  ``text.format`` ``json_schema`` / ``json_object``: the output is one JSON value matching the
+  schema (an object for ``json_object``) — but only when no tool may be called instead (no
+  tools, or ``tool_choice: "none"``): with ``auto`` the model chooses between a call and the
+  formatted answer, and the format is not enforced.
+
+A schema that cannot be compiled is a 400 naming where it came from
+(``response_format.json_schema.schema``, ``tools[i].function.parameters``, ...). A runner
+without a sampler (scripted, ``null``) or a tool parser with another call format leaves the
+output unconstrained, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from resin.server.errors import APIError
+from resin.structured_output import (
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarError,
+    GrammarRegistry,
+    xgrammar_available,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StructuredOutputs:
+    """The server's grammar compiler (built on first use) and the runner's registry."""
+
+    def __init__(
+        self,
+        registry: GrammarRegistry,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        tool_parser: str | None,
+    ) -> None:
+        self.registry = registry
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self.tool_parser = tool_parser
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_runner(
+        cls,
+        runner: Any,
+        tokenizer: Any,
+        stop_token_ids: Sequence[int],
+        tool_parser: str | None,
+    ) -> StructuredOutputs | None:
+        """None when the runner cannot enforce grammars or xgrammar is not installed."""
+        sampler = getattr(runner, "sampler", None)
+        registry = getattr(sampler, "grammars", None)
+        if not isinstance(registry, GrammarRegistry):
+            return None
+        if not xgrammar_available():
+            log.warning("xgrammar is not installed: structured outputs are not enforced")
+            return None
+        return cls(registry, tokenizer, int(sampler.vocab_size), stop_token_ids, tool_parser)
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(
+                    self._tokenizer, self._vocab_size, self._stop_token_ids, self.tool_parser
+                )
+            return self._compiler
+
+    def compile(self, build: Callable[[GrammarCompiler], CompiledGrammar]) -> CompiledGrammar:
+        try:
+            return build(self.compiler)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+
+    # -- request fields -> grammar ---------------------------------------------------------
+
+    def tool_grammar(
+        self,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: Any,
+        params: Sequence[str],
+    ) -> CompiledGrammar | None:
+        """The forced-call grammar for ``tool_choice`` required / named (None otherwise, or
+        when the tool parser's format cannot be forced)."""
+        if not tools or not forces_tool_call(tool_choice):
+            return None
+        if self.tool_parser is None or not self.compiler.supports_tool_calls:
+            return None
+        name = tool_choice.get("name") if isinstance(tool_choice, Mapping) else None
+        return self.compile(lambda c: c.tool_call(tools, name, params))
+
+    def format_grammar(self, spec: FormatSpec | None) -> CompiledGrammar | None:
+        if spec is None:
+            return None
+        if spec.schema is None:
+            return self.compile(lambda c: c.json_object())
+        return self.compile(lambda c: c.json_schema(spec.schema, spec.param))
+
+
+def forces_tool_call(tool_choice: Any) -> bool:
+    return tool_choice == "required" or isinstance(tool_choice, Mapping)
+
+
+class FormatSpec:
+    """A requested output format: ``schema`` (None: any JSON object) and where it was sent."""
+
+    __slots__ = ("schema", "param")
+
+    def __init__(self, schema: Any, param: str) -> None:
+        self.schema = schema
+        self.param = param
+
+
+def parse_format(value: Any, param: str, *, nested: bool) -> FormatSpec | None:
+    """Chat ``response_format`` (``nested``: the schema is under ``json_schema.schema``) or
+    Responses ``text.format`` (the schema is ``schema``); None for ``text`` / absent."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise APIError(400, f"'{param}' must be an object", param=param)
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return FormatSpec(None, param)
+    if kind != "json_schema":
+        raise APIError(
+            400,
+            f"'{param}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r:.40}",
+            param=f"{param}.type",
+        )
+    if nested:
+        inner = value.get("json_schema")
+        if not isinstance(inner, Mapping):
+            raise APIError(
+                400,
+                f"'{param}.json_schema' must be an object with a 'schema'",
+                param=f"{param}.json_schema",
+            )
+        schema, where = inner.get("schema"), f"{param}.json_schema.schema"
+    else:
+        schema, where = value.get("schema"), f"{param}.schema"
+    return FormatSpec({} if schema is None else schema, where)
+
+
+def request_grammar(
+    ctx: Any,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: Any,
+    params: Sequence[str],
+    output_format: FormatSpec | None,
+) -> CompiledGrammar | None:
+    """The grammar of one request: a forced call first, else the output format when no tool
+    may be called instead."""
+    structured: StructuredOutputs | None = getattr(ctx, "structured", None)
+    if structured is None:
+        return None
+    grammar = structured.tool_grammar(tools, tool_choice, params)
+    if grammar is not None or (tools and forces_tool_call(tool_choice)):
+        return grammar
+    if tools and tool_choice != "none":
+        return None  # the model may call a tool instead of answering in the format
+    return structured.format_grammar(output_format)
+
+
+def tool_param_paths(
+    tools: Sequence[Mapping[str, Any]] | None,
+    raw_tools: Any,
+    locate: Callable[[int, Mapping[str, Any]], tuple[str, str] | None],
+) -> list[str]:
+    """``params[i]``: where ``tools[i]``'s parameters schema was sent. ``locate(position,
+    raw_tool)`` returns ``(name, path)`` for a raw tool entry (None to skip it)."""
+    paths: dict[str, str] = {}
+    if isinstance(raw_tools, list):
+        for position, raw in enumerate(raw_tools):
+            if isinstance(raw, Mapping):
+                found = locate(position, raw)
+                if found is not None:
+                    paths.setdefault(found[0], found[1])
+    result = []
+    for index, tool in enumerate(tools or ()):
+        name = (tool.get("function") or {}).get("name")
+        result.append(paths.get(name, f"tools[{index}]") if isinstance(name, str) else "tools")
+    return result
