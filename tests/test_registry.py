@@ -238,3 +238,31 @@ def test_a_broken_model_directory_is_skipped_with_a_warning(tmp_path: Path) -> N
     with pytest.warns(UserWarning, match="model directory skipped"):
         registry = ModelRegistry([tmp_path / "models"], use_cwd=False, use_env=False)
     assert registry.skipped and registry.for_checkpoint(FIXTURES / "llama").name == "torch"
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_serve_every_builtin_family_through_the_registry(name: str) -> None:
+    import httpx
+
+    from resin.server.context import ServerOptions
+    from resin.server.serve import build_context
+    from tests.server_harness import LiveServer
+
+    ctx = build_context(
+        FIXTURES / name, options=ServerOptions(served_model_names=[name]), max_model_len=64
+    )
+    assert type(ctx.loop.runner).__name__ == "TorchRunner"
+    with LiveServer(ctx) as server:
+        reply = httpx.post(
+            f"{server.base_url}/v1/completions",
+            timeout=60,
+            json={
+                "model": name,
+                "prompt": [5, 6, 7],
+                "max_tokens": 3,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 3
