@@ -25,6 +25,7 @@ from resin.scaffold.layer_map import (
     function_name,
     moe_expert_names,
     moe_renormalises,
+    name_pattern,
     pattern_shapes,
     weight_map,
 )
@@ -315,7 +316,7 @@ def _decoder_block(arch: Architecture, layer: LayerInfo) -> Block:
 
 
 def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
-    block = _base(info, "module", shapes)
+    block = _base(info, "module", shapes, checkpoint_shapes=arch.checkpoint_shapes)
     kind = block_kind(info.cls_name)
     config = arch.config
     if kind == "rms_norm":
@@ -354,7 +355,16 @@ def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
     return block
 
 
-def _base(info: BlockInfo, role: str, shapes: str, with_weights: bool = True) -> Block:
+def _base(
+    info: BlockInfo,
+    role: str,
+    shapes: str,
+    with_weights: bool = True,
+    checkpoint_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> Block:
+    """One block's description. ``checkpoint_shapes``: the whole model's checkpoint tensors;
+    the block's weights are listed under their checkpoint names (what ``w`` holds), which
+    differ from HF's in-memory names where HF fuses tensors on load (MoE experts)."""
     hf_shapes = ""
     if role != "rotary":
         shapes = _runner_shapes(info, shapes)
@@ -367,9 +377,12 @@ def _base(info: BlockInfo, role: str, shapes: str, with_weights: bool = True) ->
                 "; HF returns a tuple: return what your decoder-layer function uses "
                 "(a shared decoder layer expects only the first tensor)"
             )
-    weights = ", ".join(f"{n} {s}" for n, s in list(info.params.items())[:MAX_LISTED])
-    if len(info.params) > MAX_LISTED:
-        weights += f", ... {len(info.params) - MAX_LISTED} more"
+    params = _checkpoint_params(info, checkpoint_shapes) or info.params
+    weights = ", ".join(f"{n} {s}" for n, s in list(params.items())[:MAX_LISTED])
+    if len(params) > MAX_LISTED:
+        weights += f", ... {len(params) - MAX_LISTED} more"
+    if params is not info.params and set(params) != set(info.params):
+        weights += " (checkpoint names, as `w` holds them; HF fuses some of them on load)"
     block = Block(
         fn=function_name(info.cls_name),
         cls_name=info.cls_name,
@@ -384,6 +397,20 @@ def _base(info: BlockInfo, role: str, shapes: str, with_weights: bool = True) ->
     if subs and role != "decoder":
         block.notes.append("submodules: " + "; ".join(subs))
     return block
+
+
+def _checkpoint_params(
+    info: BlockInfo, checkpoint_shapes: dict[str, tuple[int, ...]] | None
+) -> dict[str, tuple[int, ...]]:
+    """The block's checkpoint tensors relative to it, expert indices folded (``{expert}``)."""
+    if not checkpoint_shapes or not info.path:
+        return {}
+    prefix = info.path + "."
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in checkpoint_shapes.items():
+        if name.startswith(prefix):
+            out.setdefault(name_pattern(name[len(prefix) - 1 :])[0].lstrip("."), tuple(shape))
+    return out
 
 
 def _runner_shapes(info: BlockInfo, default: str) -> str:
