@@ -151,3 +151,24 @@ def test_recurrent_layer_is_exact_under_chunking_prefix_hits_and_preemption(
     assert [third[f"c{i}"].token_ids for i in range(len(longer))] == [
         reference(p, GREEDY.max_tokens) for p in longer
     ]
+
+
+def test_abort_mid_prefill_leaves_nothing_behind() -> None:
+    """An abort while a long prompt is mid-prefill (its state half-built in its pages) frees
+    the state; the next request that reuses those pages starts fresh and is exact."""
+    config = resin.EngineConfig(
+        page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=5, max_model_len=64
+    )
+    engine = resin.Engine(config, _runner())
+    free_before = engine.num_free_pages
+    engine.add_request("long", PROMPTS[-1], GREEDY)
+    engine.step()
+    engine.step()  # two 5-token chunks of a 30-token prompt computed
+    engine.abort("long")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_free_pages == free_before
+    done = _run(engine, PROMPTS[1:3], "n")
+    assert [done[f"n{i}"].token_ids for i in range(2)] == [
+        reference(p, GREEDY.max_tokens) for p in PROMPTS[1:3]
+    ]
