@@ -142,6 +142,7 @@ class Sampler:
         num_output_tokens = plan.num_output_tokens[rows].tolist()
         temperature = torch.as_tensor(np.array(sampling.temperature[rows]), device=self.device)
         processed = logits.clone()
+        banned_rows: list[int] = []
         for r, row in enumerate(rows.tolist()):
             self._penalise(
                 processed[r],
@@ -154,11 +155,12 @@ class Sampler:
                 plan.banned_token_indptr[row] : plan.banned_token_indptr[row + 1]
             ]
             if len(banned):
+                banned_rows.append(r)
                 processed[
                     r, torch.as_tensor(banned.astype(np.int64), device=self.device)
                 ] = -torch.inf
         if self.grammar_slots:
-            self._mask(processed, logits, slots)
+            self._mask(processed, logits, slots, banned_rows)
 
         greedy = temperature == 0
         scaled = processed / torch.where(greedy, 1.0, temperature)[:, None]
@@ -182,8 +184,11 @@ class Sampler:
             tokens[r] = torch.multinomial(probs[r], 1, generator=generator)[0]
         return self._output(plan, rows, tokens, logits)
 
-    def _mask(self, processed: torch.Tensor, logits: torch.Tensor, slots: list[int]) -> None:
-        """Apply the grammar rows' token masks to ``processed`` in place."""
+    def _mask(
+        self, processed: torch.Tensor, logits: torch.Tensor, slots: list[int], banned: list[int]
+    ) -> None:
+        """Apply the grammar rows' token masks to ``processed`` in place; a row of ``banned``
+        (rows with banned tokens) left with no allowed token gets the grammar mask alone."""
         indices, grammars = [], []
         for r, slot in enumerate(slots):
             grammar = self.grammar_slots.get(slot)
@@ -193,10 +198,8 @@ class Sampler:
         if not grammars:
             return
         apply_grammar_masks(processed, indices, grammars, self._mask_buffer)
-        index = torch.as_tensor(indices, device=processed.device)
-        dead = torch.isneginf(processed[index]).all(dim=-1)
-        if bool(dead.any()):  # bans (min_tokens) removed every allowed token: grammar wins
-            for r in index[dead].tolist():
+        for r in set(banned).intersection(indices):
+            if bool(torch.isneginf(processed[r]).all()):  # the bans left nothing: grammar wins
                 processed[r] = logits[r]
                 apply_grammar_masks(
                     processed, [r], [self.grammar_slots[slots[r]]], self._mask_buffer

@@ -9,9 +9,10 @@ The engine knows nothing of grammars. Three pieces, all out of band of ``Samplin
 - :class:`GrammarCompiler` (server side) — builds the ``xgrammar`` tokenizer info from the
   checkpoint's ``tokenizer.json`` vocabulary (no transformers needed), and compiles a JSON
   schema, "any JSON object", or a forced tool call in the model's tool-call format (hermes-style
-  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, or llama3-json's
-  ``{"name": ..., "parameters": {...}}``) whose arguments follow the tool's JSON schema. A
-  schema that does not compile raises :class:`GrammarError` naming where it came from.
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, llama3-json's
+  ``{"name": ..., "parameters": {...}}``, DeepSeek's through xgrammar's built-in structural
+  tags) whose arguments follow the tool's JSON schema. A schema that does not compile raises
+  :class:`GrammarError` naming where it came from.
 - :class:`GrammarSlot` (sampler side) — one request slot's matcher. Its state follows the
   request's *committed* output tokens (the plan's lifecycle diff), never the sampled ones, so a
   discarded plan or a preempted request replays exactly: a recreated slot re-derives the state
@@ -38,6 +39,11 @@ log = logging.getLogger(__name__)
 # The tool-call formats a forced call can be written in: tool parser name -> format.
 HERMES_PARSERS = ("hermes", "qwen25", "qwen3")
 LLAMA3_JSON_PARSERS = ("llama3_json",)
+# tool parser -> xgrammar's built-in structural tag for the model family's call format (JSON
+# arguments; the XML-style formats of qwen3_coder / glm45 are not used: xgrammar's grammar lets
+# whitespace pad a string value, which those parsers keep as part of the value)
+BUILTIN_TAGS = {"deepseek_v3": "deepseek_r1", "deepseek_v31": "deepseek_v3_1"}
+BUILTIN_MAX_WHITESPACE = 2
 
 
 class GrammarError(ValueError):
@@ -172,27 +178,35 @@ class GrammarCompiler:
 
     @property
     def supports_tool_calls(self) -> bool:
-        return self.tool_parser in HERMES_PARSERS + LLAMA3_JSON_PARSERS
+        return (
+            self.tool_parser in HERMES_PARSERS + LLAMA3_JSON_PARSERS
+            or self.tool_parser in BUILTIN_TAGS
+        )
 
-    def json_schema(self, schema: Any, param: str) -> CompiledGrammar:
-        """Output is one JSON value matching ``schema`` (compact separators)."""
+    def json_schema(self, schema: Any, param: str, *, prefix: str = "") -> CompiledGrammar:
+        """Output is ``prefix`` then one JSON value matching ``schema`` (compact separators)."""
         import xgrammar as xgr
 
         text = self._schema_text(schema, param)
         try:
             grammar = xgr.Grammar.from_json_schema(text, **_JSON_STYLE)
-            return self._compile(grammar, "json_schema")
+            return self._compile(grammar, "json_schema", prefix)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError
             raise GrammarError(f"'{param}' cannot be compiled: {_clean_error(exc)}", param) from exc
 
-    def json_object(self) -> CompiledGrammar:
-        """Output is one JSON object (any keys and values)."""
-        return self.json_schema({"type": "object"}, "response_format")
+    def json_object(self, *, prefix: str = "") -> CompiledGrammar:
+        """Output is ``prefix`` then one JSON object (any keys and values)."""
+        return self.json_schema({"type": "object"}, "response_format", prefix=prefix)
 
     def tool_call(
-        self, tools: Sequence[Mapping[str, Any]], name: str | None, params: Sequence[str]
+        self,
+        tools: Sequence[Mapping[str, Any]],
+        name: str | None,
+        params: Sequence[str],
+        *,
+        prefix: str = "",
     ) -> CompiledGrammar:
-        """Output is exactly one call, in the tool parser's format, of the tool named ``name``
+        """Output is (``prefix`` then) exactly one call, in the tool parser's format, of the tool named ``name``
         (or of any of ``tools`` when None) with arguments matching its parameters schema.
 
         ``tools`` are chat-style ``{"type": "function", "function": {...}}``; ``params[i]``
@@ -228,6 +242,8 @@ class GrammarCompiler:
             )
         if not options:
             raise GrammarError("tool_choice names no tool in 'tools'", "tool_choice")
+        if self.tool_parser in BUILTIN_TAGS:
+            return self._builtin_tool_call(tools, name)
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         try:
             body = xgr.Grammar.from_json_schema(json.dumps(schema), **_JSON_STYLE)
@@ -239,11 +255,38 @@ class GrammarCompiler:
                     body,
                     xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
                 )
-            return self._compile(grammar, "tool_call")
+            return self._compile(grammar, "tool_call", prefix)
         except Exception as exc:  # noqa: BLE001
             raise GrammarError(
                 f"the forced tool call cannot be compiled: {_clean_error(exc)}", "tools"
             ) from exc
+
+    def _builtin_tool_call(
+        self, tools: Sequence[Mapping[str, Any]], name: str | None
+    ) -> CompiledGrammar:
+        import xgrammar as xgr
+
+        choice: Any = (
+            "required" if name is None else {"type": "function", "function": {"name": name}}
+        )
+        chat_tools: list[Any] = [
+            {"type": "function", "function": dict(tool.get("function") or {})} for tool in tools
+        ]
+        try:
+            tag = xgr.get_model_structural_tag(
+                BUILTIN_TAGS[str(self.tool_parser)],
+                tools=chat_tools,
+                tool_choice=choice,
+                reasoning="disabled",
+                parallel_tool_calls=False,
+                max_whitespace_cnt=BUILTIN_MAX_WHITESPACE,
+            )
+            compiled = self._compiler.compile_structural_tag(tag)
+        except Exception as exc:  # noqa: BLE001
+            raise GrammarError(
+                f"the forced tool call cannot be compiled: {_clean_error(exc)}", "tools"
+            ) from exc
+        return CompiledGrammar(compiled, self.stop_token_ids, "tool_call")
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -270,7 +313,15 @@ class GrammarCompiler:
         except Exception as exc:  # noqa: BLE001
             raise GrammarError(f"'{param}' cannot be compiled: {_clean_error(exc)}", param) from exc
 
-    def _compile(self, grammar: Any, description: str) -> CompiledGrammar:
+    def _compile(self, grammar: Any, description: str, prefix: str = "") -> CompiledGrammar:
+        """``prefix`` (e.g. ``"</think>\\n\\n"`` closing a reasoning block the prompt opened) is
+        written verbatim before the grammar's output."""
+        import xgrammar as xgr
+
+        if prefix:
+            grammar = xgr.Grammar.concat(
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"), grammar
+            )
         return CompiledGrammar(
             self._compiler.compile_grammar(grammar), self.stop_token_ids, description
         )

@@ -130,9 +130,12 @@ class Generation:
         self.request_id = request_id
         self.usage = Usage(prompt_tokens=len(request.prompt_token_ids))
         ids = [request_id if request.n == 1 else f"{request_id}.{i}" for i in range(request.n)]
-        params = [request.params] + [
-            _with_seed_offset(request.params, i) for i in range(1, request.n)
-        ]
+        base = request.params
+        if request.grammar is not None and (base.min_tokens or base.ignore_eos):
+            # the grammar decides where the output ends: a stop token banned by min_tokens, or
+            # generation going on past it (ignore_eos), would break out of the grammar
+            base = _replace(base, min_tokens=0, ignore_eos=False)
+        params = [base] + [_with_seed_offset(base, i) for i in range(1, request.n)]
         self._grammar_ids: list[str] = []
         if request.grammar is not None and generator.grammars is not None:
             self._grammars = generator.grammars
@@ -254,8 +257,12 @@ def _finite(logprob: float) -> float:
 def _with_seed_offset(params: SamplingParams, offset: int) -> SamplingParams:
     if params.seed is None:
         return params
+    return _replace(params, seed=(params.seed + offset) % 2**63)  # a non-negative int64
+
+
+def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
     # every public attribute of SamplingParams is a constructor field (no methods), so the
     # copy cannot fall behind when a field is added
     fields = {name: getattr(params, name) for name in dir(params) if not name.startswith("_")}
-    fields["seed"] = (params.seed + offset) % 2**63  # stays a non-negative int64
+    fields.update(changes)
     return SamplingParams(**fields)

@@ -5,8 +5,9 @@ What is enforced (docs/server.md "Structured outputs"), when the runner's sample
 
 - a forced tool call — Chat/Responses ``tool_choice: "required"`` or a named function (custom
   tools included: one ``input`` string), Anthropic ``tool_choice: any`` / ``tool`` — becomes
-  exactly one call in the model's tool-call format (tool parsers ``hermes``/``qwen25``/``qwen3``
-  and ``llama3_json``) with arguments matching the tool's parameters schema;
+  exactly one call in the model's tool-call format (tool parsers ``hermes``/``qwen25``/``qwen3``,
+  ``llama3_json``, ``deepseek_v3``/``deepseek_v31``) with arguments matching the tool's
+  parameters schema;
 - otherwise, Chat ``response_format`` ``json_schema`` / ``json_object`` and Responses
   ``text.format`` ``json_schema`` / ``json_object``: the output is one JSON value matching the
   schema (an object for ``json_object``) — but only when no tool may be called instead (no
@@ -68,7 +69,7 @@ class StructuredOutputs:
         """None when the runner cannot enforce grammars or xgrammar is not installed."""
         sampler = getattr(runner, "sampler", None)
         registry = getattr(sampler, "grammars", None)
-        if not isinstance(registry, GrammarRegistry):
+        if sampler is None or not isinstance(registry, GrammarRegistry):
             return None
         if not xgrammar_available():
             log.warning("xgrammar is not installed: structured outputs are not enforced")
@@ -97,6 +98,7 @@ class StructuredOutputs:
         tools: Sequence[Mapping[str, Any]] | None,
         tool_choice: Any,
         params: Sequence[str],
+        prefix: str = "",
     ) -> CompiledGrammar | None:
         """The forced-call grammar for ``tool_choice`` required / named (None otherwise, or
         when the tool parser's format cannot be forced)."""
@@ -105,14 +107,14 @@ class StructuredOutputs:
         if self.tool_parser is None or not self.compiler.supports_tool_calls:
             return None
         name = tool_choice.get("name") if isinstance(tool_choice, Mapping) else None
-        return self.compile(lambda c: c.tool_call(tools, name, params))
+        return self.compile(lambda c: c.tool_call(tools, name, params, prefix=prefix))
 
-    def format_grammar(self, spec: FormatSpec | None) -> CompiledGrammar | None:
+    def format_grammar(self, spec: FormatSpec | None, prefix: str = "") -> CompiledGrammar | None:
         if spec is None:
             return None
         if spec.schema is None:
-            return self.compile(lambda c: c.json_object())
-        return self.compile(lambda c: c.json_schema(spec.schema, spec.param))
+            return self.compile(lambda c: c.json_object(prefix=prefix))
+        return self.compile(lambda c: c.json_schema(spec.schema, spec.param, prefix=prefix))
 
 
 def forces_tool_call(tool_choice: Any) -> bool:
@@ -167,18 +169,31 @@ def request_grammar(
     tool_choice: Any,
     params: Sequence[str],
     output_format: FormatSpec | None,
+    prompt: Any = None,
 ) -> CompiledGrammar | None:
     """The grammar of one request: a forced call first, else the output format when no tool
-    may be called instead."""
+    may be called instead. When the output would start inside reasoning (the ``prompt``
+    opened ``<think>``, or the reasoning parser reads everything before ``</think>`` as
+    reasoning), the grammar writes ``</think>\\n\\n`` first, so the answer is content."""
     structured: StructuredOutputs | None = getattr(ctx, "structured", None)
     if structured is None:
         return None
-    grammar = structured.tool_grammar(tools, tool_choice, params)
+    prefix = reasoning_prefix(ctx, prompt)
+    grammar = structured.tool_grammar(tools, tool_choice, params, prefix)
     if grammar is not None or (tools and forces_tool_call(tool_choice)):
         return grammar
     if tools and tool_choice != "none":
         return None  # the model may call a tool instead of answering in the format
-    return structured.format_grammar(output_format)
+    return structured.format_grammar(output_format, prefix)
+
+
+def reasoning_prefix(ctx: Any, prompt: Any) -> str:
+    parser = getattr(getattr(ctx, "options", None), "reasoning_parser", None)
+    if prompt is None or parser is None or getattr(prompt, "reasoning_closed", False):
+        return ""
+    if getattr(prompt, "reasoning_started", False) or parser == "deepseek_r1":
+        return "</think>\n\n"
+    return ""
 
 
 def tool_param_paths(

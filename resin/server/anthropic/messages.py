@@ -94,7 +94,7 @@ def prepare(ctx: ServerContext, body: dict[str, Any]) -> MessageRequest:
         temperature_max=1.0,
     )
     paths = tool_param_paths(prompt.tools, body.get("tools"), _tool_path)
-    grammar = request_grammar(ctx, prompt.tools, tool_choice, paths, None)
+    grammar = request_grammar(ctx, prompt.tools, tool_choice, paths, None, prompt)
     request = GenerationRequest(prompt.token_ids, params, stop=stops, grammar=grammar)
     return MessageRequest(
         model,

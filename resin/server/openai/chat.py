@@ -127,7 +127,7 @@ def prepare_chat(
     )
     output_format = parse_format(body.get("response_format"), "response_format", nested=True)
     paths = tool_param_paths(tools, body.get("tools"), _chat_tool_path)
-    grammar = request_grammar(ctx, tools, tool_choice, paths, output_format)
+    grammar = request_grammar(ctx, tools, tool_choice, paths, output_format, prompt)
     request = GenerationRequest(
         prompt.token_ids,
         params,

@@ -152,7 +152,7 @@ def prepare_response(ctx: ServerContext, body: dict[str, Any]) -> ResponsesReque
     text = get_dict(body, "text") or {}
     output_format = parse_format(text.get("format"), "text.format", nested=False)
     paths = tool_param_paths(tools, body.get("tools"), _responses_tool_path)
-    grammar = request_grammar(ctx, tools, tool_choice, paths, output_format)
+    grammar = request_grammar(ctx, tools, tool_choice, paths, output_format, prompt)
     generation = GenerationRequest(
         prompt.token_ids, params, n=1, num_top_logprobs=num_logprobs, grammar=grammar
     )
