@@ -81,12 +81,20 @@ class LayerCacheSpec:
     """What one layer keeps in the cache. Layers with equal specs form one cache group."""
 
     @property
-    def kind(self) -> Literal["full", "sliding_window", "recurrent"]: ...
+    def kind(self) -> Literal["full", "sliding_window", "recurrent", "compressed"]: ...
     @property
-    def bytes_per_token(self) -> int: ...
+    def bytes_per_token(self) -> int:
+        """Bytes per token of a full / sliding-window layer; 0 for recurrent and compressed."""
     @property
     def window(self) -> int | None:
         """Sliding window in tokens: a query at position p attends keys in (p - window, p]."""
+    @property
+    def ratio(self) -> int | None:
+        """Compressed layers: source tokens per entry (entry e covers tokens
+        [e*ratio, (e+1)*ratio)); None otherwise."""
+    @property
+    def bytes_per_entry(self) -> int | None:
+        """Compressed layers: bytes per entry; None otherwise."""
     @property
     def state_bytes(self) -> int | None: ...
     @staticmethod
@@ -97,6 +105,13 @@ class LayerCacheSpec:
     def recurrent(state_bytes: int) -> LayerCacheSpec:
         """A recurrent state of state_bytes per request (per layer), held in
         CacheGroup.pages_per_state pages of CacheLayout.page_bytes each."""
+    @staticmethod
+    def compressed(ratio: int, bytes_per_entry: int) -> LayerCacheSpec:
+        """Compressed attention (DeepSeek-V4 CSA / HCA): one entry of bytes_per_entry per
+        ratio source tokens; a page holds page_size entries (page_size * ratio tokens). The
+        entry a token closes is written via slot_mapping; the carry (the open window's
+        tokens, an overlapping window's previous half) is read from a sliding-window group
+        of the same layer with window >= (1 + overlap) * ratio."""
 
 @final
 class CacheGroup:
@@ -109,7 +124,7 @@ class CacheGroup:
     @property
     def pages_per_state(self) -> int:
         """Pages one recurrent state occupies: max(1, ceil(state_bytes / page_bytes)), 1 when
-        page_bytes is 0; 0 for a token (full / sliding-window) group."""
+        page_bytes is 0; 0 for a token (full / sliding-window) or compressed group."""
 
 @final
 class CacheLayout:
@@ -127,7 +142,8 @@ class CacheLayout:
     @property
     def page_bytes(self) -> int:
         """Bytes one page holds in one layer's buffer: the largest page_size * bytes_per_token
-        over the token layers (0 if none). A recurrent layer's buffer is num_pages pages of
+        over the token layers and page_size * bytes_per_entry over the compressed layers (0 if
+        none). A recurrent layer's buffer is num_pages pages of
         page_bytes (of state_bytes when page_bytes is 0); a state spans pages_per_state of
         them, the last one padded."""
     @property
@@ -262,15 +278,20 @@ class BatchPlan:
     @property
     def kv_indices(self) -> tuple[npt.NDArray[np.uint32], ...]:
         """Per cache group: uint32[nnz_g] page ids; a sliding-window group lists only in-window
-        pages; a recurrent group lists each row's pages_per_state state pages, in byte order."""
+        pages; a recurrent group lists each row's pages_per_state state pages, in byte order; a
+        compressed group lists the pages holding the entries closed by seq_len
+        (num_entries = seq_len // ratio, in ceil(num_entries / page_size) pages from entry 0)."""
     @property
     def kv_last_page_len(self) -> tuple[npt.NDArray[np.uint32], ...]:
         """Per cache group: uint32[S], tokens in each row's last page (1..page_size); 0 for a
-        recurrent group."""
+        recurrent group; entries in the last listed page for a compressed group (0 when
+        none is listed)."""
     @property
     def slot_mapping(self) -> tuple[npt.NDArray[np.int64], ...]:
         """Per cache group: int64[T], page * page_size + offset where each new token's KV goes;
-        -1 = skip (every token of a recurrent group, which has no per-token cache)."""
+        -1 = skip (every token of a recurrent group, which has no per-token cache). A
+        compressed group: the slot of the entry the token closes (position p with
+        (p + 1) % ratio == 0 writes entry p // ratio), -1 for every other token."""
     @property
     def state_slots(self) -> tuple[npt.NDArray[np.uint32], ...]:
         """Per cache group: uint32[S] for a recurrent group (empty for a token group), the first
@@ -297,7 +318,8 @@ class BatchPlan:
     def block_table(self) -> tuple[npt.NDArray[np.uint32], ...]:
         """Per cache group: uint32[S, max_pages], column j = page holding positions
         [j*page_size, (j+1)*page_size); 0 (the null page) before the window and past the end.
-        A recurrent group: uint32[S, pages_per_state], the state pages.
+        A recurrent group: uint32[S, pages_per_state], the state pages. A compressed group:
+        column j = page holding entries [j*page_size, (j+1)*page_size).
         Derived from kv_indices on first access (the one plan array that is a new array)."""
     @property
     def new_request_slots(self) -> npt.NDArray[np.uint32]:

@@ -4,8 +4,15 @@
 //! Page tables of token groups are position-indexed: entry `j` of group `g` holds positions
 //! `[j*page_size, (j+1)*page_size)`. A full-attention group keeps every entry; a
 //! sliding-window group replaces entries wholly before the window with `NULL_PAGE` and
-//! returns those pages to the pool. A recurrent group's "table" is the request's own state:
-//! `pages_per_state` pages, allocated at admission and kept until the request leaves.
+//! returns those pages to the pool. A compressed group's table is entry-indexed: entry `j`
+//! holds entries `[j*page_size, (j+1)*page_size)` (tokens `[j*page_size*ratio,
+//! (j+1)*page_size*ratio)`); it grows as entries close (`ceil(floor(n / ratio) / page_size)`
+//! pages for `n` computed tokens) and, like a full-attention table, keeps every page. Its
+//! full page `j` is registered in the prefix cache under the hash of the last token page it
+//! covers, `H_{(j+1)*ratio - 1}` (the chain makes that a key for the whole prefix), so a
+//! compressed group serves hits of whole multiples of `page_size * ratio` tokens. A
+//! recurrent group's "table" is the request's own state: `pages_per_state` pages,
+//! allocated at admission and kept until the request leaves.
 //!
 //! With prefix caching, a recurrent group caches *checkpoints*: copies of a request's
 //! state at a page boundary (`k * page_size` tokens), made by a `copy_pages` op the runner
@@ -60,6 +67,15 @@ pub fn checkpoint_hash(block: BlockHash, p: u32) -> BlockHash {
     BlockHash::chain(Some(block), &[p], 1)
 }
 
+/// The token page (index into `block_hashes`) whose hash keys table page `j` of `spec`:
+/// `j` for a token group, the last token page it covers for a compressed group.
+fn keying_block(spec: &KvCacheSpec, j: u32) -> u32 {
+    match spec {
+        KvCacheSpec::Compressed { ratio, .. } => (j + 1) * ratio - 1,
+        _ => j,
+    }
+}
+
 /// First position a query at `num_computed` (and later) still reads, for `spec`.
 fn first_needed_position(spec: &KvCacheSpec, num_computed: u32) -> u32 {
     match spec {
@@ -90,12 +106,32 @@ impl KvCacheManager {
         self.layout.groups.len()
     }
 
+    /// Table length of token or compressed group `g` once `num_tokens` tokens are
+    /// computed: pages holding positions (entries, for a compressed group) so far.
+    fn num_table_pages(&self, g: usize, num_tokens: u32) -> u32 {
+        self.layout.groups[g].spec.num_entries(num_tokens).div_ceil(self.page_size())
+    }
+
+    /// Full table pages of token or compressed group `g` of `req` that can be hashed now.
+    fn num_hashable_pages(&self, req: &Request, g: usize) -> u32 {
+        let ps = self.page_size();
+        let spec = &self.layout.groups[g].spec;
+        let blocks = (req.num_computed_tokens / ps).min(req.block_hashes.len() as u32);
+        match spec.ratio() {
+            Some(ratio) => blocks / ratio,
+            None => blocks,
+        }
+    }
+
     /// The longest cached prefix every group can serve, capped at `num_tokens - 1` so the
     /// last token is recomputed to produce logits. Groups reconcile by a fixed point:
-    /// start from the longest full-attention chain and shorten until each sliding-window
-    /// group holds every page its window needs at that length and each recurrent group
-    /// holds a checkpoint at exactly that length. For a recurrent group the hit's pages
-    /// are the checkpoint's (the copy-on-write sources), not pages the request will own.
+    /// start from the longest full-attention and compressed chains (a compressed chain of
+    /// `c` pages serves `c * ratio` token pages) and shorten until each sliding-window
+    /// group holds every page its window needs at that length, each recurrent group
+    /// holds a checkpoint at exactly that length and the length is a whole number of
+    /// compressed pages (`page_size * ratio` tokens) for each compressed group. For a
+    /// recurrent group the hit's pages are the checkpoint's (the copy-on-write sources),
+    /// not pages the request will own.
     pub fn find_prefix_hit(&self, req: &Request) -> PrefixHit {
         let num_groups = self.num_groups();
         let miss = PrefixHit { pages: vec![Vec::new(); num_groups], ..PrefixHit::default() };
@@ -106,13 +142,26 @@ impl KvCacheManager {
         let max_pages = ((req.num_tokens() - 1) / ps).min(req.block_hashes.len() as u32);
         let mut num_pages = max_pages;
         for (g, group) in self.layout.groups.iter().enumerate() {
-            if let KvCacheSpec::Full { .. } = group.spec {
-                let chain =
-                    (0..num_pages).take_while(|&j| self.pool.lookup(g, req.block_hashes[j as usize]).is_some()).count() as u32;
-                num_pages = num_pages.min(chain);
+            match group.spec {
+                KvCacheSpec::Full { .. } => {
+                    let chain = (0..num_pages)
+                        .take_while(|&j| self.pool.lookup(g, req.block_hashes[j as usize]).is_some())
+                        .count() as u32;
+                    num_pages = num_pages.min(chain);
+                }
+                KvCacheSpec::Compressed { ratio, .. } => {
+                    let chain = (0..num_pages / ratio)
+                        .take_while(|&j| self.pool.lookup(g, req.block_hashes[keying_block(&group.spec, j) as usize]).is_some())
+                        .count() as u32;
+                    num_pages = num_pages.min(chain * ratio);
+                }
+                _ => {}
             }
         }
-        while num_pages > 0 && !(self.windows_cached(req, num_pages) && self.checkpoints_cached(req, num_pages)) {
+        let whole_entry_pages = |n: u32| self.layout.groups.iter().all(|g| g.spec.ratio().is_none_or(|r| n.is_multiple_of(r)));
+        while num_pages > 0
+            && !(whole_entry_pages(num_pages) && self.windows_cached(req, num_pages) && self.checkpoints_cached(req, num_pages))
+        {
             num_pages -= 1;
         }
         if num_pages == 0 {
@@ -128,8 +177,14 @@ impl KvCacheManager {
                 continue;
             }
             let first = first_needed_position(&group.spec, num_tokens) / ps;
-            let pages: Vec<PageId> = (0..num_pages)
-                .map(|j| if j < first { NULL_PAGE } else { self.pool.lookup(g, req.block_hashes[j as usize]).unwrap() })
+            let pages: Vec<PageId> = (0..self.num_table_pages(g, num_tokens))
+                .map(|j| {
+                    if j < first {
+                        NULL_PAGE
+                    } else {
+                        self.pool.lookup(g, req.block_hashes[keying_block(&group.spec, j) as usize]).unwrap()
+                    }
+                })
                 .collect();
             hit.num_idle_pages += pages.iter().filter(|&&p| p != NULL_PAGE && self.pool.is_idle(p)).count() as u32;
             hit.pages.push(pages);
@@ -163,7 +218,6 @@ impl KvCacheManager {
     /// (starting from `hit` if it is being admitted with one), its own states included.
     pub fn num_pages_to_allocate(&self, req: &Request, hit: Option<&PrefixHit>, num_new_tokens: u32) -> u32 {
         let base = hit.map_or(req.num_computed_tokens, |h| h.num_tokens);
-        let target = (base + num_new_tokens).div_ceil(self.page_size());
         (0..self.num_groups())
             .map(|g| {
                 let group = &self.layout.groups[g];
@@ -171,7 +225,7 @@ impl KvCacheManager {
                     return if req.pages[g].is_empty() { group.pages_per_state } else { 0 };
                 }
                 let have = hit.map_or(req.pages[g].len(), |h| h.pages[g].len()) as u32;
-                target.saturating_sub(have)
+                self.num_table_pages(g, base + num_new_tokens).saturating_sub(have)
             })
             .sum()
     }
@@ -243,8 +297,8 @@ impl KvCacheManager {
         if self.num_pages_to_allocate(req, None, num_new_tokens) > self.pool.num_free_pages() {
             return false;
         }
-        let target = (req.num_computed_tokens + num_new_tokens).div_ceil(self.page_size()) as usize;
-        for (pages, group) in req.pages.iter_mut().zip(&self.layout.groups) {
+        let seq_len = req.num_computed_tokens + num_new_tokens;
+        for (g, (pages, group)) in req.pages.iter_mut().zip(&self.layout.groups).enumerate() {
             if group.is_recurrent() {
                 if pages.is_empty() {
                     for _ in 0..group.pages_per_state {
@@ -253,6 +307,7 @@ impl KvCacheManager {
                 }
                 continue;
             }
+            let target = self.num_table_pages(g, seq_len) as usize;
             while pages.len() < target {
                 pages.push(self.pool.allocate().expect("free pages were counted"));
             }
@@ -310,18 +365,20 @@ impl KvCacheManager {
         if !self.enable_prefix_caching {
             return;
         }
-        let upto = (req.num_computed_tokens / self.page_size()).min(req.block_hashes.len() as u32);
-        if req.num_hashed_pages.iter().all(|&n| n >= upto) {
-            return; // the common decode step: no page filled up
+        let blocks = (req.num_computed_tokens / self.page_size()).min(req.block_hashes.len() as u32);
+        if req.num_hashed_pages.iter().all(|&n| n >= blocks) {
+            return; // the common decode step: no page filled up (a compressed group has fewer)
         }
         for g in 0..self.num_groups() {
-            if self.layout.groups[g].is_recurrent() {
+            let group = &self.layout.groups[g];
+            if group.is_recurrent() {
                 continue; // own states are never cached; checkpoints are (start_checkpoint)
             }
+            let upto = self.num_hashable_pages(req, g);
             for j in req.num_hashed_pages[g]..upto {
                 let page = req.pages[g][j as usize];
                 if page != NULL_PAGE {
-                    self.pool.cache_page(page, g, req.block_hashes[j as usize]);
+                    self.pool.cache_page(page, g, req.block_hashes[keying_block(&group.spec, j) as usize]);
                 }
             }
             req.num_hashed_pages[g] = req.num_hashed_pages[g].max(upto);
@@ -348,12 +405,18 @@ impl KvCacheManager {
     }
 
     /// Frees all of `req`'s pages, last position first across groups, so the pool evicts
-    /// a request's tail before its prefix.
+    /// a request's tail before its prefix (a compressed page goes with the last token page
+    /// it covers, a recurrent state with the first).
     pub fn free(&mut self, req: &mut Request) {
-        let longest = req.pages.iter().map(Vec::len).max().unwrap_or(0);
-        for j in (0..longest).rev() {
-            for pages in &req.pages {
-                if let Some(&page) = pages.get(j) {
+        let ratio = |g: usize| self.layout.groups[g].spec.ratio().unwrap_or(1) as usize;
+        let longest = req.pages.iter().enumerate().map(|(g, p)| p.len() * ratio(g)).max().unwrap_or(0);
+        for b in (0..longest).rev() {
+            for (g, pages) in req.pages.iter().enumerate() {
+                let r = ratio(g);
+                if !(b + 1).is_multiple_of(r) {
+                    continue;
+                }
+                if let Some(&page) = pages.get((b + 1) / r - 1) {
                     if page != NULL_PAGE {
                         self.pool.release(page);
                     }
@@ -369,14 +432,15 @@ impl KvCacheManager {
 
     /// Pages of `req` in group `g` a step over `[num_computed, seq_len)` reads:
     /// (index of the first listed page, the listed pages). A recurrent group lists the
-    /// request's state pages.
+    /// request's state pages; a compressed group every page holding an entry closed by
+    /// `seq_len` (none before the first entry closes).
     pub fn listed_pages<'r>(&self, req: &'r Request, g: usize, num_computed: u32, seq_len: u32) -> (u32, &'r [PageId]) {
         if self.layout.groups[g].is_recurrent() {
             return (0, &req.pages[g]);
         }
         let ps = self.page_size();
         let first = first_needed_position(&self.layout.groups[g].spec, num_computed) / ps;
-        let end = seq_len.div_ceil(ps);
+        let end = self.num_table_pages(g, seq_len);
         (first, &req.pages[g][first as usize..end as usize])
     }
 }

@@ -20,6 +20,15 @@ pub enum KvCacheSpec {
     /// (see [`CacheLayout::page_bytes`]); with prefix caching, checkpoints of it at page
     /// boundaries are cached too.
     Recurrent { state_bytes: u64 },
+    /// Compressed attention (DeepSeek-V4 CSA / HCA): one entry of `bytes_per_entry` per
+    /// `ratio` source tokens. Entry `e` covers tokens `[e*ratio, (e+1)*ratio)` and is
+    /// *closed* (written) by its last token; a page holds `page_size` entries, so page-table
+    /// index `j` holds entries `[j*page_size, (j+1)*page_size)` = tokens
+    /// `[j*page_size*ratio, (j+1)*page_size*ratio)`. The engine stores no carry (the
+    /// not-yet-compressed tail, or an overlapping window's previous half): the runner
+    /// reads it from a sliding-window group of the same layer whose window is at least
+    /// `(1 + overlap) * ratio` tokens (see docs/architecture.md, "Cache groups").
+    Compressed { ratio: u32, bytes_per_entry: u64 },
 }
 
 impl KvCacheSpec {
@@ -28,6 +37,24 @@ impl KvCacheSpec {
             KvCacheSpec::Full { .. } => "full",
             KvCacheSpec::SlidingWindow { .. } => "sliding_window",
             KvCacheSpec::Recurrent { .. } => "recurrent",
+            KvCacheSpec::Compressed { .. } => "compressed",
+        }
+    }
+
+    /// Source tokens per entry, for compressed specs.
+    pub fn ratio(&self) -> Option<u32> {
+        match self {
+            KvCacheSpec::Compressed { ratio, .. } => Some(*ratio),
+            _ => None,
+        }
+    }
+
+    /// Entries closed once `num_tokens` tokens are computed: `num_tokens / ratio` for a
+    /// compressed spec, `num_tokens` for a token (full / sliding-window) spec.
+    pub fn num_entries(&self, num_tokens: u32) -> u32 {
+        match self {
+            KvCacheSpec::Compressed { ratio, .. } => num_tokens / (*ratio).max(1),
+            _ => num_tokens,
         }
     }
 
@@ -53,6 +80,7 @@ impl KvCacheSpec {
                 full.min(u32::try_from(pages).unwrap_or(u32::MAX))
             }
             KvCacheSpec::Recurrent { .. } => 1,
+            KvCacheSpec::Compressed { .. } => self.num_entries(max_model_len).div_ceil(page_size),
         }
     }
 }
@@ -95,11 +123,11 @@ impl CacheGroup {
 pub struct CacheLayout {
     /// Pages in the pool, page 0 (the null page) included.
     pub num_pages: u32,
-    /// Tokens per page.
+    /// Tokens per page (entries per page, for a compressed group).
     pub page_size: u32,
     /// Bytes one page holds in one layer's buffer: the largest `page_size * bytes_per_token`
-    /// over the token (full / sliding-window) layers; 0 if there are none or they keep no
-    /// bytes. A recurrent state of `state_bytes` spans `ceil(state_bytes / page_bytes)`
+    /// over the token (full / sliding-window) layers and `page_size * bytes_per_entry` over
+    /// the compressed layers; 0 if there are none or they keep no bytes. A recurrent state of `state_bytes` spans `ceil(state_bytes / page_bytes)`
     /// pages (the last one padded); the runner sizes each recurrent layer's buffer as
     /// `num_pages` pages of `page_bytes` (or of `state_bytes` when `page_bytes` is 0).
     pub page_bytes: u64,
@@ -130,6 +158,9 @@ impl CacheLayout {
                 KvCacheSpec::Recurrent { state_bytes: 0 } => {
                     return Err(CoreError::invalid(format!("layer {layer}: recurrent state_bytes must be >= 1")))
                 }
+                KvCacheSpec::Compressed { ratio: 0, .. } => {
+                    return Err(CoreError::invalid(format!("layer {layer}: compressed ratio must be >= 1 token")))
+                }
                 _ => {}
             }
             match groups.iter_mut().find(|g| g.spec == *spec) {
@@ -143,6 +174,7 @@ impl CacheLayout {
                 KvCacheSpec::Full { bytes_per_token } | KvCacheSpec::SlidingWindow { bytes_per_token, .. } => {
                     bytes_per_token.saturating_mul(u64::from(page_size))
                 }
+                KvCacheSpec::Compressed { bytes_per_entry, .. } => bytes_per_entry.saturating_mul(u64::from(page_size)),
                 KvCacheSpec::Recurrent { .. } => 0,
             })
             .max()
@@ -209,6 +241,19 @@ mod tests {
         assert!(CacheLayout::from_layer_specs(&[], 10, 0).is_err());
         let l = CacheLayout::from_layer_specs(&[], 10, 4).unwrap();
         assert_eq!(l.groups[0].spec, KvCacheSpec::Full { bytes_per_token: 0 });
+    }
+
+    #[test]
+    fn compressed_pages_hold_entries() {
+        let swa = KvCacheSpec::SlidingWindow { window: 8, bytes_per_token: 8 };
+        let csa = KvCacheSpec::Compressed { ratio: 4, bytes_per_entry: 16 };
+        let layout = CacheLayout::from_layer_specs(&[swa, csa], 10, 4).unwrap();
+        assert_eq!(layout.page_bytes, 64, "4 entries of 16 bytes beat 4 tokens of 8");
+        assert_eq!((layout.groups[1].spec.ratio(), layout.groups[1].pages_per_state), (Some(4), 0));
+        assert_eq!(csa.num_entries(11), 2);
+        // 100 tokens close 25 entries: 7 pages of 4.
+        assert_eq!(csa.max_pages_per_request(100, 16, 4), 7);
+        assert!(CacheLayout::from_layer_specs(&[KvCacheSpec::Compressed { ratio: 0, bytes_per_entry: 1 }], 10, 4).is_err());
     }
 
     #[test]

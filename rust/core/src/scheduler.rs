@@ -61,8 +61,9 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(limits: SchedulerLimits, kv: KvCacheManager) -> Self {
-        // Every running request holds at least one page, so no more than num_pages - 1 run
-        // at once whatever max_num_seqs says: that bounds the slot table.
+        // A running request holds at least one page of its own (a compressed-only engine's
+        // until its first entry closes excepted), so no more than num_pages - 1 run at once
+        // whatever max_num_seqs says: that bounds the slot table (and admission).
         let num_slots = limits.max_num_seqs.min(kv.pool.num_pages() - 1);
         Scheduler {
             slots: RunnerSlots::new(num_slots),
@@ -204,7 +205,10 @@ impl Scheduler {
             preempted = true;
         }
 
-        while !preempted && budget > 0 && (self.running.len() as u32) < self.limits.max_num_seqs {
+        // The slot table bounds running requests too: in an engine of compressed groups only,
+        // a request holds no page until its first entry closes.
+        let max_running = self.slots.num_slots();
+        while !preempted && budget > 0 && self.running.len() < max_running {
             let Some(&idx) = self.waiting.front() else { break };
             let req = self.requests[idx].as_mut().expect("live request index");
             let hit = self.kv.find_prefix_hit(req);
@@ -333,7 +337,7 @@ impl Scheduler {
                     }
                     continue;
                 }
-                if (pages.len() as u32) < r.num_computed_tokens.div_ceil(ps) {
+                if (pages.len() as u32) < group.spec.num_entries(r.num_computed_tokens).div_ceil(ps) {
                     return Err(format!("request {}: group {g} has too few pages for its computed tokens", r.id()));
                 }
                 if pages[r.num_released_pages[g] as usize..].contains(&0) {

@@ -1,14 +1,17 @@
 //! Seeded randomized invariant test: ≥ 100,000 operations (add, step with random
 //! outputs, abort, bad output, discard, prefix-cache reset) over many engine shapes —
-//! page sizes, random mixes of full / sliding-window / recurrent groups (states of 1 to 3
-//! pages, checkpoints with prefix caching), prefix caching on and off, FCFS
+//! page sizes, random mixes of full / sliding-window / recurrent / compressed groups (states
+//! of 1 to 3 pages, checkpoints with prefix caching; compression ratios 1 to 5, with or
+//! without a raw window alongside), prefix caching on and off, FCFS
 //! and priority, pools small enough to force preemption. After every operation:
 //! pages free + pages owned + pages cached = pool size - 1 (the null page), page 0
-//! never owned, refcounts equal owners (`check_integrity`), and at the end, once every
+//! never owned, refcounts equal owners, no page owned by two groups (`check_integrity`),
+//! every compressed row lists exactly the pages of its closed entries and marks exactly the
+//! closing tokens in `slot_mapping`, and at the end, once every
 //! request is finished and the prefix cache is reset, every page is free.
 
 mod common;
-use resin_core::{Engine, EngineConfig, ForwardOutputRef, KvCacheSpec, SamplingParams, SchedulingPolicy};
+use resin_core::{BatchPlan, Engine, EngineConfig, ForwardOutputRef, KvCacheSpec, SamplingParams, SchedulingPolicy};
 
 /// xorshift64*: small, seeded, reproducible.
 struct Rng(u64);
@@ -29,6 +32,36 @@ impl Rng {
 
 const EOS: u32 = 1;
 const VOCAB: u32 = 12;
+
+/// Every compressed group of `plan`: rows list `ceil((seq_len / ratio) / page_size)` pages,
+/// none null, `kv_last_page_len` counts the last page's entries, and a token's slot is set
+/// iff it closes an entry, pointing into the listed page of that entry.
+fn check_compressed_plan(e: &Engine, plan: &BatchPlan) {
+    let ps = plan.page_size;
+    for (g, group) in e.layout().groups.iter().enumerate() {
+        let Some(ratio) = group.spec.ratio() else { continue };
+        let gp = &plan.groups[g];
+        assert_eq!(gp.ratio, ratio);
+        for i in 0..plan.num_sequences as usize {
+            let listed = &gp.kv_indices[gp.kv_indptr[i] as usize..gp.kv_indptr[i + 1] as usize];
+            let num_entries = plan.seq_lens[i] / ratio;
+            assert_eq!(listed.len() as u32, num_entries.div_ceil(ps));
+            assert!(!listed.contains(&0));
+            let last = if listed.is_empty() { 0 } else { num_entries - (listed.len() as u32 - 1) * ps };
+            assert_eq!(gp.kv_last_page_len[i], last);
+            for t in plan.query_indptr[i]..plan.query_indptr[i + 1] {
+                let p = plan.positions[t as usize] as u32;
+                let want = if (p + 1).is_multiple_of(ratio) {
+                    let e = p / ratio;
+                    i64::from(listed[(e / ps) as usize]) * i64::from(ps) + i64::from(e % ps)
+                } else {
+                    -1
+                };
+                assert_eq!(gp.slot_mapping[t as usize], want);
+            }
+        }
+    }
+}
 
 fn check_pool_accounting(e: &Engine) {
     e.check_integrity().unwrap_or_else(|err| panic!("{err}"));
@@ -66,6 +99,16 @@ fn random_engine(rng: &mut Rng) -> Engine {
         }
         if rng.chance(10) {
             specs.retain(|s| matches!(s, KvCacheSpec::Recurrent { .. })); // recurrent only
+        }
+    }
+    // Half the engines mix in compressed layers (1 or 2 ratios; sometimes compressed only).
+    if rng.chance(50) {
+        for _ in 0..1 + rng.below(2) {
+            let spec = KvCacheSpec::Compressed { ratio: 1 + rng.below(5) as u32, bytes_per_entry: 1 + rng.below(4) };
+            specs.insert(rng.below(specs.len() as u64 + 1) as usize, spec);
+        }
+        if rng.chance(10) {
+            specs.retain(|s| matches!(s, KvCacheSpec::Compressed { .. }));
         }
     }
     let mut config = EngineConfig {
@@ -108,6 +151,8 @@ fn randomized_operations_keep_every_invariant() {
     let mut num_engines = 0;
     let mut num_preempting_engines = 0;
     let mut num_recurrent_engines = 0;
+    let mut num_compressed_engines = 0;
+    let mut num_compressed_hits = 0;
     while num_ops < 100_000 {
         let mut e = random_engine(&mut rng);
         num_engines += 1;
@@ -137,6 +182,7 @@ fn randomized_operations_keep_every_invariant() {
                 30..=31 => e.reset_prefix_cache(),
                 _ => {
                     let plan = e.schedule().unwrap();
+                    check_compressed_plan(&e, &plan);
                     if plan.num_sequences > 0 && rng.chance(3) {
                         // A bad output (wrong length) is refused and changes nothing.
                         let free = e.num_free_pages();
@@ -164,6 +210,7 @@ fn randomized_operations_keep_every_invariant() {
         let mut steps = 0;
         while e.has_unfinished() {
             let plan = e.schedule().unwrap();
+            check_compressed_plan(&e, &plan);
             let (ids, indptr) = random_output(&mut rng, plan.num_sequences);
             e.update(plan.step, &ForwardOutputRef { token_ids: &ids, token_indptr: &indptr, ..Default::default() }).unwrap();
             check_pool_accounting(&e);
@@ -176,6 +223,10 @@ fn randomized_operations_keep_every_invariant() {
         if e.layout().has_recurrent() {
             num_recurrent_engines += 1;
         }
+        if e.layout().groups.iter().any(|g| g.spec.ratio().is_some()) {
+            num_compressed_engines += 1;
+            num_compressed_hits += u64::from(e.metrics().prefix_cache_hits_tokens > 0);
+        }
         e.reset_prefix_cache();
         assert_eq!(e.num_free_pages(), e.pool().num_pages() - 1, "every page is free at the end");
         assert_eq!(e.pool().num_cached_pages(), 0);
@@ -183,4 +234,6 @@ fn randomized_operations_keep_every_invariant() {
     assert!(num_ops >= 100_000);
     assert!(num_preempting_engines * 2 > num_engines, "most engines must have exercised preemption");
     assert!(num_recurrent_engines * 3 > num_engines, "recurrent groups are well represented");
+    assert!(num_compressed_engines * 3 > num_engines, "compressed groups are well represented");
+    assert!(num_compressed_hits * 4 > num_compressed_engines, "compressed groups serve prefix hits");
 }

@@ -31,6 +31,14 @@ impl LayerCacheSpec {
         LayerCacheSpec { spec: KvCacheSpec::Recurrent { state_bytes } }
     }
 
+    #[staticmethod]
+    fn compressed(ratio: u32, bytes_per_entry: u64) -> PyResult<Self> {
+        if ratio == 0 {
+            return Err(PyValueError::new_err("LayerCacheSpec.compressed: ratio must be >= 1 token"));
+        }
+        Ok(LayerCacheSpec { spec: KvCacheSpec::Compressed { ratio, bytes_per_entry } })
+    }
+
     #[getter]
     fn kind(&self) -> &'static str {
         self.spec.kind()
@@ -40,13 +48,26 @@ impl LayerCacheSpec {
     fn bytes_per_token(&self) -> u64 {
         match self.spec {
             KvCacheSpec::Full { bytes_per_token } | KvCacheSpec::SlidingWindow { bytes_per_token, .. } => bytes_per_token,
-            KvCacheSpec::Recurrent { .. } => 0,
+            KvCacheSpec::Recurrent { .. } | KvCacheSpec::Compressed { .. } => 0,
         }
     }
 
     #[getter]
     fn window(&self) -> Option<u32> {
         self.spec.window()
+    }
+
+    #[getter]
+    fn ratio(&self) -> Option<u32> {
+        self.spec.ratio()
+    }
+
+    #[getter]
+    fn bytes_per_entry(&self) -> Option<u64> {
+        match self.spec {
+            KvCacheSpec::Compressed { bytes_per_entry, .. } => Some(bytes_per_entry),
+            _ => None,
+        }
     }
 
     #[getter]
@@ -64,6 +85,9 @@ impl LayerCacheSpec {
                 format!("LayerCacheSpec.sliding_window({window}, {bytes_per_token})")
             }
             KvCacheSpec::Recurrent { state_bytes } => format!("LayerCacheSpec.recurrent({state_bytes})"),
+            KvCacheSpec::Compressed { ratio, bytes_per_entry } => {
+                format!("LayerCacheSpec.compressed({ratio}, {bytes_per_entry})")
+            }
         }
     }
 }
