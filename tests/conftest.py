@@ -21,3 +21,15 @@ REPO = TESTS.parent
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():  # type: ignore[no-untyped-def]
+    """torch with one thread for a module: on a shared 2-core machine two threads per process
+    make the tiny models' small ops ~50x slower (models/gpt_oss/NOTES.md). Use with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    torch = pytest.importorskip("torch")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

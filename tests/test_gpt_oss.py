@@ -19,7 +19,6 @@ small ops ~50x slower (measured; see models/gpt_oss/NOTES.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +38,7 @@ MODEL_DIR = REPO / "models" / "gpt_oss"
 TINY = MODEL_DIR / "tiny"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -45,12 +45,7 @@ ROPE = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops: one thread is far faster on a shared machine
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _config() -> Any:

@@ -18,7 +18,6 @@ torch runs one thread here (shared 2-core machines).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,7 @@ MODEL_DIR = REPO / "resin" / "models" / "qwen3_next"
 TINY = MODEL_DIR / "tiny"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
