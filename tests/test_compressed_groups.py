@@ -16,6 +16,7 @@ of 3), prefix hits (at multiples of page_size * R tokens) and preemption.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -242,3 +243,110 @@ def test_preemption_in_a_small_pool_recomputes_exactly() -> None:
     assert all(out.num_cached_tokens % (PAGE_SIZE * RATIO) == 0 for out in again.values())
     e.reset_prefix_cache()
     assert e.num_free_pages == 15
+
+
+# -- the same toy on the shared paged runner: a raw window and compressed entries per layer --
+
+
+def test_shared_runner_binds_a_layer_with_a_window_and_compressed_entries() -> None:
+    """The DeepSeek-V4 shape on :class:`resin.runners.torch.PagedRunner`: one layer whose main
+    cache is the raw sliding window (``ctx.attention``) and whose extra cache is the compressed
+    entries (``ctx.extra["entries"]``): entries are written at their closing token from the
+    raw window read back with ``gather`` and read with ``gather`` on the compressed group (the
+    causal rule on closing positions is the visibility rule). Exact against the no-cache
+    reference under chunked prefill, prefix hits and preemption."""
+    import torch
+
+    from resin.runners.torch import LayerCache, LayerDefinition, ModelDefinition, PagedRunner
+    from resin.runners.torch.model_weights import ModelWeights
+
+    def block(x: Any, w: Any, ctx: Any) -> Any:
+        raw_cache, entries = ctx.require_attention(), ctx.extra["entries"]
+        tokens, positions = ctx.input_ids.tolist(), ctx.positions.tolist()
+        raw_new = torch.from_numpy(
+            np.array([raw_vector(t, p) for t, p in zip(tokens, positions)], dtype=np.float64)
+        ).reshape(len(tokens), 1, DIM)
+        raw_cache.write(raw=raw_new)
+        logits = torch.full((len(tokens), VOCAB), -1.0, dtype=torch.float64)
+        new_entries = torch.zeros(len(tokens), 1, DIM, dtype=torch.float64)
+        for row in raw_cache.gather("raw"):
+            window = {
+                int(q): v[0].numpy().astype(np.int64) for q, v in zip(row.positions, row.values)
+            }
+            for t in range(row.query.start, row.query.stop):
+                p = positions[t]
+                if (p + 1) % RATIO == 0:
+                    new_entries[t, 0] = torch.from_numpy(entry_of(window, p // RATIO))
+        entries.write(e=new_entries)
+        for row in entries.gather("e"):
+            raw_rows = {r.query.start: r for r in raw_cache.gather("raw")}[row.query.start]
+            for j, t in enumerate(range(row.query.start, row.query.stop)):
+                p = positions[t]
+                seen = [
+                    v[0].numpy().astype(np.int64) for v, ok in zip(row.values, row.mask[j]) if ok
+                ]
+                win = [
+                    (int(q), v[0].numpy().astype(np.int64))
+                    for q, v, ok in zip(raw_rows.positions, raw_rows.values, raw_rows.mask[j])
+                    if ok and q > p - WINDOW
+                ]
+                logits[t, readout(seen, win)] = 1.0
+        return logits
+
+    def decoder(hidden: Any, fns: Any, weights: Any, ctx: Any, emit: Any) -> Any:
+        return fns["attn"](hidden, weights["attn"], ctx)
+
+    layer = LayerDefinition(
+        0,
+        "compressed_sparse_attention",
+        WINDOW,
+        decoder,
+        {"attn": block},
+        LayerCache("sliding_window", {"raw": (1, DIM)}, window=WINDOW, dtype=torch.float64),
+        extra_caches={
+            "entries": LayerCache("compressed", {"e": (1, DIM)}, ratio=RATIO, dtype=torch.float64)
+        },
+    )
+    model = ModelDefinition(
+        "toy",
+        "Toy",
+        config=None,
+        vocab_size=VOCAB,
+        head_dim=DIM,
+        layers=[layer],
+        embed=lambda ids, w, ctx: torch.zeros(len(ids), VOCAB, dtype=torch.float64),
+        logits=lambda hidden, w, ctx: hidden,
+    )
+    weights = ModelWeights({}, [{}])
+    prompts = [[(5 * i + k) % VOCAB for i in range(n)] for k, n in enumerate((2, 7, 13, 25))]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    for budget, num_pages in ((64, 128), (7, 128), (64, 23)):
+        runner = PagedRunner(model, weights, torch.device("cpu"), torch.float64)
+        engine = resin.Engine(
+            resin.EngineConfig(
+                page_size=PAGE_SIZE,
+                num_pages=num_pages,
+                max_num_seqs=4,
+                max_num_batched_tokens=budget,
+                max_model_len=64,
+            ),
+            runner,
+        )
+        for round_ in range(2):
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{round_}-{i}", prompt, params)
+            done = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+            for i, prompt in enumerate(prompts):
+                tokens = list(prompt)
+                for _ in range(params.max_tokens):
+                    tokens.append(reference_next(tokens))
+                assert done[f"{round_}-{i}"].token_ids == tokens[len(prompt) :], (budget, i)
+            if round_ == 1 and num_pages == 128:
+                assert max(o.num_cached_tokens for o in done.values()) > 0
+        if num_pages == 26:  # the small pool really preempted
+            m = re.search(r"^resin:num_preemptions_total(\{\})? (\d+)", engine.metrics_text(), re.M)
+            assert m and int(m.group(2)) > 0

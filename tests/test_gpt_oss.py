@@ -172,8 +172,8 @@ def test_parity_catches_a_sliding_layer_attending_everything(
 
     real = attention.build_sequence_views
 
-    def no_window(*args: Any) -> Any:
-        return real(*args[:6], None, *args[7:])
+    def no_window(*args: Any, **kwargs: Any) -> Any:
+        return real(*args[:6], None, *args[7:], **kwargs)
 
     monkeypatch.setattr(attention, "build_sequence_views", no_window)
     first = _layers_departure()

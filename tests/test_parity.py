@@ -111,7 +111,9 @@ def _shifted_page_table_runner(decode_only: bool) -> Callable[[str], Any]:
     from resin.runners.torch.layers import build_sequence_views
 
     class ShiftedPageTable(ReferenceBackend):
-        def begin_step(self, step: Any, group_windows: Any, page_size: int) -> None:
+        def begin_step(
+            self, step: Any, group_windows: Any, page_size: int, group_ratios: Any = None
+        ) -> None:
             plan = step.plan
             self.views = []
             for group, window in enumerate(group_windows):

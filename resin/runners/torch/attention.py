@@ -43,9 +43,15 @@ class AttentionBackend:
     name = "base"
 
     def begin_step(
-        self, step: StepInputs, group_windows: Sequence[int | None], page_size: int
+        self,
+        step: StepInputs,
+        group_windows: Sequence[int | None],
+        page_size: int,
+        group_ratios: Sequence[int] | None = None,
     ) -> None:
-        """Plan the step: called once per forward, before any layer."""
+        """Plan the step: called once per forward, before any layer. ``group_ratios``: source
+        tokens per entry of each group (1 for token groups; a compressed group's entry e is
+        visible to a query at position p iff its closing position (e + 1) * ratio - 1 <= p)."""
         raise NotImplementedError
 
     def write(
@@ -112,9 +118,14 @@ class ReferenceBackend(AttentionBackend):
         self.views: list[list[SequenceView]] = []
 
     def begin_step(
-        self, step: StepInputs, group_windows: Sequence[int | None], page_size: int
+        self,
+        step: StepInputs,
+        group_windows: Sequence[int | None],
+        page_size: int,
+        group_ratios: Sequence[int] | None = None,
     ) -> None:
         plan = step.plan
+        ratios = list(group_ratios or [1] * len(group_windows))
         self.views = [
             build_sequence_views(
                 plan.query_indptr,
@@ -125,6 +136,7 @@ class ReferenceBackend(AttentionBackend):
                 page_size,
                 window,
                 step.device,
+                ratio=ratios[g],
             )
             for g, window in enumerate(group_windows)
         ]

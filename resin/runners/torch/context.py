@@ -35,7 +35,10 @@ class LayerContext:
     - ``query_indptr`` int64[S+1]: row i's tokens are ``[query_indptr[i], query_indptr[i+1])``
       (a recurrence runs row by row);
     - ``state``: a recurrent layer's :class:`~.recurrent_state.RecurrentState` (``load()`` every
-      row's state, zeros for a fresh row; ``store(states)``).
+      row's state, zeros for a fresh row; ``store(states)``);
+    - ``extra``: the layer's extra caches by name (``LayerDefinition.extra_caches``), each a
+      :class:`~.attention.LayerAttention` over its own cache group (a compressed group: write
+      an entry at its closing token, attend / gather over the entries closed so far).
     """
 
     index: int
@@ -53,6 +56,7 @@ class LayerContext:
     caches: dict[str, torch.Tensor] = field(default_factory=dict)
     query_indptr: torch.Tensor | None = None
     state: RecurrentState | None = None
+    extra: dict[str, LayerAttention] = field(default_factory=dict)
 
     def require_state(self) -> RecurrentState:
         """``self.state`` (a recurrent layer's per-request state), or a RuntimeError."""

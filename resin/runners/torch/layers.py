@@ -163,12 +163,16 @@ def build_sequence_views(
     page_size: int,
     window_tokens: int | None,
     device: torch.device,
+    ratio: int = 1,
 ) -> list[SequenceView]:
     """Per row: the cache slots its listed pages cover and its attention mask.
 
     A sliding-window group lists only the pages that intersect the window, so the first
     listed page is logical page ``ceil(seq_len / page_size) - num_listed``
-    (docs/batch_plan.md, "Sliding-window group"). Built once per step and cache group.
+    (docs/batch_plan.md, "Sliding-window group"). A compressed group (``ratio`` > 1) lists the
+    pages of its closed entries from entry 0; an entry's key position is the position of the
+    token that closes it, ``(e + 1) * ratio - 1``, so the causal mask is the visibility rule.
+    Built once per step and cache group.
     """
     views = []
     offsets = torch.arange(page_size, device=device)
@@ -177,12 +181,14 @@ def build_sequence_views(
         pages = torch.as_tensor(
             kv_indices[kv_indptr[row] : kv_indptr[row + 1]].astype(np.int64), device=device
         )
-        first_page = -(-seq_len // page_size) - len(pages)
+        units = seq_len // ratio if ratio > 1 else seq_len  # tokens, or closed entries
+        first_page = -(-units // page_size) - len(pages)
         slots = (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
-        key_positions = first_page * page_size + torch.arange(len(slots), device=device)
+        key_index = first_page * page_size + torch.arange(len(slots), device=device)
+        key_positions = (key_index + 1) * ratio - 1 if ratio > 1 else key_index
         query = slice(int(query_indptr[row]), int(query_indptr[row + 1]))
         query_positions = positions[query][:, None]
-        mask = (key_positions[None, :] <= query_positions) & (key_positions[None, :] < seq_len)
+        mask = (key_positions[None, :] <= query_positions) & (key_index[None, :] < units)
         if window_tokens is not None:
             mask &= key_positions[None, :] > query_positions - window_tokens
         views.append(SequenceView(query, slots, mask, key_positions))

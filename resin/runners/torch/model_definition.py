@@ -32,7 +32,7 @@ from resin._core import LayerCacheSpec
 
 Weights = dict[str, torch.Tensor]
 Hook = Callable[..., torch.Tensor]
-CACHE_KINDS = ("full", "sliding_window", "recurrent")
+CACHE_KINDS = ("full", "sliding_window", "recurrent", "compressed")
 
 
 @dataclass
@@ -46,13 +46,16 @@ class LayerCache:
     ``recurrent`` layer (linear attention, SSM) the shape is per request — the whole state, e.g.
     ``{"conv": (channels, kernel - 1), "ssm": (heads, k_dim, v_dim)}`` — held in the engine's
     state pages (``state_bytes`` is their total size; blocks read and write them through
-    ``ctx.state``).
+    ``ctx.state``). For a ``compressed`` layer (DeepSeek-V4 CSA / HCA) the shape is per entry,
+    one entry per ``ratio`` source tokens, written when its closing token arrives (the plan's
+    slot mapping is -1 for the others) and attended with the causal rule on closing positions.
     """
 
     kind: str = "full"
     buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
     window: int | None = None
     dtype: torch.dtype | None = None
+    ratio: int = 1  # compressed: source tokens per entry
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
@@ -61,6 +64,8 @@ class LayerCache:
             raise ValueError("a sliding_window cache needs a window (tokens)")
         if not self.buffers:
             raise ValueError(f"a {self.kind} cache declares no buffers")
+        if self.kind == "compressed" and self.ratio < 2:
+            raise ValueError("a compressed cache needs a ratio >= 2 (source tokens per entry)")
 
     def bytes_per_token(self, runner_dtype: torch.dtype) -> int:
         itemsize = (self.dtype or runner_dtype).itemsize
@@ -73,6 +78,8 @@ class LayerCache:
     def spec(self, runner_dtype: torch.dtype) -> LayerCacheSpec:
         if self.kind == "recurrent":
             return LayerCacheSpec.recurrent(self.state_bytes(runner_dtype))
+        if self.kind == "compressed":  # buffers' shapes are per entry
+            return LayerCacheSpec.compressed(self.ratio, self.bytes_per_token(runner_dtype))
         per_token = self.bytes_per_token(runner_dtype)
         if self.kind == "sliding_window":
             assert self.window is not None
@@ -93,12 +100,17 @@ def attention_cache(num_kv_heads: int, head_dim: int, window: int | None = None)
 
 @dataclass
 class LayerDefinition:
+    """One decoder layer. ``cache`` is its main cache (``ctx.attention`` / ``ctx.state``);
+    ``extra_caches`` are more cache groups the same layer keeps (DeepSeek-V4: a raw sliding
+    window plus compressed entries), reached as ``ctx.extra[name]``."""
+
     index: int
     layer_type: str
     window: int | None
     decoder: Hook
     children: dict[str, Hook]
     cache: LayerCache
+    extra_caches: dict[str, LayerCache] = field(default_factory=dict)
 
 
 def default_embed(input_ids: torch.Tensor, w: Weights, ctx: Any) -> torch.Tensor:

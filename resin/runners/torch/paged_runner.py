@@ -30,7 +30,7 @@ from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
 from resin.runners.torch.attention import AttentionBackend, LayerAttention, make_attention_backend
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import plan_tensor
-from resin.runners.torch.model_definition import ModelDefinition
+from resin.runners.torch.model_definition import LayerCache, ModelDefinition
 from resin.runners.torch.model_weights import ModelWeights
 from resin.runners.torch.recurrent_state import RecurrentState, apply_copies
 from resin.runners.torch.step_inputs import StepInputs
@@ -64,7 +64,10 @@ class PagedRunner:
         self.capture: Capture | None = None
         self.layer_caches: list[dict[str, torch.Tensor]] = []
         self.state_pages: list[torch.Tensor | None] = []
+        self.extra_slots: list[dict[str, tuple[int, dict[str, torch.Tensor]]]] = []
         self.pages_per_state: list[int] = []
+        self.group_ratios: list[int] = []
+        self.bound = False
         self.group_of_layer: list[int] = []
         self.group_windows: list[int | None] = []
         self.page_size = 0
@@ -72,50 +75,64 @@ class PagedRunner:
     # -- cache ---------------------------------------------------------------------------
 
     def cache_spec(self) -> list[LayerCacheSpec]:
-        """One spec per layer, from the layer's cache declaration."""
-        return [layer.cache.spec(self.dtype) for layer in self.model.layers]
+        """One spec per cache of each layer, layer by layer: its main cache, then its extra
+        caches (a layer keeping a raw window and compressed entries declares two)."""
+        return [cache.spec(self.dtype) for _, _, cache in self._cache_slots()]
+
+    def _cache_slots(self) -> list[tuple[int, str, LayerCache]]:
+        """(layer index, cache name — "" for the main one —, cache) in spec order."""
+        return [
+            (layer.index, name, cache)
+            for layer in self.model.layers
+            for name, cache in [("", layer.cache), *layer.extra_caches.items()]
+        ]
 
     def bind_cache(self, layout: CacheLayout) -> None:
-        """Allocate every layer's declared buffers, zeroed: ``[num_pages, page_size, *shape]``
-        per token buffer; for a recurrent layer one byte buffer ``[num_pages, page_bytes]``
-        holding its requests' states (:mod:`.recurrent_state`)."""
-        self.layer_caches = []
-        self.state_pages = []
-        for layer in self.model.layers:
-            cache = layer.cache
+        """Allocate every declared cache, zeroed: ``[num_pages, page_size, *shape]`` per token
+        (or, for a compressed cache, per entry) buffer; for a recurrent layer one byte buffer
+        ``[num_pages, page_bytes]`` holding its requests' states (:mod:`.recurrent_state`)."""
+        num_layers = len(self.model.layers)
+        self.layer_caches = [{} for _ in range(num_layers)]
+        self.state_pages = [None] * num_layers
+        self.extra_slots = [{} for _ in range(num_layers)]
+        self.group_of_layer = [0] * num_layers
+        for spec_index, (index, name, cache) in enumerate(self._cache_slots()):
+            group = layout.group_of_layer(spec_index)
+            if name:
+                self.extra_slots[index][name] = (group, self._buffers(cache, layout))
+                continue
+            self.group_of_layer[index] = group
             if cache.kind == "recurrent":
                 page_bytes = layout.page_bytes or cache.state_bytes(self.dtype)
-                self.state_pages.append(
-                    torch.zeros(
-                        (layout.num_pages, page_bytes), dtype=torch.uint8, device=self.device
-                    )
+                self.state_pages[index] = torch.zeros(
+                    (layout.num_pages, page_bytes), dtype=torch.uint8, device=self.device
                 )
-                self.layer_caches.append({})
-                continue
-            self.state_pages.append(None)
-            self.layer_caches.append(
-                {
-                    name: torch.zeros(
-                        (layout.num_pages, layout.page_size, *shape),
-                        dtype=cache.dtype or self.dtype,
-                        device=self.device,
-                    )
-                    for name, shape in cache.buffers.items()
-                }
-            )
-        self.group_of_layer = [layout.group_of_layer(i) for i in range(len(self.model.layers))]
+            else:
+                self.layer_caches[index] = self._buffers(cache, layout)
         self.pages_per_state = [group.pages_per_state for group in layout.groups]
         self.group_windows = [
             group.spec.window if group.spec.kind == "sliding_window" else None
             for group in layout.groups
         ]
+        self.group_ratios = [group.spec.ratio or 1 for group in layout.groups]
         self.page_size = layout.page_size
+        self.bound = True
+
+    def _buffers(self, cache: LayerCache, layout: CacheLayout) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.zeros(
+                (layout.num_pages, layout.page_size, *shape),
+                dtype=cache.dtype or self.dtype,
+                device=self.device,
+            )
+            for name, shape in cache.buffers.items()
+        }
 
     # -- forward -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> ForwardOutput:
-        if not self.layer_caches:
+        if not self.bound:
             raise RuntimeError(
                 f"{type(self).__name__}.forward before bind_cache: create the "
                 "runner's resin.Engine first (it calls bind_cache)"
@@ -123,7 +140,9 @@ class PagedRunner:
         model, globals_ = self.model, self.weights.globals
         self.sampler.begin_step(plan)
         step = StepInputs.from_plan(plan, self.device)
-        self.attention_backend.begin_step(step, self.group_windows, self.page_size)
+        self.attention_backend.begin_step(
+            step, self.group_windows, self.page_size, self.group_ratios
+        )
         for pages in self.state_pages:  # copy-on-write from prefix checkpoints, first
             if pages is not None:
                 apply_copies(pages, step.copy_pages)
@@ -195,6 +214,10 @@ class PagedRunner:
         if ctx.caches:
             ctx.attention = LayerAttention(
                 self.attention_backend, group, step.slot_mappings[group], ctx.caches
+            )
+        for name, (extra_group, buffers) in self.extra_slots[index].items():
+            ctx.extra[name] = LayerAttention(
+                self.attention_backend, extra_group, step.slot_mappings[extra_group], buffers
             )
         return ctx
 
