@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "maturin>=1.7,<2" "numpy>=1.26" "typer>=0.12" "pytest>=8" "mypy>=1.10" \
 		"jinja2>=3.1" "tokenizers>=0.20" "safetensors>=0.4" "transformers>=4.45" "torch>=2.4" \
-		"fastapi>=0.110" "uvicorn>=0.29" "uvloop>=0.19" "httptools>=0.6" "httpx>=0.27" "openai>=1.40" "anthropic>=0.40" "matplotlib>=3.8" "ruff>=0.6" "xgrammar>=0.1.20"
+		"fastapi>=0.110" "uvicorn>=0.29" "uvloop>=0.19" "httptools>=0.6" "httpx>=0.27" "openai>=1.40" "anthropic>=0.40" "matplotlib>=3.8" "ruff>=0.6" "xgrammar>=0.1.20" "llguidance>=1.0"
 	touch $(STAMP)
 
 # Editable install with a release build of the extension (resin/_core.*.so).

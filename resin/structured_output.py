@@ -6,12 +6,12 @@ The engine knows nothing of grammars. Three pieces, all out of band of ``Samplin
   runner's :class:`resin.sampling.Sampler` owns (``sampler.grammars``). The server registers a
   request's grammar (one entry per choice) before the engine sees the request and removes it
   when the generation ends; the sampler reads it when a request slot is (re)created.
-- :class:`GrammarCompiler` (server side) — builds the ``xgrammar`` tokenizer info from the
-  checkpoint's ``tokenizer.json`` vocabulary (no transformers needed), and compiles a JSON
-  schema, "any JSON object", or a forced tool call in the model's tool-call format (hermes-style
+- :class:`GrammarCompiler` (server side) — builds the engine's tokenizer from the checkpoint's
+  ``tokenizer.json`` (no transformers needed), and compiles a JSON schema, "any JSON object",
+  or a forced tool call in the model's tool-call format (hermes-style
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, llama3-json's
-  ``{"name": ..., "parameters": {...}}``, DeepSeek's through xgrammar's built-in structural
-  tags) whose arguments follow the tool's JSON schema. A schema that does not compile raises
+  ``{"name": ..., "parameters": {...}}``, DeepSeek's ``<｜tool▁calls▁begin｜>...`` blocks) whose
+  arguments follow the tool's JSON schema. A schema that does not compile raises
   :class:`GrammarError` naming where it came from.
 - :class:`GrammarSlot` (sampler side) — one request slot's matcher. Its state follows the
   request's *committed* output tokens (the plan's lifecycle diff), never the sampled ones, so a
@@ -20,18 +20,27 @@ The engine knows nothing of grammars. Three pieces, all out of band of ``Samplin
   with grammars and applies it to their logits (``-inf`` for disallowed tokens; the stop tokens
   are allowed only where the grammar can end).
 
-``xgrammar`` is an optional dependency (``pip install resin[structured]``); only this module
-imports it, lazily. Rows without a grammar cost nothing.
+Two engines, one interface: ``llguidance`` (Lark grammars with embedded ``%json{...}``
+schemas; the DeepSeek formats as Lark alternatives) and ``xgrammar`` (its JSON-schema grammars,
+``Grammar.concat`` and built-in structural tags). :data:`ENGINE` is chosen once, at import:
+``RESIN_GRAMMAR_ENGINE=llguidance|xgrammar`` forces one; otherwise llguidance when it is
+importable (measured faster: docs/benchmarks.md "xgrammar vs llguidance"), else xgrammar. Both
+write the same int32 token bitmask (bit ``i`` of word ``i // 32``). Both are optional
+dependencies (``pip install resin[structured]``); only this module imports them, lazily. Rows
+without a grammar cost nothing.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import os
 import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -44,6 +53,20 @@ LLAMA3_JSON_PARSERS = ("llama3_json",)
 # whitespace pad a string value, which those parsers keep as part of the value)
 BUILTIN_TAGS = {"deepseek_v3": "deepseek_r1", "deepseek_v31": "deepseek_v3_1"}
 BUILTIN_MAX_WHITESPACE = 2
+# tool parser -> (call begin, text between the name and the arguments, call end) of the
+# DeepSeek formats, as xgrammar's structural tags write them (the llguidance engine's Lark)
+DEEPSEEK_CALLS = {
+    "deepseek_v3": (
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+        "\n```json\n",
+        "\n```<｜tool▁call▁end｜>",
+    ),
+    "deepseek_v31": ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+}
+DEEPSEEK_BLOCK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+
+ENGINES = ("llguidance", "xgrammar")
+ENGINE_ENV = "RESIN_GRAMMAR_ENGINE"
 
 
 class GrammarError(ValueError):
@@ -52,6 +75,36 @@ class GrammarError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _importable(name: str) -> bool:
+    try:
+        return find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _choose_engine() -> str:
+    """``RESIN_GRAMMAR_ENGINE`` when set (to one of :data:`ENGINES`), else the first importable
+    of llguidance, xgrammar (llguidance when neither is: :func:`engine_available` is False)."""
+    forced = os.environ.get(ENGINE_ENV, "").strip().lower()
+    if forced:
+        if forced in ENGINES:
+            return forced
+        log.warning("%s=%r is not one of %s: ignored", ENGINE_ENV, forced, ", ".join(ENGINES))
+    for name in ENGINES:
+        if _importable(name):
+            return name
+    return ENGINES[0]
+
+
+#: The grammar engine of this process (see the module docstring); chosen once, at import.
+ENGINE: str = _choose_engine()
+
+
+def engine_available() -> bool:
+    """Whether :data:`ENGINE` can be imported (structured outputs can be enforced)."""
+    return _importable(ENGINE)
 
 
 def xgrammar_available() -> bool:
@@ -92,14 +145,19 @@ class GrammarRegistry:
 
 @dataclass
 class CompiledGrammar:
-    """A compiled grammar and the stop tokens that end it (the engine's EOS ids)."""
+    """A compiled grammar and the stop tokens that end it (the engine's EOS ids).
 
-    compiled: Any  # xgrammar.CompiledGrammar
+    ``compiled`` is an ``xgrammar.CompiledGrammar``, or for llguidance the grammar text with
+    ``tokenizer`` its ``LLTokenizer``."""
+
+    compiled: Any
     stop_token_ids: list[int]
     description: str = ""
+    engine: str = "xgrammar"
+    tokenizer: Any = None
 
 
-def _clean_error(exc: BaseException) -> str:
+def _clean_error(exc: BaseException | str) -> str:
     """xgrammar's C++ errors start with ``[time] /path/file.cc:line: ``; keep the message."""
     text = str(exc).strip()
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text).strip() or type(exc).__name__
@@ -130,11 +188,52 @@ def _vocab_metadata(backend: Any) -> tuple[Any, bool]:
         return xgr.VocabType.RAW, False
 
 
+def _llg_tokenizer(backend: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+    """An ``llguidance.LLTokenizer`` from a ``tokenizers.Tokenizer`` (its tokenizer.json, as
+    ``llguidance.hf.from_tokenizer`` does, without transformers)."""
+    import llguidance as llg
+
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return llg.LLTokenizer(
+        backend.to_str(), n_vocab=vocab_size, eos_token=list(stop_token_ids) or None
+    )
+
+
+class _BytesVocab:
+    """What ``llguidance.TokenizerWrapper`` needs, over token bytes (the stop ids special)."""
+
+    def __init__(self, tokens: list[bytes], stop_token_ids: Sequence[int]) -> None:
+        self.tokens = tokens
+        self.special_token_ids = [int(t) for t in stop_token_ids]
+        self.eos_token_id = self.special_token_ids[0] if self.special_token_ids else None
+        self.bos_token_id = None
+        special = set(self.special_token_ids)
+        self._ids = {t: i for i, t in enumerate(tokens) if t and i not in special}
+        self._longest = max((len(t) for t in self._ids), default=1)
+
+    def __call__(self, text: bytes) -> list[int]:
+        """Greedy longest match (bytes no token starts with are skipped)."""
+        out, i = [], 0
+        while i < len(text):
+            for n in range(min(self._longest, len(text) - i), 0, -1):
+                token = self._ids.get(bytes(text[i : i + n]))
+                if token is not None:
+                    out.append(token)
+                    i += n
+                    break
+            else:
+                i += 1
+        return out
+
+
 class GrammarCompiler:
     """Compiles the request grammars of one model (its tokenizer, vocab width and stop ids).
 
     ``vocab_size`` is the width of the model's logits (may exceed the tokenizer's vocabulary);
-    ``tool_parser`` the server's tool parser name (which call format a forced call uses)."""
+    ``tool_parser`` the server's tool parser name (which call format a forced call uses);
+    ``engine`` one of :data:`ENGINES` (default :data:`ENGINE`)."""
 
     def __init__(
         self,
@@ -143,11 +242,19 @@ class GrammarCompiler:
         stop_token_ids: Sequence[int],
         tool_parser: str | None = None,
         max_threads: int = 2,
+        engine: str | None = None,
     ) -> None:
+        self.engine = engine or ENGINE
+        self.stop_token_ids = [int(t) for t in stop_token_ids if 0 <= int(t) < vocab_size]
+        self.vocab_size = vocab_size
+        self.tool_parser = tool_parser
+        if self.engine == "llguidance":
+            self.tokenizer_info = _llg_tokenizer(tokenizer.backend, vocab_size, self.stop_token_ids)
+            self._compiler: Any = None
+            return
         import xgrammar as xgr
 
         vocab_type, add_prefix_space = _vocab_metadata(tokenizer.backend)
-        self.stop_token_ids = [int(t) for t in stop_token_ids if 0 <= int(t) < vocab_size]
         self.tokenizer_info = xgr.TokenizerInfo(
             _encoded_vocab(tokenizer.backend, vocab_size),
             vocab_type,
@@ -155,22 +262,41 @@ class GrammarCompiler:
             stop_token_ids=self.stop_token_ids or None,
             add_prefix_space=add_prefix_space,
         )
-        self.vocab_size = vocab_size
-        self.tool_parser = tool_parser
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
 
     @classmethod
     def from_info(
-        cls, tokenizer_info: Any, tool_parser: str | None = None, max_threads: int = 2
+        cls,
+        tokenizer_info: Any,
+        tool_parser: str | None = None,
+        max_threads: int = 2,
+        engine: str | None = None,
     ) -> GrammarCompiler:
-        """A compiler over a ready ``xgrammar.TokenizerInfo`` (benchmarks, tests)."""
+        """A compiler over a ready ``xgrammar.TokenizerInfo`` or ``llguidance.LLTokenizer``
+        (benchmarks, tests); for llguidance an xgrammar info's token bytes are carried over."""
+        self = cls.__new__(cls)
+        self.engine = engine or ENGINE
+        self.tool_parser = tool_parser
+        self._compiler = None
+        if type(tokenizer_info).__name__ == "LLTokenizer":
+            self.engine = "llguidance"
+            self.tokenizer_info = tokenizer_info
+            self.vocab_size = int(tokenizer_info.vocab_size)
+            self.stop_token_ids = [int(t) for t in tokenizer_info.eos_tokens]
+            return self
+        self.vocab_size = int(tokenizer_info.vocab_size)
+        self.stop_token_ids = [int(t) for t in tokenizer_info.stop_token_ids]
+        if self.engine == "llguidance":
+            import llguidance as llg
+
+            tokens = [bytes(t) for t in tokenizer_info.decoded_vocab]
+            tokens += [b""] * (self.vocab_size - len(tokens))
+            wrapper = llg.TokenizerWrapper(_BytesVocab(tokens, self.stop_token_ids))
+            self.tokenizer_info = llg.LLTokenizer(wrapper, n_vocab=self.vocab_size)
+            return self
         import xgrammar as xgr
 
-        self = cls.__new__(cls)
         self.tokenizer_info = tokenizer_info
-        self.vocab_size = int(tokenizer_info.vocab_size)
-        self.stop_token_ids = list(tokenizer_info.stop_token_ids)
-        self.tool_parser = tool_parser
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads)
         return self
 
@@ -185,10 +311,12 @@ class GrammarCompiler:
 
     def json_schema(self, schema: Any, param: str, *, prefix: str = "") -> CompiledGrammar:
         """Output is ``prefix`` then one JSON value matching ``schema`` (compact separators)."""
-        import xgrammar as xgr
-
         text = self._schema_text(schema, param)
         try:
+            if self.engine == "llguidance":
+                return self._compile_lark([prefix, _lark_json(text)], "json_schema")
+            import xgrammar as xgr
+
             grammar = xgr.Grammar.from_json_schema(text, **_JSON_STYLE)
             return self._compile(grammar, "json_schema", prefix)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError
@@ -211,8 +339,6 @@ class GrammarCompiler:
 
         ``tools`` are chat-style ``{"type": "function", "function": {...}}``; ``params[i]``
         is where ``tools[i]``'s parameters came from in the request (for a 400)."""
-        import xgrammar as xgr
-
         if not self.supports_tool_calls:
             raise GrammarError(
                 f"forcing a tool call is not supported for tool parser {self.tool_parser!r}",
@@ -220,6 +346,7 @@ class GrammarCompiler:
             )
         arguments_key = "parameters" if self.tool_parser in LLAMA3_JSON_PARSERS else "arguments"
         options: list[dict[str, Any]] = []
+        chosen: list[tuple[str, Mapping[str, Any]]] = []
         for index, tool in enumerate(tools):
             function = tool.get("function") or {}
             if name is not None and function.get("name") != name:
@@ -229,6 +356,7 @@ class GrammarCompiler:
                 parameters = {"type": "object"}
             param = params[index] if index < len(params) else f"tools[{index}]"
             self._check_schema(parameters, param)
+            chosen.append((str(function.get("name")), parameters))
             options.append(
                 {
                     "type": "object",
@@ -243,16 +371,25 @@ class GrammarCompiler:
         if not options:
             raise GrammarError("tool_choice names no tool in 'tools'", "tool_choice")
         if self.tool_parser in BUILTIN_TAGS:
+            if self.engine == "llguidance":
+                return self._deepseek_tool_call(chosen)
             return self._builtin_tool_call(tools, name)
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         try:
-            body = xgr.Grammar.from_json_schema(json.dumps(schema), **_JSON_STYLE)
-            if self.tool_parser in LLAMA3_JSON_PARSERS:
-                grammar = body
-            else:
+            if self.engine == "llguidance":
+                body = _lark_json(json.dumps(schema))
+                if self.tool_parser in LLAMA3_JSON_PARSERS:
+                    return self._compile_lark([prefix, body], "tool_call")
+                return self._compile_lark(
+                    [prefix + "<tool_call>\n", body, "\n</tool_call>"], "tool_call"
+                )
+            import xgrammar as xgr
+
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **_JSON_STYLE)
+            if self.tool_parser not in LLAMA3_JSON_PARSERS:
                 grammar = xgr.Grammar.concat(
                     xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
-                    body,
+                    grammar,
                     xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
                 )
             return self._compile(grammar, "tool_call", prefix)
@@ -288,6 +425,32 @@ class GrammarCompiler:
             ) from exc
         return CompiledGrammar(compiled, self.stop_token_ids, "tool_call")
 
+    def _deepseek_tool_call(
+        self, chosen: Sequence[tuple[str, Mapping[str, Any]]]
+    ) -> CompiledGrammar:
+        """The DeepSeek call block (one call of one of ``chosen``) in Lark, in the layout of
+        xgrammar's structural tags (``BUILTIN_TAGS``); compact JSON arguments."""
+        begin, sep, end = DEEPSEEK_CALLS[str(self.tool_parser)]
+        rules = []
+        for index, (tool_name, parameters) in enumerate(chosen):
+            body = _lark_json(json.dumps(dict(parameters)))
+            rules.append(
+                f"call_{index}: {json.dumps(begin + tool_name + sep)} {body} {json.dumps(end)}"
+            )
+        calls = " | ".join(f"call_{i}" for i in range(len(chosen)))
+        lark = "\n".join(
+            [
+                f"start: {json.dumps(DEEPSEEK_BLOCK[0])} ({calls}) {json.dumps(DEEPSEEK_BLOCK[1])}",
+                *rules,
+            ]
+        )
+        try:
+            return self._compile_lark_text(lark, "tool_call")
+        except Exception as exc:  # noqa: BLE001
+            raise GrammarError(
+                f"the forced tool call cannot be compiled: {_clean_error(exc)}", "tools"
+            ) from exc
+
     # -- helpers --------------------------------------------------------------------------
 
     def _schema_text(self, schema: Any, param: str) -> str:
@@ -304,18 +467,20 @@ class GrammarCompiler:
 
     def _check_schema(self, schema: Any, param: str) -> None:
         """Compile ``schema`` alone so that an error names the tool it came from."""
-        import xgrammar as xgr
-
+        text = self._schema_text(schema, param)
         try:
-            xgr.Grammar.from_json_schema(self._schema_text(schema, param), **_JSON_STYLE)
-        except GrammarError:
-            raise
+            if self.engine == "llguidance":
+                self._validate_lark(f"start: {_lark_json(text)}")
+                return
+            import xgrammar as xgr
+
+            xgr.Grammar.from_json_schema(text, **_JSON_STYLE)
         except Exception as exc:  # noqa: BLE001
             raise GrammarError(f"'{param}' cannot be compiled: {_clean_error(exc)}", param) from exc
 
     def _compile(self, grammar: Any, description: str, prefix: str = "") -> CompiledGrammar:
         """``prefix`` (e.g. ``"</think>\\n\\n"`` closing a reasoning block the prompt opened) is
-        written verbatim before the grammar's output."""
+        written verbatim before the grammar's output (xgrammar)."""
         import xgrammar as xgr
 
         if prefix:
@@ -326,12 +491,99 @@ class GrammarCompiler:
             self._compiler.compile_grammar(grammar), self.stop_token_ids, description
         )
 
+    def _compile_lark(self, parts: Sequence[str], description: str) -> CompiledGrammar:
+        """llguidance: ``parts`` in order, each literal text or a ``%json`` item (``_lark_json``);
+        empty literals are dropped."""
+        items = [p if p.startswith("%json") else json.dumps(p) for p in parts if p]
+        return self._compile_lark_text("start: " + " ".join(items), description)
+
+    def _compile_lark_text(self, lark: str, description: str) -> CompiledGrammar:
+        import llguidance as llg
+
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
+        self._validate_lark(lark, grammar)
+        return CompiledGrammar(
+            grammar, self.stop_token_ids, description, "llguidance", self.tokenizer_info
+        )
+
+    def _validate_lark(self, lark: str, grammar: str | None = None) -> None:
+        import llguidance as llg
+
+        if grammar is None:
+            grammar = llg.LLMatcher.grammar_from_lark(lark)
+        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer_info)
+        if error:
+            raise ValueError(error.strip().splitlines()[0])  # not the grammar excerpt after it
+
 
 _JSON_STYLE: dict[str, Any] = {
     "any_whitespace": False,
     "separators": (", ", ": "),
     "strict_mode": True,
 }
+# llguidance's options for the same style (strict mode: additionalProperties false by default)
+_LLG_JSON_STYLE: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+def _strict(schema: Any) -> Any:
+    """``additionalProperties: false`` on every object that does not say (xgrammar's strict
+    mode, for llguidance)."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if out.get("type") == "object" or "properties" in out:
+            out.setdefault("additionalProperties", False)
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def _lark_json(schema_text: str) -> str:
+    """A Lark ``%json`` item of ``schema_text`` in the server's JSON style."""
+    schema = json.loads(schema_text)
+    if isinstance(schema, dict):
+        schema = _strict(schema)
+        schema["x-guidance"] = {**_LLG_JSON_STYLE, **(schema.get("x-guidance") or {})}
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+class _LLGMatcher:
+    """An ``llguidance.LLMatcher`` with xgrammar's matcher surface: ``accept_token``,
+    ``is_terminated`` (a stop token was taken), ``fill_next_token_bitmask``, ``reset``."""
+
+    __slots__ = ("inner", "stop_token_ids", "terminated")
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        import llguidance as llg
+
+        self.inner = llg.LLMatcher(grammar.tokenizer, grammar.compiled, log_level=0)
+        if self.inner.is_error():
+            raise GrammarError(self.inner.get_error(), "grammar")
+        self.stop_token_ids = frozenset(grammar.stop_token_ids)
+        self.terminated = False
+
+    def accept_token(self, token: int) -> bool:
+        if self.terminated or not self.inner.consume_token(int(token)):
+            return False
+        if int(token) in self.stop_token_ids:
+            self.terminated = True
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> None:
+        import llguidance.torch as llg_torch
+
+        llg_torch.fill_next_token_bitmask(self.inner, bitmask, int(index))
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.terminated = False
 
 
 class GrammarSlot:
@@ -347,11 +599,17 @@ class GrammarSlot:
         self.reset()
 
     def reset(self) -> None:
-        import xgrammar as xgr
+        if self.grammar.engine == "llguidance":
+            if self.matcher is None:
+                self.matcher = _LLGMatcher(self.grammar)
+            else:
+                self.matcher.reset()
+        else:
+            import xgrammar as xgr
 
-        self.matcher = xgr.GrammarMatcher(
-            self.grammar.compiled, override_stop_tokens=self.grammar.stop_token_ids or None
-        )
+            self.matcher = xgr.GrammarMatcher(
+                self.grammar.compiled, override_stop_tokens=self.grammar.stop_token_ids or None
+            )
         self.num_accepted = 0
         self.failed = False
 
@@ -387,37 +645,59 @@ class GrammarSlot:
 
 
 class MaskBuffer:
-    """A reusable CPU bitmask for up to ``capacity`` rows (grown on demand)."""
+    """A reusable CPU bitmask for up to ``capacity`` rows (grown on demand); int32 words, bit
+    ``i`` of word ``i // 32`` (both engines' layout)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._bitmask: Any = None
 
     def get(self, rows: int) -> Any:
-        import xgrammar as xgr
-
         if self._bitmask is None or self._bitmask.shape[0] < rows:
-            self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
+            self._bitmask = allocate_bitmask(max(rows, 8), self.vocab_size)
         return self._bitmask[:rows]
 
 
+def allocate_bitmask(rows: int, vocab_size: int) -> Any:
+    """``[rows, ceil(vocab / 32)]`` int32, all tokens allowed."""
+    import torch
+
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
 _batch_matcher: Any = None
+_executor: Any = None
 
 
 def fill_bitmask(slots: Sequence[GrammarSlot], bitmask: Any, indices: Sequence[int]) -> None:
-    """Fill ``bitmask[indices[i]]`` for ``slots[i]`` (xgrammar's multithreaded batch fill when
-    there are several)."""
-    global _batch_matcher
+    """Fill ``bitmask[indices[i]]`` for ``slots[i]`` (the engine's multithreaded batch fill
+    when there are several: xgrammar's ``BatchGrammarMatcher``, llguidance's ``LLExecutor``)."""
+    global _batch_matcher, _executor
     if len(slots) == 1:
         slots[0].matcher.fill_next_token_bitmask(bitmask, int(indices[0]))
         return
+    llg_rows = [(s.matcher.inner, int(i)) for s, i in zip(slots, indices) if _is_llg(s)]
+    if llg_rows:
+        import llguidance as llg
+        import llguidance.torch as llg_torch
+
+        if _executor is None:
+            _executor = llg.LLExecutor()
+        llg_torch.fill_next_token_bitmask_par(_executor, llg_rows, bitmask)
+        if len(llg_rows) == len(slots):
+            return
     import xgrammar as xgr
 
     if _batch_matcher is None:
         _batch_matcher = xgr.BatchGrammarMatcher()
+    xgr_rows = [(s, int(i)) for s, i in zip(slots, indices) if not _is_llg(s)]
     _batch_matcher.batch_fill_next_token_bitmask(
-        [s.matcher for s in slots], bitmask, [int(i) for i in indices]
+        [s.matcher for s, _ in xgr_rows], bitmask, [i for _, i in xgr_rows]
     )
+
+
+def _is_llg(slot: GrammarSlot) -> bool:
+    return slot.grammar.engine == "llguidance"
 
 
 def apply_grammar_masks(
@@ -425,16 +705,42 @@ def apply_grammar_masks(
 ) -> None:
     """Mask ``logits[row_indices[i]]`` in place with ``slots[i]``'s allowed next tokens; other
     rows are untouched."""
-    import xgrammar as xgr
-
     bitmask = buffer.get(logits.shape[0])
     indices = [int(i) for i in row_indices]
     fill_bitmask(slots, bitmask, indices)
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(
-        logits,
-        bitmask,
-        vocab_size=buffer.vocab_size,
-        indices=None if len(indices) == logits.shape[0] else indices,
+    apply_bitmask(
+        logits, bitmask, buffer.vocab_size, None if len(indices) == logits.shape[0] else indices
     )
+
+
+def apply_bitmask(
+    logits: Any, bitmask: Any, vocab_size: int, indices: Sequence[int] | None = None
+) -> None:
+    """``-inf`` where ``bitmask`` disallows, on ``logits`` rows ``indices`` (all when None);
+    xgrammar's kernels when it is installed, else plain torch."""
+    if xgrammar_available():
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(
+            logits,
+            bitmask,
+            vocab_size=vocab_size,
+            indices=None if indices is None else list(indices),
+        )
+        return
+    import torch
+
+    rows = list(range(logits.shape[0])) if indices is None else [int(i) for i in indices]
+    if not rows:
+        return
+    index = torch.tensor(rows, device=logits.device)
+    words = bitmask.index_select(0, index)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)
+    width = min(vocab_size, logits.shape[1], allowed.shape[1])
+    banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    banned[:, :width] = ~allowed[:, :width]
+    selected = logits.index_select(0, index).masked_fill(banned, float("-inf"))
+    logits.index_copy_(0, index, selected)

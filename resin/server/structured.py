@@ -1,7 +1,8 @@
 """Structured outputs for the server: request fields → a compiled grammar for the sampler.
 
 What is enforced (docs/server.md "Structured outputs"), when the runner's sampler takes grammars
-(torch runners; ``sampler.grammars``) and ``xgrammar`` is installed:
+(torch runners; ``sampler.grammars``) and the grammar engine is installed (llguidance by
+default, else xgrammar; ``RESIN_GRAMMAR_ENGINE`` forces one: :mod:`resin.structured_output`):
 
 - a forced tool call — Chat/Responses ``tool_choice: "required"`` or a named function (custom
   tools included: one ``input`` string), Anthropic ``tool_choice: any`` / ``tool`` — becomes
@@ -27,13 +28,14 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from resin import structured_output
 from resin.server.errors import APIError
 from resin.structured_output import (
     CompiledGrammar,
     GrammarCompiler,
     GrammarError,
     GrammarRegistry,
-    xgrammar_available,
+    engine_available,
 )
 
 log = logging.getLogger(__name__)
@@ -66,13 +68,16 @@ class StructuredOutputs:
         stop_token_ids: Sequence[int],
         tool_parser: str | None,
     ) -> StructuredOutputs | None:
-        """None when the runner cannot enforce grammars or xgrammar is not installed."""
+        """None when the runner cannot enforce grammars or the grammar engine is not installed."""
         sampler = getattr(runner, "sampler", None)
         registry = getattr(sampler, "grammars", None)
         if sampler is None or not isinstance(registry, GrammarRegistry):
             return None
-        if not xgrammar_available():
-            log.warning("xgrammar is not installed: structured outputs are not enforced")
+        if not engine_available():
+            log.warning(
+                "%s is not installed: structured outputs are not enforced",
+                structured_output.ENGINE,
+            )
             return None
         return cls(registry, tokenizer, int(sampler.vocab_size), stop_token_ids, tool_parser)
 
