@@ -8,9 +8,12 @@ stress stages run in ``resin eval parity deepseek_v4_flash`` (NOTES.md has their
   crosses, hash-routed and top-k MoE layers, hyper-connection streams (hc_mult > 1), and the
   parameters HF initialises degenerately randomised (tid2eid, sinks, biases).
 - fp32 layers stage: every checkpoint within rounding (< 1e-5 scaled).
+- Cache layout: CSA / HCA keep a raw sliding window plus a compressed extra cache (one entry
+  per ratio tokens); the sliding layer a window of ``kv``.
 - Planted bugs fail where they should: hash routing that ignores ``input_ids`` at layer 0
   ``mlp`` (the first hash_moe layer); the CSA indexer's top-k ignored at layer 1 ``self_attn``
-  (the first CSA layer); HCA's compressed entries dropped at layer 2 ``self_attn``.
+  (the first CSA layer); HCA reading none of its cached compressed entries at layer 2
+  ``self_attn``.
 
 torch runs one thread here (shared 2-core machines).
 """
@@ -101,6 +104,27 @@ def test_layers_stage_passes_in_fp32() -> None:
     assert report.stage("logits").metrics["top1_agreement"] == 1.0
 
 
+def test_csa_and_hca_keep_a_raw_window_and_compressed_entries() -> None:
+    """Sliding layers: a window of kv. CSA / HCA: a raw window W >= (1 + overlap) * ratio as the
+    main cache plus one compressed entry per ratio tokens (K = V entry; CSA + indexer key)."""
+    from resin import LayerCacheSpec
+
+    ref = resolve_model(MODEL_DIR)
+    runner = ref.runner_factory("cpu", "float32")(ref.checkpoint_dir)
+    d, di, f32 = 16, 16, 4
+    csa = [
+        LayerCacheSpec.sliding_window(8, (d + 4 * d + 4 * di) * f32),
+        LayerCacheSpec.compressed(4, (d + di) * f32),
+    ]
+    hca = [
+        LayerCacheSpec.sliding_window(8, 3 * d * f32),
+        LayerCacheSpec.compressed(8, d * f32),
+    ]
+    expected = [LayerCacheSpec.sliding_window(8, d * f32), *csa, *hca, *csa]
+    assert [repr(s) for s in runner.cache_spec()] == [repr(s) for s in expected]
+    assert all(not layer.extra_caches for layer in runner.model.layers[:1])
+
+
 def test_parity_catches_hash_routing_that_ignores_input_ids(
     monkeypatch: pytest.MonkeyPatch, blocks: Any
 ) -> None:
@@ -116,18 +140,26 @@ def test_parity_catches_hash_routing_that_ignores_input_ids(
 def test_parity_catches_csa_without_the_indexer_top_k(
     monkeypatch: pytest.MonkeyPatch, blocks: Any
 ) -> None:
-    monkeypatch.setattr(blocks, "_indexer_selection", lambda *args: args[5])  # all visible
+    monkeypatch.setattr(blocks, "_indexer_selection", lambda *args: args[4])  # all visible
     assert _first_departure() == "layers.1.self_attn"
 
 
 def test_parity_catches_hca_without_compressed_entries(
     monkeypatch: pytest.MonkeyPatch, blocks: Any
 ) -> None:
-    real = blocks._entries
+    # HCA attends its raw window only: none of its cached compressed entries are read.
+    real = blocks._read_entries
 
-    def no_hca(kv: Any, gate: Any, w: Any, prefix: str, rate: int, overlap: bool, ctx: Any) -> Any:
-        entries = real(kv, gate, w, prefix, rate, overlap, ctx)
-        return entries[:0] if ctx.layer_type == blocks.HCA else entries
+    def no_hca(ctx: Any, name: str) -> Any:
+        rows = real(ctx, name)
+        if ctx.layer_type != blocks.HCA:
+            return rows
+        return [
+            dataclasses.replace(
+                r, positions=r.positions[:0], values=r.values[:0], mask=r.mask[:, :0]
+            )
+            for r in rows
+        ]
 
-    monkeypatch.setattr(blocks, "_entries", no_hca)
+    monkeypatch.setattr(blocks, "_read_entries", no_hca)
     assert _first_departure() == "layers.2.self_attn"

@@ -17,11 +17,12 @@ log). Ported op for op from transformers'
 - MoE: ``sqrtsoftplus`` scores, hash routing (``tid2eid[input_ids]``) or biased top-k,
   renormalised and scaled, clamped SwiGLU experts + one shared expert.
 
-Caches (the "full-attention stand-in", see NOTES.md): sliding layers keep ``kv`` in a
-window-W group; CSA / HCA layers keep, per token of the full history, ``kv`` plus the raw
-compressor (and indexer) projections, and every compressed entry is recomputed from
-``ctx.attention.gather(...)`` each step. Exact (entries depend only on fixed token spans), but
-O(T) per step: the real one-entry-per-window cache groups are the hybrid cache pool's job.
+Caches (see NOTES.md): sliding layers keep ``kv`` in a window-W group; CSA / HCA layers keep
+a raw sliding window (``kv`` plus the raw compressor, and indexer, projections per token; W >=
+(1 + overlap)·ratio so an entry's carry is always in it) as their main cache and one
+compressed entry per ``ratio`` tokens (the K = V entry, CSA also the indexer key) in an extra
+compressed cache group, written at the entry's closing token from the raw window, as HF's
+compressor does. Attention reads the window + the visible entries (``gather``).
 
 Signatures (T = tokens in the step, all rows concatenated; ``w`` is the module's own tensors
 keyed relative to it; ``ctx`` a :class:`resin.runners.torch.LayerContext`):
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from resin.loading.rope import RopeConfig, rope_inv_freq
+from resin.runners.torch.attention import RowHistory
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.model_definition import LayerCache
 
@@ -244,31 +246,39 @@ def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
 # -- caches ---------------------------------------------------------------------------------
 
 
+def _carry_tokens(layer_type: str, config: Any) -> int:
+    """Raw tokens an entry pools up to its closing token: ``(1 + overlap) * ratio`` (CSA
+    overlaps the previous window, HCA does not)."""
+    rate = int(config.compress_rates[layer_type])
+    return (2 if layer_type == CSA else 1) * rate
+
+
 def layer_cache(
     layer_type: str, window: int | None, config: Any, head_dim: int, num_kv_heads: int
-) -> LayerCache:
-    """Per-token storage (guide table): sliding -> ``kv`` (K = V, post-norm, post-rope) in a
-    window group; HCA -> full history of ``kv`` + raw compressor ``comp_kv`` / ``comp_gate``
-    [D]; CSA -> ``kv`` + ``comp_kv`` / ``comp_gate`` [2D] + indexer ``index_kv`` /
-    ``index_gate`` [2 dI]. Gates are stored raw (position_bias is added when pooling)."""
+) -> LayerCache | tuple[LayerCache, dict[str, LayerCache]]:
+    """Sliding -> ``kv`` (K = V, post-norm, post-rope) in a window group. CSA / HCA -> a raw
+    sliding window of ``W = max(sliding_window, (1 + overlap) * ratio)`` tokens (what the
+    window branch and the compressor's carry read: ``kv`` + the raw compressor ``comp_kv`` /
+    ``comp_gate`` [c·D], CSA also the indexer's ``index_kv`` / ``index_gate`` [2 dI]; gates
+    raw, position_bias added when pooling) as the main cache, plus an extra ``compressed``
+    cache ``entries`` (one per ``ratio`` tokens, written at the closing token): the entry
+    ``kv`` [D] (K = V, normed, roped), CSA also the indexer key ``index_k`` [dI]."""
     d = head_dim
+    sliding = int(config.sliding_window)
     if layer_type == SLIDING:
-        return LayerCache("sliding_window", {"kv": (1, d)}, window)
-    if layer_type == HCA:
-        return LayerCache("full", {"kv": (1, d), "comp_kv": (d,), "comp_gate": (d,)})
+        return LayerCache("sliding_window", {"kv": (1, d)}, window or sliding)
+    if layer_type not in (CSA, HCA):
+        raise NotImplementedError(f"deepseek_v4 layer type {layer_type!r}")
+    c = 2 if layer_type == CSA else 1
+    raw: dict[str, tuple[int, ...]] = {"kv": (1, d), "comp_kv": (c * d,), "comp_gate": (c * d,)}
+    entry: dict[str, tuple[int, ...]] = {"kv": (d,)}
     if layer_type == CSA:
         di = int(config.index_head_dim)
-        return LayerCache(
-            "full",
-            {
-                "kv": (1, d),
-                "comp_kv": (2 * d,),
-                "comp_gate": (2 * d,),
-                "index_kv": (2 * di,),
-                "index_gate": (2 * di,),
-            },
-        )
-    raise NotImplementedError(f"deepseek_v4 layer type {layer_type!r}")
+        raw.update(index_kv=(2 * di,), index_gate=(2 * di,))
+        entry["index_k"] = (di,)
+    main = LayerCache("sliding_window", raw, max(sliding, _carry_tokens(layer_type, config)))
+    rate = int(config.compress_rates[layer_type])
+    return main, {"entries": LayerCache("compressed", entry, ratio=rate)}
 
 
 # -- attention ------------------------------------------------------------------------------
@@ -303,46 +313,89 @@ def deepseek_v4_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> tor
 def _pool(
     kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, rate: int, overlap: bool
 ) -> torch.Tensor:
-    """Compressor pooling over complete windows of ``rate`` tokens starting at position 0.
-    ``kv`` / ``gate`` [K, c·d] raw per-token projections (K = tokens 0..K-1), ``bias``
-    [rate, c·d] -> entries [K // rate, d] (before kv_norm and rope). HCA (``overlap`` False):
-    softmax over the window's tokens. CSA: entry w pools window w-1's first half (Ca) and
-    window w's second half (Cb) over 2·rate slots; window -1 is zero kv / -inf gate
-    (M:407-423, M:669-693)."""
-    n, channels = kv.shape[0] // rate, kv.shape[-1]
-    kv = kv[: n * rate].view(n, rate, channels)  # n may be 0 (no window closed yet)
-    gate = gate[: n * rate].view(n, rate, channels) + bias
+    """Compressor pooling of ``n`` entries from their raw tokens (M:407-423, M:669-693).
+    ``kv`` / ``gate`` [n, (1 + overlap)·rate, c·d]: each entry's raw per-token projections
+    up to its closing token (CSA: the previous window, then its own; a previous window before
+    position 0 is zero kv / -inf gate), ``bias`` [rate, c·d] -> [n, d] (before kv_norm and
+    rope). HCA (``overlap`` False): softmax over the window's tokens. CSA: the previous
+    window's first half (Ca) and the own window's second half (Cb) over 2·rate slots."""
     if not overlap:
+        gate = gate + bias
         return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
     d = kv.shape[-1] // 2
-    new_kv = kv.new_zeros((n, 2 * rate, d))
-    new_gate = gate.new_full((n, 2 * rate, d), float("-inf"))
-    new_kv[:, rate:] = kv[..., d:]
-    new_gate[:, rate:] = gate[..., d:]
-    new_kv[1:, :rate] = kv[:-1, :, :d]
-    new_gate[1:, :rate] = gate[:-1, :, :d]
+    gate = gate + bias.repeat(2, 1)
+    new_kv = torch.cat([kv[:, :rate, :d], kv[:, rate:, d:]], dim=1)
+    new_gate = torch.cat([gate[:, :rate, :d], gate[:, rate:, d:]], dim=1)
     return (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(new_kv.dtype)).sum(dim=1)
 
 
 def _entries(
     kv: torch.Tensor,
     gate: torch.Tensor,
+    index: torch.Tensor,
     w: Weights,
     prefix: str,
     rate: int,
     overlap: bool,
     ctx: LayerContext,
 ) -> torch.Tensor:
-    """Compressed entries [n, d]: pool, ``kv_norm``, rope (this layer's ``compress`` table) at
-    the window's first position ``i·rate``."""
+    """Compressed entries ``index`` [n] from their raw tokens (see ``_pool``) [n, d]: pool,
+    ``kv_norm``, rope (this layer's ``compress`` table) at the window's first position
+    ``index·rate``."""
     entries = rms_norm(
         _pool(kv, gate, w[f"{prefix}position_bias"], rate, overlap),
         w[f"{prefix}kv_norm.weight"],
         float(ctx.config.rms_norm_eps),
     )
-    positions = torch.arange(entries.shape[0], device=entries.device) * rate
-    cos, sin = ctx.rotary.cos_sin(positions, ctx.dtype)
+    cos, sin = ctx.rotary.cos_sin(index * rate, ctx.dtype)
     return apply_rope(entries, cos, sin)
+
+
+def _close_entries(
+    raw: dict[str, list[RowHistory]],
+    names: tuple[str, str],
+    w: Weights,
+    prefix: str,
+    rate: int,
+    overlap: bool,
+    width: int,
+    ctx: LayerContext,
+) -> torch.Tensor:
+    """The entries this step's tokens close [T, width] (zeros at the other tokens, whose
+    compressed slot is -1), pooled from each row's raw window (``gather``: this step's tokens
+    included; W >= (1 + overlap)·rate keeps the carry in it), as HF's compressor does when a
+    window completes."""
+    kv_rows, gate_rows = raw[names[0]], raw[names[1]]
+    out = kv_rows[0].values.new_zeros((ctx.positions.shape[0], width)) if kv_rows else None
+    span = (2 if overlap else 1) * rate
+    for kv_row, gate_row in zip(kv_rows, gate_rows):
+        q_pos = ctx.positions[kv_row.query]
+        closing = torch.nonzero((q_pos + 1) % rate == 0).flatten()
+        if closing.numel() == 0:
+            continue
+        k_pos = kv_row.positions
+        start = int(k_pos[0])
+        if not torch.equal(k_pos, torch.arange(start, start + k_pos.numel(), device=k_pos.device)):
+            raise RuntimeError("deepseek_v4: a row's raw window is not contiguous")
+        index = q_pos[closing] // rate  # entry closed by each closing token
+        wanted = (index[:, None] + 1) * rate - span + torch.arange(span, device=index.device)
+        present = wanted >= 0  # CSA entry 0: no previous window
+        if bool((present & (wanted < start)).any()):
+            raise RuntimeError("deepseek_v4: an entry's carry left the raw window (W too small)")
+        slot = (wanted - start).clamp(min=0)
+        kv = kv_row.values[slot] * present[..., None]
+        gate = gate_row.values[slot].masked_fill(~present[..., None], float("-inf"))
+        assert out is not None
+        out[kv_row.query.start + closing] = _entries(kv, gate, index, w, prefix, rate, overlap, ctx)
+    assert out is not None
+    return out
+
+
+def _read_entries(ctx: LayerContext, name: str) -> list[RowHistory]:
+    """Per row, its closed entries of buffer ``name`` of the layer's compressed cache (entry
+    order; mask = closing position <= query position: the visibility rule
+    ``e < (p + 1) // rate``)."""
+    return ctx.extra["entries"].gather(name)
 
 
 def _compressed_attention(
@@ -353,16 +406,17 @@ def _compressed_attention(
     w: Weights,
     ctx: LayerContext,
 ) -> torch.Tensor:
-    """CSA / HCA attention recomputed from each row's full per-token history: keys = the
-    sliding window's K = V vectors + the row's compressed entries (entry i visible to query t
-    iff its window closed, ``i < (t+1) // rate``; CSA: and among the indexer's top-k), one
-    softmax with the per-head sink (M:737-755), values = keys."""
+    """CSA / HCA attention: keys = the sliding window's K = V vectors (main cache, a raw
+    window) + the row's visible compressed entries (extra cache ``entries``; CSA: the
+    indexer's top-k of them), one softmax with the per-head sink (M:737-755), values = keys.
+    This step's raw tokens are written first, then the entries they close (pooled from the
+    raw window), then both are read."""
     cfg = ctx.config
     csa = ctx.layer_type == CSA
     rate = int(cfg.compress_rates[ctx.layer_type])
     window = int(cfg.sliding_window)
     d = ctx.head_dim
-    attention = ctx.require_attention()
+    attention, entries = ctx.require_attention(), ctx.extra["entries"]
     new = {
         "kv": kv[:, None, :],
         "comp_kv": F.linear(x, w["compressor.kv_proj.weight"]),
@@ -372,42 +426,32 @@ def _compressed_attention(
         new["index_kv"] = F.linear(x, w["compressor.indexer.kv_proj.weight"])
         new["index_gate"] = F.linear(x, w["compressor.indexer.gate_proj.weight"])
     attention.write(**new)
-    histories = {name: attention.gather(name) for name in new}
+    raw = {name: attention.gather(name) for name in new}
+    closed = {
+        "kv": _close_entries(raw, ("comp_kv", "comp_gate"), w, "compressor.", rate, csa, d, ctx)
+    }
+    if csa:
+        p = "compressor.indexer."
+        di = int(cfg.index_head_dim)
+        closed["index_k"] = _close_entries(
+            raw, ("index_kv", "index_gate"), w, p, rate, True, di, ctx
+        )
+    entries.write(**closed)
+    comp_rows = _read_entries(ctx, "kv")
+    index_rows = _read_entries(ctx, "index_k") if csa else comp_rows
     out = q.new_empty(q.shape)
     sinks = w["sinks"]
-    for row, hist in enumerate(histories["kv"]):
+    for hist, comp_row, index_row in zip(raw["kv"], comp_rows, index_rows):
         query = hist.query
+        assert comp_row.query == query
         q_pos = ctx.positions[query]
-        k_pos = hist.positions
-        if not torch.equal(k_pos, torch.arange(k_pos.numel(), device=k_pos.device)):
-            raise RuntimeError(
-                "deepseek_v4 compressed attention needs each row's whole "
-                "history from position 0 (a full-attention cache group)"
-            )
         keys = hist.values[:, 0, :]  # [K, D]
-        window_mask = hist.mask & (k_pos[None, :] > q_pos[:, None] - window)  # [Tq, K]
-        comp = _entries(
-            histories["comp_kv"][row].values,
-            histories["comp_gate"][row].values,
-            w,
-            "compressor.",
-            rate,
-            csa,
-            ctx,
-        )  # [n, D]
-        n = comp.shape[0]
-        visible = torch.arange(n, device=comp.device)[None, :] < ((q_pos + 1) // rate)[:, None]
-        if csa and n > 0:
-            visible = visible & _indexer_selection(
-                x[query],
-                q_residual[query],
-                q_pos,
-                histories["index_kv"][row].values,
-                histories["index_gate"][row].values,
-                visible,
-                w,
-                rate,
-                ctx,
+        window_mask = hist.mask & (hist.positions[None, :] > q_pos[:, None] - window)  # [Tq, K]
+        comp = comp_row.values  # [n, D], entry order
+        visible = comp_row.mask  # [Tq, n]
+        if csa and comp.shape[0] > 0:
+            visible = _indexer_selection(
+                x[query], q_residual[query], q_pos, index_row.values, visible, w, ctx
             )
         all_keys = torch.cat([keys, comp], dim=0)  # [K + n, D]
         mask = torch.cat([window_mask, visible], dim=1)
@@ -425,19 +469,17 @@ def _indexer_selection(
     x: torch.Tensor,
     q_residual: torch.Tensor,
     q_pos: torch.Tensor,
-    index_kv: torch.Tensor,
-    index_gate: torch.Tensor,
+    keys: torch.Tensor,
     visible: torch.Tensor,
     w: Weights,
-    rate: int,
     ctx: LayerContext,
 ) -> torch.Tensor:
     """DeepseekV4Indexer + DeepseekV4IndexerScorer (M:458-597): bool [Tq, n], the top-k
-    visible entries per query by ``sum_h w[t,h]·HI^-½ · ReLU(qI[t,h]·kI[w])·dI^-½``."""
+    visible entries per query by ``sum_h w[t,h]·HI^-½ · ReLU(qI[t,h]·kI[w])·dI^-½``; ``keys``
+    [n, dI] are the cached indexer keys (the indexer compressor's entries)."""
     cfg = ctx.config
     p = "compressor.indexer."
     heads, di = int(cfg.index_n_heads), int(cfg.index_head_dim)
-    keys = _entries(index_kv, index_gate, w, p, rate, True, ctx)  # [n, dI]
     cos, sin = ctx.rotary.cos_sin(q_pos, ctx.dtype)
     iq = apply_rope(F.linear(q_residual, w[f"{p}q_b_proj.weight"]).view(-1, heads, di), cos, sin)
     scores = F.relu(torch.einsum("qhd,kd->qhk", iq.float(), keys.float())) * di**-0.5

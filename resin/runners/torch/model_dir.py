@@ -11,7 +11,8 @@ model-specific:
   layer kind, and HF's keep-in-fp32 module patterns;
 - ``blocks.py`` — the model's math: ``BLOCKS`` (HF class -> function), ``ROTARY`` (HF class ->
   table factory, returning one table or a dict by layer type), and optional hooks ``embed``,
-  ``pre_layers``, ``post_layers``, ``final_norm``, ``logits``, ``layer_cache``, ``head_dim``
+  ``pre_layers``, ``post_layers``, ``final_norm``, ``logits``, ``layer_cache`` (one
+  ``LayerCache``, or ``(main, {name: extra LayerCache})``), ``head_dim``
   (see :mod:`.model_definition`) and ``normalise_config(dict) -> dict`` (what the HF config
   class derives from older keys, applied to the checkpoint's config before anything reads it);
 - ``weights.py`` (only where checkpoint names need renaming) — ``WEIGHT_MAP``;
@@ -219,6 +220,18 @@ def default_layer_cache(
     )
 
 
+def _split_layer_cache(
+    declared: LayerCache | tuple[LayerCache, dict[str, LayerCache]],
+) -> tuple[LayerCache, dict[str, LayerCache]]:
+    """``blocks.layer_cache`` returns the layer's main cache, or ``(main, {name: extra})``: more
+    cache groups of the same layer (``LayerDefinition.extra_caches``, read as
+    ``ctx.extra[name]``; DeepSeek-V4: a raw sliding window plus compressed entries)."""
+    if isinstance(declared, tuple):
+        main, extra = declared
+        return main, dict(extra)
+    return declared, {}
+
+
 def model_definition(
     name: str, record: ModelRecord, blocks: Any, args: ModelArgs, device: torch.device
 ) -> ModelDefinition:
@@ -236,6 +249,9 @@ def model_definition(
                 f"{', '.join(record.layer_kinds)}); regenerate with resin new-model "
                 "from a config that has this layer kind"
             )
+        cache, extra = _split_layer_cache(
+            layer_cache(layer_type, window, args, head_dim, num_kv_heads)
+        )
         layers.append(
             LayerDefinition(
                 index=index,
@@ -245,7 +261,8 @@ def model_definition(
                 children={
                     child: _block(blocks, cls, name) for child, cls in classes["children"].items()
                 },
-                cache=layer_cache(layer_type, window, args, head_dim, num_kv_heads),
+                cache=cache,
+                extra_caches=extra,
             )
         )
     rotary: dict[str, Any] = {}
