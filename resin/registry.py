@@ -117,6 +117,9 @@ class ModelRegistry:
         self, models_dirs: Iterable[str | Path] = (), *, use_env: bool = True, use_cwd: bool = True
     ) -> None:
         roots: list[Path] = [Path(d).expanduser() for d in models_dirs]
+        for root in roots:  # an explicit directory that is not there is a typo, say so
+            if not root.is_dir():
+                warnings.warn(f"--models-dir {root}: no such directory", stacklevel=2)
         if use_env:
             roots += [
                 Path(p).expanduser()
@@ -213,9 +216,15 @@ def resolve_runner(
         )
     if runner == NULL_RUNNER:
         return _null_runner(checkpoint_dir)
-    entry = registry.get(runner)
+    # "torch" always means the built-in families, whatever a user directory is called
+    entry = registry.entries[-1] if runner == BUILTIN_NAME else registry.get(runner)
     if entry is None and Path(runner).is_dir() and (Path(runner) / RECORD_FILE).is_file():
         entry = _entry_of(Path(runner), "user")
+    if entry is None and Path(runner).is_dir() and (Path(runner) / "config.json").is_file():
+        raise ValueError(
+            f"--runner {runner}: that is a checkpoint, not a runner; pass it as the model and "
+            "name a runner (torch, a registered model, a model directory) or none"
+        )
     if entry is not None:
         return entry.load_runner(
             checkpoint_dir, device=device, dtype=dtype, attention_backend=attention_backend

@@ -216,3 +216,49 @@ def test_a_mismatched_checkpoint_is_refused_before_loading(tmp_path: Path) -> No
     ):
         entry.load_runner(broken)
     entry.load_runner(tiny)  # the intact checkpoint loads
+
+
+@pytest.mark.parametrize(
+    "edit,error",
+    [
+        ("extra", r"not in the model this directory was generated for"),
+        ("no_norm", r"missing tensor\(s\) norm\.weight"),
+        ("no_lm_head", r"missing tensor\(s\) lm_head\.weight"),
+        ("mtp", None),  # a layer past the stack (MTP): loaded as unused, with a warning
+    ],
+)
+def test_model_directory_checkpoints_are_checked_whole(
+    tmp_path: Path, edit: str, error: str | None
+) -> None:
+    """A model directory refuses a checkpoint with a tensor its record does not know (a bias it
+    was not generated with would otherwise be silently dropped) or without a non-layer tensor
+    (a final norm, an untied lm_head), naming them; tensors of layers past the stack load as
+    unused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from resin.loading.weights import WeightsError
+    from resin.registry import ModelRegistry
+
+    tiny = Path(__file__).resolve().parents[1] / "resin" / "models" / "gpt_oss" / "tiny"
+    changed = tmp_path / edit
+    shutil.copytree(tiny, changed)
+    tensors = load_file(str(changed / "model.safetensors"))
+    if edit == "extra":
+        tensors["model.layers.0.self_attn.extra_proj.bias"] = torch.zeros(4)
+    elif edit == "no_norm":
+        del tensors["model.norm.weight"]
+    elif edit == "no_lm_head":
+        del tensors["lm_head.weight"]
+    else:
+        tensors["model.layers.9.self_attn.q_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
+    if error is None:
+        with pytest.warns(UserWarning, match="does not use"):
+            runner = entry.load_runner(changed)
+        assert runner.weights.unused == ["model.layers.9.self_attn.q_proj.weight"]
+        return
+    with pytest.raises(WeightsError, match=error):
+        entry.load_runner(changed)

@@ -354,6 +354,7 @@ class ModelDirRunner(PagedRunner):
             weight_map=weight_map,
             known_patterns=record.checkpoint_patterns,
             required=lambda i: record.layer_kinds[kinds[i]].get("tensors", []),
+            required_globals=_required_globals(record, args, weight_map),
             expected_shape=_shape_checker(record, args, kinds),
             keep_in_fp32=record.keep_in_fp32.get(dtype_name, []),
             device=device,
@@ -383,3 +384,18 @@ def _shape_checker(record: ModelRecord, args: ModelArgs, kinds: list[str]) -> An
         return None if rule is None else evaluate(rule, config)
 
     return expected
+
+
+def _required_globals(record: ModelRecord, args: ModelArgs, weight_map: dict[str, str]) -> set[str]:
+    """Runner names of the non-layer tensors the source model had (its embedding, final norm,
+    an untied lm_head...), less ``lm_head.weight`` when this checkpoint ties it."""
+    from resin.runners.torch.model_weights import default_runner_name
+
+    names = set()
+    for pattern, entries in record.source_shapes.items():
+        if any(-1 in layers for _, layers in entries):
+            target = weight_map.get(pattern)
+            names.add(target if target else default_runner_name(pattern))
+    if getattr(args, "tie_word_embeddings", False):
+        names.discard("lm_head.weight")
+    return names

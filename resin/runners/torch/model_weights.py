@@ -30,6 +30,9 @@ from safetensors import safe_open
 from resin.loading.weights import SUPPORTED_DTYPES, WeightsError, locate_tensors
 from resin.scaffold.layer_map import name_pattern
 
+# Checkpoint tensors that are leftovers, not weights (older checkpoints saved rotary buffers).
+IGNORED_SUFFIXES = (".inv_freq", "._float_tensor")
+
 
 @dataclass
 class ModelWeights:
@@ -96,6 +99,7 @@ def load_model_weights(
     weight_map: Mapping[str, str] | None = None,
     known_patterns: Iterable[str] | None = None,
     required: Callable[[int], Iterable[str]] | None = None,
+    required_globals: Iterable[str] = (),
     expected_shape: Callable[[str, int | None], list[int | None] | None] | None = None,
     keep_in_fp32: Iterable[str] = (),
     device: str | torch.device = "cpu",
@@ -103,9 +107,13 @@ def load_model_weights(
 ) -> ModelWeights:
     """Every tensor of the checkpoint the model knows, renamed and cast (see module doc).
 
-    ``known_patterns``: checkpoint name patterns the model has (others are left in ``unused``
-    with one warning, e.g. MTP layers); None loads everything. ``required(layer)``: patterns
-    (relative to ``model.layers.{layer}.``, ``{expert}`` allowed) that layer must have.
+    ``known_patterns``: checkpoint name patterns the model has; None loads everything. A
+    tensor of a layer past the stack (MTP layers) or a leftover buffer (``inv_freq``) is left
+    in ``unused`` with one warning; any other tensor the model does not know is an error (a
+    bias or a module this model directory was not generated with would silently be ignored).
+    ``required(layer)``: patterns (relative to ``model.layers.{layer}.``, ``{expert}``
+    allowed) that layer must have; ``required_globals``: runner names of non-layer tensors
+    the checkpoint must have (``norm.weight``, an untied ``lm_head.weight``).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise WeightsError(
@@ -119,12 +127,14 @@ def load_model_weights(
     chosen: dict[str, str] = {}
     unused: list[str] = []
     present: dict[int, set[str]] = {}
+    unknown: list[str] = []
     for name in files:
         pattern, layer, expert = name_pattern(name)
-        if (known is not None and pattern not in known) or (
-            layer is not None and layer >= num_layers
-        ):  # e.g. MTP layers past the stack
-            unused.append(name)
+        if (layer is not None and layer >= num_layers) or name.endswith(IGNORED_SUFFIXES):
+            unused.append(name)  # MTP layers past the stack, leftover rotary buffers
+            continue
+        if known is not None and pattern not in known:
+            unknown.append(name)
             continue
         target = mapping.get(pattern)
         chosen[name] = (
@@ -133,6 +143,21 @@ def load_model_weights(
         if layer is not None:
             relative = pattern.split("layers.{layer}.", 1)[1]
             present.setdefault(layer, set()).add(relative)
+    if unknown:
+        shown = ", ".join(sorted(unknown)[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
+        raise WeightsError(
+            f"{directory}: tensor(s) {shown} are not in the model this directory was generated "
+            "for (a bias, norm or module its architecture.json does not list): regenerate the "
+            "model directory from this checkpoint's config (resin new-model --force)"
+        )
+    missing_globals = sorted(set(required_globals) - set(chosen.values()))
+    if missing_globals:
+        raise WeightsError(
+            f"{directory}: missing tensor(s) {', '.join(missing_globals)} (runner names; the "
+            "model and its config.json need them)"
+        )
     if required is not None:
         for layer in range(num_layers):
             missing = sorted(set(required(layer)) - present.get(layer, set()))
