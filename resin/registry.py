@@ -32,7 +32,7 @@ import importlib
 import json
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -287,9 +287,3 @@ def _torch_dtype(dtype: Any) -> Any:
     if not isinstance(resolved, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     return resolved
-
-
-def registered_architectures(registry: ModelRegistry | None = None) -> Sequence[str]:
-    """Every architecture some entry claims (for help texts)."""
-    registry = registry or ModelRegistry()
-    return sorted({a for e in registry.entries for a in e.architectures})

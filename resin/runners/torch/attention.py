@@ -115,7 +115,10 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
 
     def __init__(self) -> None:
-        self.views: list[list[SequenceView]] = []
+        # Per group, built on first use in a step: a group no layer attends (a recurrent
+        # state group) costs nothing.
+        self.views: list[list[SequenceView] | None] = []
+        self._step: tuple[StepInputs, Sequence[int | None], int, list[int]] | None = None
 
     def begin_step(
         self,
@@ -124,22 +127,30 @@ class ReferenceBackend(AttentionBackend):
         page_size: int,
         group_ratios: Sequence[int] | None = None,
     ) -> None:
-        plan = step.plan
         ratios = list(group_ratios or [1] * len(group_windows))
-        self.views = [
-            build_sequence_views(
+        self._step = (step, group_windows, page_size, ratios)
+        self.views = [None] * len(group_windows)
+
+    def _views(self, group: int) -> list[SequenceView]:
+        """Each row's readable slots and mask in ``group`` (once per step and group)."""
+        views = self.views[group]
+        if views is None:
+            assert self._step is not None, "begin_step first"
+            step, windows, page_size, ratios = self._step
+            plan = step.plan
+            views = build_sequence_views(
                 plan.query_indptr,
                 plan.seq_lens,
-                plan.kv_indptr[g],
-                plan.kv_indices[g],
+                plan.kv_indptr[group],
+                plan.kv_indices[group],
                 step.positions,
                 page_size,
-                window,
+                windows[group],
                 step.device,
-                ratio=ratios[g],
+                ratio=ratios[group],
             )
-            for g, window in enumerate(group_windows)
-        ]
+            self.views[group] = views
+        return views
 
     def attend(
         self,
@@ -163,7 +174,7 @@ class ReferenceBackend(AttentionBackend):
         v_flat = k_flat if v_cache is None else v_cache.view(-1, *v_cache.shape[2:])
         dim_v = value_dim if value_dim is not None else v_flat.shape[-1]
         out = q.new_empty(q.shape[0], num_heads, dim_v)
-        for view in self.views[group]:
+        for view in self._views(group):
             k = k_flat[view.slots].repeat_interleave(repeat, dim=1)  # [K, H, D]
             v = v_flat[view.slots][..., :dim_v].repeat_interleave(repeat, dim=1)  # [K, H, Dv]
             scores = torch.einsum("qhd,khd->hqk", q[view.query], k) * scale
@@ -186,7 +197,7 @@ class ReferenceBackend(AttentionBackend):
     def gather(self, cache: torch.Tensor, group: int) -> list[RowHistory]:
         flat = cache.view(-1, *cache.shape[2:])
         out = []
-        for view in self.views[group]:
+        for view in self._views(group):
             assert view.key_positions is not None
             readable = view.mask.any(dim=0)
             out.append(

@@ -3,11 +3,12 @@
 Owns the math of the supported decoder layers, written to match transformers' modeling code
 op for op (so fp32 results agree to rounding): RMSNorm, rotary embeddings at arbitrary
 positions, the SwiGLU MLP, top-k MoE routing (Qwen3-MoE with and without ``norm_topk_prob``,
-Mixtral), and paged attention that reads K/V through a plan's page tables and writes new K/V
-through its slot mapping. Tensors are token-major: ``[T, ...]`` with T = tokens in the step.
+Mixtral), and each row's readable cache slots and mask (:func:`build_sequence_views`); paged
+attention itself is the attention backend's (:mod:`.attention`). Tensors are token-major:
+``[T, ...]`` with T = tokens in the step.
 
-Readability beats speed here: attention loops over sequences. Faster runners are checked
-against this one.
+Readability beats speed here: MoE loops over experts. Faster runners are checked against
+these functions.
 """
 
 from __future__ import annotations
@@ -193,50 +194,6 @@ def build_sequence_views(
             mask &= key_positions[None, :] > query_positions - window_tokens
         views.append(SequenceView(query, slots, mask, key_positions))
     return views
-
-
-def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store new K/V [T, kv_heads, head_dim] at ``slot_mapping`` (int64[T]); skip slot -1.
-
-    Caches are [num_pages, page_size, kv_heads, head_dim]; slot = page * page_size + offset.
-    -1 must never be used as an index (it would be the pool's last slot).
-    """
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    views: list[SequenceView],
-    scale: float,
-) -> torch.Tensor:
-    """Attention of q [T, heads, head_dim] over each sequence's cached keys -> [T, heads, head_dim].
-
-    K/V are gathered from the cache by slot (so they include this step's tokens, written
-    first by :func:`write_kv`); grouped KV heads are repeated to the query heads; softmax in fp32.
-    """
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    out = torch.empty_like(q)
-    for view in views:
-        k = k_flat[view.slots].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [K, H, D]
-        v = v_flat[view.slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[view.query], k) * scale
-        scores = scores.masked_fill(~view.mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[view.query] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out
 
 
 def plan_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

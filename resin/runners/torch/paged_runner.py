@@ -22,7 +22,6 @@ A model never edits this file: a fix here reaches every model. Imports torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -67,6 +66,7 @@ class PagedRunner:
         self.extra_slots: list[dict[str, tuple[int, dict[str, torch.Tensor]]]] = []
         self.pages_per_state: list[int] = []
         self.group_ratios: list[int] = []
+        self._state_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.bound = False
         self.group_of_layer: list[int] = []
         self.group_windows: list[int | None] = []
@@ -147,6 +147,7 @@ class PagedRunner:
             if pages is not None:
                 apply_copies(pages, step.copy_pages)
         tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._state_tables = {}
         top = self._context(step, -1)
 
         hidden = model.embed(step.input_ids, globals_, top)
@@ -203,11 +204,7 @@ class PagedRunner:
         ctx.caches = self.layer_caches[index]
         pages = self.state_pages[index]
         if pages is not None:
-            plan = step.plan
-            rows = len(plan.seq_lens)
-            table = plan_tensor(plan.kv_indices[group], self.device).long()
-            table = table.reshape(rows, self.pages_per_state[group])
-            initial = plan_tensor(plan.has_initial_state[group], self.device).bool()
+            table, initial = self._state_table(step, group)
             ctx.state = RecurrentState(
                 pages, layer.cache.buffers, layer.cache.dtype or self.dtype, table, initial
             )
@@ -220,6 +217,17 @@ class PagedRunner:
                 self.attention_backend, extra_group, step.slot_mappings[extra_group], buffers
             )
         return ctx
+
+    def _state_table(self, step: StepInputs, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A recurrent group's state pages ``[S, pages_per_state]`` and ``has_initial_state``
+        as tensors, once per step and group (its layers share them)."""
+        if group not in self._state_tables:
+            plan = step.plan
+            table = plan_tensor(plan.kv_indices[group], self.device).long()
+            table = table.reshape(len(plan.seq_lens), self.pages_per_state[group])
+            initial = plan_tensor(plan.has_initial_state[group], self.device).bool()
+            self._state_tables[group] = (table, initial)
+        return self._state_tables[group]
 
     def _final_norm(self, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         if self.model.final_norm is None:
@@ -239,14 +247,3 @@ class PagedRunner:
             self.capture[name] = tensor.detach().clone()
         else:
             self.capture(name, tensor)
-
-    def describe(self) -> dict[str, Any]:
-        """A short summary for logs: model, layers, backend, dtype, device."""
-        return {
-            "model": self.model.name,
-            "architecture": self.model.architecture,
-            "num_layers": len(self.model.layers),
-            "attention_backend": self.attention_backend.name,
-            "dtype": str(self.dtype),
-            "device": str(self.device),
-        }
