@@ -1,17 +1,18 @@
 """Page size across cache groups: equal-byte pages vs equal token spans (issue 10).
 
-Compares three ways to lay hybrid caches out in pages, on two real layouts:
+Compares ways to lay hybrid caches out in pages, on two real layouts:
 
-- ``equal-byte`` (what Resin does now): one pool of equal pages; ``page_bytes`` = the largest
-  ``page_size * bytes_per_token`` over the token groups; a recurrent state spans
-  ``pages_per_state = ceil(state_bytes / page_bytes)`` pages, the last one padded. Page bytes
-  and pages per state are read from a real ``resin.Engine`` (a toy runner declares the
-  layout's specs; the engine allocates no buffers, so the real byte sizes are used unscaled).
-  A compressed group (DeepSeek-V4 CSA / HCA) follows the engine's rule (``LayerCacheSpec.
-  compressed``, being added now): a page holds ``page_size`` entries, so it covers
-  ``page_size * ratio`` raw tokens, and ``page_bytes`` also counts ``page_size *
-  bytes_per_entry``. Read from the engine when the extension has ``compressed``, else the
-  same rule analytically (the ``source`` column says which).
+- ``resin`` (what the engine does, read from a real ``resin.Engine``: a toy runner declares the
+  layout's specs; the engine allocates no buffers, so the real byte sizes are used unscaled):
+  token and recurrent groups share equal-byte pages, ``page_bytes`` = the largest ``page_size
+  * bytes_per_token`` over the token groups, a recurrent state spans ``pages_per_state =
+  ceil(state_bytes / page_bytes)`` pages, the last one padded; a compressed group (DeepSeek-V4
+  CSA / HCA) has pages of its own size spanning ``lcm(P, ratio)`` raw tokens
+  (``CacheGroup.entries_per_page`` entries, ``CacheGroup.page_bytes`` bytes).
+- ``equal-byte`` (the engine's first rule, before the measurement below chose ``resin``): as
+  ``resin``, but a compressed page holds ``page_size`` entries (``page_size * ratio`` raw
+  tokens) and ``page_bytes`` also counts ``page_size * bytes_per_entry``. Token and recurrent
+  groups read from the engine, compressed ones worked out by that rule.
 - ``equal-byte-pad``: equal-byte pages, but a compressed page covers the token span of the
   others (``max(P, ratio)`` tokens, ``span / ratio`` entries) and the rest of it is padding.
 - ``vllm-single`` (vLLM's ``_align_hybrid_block_size``): like equal-byte, but the page size in
@@ -26,7 +27,9 @@ Per (layout, policy, page size): bytes per page per group (per layer), pages per
 padding, the minimum prefix-hit granularity (tokens a cached unit covers in every group: the
 lcm of the groups' spans; recurrent checkpoints sit at page boundaries), the pool bytes and
 internal fragmentation (1 - live bytes / allocated bytes) of two seeded workloads after
-prefill, and the number of distinct page sizes (= pools an allocator must manage).
+prefill, the number of distinct page sizes (= pools an allocator must manage), and what the
+torch runners actually reserve for one 4,096-token request: their buffers give every page id one
+page in every layer (no sharing across groups), so (page ids held) x (one page of every layer).
 
     .venv/bin/python benchmarks/cache_layout.py      # prints tables, writes results/cache_layout.json
 """
@@ -102,11 +105,8 @@ class SpecRunner:
         return ForwardOutput(np.zeros(n, np.uint32), np.arange(n + 1, dtype=np.uint32))
 
 
-HAS_COMPRESSED = hasattr(LayerCacheSpec, "compressed")
-
-
 def engine_specs(groups: list[Group]) -> list[LayerCacheSpec]:
-    """The groups the engine supports (compressed ones only if the extension has them)."""
+    """The layout's per-layer engine specs."""
     specs = []
     for g in groups:
         if g.kind == "full":
@@ -115,7 +115,7 @@ def engine_specs(groups: list[Group]) -> list[LayerCacheSpec]:
             specs += [LayerCacheSpec.sliding_window(g.window, g.bytes_per_token)] * g.layers
         elif g.kind == "recurrent":
             specs += [LayerCacheSpec.recurrent(g.state_bytes)] * g.layers
-        elif g.kind == "compressed" and HAS_COMPRESSED:
+        elif g.kind == "compressed":
             specs += [LayerCacheSpec.compressed(g.ratio, g.entry_bytes)] * g.layers
     return specs
 
@@ -128,8 +128,15 @@ def engine_layout(groups: list[Group], page_size: int) -> dict[str, Any]:
     per_state = {
         g.spec.state_bytes: g.pages_per_state for g in layout.groups if g.spec.kind == "recurrent"
     }
-    kinds = {g.spec.kind for g in layout.groups}
-    return {"page_bytes": layout.page_bytes, "pages_per_state": per_state, "kinds": kinds}
+    compressed = {
+        (g.spec.ratio, g.spec.bytes_per_entry): {
+            "entries_per_page": g.entries_per_page,
+            "page_bytes": g.page_bytes,
+        }
+        for g in layout.groups
+        if g.spec.kind == "compressed"
+    }
+    return {"page_bytes": layout.page_bytes, "pages_per_state": per_state, "compressed": compressed}
 
 
 def lcm_all(values: list[int]) -> int:
@@ -147,17 +154,16 @@ def plan_policy(groups: list[Group], policy: str, page_size: int) -> dict[str, A
     if policy == "vllm-single" and rec and token_bpt:
         need = max(g.state_bytes for g in rec) / max(token_bpt)
         page_size = max(page_size, VLLM_ALIGN * math.ceil(need / VLLM_ALIGN))
-    if policy in ("equal-byte", "equal-byte-pad", "vllm-single"):
+    if policy in ("resin", "equal-byte", "equal-byte-pad", "vllm-single"):
         measured = engine_layout(groups, page_size)
         page_bytes = measured["page_bytes"]
-        analytical = any(g.kind == "compressed" for g in groups) and (
-            "compressed" not in measured["kinds"]
-        )
-        if analytical:  # the engine's rule: page_size entries per compressed page
+        source = "engine"
+        analytical = any(g.kind == "compressed" for g in groups) and policy != "resin"
+        if analytical:  # the first rule: page_size entries per compressed page, equal bytes
             page_bytes = max(
                 [page_bytes] + [page_size * g.entry_bytes for g in groups if g.kind == "compressed"]
             )
-        source = "engine" + (" + analytical (compressed)" if analytical else "")
+            source = "engine + analytical (compressed)"
         if policy == "equal-byte-pad":
             source = "engine page_bytes + analytical (padded compressed pages)"
     out = []
@@ -182,11 +188,19 @@ def plan_policy(groups: list[Group], policy: str, page_size: int) -> dict[str, A
             if policy == "equal-span":
                 span = max(page_size, g.ratio)
                 row.update(span=span, page_bytes=span // g.ratio * g.entry_bytes)
+            elif policy == "resin":
+                compressed = measured["compressed"][(g.ratio, g.entry_bytes)]
+                assert compressed["entries_per_page"] * g.ratio == lcm_all([page_size, g.ratio])
+                row.update(
+                    span=compressed["entries_per_page"] * g.ratio,
+                    page_bytes=compressed["page_bytes"],
+                    entries_per_page=compressed["entries_per_page"],
+                )
             elif policy == "equal-byte-pad":
                 span = max(page_size, g.ratio)
                 row.update(span=span, page_bytes=page_bytes)
                 row["entries_per_page"] = span // g.ratio
-            else:  # the engine's rule
+            else:  # the first rule
                 row.update(span=page_size * g.ratio, page_bytes=page_bytes)
                 row["entries_per_page"] = page_size
             row.setdefault("entries_per_page", row["page_bytes"] // g.entry_bytes)
@@ -227,6 +241,27 @@ def request_bytes(groups: list[Group], plan: dict[str, Any], length: int) -> tup
     return allocated, live
 
 
+def unshared_runner_bytes(groups: list[Group], plan: dict[str, Any], length: int) -> int:
+    """Bytes the torch runners reserve for one request of ``length`` tokens: every layer's
+    buffer has one page per page id (buffers are not shared across groups), so a request
+    reserves (page ids it holds) x (bytes of one page in every layer)."""
+    page_ids = 0
+    for g, row in zip(groups, plan["groups"], strict=True):
+        span = row["span"]
+        if g.kind == "full":
+            page_ids += -(-length // span)
+        elif g.kind == "sliding_window":
+            page_ids += -(-length // span) - max(0, length - g.window + 1) // span
+        elif g.kind == "recurrent":
+            page_ids += row["pages_per_state"]
+        else:
+            page_ids += -(-(length // g.ratio) // row["entries_per_page"])
+    per_id = sum(
+        row["page_bytes"] * g.layers for g, row in zip(groups, plan["groups"], strict=True)
+    )
+    return page_ids * per_id
+
+
 def workloads() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(SEED)
     lognormal = rng.lognormal(mean=math.log(2048), sigma=0.8, size=NUM_REQUESTS)
@@ -240,11 +275,13 @@ def evaluate() -> list[dict[str, Any]]:
     loads = workloads()
     rows = []
     for layout_name, groups in LAYOUTS.items():
-        for policy in ("equal-byte", "equal-byte-pad", "vllm-single", "equal-span"):
+        for policy in ("resin", "equal-byte", "equal-byte-pad", "vllm-single", "equal-span"):
             for page_size in PAGE_SIZES:
                 plan = plan_policy(groups, policy, page_size)
-                if policy == "equal-byte-pad" and not any(g.kind == "compressed" for g in groups):
-                    continue  # nothing to pad: the same as equal-byte
+                if policy in ("equal-byte", "equal-byte-pad") and not any(
+                    g.kind == "compressed" for g in groups
+                ):
+                    continue  # no compressed group: the same as resin
                 if policy == "vllm-single":
                     if not any(g.kind == "recurrent" for g in groups):
                         continue  # no state to fit: the same as equal-byte
@@ -263,6 +300,7 @@ def evaluate() -> list[dict[str, Any]]:
                         "allocated_mib_per_request": alloc / len(lengths) / 2**20,
                         "internal_fragmentation": 1 - live / alloc,
                     }
+                plan["unshared_runner_mib_4096"] = unshared_runner_bytes(groups, plan, 4096) / 2**20
                 rows.append(plan)
     return rows
 
@@ -277,9 +315,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             + ", ".join(names)
             + ") | tokens/page per group "
             "| pages/state (padding) | min hit tokens | page sizes | MiB/req lognormal "
-            "| frag lognormal | MiB/req 4096 | frag 4096 | source |"
+            "| frag lognormal | MiB/req 4096 | frag 4096 | runner MiB/req 4096 (unshared) "
+            "| source |"
         )
-        out.append("|---" * 12 + "|")
+        out.append("|---" * 13 + "|")
         for r in rows:
             if r["layout"] != layout_name:
                 continue
@@ -297,7 +336,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 f"| {r['min_hit_tokens']:,} | {r['num_page_sizes']} "
                 f"| {f_ln['allocated_mib_per_request']:,.1f} | {f_ln['internal_fragmentation']:.1%} "
                 f"| {f_4k['allocated_mib_per_request']:,.1f} | {f_4k['internal_fragmentation']:.1%} "
-                f"| {r['source']} |"
+                f"| {r['unshared_runner_mib_4096']:,.1f} | {r['source']} |"
             )
         out.append("")
     return "\n".join(out)
@@ -314,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resin": resin.__version__,
-        "has_compressed_spec": HAS_COMPRESSED,
         "workloads": {
             "lognormal_2k": {
                 "num_requests": NUM_REQUESTS,

@@ -13,9 +13,10 @@ Those counts are checked against the formula:
 - sliding window: at most ``window / page_size + 1`` (the engine keeps the pages from the one
   holding position ``tokens - window + 1`` on);
 - recurrent: ``pages_per_state``, the same at every length (also measured at tokens / 4);
-- compressed (ratio r, measured only if ``LayerCacheSpec.compressed`` exists; it is being
-  added): ``ceil((tokens // r) / page_size)`` pages of ``page_size`` entries. Its carry (the
-  open window) lives in a sliding-window group of the same layer, measured separately above.
+- compressed (ratio r): ``ceil((tokens // r) / E)`` pages of ``E = lcm(page_size, r) / r``
+  entries (a page spans ``lcm(page_size, r)`` tokens), each ``E * bytes_per_entry`` bytes (its
+  own page size, ``CacheGroup.page_bytes``). Its carry (the open window) lives in a
+  sliding-window group of the same layer, measured separately above.
 
 The full group's count is also read from the last prefill plan (``kv_indptr[g]`` of the row)
 and the recurrent one from every plan's row. Shapes: Qwen3-Next-80B-A3B's full-attention
@@ -97,6 +98,7 @@ def owned_after_prefill(
                 "kind": g.spec.kind,
                 "layers": len(g.layer_indices),
                 "pages_per_state": g.pages_per_state,
+                "page_bytes": g.page_bytes if g.pages_per_state == 0 else layout.page_bytes,
                 "row_pages_last_plan": row_pages[i],
             }
             for i, g in enumerate(layout.groups)
@@ -130,23 +132,26 @@ def measure(page_size: int, num_tokens: int) -> list[dict[str, Any]]:
             )
         )
     variants.append(("recurrent", LayerCacheSpec.recurrent(STATE_BYTES), -1, "pages_per_state"))
-    if hasattr(LayerCacheSpec, "compressed"):
-        # Entry bytes = the base layer's bytes per token, so page_bytes stays the same.
-        for ratio in RATIOS:
-            entries = num_tokens // ratio
-            variants.append(
-                (
-                    f"compressed({ratio})",
-                    LayerCacheSpec.compressed(ratio, FULL_BPT),
-                    -(-entries // page_size),
-                    f"ceil(({num_tokens}//{ratio})/{page_size}) entries pages",
-                )
+    for ratio in RATIOS:
+        entries = num_tokens // ratio
+        per_page = math.lcm(page_size, ratio) // ratio
+        variants.append(
+            (
+                f"compressed({ratio})",
+                LayerCacheSpec.compressed(ratio, FULL_BPT),
+                -(-entries // per_page),
+                f"ceil(({num_tokens}//{ratio})/{per_page}) pages of {per_page} entries",
             )
+        )
     for name, spec, formula_pages, formula in variants:
         both = owned_after_prefill([base_spec, spec], page_size, num_tokens)
         measured = both["owned_pages"] - base["owned_pages"]
         group = next(g for g in both["groups"] if g["kind"] == spec.kind)
-        row: dict[str, Any] = {"kind": name, "measured_pages": measured}
+        row: dict[str, Any] = {
+            "kind": name,
+            "measured_pages": measured,
+            "page_bytes": group["page_bytes"],
+        }
         if spec.kind == "compressed":
             row["plan_row_pages"] = group["row_pages_last_plan"]
         if spec.kind == "recurrent":
@@ -163,8 +168,8 @@ def measure(page_size: int, num_tokens: int) -> list[dict[str, Any]]:
     for row in rows:
         if "measured_pages" not in row:
             continue
-        row["page_bytes"] = base["page_bytes"]
-        row["bytes_per_layer"] = row["measured_pages"] * base["page_bytes"]
+        row.setdefault("page_bytes", base["page_bytes"])
+        row["bytes_per_layer"] = row["measured_pages"] * row["page_bytes"]
         row["live_bytes_per_layer"] = live_bytes(row["kind"], num_tokens)
         row["agrees_within_one_page"] = abs(row["measured_pages"] - row["formula_pages"]) <= 1
         row["page_size"] = page_size
@@ -217,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resin": resin.__version__,
         "num_tokens": args.num_tokens,
-        "has_compressed_spec": hasattr(LayerCacheSpec, "compressed"),
         "full_bytes_per_token": FULL_BPT,
         "state_bytes": STATE_BYTES,
         "rows": rows,
@@ -226,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"cache memory: one request of {args.num_tokens} tokens after prefill; full layer "
-        f"{FULL_BPT} B/token, recurrent state {STATE_BYTES:,} B; "
-        f"LayerCacheSpec.compressed present: {hasattr(LayerCacheSpec, 'compressed')}\n"
+        f"{FULL_BPT} B/token (compressed entries of that size), recurrent state "
+        f"{STATE_BYTES:,} B; pool bytes per layer = pages x the group's page bytes\n"
     )
     print(markdown(rows, args.num_tokens))
     print(f"JSON: {args.output}")

@@ -108,7 +108,9 @@ class LayerCacheSpec:
     @staticmethod
     def compressed(ratio: int, bytes_per_entry: int) -> LayerCacheSpec:
         """Compressed attention (DeepSeek-V4 CSA / HCA): one entry of bytes_per_entry per
-        ratio source tokens; a page holds page_size entries (page_size * ratio tokens). The
+        ratio source tokens; a page spans lcm(page_size, ratio) source tokens and holds
+        CacheGroup.entries_per_page = lcm(page_size, ratio) // ratio entries (page_size //
+        ratio when the ratio divides the page size; 1 when the page size divides it). The
         entry a token closes is written via slot_mapping; the carry (the open window's
         tokens, an overlapping window's previous half) is read from a sliding-window group
         of the same layer with window >= (1 + overlap) * ratio."""
@@ -125,6 +127,15 @@ class CacheGroup:
     def pages_per_state(self) -> int:
         """Pages one recurrent state occupies: max(1, ceil(state_bytes / page_bytes)), 1 when
         page_bytes is 0; 0 for a token (full / sliding-window) or compressed group."""
+    @property
+    def entries_per_page(self) -> int:
+        """Positions one page holds: page_size for a token (full / sliding-window) group;
+        lcm(page_size, ratio) // ratio entries for a compressed group; 0 for a recurrent one.
+        A compressed layer's buffer is [num_pages, entries_per_page, ...]."""
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page of this group holds in one layer's buffer: entries_per_page *
+        bytes_per_token (bytes_per_entry); 0 for a recurrent group (CacheLayout.page_bytes)."""
 
 @final
 class CacheLayout:
@@ -141,14 +152,23 @@ class CacheLayout:
         """Tokens per page."""
     @property
     def page_bytes(self) -> int:
-        """Bytes one page holds in one layer's buffer: the largest page_size * bytes_per_token
-        over the token layers and page_size * bytes_per_entry over the compressed layers (0 if
-        none). A recurrent layer's buffer is num_pages pages of
+        """Bytes one page holds in one layer's buffer of a token group: the largest
+        page_size * bytes_per_token over the token layers (0 if none); a compressed group's
+        pages have their own size (CacheGroup.page_bytes). A recurrent layer's buffer is num_pages pages of
         page_bytes (of state_bytes when page_bytes is 0); a state spans pages_per_state of
         them, the last one padded."""
     @property
     def groups(self) -> list[CacheGroup]: ...
     def group_of_layer(self, layer_index: int) -> int: ...
+    @staticmethod
+    def from_specs(specs: list[LayerCacheSpec], page_size: int, num_pages: int = 2) -> CacheLayout:
+        """The layout an Engine builds for these per-layer specs: for sizing a pool first."""
+    def pages_per_request(
+        self, max_model_len: int, max_num_batched_tokens: int, enable_prefix_caching: bool = True
+    ) -> int:
+        """Most pages one request of max_model_len tokens holds at once, over all groups
+        (states and a checkpoint in flight included): the pool must hold this many besides
+        the null page."""
 
 @final
 class EngineConfig:

@@ -13,10 +13,12 @@ Engine defaults (each can be overridden with a keyword of :class:`resin.EngineCo
 
 - ``max_model_len``: the checkpoint's ``max_position_embeddings``, capped at
   :data:`DEFAULT_MAX_MODEL_LEN` so a 128k-context config does not size the cache for 128k.
-- ``num_pages``: enough pages for ``max_num_seqs`` sequences of ``max_model_len`` tokens, but
-  no more than fit in ``kv_cache_bytes`` (default :data:`DEFAULT_KV_CACHE_BYTES`), counting a
-  page as ``page_size`` tokens of every layer's KV; and never fewer than one full-length
-  sequence needs. Plus one for the null page.
+- ``num_pages``: enough pages for ``max_num_seqs`` sequences of ``max_model_len`` tokens (the
+  engine's own rule, ``CacheLayout.pages_per_request``: every cache group, recurrent states
+  and their checkpoints in flight included), but no more than fit in ``kv_cache_bytes``
+  (default :data:`DEFAULT_KV_CACHE_BYTES`), counting a page id as one page of every layer's
+  buffer (:func:`page_id_bytes`); and never fewer than one full-length sequence needs. Plus
+  one for the null page.
 - ``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s (vLLM's rule);
   ``vocab_size``: ``config.json``'s.
 
@@ -31,13 +33,12 @@ Importing this module does not import torch; building the default runner does.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from resin._core import Engine, EngineConfig, RequestOutput, SamplingParams
+from resin._core import CacheLayout, Engine, EngineConfig, RequestOutput, SamplingParams
 from resin.chat_template import ChatTemplate
 from resin.loading.checkpoint_info import CheckpointInfo, read_checkpoint_info
 from resin.tokenizer import Tokenizer
@@ -134,20 +135,22 @@ class LLM:
         )
         settings.setdefault("eos_token_ids", self.tokenizer.eos_token_ids)
         settings.setdefault("vocab_size", self.model_config.vocab_size)
+        settings.setdefault("enable_prefix_caching", True)
         if "num_pages" not in settings:
-            # A runner without cache_spec (scripted, null) stores nothing: size as one small
-            # layer so the pool still holds full-length sequences.
+            # A runner without cache_spec (scripted, null) stores nothing: one full group of
+            # no bytes, sized so the pool still holds full-length sequences.
             specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
-            token_specs = [s for s in specs if s.kind != "recurrent"]
-            num_groups = len({(s.kind, s.window, s.bytes_per_token) for s in token_specs}) or 1
+            layout = CacheLayout.from_specs(list(specs), settings["page_size"])
             settings["num_pages"] = default_num_pages(
-                [s.bytes_per_token for s in token_specs] or [1],
-                settings["page_size"],
-                settings["max_model_len"],
+                layout.pages_per_request(
+                    settings["max_model_len"],
+                    settings["max_num_batched_tokens"],
+                    settings["enable_prefix_caching"],
+                ),
+                page_id_bytes(layout),
                 settings["max_num_seqs"],
                 kv_cache_bytes,
-                num_groups,
-            ) + state_pages(specs, settings["page_size"], settings["max_num_seqs"])
+            )
         return EngineConfig(**settings)
 
     # -- generation -------------------------------------------------------------------------
@@ -268,35 +271,26 @@ class LLM:
 
 
 def default_num_pages(
-    bytes_per_token: Sequence[int],
-    page_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    kv_cache_bytes: int,
-    num_groups: int = 1,
+    pages_per_request: int, page_id_bytes: int, max_num_seqs: int, kv_cache_bytes: int
 ) -> int:
-    """Pages for the cache pool: all ``max_num_seqs`` sequences at full length if that fits in
-    ``kv_cache_bytes`` (a page id holds ``page_size`` tokens of every layer: each layer's buffer
-    has one slot row per page), else as many as fit, but at least one full-length sequence; plus
-    the null page. A sequence takes pages in each of the ``num_groups`` cache groups."""
-    pages_per_seq = num_groups * math.ceil(max_model_len / page_size)
-    page_bytes = max(1, page_size * sum(bytes_per_token))
-    fit = kv_cache_bytes // page_bytes
-    return 1 + max(pages_per_seq, min(pages_per_seq * max_num_seqs, fit))
+    """Pages for the cache pool: ``max_num_seqs`` requests of ``pages_per_request`` pages each
+    (one request at ``max_model_len``, :meth:`CacheLayout.pages_per_request`) if that fits in
+    ``kv_cache_bytes`` at ``page_id_bytes`` per page id, else as many as fit, but at least one
+    full-length request; plus the null page."""
+    fit = kv_cache_bytes // max(1, page_id_bytes)
+    return 1 + max(pages_per_request, min(pages_per_request * max_num_seqs, fit))
 
 
-def state_pages(specs: Sequence[Any], page_size: int, max_num_seqs: int) -> int:
-    """Pages for recurrent states: per recurrent group (distinct ``state_bytes``), one state for
-    each of ``max_num_seqs`` requests plus prefix checkpoints in flight (two per group), each
-    state ``ceil(state_bytes / page_bytes)`` pages (the engine's rule, ``CacheGroup.
-    pages_per_state``; a page holds ``page_size`` tokens of the widest token layer)."""
-    page_bytes = max(
-        (page_size * s.bytes_per_token for s in specs if s.kind != "recurrent"), default=0
-    )
+def page_id_bytes(layout: CacheLayout) -> int:
+    """Bytes one page id costs in the torch runners' buffers: each layer's buffer has one page
+    per id (a token layer ``CacheGroup.page_bytes``, a compressed layer its own smaller pages, a
+    recurrent layer ``CacheLayout.page_bytes``; buffers are not shared across groups)."""
     total = 0
-    for state_bytes in {s.state_bytes for s in specs if s.kind == "recurrent"}:
-        per_state = max(1, math.ceil(state_bytes / page_bytes)) if page_bytes else 1
-        total += per_state * (max_num_seqs + 2)
+    for group in layout.groups:
+        per_layer = group.page_bytes if group.pages_per_state == 0 else layout.page_bytes
+        if group.pages_per_state and not per_layer:
+            per_layer = group.spec.state_bytes or 0
+        total += per_layer * len(group.layer_indices)
     return total
 
 

@@ -10,7 +10,8 @@ stores none. The sampled token is a function of every entry closed by the last p
 and of the raw window there, so it is right only if the plan (slot_mapping, kv_indices
 and kv_last_page_len of both groups) is. Every output is checked against a recomputation
 over the whole token list with no cache: under chunked prefill (chunks of 7 split windows
-of 3), prefix hits (at multiples of page_size * R tokens) and preemption.
+of 3), prefix hits (at multiples of lcm(page_size, R) tokens: a compressed page spans 12)
+and preemption.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def test_prefix_hits_come_in_whole_compressed_pages() -> None:
     for rid, prompt in prompts.items():
         assert first[rid].token_ids == second[f"{rid}-again"].token_ids
         cached = second[f"{rid}-again"].num_cached_tokens
-        # The longest whole compressed page (page_size * ratio = 12 tokens) before the last token.
+        # The longest whole compressed page (lcm(page_size, ratio) = 12 tokens) before the last token.
         assert cached == (len(prompt) - 1) // (PAGE_SIZE * RATIO) * PAGE_SIZE * RATIO, (rid, cached)
     assert sum(out.num_cached_tokens for out in second.values()) > 0
     longer = {f"{rid}-more": p + first[rid].token_ids + [5, 6] for rid, p in prompts.items()}

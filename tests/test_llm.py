@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import resin
-from resin.llm import LLM, LLMOutput, default_num_pages
+from resin.llm import LLM, LLMOutput, default_num_pages, page_id_bytes
 from resin.registry import UnknownArchitectureError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -52,6 +52,20 @@ class CountingRunner:
             None if top_ids is None else top_ids.astype(np.uint32),
             top_vals,
         )
+
+
+class SpecRunner(CountingRunner):
+    """A counting runner that declares ``specs`` as its layers' caches."""
+
+    def __init__(self, specs: list[resin.LayerCacheSpec]) -> None:
+        super().__init__()
+        self.specs = specs
+
+    def cache_spec(self) -> list[resin.LayerCacheSpec]:
+        return self.specs
+
+    def bind_cache(self, layout: resin.CacheLayout) -> None:
+        pass
 
 
 def counting(prompt: list[int], n: int) -> list[int]:
@@ -168,11 +182,43 @@ def test_engine_defaults_and_overrides() -> None:
 
 
 def test_default_num_pages_rule() -> None:
-    # Everything fits: max_num_seqs full-length sequences plus the null page.
-    assert default_num_pages([64] * 2, 16, 256, 4, 1 << 30) == 1 + 4 * 16
-    # Memory-bound: as many pages as fit, but never less than one full-length sequence.
-    assert default_num_pages([64] * 2, 16, 256, 4, 10 * 16 * 128) == 1 + 16
-    assert default_num_pages([64] * 2, 16, 256, 4, 40 * 16 * 128) == 1 + 40
+    # Everything fits: max_num_seqs full-length requests plus the null page.
+    assert default_num_pages(16, 2 * 16 * 64, 4, 1 << 30) == 1 + 4 * 16
+    # Memory-bound: as many pages as fit, but never less than one full-length request.
+    assert default_num_pages(16, 2 * 16 * 64, 4, 10 * 16 * 128) == 1 + 16
+    assert default_num_pages(16, 2 * 16 * 64, 4, 40 * 16 * 128) == 1 + 40
+
+
+def test_pool_sizing_counts_every_group_by_the_engine_rule() -> None:
+    # Two full layers of 64 B/token, a sliding-window layer, a compressed layer (ratio 4,
+    # 32 B entries) and a recurrent one, at page_size 16.
+    spec = resin.LayerCacheSpec
+    specs = [
+        spec.full(64),
+        spec.full(64),
+        spec.sliding_window(32, 64),
+        spec.compressed(4, 32),
+        spec.recurrent(5000),
+    ]
+    layout = resin.CacheLayout.from_specs(specs, 16)
+    # 256 tokens: 16 full pages; window 32 + a 64-token chunk: ceil(95 / 16) + 1 = 7; 64
+    # entries at 4 per page: 16; one state of ceil(5000 / 1024) = 5 pages + a checkpoint.
+    assert layout.pages_per_request(256, 64, True) == 16 + 7 + 16 + 10
+    assert layout.pages_per_request(256, 64, False) == 16 + 7 + 16 + 5
+    # Per page id: 2 full + 1 window layer of 1 KiB pages, a compressed page of 4 * 32 B, a
+    # recurrent page of 1 KiB.
+    assert page_id_bytes(layout) == 3 * 1024 + 128 + 1024
+    # The engine accepts exactly that many pages plus the null page.
+    runner = SpecRunner(specs)
+
+    def config(num_pages: int) -> resin.EngineConfig:
+        return resin.EngineConfig(
+            page_size=16, num_pages=num_pages, max_model_len=256, max_num_batched_tokens=64
+        )
+
+    assert resin.Engine(config(1 + 49), runner).config.num_pages == 50
+    with pytest.raises(ValueError, match="too small"):
+        resin.Engine(config(49), runner)
 
 
 def test_missing_model_dir_and_unsupported_architecture(tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ def _shifted_page_table_runner(decode_only: bool) -> Callable[[str], Any]:
 
     class ShiftedPageTable(ReferenceBackend):
         def begin_step(
-            self, step: Any, group_windows: Any, page_size: int, group_ratios: Any = None
+            self, step: Any, group_windows: Any, group_page_entries: Any, group_ratios: Any = None
         ) -> None:
             plan = step.plan
             self.views = []
@@ -132,7 +132,7 @@ def _shifted_page_table_runner(decode_only: bool) -> Callable[[str], Any]:
                         plan.kv_indptr[group],
                         shifted,
                         step.positions,
-                        page_size,
+                        group_page_entries[group],
                         window,
                         step.device,
                     )

@@ -83,9 +83,14 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def _num_groups(runner: Any) -> int:
+def _pages_per_request(runner: Any, page_size: int, max_model_len: int, max_batched: int) -> int:
+    """Pages one request of ``max_model_len`` tokens holds at once in ``runner``'s cache
+    groups: the engine's own rule (:meth:`resin.CacheLayout.pages_per_request`)."""
+    import resin
+
     specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
-    return max(1, len({(s.kind, s.bytes_per_token, s.window) for s in specs}))
+    layout = resin.CacheLayout.from_specs(list(specs), page_size)
+    return int(layout.pages_per_request(max_model_len, max_batched, True))
 
 
 def _make_engine(
@@ -114,17 +119,9 @@ def _make_engine(
 def _smallest_engine(
     runner: Any, vocab_size: int, page_size: int, max_batched: int, max_model_len: int
 ) -> Any:
-    """The engine with the fewest pages the engine accepts (one max-length request)."""
-    num_pages = -(-max_model_len // page_size) + 1
-    last: Exception | None = None
-    for extra in range(0, 64):
-        try:
-            return _make_engine(
-                runner, vocab_size, page_size, num_pages + extra, max_batched, max_model_len
-            )
-        except ValueError as exc:
-            last = exc
-    raise RuntimeError(f"no small pool accepted: {last}")
+    """The engine with the fewest pages the engine accepts: one max-length request."""
+    num_pages = 1 + _pages_per_request(runner, page_size, max_model_len, max_batched)
+    return _make_engine(runner, vocab_size, page_size, num_pages, max_batched, max_model_len)
 
 
 def _drive(engine: Any, ref: GreedyReference, prefix: str) -> dict[str, Any]:
@@ -196,10 +193,9 @@ def _stage(
         if small_pool:
             engine = _smallest_engine(runner, vocab_size, page_size, max_batched, max_model_len)
         else:
-            need = sum(-(-(len(p) + ref.max_new_tokens) // page_size) + 1 for p in ref.prompts)
-            num_pages = (need + -(-max(max_model_len, max_batched) // page_size) + 8) * _num_groups(
-                runner
-            )
+            # Room for every prompt at once (no preemption in this stage).
+            per_request = _pages_per_request(runner, page_size, max_model_len, max_batched)
+            num_pages = 1 + per_request * (len(ref.prompts) + 1)
             engine = _make_engine(
                 runner, vocab_size, page_size, num_pages, max_batched, max_model_len
             )
@@ -334,12 +330,13 @@ def runner_capture_prefill(
     import resin
 
     page_size = 16
-    pages = -(-(len(prompt) + 2) // page_size) * 4 + 4
+    max_batched = max(len(prompt), 16)
+    pages = 1 + _pages_per_request(runner, page_size, len(prompt) + 2, max_batched)
     config = resin.EngineConfig(
         page_size=page_size,
         num_pages=pages,
         max_num_seqs=4,
-        max_num_batched_tokens=max(len(prompt), 16),
+        max_num_batched_tokens=max_batched,
         max_model_len=len(prompt) + 2,
         enable_prefix_caching=False,
         eos_token_ids=[],

@@ -22,7 +22,9 @@ A backend is planned once per step and run once per layer, as FlashInfer's ``pla
   (MQA / MLA latent: ``v_cache=None`` reads values from the key cache, first ``value_dim``
   channels), grouped KV heads (GQA/MQA: ``heads`` a multiple of the cache's KV heads).
 
-Caches are ``[num_pages, page_size, kv_heads, dim]`` tensors; slot = page * page_size + offset.
+Caches are ``[num_pages, page_entries, kv_heads, dim]`` tensors (``page_entries`` = page_size
+for a token group, ``entries_per_page`` for a compressed one); slot = page * page_entries +
+offset.
 Models never call a kernel directly, so a new backend needs no model edit. Imports torch.
 """
 
@@ -46,12 +48,15 @@ class AttentionBackend:
         self,
         step: StepInputs,
         group_windows: Sequence[int | None],
-        page_size: int,
+        group_page_entries: Sequence[int],
         group_ratios: Sequence[int] | None = None,
     ) -> None:
-        """Plan the step: called once per forward, before any layer. ``group_ratios``: source
-        tokens per entry of each group (1 for token groups; a compressed group's entry e is
-        visible to a query at position p iff its closing position (e + 1) * ratio - 1 <= p)."""
+        """Plan the step: called once per forward, before any layer. Per cache group:
+        ``group_windows`` (sliding window in tokens, or None), ``group_page_entries`` (positions
+        one page holds: ``page_size`` for a token group, ``CacheGroup.entries_per_page`` for
+        a compressed one) and ``group_ratios`` (source tokens per entry: 1 for token groups;
+        a compressed group's entry e is visible to a query at position p iff its closing
+        position (e + 1) * ratio - 1 <= p)."""
         raise NotImplementedError
 
     def write(
@@ -118,17 +123,17 @@ class ReferenceBackend(AttentionBackend):
         # Per group, built on first use in a step: a group no layer attends (a recurrent
         # state group) costs nothing.
         self.views: list[list[SequenceView] | None] = []
-        self._step: tuple[StepInputs, Sequence[int | None], int, list[int]] | None = None
+        self._step: tuple[StepInputs, Sequence[int | None], list[int], list[int]] | None = None
 
     def begin_step(
         self,
         step: StepInputs,
         group_windows: Sequence[int | None],
-        page_size: int,
+        group_page_entries: Sequence[int],
         group_ratios: Sequence[int] | None = None,
     ) -> None:
         ratios = list(group_ratios or [1] * len(group_windows))
-        self._step = (step, group_windows, page_size, ratios)
+        self._step = (step, group_windows, list(group_page_entries), ratios)
         self.views = [None] * len(group_windows)
 
     def _views(self, group: int) -> list[SequenceView]:
@@ -136,7 +141,7 @@ class ReferenceBackend(AttentionBackend):
         views = self.views[group]
         if views is None:
             assert self._step is not None, "begin_step first"
-            step, windows, page_size, ratios = self._step
+            step, windows, page_entries, ratios = self._step
             plan = step.plan
             views = build_sequence_views(
                 plan.query_indptr,
@@ -144,7 +149,7 @@ class ReferenceBackend(AttentionBackend):
                 plan.kv_indptr[group],
                 plan.kv_indices[group],
                 step.positions,
-                page_size,
+                page_entries[group],
                 windows[group],
                 step.device,
                 ratio=ratios[group],

@@ -171,8 +171,9 @@ def build_sequence_views(
     A sliding-window group lists only the pages that intersect the window, so the first
     listed page is logical page ``ceil(seq_len / page_size) - num_listed``
     (docs/batch_plan.md, "Sliding-window group"). A compressed group (``ratio`` > 1) lists the
-    pages of its closed entries from entry 0; an entry's key position is the position of the
-    token that closes it, ``(e + 1) * ratio - 1``, so the causal mask is the visibility rule.
+    pages of its closed entries from entry 0, ``page_size`` (its ``entries_per_page``)
+    entries per page; an entry's key position is the position of the token that closes it,
+    ``(e + 1) * ratio - 1``, so the causal mask is the visibility rule.
     Built once per step and cache group.
     """
     views = []

@@ -48,7 +48,9 @@ class LayerCache:
     state pages (``state_bytes`` is their total size; blocks read and write them through
     ``ctx.state``). For a ``compressed`` layer (DeepSeek-V4 CSA / HCA) the shape is per entry,
     one entry per ``ratio`` source tokens, written when its closing token arrives (the plan's
-    slot mapping is -1 for the others) and attended with the causal rule on closing positions.
+    slot mapping is -1 for the others) and attended with the causal rule on closing positions;
+    its buffers are ``[num_pages, entries_per_page, *shape]`` (a page spans ``lcm(page_size,
+    ratio)`` tokens: ``CacheGroup.entries_per_page``).
     """
 
     kind: str = "full"

@@ -6,8 +6,9 @@ Owns, once for all models (built-in families and generated model directories ali
   the attention backend planned once per step (:mod:`.attention`), rotary tables evaluated once
   per step and table;
 - the paged caches: ``cache_spec()`` from each layer's :class:`~.model_definition.LayerCache`,
-  ``bind_cache(layout)`` allocating each declared buffer as ``[num_pages, page_size, *shape]``
-  (zeroed: page 0, the null page, reads as zeros);
+  ``bind_cache(layout)`` allocating each declared buffer as ``[num_pages, entries_per_page,
+  *shape]`` (``page_size`` tokens for a token cache; a compressed cache's own entries per
+  page) (zeroed: page 0, the null page, reads as zeros);
 - the forward: ``embed`` -> ``pre_layers`` -> every decoder layer -> ``post_layers`` ->
   ``final_norm`` -> ``logits`` -> the :class:`resin.sampling.Sampler`;
 - parity capture: set ``runner.capture`` to a dict (or a callable ``(name, tensor)``) and each
@@ -70,7 +71,7 @@ class PagedRunner:
         self.bound = False
         self.group_of_layer: list[int] = []
         self.group_windows: list[int | None] = []
-        self.page_size = 0
+        self.group_page_entries: list[int] = []
 
     # -- cache ---------------------------------------------------------------------------
 
@@ -89,8 +90,9 @@ class PagedRunner:
 
     def bind_cache(self, layout: CacheLayout) -> None:
         """Allocate every declared cache, zeroed: ``[num_pages, page_size, *shape]`` per token
-        (or, for a compressed cache, per entry) buffer; for a recurrent layer one byte buffer
-        ``[num_pages, page_bytes]`` holding its requests' states (:mod:`.recurrent_state`)."""
+        buffer, ``[num_pages, entries_per_page, *shape]`` per compressed one (its group's
+        ``CacheGroup.entries_per_page``); for a recurrent layer one byte buffer ``[num_pages,
+        page_bytes]`` holding its requests' states (:mod:`.recurrent_state`)."""
         num_layers = len(self.model.layers)
         self.layer_caches = [{} for _ in range(num_layers)]
         self.state_pages = [None] * num_layers
@@ -98,8 +100,12 @@ class PagedRunner:
         self.group_of_layer = [0] * num_layers
         for spec_index, (index, name, cache) in enumerate(self._cache_slots()):
             group = layout.group_of_layer(spec_index)
+            entries_per_page = layout.groups[group].entries_per_page
             if name:
-                self.extra_slots[index][name] = (group, self._buffers(cache, layout))
+                self.extra_slots[index][name] = (
+                    group,
+                    self._buffers(cache, layout.num_pages, entries_per_page),
+                )
                 continue
             self.group_of_layer[index] = group
             if cache.kind == "recurrent":
@@ -108,20 +114,25 @@ class PagedRunner:
                     (layout.num_pages, page_bytes), dtype=torch.uint8, device=self.device
                 )
             else:
-                self.layer_caches[index] = self._buffers(cache, layout)
+                self.layer_caches[index] = self._buffers(cache, layout.num_pages, entries_per_page)
         self.pages_per_state = [group.pages_per_state for group in layout.groups]
         self.group_windows = [
             group.spec.window if group.spec.kind == "sliding_window" else None
             for group in layout.groups
         ]
         self.group_ratios = [group.spec.ratio or 1 for group in layout.groups]
-        self.page_size = layout.page_size
+        # Positions one page holds, per group (a recurrent group's pages hold state bytes).
+        self.group_page_entries = [
+            group.entries_per_page or layout.page_size for group in layout.groups
+        ]
         self.bound = True
 
-    def _buffers(self, cache: LayerCache, layout: CacheLayout) -> dict[str, torch.Tensor]:
+    def _buffers(
+        self, cache: LayerCache, num_pages: int, entries_per_page: int
+    ) -> dict[str, torch.Tensor]:
         return {
             name: torch.zeros(
-                (layout.num_pages, layout.page_size, *shape),
+                (num_pages, entries_per_page, *shape),
                 dtype=cache.dtype or self.dtype,
                 device=self.device,
             )
@@ -141,7 +152,7 @@ class PagedRunner:
         self.sampler.begin_step(plan)
         step = StepInputs.from_plan(plan, self.device)
         self.attention_backend.begin_step(
-            step, self.group_windows, self.page_size, self.group_ratios
+            step, self.group_windows, self.group_page_entries, self.group_ratios
         )
         for pages in self.state_pages:  # copy-on-write from prefix checkpoints, first
             if pages is not None:

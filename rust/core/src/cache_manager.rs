@@ -4,13 +4,15 @@
 //! Page tables of token groups are position-indexed: entry `j` of group `g` holds positions
 //! `[j*page_size, (j+1)*page_size)`. A full-attention group keeps every entry; a
 //! sliding-window group replaces entries wholly before the window with `NULL_PAGE` and
-//! returns those pages to the pool. A compressed group's table is entry-indexed: entry `j`
-//! holds entries `[j*page_size, (j+1)*page_size)` (tokens `[j*page_size*ratio,
-//! (j+1)*page_size*ratio)`); it grows as entries close (`ceil(floor(n / ratio) / page_size)`
-//! pages for `n` computed tokens) and, like a full-attention table, keeps every page. Its
-//! full page `j` is registered in the prefix cache under the hash of the last token page it
-//! covers, `H_{(j+1)*ratio - 1}` (the chain makes that a key for the whole prefix), so a
-//! compressed group serves hits of whole multiples of `page_size * ratio` tokens. A
+//! returns those pages to the pool. A compressed group's table is entry-indexed: a page
+//! holds `E = entries_per_page` entries spanning `k = token_pages_per_page` token pages
+//! (`lcm(page_size, ratio)` tokens: `E = page_size / ratio`, `k = 1` when the ratio divides
+//! the page size), so entry `j` holds entries `[j*E, (j+1)*E)`; it grows as entries close
+//! (`ceil(floor(n / ratio) / E)` pages for `n` computed tokens) and, like a full-attention
+//! table, keeps every page. Its full page `j` is registered in the prefix cache under the
+//! hash of the last token page it covers, `H_{(j+1)*k - 1}` (the chain makes that a key for
+//! the whole prefix), so a compressed group serves hits of whole multiples of
+//! `lcm(page_size, ratio)` tokens. A
 //! recurrent group's "table" is the request's own state: `pages_per_state` pages,
 //! allocated at admission and kept until the request leaves.
 //!
@@ -69,11 +71,8 @@ pub fn checkpoint_hash(block: BlockHash, p: u32) -> BlockHash {
 
 /// The token page (index into `block_hashes`) whose hash keys table page `j` of `spec`:
 /// `j` for a token group, the last token page it covers for a compressed group.
-fn keying_block(spec: &KvCacheSpec, j: u32) -> u32 {
-    match spec {
-        KvCacheSpec::Compressed { ratio, .. } => (j + 1) * ratio - 1,
-        _ => j,
-    }
+fn keying_block(spec: &KvCacheSpec, page_size: u32, j: u32) -> u32 {
+    (j + 1) * spec.token_pages_per_page(page_size) - 1
 }
 
 /// First position a query at `num_computed` (and later) still reads, for `spec`.
@@ -109,27 +108,29 @@ impl KvCacheManager {
     /// Table length of token or compressed group `g` once `num_tokens` tokens are
     /// computed: pages holding positions (entries, for a compressed group) so far.
     fn num_table_pages(&self, g: usize, num_tokens: u32) -> u32 {
-        self.layout.groups[g].spec.num_entries(num_tokens).div_ceil(self.page_size())
+        let spec = &self.layout.groups[g].spec;
+        spec.num_entries(num_tokens).div_ceil(spec.entries_per_page(self.page_size()))
+    }
+
+    /// Token pages one table page of group `g` spans (1 for a token group).
+    fn token_pages_per_page(&self, g: usize) -> u32 {
+        self.layout.groups[g].spec.token_pages_per_page(self.page_size()).max(1)
     }
 
     /// Full table pages of token or compressed group `g` of `req` that can be hashed now.
     fn num_hashable_pages(&self, req: &Request, g: usize) -> u32 {
-        let ps = self.page_size();
-        let spec = &self.layout.groups[g].spec;
-        let blocks = (req.num_computed_tokens / ps).min(req.block_hashes.len() as u32);
-        match spec.ratio() {
-            Some(ratio) => blocks / ratio,
-            None => blocks,
-        }
+        let blocks = (req.num_computed_tokens / self.page_size()).min(req.block_hashes.len() as u32);
+        blocks / self.token_pages_per_page(g)
     }
 
     /// The longest cached prefix every group can serve, capped at `num_tokens - 1` so the
     /// last token is recomputed to produce logits. Groups reconcile by a fixed point:
     /// start from the longest full-attention and compressed chains (a compressed chain of
-    /// `c` pages serves `c * ratio` token pages) and shorten until each sliding-window
-    /// group holds every page its window needs at that length, each recurrent group
-    /// holds a checkpoint at exactly that length and the length is a whole number of
-    /// compressed pages (`page_size * ratio` tokens) for each compressed group. For a
+    /// `c` pages serves `c * k` token pages, `k` = token pages per compressed page) and
+    /// shorten until each sliding-window group holds every page its window needs at that
+    /// length, each recurrent group holds a checkpoint at exactly that length and the
+    /// length is a whole number of compressed pages (`lcm(page_size, ratio)` tokens) for
+    /// each compressed group. For a
     /// recurrent group the hit's pages are the checkpoint's (the copy-on-write sources),
     /// not pages the request will own.
     pub fn find_prefix_hit(&self, req: &Request) -> PrefixHit {
@@ -149,16 +150,19 @@ impl KvCacheManager {
                         .count() as u32;
                     num_pages = num_pages.min(chain);
                 }
-                KvCacheSpec::Compressed { ratio, .. } => {
-                    let chain = (0..num_pages / ratio)
-                        .take_while(|&j| self.pool.lookup(g, req.block_hashes[keying_block(&group.spec, j) as usize]).is_some())
+                KvCacheSpec::Compressed { .. } => {
+                    let k = self.token_pages_per_page(g);
+                    let chain = (0..num_pages / k)
+                        .take_while(|&j| {
+                            self.pool.lookup(g, req.block_hashes[keying_block(&group.spec, ps, j) as usize]).is_some()
+                        })
                         .count() as u32;
-                    num_pages = num_pages.min(chain * ratio);
+                    num_pages = num_pages.min(chain * k);
                 }
                 _ => {}
             }
         }
-        let whole_entry_pages = |n: u32| self.layout.groups.iter().all(|g| g.spec.ratio().is_none_or(|r| n.is_multiple_of(r)));
+        let whole_entry_pages = |n: u32| (0..num_groups).all(|g| n.is_multiple_of(self.token_pages_per_page(g)));
         while num_pages > 0
             && !(whole_entry_pages(num_pages) && self.windows_cached(req, num_pages) && self.checkpoints_cached(req, num_pages))
         {
@@ -182,7 +186,7 @@ impl KvCacheManager {
                     if j < first {
                         NULL_PAGE
                     } else {
-                        self.pool.lookup(g, req.block_hashes[keying_block(&group.spec, j) as usize]).unwrap()
+                        self.pool.lookup(g, req.block_hashes[keying_block(&group.spec, ps, j) as usize]).unwrap()
                     }
                 })
                 .collect();
@@ -369,6 +373,7 @@ impl KvCacheManager {
         if req.num_hashed_pages.iter().all(|&n| n >= blocks) {
             return; // the common decode step: no page filled up (a compressed group has fewer)
         }
+        let ps = self.page_size();
         for g in 0..self.num_groups() {
             let group = &self.layout.groups[g];
             if group.is_recurrent() {
@@ -378,7 +383,7 @@ impl KvCacheManager {
             for j in req.num_hashed_pages[g]..upto {
                 let page = req.pages[g][j as usize];
                 if page != NULL_PAGE {
-                    self.pool.cache_page(page, g, req.block_hashes[keying_block(&group.spec, j) as usize]);
+                    self.pool.cache_page(page, g, req.block_hashes[keying_block(&group.spec, ps, j) as usize]);
                 }
             }
             req.num_hashed_pages[g] = req.num_hashed_pages[g].max(upto);
@@ -408,11 +413,11 @@ impl KvCacheManager {
     /// a request's tail before its prefix (a compressed page goes with the last token page
     /// it covers, a recurrent state with the first).
     pub fn free(&mut self, req: &mut Request) {
-        let ratio = |g: usize| self.layout.groups[g].spec.ratio().unwrap_or(1) as usize;
-        let longest = req.pages.iter().enumerate().map(|(g, p)| p.len() * ratio(g)).max().unwrap_or(0);
+        let spans: Vec<usize> = (0..self.num_groups()).map(|g| self.token_pages_per_page(g) as usize).collect();
+        let longest = req.pages.iter().zip(&spans).map(|(p, &k)| p.len() * k).max().unwrap_or(0);
         for b in (0..longest).rev() {
             for (g, pages) in req.pages.iter().enumerate() {
-                let r = ratio(g);
+                let r = spans[g];
                 if !(b + 1).is_multiple_of(r) {
                     continue;
                 }

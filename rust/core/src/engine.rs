@@ -58,18 +58,8 @@ impl Engine {
     pub fn new(config: EngineConfig, layer_specs: &[KvCacheSpec]) -> Result<Engine, CoreError> {
         config.validate()?;
         let layout = CacheLayout::from_layer_specs(layer_specs, config.num_pages, config.page_size)?;
-        let pages_per_request: u32 = layout
-            .groups
-            .iter()
-            .map(|g| {
-                g.max_pages_per_request(
-                    config.max_model_len,
-                    config.max_num_batched_tokens,
-                    config.page_size,
-                    config.enable_prefix_caching,
-                )
-            })
-            .fold(0u32, u32::saturating_add);
+        let pages_per_request =
+            layout.pages_per_request(config.max_model_len, config.max_num_batched_tokens, config.enable_prefix_caching);
         if pages_per_request > config.num_pages - 1 {
             return Err(CoreError::invalid(format!(
                 "EngineConfig.num_pages = {} is too small: one request of max_model_len = {} tokens needs {} pages \

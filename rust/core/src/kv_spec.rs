@@ -22,9 +22,12 @@ pub enum KvCacheSpec {
     Recurrent { state_bytes: u64 },
     /// Compressed attention (DeepSeek-V4 CSA / HCA): one entry of `bytes_per_entry` per
     /// `ratio` source tokens. Entry `e` covers tokens `[e*ratio, (e+1)*ratio)` and is
-    /// *closed* (written) by its last token; a page holds `page_size` entries, so page-table
-    /// index `j` holds entries `[j*page_size, (j+1)*page_size)` = tokens
-    /// `[j*page_size*ratio, (j+1)*page_size*ratio)`. The engine stores no carry (the
+    /// *closed* (written) by its last token. A page covers the same span of source tokens
+    /// as the token groups' pages, or the smallest multiple of it that holds whole entries:
+    /// `span = lcm(page_size, ratio)` tokens, `entries_per_page = span / ratio` entries (so
+    /// `page_size / ratio` when the ratio divides the page size, 1 when the page size
+    /// divides the ratio). Page-table index `j` holds entries `[j*E, (j+1)*E)` (E =
+    /// entries per page) = tokens `[j*span, (j+1)*span)`. The engine stores no carry (the
     /// not-yet-compressed tail, or an overlapping window's previous half): the runner
     /// reads it from a sliding-window group of the same layer whose window is at least
     /// `(1 + overlap) * ratio` tokens (see docs/architecture.md, "Cache groups").
@@ -58,6 +61,41 @@ impl KvCacheSpec {
         }
     }
 
+    /// Entries one page holds: `page_size` positions for a token (full / sliding-window)
+    /// spec; `lcm(page_size, ratio) / ratio` entries for a compressed spec (a page spans
+    /// `lcm(page_size, ratio)` source tokens, a whole number of token pages); 0 for a
+    /// recurrent spec (its pages hold state bytes).
+    pub fn entries_per_page(&self, page_size: u32) -> u32 {
+        match self {
+            KvCacheSpec::Compressed { ratio, .. } => lcm(page_size, *ratio) / ratio,
+            KvCacheSpec::Recurrent { .. } => 0,
+            _ => page_size,
+        }
+    }
+
+    /// Token pages (of `page_size` tokens) one page of this spec spans: 1 for a token spec,
+    /// `lcm(page_size, ratio) / page_size` for a compressed spec, 0 for a recurrent spec.
+    /// A compressed page is full (and can be cached) once its last token page is.
+    pub fn token_pages_per_page(&self, page_size: u32) -> u32 {
+        match self {
+            KvCacheSpec::Compressed { ratio, .. } => lcm(page_size, *ratio) / page_size,
+            KvCacheSpec::Recurrent { .. } => 0,
+            _ => 1,
+        }
+    }
+
+    /// Bytes one page of this spec holds in one layer's buffer: `entries_per_page *
+    /// bytes_per_token` (or `bytes_per_entry`); 0 for a recurrent spec (its states are laid
+    /// out in pages of [`CacheLayout::page_bytes`]).
+    pub fn page_bytes(&self, page_size: u32) -> u64 {
+        let per_entry = match self {
+            KvCacheSpec::Full { bytes_per_token } | KvCacheSpec::SlidingWindow { bytes_per_token, .. } => *bytes_per_token,
+            KvCacheSpec::Compressed { bytes_per_entry, .. } => *bytes_per_entry,
+            KvCacheSpec::Recurrent { .. } => 0,
+        };
+        per_entry.saturating_mul(u64::from(self.entries_per_page(page_size)))
+    }
+
     /// The window in tokens, for sliding-window specs.
     pub fn window(&self) -> Option<u32> {
         match self {
@@ -80,9 +118,23 @@ impl KvCacheSpec {
                 full.min(u32::try_from(pages).unwrap_or(u32::MAX))
             }
             KvCacheSpec::Recurrent { .. } => 1,
-            KvCacheSpec::Compressed { .. } => self.num_entries(max_model_len).div_ceil(page_size),
+            KvCacheSpec::Compressed { .. } => self.num_entries(max_model_len).div_ceil(self.entries_per_page(page_size)),
         }
     }
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Least common multiple of two positive numbers (saturating at `u32::MAX`).
+fn lcm(a: u32, b: u32) -> u32 {
+    let (a, b) = (a.max(1), b.max(1));
+    u32::try_from(u64::from(a / gcd(a, b)) * u64::from(b)).unwrap_or(u32::MAX)
 }
 
 /// Layers that share one page table.
@@ -123,13 +175,17 @@ impl CacheGroup {
 pub struct CacheLayout {
     /// Pages in the pool, page 0 (the null page) included.
     pub num_pages: u32,
-    /// Tokens per page (entries per page, for a compressed group).
+    /// Tokens per page of a token group. Every group's page spans a whole number of
+    /// `page_size`-token pages (a compressed group's page `lcm(page_size, ratio)` tokens,
+    /// [`KvCacheSpec::entries_per_page`]).
     pub page_size: u32,
-    /// Bytes one page holds in one layer's buffer: the largest `page_size * bytes_per_token`
-    /// over the token (full / sliding-window) layers and `page_size * bytes_per_entry` over
-    /// the compressed layers; 0 if there are none or they keep no bytes. A recurrent state of `state_bytes` spans `ceil(state_bytes / page_bytes)`
-    /// pages (the last one padded); the runner sizes each recurrent layer's buffer as
-    /// `num_pages` pages of `page_bytes` (or of `state_bytes` when `page_bytes` is 0).
+    /// Bytes one page holds in one layer's buffer of a token group: the largest
+    /// `page_size * bytes_per_token` over the token (full / sliding-window) layers; 0 if
+    /// there are none or they keep no bytes. A compressed layer's pages have their own size,
+    /// [`KvCacheSpec::page_bytes`] (`entries_per_page * bytes_per_entry`). A recurrent state
+    /// of `state_bytes` spans `ceil(state_bytes / page_bytes)` pages (the last one padded);
+    /// the runner sizes each recurrent layer's buffer as `num_pages` pages of `page_bytes`
+    /// (or of `state_bytes` when `page_bytes` is 0).
     pub page_bytes: u64,
     pub groups: Vec<CacheGroup>,
 }
@@ -170,13 +226,8 @@ impl CacheLayout {
         }
         let page_bytes = groups
             .iter()
-            .map(|g| match g.spec {
-                KvCacheSpec::Full { bytes_per_token } | KvCacheSpec::SlidingWindow { bytes_per_token, .. } => {
-                    bytes_per_token.saturating_mul(u64::from(page_size))
-                }
-                KvCacheSpec::Compressed { bytes_per_entry, .. } => bytes_per_entry.saturating_mul(u64::from(page_size)),
-                KvCacheSpec::Recurrent { .. } => 0,
-            })
+            .filter(|g| matches!(g.spec, KvCacheSpec::Full { .. } | KvCacheSpec::SlidingWindow { .. }))
+            .map(|g| g.spec.page_bytes(page_size))
             .max()
             .unwrap_or(0);
         for g in &mut groups {
@@ -190,6 +241,15 @@ impl CacheLayout {
             }
         }
         Ok(CacheLayout { num_pages, page_size, page_bytes, groups })
+    }
+
+    /// Most pages one request of `max_model_len` tokens holds at once, over all groups (its
+    /// states included, plus a checkpoint in flight per recurrent group with prefix caching).
+    pub fn pages_per_request(&self, max_model_len: u32, max_num_batched_tokens: u32, prefix_caching: bool) -> u32 {
+        self.groups
+            .iter()
+            .map(|g| g.max_pages_per_request(max_model_len, max_num_batched_tokens, self.page_size, prefix_caching))
+            .fold(0u32, u32::saturating_add)
     }
 
     /// Whether any group is recurrent.
@@ -244,15 +304,22 @@ mod tests {
     }
 
     #[test]
-    fn compressed_pages_hold_entries() {
+    fn compressed_pages_span_whole_token_pages() {
         let swa = KvCacheSpec::SlidingWindow { window: 8, bytes_per_token: 8 };
         let csa = KvCacheSpec::Compressed { ratio: 4, bytes_per_entry: 16 };
-        let layout = CacheLayout::from_layer_specs(&[swa, csa], 10, 4).unwrap();
-        assert_eq!(layout.page_bytes, 64, "4 entries of 16 bytes beat 4 tokens of 8");
+        let layout = CacheLayout::from_layer_specs(&[swa, csa], 10, 8).unwrap();
+        assert_eq!(layout.page_bytes, 64, "token pages only: 8 tokens of 8 bytes");
         assert_eq!((layout.groups[1].spec.ratio(), layout.groups[1].pages_per_state), (Some(4), 0));
         assert_eq!(csa.num_entries(11), 2);
-        // 100 tokens close 25 entries: 7 pages of 4.
-        assert_eq!(csa.max_pages_per_request(100, 16, 4), 7);
+        // page_size 8, ratio 4: a page spans 8 tokens = 2 entries of 16 bytes.
+        assert_eq!((csa.entries_per_page(8), csa.token_pages_per_page(8), csa.page_bytes(8)), (2, 1, 32));
+        // page_size 2, ratio 4: one entry per page, spanning 2 token pages.
+        assert_eq!((csa.entries_per_page(2), csa.token_pages_per_page(2)), (1, 2));
+        // page_size 6, ratio 4: a page spans lcm = 12 tokens = 3 entries = 2 token pages.
+        assert_eq!((csa.entries_per_page(6), csa.token_pages_per_page(6)), (3, 2));
+        // 100 tokens close 25 entries: 13 pages of 2 at page_size 8.
+        assert_eq!(csa.max_pages_per_request(100, 16, 8), 13);
+        assert_eq!((swa.entries_per_page(8), swa.token_pages_per_page(8)), (8, 1));
         assert!(CacheLayout::from_layer_specs(&[KvCacheSpec::Compressed { ratio: 0, bytes_per_entry: 1 }], 10, 4).is_err());
     }
 

@@ -89,6 +89,9 @@ pub struct GroupPlan {
     pub pages_per_state: u32,
     /// Source tokens per entry for a compressed group; 0 otherwise.
     pub ratio: u32,
+    /// Positions (entries, for a compressed group) one page holds: `page_size` for a token
+    /// group, `lcm(page_size, ratio) / ratio` for a compressed group, 0 for a recurrent one.
+    pub entries_per_page: u32,
     /// u32[S+1]: row i's pages are `kv_indices[kv_indptr[i]..kv_indptr[i+1]]`.
     pub kv_indptr: Vec<u32>,
     /// u32[nnz]: page ids in position order. A sliding-window group lists only pages
@@ -96,18 +99,19 @@ pub struct GroupPlan {
     /// page of row i is logical page `ceil(seq_len/page_size) - (kv_indptr[i+1]-kv_indptr[i])`.
     /// A recurrent group lists each row's `pages_per_state` state pages, in byte order.
     /// A compressed group lists the pages holding the row's entries closed by `seq_len`
-    /// (`num_entries = seq_len / ratio`, in `ceil(num_entries / page_size)` pages, from
-    /// entry 0; none while `num_entries` is 0).
+    /// (`num_entries = seq_len / ratio`, in `ceil(num_entries / entries_per_page)` pages,
+    /// from entry 0; none while `num_entries` is 0).
     pub kv_indices: Vec<u32>,
     /// u32[S]: tokens in the row's last page, 1..=page_size; 0 for a recurrent group. For a
-    /// compressed group, entries in the last listed page (1..=page_size; 0 when none is
-    /// listed), so `num_entries = (listed - 1) * page_size + kv_last_page_len` if listed > 0.
+    /// compressed group, entries in the last listed page (1..=entries_per_page; 0 when none
+    /// is listed), so `num_entries = (listed - 1) * entries_per_page + kv_last_page_len` if
+    /// listed > 0.
     pub kv_last_page_len: Vec<u32>,
     /// i64[T]: `page * page_size + offset` where each new token's KV is written; -1 = skip
     /// (every token of a recurrent group, which has no per-token cache). For a compressed
     /// group, the slot of the entry a token *closes*: the token at position `p` with
-    /// `(p + 1) % ratio == 0` writes entry `e = p / ratio` at `page * page_size + e %
-    /// page_size` (page = table index `e / page_size`); every other token is -1.
+    /// `(p + 1) % ratio == 0` writes entry `e = p / ratio` at `page * entries_per_page + e %
+    /// entries_per_page` (page = table index `e / entries_per_page`); every other token is -1.
     pub slot_mapping: Vec<i64>,
     /// u32[S], recurrent groups only (empty otherwise): the first page of the row's state
     /// (= its first `kv_indices` entry); byte b of a state lives in the row's state page
@@ -250,6 +254,7 @@ impl BatchPlan {
         for (gp, group) in plan.groups.iter_mut().zip(&kv.layout.groups) {
             gp.pages_per_state = group.pages_per_state;
             gp.ratio = group.spec.ratio().unwrap_or(0);
+            gp.entries_per_page = group.spec.entries_per_page(ps);
             gp.kv_indptr.reserve(s + 1);
             gp.kv_last_page_len.reserve(s);
             gp.slot_mapping.reserve(t);
@@ -303,15 +308,15 @@ impl BatchPlan {
                 }
                 let pages = &req.pages[g];
                 if gp.ratio > 0 {
-                    let r = gp.ratio;
+                    let (r, epp) = (gp.ratio, gp.entries_per_page);
                     let num_entries = seq_len / r;
-                    gp.kv_last_page_len.push(num_entries - num_entries.div_ceil(ps).saturating_sub(1) * ps);
+                    gp.kv_last_page_len.push(num_entries - num_entries.div_ceil(epp).saturating_sub(1) * epp);
                     gp.slot_mapping.extend((start..seq_len).map(|p| {
                         if !(p + 1).is_multiple_of(r) {
                             return -1;
                         }
                         let e = p / r;
-                        i64::from(pages[(e / ps) as usize]) * i64::from(ps) + i64::from(e % ps)
+                        i64::from(pages[(e / epp) as usize]) * i64::from(epp) + i64::from(e % epp)
                     }));
                     continue;
                 }
@@ -416,14 +421,13 @@ impl BatchPlan {
     /// Column j holds the page of positions `[j*page_size, (j+1)*page_size)`; entries
     /// before a sliding window and past a row's end are 0, the null page. For a recurrent
     /// group: `pages_per_state` columns, the row's state pages. For a compressed group,
-    /// column j holds entries `[j*page_size, (j+1)*page_size)`.
+    /// column j holds entries `[j*entries_per_page, (j+1)*entries_per_page)`.
     pub fn block_table(&self, g: usize) -> (Vec<u32>, usize) {
         let gp = &self.groups[g];
         if gp.pages_per_state > 0 {
             return (gp.kv_indices.clone(), gp.pages_per_state as usize);
         }
-        let ps = self.page_size;
-        let pages_of = |l: u32| l.checked_div(gp.ratio).unwrap_or(l).div_ceil(ps) as usize;
+        let pages_of = |l: u32| l.checked_div(gp.ratio).unwrap_or(l).div_ceil(gp.entries_per_page) as usize;
         let cols = self.seq_lens.iter().map(|&l| pages_of(l)).max().unwrap_or(0);
         let mut table = vec![0u32; self.num_sequences as usize * cols];
         for i in 0..self.num_sequences as usize {

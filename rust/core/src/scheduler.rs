@@ -337,7 +337,8 @@ impl Scheduler {
                     }
                     continue;
                 }
-                if (pages.len() as u32) < group.spec.num_entries(r.num_computed_tokens).div_ceil(ps) {
+                if (pages.len() as u32) < group.spec.num_entries(r.num_computed_tokens).div_ceil(group.spec.entries_per_page(ps))
+                {
                     return Err(format!("request {}: group {g} has too few pages for its computed tokens", r.id()));
                 }
                 if pages[r.num_released_pages[g] as usize..].contains(&0) {

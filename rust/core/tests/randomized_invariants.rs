@@ -33,15 +33,16 @@ impl Rng {
 const EOS: u32 = 1;
 const VOCAB: u32 = 12;
 
-/// Every compressed group of `plan`: rows list `ceil((seq_len / ratio) / page_size)` pages,
-/// none null, `kv_last_page_len` counts the last page's entries, and a token's slot is set
-/// iff it closes an entry, pointing into the listed page of that entry.
+/// Every compressed group of `plan`: a page holds the fewest whole entries that span whole
+/// token pages, rows list `ceil((seq_len / ratio) / entries_per_page)` pages, none null,
+/// `kv_last_page_len` counts the last page's entries, and a token's slot is set iff it
+/// closes an entry, pointing into the listed page of that entry.
 fn check_compressed_plan(e: &Engine, plan: &BatchPlan) {
-    let ps = plan.page_size;
     for (g, group) in e.layout().groups.iter().enumerate() {
         let Some(ratio) = group.spec.ratio() else { continue };
         let gp = &plan.groups[g];
-        assert_eq!(gp.ratio, ratio);
+        let ps = (1..=plan.page_size).find(|k| (k * ratio).is_multiple_of(plan.page_size)).unwrap();
+        assert_eq!((gp.ratio, gp.entries_per_page), (ratio, ps));
         for i in 0..plan.num_sequences as usize {
             let listed = &gp.kv_indices[gp.kv_indptr[i] as usize..gp.kv_indptr[i + 1] as usize];
             let num_entries = plan.seq_lens[i] / ratio;

@@ -95,6 +95,7 @@ impl LayerCacheSpec {
 #[pyclass(module = "resin._core", frozen)]
 pub struct CacheGroup {
     group: kv_spec::CacheGroup,
+    page_size: u32,
 }
 
 #[pymethods]
@@ -112,6 +113,16 @@ impl CacheGroup {
     #[getter]
     fn pages_per_state(&self) -> u32 {
         self.group.pages_per_state
+    }
+
+    #[getter]
+    fn entries_per_page(&self) -> u32 {
+        self.group.spec.entries_per_page(self.page_size)
+    }
+
+    #[getter]
+    fn page_bytes(&self) -> u64 {
+        self.group.spec.page_bytes(self.page_size)
     }
 
     fn __repr__(&self) -> String {
@@ -147,7 +158,25 @@ impl CacheLayout {
 
     #[getter]
     fn groups(&self) -> Vec<CacheGroup> {
-        self.layout.groups.iter().map(|g| CacheGroup { group: g.clone() }).collect()
+        self.layout.groups.iter().map(|g| CacheGroup { group: g.clone(), page_size: self.layout.page_size }).collect()
+    }
+
+    /// The layout an engine would build for `specs` (one per layer) at `page_size`, for
+    /// sizing a pool before building one.
+    #[staticmethod]
+    #[pyo3(signature = (specs, page_size, num_pages = 2))]
+    fn from_specs(specs: Vec<PyRef<'_, LayerCacheSpec>>, page_size: u32, num_pages: u32) -> PyResult<Self> {
+        let specs: Vec<KvCacheSpec> = specs.iter().map(|s| s.spec).collect();
+        kv_spec::CacheLayout::from_layer_specs(&specs, num_pages, page_size)
+            .map(|layout| CacheLayout { layout })
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Most pages one request of `max_model_len` tokens holds at once, over all groups (what
+    /// `Engine` requires the pool to hold besides the null page).
+    #[pyo3(signature = (max_model_len, max_num_batched_tokens, enable_prefix_caching = true))]
+    fn pages_per_request(&self, max_model_len: u32, max_num_batched_tokens: u32, enable_prefix_caching: bool) -> u32 {
+        self.layout.pages_per_request(max_model_len, max_num_batched_tokens, enable_prefix_caching)
     }
 
     fn group_of_layer(&self, layer_index: u32) -> PyResult<usize> {
