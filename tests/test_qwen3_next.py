@@ -118,3 +118,42 @@ def test_conv_state_not_carried_fails_only_the_engine_stages(
     assert report.stage("logits").passed
     for stage in ("greedy/page_size=16", "greedy/prefix_cache", "greedy/chunked_prefill"):
         assert not report.stage(stage).passed, stage
+
+
+def test_served_by_resin_serve_with_real_prefix_hits() -> None:
+    """``resin serve`` on the tiny checkpoint (the registry picks this model directory): greedy
+    completions over HTTP equal ``resin.LLM``'s, and a second request sharing a 40-token
+    prefix restarts from a recurrent checkpoint (``cached_tokens > 0``), still token-exact."""
+    import openai
+
+    from resin import SamplingParams
+    from resin.llm import LLM
+    from resin.server.context import ServerOptions
+    from resin.server.serve import build_context
+    from tests.server_harness import LiveServer
+
+    prefix = [(7 * i + 3) % 300 + 5 for i in range(40)]
+    prompts = [prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]]
+    llm = LLM(TINY, max_num_seqs=4, max_model_len=128)
+    expected = [
+        out.token_ids
+        for out in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    ]
+    ctx = build_context(
+        TINY,
+        options=ServerOptions(served_model_names=["qwen3-next-tiny"]),
+        max_num_seqs=4,
+        max_model_len=128,
+    )
+    with LiveServer(ctx) as live:
+        client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0)
+        cached = []
+        for prompt, want in zip(prompts, expected, strict=True):
+            response = client.completions.create(
+                model="qwen3-next-tiny", prompt=prompt, max_tokens=6, temperature=0
+            )
+            assert response.usage.completion_tokens == len(want)
+            assert response.choices[0].text == llm.tokenizer.decode(want, skip_special_tokens=True)
+            details = response.usage.prompt_tokens_details
+            cached.append(0 if details is None else details.cached_tokens)
+        assert cached[0] == 0 and cached[1] > 0, cached

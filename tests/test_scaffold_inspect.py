@@ -254,3 +254,77 @@ def test_new_model_prints_unplaced_modules(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "warning: module model.hc_head (DeepseekV4HyperHead" in result.output
+
+
+def test_new_model_maps_compressed_and_gated_delta_net_layers_to_their_caches(
+    tmp_path: Path,
+) -> None:
+    """CSA / HCA come out as a raw window plus compressed entries, gated-delta-net
+    linear_attention as a recurrent state: no layer_cache stub, the specs the engine gets."""
+    transformers = pytest.importorskip("transformers")
+    from typer.testing import CliRunner
+
+    from resin.cli import app
+    from resin.runners.torch.model_dir import default_layer_cache
+
+    raw = _dsv4(
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}
+    )
+    raw_dict = raw.to_dict()
+    raw_dict["architectures"] = ["DeepseekV4ForCausalLM"]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps(raw_dict))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["new-model", str(tmp_path / "src"), "--name", "dsv4", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    blocks = (out / "blocks.py").read_text()
+    assert "def layer_cache" not in blocks and '"layer_cache"' not in blocks
+    notes = (out / "NOTES.md").read_text()
+    # CSA pools 2 windows of 4 (< sliding 32); HCA 16 tokens.
+    assert "sliding_window(32) + compressed(ratio 4)" in notes
+    assert "sliding_window(32) + compressed(ratio 16)" in notes
+    assert "unknown (stub)" not in notes
+    import torch
+
+    dtype = torch.float32
+    for layer_type, ratio, extra_buffers in (
+        ("compressed_sparse_attention", 4, {"kv", "index_k"}),
+        ("heavily_compressed_attention", 16, {"kv"}),
+    ):
+        main, extra = default_layer_cache(layer_type, 32, raw, 64, 1)
+        assert (main.kind, main.window) == ("sliding_window", 32)
+        entries = extra["entries"]
+        assert (entries.kind, entries.ratio, set(entries.buffers)) == (
+            "compressed",
+            ratio,
+            extra_buffers,
+        )
+        assert entries.spec(dtype).ratio == ratio
+    # A wide ratio widens the raw window so an entry's carry stays in it.
+    wide = _dsv4(
+        compress_rates={"compressed_sparse_attention": 32, "heavily_compressed_attention": 128}
+    )
+    assert default_layer_cache("compressed_sparse_attention", 32, wide, 64, 1)[0].window == 64
+    assert default_layer_cache("heavily_compressed_attention", 32, wide, 64, 1)[0].window == 128
+
+    qwen3_next = transformers.Qwen3NextConfig(
+        **SMALL,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
+    state = default_layer_cache("linear_attention", None, qwen3_next, 16, 2)
+    conv_dim = 2 * 2 * 8 + 4 * 16
+    assert (state.kind, state.buffers) == ("recurrent", {"conv": (conv_dim, 3), "ssm": (4, 8, 16)})
+    assert state.spec(dtype).state_bytes == (conv_dim * 3 + 4 * 8 * 16) * 4  # fp32
+    # A linear_attention type without the gated-delta-net fields stays a stub.
+    from resin.scaffold.layer_map import has_cache_declaration
+
+    assert not has_cache_declaration("linear_attention", None, SimpleNamespace())
+    assert has_cache_declaration("linear_attention", None, qwen3_next)

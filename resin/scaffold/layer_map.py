@@ -6,8 +6,10 @@ Owns three mappings the scaffold generator and generated runners share:
   window from an HF config (``config.layer_types`` when present; else every layer sliding iff a
   ``sliding_window`` is set and not switched off by ``use_sliding_window``; else full), and
   :func:`cache_kind` says which ``resin.LayerCacheSpec`` a type needs: ``full``,
-  ``sliding_window``, ``recurrent`` (linear attention / SSM: per-request state pages, declared
-  in the model's ``blocks.layer_cache``) or ``unknown``;
+  ``sliding_window``, ``recurrent`` (linear attention / SSM: per-request state pages),
+  ``compressed`` (DeepSeek-V4 CSA / HCA: a raw window plus compressed entries) or ``unknown``
+  (the declarations of the known recurrent and compressed types:
+  ``resin.runners.torch.layer_caches``);
 - windows: a layer gets ``config.sliding_window`` iff its type is in :data:`WINDOWED_LAYER_TYPES`
   — the types whose HF attention is built with the raw ``config.sliding_window`` (read from the
   modeling code, transformers 5.x): ``sliding_attention`` (Gemma 2/3, gpt-oss, Mistral, Qwen2,
@@ -50,14 +52,19 @@ SLIDING = "sliding_attention"
 WINDOWED_LAYER_TYPES = (
     SLIDING,
     "hybrid_sliding",
-    "compressed_sparse_attention",
-    "heavily_compressed_attention",
+    "compressed_sparse_attention",  # = CSA below
+    "heavily_compressed_attention",  # = HCA below
 )
 DENSE_MLP = "dense"
 MOE_MLP = "moe"
 # Values of config.mlp_layer_types that mean "no experts" (HF's canonical "dense").
 DENSE_MLP_TYPES = (DENSE_MLP, "mlp")
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+# DeepSeek-V4's compressed attention types: a raw sliding window plus one compressed entry
+# per config.compress_rates[type] tokens (resin.runners.torch.layer_caches).
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+COMPRESSED_TYPES = (CSA, HCA)
 RECURRENT_TYPES = (
     "linear_attention",
     "mamba",
@@ -177,10 +184,47 @@ def is_moe_type(mlp_type: str) -> bool:
     return mlp_type not in DENSE_MLP_TYPES
 
 
+GATED_DELTA_NET_FIELDS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def is_gated_delta_net(layer_type: str, config: Any) -> bool:
+    """A ``linear_attention`` layer whose config carries the gated-delta-net dimensions
+    (Qwen3-Next, Qwen3.5): its state is declared by ``layer_caches.gated_delta_net_cache``."""
+    return layer_type == "linear_attention" and all(
+        getattr(config, name, None) is not None for name in GATED_DELTA_NET_FIELDS
+    )
+
+
+def has_cache_declaration(layer_type: str, window: int | None, config: Any) -> bool:
+    """Whether Resin declares this layer type's cache itself (plain attention, a gated delta
+    net, DeepSeek-V4 CSA / HCA); otherwise the model's ``blocks.layer_cache`` must."""
+    kind = cache_kind(layer_type, window)
+    return kind in ("full", "sliding_window", "compressed") or (
+        kind == "recurrent" and is_gated_delta_net(layer_type, config)
+    )
+
+
+def compressed_cache_text(layer_type: str, config: Any) -> str:
+    """``compressed(ratio R) + sliding_window(W)``: a compressed layer's two caches."""
+    ratio = int((getattr(config, "compress_rates", None) or {}).get(layer_type, 0))
+    overlap = 1 if layer_type == CSA else 0
+    window = max(int(getattr(config, "sliding_window", 0) or 0), (1 + overlap) * ratio)
+    return f"sliding_window({window}) + compressed(ratio {ratio})"
+
+
 def cache_kind(layer_type: str, window: int | None) -> str:
-    """``full`` / ``sliding_window`` / ``recurrent`` / ``unknown`` for one layer type."""
+    """``full`` / ``sliding_window`` / ``recurrent`` / ``compressed`` / ``unknown`` for one
+    layer type."""
     if layer_type == FULL:
         return "full"
+    if layer_type in COMPRESSED_TYPES:
+        return "compressed"
     if layer_type == SLIDING:
         if not window:
             raise ValueError("a sliding_attention layer without a sliding_window")

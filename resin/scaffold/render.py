@@ -22,7 +22,10 @@ from resin.scaffold.layer_map import (
     PRENORM_CHILDREN,
     block_kind,
     cache_kind,
+    compressed_cache_text,
     function_name,
+    has_cache_declaration,
+    is_gated_delta_net,
     moe_expert_names,
     moe_renormalises,
     name_pattern,
@@ -189,7 +192,7 @@ def model_context(
             {
                 layer.layer_type
                 for layer in arch.layers
-                if cache_kind(layer.layer_type, layer.window) in ("recurrent", "unknown")
+                if not has_cache_declaration(layer.layer_type, layer.window, config)
             }
         ),
         "source_shapes": pattern_shapes(arch.checkpoint_shapes),
@@ -210,7 +213,7 @@ def model_context(
         "max_positions": max_positions,
         "tied": bool(getattr(config, "tie_word_embeddings", False)),
         "layer_type_summary": _type_summary(arch.layers),
-        "layer_rows": _layer_rows(arch.layers),
+        "layer_rows": _layer_rows(arch.layers, config),
         "rope_text": ", ".join(f"{k}={v}" for k, v in sorted(arch.rope.items())) or "none",
         "moe_text": ", ".join(f"{k}={v}" for k, v in arch.moe.items()) or "none",
         "mtp_text": (
@@ -252,6 +255,8 @@ def generator_warnings(arch: Architecture) -> list[str]:
     out = list(unplaced(arch)) if unplaced is not None else []
     for layer in arch.layers:
         kind = cache_kind(layer.layer_type, layer.window)
+        if has_cache_declaration(layer.layer_type, layer.window, arch.config):
+            continue
         if kind == "recurrent":
             out.append(
                 f"layer {layer.index} is {layer.layer_type!r}: a recurrent state — declare it "
@@ -495,7 +500,7 @@ def _type_summary(layers: list[LayerInfo]) -> str:
     return ", ".join(f"{n} {t}" for t, n in counts.items())
 
 
-def _layer_rows(layers: list[LayerInfo]) -> list[dict[str, str]]:
+def _layer_rows(layers: list[LayerInfo], config: Any) -> list[dict[str, str]]:
     """Layers with the same type, window and classes share one table row."""
     rows: dict[tuple[str, ...], list[int]] = {}
     for layer in layers:
@@ -503,7 +508,10 @@ def _layer_rows(layers: list[LayerInfo]) -> list[dict[str, str]]:
         cache = {
             "full": "full",
             "sliding_window": f"sliding_window({layer.window})",
-            "recurrent": "recurrent (stub)",
+            "compressed": compressed_cache_text(layer.layer_type, config),
+            "recurrent": "recurrent (gated delta net state)"
+            if is_gated_delta_net(layer.layer_type, config)
+            else "recurrent (stub)",
         }.get(kind, "unknown (stub)")
         key = (
             layer.layer_type,

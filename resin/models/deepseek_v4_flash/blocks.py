@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from resin.loading.rope import RopeConfig, rope_inv_freq
 from resin.runners.torch.attention import RowHistory
 from resin.runners.torch.context import LayerContext
+from resin.runners.torch.layer_caches import compressed_attention_cache
 from resin.runners.torch.model_definition import LayerCache
 
 Weights = dict[str, torch.Tensor]
@@ -246,39 +247,18 @@ def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
 # -- caches ---------------------------------------------------------------------------------
 
 
-def _carry_tokens(layer_type: str, config: Any) -> int:
-    """Raw tokens an entry pools up to its closing token: ``(1 + overlap) * ratio`` (CSA
-    overlaps the previous window, HCA does not)."""
-    rate = int(config.compress_rates[layer_type])
-    return (2 if layer_type == CSA else 1) * rate
-
-
 def layer_cache(
     layer_type: str, window: int | None, config: Any, head_dim: int, num_kv_heads: int
 ) -> LayerCache | tuple[LayerCache, dict[str, LayerCache]]:
-    """Sliding -> ``kv`` (K = V, post-norm, post-rope) in a window group. CSA / HCA -> a raw
-    sliding window of ``W = max(sliding_window, (1 + overlap) * ratio)`` tokens (what the
-    window branch and the compressor's carry read: ``kv`` + the raw compressor ``comp_kv`` /
-    ``comp_gate`` [c·D], CSA also the indexer's ``index_kv`` / ``index_gate`` [2 dI]; gates
-    raw, position_bias added when pooling) as the main cache, plus an extra ``compressed``
-    cache ``entries`` (one per ``ratio`` tokens, written at the closing token): the entry
-    ``kv`` [D] (K = V, normed, roped), CSA also the indexer key ``index_k`` [dI]."""
-    d = head_dim
-    sliding = int(config.sliding_window)
+    """Sliding -> ``kv`` (K = V, post-norm, post-rope) in a window group, not the default
+    separate K and V. CSA / HCA -> Resin's declaration for these types (what ``resin
+    new-model`` maps them to, :func:`resin.runners.torch.layer_caches.
+    compressed_attention_cache`): a raw sliding window of ``max(sliding_window, (1 + overlap)
+    * ratio)`` tokens (``kv``, the compressor's raw ``comp_kv`` / ``comp_gate``, CSA's indexer
+    ``index_kv`` / ``index_gate``) plus compressed ``entries`` (``kv``, CSA's ``index_k``)."""
     if layer_type == SLIDING:
-        return LayerCache("sliding_window", {"kv": (1, d)}, window or sliding)
-    if layer_type not in (CSA, HCA):
-        raise NotImplementedError(f"deepseek_v4 layer type {layer_type!r}")
-    c = 2 if layer_type == CSA else 1
-    raw: dict[str, tuple[int, ...]] = {"kv": (1, d), "comp_kv": (c * d,), "comp_gate": (c * d,)}
-    entry: dict[str, tuple[int, ...]] = {"kv": (d,)}
-    if layer_type == CSA:
-        di = int(config.index_head_dim)
-        raw.update(index_kv=(2 * di,), index_gate=(2 * di,))
-        entry["index_k"] = (di,)
-    main = LayerCache("sliding_window", raw, max(sliding, _carry_tokens(layer_type, config)))
-    rate = int(config.compress_rates[layer_type])
-    return main, {"entries": LayerCache("compressed", entry, ratio=rate)}
+        return LayerCache("sliding_window", {"kv": (1, head_dim)}, window or int(config.sliding_window))
+    return compressed_attention_cache(layer_type, config, head_dim)
 
 
 # -- attention ------------------------------------------------------------------------------

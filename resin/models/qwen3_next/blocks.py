@@ -26,8 +26,9 @@ in another order (NOTES.md: measured difference).
 
 Signatures (T = tokens in the step, all rows concatenated): norm / attention / MLP
 ``fn(x [T, hidden], w, ctx)``; decoder layer ``fn(hidden, fns, weights, ctx, emit)``;
-rotary ``fn(config, head_dim, device)``; ``layer_cache(layer_type, window, config, head_dim,
-num_kv_heads)``.
+rotary ``fn(config, head_dim, device)``. No ``layer_cache``: ``linear_attention`` layers get
+Resin's gated-delta-net state (``resin.runners.torch.layer_caches.gated_delta_net_cache``:
+``conv`` [conv_dim, kernel - 1] and ``ssm`` [v_heads, k_dim, v_dim], fp32), full attention K and V.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ import torch.nn.functional as F
 
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
-from resin.runners.torch.model_definition import LayerCache
-from resin.runners.torch.model_dir import default_layer_cache
+from resin.runners.torch.layer_caches import gated_delta_net_dims
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -128,39 +128,6 @@ def qwen3_next_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torc
 # -- gated delta net (linear attention) --------------------------------------------------------
 
 
-def _gdn_dims(config: Any) -> dict[str, int]:
-    nk, nv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
-    dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
-    return {
-        "nk": nk,
-        "nv": nv,
-        "dk": dk,
-        "dv": dv,
-        "key_dim": nk * dk,
-        "value_dim": nv * dv,
-        "conv_dim": 2 * nk * dk + nv * dv,
-        "kernel": int(config.linear_conv_kernel_dim),
-    }
-
-
-def layer_cache(
-    layer_type: str, window: int | None, config: Any, head_dim: int, num_kv_heads: int
-) -> LayerCache:
-    """``linear_attention``: a recurrent state per request, fp32 —
-    ``conv`` ``[conv_dim, kernel - 1]`` (the previous ``kernel - 1`` inputs of the depthwise
-    causal conv; HF's cache keeps ``kernel`` of them, of which the conv reads the last
-    ``kernel - 1`` with the new token) and ``ssm`` ``[v_heads, k_head_dim, v_head_dim]`` (HF's
-    ``recurrent_states``, ``[B, v_heads, k_dim, v_dim]``). Full attention: K and V per token."""
-    if layer_type == "linear_attention":
-        d = _gdn_dims(config)
-        return LayerCache(
-            "recurrent",
-            {"conv": (d["conv_dim"], d["kernel"] - 1), "ssm": (d["nv"], d["dk"], d["dv"])},
-            dtype=torch.float32,
-        )
-    return default_layer_cache(layer_type, window, config, head_dim, num_kv_heads)
-
-
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """modeling_qwen3_next.py:389 (FLA's): ``x * rsqrt(sum(x^2) + eps)``."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -218,7 +185,7 @@ def qwen3_next_gated_delta_net(x: torch.Tensor, w: Weights, ctx: LayerContext) -
     Weights: ``in_proj_qkvz.weight``, ``in_proj_ba.weight``, ``conv1d.weight`` [C, 1, K],
     ``A_log``, ``dt_bias`` [Hv], ``norm.weight`` [dv], ``out_proj.weight``.
     """
-    d = _gdn_dims(ctx.config)
+    d = gated_delta_net_dims(ctx.config)
     nk, nv, dk, dv = d["nk"], d["nv"], d["dk"], d["dv"]
     r = nv // nk
     num_tokens = x.shape[0]

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from resin.runners.torch import layer_caches
 from resin.runners.torch.attention import AttentionBackend
 from resin.runners.torch.model_definition import (
     LayerCache,
@@ -207,12 +208,17 @@ def num_kv_heads_of(args: Any) -> int:
 
 def default_layer_cache(
     layer_type: str, window: int | None, args: Any, head_dim: int, num_kv_heads: int
-) -> LayerCache:
-    """K and V per token for full and sliding layers; anything else must be declared in
-    ``blocks.layer_cache``."""
+) -> LayerCache | tuple[LayerCache, dict[str, LayerCache]]:
+    """K and V per token for full and sliding layers; the known recurrent and compressed
+    types' declarations (:mod:`.layer_caches`: gated-delta-net ``linear_attention``,
+    DeepSeek-V4 CSA / HCA); anything else must be declared in ``blocks.layer_cache``."""
     kind = cache_kind(layer_type, window)
     if kind in ("full", "sliding_window"):
         return attention_cache(num_kv_heads, head_dim, window if kind == "sliding_window" else None)
+    if kind == "compressed":
+        return layer_caches.compressed_attention_cache(layer_type, args, head_dim)
+    if kind == "recurrent" and layer_caches.is_gated_delta_net(layer_type, args):
+        return layer_caches.gated_delta_net_cache(args)
     raise NotImplementedError(
         f"layer type {layer_type!r} has no default cache ({kind}): write "
         "blocks.layer_cache(layer_type, window, config, head_dim, num_kv_heads) returning a "

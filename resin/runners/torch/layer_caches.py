@@ -1,0 +1,113 @@
+"""The cache declarations of the layer types Resin knows beyond plain K / V attention.
+
+A layer's :class:`~.model_definition.LayerCache` says what it keeps between steps. Full and
+sliding-window attention keep K and V per token (:func:`~.model_definition.attention_cache`);
+this module owns the declarations of the other known types, which ``resin new-model`` maps
+layer types to (:func:`resin.scaffold.layer_map.cache_kind`) and model directories get from
+:func:`resin.runners.torch.model_dir.default_layer_cache` unless their ``blocks.layer_cache``
+says otherwise:
+
+- :func:`gated_delta_net_cache` — ``linear_attention`` layers of the gated-delta-net family
+  (Qwen3-Next, Qwen3.5): one recurrent state per request;
+- :func:`compressed_attention_cache` — DeepSeek-V4's ``compressed_sparse_attention`` (CSA) and
+  ``heavily_compressed_attention`` (HCA): a raw sliding window plus compressed entries.
+
+Imports torch (for the state dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from resin.runners.torch.model_definition import LayerCache
+from resin.scaffold.layer_map import COMPRESSED_TYPES, CSA, is_gated_delta_net
+
+__all__ = [
+    "compressed_attention_cache",
+    "compressed_window",
+    "compression_ratio",
+    "gated_delta_net_cache",
+    "gated_delta_net_dims",
+    "is_gated_delta_net",
+]
+
+
+def gated_delta_net_dims(config: Any) -> dict[str, int]:
+    """Head counts and widths of a gated delta net (HF ``Qwen3NextGatedDeltaNet``):
+    ``conv_dim = 2 * key_heads * key_dim + value_heads * value_dim`` channels go through the
+    depthwise causal conv of ``kernel`` taps."""
+    nk, nv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+    return {
+        "nk": nk,
+        "nv": nv,
+        "dk": dk,
+        "dv": dv,
+        "key_dim": nk * dk,
+        "value_dim": nv * dv,
+        "conv_dim": 2 * nk * dk + nv * dv,
+        "kernel": int(config.linear_conv_kernel_dim),
+    }
+
+
+def gated_delta_net_cache(config: Any) -> LayerCache:
+    """A recurrent state per request, fp32: ``conv`` ``[conv_dim, kernel - 1]`` (the previous
+    ``kernel - 1`` inputs of the depthwise causal conv; HF's cache keeps ``kernel`` of them, of
+    which the conv reads the last ``kernel - 1`` with the new token) and ``ssm`` ``[v_heads,
+    k_head_dim, v_head_dim]`` (HF's ``recurrent_states``, ``[B, v_heads, k_dim, v_dim]``)."""
+    d = gated_delta_net_dims(config)
+    return LayerCache(
+        "recurrent",
+        {"conv": (d["conv_dim"], d["kernel"] - 1), "ssm": (d["nv"], d["dk"], d["dv"])},
+        dtype=torch.float32,
+    )
+
+
+def compression_ratio(layer_type: str, config: Any) -> int:
+    """Source tokens per compressed entry: ``config.compress_rates[layer_type]``."""
+    rates = getattr(config, "compress_rates", None) or {}
+    if layer_type not in rates:
+        raise ValueError(
+            f"layer type {layer_type!r} is compressed but config.compress_rates has no entry "
+            f"for it (has {sorted(rates)})"
+        )
+    return int(rates[layer_type])
+
+
+def compressed_window(layer_type: str, config: Any) -> int:
+    """The raw window a compressed layer keeps: ``max(sliding_window, (1 + overlap) *
+    ratio)``. The attention's own sliding branch reads ``sliding_window`` tokens; an entry pools
+    the ``(1 + overlap) * ratio`` raw tokens up to its closing token (CSA's windows overlap the
+    previous one, HCA's do not), so with this window the not-yet-compressed carry is always in
+    the raw cache and the engine keeps no carry state (docs/batch_plan.md)."""
+    overlap = 1 if layer_type == CSA else 0
+    ratio = compression_ratio(layer_type, config)
+    return max(int(config.sliding_window), (1 + overlap) * ratio)
+
+
+def compressed_attention_cache(
+    layer_type: str, config: Any, head_dim: int
+) -> tuple[LayerCache, dict[str, LayerCache]]:
+    """DeepSeek-V4 CSA / HCA (HF ``DeepseekV4Attention`` with its compressor): the main cache
+    is a raw sliding window of :func:`compressed_window` tokens holding, per token, ``kv`` (K =
+    V, post-norm, post-rope) and the compressor's raw inputs ``comp_kv`` / ``comp_gate``
+    ``[c * head_dim]`` (c = 2 for CSA's two overlapping series, 1 for HCA; CSA also the
+    indexer's ``index_kv`` / ``index_gate`` ``[2 * index_head_dim]``); the extra cache
+    ``entries`` (compressed, one per ratio tokens, written at the closing token) holds the
+    entry ``kv`` ``[head_dim]`` (K = V, normed, roped) and, for CSA, the indexer key
+    ``index_k`` ``[index_head_dim]``. Blocks read the extra one as ``ctx.extra["entries"]``."""
+    if layer_type not in COMPRESSED_TYPES:
+        raise ValueError(f"{layer_type!r} is not a compressed layer type {COMPRESSED_TYPES}")
+    d = head_dim
+    c = 2 if layer_type == CSA else 1
+    raw: dict[str, tuple[int, ...]] = {"kv": (1, d), "comp_kv": (c * d,), "comp_gate": (c * d,)}
+    entry: dict[str, tuple[int, ...]] = {"kv": (d,)}
+    if layer_type == CSA:
+        di = int(config.index_head_dim)
+        raw.update(index_kv=(2 * di,), index_gate=(2 * di,))
+        entry["index_k"] = (di,)
+    main = LayerCache("sliding_window", raw, compressed_window(layer_type, config))
+    ratio = compression_ratio(layer_type, config)
+    return main, {"entries": LayerCache("compressed", entry, ratio=ratio)}
