@@ -28,8 +28,9 @@ padding, the minimum prefix-hit granularity (tokens a cached unit covers in ever
 lcm of the groups' spans; recurrent checkpoints sit at page boundaries), the pool bytes and
 internal fragmentation (1 - live bytes / allocated bytes) of two seeded workloads after
 prefill, the number of distinct page sizes (= pools an allocator must manage), and what the
-torch runners actually reserve for one 4,096-token request: their buffers give every page id one
-page in every layer (no sharing across groups), so (page ids held) x (one page of every layer).
+torch runners reserve for one 4,096-token request: a page id is one page in each of the G
+layer slots token and recurrent groups share (same-spec layers split into groups of G) plus
+one page in each compressed layer's own buffer, so (page ids held) x (bytes per page id).
 
     .venv/bin/python benchmarks/cache_layout.py      # prints tables, writes results/cache_layout.json
 """
@@ -241,25 +242,43 @@ def request_bytes(groups: list[Group], plan: dict[str, Any], length: int) -> tup
     return allocated, live
 
 
-def unshared_runner_bytes(groups: list[Group], plan: dict[str, Any], length: int) -> int:
-    """Bytes the torch runners reserve for one request of ``length`` tokens: every layer's
-    buffer has one page per page id (buffers are not shared across groups), so a request
-    reserves (page ids it holds) x (bytes of one page in every layer)."""
+def layer_slots(groups: list[Group]) -> int:
+    """The engine's group size G: same-spec token / recurrent buckets split into groups of G
+    layers (the smallest bucket, or the largest when all are within 1.5x of it)."""
+    sizes = [g.layers for g in groups if g.kind != "compressed"]
+    return max(sizes) if 2 * max(sizes) < 3 * min(sizes) else min(sizes)
+
+
+def runner_bytes(groups: list[Group], plan: dict[str, Any], length: int) -> int:
+    """Bytes the torch runners reserve for one request of ``length`` tokens: a page id is one
+    page of the token page size in each of G shared layer slots (token and recurrent groups
+    share them) plus one page in each compressed layer's own buffer, so a request reserves
+    (page ids it holds, every G-layer group's) x (bytes per page id)."""
+    size = layer_slots(groups)
     page_ids = 0
     for g, row in zip(groups, plan["groups"], strict=True):
         span = row["span"]
+        copies = 1 if g.kind == "compressed" else -(-g.layers // size)
         if g.kind == "full":
-            page_ids += -(-length // span)
+            pages = -(-length // span)
         elif g.kind == "sliding_window":
-            page_ids += -(-length // span) - max(0, length - g.window + 1) // span
+            pages = -(-length // span) - max(0, length - g.window + 1) // span
         elif g.kind == "recurrent":
-            page_ids += row["pages_per_state"]
+            pages = row["pages_per_state"]
         else:
-            page_ids += -(-(length // g.ratio) // row["entries_per_page"])
-    per_id = sum(
-        row["page_bytes"] * g.layers for g, row in zip(groups, plan["groups"], strict=True)
+            pages = -(-(length // g.ratio) // row["entries_per_page"])
+        page_ids += copies * pages
+    shared = max(
+        row["page_bytes"]
+        for g, row in zip(groups, plan["groups"], strict=True)
+        if g.kind != "compressed"
     )
-    return page_ids * per_id
+    own = sum(
+        row["page_bytes"] * g.layers
+        for g, row in zip(groups, plan["groups"], strict=True)
+        if g.kind == "compressed"
+    )
+    return page_ids * (size * shared + own)
 
 
 def workloads() -> dict[str, np.ndarray]:
@@ -300,7 +319,12 @@ def evaluate() -> list[dict[str, Any]]:
                         "allocated_mib_per_request": alloc / len(lengths) / 2**20,
                         "internal_fragmentation": 1 - live / alloc,
                     }
-                plan["unshared_runner_mib_4096"] = unshared_runner_bytes(groups, plan, 4096) / 2**20
+                # The runners' shared-slot layout: only for the engine's page geometries.
+                plan["runner_mib_4096"] = (
+                    runner_bytes(groups, plan, 4096) / 2**20
+                    if policy in ("resin", "equal-byte")
+                    else None
+                )
                 rows.append(plan)
     return rows
 
@@ -315,7 +339,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             + ", ".join(names)
             + ") | tokens/page per group "
             "| pages/state (padding) | min hit tokens | page sizes | MiB/req lognormal "
-            "| frag lognormal | MiB/req 4096 | frag 4096 | runner MiB/req 4096 (unshared) "
+            "| frag lognormal | MiB/req 4096 | frag 4096 | runner MiB/req 4096 "
             "| source |"
         )
         out.append("|---" * 13 + "|")
@@ -331,12 +355,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f_ln, f_4k = r["fragmentation"]["lognormal_2k"], r["fragmentation"]["fixed_4096"]
             page_bytes = ", ".join(f"{g['page_bytes']:,}" for g in r["groups"])
             spans = ", ".join(str(g["span"]) for g in r["groups"])
+            runner = "-" if r["runner_mib_4096"] is None else f"{r['runner_mib_4096']:,.1f}"
             out.append(
                 f"| {r['policy']} | {r['page_size']} | {page_bytes} | {spans} | {state} "
                 f"| {r['min_hit_tokens']:,} | {r['num_page_sizes']} "
                 f"| {f_ln['allocated_mib_per_request']:,.1f} | {f_ln['internal_fragmentation']:.1%} "
                 f"| {f_4k['allocated_mib_per_request']:,.1f} | {f_4k['internal_fragmentation']:.1%} "
-                f"| {r['unshared_runner_mib_4096']:,.1f} | {r['source']} |"
+                f"| {runner} | {r['source']} |"
             )
         out.append("")
     return "\n".join(out)

@@ -9,8 +9,10 @@ preempted. Only the runner's ``cache_spec()`` differs between the layouts, all i
 - ``full_only``: 48 full-attention layers (2,048 B/token) -> one cache group;
 - ``qwen3_next``: Qwen3-Next-80B-A3B's 12 full-attention layers + 36 gated-delta-net layers
   (recurrent state (8192 x 3 + 32 x 128 x 128) x 4 B = 67 pages of 32 KiB at page size 16)
-  -> two groups. With prefix caching on, every decode that fills a page also checkpoints
-  each request's state (67 ``copy_pages`` pairs) and registers the checkpoint.
+  -> four groups (same-spec layers split into groups of 12, the smallest bucket: one full,
+  three recurrent). With prefix caching on, a decode that reaches a checkpoint boundary
+  (``--checkpoint-interval`` tokens, default the engine's; 0 = every page) checkpoints each
+  of the request's three states (3 x 67 ``copy_pages`` pairs) and registers them.
 
 Each layout runs with prefix caching on and off. Engine time per step = schedule + forward
 (the Python call) + update + drop; the table shows decode steps with all B sequences.
@@ -40,7 +42,7 @@ from engine_overhead import (  # noqa: E402
     step_stats,
 )
 
-from resin import Engine, EngineConfig, LayerCacheSpec, SamplingParams  # noqa: E402
+from resin import CacheLayout, Engine, EngineConfig, LayerCacheSpec, SamplingParams  # noqa: E402
 
 PAGE_SIZE = 16
 VOCAB_SIZE = 32000
@@ -69,14 +71,12 @@ def run_once(args: argparse.Namespace, specs: list[LayerCacheSpec], prefix: bool
     b = args.batch_size
     page_size = args.page_size
     max_model_len = args.prompt_len + args.output_len + page_size
-    token_pages = -(-max_model_len // page_size)
-    state_pages = sum(
-        -(-STATE_BYTES // (page_size * FULL_BPT))
-        for s in {s.kind for s in specs}
-        if s == "recurrent"
-    )
-    # Own pages and state per request, plus room for checkpoints (evicted LRU when short).
-    num_pages = b * (token_pages + 2 * state_pages) + 1 + 64
+    # Every request's pages at full length, its states and a checkpoint in flight per
+    # recurrent group (the engine's own bound), plus slack; cached checkpoints are evicted
+    # LRU when the pool runs short.
+    layout = CacheLayout.from_specs(specs, page_size)
+    per_request = layout.pages_per_request(max_model_len, args.max_num_batched_tokens, prefix)
+    num_pages = b * per_request + 1 + 64
     config = EngineConfig(
         page_size=page_size,
         num_pages=num_pages,
@@ -85,6 +85,7 @@ def run_once(args: argparse.Namespace, specs: list[LayerCacheSpec], prefix: bool
         max_model_len=max_model_len,
         enable_prefix_caching=prefix,
         vocab_size=VOCAB_SIZE,
+        recurrent_checkpoint_interval=args.checkpoint_interval,
     )
     runner = SpecNullRunner(specs)
     engine = Engine(config, runner)
@@ -179,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=EngineConfig().recurrent_checkpoint_interval,
+        help="tokens between recurrent checkpoints (0 = every page; default: the engine's)",
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON path")
     args = parser.parse_args(argv)
     runs = []
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"hybrid decode step: B {args.batch_size}, prompt {args.prompt_len}, output "
-        f"{args.output_len}, page size {args.page_size}, {args.repeats} run(s) each; decode steps "
+        f"{args.output_len}, page size {args.page_size}, checkpoint interval "
+        f"{args.checkpoint_interval or args.page_size} tokens, {args.repeats} run(s) each; decode steps "
         "with all B sequences; µs = schedule + forward + update + drop\n"
     )
     print(markdown(runs))

@@ -78,7 +78,8 @@ class SamplingParams:
 
 @final
 class LayerCacheSpec:
-    """What one layer keeps in the cache. Layers with equal specs form one cache group."""
+    """What one layer keeps in the cache. Layers with equal specs form cache groups (token /
+    recurrent ones of CacheLayout.num_layer_slots layers each)."""
 
     @property
     def kind(self) -> Literal["full", "sliding_window", "recurrent", "compressed"]: ...
@@ -158,6 +159,13 @@ class CacheLayout:
         page_bytes (of state_bytes when page_bytes is 0); a state spans pages_per_state of
         them, the last one padded."""
     @property
+    def num_layer_slots(self) -> int:
+        """Layers in the largest token / recurrent group. Same-spec layers are split into
+        groups of G layers (G = the smallest such bucket, or the largest when all are within
+        1.5x), so a runner can share one buffer of num_pages pages of page_bytes per layer
+        slot across groups: the k-th layer of every token / recurrent group views slot k (a
+        page id belongs to one group at a time). Compressed groups are not split or counted."""
+    @property
     def groups(self) -> list[CacheGroup]: ...
     def group_of_layer(self, layer_index: int) -> int: ...
     @staticmethod
@@ -183,6 +191,11 @@ class EngineConfig:
     eos_token_ids: list[int]
     vocab_size: int | None
     policy: Literal["fcfs", "priority"]
+    recurrent_checkpoint_interval: int
+    """Recurrent groups with prefix caching: tokens between state checkpoints, rounded up to
+    a multiple of page_size (0 = every page boundary; default 256). The page boundary just
+    before a prompt's last token is always checkpointed, so a repeated or extended prompt
+    hits there; other hits on recurrent groups fall on multiples of the interval."""
     def __new__(
         cls,
         page_size: int = 16,
@@ -194,6 +207,7 @@ class EngineConfig:
         eos_token_ids: list[int] | None = None,
         vocab_size: int | None = None,
         policy: Literal["fcfs", "priority"] = "fcfs",
+        recurrent_checkpoint_interval: int = 256,
     ) -> EngineConfig: ...
 
 @final

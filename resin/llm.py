@@ -16,9 +16,9 @@ Engine defaults (each can be overridden with a keyword of :class:`resin.EngineCo
 - ``num_pages``: enough pages for ``max_num_seqs`` sequences of ``max_model_len`` tokens (the
   engine's own rule, ``CacheLayout.pages_per_request``: every cache group, recurrent states
   and their checkpoints in flight included), but no more than fit in ``kv_cache_bytes``
-  (default :data:`DEFAULT_KV_CACHE_BYTES`), counting a page id as one page of every layer's
-  buffer (:func:`page_id_bytes`); and never fewer than one full-length sequence needs. Plus
-  one for the null page.
+  (default :data:`DEFAULT_KV_CACHE_BYTES`), counting a page id as one page of every shared
+  layer slot plus one of each compressed layer (:func:`page_id_bytes`); and never fewer than
+  one full-length sequence needs. Plus one for the null page.
 - ``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s (vLLM's rule);
   ``vocab_size``: ``config.json``'s.
 
@@ -282,15 +282,16 @@ def default_num_pages(
 
 
 def page_id_bytes(layout: CacheLayout) -> int:
-    """Bytes one page id costs in the torch runners' buffers: each layer's buffer has one page
-    per id (a token layer ``CacheGroup.page_bytes``, a compressed layer its own smaller pages, a
-    recurrent layer ``CacheLayout.page_bytes``; buffers are not shared across groups)."""
-    total = 0
+    """Bytes one page id costs in the torch runners' buffers: one page of ``page_bytes`` in
+    each shared layer slot (``num_layer_slots``: token and recurrent groups share them), plus
+    a page in each compressed layer's own buffer (``CacheGroup.page_bytes``); a runner with
+    no shared slots (no token layer) keeps each recurrent state in its own buffer."""
+    total = layout.num_layer_slots * layout.page_bytes
     for group in layout.groups:
-        per_layer = group.page_bytes if group.pages_per_state == 0 else layout.page_bytes
-        if group.pages_per_state and not per_layer:
-            per_layer = group.spec.state_bytes or 0
-        total += per_layer * len(group.layer_indices)
+        if group.spec.kind == "compressed":
+            total += group.page_bytes * len(group.layer_indices)
+        elif group.pages_per_state and not layout.page_bytes:
+            total += (group.spec.state_bytes or 0) * len(group.layer_indices)
     return total
 
 

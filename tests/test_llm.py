@@ -201,13 +201,15 @@ def test_pool_sizing_counts_every_group_by_the_engine_rule() -> None:
         spec.recurrent(5000),
     ]
     layout = resin.CacheLayout.from_specs(specs, 16)
-    # 256 tokens: 16 full pages; window 32 + a 64-token chunk: ceil(95 / 16) + 1 = 7; 64
-    # entries at 4 per page: 16; one state of ceil(5000 / 1024) = 5 pages + a checkpoint.
-    assert layout.pages_per_request(256, 64, True) == 16 + 7 + 16 + 10
-    assert layout.pages_per_request(256, 64, False) == 16 + 7 + 16 + 5
-    # Per page id: 2 full + 1 window layer of 1 KiB pages, a compressed page of 4 * 32 B, a
-    # recurrent page of 1 KiB.
-    assert page_id_bytes(layout) == 3 * 1024 + 128 + 1024
+    # 256 tokens: 16 pages in each full group (two, of one layer each); window 32 + a 64-token
+    # chunk: ceil(95 / 16) + 1 = 7; 64 entries at 4 per page: 16; one state of
+    # ceil(5000 / 1024) = 5 pages + a checkpoint.
+    assert layout.pages_per_request(256, 64, True) == 2 * 16 + 7 + 16 + 10
+    assert layout.pages_per_request(256, 64, False) == 2 * 16 + 7 + 16 + 5
+    # Buckets of 2 full, 1 window, 1 recurrent layer -> groups of 1 layer, one shared slot of
+    # 1 KiB pages; plus a compressed page of 4 * 32 B.
+    assert layout.num_layer_slots == 1
+    assert page_id_bytes(layout) == 1024 + 128
     # The engine accepts exactly that many pages plus the null page.
     runner = SpecRunner(specs)
 
@@ -216,9 +218,9 @@ def test_pool_sizing_counts_every_group_by_the_engine_rule() -> None:
             page_size=16, num_pages=num_pages, max_model_len=256, max_num_batched_tokens=64
         )
 
-    assert resin.Engine(config(1 + 49), runner).config.num_pages == 50
+    assert resin.Engine(config(1 + 65), runner).config.num_pages == 66
     with pytest.raises(ValueError, match="too small"):
-        resin.Engine(config(49), runner)
+        resin.Engine(config(65), runner)
 
 
 def test_missing_model_dir_and_unsupported_architecture(tmp_path: Path) -> None:

@@ -32,7 +32,9 @@ SCENARIOS = [
     (0, "fcfs", "full", 4, 24),
     (1, "fcfs", "full+window", 4, 22),
     (2, "priority", "full", 2, 40),
-    (3, "priority", "window+full", 4, 20),
+    # two window layers and one full: groups of one layer (the smallest bucket), so the two
+    # window layers are two groups; one 40-token request needs 10 + 2 x 6 pages
+    (3, "priority", "window+full", 4, 24),
     (4, "fcfs", "full", 8, 12),
 ]
 

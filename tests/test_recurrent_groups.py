@@ -133,7 +133,10 @@ def prompts_of(lengths: list[int], seed: int) -> dict[str, list[int]]:
     }
 
 
-def engine(num_pages: int, prefix_caching: bool = True, budget: int = 7) -> resin.Engine:
+def engine(
+    num_pages: int, prefix_caching: bool = True, budget: int = 7, checkpoint_interval: int = 0
+) -> resin.Engine:
+    """Checkpoints at every page boundary unless ``checkpoint_interval`` says otherwise."""
     config = resin.EngineConfig(
         page_size=PAGE_SIZE,
         num_pages=num_pages,
@@ -142,6 +145,7 @@ def engine(num_pages: int, prefix_caching: bool = True, budget: int = 7) -> resi
         max_model_len=48,
         enable_prefix_caching=prefix_caching,
         vocab_size=VOCAB,
+        recurrent_checkpoint_interval=checkpoint_interval,
     )
     return resin.Engine(config, ToyHybridRunner())
 
@@ -172,6 +176,27 @@ def test_prefix_hits_restore_checkpoints_exactly() -> None:
     longer = {f"{rid}-more": p + first[rid].token_ids + [5, 6] for rid, p in prompts.items()}
     more = run(e, longer, max_tokens=4)
     assert sum(out.num_cached_tokens for out in more.values()) > sum(cached.values())
+
+
+def test_checkpoints_every_interval_still_restore_exactly() -> None:
+    """With checkpoints every 3 pages (plus each prompt's last boundary), hits fall only on
+    those boundaries and every output still equals the recomputation."""
+    interval = 3 * PAGE_SIZE
+    e = engine(512, checkpoint_interval=interval)
+    prompts = prompts_of(LENGTHS, 2)
+    first = run(e, prompts, max_tokens=6)
+    second = run(e, {f"{rid}-again": p for rid, p in prompts.items()}, max_tokens=6)
+    for rid, prompt in prompts.items():
+        assert first[rid].token_ids == second[f"{rid}-again"].token_ids
+        # The prompt's own last boundary is always checkpointed.
+        expected = (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE
+        assert second[f"{rid}-again"].num_cached_tokens == expected, (rid, len(prompt))
+    longer = {f"{rid}-more": p + first[rid].token_ids + [5, 6] for rid, p in prompts.items()}
+    more = run(e, longer, max_tokens=4)
+    for rid, out in more.items():
+        hit = out.num_cached_tokens
+        prompt_boundary = (len(prompts[rid.removesuffix("-more")]) - 1) // PAGE_SIZE * PAGE_SIZE
+        assert hit % interval == 0 or hit == prompt_boundary, (rid, hit)
 
 
 def test_preemption_in_a_small_pool_recomputes_exactly() -> None:

@@ -24,7 +24,9 @@ A backend is planned once per step and run once per layer, as FlashInfer's ``pla
 
 Caches are ``[num_pages, page_entries, kv_heads, dim]`` tensors (``page_entries`` = page_size
 for a token group, ``entries_per_page`` for a compressed one); slot = page * page_entries +
-offset.
+offset. A cache may be a strided view into a buffer shared across cache groups (one page row
+holds every buffer of the layer), so slots are read and written through
+:func:`~.layers.read_slots` / :func:`~.layers.write_slots`, never a flat ``view``.
 Models never call a kernel directly, so a new backend needs no model edit. Imports torch.
 """
 
@@ -35,7 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from resin.runners.torch.layers import SequenceView, build_sequence_views
+from resin.runners.torch.layers import (
+    SequenceView,
+    build_sequence_views,
+    read_slots,
+    write_slots,
+)
 from resin.runners.torch.step_inputs import StepInputs
 
 
@@ -73,7 +80,7 @@ class AttentionBackend:
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         for cache, tensor in zip(caches, values):
-            cache.view(-1, *cache.shape[2:])[slots] = tensor[keep].to(cache.dtype)
+            write_slots(cache, slots, tensor[keep])
 
     def attend(
         self,
@@ -175,13 +182,17 @@ class ReferenceBackend(AttentionBackend):
                 f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads"
             )
         repeat = num_heads // num_kv_heads
-        k_flat = k_cache.view(-1, *k_cache.shape[2:])
-        v_flat = k_flat if v_cache is None else v_cache.view(-1, *v_cache.shape[2:])
-        dim_v = value_dim if value_dim is not None else v_flat.shape[-1]
+        dim_v = (
+            value_dim
+            if value_dim is not None
+            else (v_cache if v_cache is not None else k_cache).shape[-1]
+        )
         out = q.new_empty(q.shape[0], num_heads, dim_v)
         for view in self._views(group):
-            k = k_flat[view.slots].repeat_interleave(repeat, dim=1)  # [K, H, D]
-            v = v_flat[view.slots][..., :dim_v].repeat_interleave(repeat, dim=1)  # [K, H, Dv]
+            k_rows = read_slots(k_cache, view.slots)
+            v_rows = k_rows if v_cache is None else read_slots(v_cache, view.slots)
+            k = k_rows.repeat_interleave(repeat, dim=1)  # [K, H, D]
+            v = v_rows[..., :dim_v].repeat_interleave(repeat, dim=1)  # [K, H, Dv]
             scores = torch.einsum("qhd,khd->hqk", q[view.query], k) * scale
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
@@ -200,7 +211,6 @@ class ReferenceBackend(AttentionBackend):
         return out
 
     def gather(self, cache: torch.Tensor, group: int) -> list[RowHistory]:
-        flat = cache.view(-1, *cache.shape[2:])
         out = []
         for view in self._views(group):
             assert view.key_positions is not None
@@ -209,7 +219,7 @@ class ReferenceBackend(AttentionBackend):
                 RowHistory(
                     view.query,
                     view.key_positions[readable],
-                    flat[view.slots[readable]],
+                    read_slots(cache, view.slots[readable]),
                     view.mask[:, readable],
                 )
             )

@@ -155,6 +155,26 @@ class SequenceView:
     key_positions: torch.Tensor | None = None
 
 
+def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` (``page * page_entries + offset``) of a ``[num_pages, page_entries, ...]``
+    cache: a flat index when the cache is contiguous, else (a view into a page row shared
+    with other buffers) a page and an offset index."""
+    if cache.is_contiguous():
+        return cache.view(-1, *cache.shape[2:])[slots]
+    per_page = cache.shape[1]
+    return cache[slots // per_page, slots % per_page]
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Store ``values`` [K, ...] at rows ``slots`` of the cache (see :func:`read_slots`)."""
+    values = values.to(cache.dtype)
+    if cache.is_contiguous():
+        cache.view(-1, *cache.shape[2:])[slots] = values
+        return
+    per_page = cache.shape[1]
+    cache[slots // per_page, slots % per_page] = values
+
+
 def build_sequence_views(
     query_indptr: np.ndarray,
     seq_lens: np.ndarray,
@@ -187,10 +207,14 @@ def build_sequence_views(
         first_page = -(-units // page_size) - len(pages)
         slots = (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
         key_index = first_page * page_size + torch.arange(len(slots), device=device)
+        # Slots past the row's end in its last page are never read: their bytes may belong
+        # to another cache group's last owner (shared buffers), e.g. NaN as this dtype.
+        written = key_index < units
+        slots, key_index = slots[written], key_index[written]
         key_positions = (key_index + 1) * ratio - 1 if ratio > 1 else key_index
         query = slice(int(query_indptr[row]), int(query_indptr[row + 1]))
         query_positions = positions[query][:, None]
-        mask = (key_positions[None, :] <= query_positions) & (key_index[None, :] < units)
+        mask = key_positions[None, :] <= query_positions
         if window_tokens is not None:
             mask &= key_positions[None, :] > query_positions - window_tokens
         views.append(SequenceView(query, slots, mask, key_positions))

@@ -22,11 +22,12 @@ A model never edits this file: a fix here reaches every model. Imports torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
-from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
+from resin._core import BatchPlan, CacheGroup, CacheLayout, ForwardOutput, LayerCacheSpec
 from resin.runners.torch.attention import AttentionBackend, LayerAttention, make_attention_backend
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import plan_tensor
@@ -89,50 +90,79 @@ class PagedRunner:
         ]
 
     def bind_cache(self, layout: CacheLayout) -> None:
-        """Allocate every declared cache, zeroed: ``[num_pages, page_size, *shape]`` per token
-        buffer, ``[num_pages, entries_per_page, *shape]`` per compressed one (its group's
-        ``CacheGroup.entries_per_page``); for a recurrent layer one byte buffer ``[num_pages,
-        page_bytes]`` holding its requests' states (:mod:`.recurrent_state`)."""
+        """Allocate the caches, zeroed (page 0, the null page, reads as zeros).
+
+        Token and recurrent groups share memory: one byte buffer of ``num_pages`` pages of
+        ``page_bytes`` per *layer slot* (``layout.num_layer_slots``), and the k-th cache of
+        every such group views slot k — a page id belongs to one group at a time, so a page
+        holds whichever group owns it (the engine's one pool; vLLM's layout). A token cache's
+        buffers are ``[num_pages, page_size, *shape]`` views carved one after another from the
+        page row; a recurrent state spans ``pages_per_state`` rows (:mod:`.recurrent_state`).
+        A compressed cache has buffers of its own, ``[num_pages, entries_per_page, *shape]``
+        (its pages are smaller). A cache whose buffers do not fit or align in a page row gets
+        its own buffers too (``self.unshared`` names them).
+        """
         num_layers = len(self.model.layers)
         self.layer_caches = [{} for _ in range(num_layers)]
         self.state_pages = [None] * num_layers
         self.extra_slots = [{} for _ in range(num_layers)]
         self.group_of_layer = [0] * num_layers
+        self.unshared: list[str] = []
+        self.slot_buffers = [
+            torch.zeros(
+                (layout.num_pages, layout.page_bytes), dtype=torch.uint8, device=self.device
+            )
+            for _ in range(layout.num_layer_slots if layout.page_bytes else 0)
+        ]
+        groups = layout.groups
         for spec_index, (index, name, cache) in enumerate(self._cache_slots()):
             group = layout.group_of_layer(spec_index)
-            entries_per_page = layout.groups[group].entries_per_page
-            if name:
-                self.extra_slots[index][name] = (
-                    group,
-                    self._buffers(cache, layout.num_pages, entries_per_page),
-                )
-                continue
-            self.group_of_layer[index] = group
-            if cache.kind == "recurrent":
-                page_bytes = layout.page_bytes or cache.state_bytes(self.dtype)
-                self.state_pages[index] = torch.zeros(
-                    (layout.num_pages, page_bytes), dtype=torch.uint8, device=self.device
-                )
+            buffers = self._bind_one(cache, groups[group], spec_index, layout)
+            if not isinstance(buffers, dict):  # a recurrent state's byte pages
+                self.state_pages[index] = buffers
+                self.group_of_layer[index] = group
+            elif name:
+                self.extra_slots[index][name] = (group, buffers)
             else:
-                self.layer_caches[index] = self._buffers(cache, layout.num_pages, entries_per_page)
-        self.pages_per_state = [group.pages_per_state for group in layout.groups]
+                self.group_of_layer[index] = group
+                self.layer_caches[index] = buffers
+        self.pages_per_state = [group.pages_per_state for group in groups]
         self.group_windows = [
-            group.spec.window if group.spec.kind == "sliding_window" else None
-            for group in layout.groups
+            group.spec.window if group.spec.kind == "sliding_window" else None for group in groups
         ]
-        self.group_ratios = [group.spec.ratio or 1 for group in layout.groups]
+        self.group_ratios = [group.spec.ratio or 1 for group in groups]
         # Positions one page holds, per group (a recurrent group's pages hold state bytes).
-        self.group_page_entries = [
-            group.entries_per_page or layout.page_size for group in layout.groups
-        ]
+        self.group_page_entries = [group.entries_per_page or layout.page_size for group in groups]
         self.bound = True
 
-    def _buffers(
-        self, cache: LayerCache, num_pages: int, entries_per_page: int
-    ) -> dict[str, torch.Tensor]:
+    def _bind_one(
+        self, cache: LayerCache, group: CacheGroup, spec_index: int, layout: CacheLayout
+    ) -> dict[str, torch.Tensor] | torch.Tensor:
+        """One cache's buffers: views into its layer slot's shared page rows where they fit,
+        else buffers of its own."""
+        slot = group.layer_indices.index(spec_index)
+        shared = (
+            self.slot_buffers[slot]
+            if group.spec.kind != "compressed" and self.slot_buffers
+            else None
+        )
+        if cache.kind == "recurrent":
+            if shared is not None:
+                return shared
+            return torch.zeros(
+                (layout.num_pages, cache.state_bytes(self.dtype)),
+                dtype=torch.uint8,
+                device=self.device,
+            )
+        entries = group.entries_per_page
+        if shared is not None:
+            views = _carve(shared, entries, cache.buffers, cache.dtype or self.dtype)
+            if views is not None:
+                return views
+            self.unshared.append(f"cache spec {spec_index}")
         return {
             name: torch.zeros(
-                (num_pages, entries_per_page, *shape),
+                (layout.num_pages, entries, *shape),
                 dtype=cache.dtype or self.dtype,
                 device=self.device,
             )
@@ -154,9 +184,13 @@ class PagedRunner:
         self.attention_backend.begin_step(
             step, self.group_windows, self.group_page_entries, self.group_ratios
         )
-        for pages in self.state_pages:  # copy-on-write from prefix checkpoints, first
-            if pages is not None:
-                apply_copies(pages, step.copy_pages)
+        # Cache ops first: copy-on-write of recurrent states, then zeroing pages that held a
+        # state and now hold tokens (stale state bytes could read as NaN keys).
+        for pages in self._state_buffers():
+            apply_copies(pages, step.copy_pages)
+        if step.zero_pages.numel():
+            for pages in self.slot_buffers:
+                pages[step.zero_pages] = 0
         tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._state_tables = {}
         top = self._context(step, -1)
@@ -185,6 +219,12 @@ class PagedRunner:
         else:
             logits = model.logits(self._final_norm(hidden[last], top), globals_, top)
         return self.sampler.sample(logits.float(), plan, step.sample_rows)
+
+    def _state_buffers(self) -> list[torch.Tensor]:
+        """The distinct byte buffers recurrent states live in (shared slots, or their own)."""
+        if self.slot_buffers:
+            return self.slot_buffers
+        return [pages for pages in self.state_pages if pages is not None]
 
     def _context(
         self,
@@ -258,3 +298,25 @@ class PagedRunner:
             self.capture[name] = tensor.detach().clone()
         else:
             self.capture(name, tensor)
+
+
+def _carve(
+    pages: torch.Tensor, entries: int, buffers: dict[str, tuple[int, ...]], dtype: torch.dtype
+) -> dict[str, torch.Tensor] | None:
+    """``[num_pages, entries, *shape]`` views of ``dtype`` laid one after another in each page
+    row of the uint8 ``pages`` ``[num_pages, page_bytes]`` (offsets aligned to the element
+    size); None if they do not fit in a row or the row size does not align."""
+    item = torch.empty((), dtype=dtype).element_size()
+    num_pages, page_bytes = pages.shape
+    if page_bytes % item:
+        return None
+    views, offset = {}, 0
+    for name, shape in buffers.items():
+        offset = -(-offset // item) * item
+        size = entries * math.prod(shape) * item
+        if offset + size > page_bytes:
+            return None
+        row = pages[:, offset : offset + size].view(dtype)
+        views[name] = row.view(num_pages, entries, *shape)
+        offset += size
+    return views

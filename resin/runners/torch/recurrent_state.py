@@ -53,7 +53,9 @@ class RecurrentState:
         without an initial state."""
         raw = self.pages[self.page_table].reshape(self.num_rows, -1)[:, : self.state_bytes]
         values = raw.contiguous().view(self.dtype)
-        values = values * self.has_initial_state[:, None].to(values.dtype)  # stale -> 0
+        # Stale bytes -> 0 by selection, not multiplication: a page's previous owner may have
+        # left bytes that read as NaN in this dtype (0 * NaN = NaN).
+        values = torch.where(self.has_initial_state[:, None], values, values.new_zeros(()))
         out, offset = {}, 0
         for (name, shape), size in zip(self.buffers.items(), self.sizes):
             out[name] = values[:, offset : offset + size].reshape(self.num_rows, *shape)

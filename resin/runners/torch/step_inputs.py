@@ -21,8 +21,8 @@ from resin.runners.torch.layers import plan_tensor, sampling_rows
 class StepInputs:
     """Tensors of one plan. ``input_ids`` int64[T]; ``positions`` int64[T]; ``query_indptr``
     int64[S+1] (row i's tokens are ``[query_indptr[i], query_indptr[i+1])``);
-    ``slot_mappings[g]`` int64[T] per cache group; ``copy_pages`` int64[n, 2] (the plan's cache
-    copies, applied before the forward); ``sample_rows`` (numpy) the rows that sample and
+    ``slot_mappings[g]`` int64[T] per cache group; ``copy_pages`` int64[n, 2] and ``zero_pages``
+    int64[m] (the plan's cache ops, applied before the forward); ``sample_rows`` (numpy) the rows that sample and
     ``last_token_indices`` int64[R] each one's last token in the step's flat token order."""
 
     plan: BatchPlan
@@ -32,6 +32,7 @@ class StepInputs:
     query_indptr: torch.Tensor
     slot_mappings: list[torch.Tensor]
     copy_pages: torch.Tensor
+    zero_pages: torch.Tensor
     sample_rows: np.ndarray
     last_token_indices: torch.Tensor
 
@@ -45,6 +46,7 @@ class StepInputs:
             positions=plan_tensor(plan.positions, device),
             query_indptr=plan_tensor(plan.query_indptr, device).long(),
             copy_pages=plan_tensor(plan.copy_pages, device).long().reshape(-1, 2),
+            zero_pages=plan_tensor(plan.zero_pages, device).long(),
             slot_mappings=[
                 plan_tensor(plan.slot_mapping[g], device) for g in range(plan.num_cache_groups)
             ],

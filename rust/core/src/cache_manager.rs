@@ -47,6 +47,9 @@ pub struct KvCacheManager {
     /// Prefix caching with recurrent groups: prefill chunks are cut on page boundaries
     /// and states are checkpointed there.
     pub checkpointing: bool,
+    /// Tokens between recurrent checkpoints (a multiple of the page size; see
+    /// [`KvCacheManager::checkpoint_due`]).
+    pub checkpoint_interval: u32,
     /// `copy_pages` pairs (src, dst, src, dst, ...) for the plan being built.
     pub pending_copies: Vec<u32>,
     /// Checkpoints whose copy rides on the plan being built or the pending plan: owned
@@ -86,12 +89,14 @@ fn first_needed_position(spec: &KvCacheSpec, num_computed: u32) -> u32 {
 impl KvCacheManager {
     pub fn new(layout: CacheLayout, enable_prefix_caching: bool) -> Result<Self, CoreError> {
         let pool = PagePool::new(layout.num_pages, layout.groups.len())?;
+        let layout_page_size = layout.page_size;
         let checkpointing = enable_prefix_caching && layout.has_recurrent();
         Ok(KvCacheManager {
             pool,
             layout,
             enable_prefix_caching,
             checkpointing,
+            checkpoint_interval: layout_page_size,
             pending_copies: Vec::new(),
             in_flight_checkpoints: Vec::new(),
         })
@@ -234,19 +239,38 @@ impl KvCacheManager {
             .sum()
     }
 
+    /// Whether a recurrent checkpoint is due when `req` has computed `num_tokens`: at a
+    /// multiple of the checkpoint interval, and at the page boundary just before its prompt's
+    /// last token (`floor((num_prompt_tokens - 1) / page_size) * page_size`, the longest hit
+    /// a repeated or extended prompt can take).
+    pub fn checkpoint_due(&self, req: &Request, num_tokens: u32) -> bool {
+        let ps = self.page_size();
+        num_tokens > 0
+            && num_tokens.is_multiple_of(ps)
+            && (num_tokens.is_multiple_of(self.checkpoint_interval)
+                || num_tokens == req.num_prompt_tokens.saturating_sub(1) / ps * ps)
+    }
+
     /// The chunk length to schedule for `req` from `start` when `num_new` tokens fit. With
-    /// checkpointing, a chunk that stops short of the request's last token is cut back to
-    /// end on a page boundary (if one lies inside it), and a last chunk is cut at the last
-    /// page boundary before the final token (`floor((num_tokens - 1) / page_size) *
-    /// page_size`, the longest hit a request with this prompt can take) if it crosses it.
+    /// checkpointing, a chunk is cut back to end on the last boundary inside it where a
+    /// checkpoint is due ([`Self::checkpoint_due`]), if there is one and the chunk does not
+    /// already end on one; a last chunk that crosses `floor((num_tokens - 1) / page_size) *
+    /// page_size` is cut there when that boundary is due.
     pub fn cut_chunk(&self, req: &Request, start: u32, num_new: u32) -> u32 {
         if !self.checkpointing {
             return num_new;
         }
         let ps = self.page_size();
         let end = start + num_new;
-        let num_tokens = req.num_tokens();
-        let boundary = if end < num_tokens { end / ps * ps } else { (num_tokens - 1) / ps * ps };
+        if end < req.num_tokens() && self.checkpoint_due(req, end) {
+            return num_new;
+        }
+        // The last page boundary strictly inside the chunk, down to the first due one.
+        let last = if end < req.num_tokens() { (end - 1) / ps * ps } else { (req.num_tokens() - 1) / ps * ps };
+        let mut boundary = last;
+        while boundary > start && !self.checkpoint_due(req, boundary) {
+            boundary -= ps;
+        }
         if boundary > start && boundary < end {
             boundary - start
         } else {

@@ -75,7 +75,8 @@ impl Engine {
             max_num_batched_tokens: config.max_num_batched_tokens,
             policy: config.policy,
         };
-        let kv = KvCacheManager::new(layout, config.enable_prefix_caching)?;
+        let mut kv = KvCacheManager::new(layout, config.enable_prefix_caching)?;
+        kv.checkpoint_interval = config.checkpoint_interval_tokens();
         Ok(Engine {
             sched: Scheduler::new(limits, kv),
             config,
@@ -335,7 +336,7 @@ impl Engine {
         if finish.is_none() {
             sched.kv.release_out_of_window(req);
             let computed = req.num_computed_tokens;
-            if sched.kv.checkpointing && computed > 0 && computed.is_multiple_of(page_size) {
+            if sched.kv.checkpointing && sched.kv.checkpoint_due(req, computed) {
                 sched.checkpoints_due.push((row.req, row.arrival_seq, computed / page_size));
             }
         }

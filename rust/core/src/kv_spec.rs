@@ -1,7 +1,8 @@
 //! Per-layer cache specs and their grouping into cache groups.
 //!
 //! A runner states, per layer, what it keeps in the cache ([`KvCacheSpec`]). Layers
-//! with equal specs form one [`CacheGroup`]: they share one page table per request.
+//! with equal specs form [`CacheGroup`]s (token / recurrent ones split into groups of
+//! `num_layer_slots` layers): a group shares one page table per request.
 //! All groups draw pages from one pool of equal-size pages ([`crate::PagePool`]), so
 //! a page id is owned by exactly one group at a time.
 
@@ -187,12 +188,43 @@ pub struct CacheLayout {
     /// the runner sizes each recurrent layer's buffer as `num_pages` pages of `page_bytes`
     /// (or of `state_bytes` when `page_bytes` is 0).
     pub page_bytes: u64,
+    /// Layers in the largest token / recurrent group: a runner may share one buffer of
+    /// `num_pages` pages of `page_bytes` per *layer slot* across those groups (the k-th
+    /// layer of every group views slot k), since a page id belongs to one group at a time.
+    /// Compressed groups are not counted (their pages have their own size).
+    pub num_layer_slots: u32,
     pub groups: Vec<CacheGroup>,
 }
 
+/// Splits same-spec token / recurrent buckets into groups of `G` layers (vLLM's rule, so
+/// that shared layer-slot buffers are used by every group alike): `G` is the smallest
+/// bucket, or the largest when every bucket is within 1.5x of the smallest; a bucket that
+/// is not a multiple of `G` ends in a shorter group. Compressed buckets stay whole (their
+/// pages have their own size and are not shared). Groups come in order of first layer.
+fn split_into_layer_slots(buckets: Vec<CacheGroup>) -> Vec<CacheGroup> {
+    let sizes: Vec<usize> = buckets.iter().filter(|g| g.spec.ratio().is_none()).map(|g| g.layer_indices.len()).collect();
+    let (Some(&min), Some(&max)) = (sizes.iter().min(), sizes.iter().max()) else {
+        return buckets;
+    };
+    let size = if 2 * max < 3 * min { max } else { min };
+    let mut groups: Vec<CacheGroup> = Vec::new();
+    for bucket in buckets {
+        if bucket.spec.ratio().is_some() {
+            groups.push(bucket);
+            continue;
+        }
+        for chunk in bucket.layer_indices.chunks(size) {
+            groups.push(CacheGroup { spec: bucket.spec, layer_indices: chunk.to_vec(), pages_per_state: 0 });
+        }
+    }
+    groups.sort_by_key(|g| g.layer_indices[0]);
+    groups
+}
+
 impl CacheLayout {
-    /// Groups `layer_specs` (layers with equal specs share a group, in order of first
-    /// appearance). An empty list means one full-attention group with no bytes (a
+    /// Groups `layer_specs` (layers with equal specs share a group, token / recurrent
+    /// buckets split into groups of `num_layer_slots` layers, in order of first layer).
+    /// An empty list means one full-attention group with no bytes (a
     /// runner that keeps no cache still gets page tables).
     pub fn from_layer_specs(layer_specs: &[KvCacheSpec], num_pages: u32, page_size: u32) -> Result<Self, CoreError> {
         if page_size == 0 {
@@ -224,6 +256,7 @@ impl CacheLayout {
                 None => groups.push(CacheGroup { spec: *spec, layer_indices: vec![layer as u32], pages_per_state: 0 }),
             }
         }
+        let mut groups = split_into_layer_slots(groups);
         let page_bytes = groups
             .iter()
             .filter(|g| matches!(g.spec, KvCacheSpec::Full { .. } | KvCacheSpec::SlidingWindow { .. }))
@@ -240,7 +273,9 @@ impl CacheLayout {
                 })?;
             }
         }
-        Ok(CacheLayout { num_pages, page_size, page_bytes, groups })
+        let num_layer_slots =
+            groups.iter().filter(|g| g.spec.ratio().is_none()).map(|g| g.layer_indices.len()).max().unwrap_or(0);
+        Ok(CacheLayout { num_pages, page_size, page_bytes, num_layer_slots: num_layer_slots as u32, groups })
     }
 
     /// Most pages one request of `max_model_len` tokens holds at once, over all groups (its
@@ -284,7 +319,7 @@ mod tests {
         let full = KvCacheSpec::Full { bytes_per_token: 8 };
         let rec = KvCacheSpec::Recurrent { state_bytes: 100 };
         // page_bytes = 4 tokens * 8 bytes = 32: a 100-byte state takes 4 pages (28 bytes padding).
-        let layout = CacheLayout::from_layer_specs(&[full, rec, rec], 10, 4).unwrap();
+        let layout = CacheLayout::from_layer_specs(&[full, rec, rec, full], 10, 4).unwrap();
         assert_eq!(layout.page_bytes, 32);
         assert_eq!((layout.groups[0].pages_per_state, layout.groups[1].pages_per_state), (0, 4));
         assert_eq!(layout.groups[1].layer_indices, vec![1, 2]);
@@ -293,6 +328,29 @@ mod tests {
         let only = CacheLayout::from_layer_specs(&[rec], 10, 4).unwrap();
         assert_eq!((only.page_bytes, only.groups[0].pages_per_state), (0, 1));
         assert!(CacheLayout::from_layer_specs(&[KvCacheSpec::Recurrent { state_bytes: 0 }], 10, 4).is_err());
+    }
+
+    #[test]
+    fn buckets_split_into_groups_of_the_smallest_bucket() {
+        let full = KvCacheSpec::Full { bytes_per_token: 8 };
+        let rec = KvCacheSpec::Recurrent { state_bytes: 100 };
+        let csa = KvCacheSpec::Compressed { ratio: 4, bytes_per_entry: 8 };
+        // Qwen3-Next's pattern (3 recurrent layers per full one): 2 full, 6 recurrent ->
+        // G = 2, three recurrent groups of 2, in order of their first layer.
+        let specs = [rec, rec, rec, full, rec, rec, rec, full];
+        let layout = CacheLayout::from_layer_specs(&specs, 10, 4).unwrap();
+        let groups: Vec<Vec<u32>> = layout.groups.iter().map(|g| g.layer_indices.clone()).collect();
+        assert_eq!(groups, vec![vec![0, 1], vec![2, 4], vec![3, 7], vec![5, 6]]);
+        assert_eq!(layout.num_layer_slots, 2);
+        // Within 1.5x: no split (3 and 4 layers -> G = 4, the 3-layer group is one short).
+        let layout = CacheLayout::from_layer_specs(&[full, full, full, rec, rec, rec, rec], 10, 4).unwrap();
+        assert_eq!((layout.groups.len(), layout.num_layer_slots), (2, 4));
+        // A bucket not a multiple of G ends short; compressed buckets stay whole and do not
+        // count towards the slots.
+        let layout = CacheLayout::from_layer_specs(&[full, full, rec, rec, rec, rec, rec, csa, csa, csa], 10, 4).unwrap();
+        let groups: Vec<Vec<u32>> = layout.groups.iter().map(|g| g.layer_indices.clone()).collect();
+        assert_eq!(groups, vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6], vec![7, 8, 9]]);
+        assert_eq!(layout.num_layer_slots, 2);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Seeded randomized invariant test: ≥ 100,000 operations (add, step with random
 //! outputs, abort, bad output, discard, prefix-cache reset) over many engine shapes —
 //! page sizes, random mixes of full / sliding-window / recurrent / compressed groups (states
-//! of 1 to 3 pages, checkpoints with prefix caching; compression ratios 1 to 5, with or
+//! of 1 to 3 pages, checkpoints with prefix caching at every page or an interval; compression ratios 1 to 5, with or
 //! without a raw window alongside), prefix caching on and off, FCFS
 //! and priority, pools small enough to force preemption. After every operation:
 //! pages free + pages owned + pages cached = pool size - 1 (the null page), page 0
@@ -122,6 +122,8 @@ fn random_engine(rng: &mut Rng) -> Engine {
         eos_token_ids: vec![EOS],
         vocab_size: Some(VOCAB),
         policy: if rng.chance(50) { SchedulingPolicy::Fcfs } else { SchedulingPolicy::Priority },
+        // Every page boundary, a few pages, or a non-multiple of the page size (rounded up).
+        recurrent_checkpoint_interval: [0, page_size * 3, 5][rng.below(3) as usize],
     };
     // Smallest pool that fits one request, plus a little: preemption is common.
     let min_pages = match Engine::new(config.clone(), &specs) {

@@ -14,6 +14,7 @@ const REC: KvCacheSpec = KvCacheSpec::Recurrent { state_bytes: 32 };
 /// Two pages per state (33..=64 bytes).
 const REC2: KvCacheSpec = KvCacheSpec::Recurrent { state_bytes: 40 };
 
+/// Checkpoints at every page boundary (interval 0), so the scenarios see each one.
 fn cfg(num_pages: u32, prefix_caching: bool) -> EngineConfig {
     EngineConfig {
         page_size: 4,
@@ -21,6 +22,7 @@ fn cfg(num_pages: u32, prefix_caching: bool) -> EngineConfig {
         max_model_len: 16,
         max_num_batched_tokens: 64,
         enable_prefix_caching: prefix_caching,
+        recurrent_checkpoint_interval: 0,
         ..EngineConfig::default()
     }
 }
@@ -187,6 +189,54 @@ fn mid_prefill_chunks_end_on_boundaries_and_decode_boundaries_checkpoint() {
     assert_eq!(plan.copy_pages.len(), 2, "checkpoint at 12");
     assert!(outs[0].finished);
     assert_eq!(e.pool().num_cached_pages(), 3 + 3, "full pages 0..3 and checkpoints at 4, 8, 12");
+    all_free_after_reset(&mut e);
+}
+
+#[test]
+fn checkpoints_come_every_interval_and_at_the_prompt_boundary() {
+    // page_size 4, interval 8 tokens: due at 8, 16, ... and at the prompt boundary
+    // floor((13 - 1) / 4) * 4 = 12; not at 4 or 20.
+    let config = EngineConfig { max_model_len: 24, max_num_batched_tokens: 5, recurrent_checkpoint_interval: 8, ..cfg(32, true) };
+    let mut e = engine_with(config, &[FULL, REC]);
+    e.add_request("a", tokens(0..13), params(6)).unwrap();
+    // [0, 5) holds no due boundary (4 is not): not cut.
+    let (plan, _) = step(&mut e, 7);
+    assert_eq!(plan.num_tokens, 5, "no due boundary inside [0, 5)");
+    // [5, 10) holds 8 (due): cut back to it.
+    let (plan, _) = step(&mut e, 7);
+    assert_eq!((plan.num_computed_tokens.clone(), plan.num_tokens), (vec![5], 3));
+    // The next plan checkpoints at 8; [8, 13), the last chunk, is cut at the prompt boundary 12.
+    let (plan, _) = step(&mut e, 7);
+    assert_eq!(plan.copy_pages.len(), 2, "checkpoint at 8");
+    assert_eq!((plan.num_computed_tokens.clone(), plan.num_tokens), (vec![8], 4));
+    let (plan, outs) = step(&mut e, 7);
+    assert_eq!(plan.copy_pages.len(), 2, "checkpoint at 12, the prompt boundary");
+    assert_eq!((plan.num_computed_tokens.clone(), outs[0].num_output_tokens), (vec![12], 1));
+    // Decode passes 16 (due: a multiple of 8), not 20.
+    let mut checkpoints_at = Vec::new();
+    while e.has_unfinished() {
+        let (plan, _) = step(&mut e, 7);
+        if !plan.copy_pages.is_empty() {
+            checkpoints_at.push(plan.num_computed_tokens[0]);
+        }
+    }
+    assert_eq!(checkpoints_at, vec![16]);
+    // The same prompt hits at 12; one sharing 10 tokens at 8; one sharing 6 gets none (no
+    // checkpoint at 4, where every-page checkpoints would have given it a hit).
+    e.add_request("b", tokens(0..13), params(1)).unwrap();
+    let (plan, _) = step(&mut e, 7);
+    assert_eq!(plan.num_computed_tokens, vec![12]);
+    assert!(!e.has_unfinished());
+    for (diverge, hit) in [(10, 8), (6, 0)] {
+        let mut prompt = tokens(0..13);
+        prompt[diverge] = 500;
+        e.add_request(&format!("c{diverge}"), prompt, params(1)).unwrap();
+        let (plan, _) = step(&mut e, 7);
+        assert_eq!(plan.num_computed_tokens, vec![hit], "diverging at {diverge}");
+        while e.has_unfinished() {
+            step(&mut e, 7);
+        }
+    }
     all_free_after_reset(&mut e);
 }
 

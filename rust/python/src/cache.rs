@@ -157,6 +157,11 @@ impl CacheLayout {
     }
 
     #[getter]
+    fn num_layer_slots(&self) -> u32 {
+        self.layout.num_layer_slots
+    }
+
+    #[getter]
     fn groups(&self) -> Vec<CacheGroup> {
         self.layout.groups.iter().map(|g| CacheGroup { group: g.clone(), page_size: self.layout.page_size }).collect()
     }

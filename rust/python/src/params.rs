@@ -162,6 +162,8 @@ pub struct EngineConfig {
     pub vocab_size: Option<i64>,
     #[pyo3(get, set)]
     pub policy: String,
+    #[pyo3(get, set)]
+    pub recurrent_checkpoint_interval: i64,
 }
 
 impl EngineConfig {
@@ -184,6 +186,7 @@ impl EngineConfig {
             eos_token_ids: self.eos_token_ids.iter().map(|&t| field("eos_token_ids", t)).collect::<PyResult<_>>()?,
             vocab_size: self.vocab_size.map(|v| field("vocab_size", v)).transpose()?,
             policy,
+            recurrent_checkpoint_interval: field("recurrent_checkpoint_interval", self.recurrent_checkpoint_interval)?,
         };
         config.validate().map_err(to_py)?;
         Ok(config)
@@ -194,7 +197,8 @@ impl EngineConfig {
 impl EngineConfig {
     #[new]
     #[pyo3(signature = (page_size=16, num_pages=4096, max_num_seqs=256, max_num_batched_tokens=2048,
-        max_model_len=4096, enable_prefix_caching=true, eos_token_ids=None, vocab_size=None, policy="fcfs"))]
+        max_model_len=4096, enable_prefix_caching=true, eos_token_ids=None, vocab_size=None, policy="fcfs",
+        recurrent_checkpoint_interval=256))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         page_size: i64,
@@ -206,7 +210,10 @@ impl EngineConfig {
         eos_token_ids: Option<Vec<i64>>,
         vocab_size: Option<i64>,
         policy: &str,
+        recurrent_checkpoint_interval: i64,
     ) -> PyResult<Self> {
+        // The signature's literal (a literal so Python sees the default) is the core's.
+        const _: () = assert!(engine_config::DEFAULT_RECURRENT_CHECKPOINT_INTERVAL == 256);
         let config = EngineConfig {
             page_size,
             num_pages,
@@ -217,6 +224,7 @@ impl EngineConfig {
             eos_token_ids: eos_token_ids.unwrap_or_default(),
             vocab_size,
             policy: policy.to_string(),
+            recurrent_checkpoint_interval,
         };
         config.to_core()?;
         Ok(config)
@@ -225,7 +233,8 @@ impl EngineConfig {
     fn __repr__(&self) -> String {
         format!(
             "EngineConfig(page_size={}, num_pages={}, max_num_seqs={}, max_num_batched_tokens={}, max_model_len={}, \
-             enable_prefix_caching={}, eos_token_ids={:?}, vocab_size={:?}, policy={:?})",
+             enable_prefix_caching={}, eos_token_ids={:?}, vocab_size={:?}, policy={:?}, \
+             recurrent_checkpoint_interval={})",
             self.page_size,
             self.num_pages,
             self.max_num_seqs,
@@ -234,7 +243,8 @@ impl EngineConfig {
             if self.enable_prefix_caching { "True" } else { "False" },
             self.eos_token_ids,
             self.vocab_size,
-            self.policy
+            self.policy,
+            self.recurrent_checkpoint_interval
         )
     }
 }
