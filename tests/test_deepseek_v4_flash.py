@@ -30,7 +30,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model  # noqa: E402
+from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
 from resin.evals.parity import run_parity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +102,19 @@ def test_layers_stage_passes_in_fp32() -> None:
     assert len(report.layers) == 22 and report.first_departure is None
     assert report.stage("layers").metrics["max_scaled_diff"] < 1e-5
     assert report.stage("logits").metrics["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_parity_stage_against_hf_full_forward(dtype: str) -> None:
+    """Every stage (layers, logits, page sizes 1/16/64, chunked prefill with 13-token chunks not
+    aligned to the ratios, prefix-cache pass, preemption) on the compressed caches, against HF's
+    full (no-cache) forward per step (parity.toml: greedy = "full_forward"); the harness also
+    checks HF's cached decode against it and notes the result."""
+    report = run_model_parity(resolve_model(MODEL_DIR), dtype=dtype)
+    assert report.passed, report.summary()
+    assert report.stage("greedy/prefix_cache").metrics["num_cached_tokens"] > 0
+    (finding,) = report.reference_findings
+    assert "argmax_disagreements" in finding and "max_abs_logit_diff" in finding
 
 
 def test_csa_and_hca_keep_a_raw_window_and_compressed_entries() -> None:

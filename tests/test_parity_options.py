@@ -22,6 +22,7 @@ from resin.evals.parity import run_parity  # noqa: E402
 from resin.evals.parity_engine import GREEDY_STAGES  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -149,3 +150,66 @@ def test_checkpoint_option_usage_errors(tmp_path: Path) -> None:
         eval_app, ["parity", str(FIXTURES / "llama"), "--checkpoint", str(FIXTURES / "qwen3")]
     )
     assert plain.exit_code == 2 and "itself a checkpoint" in _text(plain.output)
+
+
+class _TwoPathModel:
+    """A stand-in HF causal LM whose cached decode departs from its full forward once the
+    sequence is ``split_at`` tokens long: logits favour token ``len % 5`` in the full forward,
+    and ``(len + 1) % 5`` on the cached path from ``split_at`` on."""
+
+    def __init__(self, split_at: int) -> None:
+        import transformers
+
+        self.split_at = split_at
+        self.config = transformers.LlamaConfig(
+            vocab_size=5, hidden_size=8, num_hidden_layers=1, num_attention_heads=1
+        )
+
+    def forward(self, input_ids: Any, use_cache: bool = False, past_key_values: Any = None) -> Any:
+        import torch
+
+        if use_cache:
+            seen = getattr(past_key_values, "_seen", 0) + input_ids.shape[1]
+            past_key_values._seen = seen
+        else:
+            seen = input_ids.shape[1]
+        favoured = (seen + (1 if use_cache and seen >= self.split_at else 0)) % 5
+        logits = torch.zeros(1, input_ids.shape[1], 5)
+        logits[0, -1, favoured] = 3.0
+        return type("Out", (), {"logits": logits})()
+
+    __call__ = forward
+
+
+def test_greedy_reference_modes_and_the_cached_vs_full_finding() -> None:
+    from resin.evals.parity_engine import GreedyReference, cached_vs_full_forward
+
+    model = _TwoPathModel(split_at=6)
+    prompts = [[1, 2, 3, 4]]
+    full = GreedyReference.compute(model, prompts, 4, "full_forward")
+    cached = GreedyReference.compute(model, prompts, 4, "cached")
+    assert full.tokens == [[4, 0, 1, 2]]
+    assert cached.tokens[0][:2] == [4, 0] and cached.tokens != full.tokens
+    finding, metrics = cached_vs_full_forward(model, full, tie_margin=1e-3)
+    assert finding is not None and "request 0 output position 2" in finding
+    assert metrics["first"]["cached_token"] == 2 and metrics["first"]["full_forward_token"] == 1
+    assert metrics["argmax_disagreements"] == 2
+    agreeing = _TwoPathModel(split_at=100)
+    finding, metrics = cached_vs_full_forward(
+        agreeing, GreedyReference.compute(agreeing, prompts, 4, "full_forward"), 1e-3
+    )
+    assert finding is None and metrics["argmax_disagreements"] == 0
+    with pytest.raises(ValueError, match="greedy reference"):
+        GreedyReference.compute(model, prompts, 1, "sampled")
+
+
+def test_parity_toml_greedy_reference_is_validated(tmp_path: Path) -> None:
+    from resin.evals.model_ref import ModelRefError, parity_settings, resolve_model
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(REPO / "resin" / "models" / "deepseek_v4_flash", model_dir, dirs_exist_ok=True)
+    assert parity_settings(resolve_model(model_dir))["greedy_reference"] == "full_forward"
+    text = (model_dir / "parity.toml").read_text().replace('"full_forward"', '"sometimes"')
+    (model_dir / "parity.toml").write_text(text)
+    with pytest.raises(ModelRefError, match="greedy"):
+        parity_settings(resolve_model(model_dir))

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from resin.evals.parity_engine import GREEDY_REFERENCE_MODES
+
 RECORD_FILE = "architecture.json"
 PARITY_FILE = "parity.toml"
 PERF_FILE = "perf.toml"
@@ -232,7 +234,7 @@ def parity_settings(ref: ModelRef) -> dict[str, Any]:
     reference, tol, stress = (spec.get(k, {}) for k in ("reference", "tolerances", "stress"))
     tolerance_keys = {"hidden", "logits", "logprobs", "tie_margin"}
     known = {
-        "reference": {"checkpoint", "dtype", "device"},
+        "reference": {"checkpoint", "dtype", "device", "greedy"},
         "tolerances": tolerance_keys | set(DTYPES),
         "stress": {"max_new_tokens", "checks", "prompts"},
     }
@@ -249,7 +251,14 @@ def parity_settings(ref: ModelRef) -> dict[str, Any]:
                 f"{ref.model_dir}/{PARITY_FILE}: unknown key(s) in [{section}]: "
                 f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(keys))}"
             )
+    greedy = reference.get("greedy", "cached")
+    if greedy not in GREEDY_REFERENCE_MODES:
+        raise ModelRefError(
+            f"{ref.model_dir}/{PARITY_FILE}: [reference] greedy = {greedy!r}; expected one of "
+            f"{', '.join(GREEDY_REFERENCE_MODES)}"
+        )
     settings: dict[str, Any] = {
+        "greedy_reference": greedy,
         "dtype": reference.get("dtype", "float32"),
         "device": reference.get("device", "cpu"),
         "tolerances": {k: v for k, v in tol.items() if k not in DTYPES},
@@ -285,6 +294,7 @@ def run_model_parity(
         "dtype": dtype,
         "runner_name": ref.runner_name,
         "runner_factory": ref.runner_factory(device, dtype),
+        "greedy_reference": settings["greedy_reference"],
     }
     kwargs["max_new_tokens"] = max_new_tokens or settings.get("max_new_tokens", 8)
     if "checks" in settings:

@@ -34,6 +34,7 @@ from typing import Any
 from resin.evals.parity_engine import (
     REFERENCE_CRASHED,
     GreedyReference,
+    cached_vs_full_forward,
     exception_text,
     greedy_stages_or_reference_failure,
     reference_failed_stages,
@@ -92,6 +93,9 @@ class ParityReport:
     stages: list[StageResult] = field(default_factory=list)
     # Why the HF reference could not be computed (load or forward raised), or None.
     reference_error: str | None = None
+    # What the harness found about the reference itself (HF's cached decode departing from its
+    # full forward): notes for the HF maintainers, not failures of the runner.
+    reference_findings: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -120,6 +124,7 @@ class ParityReport:
             "layers": self.layers,
             "stages": [asdict(s) for s in self.stages],
             "reference_error": self.reference_error,
+            "reference_findings": self.reference_findings,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -137,6 +142,8 @@ class ParityReport:
                     f"{k}={_short(v)}" for k, v in s.first_mismatch.items()
                 )
             lines.append(line)
+        for finding in self.reference_findings:
+            lines.append(f"  [note] reference: {finding['finding']}")
         return "\n".join(lines)
 
 
@@ -429,6 +436,7 @@ def run_parity(
     runner_name: str = "torch",
     dtype: str = "float32",
     checks: Sequence[str] = CHECKS,
+    greedy_reference: str = "cached",
 ) -> ParityReport:
     """Run the selected ``checks`` (``layers`` includes ``logits``; ``greedy`` = every stress
     stage) and return the report. ``dtype`` is the runner's: the HF reference runs in it and
@@ -437,7 +445,11 @@ def run_parity(
     reference itself fails: a load that raises gives one failed ``reference`` stage; a forward
     that raises fails ``layers`` and ``logits`` (``reference crashed: ...``); a greedy loop that
     raises fails every ``greedy/*`` stage; ``reference_error`` holds the first reason. Only
-    building the runner (``runner_factory``) may raise."""
+    building the runner (``runner_factory``) may raise.
+
+    ``greedy_reference``: ``cached`` (HF's incremental decode) or ``full_forward`` (a no-cache
+    forward per step: the model's definition). With ``full_forward`` the harness also checks
+    HF's cached decode against it and records any departure in ``reference_findings``."""
     import torch
 
     model_dir = Path(model_dir)
@@ -491,12 +503,14 @@ def run_parity(
         except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported like one
             report.stages.append(StageResult("layers", False, f"prefill crashed: {exc!r}"))
     if "greedy" in checks:
-        key = (id(hf), tuple(map(tuple, token_prompts)), max_new_tokens)
+        key = (id(hf), tuple(map(tuple, token_prompts)), max_new_tokens, greedy_reference)
 
         def compute() -> GreedyReference:
             if key not in _REFERENCE_CACHE:
                 _REFERENCE_CACHE.clear()
-                _REFERENCE_CACHE[key] = GreedyReference.compute(hf, token_prompts, max_new_tokens)
+                _REFERENCE_CACHE[key] = GreedyReference.compute(
+                    hf, token_prompts, max_new_tokens, greedy_reference
+                )
             return _REFERENCE_CACHE[key]
 
         reference, stages = greedy_stages_or_reference_failure(
@@ -505,4 +519,19 @@ def run_parity(
         if reference is None and report.reference_error is None:
             report.reference_error = stages[0].detail
         report.stages.extend(stages)
+        if reference is not None and greedy_reference == "full_forward":
+            try:
+                finding, metrics = cached_vs_full_forward(hf, reference, tol.tie_margin)
+            except Exception as exc:  # noqa: BLE001 - HF's cached path failing is a finding
+                finding, metrics = f"HF's cached decode raised {exception_text(exc)}", {}
+            report.reference_findings.append(
+                {
+                    "finding": finding
+                    or "HF's cached decode agrees with its full forward "
+                    f"({metrics.get('argmax_disagreements', 0)} near-tie disagreement(s), max "
+                    f"|logit diff| {metrics.get('max_abs_logit_diff', 0.0):.3g})",
+                    "departs": finding is not None,
+                    **metrics,
+                }
+            )
     return report

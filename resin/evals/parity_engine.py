@@ -1,7 +1,11 @@
 """Greedy-token parity through the full engine under stress settings (stage 3 of the harness).
 
-The reference is an HF greedy loop (in the runner's dtype; one prefill, then incremental
-decoding on HF's own ``DynamicCache``, argmax per step). EOS is ignored on both sides, so every
+The reference is an HF greedy loop in the runner's dtype, argmax per step: by default one
+prefill, then incremental decoding on HF's own ``DynamicCache``; with ``greedy_reference =
+"full_forward"`` (``parity.toml`` ``[reference]``) every step is a full no-cache forward over the
+prompt and the tokens so far — the model's definition, for models whose HF cached decode departs
+from it (DeepSeek-V4's CSA layers). :func:`cached_vs_full_forward` compares the two and says
+where HF disagrees with itself (a finding for HF, reported, never imitated). EOS is ignored on both sides, so every
 request produces exactly ``max_new_tokens`` tokens. Each stage builds a fresh
 :class:`resin.Engine` around the same runner (``bind_cache`` is called again), submits every
 prompt in one batch, steps to completion and compares tokens.
@@ -42,17 +46,22 @@ class GreedyReference:
     tokens: list[list[int]]
     gaps: list[list[float]]
     max_new_tokens: int
+    mode: str = "cached"
 
     @classmethod
     def compute(
-        cls, model: Any, prompts: Sequence[list[int]], max_new_tokens: int
+        cls, model: Any, prompts: Sequence[list[int]], max_new_tokens: int, mode: str = "cached"
     ) -> GreedyReference:
-        """Greedy decode each prompt alone: one prefill, then incremental steps on HF's cache."""
+        """Greedy decode each prompt alone. ``cached``: one prefill, then incremental steps on
+        HF's cache. ``full_forward``: each step one forward over the whole sequence so far,
+        no cache (quadratic; for tiny checkpoints)."""
         import inspect
 
         import torch
         import transformers
 
+        if mode not in GREEDY_REFERENCE_MODES:
+            raise ValueError(f"greedy reference {mode!r}: expected one of {GREEDY_REFERENCE_MODES}")
         params = inspect.signature(model.forward).parameters
         cache_kwarg = "cache" if "cache" in params else "past_key_values"
         tokens: list[list[int]] = []
@@ -64,18 +73,74 @@ class GreedyReference:
                 out: list[int] = []
                 gap: list[float] = []
                 for _ in range(max_new_tokens):
-                    logits = (
-                        model(torch.tensor([step_ids]), use_cache=True, **{cache_kwarg: cache})
-                        .logits[0, -1]
-                        .float()
-                    )
-                    top = logits.topk(2)
+                    if mode == "cached":
+                        result = model(
+                            torch.tensor([step_ids]), use_cache=True, **{cache_kwarg: cache}
+                        )
+                    else:
+                        result = model(torch.tensor([list(prompt) + out]), use_cache=False)
+                    top = result.logits[0, -1].float().topk(2)
                     out.append(int(top.indices[0]))
                     gap.append(float(top.values[0] - top.values[1]))
                     step_ids = [out[-1]]
                 tokens.append(out)
                 gaps.append(gap)
-        return cls([list(p) for p in prompts], tokens, gaps, max_new_tokens)
+        return cls([list(p) for p in prompts], tokens, gaps, max_new_tokens, mode)
+
+
+GREEDY_REFERENCE_MODES = ("cached", "full_forward")
+
+
+def cached_vs_full_forward(
+    model: Any, full: GreedyReference, tie_margin: float
+) -> tuple[str | None, dict[str, Any]]:
+    """Where HF's cached greedy decode departs from its full forward, teacher-forced on the
+    full forward's tokens: (a sentence naming the first departure, or None; metrics: the
+    number of argmax disagreements, the largest last-token logit difference and, at the first
+    disagreement, both tokens and the full forward's top-1/top-2 gap — below ``tie_margin`` it
+    is a near-tie, not a finding)."""
+    import inspect
+
+    import torch
+    import transformers
+
+    params = inspect.signature(model.forward).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    first: dict[str, Any] | None = None
+    disagreements, max_diff = 0, 0.0
+    with torch.no_grad():
+        for i, (prompt, tokens) in enumerate(zip(full.prompts, full.tokens, strict=True)):
+            cache = transformers.DynamicCache(config=model.config)
+            step_ids = list(prompt)
+            for j, token in enumerate(tokens):
+                cached = model(torch.tensor([step_ids]), use_cache=True, **{cache_kwarg: cache})
+                whole = model(torch.tensor([list(prompt) + tokens[:j]]), use_cache=False)
+                a, b = cached.logits[0, -1].float(), whole.logits[0, -1].float()
+                max_diff = max(max_diff, float((a - b).abs().max()))
+                if int(a.argmax()) != token:
+                    disagreements += 1
+                    if first is None and full.gaps[i][j] >= tie_margin:
+                        first = {
+                            "request": i,
+                            "position": j,
+                            "cached_token": int(a.argmax()),
+                            "full_forward_token": token,
+                            "full_forward_gap": full.gaps[i][j],
+                        }
+                step_ids = [token]
+    metrics: dict[str, Any] = {
+        "argmax_disagreements": disagreements,
+        "max_abs_logit_diff": max_diff,
+    }
+    if first is None:
+        return None, metrics
+    metrics["first"] = first
+    return (
+        f"HF's cached decode departs from its full forward at request {first['request']} "
+        f"output position {first['position']}: cached argmax {first['cached_token']}, full "
+        f"forward {first['full_forward_token']} (top-1/top-2 gap {first['full_forward_gap']:.3g}; "
+        f"{disagreements} disagreement(s), max |logit diff| {max_diff:.3g})"
+    ), metrics
 
 
 def _metric(text: str, name: str) -> float:
