@@ -312,7 +312,7 @@ def bench(
             if shapes is not None
             else (spec.shapes or parse_shapes(DEFAULT_SHAPES))
         )
-        model_config, dims_note = load_dims(checkpoint_dir)
+        model_config, dims_note = load_dims(checkpoint_dir, ref.model_dir)
     except (ModelRefError, ValueError, OSError) as exc:  # ConfigError is a ValueError
         raise _usage_error(str(exc)) from exc
     settings = BenchSettings(

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from resin._core import BatchPlan, Engine, EngineConfig, SamplingParams
+from resin._core import BatchPlan, CacheLayout, Engine, EngineConfig, SamplingParams
 from resin.evals.perf_shapes import Shape
 from resin.evals.roofline import ZERO_COST, ModelDims, StepCost, plan_cost
 
@@ -138,12 +138,6 @@ def drive_step(engine: Engine, runner: Any, timer: ForwardTimer) -> Step:
     return Step(plan, schedule_s, forward_s, time.perf_counter() - t1, outputs)
 
 
-def _num_cache_groups(runner: Any) -> int:
-    """Distinct layer cache specs = cache groups the engine makes (1 for a runner without specs)."""
-    specs = runner.cache_spec() if hasattr(runner, "cache_spec") else []
-    return max(1, len({(s.kind, s.bytes_per_token, s.window) for s in specs}))
-
-
 class ShapeRunner:
     """Measures shapes on one loaded runner; a fresh engine per shape (sized for it)."""
 
@@ -166,8 +160,10 @@ class ShapeRunner:
 
     # -- helpers ---------------------------------------------------------------------------
     def _engine(self, max_num_seqs: int, max_len: int, budget_tokens: int) -> Engine:
-        # Every cache group (e.g. sliding-window and full layers) draws its own pages from the pool.
-        pages_per_seq = (math.ceil(max_len / PAGE_SIZE) + 1) * _num_cache_groups(self.runner)
+        # Every request at full length in every cache group: the engine's own rule.
+        specs = self.runner.cache_spec() if hasattr(self.runner, "cache_spec") else []
+        layout = CacheLayout.from_specs(list(specs), PAGE_SIZE)
+        pages_per_seq = layout.pages_per_request(max_len, budget_tokens, False)
         config = EngineConfig(
             page_size=PAGE_SIZE,
             num_pages=1 + max_num_seqs * pages_per_seq,

@@ -24,6 +24,12 @@ Bytes (lower bound on traffic to device memory, every tensor read or written onc
   * activations: each linear reads its input and writes its output, each norm and residual
     add reads and writes ``h``, attention reads q and writes its output (per token per layer).
 
+A model directory whose math this generic model does not describe (compressed attention,
+hyper-connections, low-rank projections) ships a ``cost.py`` with ``load_dims(raw_config) ->``
+an object with the :class:`ModelDims` attributes and ``step_cost(query_lens, context_lens,
+num_sampled, dtype_bytes) -> StepCost``; :func:`load_dims` picks it up and :func:`plan_cost`
+uses it (``models/deepseek_v4_flash/cost.py``).
+
 Roofline time = ``max(flops / peak_flops_per_s, bytes / peak_bytes_per_s)``; ``% of roofline``
 = roofline time / measured time. The peaks come from :func:`calibrate`: the best of a few
 large matmuls (FLOP/s, in the runner's dtype) and large tensor copies (bytes/s counts the read
@@ -233,9 +239,20 @@ def generic_dims(raw: Mapping[str, Any]) -> GenericDims:
     )
 
 
-def load_dims(checkpoint_dir: str | Path) -> tuple[ModelDims, str | None]:
-    """The model's dims for the roofline and the engine sizing: :class:`ModelConfig` when
+def load_dims(
+    checkpoint_dir: str | Path, model_dir: str | Path | None = None
+) -> tuple[ModelDims, str | None]:
+    """The model's dims for the roofline and the engine sizing: the model directory's own cost
+    model (``model_dir/cost.py``) when it has one; else :class:`ModelConfig` when
     ``resin.loading`` parses the architecture, else :class:`GenericDims` and a note saying so."""
+    if model_dir is not None and (Path(model_dir) / "cost.py").is_file():
+        from resin.evals.model_ref import import_model_module
+
+        module = import_model_module(Path(model_dir), "cost", Path(model_dir).name)
+        raw = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8"))
+        return module.load_dims(raw), (
+            f"FLOPs and bytes from {Path(model_dir).name}/cost.py (the model's own cost model)"
+        )
     try:
         return load_model_config(checkpoint_dir), None
     except ConfigError as exc:
@@ -325,7 +342,16 @@ def step_cost(
 
 
 def plan_cost(config: ModelDims, plan: Any, dtype_bytes: int) -> StepCost:
-    """:func:`step_cost` of a :class:`resin.BatchPlan` (its rows' query and context lengths)."""
+    """:func:`step_cost` of a :class:`resin.BatchPlan` (its rows' query and context lengths),
+    or the model's own ``step_cost`` when its dims carry one (a model directory's ``cost.py``)."""
+    own = getattr(config, "step_cost", None)
+    if own is not None:
+        return own(
+            np.diff(plan.query_indptr.astype(np.int64)),
+            plan.num_computed_tokens,
+            int(plan.sample_indptr[-1]),
+            dtype_bytes,
+        )
     return step_cost(
         config,
         np.diff(plan.query_indptr.astype(np.int64)),
