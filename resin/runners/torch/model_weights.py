@@ -9,7 +9,12 @@ each checkpoint name is renamed by the model's weight map (a pattern with ``{lay
 - floating tensors go to the runner's dtype, except names matching the model's
   keep-in-fp32 patterns (HF's ``_keep_in_fp32_modules`` for fp16, ``..._strict`` for fp16 and
   bf16: substring match on the checkpoint name, as HF's dtype plan), which load as fp32;
-- integer tensors (hash-routing tables, index buffers) keep their dtype: never cast to float.
+- integer tensors (hash-routing tables, index buffers) keep their dtype: never cast to float;
+- a checkpoint whose config.json has a ``quantization_config`` (block-scaled FP8 linears, FP4
+  experts: :mod:`resin.loading.quantized_weights`) has each quantised tensor dequantised on
+  CPU with its scale (in fp32, then cast as above); scale tensors are consumed, never loaded
+  or reported unknown, and shapes are checked on the dequantised tensor. Without one, nothing
+  changes.
 
 Guarantees: a missing required tensor, or (with ``expected_shape``) a tensor whose shape is not
 what the checkpoint's config implies, raises :class:`resin.loading.weights.WeightsError` naming
@@ -21,12 +26,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from resin.loading.quantized_weights import (
+    DequantPlan,
+    dequantize,
+    plan_dequantisation,
+    read_quant_scheme,
+)
 from resin.loading.weights import SUPPORTED_DTYPES, WeightsError, locate_tensors
 from resin.scaffold.layer_map import name_pattern
 
@@ -124,11 +137,14 @@ def load_model_weights(
     mapping = dict(weight_map or {})
     # Names the weight map renames are known too (e.g. a checkpoint in the upstream naming).
     known = None if known_patterns is None else set(known_patterns) | set(mapping)
+    plan = _dequant_plan(directory, files, known)
     chosen: dict[str, str] = {}
     unused: list[str] = []
     present: dict[int, set[str]] = {}
     unknown: list[str] = []
     for name in files:
+        if plan is not None and name in plan.scales:
+            continue  # read with its tensor
         pattern, layer, expert = name_pattern(name)
         if (layer is not None and layer >= num_layers) or name.endswith(IGNORED_SUFFIXES):
             unused.append(name)  # MTP layers past the stack, leftover rotary buffers
@@ -179,26 +195,88 @@ def load_model_weights(
     for name in chosen:
         by_file.setdefault(files[name], []).append(name)
     if expected_shape is not None:
-        _check_shapes(directory, by_file, expected_shape)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device=str(device)) as handle:
-            for name in names:
-                tensor = handle.get_tensor(name)
-                if tensor.is_floating_point():
-                    # HF matches its patterns on in-memory names: try the runner name too.
-                    keep = any(p in name or p in chosen[name] for p in fp32_patterns)
-                    tensor = tensor.to(dtype=torch.float32 if keep else dtype)
-                out._place(chosen[name], tensor)
+        logical = {} if plan is None else {n: q.shape for n, q in plan.tensors.items()}
+        _check_shapes(directory, by_file, expected_shape, logical)
+    with _CpuReader(files) as cpu:
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt", device=str(device)) as handle:
+                for name in names:
+                    if plan is not None and name in plan.tensors:
+                        spec = plan.tensors[name]
+                        tensor = dequantize(spec, cpu.get(name), cpu.get(spec.scale))
+                        tensor = tensor.to(device)
+                    else:
+                        tensor = handle.get_tensor(name)
+                    if tensor.is_floating_point():
+                        # HF matches its patterns on in-memory names: try the runner name too.
+                        keep = any(p in name or p in chosen[name] for p in fp32_patterns)
+                        tensor = tensor.to(dtype=torch.float32 if keep else dtype)
+                    out._place(chosen[name], tensor)
     return out
+
+
+def _dequant_plan(
+    directory: Path, files: Mapping[str, Path], known: set[str] | None
+) -> DequantPlan | None:
+    """None without a ``quantization_config``; otherwise every quantised tensor paired with
+    its scale (WeightsError naming what does not fit)."""
+    scheme = read_quant_scheme(directory)
+    if scheme is None:
+        return None
+    headers: dict[str, tuple[str, tuple[int, ...]]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as handle:
+            for name in names:
+                piece = handle.get_slice(name)
+                headers[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+    try:
+        return plan_dequantisation(
+            headers,
+            scheme,
+            is_routed_expert=lambda name: name_pattern(name)[2] is not None,
+            is_known=lambda name: known is None or name_pattern(name)[0] in known,
+        )
+    except WeightsError as exc:
+        raise WeightsError(f"{directory}: {exc}") from None
+
+
+class _CpuReader:
+    """Quantised tensors and their scales read on CPU (a scale may sit in another shard);
+    one handle per file, closed when the loader's ``with`` ends."""
+
+    def __init__(self, files: Mapping[str, Path]) -> None:
+        self.files = files
+        self.handles: dict[Path, Any] = {}
+        self.stack = ExitStack()
+
+    def __enter__(self) -> _CpuReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+        self.handles.clear()
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(
+                safe_open(str(path), framework="pt", device="cpu")
+            )
+        return self.handles[path].get_tensor(name)
 
 
 def _check_shapes(
     directory: Path,
     by_file: Mapping[Path, list[str]],
     expected_shape: Callable[[str, int | None], list[int | None] | None],
+    logical: Mapping[str, tuple[int, ...]] | None = None,
 ) -> None:
-    """Every tensor's header shape against what the checkpoint's config implies, before any
-    tensor is copied; WeightsError naming the tensor, the file and both shapes."""
+    """Every tensor's header shape (``logical``: the dequantised shape of a quantised one)
+    against what the checkpoint's config implies, before any tensor is copied; WeightsError
+    naming the tensor, the file and both shapes."""
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as handle:
             for name in names:
@@ -206,7 +284,7 @@ def _check_shapes(
                 want = expected_shape(pattern, layer)
                 if want is None:
                     continue
-                got = tuple(handle.get_slice(name).get_shape())
+                got = (logical or {}).get(name) or tuple(handle.get_slice(name).get_shape())
                 if len(got) != len(want) or any(
                     w is not None and w != g for w, g in zip(want, got)
                 ):
