@@ -45,6 +45,11 @@ GLM47_SF = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>SF</arg_valu
 DS_SF = f'{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{"city": "SF"}}{DS_END}{DS_CALLS_END}'
 DS_V3_SF = f'{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "SF"}}\n```{DS_END}{DS_CALLS_END}'
 LLAMA_SF = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "SF"}}'
+D = "｜DSML｜"
+DSML_SF = (
+    f'<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
+    f'<{D}parameter name="city" string="true">SF</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>'
+)
 SF = [("get_weather", '{"city": "SF"}')]
 
 
@@ -76,6 +81,9 @@ UNTERMINATED = [
     ("deepseek_v3", "deepseek_r1", False, "The user wants SF weather.\n" + DS_V3_SF),
     ("deepseek_v31", "deepseek_v3", True, "The user wants SF weather.\n" + DS_SF),
     ("llama3_json", "deepseek_r1", False, "The user wants SF weather.\n" + LLAMA_SF),
+    ("deepseek_v4", "deepseek_v4", True, "The user wants SF weather.\n" + DSML_SF),
+    ("deepseek_v32", "deepseek_v3", False, "<think>The user wants SF weather.\n" + DSML_SF),
+    ("deepseek_dsml", "deepseek_r1", False, "The user wants SF weather.\n" + DSML_SF),
 ]
 
 
@@ -96,7 +104,13 @@ def test_unterminated_reasoning_several_calls_and_text_after():
 
 @pytest.mark.parametrize(
     "tool,call",
-    [("hermes", HERMES_SF), ("qwen3_coder", CODER_SF), ("glm45", GLM_SF), ("deepseek_v31", DS_SF)],
+    [
+        ("hermes", HERMES_SF),
+        ("qwen3_coder", CODER_SF),
+        ("glm45", GLM_SF),
+        ("deepseek_v31", DS_SF),
+        ("deepseek_v4", DSML_SF),
+    ],
 )
 def test_call_inside_closed_think_is_not_promoted(tool, call):
     # Chosen as vLLM does (and SGLang when </think> is there): a call drafted inside a closed
@@ -320,6 +334,8 @@ def test_qwen3_coder_unconvertible_literals_stay_text(param, raw):
         ("hermes", '<tool_call>\n{"name": "get weather", "arguments": {"a": 1}}\n</tool_call>'),
         ("deepseek_v31", f"{DS_CALLS}{DS_CALL}{{{{ name }}}}{DS_SEP}{{}}{DS_END}{DS_CALLS_END}"),
         ("llama3_json", '{"name": "{{ tc.name }}", "parameters": {}}'),
+        ("deepseek_v4", f'<{D}tool_calls>\n<{D}invoke name="{{{{ tc.name }}}}">\n</{D}invoke>'),
+        ("deepseek_v32", f'<{D}invoke name="get weather">\n</{D}invoke>'),
     ],
 )
 def test_non_identifier_names_are_text(tool, text):
@@ -421,6 +437,12 @@ def test_deepseek_v3_default_does_not_make_answers_reasoning():
     )  # R1-0528 / V3.1 thinking
     assert (r.reasoning, r.content) == ("Easy.", "Paris.")
     assert default_parsers("deepseek_v32")[1] == reasoning
+    # DeepSeek-V3.2 / V4: DSML calls; thinking is a pre-filled <think> (reasoning_started).
+    for model_type in ("deepseek_v32", "deepseek_v4"):
+        tool, reasoning = default_parsers(model_type)
+        assert check("Paris.", tool, reasoning).content == "Paris."
+        r = check("Easy.</think>" + DSML_SF, tool, reasoning, reasoning_started=True)
+        assert (r.reasoning, r.content, r.calls) == ("Easy.", "", SF)
 
 
 @pytest.mark.parametrize("tool", ["deepseek_v3", "deepseek_v31"])
@@ -437,6 +459,26 @@ def test_deepseek_v3_default_does_not_make_answers_reasoning():
 def test_deepseek_markers_stay_text_when_no_call_forms(tool, text):
     r = check(text, tool)
     assert r.calls == [] and r.content == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"Text <{D}tool_calls>not a call</{D}tool_calls>",
+        f"<{D}function_calls>\nprose</{D}function_calls> after",
+        f"Cut off <{D}tool_calls>",
+        f"Stray end </{D}tool_calls> here",
+        f"A <{D}bogus> tag",
+    ],
+)
+def test_dsml_markers_stay_text_when_no_call_forms(text):
+    r = check(text, "deepseek_v4")
+    assert r.calls == [] and r.content == text
+
+
+def test_dsml_block_with_a_call_drops_its_markers_and_stray_ends():
+    r = check(f"Ok.\n\n{DSML_SF}\n</{D}tool_calls></{D}invoke> then text", "deepseek_v4")
+    assert r.content == "Ok.\n then text" and r.calls == SF
 
 
 def test_deepseek_block_with_a_call_still_drops_its_markers():

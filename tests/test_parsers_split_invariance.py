@@ -84,6 +84,30 @@ DEEPSEEK = [
     "x <｜end▁of▁sentence｜>",
 ]
 
+D = "｜DSML｜"
+DSML = [
+    f'Let me check.\n\n<{D}function_calls>\n<{D}invoke name="get_weather">\n'
+    f'<{D}parameter name="city" string="true">北京</{D}parameter>\n'
+    f'<{D}parameter name="days" string="false">3</{D}parameter>\n</{D}invoke>\n'
+    f'<{D}invoke name="write">\n<{D}parameter name="content" string="true">a < b\n"q"</{D}parameter>\n'
+    f'<{D}parameter name="opts" string="false">{{"k": [1, null]}}</{D}parameter>\n</{D}invoke>\n'
+    f"</{D}function_calls>",
+    f'<{D} calls>\n<{D} invoke name="write">\n<{D} parameter name="mode" string="false">7</{D} parameter>\n'
+    f"</{D} invoke>\n</{D} calls> Done.",
+    f'<{D}tool_calls>\n<{D}invoke name="get_weather">\n{{"city": "Lima", "days": 2}}\n</{D}invoke>\n'
+    f'<{D}invoke name="f">\n{{"a": 1, "b": oops}}\n</{D}invoke>\n</{D}tool_calls>',
+    f'<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="city" string="true">Paris\n'
+    f'<{D}parameter name="days" string="false">2</{D}parameter>\n<{D}invoke name="b">\n</{D}tool_calls>after',
+    f"Text <{D}tool_calls>not a call</{D}tool_calls> after",
+    f'<{D}tool_calls>\n<{D}invoke name="{{{{ tc.name }}}}">\n</{D}invoke>\n</{D}tool_calls>',
+    f'<{D}invoke name="a">\n<{D}parameter name="x" string="true">1</{D}parameter>\n</{D}invoke> bare',
+    f'<{D}tool_calls>\n<{D}invoke name="write">\n<{D}parameter name="path" string="true">a</{D}parameter>'
+    f'<{D}parameter name="path" string="true">b</{D}parameter></{D}invoke></{D}invoke>\nprose</{D}tool_calls>',
+    f'<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="city" string="true">Ber',
+    f"The <{D} is a token, <{D}tool_ca",
+    f'{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{"city": "Rome"}}{DS_END}{DS_CALLS_END}',
+]
+
 GLM = [
     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n<arg_key>days</arg_key>\n"
     '<arg_value>"5"</arg_value>\n</tool_call>\n<tool_call>ping\n</tool_call>',
@@ -110,6 +134,7 @@ CORPUS = {
     "hermes": HERMES + CODER[:2],
     "qwen3_coder": CODER + HERMES[:1],
     "deepseek": DEEPSEEK,
+    "dsml": DSML,
     "glm": GLM,
     "llama": LLAMA,
 }
@@ -121,6 +146,9 @@ FORMAT_OF = {
     "qwen3_xml": "qwen3_coder",
     "deepseek_v3": "deepseek",
     "deepseek_v31": "deepseek",
+    "deepseek_dsml": "dsml",
+    "deepseek_v32": "dsml",
+    "deepseek_v4": "dsml",
     "glm45": "glm",
     "glm47": "glm",
     "llama3_json": "llama",
@@ -206,6 +234,8 @@ def test_random_mixtures_of_corpus_pieces_are_split_invariant(tool):
         "<parameter=city>",
         "<|python_tag|>",
         DS_CALLS,
+        f"<{D}",
+        f"</{D}invoke>",
     ]
     names = sorted(n for n, f in FORMAT_OF.items() if f == tool)
     for trial in range(40):

@@ -535,6 +535,16 @@ def glm_call(name: str, pairs: dict[str, str]) -> str:
     )
 
 
+def dsml_call(name: str, args: dict) -> str:
+    """One DSML invoke as DeepSeek-V3.2 / V4's encoder writes it."""
+    params = "".join(
+        f'<｜DSML｜parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+        f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</｜DSML｜parameter>\n"
+        for k, v in args.items()
+    )
+    return f'<｜DSML｜invoke name="{name}">\n{params}</｜DSML｜invoke>'
+
+
 def test_glm45_calls_with_reasoning_and_schema():
     text = (
         "<think>Need weather.</think>\nChecking.\n"
@@ -660,12 +670,23 @@ def test_default_parsers():
         None,
     )
     assert default_parsers("deepseek_v3") == ("deepseek_v3", "deepseek_v3")
+    assert default_parsers("deepseek_v32") == ("deepseek_v32", "deepseek_v3")
+    assert default_parsers("deepseek_v4") == ("deepseek_v4", "deepseek_v4")
     assert default_parsers("glm4_moe") == ("glm45", "glm45")
     assert default_parsers("llama") == ("llama3_json", None)
     assert default_parsers("mistral") == (None, None) and default_parsers("mixtral") == (None, None)
     for tool, reasoning in [
         default_parsers(t)
-        for t in ("qwen2", "qwen3", "deepseek_v3", "glm4_moe", "llama", "qwen3_5")
+        for t in (
+            "qwen2",
+            "qwen3",
+            "deepseek_v3",
+            "deepseek_v32",
+            "deepseek_v4",
+            "glm4_moe",
+            "llama",
+            "qwen3_5",
+        )
     ]:
         assert tool in TOOL_PARSERS and (reasoning is None or reasoning in REASONING_PARSERS)
     with pytest.raises(ValueError, match="tool_parser"):
@@ -705,6 +726,17 @@ PIECES = {
         "</tool_call>",
     ],
     "llama3_json": ['{"name": "f", "parameters": {"a": 1}}', ";", "<|python_tag|>", "{", "}", '"'],
+    "deepseek_v4": [
+        "<｜DSML｜tool_calls>\n"
+        + dsml_call("f", {"a": "x", "days": 2})
+        + "\n</｜DSML｜tool_calls>",
+        dsml_call("get_weather", {"city": "SF"}),
+        "<｜DSML｜tool_calls>",
+        '<｜DSML｜parameter name="city" string="true">',
+        "</｜DSML｜parameter>",
+        "</｜DSML｜invoke>",
+        "<｜DSML｜",
+    ],
 }
 COMMON = ["Hello", " ", "\n", "<", "<b>", "<think>", "</think>", "x < y", "é", "}"]
 
@@ -751,6 +783,8 @@ def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
         return ds_v31(name, json.dumps(args))
     if tool == "llama3_json":
         return json.dumps({"name": name, rng.choice(["parameters", "arguments"]): args})
+    if tool == "deepseek_v4":
+        return "<｜DSML｜tool_calls>\n" + dsml_call(name, args) + "\n</｜DSML｜tool_calls>"
     if tool == "qwen3_coder":
         return coder_call(
             name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()}
@@ -758,7 +792,9 @@ def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
     return glm_call(name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()})
 
 
-@pytest.mark.parametrize("tool", ["hermes", "qwen3_coder", "deepseek_v3", "glm45", "llama3_json"])
+@pytest.mark.parametrize(
+    "tool", ["hermes", "qwen3_coder", "deepseek_v3", "deepseek_v4", "glm45", "llama3_json"]
+)
 def test_random_well_formed_outputs(tool):
     rng = random.Random(tool)
     tools = [

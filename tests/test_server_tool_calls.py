@@ -81,6 +81,27 @@ CASES = {
         "",
         [("get_weather", {"city": "Rome", "days": 1})],
     ),
+    "deepseek_v32": (
+        None,
+        'Sure.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">北京</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        "</｜DSML｜function_calls>",
+        "Sure.",
+        "",
+        [("get_weather", {"city": "北京", "days": 3})],
+    ),
+    "deepseek_v4": (
+        "deepseek_v4",
+        '<think>Two cities.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Rome'
+        '</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+        "",
+        "Two cities.",
+        [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome", "days": 2})],
+    ),
     "glm45": (
         "glm45",
         "<think>weather?</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
@@ -168,7 +189,7 @@ def test_tool_calls_and_reasoning_stream_and_not(scripted, parser):
     assert streamed_content.strip() == content
     assert streamed_reasoning.strip() == reasoning
     assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
-    for marker in ("<tool", "<｜", "<function", "<arg_", "</think>", '{"name"'):
+    for marker in ("<tool", "<｜", "｜DSML｜", "<function", "<arg_", "</think>", '{"name"'):
         assert marker not in streamed_content and marker not in (message.content or "")
 
 

@@ -2,7 +2,7 @@
 
 ``OutputParser`` (``output_parser.py``) is the one entry point; it chains a reasoning parser
 (``reasoning.py``) and a tool-call parser (``hermes.py``, ``qwen3_coder.py``, ``deepseek.py``,
-``glm45.py``, ``llama3_json.py``, all built on ``tool_parser.py``) chosen by name from
+``dsml.py``, ``glm45.py``, ``llama3_json.py``, all built on ``tool_parser.py``) chosen by name from
 ``registry.py``. Events are defined in ``events.py``; ``holdback.py`` finds markers in streamed
 text, ``json_stream.py`` streams JSON arguments, ``schema.py`` converts XML parameter values.
 Standard library only.

@@ -67,7 +67,7 @@ def parse_deepseek_body(body: str, schemas: ToolSchemas | None = None) -> tuple[
 
 class DeepSeekToolParser(ToolParser):
     start_markers = (CALL_BEGIN,)
-    reasoning_exit_markers = (CALLS_BEGIN, CALL_BEGIN)
+    reasoning_exit_markers: tuple[str, ...] = (CALLS_BEGIN, CALL_BEGIN)
     json_heads = (_V3_HEAD, _V31_HEAD)
     call_end = CALL_END
     buffered_state = "body"

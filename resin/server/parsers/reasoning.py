@@ -1,5 +1,5 @@
 """Splitting ``<think>...</think>`` reasoning from content (parsers ``qwen3``, ``deepseek_r1``,
-``deepseek_v3``, ``glm45``).
+``deepseek_v3``, ``deepseek_v4``, ``glm45``).
 
 Rules (the same for any chunking of the text):
 
@@ -50,7 +50,7 @@ THINK, THINK_END = "<think>", "</think>"
 
 class ThinkReasoningParser:
     """``<think>...</think>`` at the start of the output is reasoning (``qwen3``, ``glm45``,
-    ``deepseek_v3``)."""
+    ``deepseek_v3``, ``deepseek_v4``)."""
 
     implicit_start = False  # True: reasoning from the first character, without <think>
 

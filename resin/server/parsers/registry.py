@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .deepseek import DeepSeekToolParser
+from .dsml import DsmlToolParser
 from .glm45 import Glm45ToolParser
 from .hermes import HermesToolParser
 from .llama3_json import Llama3JsonToolParser
@@ -17,6 +18,9 @@ TOOL_PARSERS: dict[str, type] = {
     "qwen3_xml": Qwen3CoderToolParser,
     "deepseek_v3": DeepSeekToolParser,  # reads the V3.1 body shape too
     "deepseek_v31": DeepSeekToolParser,  # reads the V3 body shape too
+    "deepseek_dsml": DsmlToolParser,  # V3.2 / V4 / V4.1 DSML; reads the V3 / V3.1 shapes too
+    "deepseek_v32": DsmlToolParser,
+    "deepseek_v4": DsmlToolParser,
     "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser,  # GLM-4.7: the same tags, no newlines between them
     "llama3_json": Llama3JsonToolParser,
@@ -27,6 +31,7 @@ REASONING_PARSERS: dict[str, type] = {
     "glm45": ThinkReasoningParser,
     "deepseek_v3": ThinkReasoningParser,  # reasoning only after <think> (in the output or prompt)
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "deepseek_v4": ThinkReasoningParser,  # as deepseek_v3: the template pre-fills <think> or </think>
 }
 
 # model_type -> (tool parser, reasoning parser). Qwen3-Coder shares "qwen3_moe" with the
@@ -35,6 +40,9 @@ REASONING_PARSERS: dict[str, type] = {
 # its reasoning parser is "deepseek_v3": reasoning only after a <think> the model writes or the
 # template pre-fills (R1-0528 / V3.1 thinking templates do; ChatPrompt.reasoning_started), never
 # a plain V3 answer. "deepseek_r1" (all text before </think> is reasoning) stays selectable.
+# DeepSeek-V3.2 and V4 write DSML tool calls ("deepseek_dsml"; V3.2-Exp, also "deepseek_v32",
+# writes the V3.1 shape, which that parser reads too); their templates end the prompt with
+# <think> (thinking) or </think> (not), so the same reasoning rule holds.
 _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     "qwen2": ("hermes", None),  # Qwen2.5 does not think
     "qwen2_moe": ("hermes", None),
@@ -49,7 +57,8 @@ _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     "qwen3_5_moe": ("qwen3_coder", "qwen3"),
     "qwen3_coder": ("qwen3_coder", None),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
-    "deepseek_v32": ("deepseek_v31", "deepseek_v3"),
+    "deepseek_v32": ("deepseek_v32", "deepseek_v3"),
+    "deepseek_v4": ("deepseek_v4", "deepseek_v4"),
     "glm4_moe": ("glm45", "glm45"),
     "glm4v_moe": ("glm45", "glm45"),
     "llama": ("llama3_json", None),

@@ -1,6 +1,7 @@
 """Tool parameter schemas, and converting an XML-format parameter's raw text by its schema type.
 
-XML tool-call formats (``qwen3_coder``, ``glm45``) carry every value as raw text. The request's
+XML tool-call formats (``qwen3_coder``, ``glm45``, and ``deepseek_dsml`` values without
+``string="true"``) carry every value as raw text. The request's
 tool definitions say what each parameter is; ``convert_value`` turns ``"3"`` into ``3`` for an
 ``integer`` parameter, ``"true"`` into ``True`` for a ``boolean``, ``"[1, 2]"`` into a list for an
 ``array``, and leaves ``string`` parameters (and parameters the schema does not know) as text.
@@ -85,11 +86,27 @@ def allows_text(schema: dict | None) -> bool:
     return schema is None or not types or bool(types & _STRING_TYPES)
 
 
-def _loads(text: str) -> tuple[bool, Any]:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} does not fit a float")
+    return value
+
+
+def loads_finite(text: str) -> tuple[bool, Any]:
+    """``(True, value)`` when ``text`` is JSON whose numbers are all finite (``NaN``,
+    ``Infinity`` and ``1e999`` are refused: ``json.dumps`` would write them as no JSON)."""
     try:
-        return True, json.loads(text)
-    except ValueError:
+        return True, json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError):
         return False, None
+
+
+_loads = loads_finite
 
 
 def _jsonable(value: Any) -> tuple[bool, Any]:
