@@ -5,7 +5,8 @@ once to `benchmarks/results/llama_23m/` (git-ignored) with the tiny fixture toke
 `tests/fixtures/llama`. Each run generates `--output-len` greedy tokens (EOS ignored) after
 `--prompt-len`-token random prompts, on CPU in float32:
 
-- resin: `LLM.generate` with C concurrent requests (one engine, continuous batching);
+- resin: `LLM.generate` with C concurrent requests (one engine, continuous batching), once per
+  attention backend in `--attention-backends` (default: reference and torch);
 - HF sequential: `model.generate` one request at a time (C requests);
 - HF padded: one `model.generate` call on a left-padded batch of C prompts.
 
@@ -64,11 +65,16 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     return [rng.integers(16, vocab_size, length).tolist() for _ in range(count)]
 
 
-def bench_resin(prompts: list[list[int]], output_len: int) -> float:
+def bench_resin(prompts: list[list[int]], output_len: int, backend: str = "reference") -> float:
     import resin
     from resin.llm import LLM
 
-    llm = LLM(CHECKPOINT, max_num_seqs=max(len(prompts), 1), max_model_len=1024)
+    llm = LLM(
+        CHECKPOINT,
+        max_num_seqs=max(len(prompts), 1),
+        max_model_len=1024,
+        attention_backend=backend,
+    )
     params = resin.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], params)  # warm-up: allocator, first-call costs
     start = time.perf_counter()
@@ -113,6 +119,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,64")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--attention-backends", default="reference,torch")
     parser.add_argument(
         "--output", default=str(REPO / "benchmarks" / "results" / "offline_throughput.json")
     )
@@ -123,11 +130,15 @@ def main() -> None:
     make_checkpoint()
     vocab_size = json.loads((CHECKPOINT / "config.json").read_text())["vocab_size"]
     rows = []
+    backends = args.attention_backends.split(",")
     for c in (int(x) for x in args.concurrency.split(",")):
         prompts = random_prompts(c, args.prompt_len, vocab_size, seed=c)
         row = {
             "concurrency": c,
-            "resin_tok_s": bench_resin(prompts, args.output_len),
+            **{
+                f"resin_{backend}_tok_s": bench_resin(prompts, args.output_len, backend)
+                for backend in backends
+            },
             "hf_sequential_tok_s": bench_hf(prompts, args.output_len, padded=False),
             "hf_padded_tok_s": bench_hf(prompts, args.output_len, padded=True),
         }
@@ -136,15 +147,19 @@ def main() -> None:
     print(
         f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, CPU float32, 23M-param Llama\n"
     )
+    head = " | ".join(f"resin {b} tok/s" for b in backends)
+    ratios = " | ".join(f"{b} / HF best" for b in backends)
     print(
-        "| concurrent requests | resin tok/s | HF one at a time tok/s | HF padded batch tok/s | resin / HF best |"
+        f"| concurrent requests | {head} | HF one at a time tok/s | HF padded batch tok/s | {ratios} |"
     )
-    print("|---|---|---|---|---|")
+    print("|---" * (3 + 2 * len(backends)) + "|")
     for r in rows:
         best = max(r["hf_sequential_tok_s"], r["hf_padded_tok_s"])
+        ours = " | ".join(f"{r[f'resin_{b}_tok_s']:.0f}" for b in backends)
+        ratio = " | ".join(f"{r[f'resin_{b}_tok_s'] / best:.2f}x" for b in backends)
         print(
-            f"| {r['concurrency']} | {r['resin_tok_s']:.0f} | {r['hf_sequential_tok_s']:.0f} | "
-            f"{r['hf_padded_tok_s']:.0f} | {r['resin_tok_s'] / best:.2f}x |"
+            f"| {r['concurrency']} | {ours} | {r['hf_sequential_tok_s']:.0f} | "
+            f"{r['hf_padded_tok_s']:.0f} | {ratio} |"
         )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(

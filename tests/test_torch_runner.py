@@ -245,6 +245,15 @@ def test_missing_weights_file(llama_dir: Path, tmp_path: Path) -> None:
         TorchRunner.from_pretrained(directory)
 
 
+def test_a_quantized_checkpoint_is_refused_not_loaded_raw(llama_dir: Path, tmp_path: Path) -> None:
+    directory = copy_checkpoint(llama_dir, tmp_path / "ckpt")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsError, match="quantization_config.*'fp8'.*model directory"):
+        TorchRunner.from_pretrained(directory)
+
+
 def test_missing_shard(tmp_path: Path) -> None:
     make_checkpoint(ARCHITECTURES["llama"](), tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

@@ -97,6 +97,24 @@ def moe_router_name(config: ModelConfig, layer_index: int) -> str:
     return f"model.layers.{layer_index}.{block}.gate.weight"
 
 
+def _refuse_quantized(directory: Path) -> None:
+    """The built-in families read unquantised tensors only: a checkpoint whose config.json has a
+    ``quantization_config`` would otherwise load raw FP8 codes without their scales."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        return
+    raw = json.loads(config_path.read_text(encoding="utf-8"))
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise WeightsError(
+            f"{directory}: config.json has a quantization_config (quant_method {method!r}); the "
+            "built-in families load unquantised checkpoints only. A model directory's loader "
+            "dequantises FP8 / FP4 checkpoints (resin.loading.quantized_weights): serve it "
+            "through one (resin/models/NAME), or dequantise the checkpoint first"
+        )
+
+
 def load_weights(
     model_dir: str | os.PathLike[str],
     config: ModelConfig,
@@ -114,6 +132,7 @@ def load_weights(
             f"unsupported dtype {dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
         )
     directory = Path(model_dir)
+    _refuse_quantized(directory)
     file_of_tensor = locate_tensors(directory)
     expected = expected_tensor_shapes(config)
     if config.tie_word_embeddings and "lm_head.weight" not in file_of_tensor:

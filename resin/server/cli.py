@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from resin.server.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
+
 
 def serve(
     model: Annotated[
@@ -87,15 +89,15 @@ def serve(
     tool_parser: Annotated[
         str | None,
         typer.Option(
-            help="Tool-call parser: hermes, qwen3_coder, deepseek_v3, deepseek_v31, glm45, "
-            "llama3_json, or none. Default: from the model type."
+            help=f"Tool-call parser: {', '.join(sorted(TOOL_PARSERS))}, or none. Default: from "
+            "the model type."
         ),
     ] = None,
     reasoning_parser: Annotated[
         str | None,
         typer.Option(
-            help="Reasoning parser: qwen3, deepseek_r1, glm45, or none. Default: from the model "
-            "type."
+            help=f"Reasoning parser: {', '.join(sorted(REASONING_PARSERS))}, or none. Default: "
+            "from the model type."
         ),
     ] = None,
     chat_template: Annotated[

@@ -226,7 +226,16 @@ class ReferenceBackend(AttentionBackend):
         return out
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend}
+def _torch_backend() -> AttentionBackend:
+    from resin.runners.torch.torch_backend import TorchBackend  # it subclasses ReferenceBackend
+
+    return TorchBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "reference": ReferenceBackend,
+    "torch": _torch_backend,  # every row in one batched call per layer (torch_backend.py)
+}
 DEFAULT_BACKEND = "reference"
 
 
