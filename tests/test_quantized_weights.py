@@ -385,24 +385,37 @@ def _reference_dequantised(out: Path) -> Path:
     return out
 
 
-def test_runner_on_tiny_fp8_matches_hf_on_the_dequantised_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_on_tiny_fp8_matches_hf_on_the_dequantised_weights(
+    tmp_path: Path, dtype: str
+) -> None:
+    """Every parity stage (layers, logits, page sizes, chunked prefill, prefix cache,
+    preemption; parity.toml's prompts and full-forward reference) with the runner loading the
+    quantised checkpoint and HF running the same weights dequantised independently."""
     pytest.importorskip("transformers")
-    from resin.evals.model_ref import resolve_model
-    from resin.evals.parity import run_parity
+    from resin.evals.model_ref import parity_settings, resolve_model
+    from resin.evals.parity import Tolerances, run_parity
 
     reference = _reference_dequantised(tmp_path / "dequantised")
     ref = resolve_model(MODEL_DIR)
-    factory = ref.runner_factory("cpu", "float32")
+    settings = parity_settings(ref)
+    factory = ref.runner_factory("cpu", dtype)
     report = run_parity(
         reference,
         runner_factory=lambda _path: factory(str(TINY_FP8)),
         runner_name=ref.runner_name,
-        checks=("layers",),
+        dtype=dtype,
+        tolerances=Tolerances.for_dtype(dtype),
+        prompts=settings["prompts"],
+        max_new_tokens=settings["max_new_tokens"],
+        greedy_reference=settings["greedy_reference"],
     )
     assert report.passed, report.summary()
     assert len(report.layers) == 22 and report.first_departure is None
-    assert report.stage("layers").metrics["max_scaled_diff"] < 1e-5
-    assert report.stage("logits").metrics["top1_agreement"] == 1.0
+    assert report.stage("greedy/prefix_cache").metrics["num_cached_tokens"] > 0
+    if dtype == "float32":
+        assert report.stage("layers").metrics["max_scaled_diff"] < 1e-5
+        assert report.stage("logits").metrics["top1_agreement"] == 1.0
 
 
 def test_dequantised_tensors_take_the_runner_dtype() -> None:
