@@ -20,9 +20,17 @@ Template sources, in transformers' order: ``chat_template.jinja`` and
 ``additional_chat_templates/*.jinja`` when present, else ``tokenizer_config.json``'s
 ``chat_template`` (a string, or a list of ``{"name", "template"}``).
 
+DeepSeek-V4 checkpoints (``config.json`` model type ``deepseek_v4`` / ``deepseek_v41``, see
+:func:`resin.chat_encodings.deepseek_v4.encoding_for_config`) ship no template: their prompts
+come from DeepSeek's Python encoder. ``from_pretrained`` records that as ``encoding``, and
+``render`` without an explicit ``chat_template`` goes through the encoder instead of any
+template the directory holds, so every caller (the server, ``count_tokens``, ``LLM.chat``) gets
+DeepSeek's prompt; an explicit ``chat_template`` (``--chat-template``, a request's) still wins.
+
 Errors are ``ChatTemplateError`` (a ``ValueError``) with a message a user can act on: no
 template, an unknown template name, a template syntax error, or the template's own
-``raise_exception`` message. It imports only ``jinja2``, ``json`` and the standard library.
+``raise_exception`` message. It imports only ``jinja2``, ``json`` and the standard library (and,
+lazily, ``resin.chat_encodings``, which is standard library only).
 """
 
 from __future__ import annotations
@@ -203,6 +211,19 @@ def _alias_reasoning_fields(messages: list[dict[str, Any]]) -> list[dict[str, An
     return aliased
 
 
+def _encoding_of(root: Path) -> str | None:
+    """The Python prompt encoder ``config.json`` calls for (DeepSeek-V4), or None."""
+    path = root / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(config, dict):
+        return None
+    from resin.chat_encodings.deepseek_v4 import encoding_for_config
+
+    return encoding_for_config(config)
+
+
 class ChatTemplate:
     """One checkpoint's chat template(s) plus the special tokens they see as variables.
 
@@ -214,7 +235,10 @@ class ChatTemplate:
         self,
         templates: str | Mapping[str, str] | Sequence[Mapping[str, str]] | None,
         special_tokens_map: Mapping[str, str] | None = None,
+        encoding: str | None = None,
     ) -> None:
+        # a Python prompt encoder replacing the templates (resin.chat_encodings), or None
+        self.encoding = encoding
         self.templates: str | dict[str, str] | None
         if isinstance(templates, (list, tuple)):
             self.templates = {str(t["name"]): str(t["template"]) for t in templates}
@@ -252,7 +276,7 @@ class ChatTemplate:
             from resin.tokenizer import Tokenizer  # lazy: tokenizers is only needed here
 
             special_tokens_map = Tokenizer.from_pretrained(root).special_tokens_map
-        return cls(templates, special_tokens_map)
+        return cls(templates, special_tokens_map, _encoding_of(root))
 
     @property
     def names(self) -> list[str]:
@@ -311,6 +335,16 @@ class ChatTemplate:
             raise ValueError(
                 "continue_final_message and add_generation_prompt are not compatible: "
                 "continue the final message, or start a new assistant message."
+            )
+        if chat_template is None and self.encoding is not None:
+            from resin.chat_encodings import deepseek_v4
+
+            return deepseek_v4.render(
+                self.encoding,
+                messages,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                **kwargs,
             )
         source = self.select(chat_template, tools)
         template = compile_template(source)

@@ -9,7 +9,9 @@ Every chat API ends here: ``/v1/chat/completions`` directly, ``/v1/responses`` a
    Qwen-family templates reject a system message that is not first; text parts flatten to a
    string; assistant ``tool_calls[].function.arguments`` are parsed from JSON strings to
    objects (templates ``tojson`` them); ``reasoning`` → ``reasoning_content``;
-2. renders with ``add_generation_prompt=True`` plus ``tools`` and ``chat_template_kwargs``;
+2. renders with ``add_generation_prompt=True`` plus ``tools`` and ``chat_template_kwargs``
+   (a DeepSeek-V4 checkpoint renders with DeepSeek's encoder instead of a template, inside
+   ``ChatTemplate.render``: :mod:`resin.chat_encodings.deepseek_v4`);
 3. tokenizes without adding special tokens (the template has them), as ``LLM.chat`` does — so
    the server and ``resin.LLM.chat`` build identical prompts — unless the rendered text is too
    long to fit the context whatever it tokenizes to (refused untokenized). Handlers call this
