@@ -417,6 +417,9 @@ class RequestOutput:
     def new_token_ids(self) -> list[int]:
         """Output tokens produced by this step."""
     @property
+    def num_output_tokens(self) -> int:
+        """len(token_ids), without building the list."""
+    @property
     def finished(self) -> bool: ...
     @property
     def finish_reason(self) -> _FinishReason | None: ...
@@ -426,6 +429,9 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[dict[int, float]] | None:
         """One dict per output token (sampled token and top-k), when requested."""
+    def logprobs_from(self, start: int) -> list[dict[int, float]] | None:
+        """The entries of output tokens ``start..`` only (a stream's new tokens: the per-step
+        cost does not grow with the generation); ``start`` is clamped."""
 
 class StepError(RuntimeError):
     """Engine.step() failed: runner.forward raised, or its output was rejected. The plan was

@@ -163,6 +163,8 @@ class Sampler:
             self._mask(processed, logits, slots, banned_rows)
 
         greedy = temperature == 0
+        if bool(greedy.all()):  # the greedy fast path: no filters, no softmax, no sort
+            return self._output(plan, rows, processed.argmax(dim=-1), logits)
         scaled = processed / torch.where(greedy, 1.0, temperature)[:, None]
         scaled = apply_top_k(
             scaled, torch.as_tensor(np.array(sampling.top_k[rows]), device=self.device)

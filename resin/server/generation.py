@@ -229,8 +229,8 @@ class Generation:
     def _logprobs(
         self, output: RequestOutput, new_ids: list[int], num_top: int
     ) -> list[TokenLogprob]:
-        entries = output.logprobs or []
-        entries = entries[len(entries) - len(new_ids) :]
+        # Only the new tokens' entries: the per-step cost does not grow with the generation.
+        entries = output.logprobs_from(output.num_output_tokens - len(new_ids)) or []
         decode = self.tokenizer.decode
         result = []
         for token_id, entry in zip(new_ids, entries):

@@ -176,6 +176,13 @@ impl RequestOutput {
 
     /// Per output token, (token id, logprob) pairs with the sampled token first.
     pub fn logprobs(&self) -> Option<Vec<Vec<(u32, f32)>>> {
-        self.has_logprobs.then(|| self.record.log.logprobs(self.num_output_tokens))
+        self.has_logprobs.then(|| self.record.log.logprobs(0..self.num_output_tokens))
+    }
+
+    /// The entries of output tokens `start..` only: a stream reads each step's new ones, so
+    /// its per-step cost does not grow with the generation (`start` is clamped).
+    pub fn logprobs_from(&self, start: usize) -> Option<Vec<Vec<(u32, f32)>>> {
+        let start = start.min(self.num_output_tokens);
+        self.has_logprobs.then(|| self.record.log.logprobs(start..self.num_output_tokens))
     }
 }

@@ -170,9 +170,10 @@ impl OutputLog {
         self.token_ids[range].iter().map(|t| t.load(Ordering::Relaxed)).collect()
     }
 
-    /// Logprob entries of the first `n` output tokens.
-    pub fn logprobs(&self, n: usize) -> Vec<Vec<(u32, f32)>> {
-        self.logprobs.lock().unwrap_or_else(|e| e.into_inner())[..n].to_vec()
+    /// Logprob entries of output tokens `range` (a streamed response asks for the new ones
+    /// only, so a step costs the same at any generation length).
+    pub fn logprobs(&self, range: std::ops::Range<usize>) -> Vec<Vec<(u32, f32)>> {
+        self.logprobs.lock().unwrap_or_else(|e| e.into_inner())[range].to_vec()
     }
 }
 

@@ -277,6 +277,24 @@ fn logprobs_are_recorded_per_output_token() {
         )
         .unwrap();
     assert_eq!(outs[0].logprobs().unwrap(), vec![vec![(4, -0.5), (4, -0.5)]], "k = 1 of the 2 columns");
+    // The next token's entry alone: what a stream reads each step.
+    let plan = e.schedule().unwrap();
+    let outs = e
+        .update(
+            plan.step,
+            &ForwardOutputRef {
+                token_ids: &[7],
+                token_indptr: &[0, 1],
+                logprobs: Some(&[-0.25]),
+                top_logprob_ids: Some(&[7, 4]),
+                top_logprobs: Some(&[-0.25, -2.0]),
+                num_top_logprobs: 2,
+            },
+        )
+        .unwrap();
+    assert_eq!(outs[0].logprobs().unwrap().len(), 2);
+    assert_eq!(outs[0].logprobs_from(1).unwrap(), vec![vec![(7, -0.25), (7, -0.25)]]);
+    assert_eq!(outs[0].logprobs_from(5).unwrap(), Vec::<Vec<(u32, f32)>>::new(), "clamped");
 }
 
 #[test]

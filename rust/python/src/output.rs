@@ -171,23 +171,20 @@ impl RequestOutput {
         self.out.finish_reason.map(|r| r.as_str())
     }
     #[getter]
+    fn num_output_tokens(&self) -> usize {
+        self.out.num_output_tokens
+    }
+    #[getter]
     fn num_cached_tokens(&self) -> u32 {
         self.out.num_cached_tokens
     }
     #[getter]
     fn logprobs<'py>(&self, py: Python<'py>) -> PyResult<Option<Vec<Bound<'py, PyDict>>>> {
-        let Some(per_token) = self.out.logprobs() else { return Ok(None) };
-        per_token
-            .into_iter()
-            .map(|pairs| {
-                let d = PyDict::new(py);
-                for (id, lp) in pairs {
-                    d.set_item(id, lp)?;
-                }
-                Ok(d)
-            })
-            .collect::<PyResult<Vec<_>>>()
-            .map(Some)
+        logprob_dicts(py, self.out.logprobs())
+    }
+
+    fn logprobs_from<'py>(&self, py: Python<'py>, start: usize) -> PyResult<Option<Vec<Bound<'py, PyDict>>>> {
+        logprob_dicts(py, self.out.logprobs_from(start))
     }
 
     fn __repr__(&self) -> String {
@@ -200,4 +197,19 @@ impl RequestOutput {
             self.out.num_cached_tokens
         )
     }
+}
+
+fn logprob_dicts(py: Python<'_>, per_token: Option<Vec<Vec<(u32, f32)>>>) -> PyResult<Option<Vec<Bound<'_, PyDict>>>> {
+    let Some(per_token) = per_token else { return Ok(None) };
+    per_token
+        .into_iter()
+        .map(|pairs| {
+            let d = PyDict::new(py);
+            for (id, lp) in pairs {
+                d.set_item(id, lp)?;
+            }
+            Ok(d)
+        })
+        .collect::<PyResult<Vec<_>>>()
+        .map(Some)
 }
