@@ -309,3 +309,21 @@ def test_api_key_required_when_configured():
         anthropic_401 = httpx.post(f"{live.base_url}/v1/messages", json={})
         assert anthropic_401.status_code == 401
         assert anthropic_401.json()["error"]["type"] == "authentication_error"
+
+
+def test_reasoning_effort_reaches_the_template(client):
+    from resin.server.openai.chat import chat_template_kwargs
+
+    assert chat_template_kwargs({"reasoning_effort": "high"}) == {"reasoning_effort": "high"}
+    assert chat_template_kwargs({"reasoning_effort": "none"}) == {
+        "reasoning_effort": "none",
+        "enable_thinking": False,
+    }
+    # vLLM's chat_template_kwargs win over the top-level field.
+    assert chat_template_kwargs(
+        {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}
+    ) == {"reasoning_effort": "none", "enable_thinking": True}
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"reasoning_effort": 3}
+        )

@@ -96,6 +96,22 @@ def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     }
 
 
+def chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The template kwargs of a chat request: Chat Completions' top-level ``reasoning_effort``
+    (``"none"`` also turns thinking off, as the Responses API's ``reasoning.effort`` does), then
+    vLLM's ``chat_template_kwargs``, which win."""
+    kwargs: dict[str, Any] = {}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise APIError(400, "'reasoning_effort' must be a string", param="reasoning_effort")
+        kwargs["reasoning_effort"] = effort
+        if effort == "none":
+            kwargs["enable_thinking"] = False
+    kwargs.update(get_dict(body, "chat_template_kwargs") or {})
+    return kwargs
+
+
 def prepare_chat(
     ctx: ServerContext, body: dict[str, Any]
 ) -> tuple[str, GenerationRequest, Any, Any]:
@@ -109,7 +125,7 @@ def prepare_chat(
         ctx,
         messages,
         tools,
-        get_dict(body, "chat_template_kwargs"),
+        chat_template_kwargs(body),
         request_chat_template(ctx, body),
     )
     n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
