@@ -94,6 +94,14 @@ def test_cache_specs(blocks: Any) -> None:
     args = blocks.normalise_config(load_model_args(TINY, ModelRecord.load(MODEL_DIR)).to_dict())
     kda = blocks.layer_cache("linear_attention", None, type("C", (), args), 16, 4)
     assert kda.kind == "recurrent" and kda.buffers == {"conv": (3 * 4 * 8, 3), "ssm": (4, 8, 8)}
+    from resin.runners.torch.layer_caches import is_gated_delta_net, is_kimi_delta_attention
+
+    config = type("C", (), args)
+    assert is_kimi_delta_attention("linear_attention", config)
+    assert not is_gated_delta_net("linear_attention", config)
+    assert not is_kimi_delta_attention("indexed_attention", config)
+    qwen3_next = json.loads((REPO / "resin/models/qwen3_next/tiny/config.json").read_text())
+    assert not is_kimi_delta_attention("linear_attention", type("Q", (), qwen3_next))
     mla = blocks.layer_cache("indexed_attention", None, type("C", (), args), 16, 4)
     assert mla.kind == "full" and mla.buffers == {
         "latent": (32,),

@@ -201,6 +201,21 @@ def is_gated_delta_net(layer_type: str, config: Any) -> bool:
     )
 
 
+KIMI_DELTA_ATTENTION_FIELDS = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")
+
+
+def is_kimi_delta_attention(layer_type: str, config: Any) -> bool:
+    """A ``linear_attention`` layer of the Kimi-delta-attention family (GLM-5.3-Flash's KDA:
+    ``linear_num_heads`` heads of ``linear_head_dim`` for q, k and v alike, no key / value head
+    split): its state is declared by ``layer_caches.kimi_delta_attention_cache`` (used from a
+    model's ``blocks.layer_cache``; the default declaration covers gated delta nets only)."""
+    return (
+        layer_type == "linear_attention"
+        and not is_gated_delta_net(layer_type, config)
+        and all(getattr(config, name, None) is not None for name in KIMI_DELTA_ATTENTION_FIELDS)
+    )
+
+
 def has_cache_declaration(layer_type: str, window: int | None, config: Any) -> bool:
     """Whether Resin declares this layer type's cache itself (plain attention, a gated delta
     net, DeepSeek-V4 CSA / HCA); otherwise the model's ``blocks.layer_cache`` must."""

@@ -37,6 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from resin.runners.torch.context import LayerContext
+from resin.runners.torch.layer_caches import (
+    indexed_attention_cache,
+    kimi_delta_attention_cache,
+    kimi_delta_attention_dims,
+)
 from resin.runners.torch.model_definition import LayerCache
 
 Weights = dict[str, torch.Tensor]
@@ -219,39 +224,27 @@ def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
 
 
 def kda_dims(config: Any) -> dict[str, int]:
-    """KDA widths: ``H`` heads of ``d`` (q, k, v alike), conv over ``3 * H * d`` channels."""
-    h, d = int(config.linear_num_heads), int(config.linear_head_dim)
-    return {
-        "heads": h,
-        "dim": d,
-        "conv_dim": 3 * h * d,
-        "kernel": int(config.linear_conv_kernel_dim),
-    }
+    """KDA widths: ``heads`` heads of ``dim`` (q, k, v alike), conv over ``3 * heads * dim``
+    channels (``resin.runners.torch.layer_caches.kimi_delta_attention_dims``)."""
+    return kimi_delta_attention_dims(config)
 
 
 def layer_cache(
     layer_type: str, window: int | None, config: Any, head_dim: int, num_kv_heads: int
 ) -> LayerCache:
-    """``linear_attention``: a recurrent state per request, fp32 — ``conv`` [3·H·d, K - 1]
-    (the previous K - 1 conv inputs; HF's cache keeps K) and ``ssm`` [H, d, d] (HF's recurrent
-    state). ``indexed_attention``: a full per-token cache of exactly what later steps read —
-    ``latent`` [kv_lora_rank] (``kv_a_layernorm`` output; K and V are ``kv_b_proj`` of it) and
-    the indexer's ``index_k`` / ``index_gate`` [index_head_dim] (its LayerNormed key and the
-    pool gate logits ``x @ index_kpool_compress_gate^T``). A ``shared``-indexer layer never
-    writes the indexer buffers (the hook has no layer index to leave them out: NOTES.md)."""
+    """Resin's declarations for these types (``resin.runners.torch.layer_caches``; not yet
+    defaults, NOTES.md gap 5). ``linear_attention``: ``kimi_delta_attention_cache`` — a
+    recurrent state per request, fp32: ``conv`` [3·H·d, K - 1] (the previous K - 1 conv inputs;
+    HF's cache keeps K) and ``ssm`` [H, d, d]. ``indexed_attention``: ``indexed_attention_cache``
+    — a full per-token cache of exactly what later steps read: ``latent`` [kv_lora_rank]
+    (``kv_a_layernorm`` output; K and V are ``kv_b_proj`` of it) and the indexer's ``index_k`` /
+    ``index_gate`` [index_head_dim] (its LayerNormed key and the pool gate logits). A
+    ``shared``-indexer layer never writes the indexer buffers (the hook has no layer index to
+    leave them out: NOTES.md gap 3)."""
     if layer_type == LINEAR:
-        d = kda_dims(config)
-        return LayerCache(
-            "recurrent",
-            {"conv": (d["conv_dim"], d["kernel"] - 1), "ssm": (d["heads"], d["dim"], d["dim"])},
-            dtype=torch.float32,
-        )
+        return kimi_delta_attention_cache(config)
     if layer_type == INDEXED:
-        di = int(config.index_head_dim)
-        return LayerCache(
-            "full",
-            {"latent": (int(config.kv_lora_rank),), "index_k": (di,), "index_gate": (di,)},
-        )
+        return indexed_attention_cache(config)
     raise ValueError(f"glm5_flash: unknown layer type {layer_type!r}")
 
 

@@ -9,6 +9,11 @@ says otherwise:
 
 - :func:`gated_delta_net_cache` — ``linear_attention`` layers of the gated-delta-net family
   (Qwen3-Next, Qwen3.5): one recurrent state per request;
+- :func:`kimi_delta_attention_cache` — ``linear_attention`` layers of the Kimi-delta-attention
+  family (GLM-5.3-Flash's KDA): one recurrent state per request (declared from a model's
+  ``blocks.layer_cache``; not yet a default);
+- :func:`indexed_attention_cache` — GLM-5.3-Flash's ``indexed_attention`` (MLA + a k-pool DSA
+  indexer): the KV latent and the indexer's key and pool gate per token (likewise);
 - :func:`compressed_attention_cache` — DeepSeek-V4's ``compressed_sparse_attention`` (CSA) and
   ``heavily_compressed_attention`` (HCA): a raw sliding window plus compressed entries.
 
@@ -22,7 +27,12 @@ from typing import Any
 import torch
 
 from resin.runners.torch.model_definition import LayerCache
-from resin.scaffold.layer_map import COMPRESSED_TYPES, CSA, is_gated_delta_net
+from resin.scaffold.layer_map import (
+    COMPRESSED_TYPES,
+    CSA,
+    is_gated_delta_net,
+    is_kimi_delta_attention,
+)
 
 __all__ = [
     "compressed_attention_cache",
@@ -30,7 +40,11 @@ __all__ = [
     "compression_ratio",
     "gated_delta_net_cache",
     "gated_delta_net_dims",
+    "indexed_attention_cache",
     "is_gated_delta_net",
+    "is_kimi_delta_attention",
+    "kimi_delta_attention_cache",
+    "kimi_delta_attention_dims",
 ]
 
 
@@ -63,6 +77,44 @@ def gated_delta_net_cache(config: Any) -> LayerCache:
         {"conv": (d["conv_dim"], d["kernel"] - 1), "ssm": (d["nv"], d["dk"], d["dv"])},
         dtype=torch.float32,
     )
+
+
+def kimi_delta_attention_dims(config: Any) -> dict[str, int]:
+    """Widths of a Kimi delta attention (HF ``Glm5NextTextLinearAttention``): ``heads`` heads of
+    ``dim`` for q, k and v alike; the depthwise causal conv runs over ``conv_dim = 3 * heads *
+    dim`` channels with ``kernel`` taps."""
+    heads, dim = int(config.linear_num_heads), int(config.linear_head_dim)
+    return {
+        "heads": heads,
+        "dim": dim,
+        "conv_dim": 3 * heads * dim,
+        "kernel": int(config.linear_conv_kernel_dim),
+    }
+
+
+def kimi_delta_attention_cache(config: Any) -> LayerCache:
+    """A recurrent state per request, fp32: ``conv`` ``[3 * heads * dim, kernel - 1]`` (the
+    previous ``kernel - 1`` conv inputs; HF's cache keeps ``kernel``) and ``ssm`` ``[heads, dim,
+    dim]`` (HF's recurrent state; the forget gate decays it per key channel)."""
+    d = kimi_delta_attention_dims(config)
+    return LayerCache(
+        "recurrent",
+        {"conv": (d["conv_dim"], d["kernel"] - 1), "ssm": (d["heads"], d["dim"], d["dim"])},
+        dtype=torch.float32,
+    )
+
+
+def indexed_attention_cache(config: Any, with_indexer: bool = True) -> LayerCache:
+    """GLM-5.3-Flash ``indexed_attention`` (HF ``Glm5NextTextAttention`` + ``Glm5NextTextIndexer``):
+    a full per-token cache of the normed KV latent ``latent`` ``[kv_lora_rank]`` (K and V are
+    ``kv_b_proj`` of it; NoPE, so no rope part) and, for a layer running its own indexer, its
+    LayerNormed key ``index_k`` and pool gate logits ``index_gate`` ``[index_head_dim]`` (the
+    pooled keys are softmax(gate + ape)-weighted sums of ``index_kpool`` consecutive keys)."""
+    buffers: dict[str, tuple[int, ...]] = {"latent": (int(config.kv_lora_rank),)}
+    if with_indexer:
+        di = int(config.index_head_dim)
+        buffers.update(index_k=(di,), index_gate=(di,))
+    return LayerCache("full", buffers)
 
 
 def compression_ratio(layer_type: str, config: Any) -> int:
