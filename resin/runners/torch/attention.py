@@ -232,9 +232,16 @@ def _torch_backend() -> AttentionBackend:
     return TorchBackend()
 
 
+def _triton_backend() -> AttentionBackend:
+    from resin.runners.torch.triton_backend import TritonBackend  # it subclasses ReferenceBackend
+
+    return TritonBackend()
+
+
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "reference": ReferenceBackend,
     "torch": _torch_backend,  # every row in one batched call per layer (torch_backend.py)
+    "triton": _triton_backend,  # a paged-attention kernel on the page table (triton_backend.py)
 }
 DEFAULT_BACKEND = "reference"
 
