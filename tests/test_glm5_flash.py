@@ -169,3 +169,60 @@ def test_kda_state_not_carried_fails_only_the_engine_stages(
     assert report.stage("logits").passed
     for stage in ("greedy/page_size=16", "greedy/prefix_cache", "greedy/chunked_prefill"):
         assert not report.stage(stage).passed, stage
+
+
+def test_reference_is_hf_glm5_next_for_conditional_generation(tmp_path: Path) -> None:
+    """The harness's reference (``source/hf_text_lm.py``: HF's text model + ``lm_head``) is
+    HF's real ``Glm5NextForConditionalGeneration`` on the same weights (logits equal), and that
+    class's own checkpoint (wrapper config, ``model.language_model.*`` names; the vision tower's
+    tensors removed) runs in Resin to the same greedy tokens as the committed tiny one."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from resin import SamplingParams
+    from resin.llm import LLM
+
+    shim = transformers.AutoModelForCausalLM.from_pretrained(
+        str(TINY), attn_implementation="eager"
+    ).eval()
+    flat = json.loads((TINY / "config.json").read_text())
+    for key in ("architectures", "model_type", "tie_word_embeddings"):
+        flat.pop(key)
+    vision = {"model_type": "glm5_next_vision", "depth": 1, "hidden_size": 32, "num_heads": 2}
+    config = Glm5NextConfig(
+        text_config={**flat, "model_type": "glm5_next_text"},
+        vision_config={**vision, "intermediate_size": 32, "out_hidden_size": 64},
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "eager"
+    real = Glm5NextForConditionalGeneration(config).eval()
+    renamed = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+        for k, v in shim.state_dict().items()
+    }
+    missing, unexpected = real.load_state_dict(renamed, strict=False)
+    assert not unexpected and all(name.startswith("model.visual.") for name in missing)
+    ids = torch.randint(0, 384, (1, 70), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(real(input_ids=ids).logits, shim(ids).logits)
+
+    checkpoint = tmp_path / "glm5_next"
+    real.save_pretrained(checkpoint)
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    assert any(k.startswith("model.language_model.layers.") for k in tensors)
+    text_only = {k: v for k, v in tensors.items() if not k.startswith("model.visual.")}
+    save_file(text_only, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(TINY / name, checkpoint / name)
+    assert "text_config" in json.loads((checkpoint / "config.json").read_text())
+    prompts = [[5, 6, 7, 8, 9] * 8, [11, 12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ours = [
+        o.token_ids
+        for o in LLM(checkpoint, max_num_seqs=4, max_model_len=128).generate(prompts, params)
+    ]
+    tiny = [
+        o.token_ids for o in LLM(TINY, max_num_seqs=4, max_model_len=128).generate(prompts, params)
+    ]
+    assert ours == tiny
