@@ -5,7 +5,7 @@ kernel is decorated then, so an earlier ``import triton`` in the session does no
 
 - Against the reference backend on random caches and a step mixing decode rows and prefill
   chunks of different lengths (several query blocks, several key blocks): full and
-  sliding-window groups, GQA (groups of 2 and 3) and MQA, attention sinks, a logit softcap, a
+  sliding-window groups, GQA (groups of 2 and 3) and MQA (a group split over programs too), attention sinks, a logit softcap, a
   shared K = V cache with a narrower value, page sizes 1 / 4 / 16, K and V as non-contiguous
   views carved from one uint8 page buffer (as PagedRunner does), bf16.
 - Built on CPU without the interpreter, or with TRITON_INTERPRET changed after triton was
@@ -143,15 +143,17 @@ def _carve(num_pages: int, page: int, kv_heads: int, dims: tuple[int, int], dtyp
 @in_process
 @pytest.mark.usefixtures("interpret")
 @pytest.mark.parametrize(
-    ("page", "window", "heads", "kv_heads", "shared", "sinks", "softcap", "carved"),
+    ("page", "window", "heads", "kv_heads", "shared", "sinks", "softcap", "carved", "split"),
     [
-        (4, None, 4, 2, False, False, None, False),
-        (4, 6, 8, 1, False, False, None, False),  # MQA, sliding window, two query blocks
-        (1, None, 4, 4, False, True, None, False),
-        (16, 5, 6, 2, False, True, None, False),  # groups of 3 query heads
-        (4, None, 4, 2, False, False, 7.0, True),  # softcap, carved views
-        (1, 3, 4, 1, True, True, None, False),  # shared K = V, narrower value
-        (16, None, 4, 1, True, True, 5.0, True),
+        (4, None, 4, 2, False, False, None, False, None),
+        (4, 6, 8, 1, False, False, None, False, None),  # MQA, sliding window, two query blocks
+        (1, None, 4, 4, False, True, None, False, None),
+        (16, 5, 6, 2, False, True, None, False, None),  # groups of 3 query heads
+        (4, None, 4, 2, False, False, 7.0, True, None),  # softcap, carved views
+        (1, 3, 4, 1, True, True, None, False, None),  # shared K = V, narrower value
+        (16, None, 4, 1, True, True, 5.0, True, None),
+        (4, 6, 8, 1, False, True, None, False, 2),  # 8 heads per KV head over 4 programs
+        (4, None, 6, 1, True, False, None, True, 4),  # 6 over 2 programs (4 + 2)
     ],
 )
 def test_matches_the_reference_backend(
@@ -163,6 +165,7 @@ def test_matches_the_reference_backend(
     sinks: bool,
     softcap: float | None,
     carved: bool,
+    split: int | None,
 ) -> None:
     from resin.runners.torch.triton_backend import TritonBackend
 
@@ -183,6 +186,8 @@ def test_matches_the_reference_backend(
     sink = torch.randn(heads).to(DEVICE) if sinks else None
     triton_backend = TritonBackend()
     triton_backend.block_n = 16  # several key blocks per row
+    if split is not None:
+        triton_backend.heads_per_program = split
     outs = []
     for backend in (ReferenceBackend(), triton_backend):
         backend.begin_step(step, [window], [page], [1])

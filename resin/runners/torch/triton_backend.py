@@ -48,6 +48,7 @@ except ImportError:  # the backend says so when built
 BLOCK_N = 32  # keys per iteration of the key loop on a GPU (a guess: not tuned, no GPU here)
 INTERPRETED_BLOCK_N = 64  # under the interpreter: fewer, larger numpy steps
 MAX_BLOCK_M = 64  # query rows (queries x heads sharing a KV head) per program
+HEADS_PER_PROGRAM = 16  # at most this many of the query heads sharing a KV head per program
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPUs
 
 
@@ -95,15 +96,19 @@ def _paged_attention(
     DOT_F32: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
+    head_program = tl.program_id(1).to(tl.int64)
     q_block = tl.program_id(2).to(tl.int64)
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    # Which KV head, and which BLOCK_H of the group_size query heads sharing it.
+    head_chunks = (group_size + BLOCK_H - 1) // BLOCK_H
+    kv_head = head_program // head_chunks
+    first_hh = (head_program % head_chunks) * BLOCK_H
 
     # The tile's rows: query token qi of the block, query head kv_head * group_size + hh.
     # int64 index math: no overflow on large caches (and no overflow checks in the interpreter)
     m = tl.arange(0, BLOCK_M).to(tl.int64)
     qi = m // BLOCK_H
-    hh = m % BLOCK_H
+    hh = first_hh + m % BLOCK_H
     q_start = tl.load(query_indptr_ptr + row)
     q_len = tl.load(query_indptr_ptr + row + 1) - q_start
     tok = q_block * BLOCK_Q + qi
@@ -266,6 +271,7 @@ class TritonBackend(ReferenceBackend):
         super().__init__()
         self.kernel = _kernel(self.interpret)
         self.block_n = INTERPRETED_BLOCK_N if self.interpret else BLOCK_N  # keys per iteration
+        self.heads_per_program = HEADS_PER_PROGRAM  # a power of two
         self.tables: dict[int, GroupTable] = {}
 
     def begin_step(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -331,10 +337,11 @@ class TritonBackend(ReferenceBackend):
         if q.shape[0] == 0 or num_rows <= 0:
             return out
         window = windows[group]
-        block_h = _next_pow2(group_size)
+        block_h = min(_next_pow2(group_size), self.heads_per_program)
+        head_chunks = -(-group_size // block_h)
         block_q = max(1, min(_next_pow2(table.max_query_len), MAX_BLOCK_M // block_h))
         block_q = max(block_q, MIN_DOT // block_h)
-        grid = (num_rows, num_kv_heads, -(-table.max_query_len // block_q))
+        grid = (num_rows, num_kv_heads * head_chunks, -(-table.max_query_len // block_q))
         sink = (
             sinks.to(device=q.device, dtype=torch.float32).contiguous()
             if sinks is not None
