@@ -2,9 +2,10 @@
 
 No K / V gather and no padded batch: the kernel reads each row's pages straight from the
 cache through the plan's FlashInfer-style CSR page table (``kv_indptr[g]`` / ``kv_indices[g]``,
-docs/batch_plan.md). One program per (plan row, KV head, query block): its tile is the block's
-queries times the query heads sharing that KV head (GQA / MQA: ``BLOCK_Q * BLOCK_H`` rows, so K
-and V are loaded once per KV head), and it walks the row's listed keys ``BLOCK_N`` at a time
+docs/batch_plan.md). One program per (plan row, head group, query block): its tile is the
+block's queries times the query heads sharing a KV head (GQA / MQA: ``BLOCK_Q * BLOCK_H`` rows,
+so K and V are loaded once for them; ``heads_per_program`` heads at most, a larger group split
+over programs), and it walks the row's listed keys ``BLOCK_N`` at a time
 with an online softmax in fp32. A listed key ``j`` lives in page ``kv_indices[kv_indptr[row] +
 j // page_size]`` at offset ``j % page_size``; its position is ``first_page * page_size + j``
 with ``first_page = ceil(seq_len / page_size) - num_listed`` (a sliding-window group lists only
@@ -21,10 +22,11 @@ every stride of q, K, V and the output. Prefill chunks and decode rows go throug
 kernel (query blocks are a grid axis; blocks past a row's query length do nothing). ``gather``
 (compressed / indexed attention) is the reference backend's.
 
-Triton runs on a CUDA (or ROCm) GPU, or on CPU through its interpreter (``TRITON_INTERPRET=1``
-in the environment when the backend is built: slow, for tests). The kernel is decorated when
-the first backend is built, so the interpreter setting of that moment applies. Imports torch
-and triton (lazily: the module imports without triton; building the backend needs it).
+Triton runs on a CUDA (or ROCm) GPU, or on CPU through its interpreter (``TRITON_INTERPRET=1``:
+slow, for tests). The setting must hold both when triton is first imported in the process (its
+library functions are decorated then) and when the first backend is built (the kernel is
+decorated then); building the backend checks they agree. The module imports without triton;
+building the backend needs it (a clear error otherwise, and on CPU without the interpreter).
 """
 
 from __future__ import annotations
