@@ -196,6 +196,14 @@ class EngineConfig:
     a multiple of page_size (0 = every page boundary; default 256). The page boundary just
     before a prompt's last token is always checkpointed, so a repeated or extended prompt
     hits there; other hits on recurrent groups fall on multiples of the interval."""
+    num_speculative_tokens: int
+    """Speculative decoding with the n-gram drafter (prompt lookup): up to this many draft
+    tokens per decoding request and step, verified in one row of 1 + k tokens
+    (num_draft_tokens, 1 + k sampling rows); the engine commits the longest prefix the runner's
+    sampled tokens agree with plus the token after it. 0 = off. Not with recurrent groups."""
+    ngram_prompt_lookup_min: int
+    ngram_prompt_lookup_max: int
+    """The drafter looks up the sequence's last max .. min tokens (longest first)."""
     def __new__(
         cls,
         page_size: int = 16,
@@ -208,6 +216,9 @@ class EngineConfig:
         vocab_size: int | None = None,
         policy: Literal["fcfs", "priority"] = "fcfs",
         recurrent_checkpoint_interval: int = 256,
+        num_speculative_tokens: int = 0,
+        ngram_prompt_lookup_min: int = 1,
+        ngram_prompt_lookup_max: int = 4,
     ) -> EngineConfig: ...
 
 @final

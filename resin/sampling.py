@@ -132,14 +132,26 @@ class Sampler:
             state.token_ids.extend(committed[lo:hi].tolist())
 
     def sample(self, logits: torch.Tensor, plan: BatchPlan, rows: np.ndarray) -> ForwardOutput:
-        """Sample rows ``rows`` of the plan from ``logits`` float32[len(rows), vocab].
+        """Sample ``logits`` float32[len(rows), vocab]: one entry per sample of the step, ``rows``
+        its plan row (``sampling_rows``; a row verifying k drafts has 1 + k consecutive
+        entries, the j-th predicting output token ``num_output_tokens + j``).
 
-        Returns one token per plan row (0 for rows that do not sample, which the engine
-        ignores), with logprobs when any sampling row asks for them.
+        Returns, per plan row, its samples' tokens (one 0 for a row that does not sample, which
+        the engine ignores), with logprobs when any sampling row asks for them. A seeded row's
+        j-th sample draws from the generator of output index ``num_output_tokens + j``: the
+        same tokens with and without speculative decoding.
         """
         sampling = plan.sampling
         slots = plan.request_slots[rows].tolist()
-        num_output_tokens = plan.num_output_tokens[rows].tolist()
+        offsets = _offsets_in_row(rows)
+        num_output_tokens = (plan.num_output_tokens[rows] + offsets).tolist()
+        if self.grammar_slots and len(rows) != len(set(rows.tolist())):
+            verifying = {slots[r] for r in np.flatnonzero(offsets > 0).tolist()}
+            if verifying & set(self.grammar_slots):
+                raise NotImplementedError(
+                    "a grammar-constrained request in a verify row (speculative decoding): "
+                    "structured outputs need num_speculative_tokens = 0"
+                )
         temperature = torch.as_tensor(np.array(sampling.temperature[rows]), device=self.device)
         processed = logits.clone()
         banned_rows: list[int] = []
@@ -234,10 +246,13 @@ class Sampler:
     def _output(
         self, plan: BatchPlan, rows: np.ndarray, tokens: torch.Tensor, logits: torch.Tensor
     ) -> ForwardOutput:
-        num_rows = plan.num_sequences
+        # Per plan row its samples, in order; a row that does not sample returns one ignored 0.
+        counts = np.maximum(np.diff(plan.sample_indptr.astype(np.int64)), 1)
+        token_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+        at = token_indptr[rows].astype(np.int64) + _offsets_in_row(rows)
+        num_rows = int(token_indptr[-1])
         token_ids = np.zeros(num_rows, dtype=np.uint32)
-        token_ids[rows] = tokens.cpu().numpy().astype(np.uint32)
-        token_indptr = np.arange(num_rows + 1, dtype=np.uint32)
+        token_ids[at] = tokens.cpu().numpy().astype(np.uint32)
         num_logprobs = plan.sampling.num_logprobs[rows]
         if len(rows) == 0 or num_logprobs.max() < 0:
             return ForwardOutput(token_ids, token_indptr)
@@ -248,10 +263,20 @@ class Sampler:
         out_logprobs = np.zeros(num_rows, dtype=np.float32)
         out_top_ids = np.zeros((num_rows, k), dtype=np.uint32)
         out_top_logprobs = np.zeros((num_rows, k), dtype=np.float32)
-        out_logprobs[rows] = sampled.cpu().numpy()
-        out_top_ids[rows] = top_ids.cpu().numpy().astype(np.uint32)
-        out_top_logprobs[rows] = top_values.cpu().numpy()
+        out_logprobs[at] = sampled.cpu().numpy()
+        out_top_ids[at] = top_ids.cpu().numpy().astype(np.uint32)
+        out_top_logprobs[at] = top_values.cpu().numpy()
         return ForwardOutput(token_ids, token_indptr, out_logprobs, out_top_ids, out_top_logprobs)
+
+
+def _offsets_in_row(rows: np.ndarray) -> np.ndarray:
+    """For samples listed row by row (a row's samples consecutive), each one's index within
+    its row: 0 for a row's first sample, j for a verify row's j-th."""
+    if len(rows) == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[True], rows[1:] != rows[:-1]])
+    first = np.maximum.accumulate(np.where(starts, np.arange(len(rows)), 0))
+    return np.arange(len(rows)) - first
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,8 @@ OPTIONS = [
     "--disable-fastapi-docs",
     "--device",
     "--dtype",
+    "--speculative-method",
+    "--num-speculative-tokens",
 ]
 
 
@@ -61,6 +63,12 @@ def test_serve_rejects_unknown_parser_and_missing_model():
     assert result.exit_code == 2 and "unknown --tool-parser 'nope'" in result.output
     result = CliRunner().invoke(app, ["serve", str(ROOT / "no/such/dir")])
     assert result.exit_code == 2 and "does not exist" in result.output
+    result = CliRunner().invoke(
+        app,
+        ["serve", str(ROOT / "tests/fixtures/qwen3"), "--speculative-method", "eagle"],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 2 and "the speculative methods are: ngram" in result.output
 
 
 def test_resin_serve_subprocess_answers_and_stops():

@@ -86,6 +86,16 @@ def serve(
             help="Reuse cached KV pages of shared prompt prefixes.",
         ),
     ] = True,
+    speculative_method: Annotated[
+        str | None,
+        typer.Option(
+            help="Speculative decoding: 'ngram' (prompt lookup: drafts from the request's own "
+            "text, verified by the model; identical outputs). Default: off."
+        ),
+    ] = None,
+    num_speculative_tokens: Annotated[
+        int, typer.Option(help="Draft tokens per step with --speculative-method (default 3).")
+    ] = 3,
     tool_parser: Annotated[
         str | None,
         typer.Option(
@@ -174,6 +184,13 @@ def serve(
         "max_num_seqs": max_num_seqs,
         "enable_prefix_caching": enable_prefix_caching,
     }
+    if speculative_method is not None:
+        if speculative_method != "ngram":
+            raise typer.BadParameter(
+                f"{speculative_method!r}: the speculative methods are: ngram",
+                param_hint="--speculative-method",
+            )
+        engine_config["num_speculative_tokens"] = num_speculative_tokens
     for name, value in (
         ("num_pages", num_pages),
         ("max_model_len", max_model_len),

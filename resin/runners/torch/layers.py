@@ -234,14 +234,15 @@ def plan_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def sampling_rows(plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:
-    """The plan rows that sample this step and, for each, the index of its last new token in
-    the step's flat token order (whose logits are sampled). A mid-prefill chunk does not
-    sample; a row verifying draft tokens (more than one sample) is not supported here."""
-    sample_counts = np.diff(plan.sample_indptr)
-    if (sample_counts > 1).any():
-        raise NotImplementedError(
-            "this runner does not verify draft tokens (a sample_indptr "
-            "row with more than one token)"
-        )
-    rows = np.flatnonzero(sample_counts == 1)
-    return rows, plan.query_indptr[rows + 1].astype(np.int64) - 1
+    """One entry per sample of the step, in ``sample_indptr`` order: the plan row it belongs to
+    and the index (in the step's flat token order) of the token whose logits are sampled. A
+    row samples its last token; a row verifying k drafts samples its last 1 + k tokens (the
+    model's choice after its last committed token and after each draft). A mid-prefill chunk
+    does not sample."""
+    counts: np.ndarray = np.diff(plan.sample_indptr.astype(np.int64)).astype(np.int64)
+    rows = np.repeat(np.arange(len(counts)), counts)
+    ends = plan.query_indptr[1:].astype(np.int64)
+    # Within a row, samples 0 .. c-1 sit at its last c tokens.
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    offset = np.arange(len(rows)) - first
+    return rows, ends[rows] - counts[rows] + offset

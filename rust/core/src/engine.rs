@@ -15,6 +15,7 @@
 use std::time::Instant;
 
 use crate::cache_manager::KvCacheManager;
+use crate::draft;
 use crate::engine_config::EngineConfig;
 use crate::error::CoreError;
 use crate::kv_spec::{CacheLayout, KvCacheSpec};
@@ -24,11 +25,25 @@ use crate::plan::{BatchPlan, PlanRecycler};
 use crate::request::{FinishReason, Request, SamplingParams};
 use crate::scheduler::{Scheduler, SchedulerLimits};
 
+/// Whether the n-gram drafter may propose for `req`: sampling that does not depend on the
+/// tokens before each position in ways one verify row cannot reproduce — no repetition,
+/// frequency or presence penalties (the sampler would need the drafts in its history) and
+/// `min_tokens` already met (the EOS ban is per row).
+fn may_draft(req: &Request) -> bool {
+    let p = &req.params;
+    p.repetition_penalty == 1.0
+        && p.frequency_penalty == 0.0
+        && p.presence_penalty == 0.0
+        && req.num_output_tokens() >= p.min_tokens
+}
+
 #[derive(Copy, Clone, Debug)]
 struct PendingRow {
     req: usize,
     arrival_seq: u64,
     num_new_tokens: u32,
+    /// Drafts the row verifies (the request's first `num_drafts` drafts).
+    num_drafts: u32,
 }
 
 /// The plan handed out and not yet committed.
@@ -69,6 +84,13 @@ impl Engine {
                 pages_per_request,
                 layout.groups.len()
             )));
+        }
+        if config.num_speculative_tokens > 0 && layout.has_recurrent() {
+            return Err(CoreError::invalid(
+                "EngineConfig.num_speculative_tokens > 0 with recurrent cache groups is not supported: a verify row \
+                 advances each state over every draft, and rolling back a partial accept needs per-draft states"
+                    .to_string(),
+            ));
         }
         let limits = SchedulerLimits {
             max_num_seqs: config.max_num_seqs,
@@ -201,6 +223,7 @@ impl Engine {
                 req: r.req,
                 arrival_seq: self.sched.request(r.req).arrival_seq,
                 num_new_tokens: r.num_new_tokens,
+                num_drafts: r.num_drafts,
             })
             .collect();
         // What the output must look like, read off the plan itself.
@@ -302,20 +325,37 @@ impl Engine {
         let max_model_len = self.config.max_model_len;
         let sched = &mut self.sched;
         let req = sched.requests[row.req].as_mut().expect("live request index");
-        req.num_computed_tokens += row.num_new_tokens;
+        // A verify row's drafts count as computed only once the model agreed with them.
+        req.num_computed_tokens += row.num_new_tokens - row.num_drafts;
+        let drafts = std::mem::take(&mut req.drafts);
         // The runner has seen this plan's row; tokens appended below go in the next plan's
         // committed_token_ids.
         req.num_tokens_shown = req.num_tokens();
         let mut finish = None;
         let mut num_new = 0;
+        let mut num_accepted = 0u32;
         if samples {
-            for n in range {
+            // Token j is the model's choice after the row's first j + 1 inputs; while it equals
+            // draft j, that draft's KV (computed in this row) is valid and token j + 1 follows
+            // from it. The first disagreement is the row's last token (the correction).
+            for (j, n) in range.enumerate() {
+                let token = output.token_ids[n];
                 let logprobs = req.params.logprobs.map(|k| output.logprob_entry(n, k as usize));
-                finish = req.append_output(output.token_ids[n], logprobs, eos, max_model_len);
+                finish = req.append_output(token, logprobs, eos, max_model_len);
                 num_new += 1;
                 if finish.is_some() {
                     break; // tokens after a stop are dropped
                 }
+                if j >= row.num_drafts as usize || drafts.get(j) != Some(&token) {
+                    break;
+                }
+                req.num_computed_tokens += 1;
+                num_accepted += 1;
+            }
+            if row.num_drafts > 0 {
+                self.metrics.spec_decode_num_drafts += 1;
+                self.metrics.spec_decode_num_draft_tokens += u64::from(row.num_drafts);
+                self.metrics.spec_decode_num_accepted_tokens += u64::from(num_accepted);
             }
             if self.config.enable_prefix_caching {
                 req.update_block_hashes(page_size);
@@ -334,6 +374,19 @@ impl Engine {
         }
         sched.kv.cache_full_pages(req);
         if finish.is_none() {
+            let k = self.config.num_speculative_tokens;
+            if k > 0 && req.num_computed_tokens + 1 == req.num_tokens() && may_draft(req) {
+                // Room for the drafts and the token after them, within max_tokens and the context.
+                let outputs_left = req.params.max_tokens.saturating_sub(req.num_output_tokens());
+                let context_left = max_model_len.saturating_sub(req.num_tokens());
+                let cap = k.min(outputs_left.saturating_sub(1)).min(context_left.saturating_sub(1));
+                req.drafts = draft::propose_ngram(
+                    &req.token_ids,
+                    self.config.ngram_prompt_lookup_min as usize,
+                    self.config.ngram_prompt_lookup_max as usize,
+                    cap as usize,
+                );
+            }
             sched.kv.release_out_of_window(req);
             let computed = req.num_computed_tokens;
             if sched.kv.checkpointing && sched.kv.checkpoint_due(req, computed) {

@@ -30,6 +30,12 @@ pub struct EngineConfig {
     /// to a multiple of `page_size`; 0 = every page boundary). The boundary just before a
     /// prompt's last token is always checkpointed (a repeated or extended prompt hits there).
     pub recurrent_checkpoint_interval: u32,
+    /// Speculative decoding with the n-gram drafter (`crate::draft`): up to this many draft
+    /// tokens per decoding request and step, verified in one row of 1 + k tokens (0 = off).
+    pub num_speculative_tokens: u32,
+    /// The n-gram drafter's match lengths: the last `max` .. `min` tokens are looked up.
+    pub ngram_prompt_lookup_min: u32,
+    pub ngram_prompt_lookup_max: u32,
 }
 
 /// Default tokens between recurrent checkpoints: a checkpoint copies every recurrent
@@ -50,6 +56,9 @@ impl Default for EngineConfig {
             vocab_size: None,
             policy: SchedulingPolicy::Fcfs,
             recurrent_checkpoint_interval: DEFAULT_RECURRENT_CHECKPOINT_INTERVAL,
+            num_speculative_tokens: 0,
+            ngram_prompt_lookup_min: 1,
+            ngram_prompt_lookup_max: 4,
         }
     }
 }
@@ -77,6 +86,14 @@ impl EngineConfig {
             return Err(CoreError::invalid(format!(
                 "EngineConfig.num_pages must be <= {MAX_NUM_PAGES} (2**27: ~7 GB of host bookkeeping), got {}",
                 self.num_pages
+            )));
+        }
+        if self.num_speculative_tokens > 0
+            && (self.ngram_prompt_lookup_min == 0 || self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max)
+        {
+            return Err(CoreError::invalid(format!(
+                "EngineConfig: speculative decoding needs 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got {} and {}",
+                self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
             )));
         }
         if self.max_model_len < 2 {

@@ -26,6 +26,7 @@
 
 pub mod block_hash;
 pub mod cache_manager;
+pub mod draft;
 pub mod engine;
 pub mod engine_config;
 pub mod error;

@@ -69,6 +69,10 @@ pub struct Metrics {
     pub num_preemptions: u64,
     pub prefix_cache_queries_tokens: u64,
     pub prefix_cache_hits_tokens: u64,
+    /// Speculative decoding (vLLM's names): verify rows, drafts in them, drafts accepted.
+    pub spec_decode_num_drafts: u64,
+    pub spec_decode_num_draft_tokens: u64,
+    pub spec_decode_num_accepted_tokens: u64,
     pub time_to_first_token_s: Histogram,
     pub inter_token_latency_s: Histogram,
     pub e2e_request_latency_s: Histogram,
@@ -91,6 +95,9 @@ impl Default for Metrics {
             num_preemptions: 0,
             prefix_cache_queries_tokens: 0,
             prefix_cache_hits_tokens: 0,
+            spec_decode_num_drafts: 0,
+            spec_decode_num_draft_tokens: 0,
+            spec_decode_num_accepted_tokens: 0,
             time_to_first_token_s: Histogram::new(TTFT_BUCKETS_S),
             inter_token_latency_s: Histogram::new(ITL_BUCKETS_S),
             e2e_request_latency_s: Histogram::new(REQUEST_LATENCY_BUCKETS_S),
@@ -148,6 +155,24 @@ impl Metrics {
             self.prefix_cache_queries_tokens.to_string(),
         );
         scalar("prefix_cache_hits_total", "counter", "Prefix-cache hits, in tokens.", self.prefix_cache_hits_tokens.to_string());
+        scalar(
+            "spec_decode_num_drafts_total",
+            "counter",
+            "Speculative decoding: rows that verified drafts.",
+            self.spec_decode_num_drafts.to_string(),
+        );
+        scalar(
+            "spec_decode_num_draft_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens verified.",
+            self.spec_decode_num_draft_tokens.to_string(),
+        );
+        scalar(
+            "spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens the target model accepted.",
+            self.spec_decode_num_accepted_tokens.to_string(),
+        );
         let _ = writeln!(
             out,
             "# HELP resin:request_success_total Count of finished requests by finish reason.\n# TYPE resin:request_success_total counter"

@@ -206,7 +206,10 @@ pub struct BatchPlan {
 pub struct ScheduledRow {
     /// Index of the request in the scheduler's table.
     pub req: usize,
+    /// Tokens the row computes: the request's uncomputed tokens, plus its drafts in a verify row.
     pub num_new_tokens: u32,
+    /// Drafts verified by the row (its last `num_drafts` new tokens are `req.drafts`).
+    pub num_drafts: u32,
 }
 
 impl BatchPlan {
@@ -270,20 +273,25 @@ impl BatchPlan {
         for g in &mut plan.groups {
             g.kv_indptr.push(0);
         }
-        for row in rows {
+        for (i, row) in rows.iter().enumerate() {
             let req = requests[row.req].as_ref().expect("scheduled request exists");
             let start = req.num_computed_tokens;
             let seq_len = start + row.num_new_tokens;
+            // A verify row: the request's last token, then its drafts (not in token_ids yet).
+            let real_end = seq_len - row.num_drafts;
             plan.request_id_bytes.push_str(req.id());
             plan.request_id_ends.push(plan.request_id_bytes.len() as u32);
             plan.request_slots.push(req.slot.expect("running request has a slot"));
-            plan.input_ids.extend_from_slice(&req.token_ids[start as usize..seq_len as usize]);
+            plan.input_ids.extend_from_slice(&req.token_ids[start as usize..real_end as usize]);
+            plan.input_ids.extend_from_slice(&req.drafts[..row.num_drafts as usize]);
+            plan.num_draft_tokens[i] = row.num_drafts;
             plan.positions.extend((start..seq_len).map(i64::from));
             plan.query_indptr.push(plan.input_ids.len() as u32);
             plan.num_computed_tokens.push(start);
             plan.seq_lens.push(seq_len);
-            let samples = seq_len == req.num_tokens();
-            plan.sample_indptr.push(plan.sample_indptr.last().unwrap() + u32::from(samples));
+            let samples = real_end == req.num_tokens();
+            let num_samples = if samples { 1 + row.num_drafts } else { 0 };
+            plan.sample_indptr.push(plan.sample_indptr.last().unwrap() + num_samples);
             plan.push_sampling(req);
             plan.num_output_tokens.push(req.num_output_tokens());
             plan.committed_token_ids.extend_from_slice(&req.token_ids[req.num_tokens_shown as usize..]);

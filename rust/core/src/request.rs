@@ -209,6 +209,9 @@ pub struct Request {
     pub num_hashed_pages: Vec<u32>,
     /// Runner state row while running.
     pub slot: Option<u32>,
+    /// Draft tokens proposed after the last committed step, verified by the next plan's row
+    /// (speculative decoding); never part of `token_ids` until the target model agrees.
+    pub drafts: Vec<u32>,
     /// Tokens the runner has been shown through committed plans: everything when its slot
     /// was announced (`new_request_token_ids`), then up to the last committed plan that
     /// carried a row for it. The plan's `committed_token_ids` for this request start here.
@@ -254,6 +257,7 @@ impl Request {
             num_released_pages: vec![0; num_groups],
             num_hashed_pages: vec![0; num_groups],
             slot: None,
+            drafts: Vec::new(),
             num_tokens_shown: 0,
             arrival_seq,
             arrival_time: now,

@@ -163,6 +163,7 @@ impl Scheduler {
         self.release_resources(idx);
         let req = self.request_mut(idx);
         req.num_computed_tokens = 0;
+        req.drafts.clear();
         req.status = RequestStatus::Waiting;
         self.enqueue_waiting(idx, true);
     }
@@ -187,9 +188,17 @@ impl Scheduler {
             let req = self.requests[idx].as_mut().expect("live request index");
             let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
             let num_new = self.kv.cut_chunk(req, req.num_computed_tokens, num_new);
-            if self.kv.allocate(req, num_new) {
-                rows.push(ScheduledRow { req: idx, num_new_tokens: num_new });
-                budget -= num_new;
+            // A decoding request with drafts verifies them in the same row, as far as the
+            // budget allows (the one rule: its 1 + k tokens count like any others).
+            let decoding = req.num_computed_tokens + 1 == req.num_tokens();
+            let mut num_drafts = if decoding { (req.drafts.len() as u32).min(budget - num_new) } else { 0 };
+            // Short of pages for the drafts: decode without them before preempting anyone.
+            if num_drafts > 0 && !self.kv.allocate(req, num_new + num_drafts) {
+                num_drafts = 0;
+            }
+            if num_drafts > 0 || self.kv.allocate(req, num_new) {
+                rows.push(ScheduledRow { req: idx, num_new_tokens: num_new + num_drafts, num_drafts });
+                budget -= num_new + num_drafts;
                 i += 1;
                 continue;
             }
@@ -236,7 +245,7 @@ impl Scheduler {
             req.status = RequestStatus::Running;
             self.waiting.pop_front();
             self.running.push(idx);
-            rows.push(ScheduledRow { req: idx, num_new_tokens: num_new });
+            rows.push(ScheduledRow { req: idx, num_new_tokens: num_new, num_drafts: 0 });
             budget -= num_new;
         }
 

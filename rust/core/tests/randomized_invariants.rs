@@ -3,7 +3,8 @@
 //! page sizes, random mixes of full / sliding-window / recurrent / compressed groups (states
 //! of 1 to 3 pages, checkpoints with prefix caching at every page or an interval; compression ratios 1 to 5, with or
 //! without a raw window alongside), prefix caching on and off, FCFS
-//! and priority, pools small enough to force preemption. After every operation:
+//! and priority, pools small enough to force preemption, speculative decoding (n-gram drafts
+//! verified in rows of 1 + k tokens, random partial accepts) where the layout allows it. After every operation:
 //! pages free + pages owned + pages cached = pool size - 1 (the null page), page 0
 //! never owned, refcounts equal owners, no page owned by two groups (`check_integrity`),
 //! every compressed row lists exactly the pages of its closed entries and marks exactly the
@@ -124,6 +125,14 @@ fn random_engine(rng: &mut Rng) -> Engine {
         policy: if rng.chance(50) { SchedulingPolicy::Fcfs } else { SchedulingPolicy::Priority },
         // Every page boundary, a few pages, or a non-multiple of the page size (rounded up).
         recurrent_checkpoint_interval: [0, page_size * 3, 5][rng.below(3) as usize],
+        // Speculative decoding (n-gram drafts, verify rows) where the layout allows it.
+        num_speculative_tokens: if specs.iter().any(|s| matches!(s, KvCacheSpec::Recurrent { .. })) {
+            0
+        } else {
+            rng.below(4) as u32
+        },
+        ngram_prompt_lookup_min: 1,
+        ngram_prompt_lookup_max: 3,
     };
     // Smallest pool that fits one request, plus a little: preemption is common.
     let min_pages = match Engine::new(config.clone(), &specs) {
@@ -141,10 +150,26 @@ fn random_prompt(rng: &mut Rng, max_len: u64) -> Vec<u32> {
     (0..len).map(|i| if i < 6 { 2 + prefix + (i as u32 % 2) } else { 2 + rng.below(VOCAB as u64 - 2) as u32 }).collect()
 }
 
-/// One random output for the pending plan: 1 token per row, sometimes EOS.
-fn random_output(rng: &mut Rng, num_rows: u32) -> (Vec<u32>, Vec<u32>) {
-    let ids = (0..num_rows).map(|_| if rng.chance(8) { EOS } else { rng.below(VOCAB as u64) as u32 }).collect();
-    (ids, (0..=num_rows).collect())
+/// One random output for the pending plan: 1 token per row (sometimes EOS), and for a row
+/// verifying k drafts 1 + k tokens, each agreeing with its draft 70% of the time.
+fn random_output(rng: &mut Rng, plan: &BatchPlan) -> (Vec<u32>, Vec<u32>) {
+    let (mut ids, mut indptr) = (Vec::new(), vec![0u32]);
+    for i in 0..plan.num_sequences as usize {
+        let drafts = plan.num_draft_tokens[i] as usize;
+        let samples = (plan.sample_indptr[i + 1] - plan.sample_indptr[i]) as usize;
+        let end = plan.query_indptr[i + 1] as usize;
+        for j in 0..samples.max(1) {
+            let draft = (j < drafts).then(|| plan.input_ids[end - drafts + j]);
+            let token = match draft {
+                Some(d) if rng.chance(70) => d,
+                _ if rng.chance(8) => EOS,
+                _ => rng.below(VOCAB as u64) as u32,
+            };
+            ids.push(token);
+        }
+        indptr.push(ids.len() as u32);
+    }
+    (ids, indptr)
 }
 
 #[test]
@@ -156,6 +181,8 @@ fn randomized_operations_keep_every_invariant() {
     let mut num_recurrent_engines = 0;
     let mut num_compressed_engines = 0;
     let mut num_compressed_hits = 0;
+    let mut num_speculating_engines = 0;
+    let mut num_partial_accepts = 0;
     while num_ops < 100_000 {
         let mut e = random_engine(&mut rng);
         num_engines += 1;
@@ -197,7 +224,7 @@ fn randomized_operations_keep_every_invariant() {
                     if rng.chance(3) {
                         e.discard_plan();
                     } else {
-                        let (ids, indptr) = random_output(&mut rng, plan.num_sequences);
+                        let (ids, indptr) = random_output(&mut rng, &plan);
                         let outs = e
                             .update(plan.step, &ForwardOutputRef { token_ids: &ids, token_indptr: &indptr, ..Default::default() })
                             .unwrap();
@@ -214,7 +241,7 @@ fn randomized_operations_keep_every_invariant() {
         while e.has_unfinished() {
             let plan = e.schedule().unwrap();
             check_compressed_plan(&e, &plan);
-            let (ids, indptr) = random_output(&mut rng, plan.num_sequences);
+            let (ids, indptr) = random_output(&mut rng, &plan);
             e.update(plan.step, &ForwardOutputRef { token_ids: &ids, token_indptr: &indptr, ..Default::default() }).unwrap();
             check_pool_accounting(&e);
             steps += 1;
@@ -225,6 +252,13 @@ fn randomized_operations_keep_every_invariant() {
         }
         if e.layout().has_recurrent() {
             num_recurrent_engines += 1;
+        }
+        let m = e.metrics();
+        if m.spec_decode_num_drafts > 0 {
+            num_speculating_engines += 1;
+            num_partial_accepts += u64::from(
+                m.spec_decode_num_accepted_tokens > 0 && m.spec_decode_num_accepted_tokens < m.spec_decode_num_draft_tokens,
+            );
         }
         if e.layout().groups.iter().any(|g| g.spec.ratio().is_some()) {
             num_compressed_engines += 1;
@@ -239,4 +273,6 @@ fn randomized_operations_keep_every_invariant() {
     assert!(num_recurrent_engines * 3 > num_engines, "recurrent groups are well represented");
     assert!(num_compressed_engines * 3 > num_engines, "compressed groups are well represented");
     assert!(num_compressed_hits * 4 > num_compressed_engines, "compressed groups serve prefix hits");
+    assert!(num_speculating_engines * 4 > num_engines, "verify rows are well represented");
+    assert!(num_partial_accepts * 2 > num_speculating_engines, "drafts are accepted and rejected");
 }

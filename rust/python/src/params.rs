@@ -164,6 +164,12 @@ pub struct EngineConfig {
     pub policy: String,
     #[pyo3(get, set)]
     pub recurrent_checkpoint_interval: i64,
+    #[pyo3(get, set)]
+    pub num_speculative_tokens: i64,
+    #[pyo3(get, set)]
+    pub ngram_prompt_lookup_min: i64,
+    #[pyo3(get, set)]
+    pub ngram_prompt_lookup_max: i64,
 }
 
 impl EngineConfig {
@@ -187,6 +193,9 @@ impl EngineConfig {
             vocab_size: self.vocab_size.map(|v| field("vocab_size", v)).transpose()?,
             policy,
             recurrent_checkpoint_interval: field("recurrent_checkpoint_interval", self.recurrent_checkpoint_interval)?,
+            num_speculative_tokens: field("num_speculative_tokens", self.num_speculative_tokens)?,
+            ngram_prompt_lookup_min: field("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min)?,
+            ngram_prompt_lookup_max: field("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max)?,
         };
         config.validate().map_err(to_py)?;
         Ok(config)
@@ -198,7 +207,8 @@ impl EngineConfig {
     #[new]
     #[pyo3(signature = (page_size=16, num_pages=4096, max_num_seqs=256, max_num_batched_tokens=2048,
         max_model_len=4096, enable_prefix_caching=true, eos_token_ids=None, vocab_size=None, policy="fcfs",
-        recurrent_checkpoint_interval=256))]
+        recurrent_checkpoint_interval=256, num_speculative_tokens=0, ngram_prompt_lookup_min=1,
+        ngram_prompt_lookup_max=4))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         page_size: i64,
@@ -211,6 +221,9 @@ impl EngineConfig {
         vocab_size: Option<i64>,
         policy: &str,
         recurrent_checkpoint_interval: i64,
+        num_speculative_tokens: i64,
+        ngram_prompt_lookup_min: i64,
+        ngram_prompt_lookup_max: i64,
     ) -> PyResult<Self> {
         // The signature's literal (a literal so Python sees the default) is the core's.
         const _: () = assert!(engine_config::DEFAULT_RECURRENT_CHECKPOINT_INTERVAL == 256);
@@ -225,6 +238,9 @@ impl EngineConfig {
             vocab_size,
             policy: policy.to_string(),
             recurrent_checkpoint_interval,
+            num_speculative_tokens,
+            ngram_prompt_lookup_min,
+            ngram_prompt_lookup_max,
         };
         config.to_core()?;
         Ok(config)
@@ -234,7 +250,8 @@ impl EngineConfig {
         format!(
             "EngineConfig(page_size={}, num_pages={}, max_num_seqs={}, max_num_batched_tokens={}, max_model_len={}, \
              enable_prefix_caching={}, eos_token_ids={:?}, vocab_size={:?}, policy={:?}, \
-             recurrent_checkpoint_interval={})",
+             recurrent_checkpoint_interval={}, num_speculative_tokens={}, ngram_prompt_lookup_min={}, \
+             ngram_prompt_lookup_max={})",
             self.page_size,
             self.num_pages,
             self.max_num_seqs,
@@ -244,7 +261,10 @@ impl EngineConfig {
             self.eos_token_ids,
             self.vocab_size,
             self.policy,
-            self.recurrent_checkpoint_interval
+            self.recurrent_checkpoint_interval,
+            self.num_speculative_tokens,
+            self.ngram_prompt_lookup_min,
+            self.ngram_prompt_lookup_max
         )
     }
 }
