@@ -6,7 +6,9 @@ speculation on must be token-for-token the output with it off, on every model in
 supports it — under chunked prefill, prefix-cache hits and preemption — and so must seeded
 sampling (the j-th sample of a verify row draws from output index num_output_tokens + j's
 generator). Prompts repeat a phrase, so drafts are proposed and accepted (checked on the
-metrics). Recurrent models (Qwen3-Next) refuse speculation with a clear error.
+metrics). Unseeded sampling keeps the target distribution (a chi-square test against
+speculation off, with a planted bias it catches). Recurrent models (Qwen3-Next) refuse
+speculation with a clear error.
 """
 
 from __future__ import annotations
@@ -105,3 +107,79 @@ def test_seeded_sampling_is_identical_with_speculation() -> None:
 def test_recurrent_models_refuse_speculation() -> None:
     with pytest.raises(ValueError, match="recurrent"):
         LLM(REPO / "resin" / "models" / "qwen3_next" / "tiny", num_speculative_tokens=2)
+
+
+class _MarkovRunner:
+    """A model whose next-token distribution depends on the last input token only — a fixed
+    table over 6 tokens (no absorbing state), where the n-gram drafter is often right —
+    sampled by the shared :class:`resin.sampling.Sampler` at every sampling position."""
+
+    VOCAB = 6
+
+    def __init__(self, stream: int) -> None:
+        from resin.runners.torch.layers import sampling_rows
+        from resin.sampling import Sampler
+
+        gen = torch.Generator().manual_seed(11)
+        self.table = torch.randn(self.VOCAB, self.VOCAB, generator=gen)
+        self.sampler = Sampler(self.VOCAB)
+        # Unseeded requests draw from the sampler's shared generator: fixed here (a
+        # different stream per run), so the test is deterministic, not flaky at 0.1%.
+        self.sampler.generator.manual_seed(stream)
+        self.sampling_rows = sampling_rows
+
+    def forward(self, plan: resin.BatchPlan) -> resin.ForwardOutput:
+        import numpy as np
+
+        self.sampler.begin_step(plan)
+        rows, last = self.sampling_rows(plan)
+        inputs = torch.as_tensor(plan.input_ids.astype(np.int64))[torch.as_tensor(last)]
+        return self.sampler.sample(self.table[inputs], plan, rows)
+
+
+def test_unseeded_sampling_keeps_the_distribution() -> None:
+    """Rejection of point-mass drafts by sampling each position and comparing preserves the
+    target distribution: the 8th token's frequencies over 3,000 unseeded requests, with
+    speculation off and on, pass a two-sample chi-square test (5 degrees of freedom; the
+    statistic must stay below 20.5, the 0.1% critical value), while a planted bias (the same
+    test against a runner with a shifted table) fails it."""
+
+    def frequencies(k: int, runner: _MarkovRunner) -> list[int]:
+        config = resin.EngineConfig(
+            page_size=4,
+            num_pages=4096,
+            max_num_seqs=256,
+            max_model_len=32,
+            vocab_size=_MarkovRunner.VOCAB,
+            num_speculative_tokens=k,
+        )
+        engine = resin.Engine(config, runner)
+        params = resin.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+        for i in range(3000):
+            engine.add_request(f"r{i}", [1, 2, 1, 2, 1], params)
+        counts = [0] * _MarkovRunner.VOCAB
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    counts[out.token_ids[7]] += 1
+        if k:
+            assert "spec_decode_num_accepted_tokens_total" in engine.metrics_text()
+        return counts
+
+    def chi_square(a: list[int], b: list[int]) -> float:
+        total_a, total_b = sum(a), sum(b)
+        stat = 0.0
+        for x, y in zip(a, b, strict=True):
+            if x + y == 0:
+                continue
+            expected_a = (x + y) * total_a / (total_a + total_b)
+            expected_b = (x + y) * total_b / (total_a + total_b)
+            stat += (x - expected_a) ** 2 / expected_a + (y - expected_b) ** 2 / expected_b
+        return stat
+
+    off = frequencies(0, _MarkovRunner(stream=1))
+    on = frequencies(3, _MarkovRunner(stream=2))
+    assert chi_square(off, on) < 20.5, (off, on)
+    biased = _MarkovRunner(stream=3)
+    biased.table[:, 0] += 1.0
+    assert chi_square(off, frequencies(3, biased)) > 20.5
