@@ -13,8 +13,12 @@ committed tiny checkpoint, and the harness catches the bugs such a port is prone
   cached decode (the runner's recurrent KDA form; HF's chunked no-cache form flips one token of
   the 140-token prompt at bf16 resolution: NOTES.md).
 - The multimodal-wrapper config (``text_config``) runs the same as the flat one.
-- Planted bugs: an indexer that selects every visible token fails at layer 2 ``self_attn``; a
-  KDA state not carried across steps passes the layers stage and fails the engine stages.
+- Caches: KDA -> a recurrent state (conv + delta state, fp32); indexed attention -> the latent
+  per token (full), the indexer's key and pool gate for the last ``index_kpool`` tokens
+  (sliding window) and one pooled key per ``index_kpool`` tokens (compressed entries).
+- Planted bugs: an indexer that selects every visible token, or pools never written, fail at
+  layer 2 ``self_attn``; a KDA state not carried across steps passes the layers stage and
+  fails the engine stages.
 
 torch runs one thread here (shared 2-core machines).
 """
@@ -102,12 +106,13 @@ def test_cache_specs(blocks: Any) -> None:
     assert not is_kimi_delta_attention("indexed_attention", config)
     qwen3_next = json.loads((REPO / "resin/models/qwen3_next/tiny/config.json").read_text())
     assert not is_kimi_delta_attention("linear_attention", type("Q", (), qwen3_next))
-    mla = blocks.layer_cache("indexed_attention", None, type("C", (), args), 16, 4)
-    assert mla.kind == "full" and mla.buffers == {
-        "latent": (32,),
-        "index_k": (16,),
-        "index_gate": (16,),
-    }
+    main, extra = blocks.layer_cache("indexed_attention", None, config, 16, 4)
+    assert main.kind == "full" and main.buffers == {"latent": (32,)}
+    assert set(extra) == {"window", "pools"}
+    assert extra["window"].kind == "sliding_window" and extra["window"].window == 4
+    assert extra["window"].buffers == {"index_k": (16,), "index_gate": (16,)}
+    assert extra["pools"].kind == "compressed" and extra["pools"].ratio == 4
+    assert extra["pools"].buffers == {"key": (16,)}
 
 
 def test_parity_fp32_every_stage_against_hf_full_forward() -> None:
@@ -147,12 +152,23 @@ def test_multimodal_wrapper_config_runs_the_same(tmp_path: Path) -> None:
 def test_indexer_selecting_everything_fails_at_layer2_self_attn(
     blocks: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def everything(x, q_resid, q_pos, positions, index_k, index_gate, w, ctx):  # type: ignore[no-untyped-def]
+    def everything(x, q_resid, q_pos, positions, pools, ends, visible, w, ctx):  # type: ignore[no-untyped-def]
         return positions[None, :] <= q_pos[:, None]
 
     monkeypatch.setattr(blocks, "_select", everything)
     report = run_model_parity(_checks("layers"), dtype="float32")
     assert not report.passed
+    first = report.first_departure
+    assert first is not None and (first["layer"], first["module"]) == (2, "self_attn")
+
+
+def test_pools_not_written_fails_at_layer2_self_attn(
+    blocks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compressed ``pools`` entries left at zeros (pooling skipped): every pool scores the
+    same, the top-k picks arbitrary pools."""
+    monkeypatch.setattr(blocks, "_close_pools", lambda ik, gate, pos, ape, kpool, out: out)
+    report = run_model_parity(_checks("layers"), dtype="float32")
     first = report.first_departure
     assert first is not None and (first["layer"], first["module"]) == (2, "self_attn")
 

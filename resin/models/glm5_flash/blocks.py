@@ -18,12 +18,14 @@ mixer and an MLP:
   ``recurrent_kimi_delta_attention``; its no-cache forward uses the chunked form: the same math
   summed in another order);
 - ``indexed_attention`` layers: MLA without RoPE (``qk_rope_head_dim`` 0) and DSA top-k
-  selection over *pools* of ``index_kpool`` tokens (``Glm5NextTextIndexer``). Per token the
-  cache holds the normed KV latent (``kv_lora_rank``) and the indexer key / pool gate
-  (``index_head_dim`` each); attention gathers them (``ctx.attention.gather``), pools the
-  complete pools, picks the top ``index_topk / kpool`` visible ones per query plus the raw
-  incomplete tail, and attends over the selected tokens' keys / values (``kv_b_proj`` of the
-  latents). ``indexer_types == "shared"`` layers reuse the previous layer's selection;
+  selection over *pools* of ``index_kpool`` tokens (``Glm5NextTextIndexer``). Caches: the normed
+  KV latent (``kv_lora_rank``) per token (full); the indexer key / pool gate
+  (``index_head_dim`` each) of the last ``index_kpool`` tokens (a sliding window: the pool
+  being filled and the raw tail); one pooled key per complete pool (compressed entries, written
+  at the pool's last token). Attention scores the row's closed pools, picks the top
+  ``index_topk / kpool`` visible ones per query plus the raw incomplete tail, and attends over
+  the selected tokens' keys / values (``kv_b_proj`` of the ``gather``ed latents).
+  ``indexer_types == "shared"`` layers reuse the previous layer's selection;
 - MLP: ``dense`` (clamped SwiGLU) or ``sparse`` (sigmoid router with correction bias, grouped
   top-k, renormalised x ``routed_scaling_factor``, clamped SwiGLU experts + shared experts).
 """
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from resin.runners.torch.attention import RowHistory
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layer_caches import (
     indexed_attention_cache,
@@ -231,16 +234,17 @@ def kda_dims(config: Any) -> dict[str, int]:
 
 def layer_cache(
     layer_type: str, window: int | None, config: Any, head_dim: int, num_kv_heads: int
-) -> LayerCache:
-    """Resin's declarations for these types (``resin.runners.torch.layer_caches``; not yet
-    defaults, NOTES.md gap 5). ``linear_attention``: ``kimi_delta_attention_cache`` — a
-    recurrent state per request, fp32: ``conv`` [3·H·d, K - 1] (the previous K - 1 conv inputs;
-    HF's cache keeps K) and ``ssm`` [H, d, d]. ``indexed_attention``: ``indexed_attention_cache``
-    — a full per-token cache of exactly what later steps read: ``latent`` [kv_lora_rank]
-    (``kv_a_layernorm`` output; K and V are ``kv_b_proj`` of it) and the indexer's ``index_k`` /
-    ``index_gate`` [index_head_dim] (its LayerNormed key and the pool gate logits). A
-    ``shared``-indexer layer never writes the indexer buffers (the hook has no layer index to
-    leave them out: NOTES.md gap 3)."""
+) -> LayerCache | tuple[LayerCache, dict[str, LayerCache]]:
+    """``linear_attention``: Resin's ``layer_caches.kimi_delta_attention_cache`` — a recurrent
+    state per request, fp32: ``conv`` [3·H·d, K - 1] (the previous K - 1 conv inputs; HF's
+    cache keeps K) and ``ssm`` [H, d, d]. ``indexed_attention``: ``layer_caches.
+    indexed_attention_cache`` — main: ``latent`` [kv_lora_rank] per token (``kv_a_layernorm``
+    output; K and V are ``kv_b_proj`` of it); extra ``window``: the indexer's per-token key
+    ``index_k`` and pool gate ``index_gate`` [index_head_dim] for the last ``index_kpool``
+    tokens (the pool being filled, the raw tail); extra ``pools``: one pooled key ``key``
+    [index_head_dim] per ``index_kpool`` tokens, written at the pool's last token. A
+    ``shared``-indexer layer never writes the extras (the hook has no layer index to leave them
+    out: NOTES.md gap 3)."""
     if layer_type == LINEAR:
         return kimi_delta_attention_cache(config)
     if layer_type == INDEXED:
@@ -364,9 +368,9 @@ _SHARED_SELECTION: dict[str, Any] = {}
 def _pool_keys(
     keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, kpool: int
 ) -> torch.Tensor:
-    """``get_pooled_states`` (M:936-1009) for one row's complete pools: keys / gates [P·kpool,
-    di] (positions 0.. in order) -> [P, di]: per channel, softmax over the pool's tokens of
-    ``gate + ape[offset]`` (fp32), cast to the keys' dtype, weighted sum of the keys."""
+    """``get_pooled_states`` (M:936-1009) for ``n`` complete pools: keys / gates [n·kpool, di]
+    (each pool's tokens in position order) -> [n, di]: per channel, softmax over the pool's
+    tokens of ``gate + ape[offset]`` (fp32), cast to the keys' dtype, weighted sum of the keys."""
     num, channels = keys.shape[0] // kpool, keys.shape[-1]
     k = keys[: num * kpool].view(num, kpool, channels)
     logits = gates[: num * kpool].view(num, kpool, channels).float() + ape.float()[None]
@@ -374,45 +378,79 @@ def _pool_keys(
     return (probs * k).sum(dim=1)
 
 
+def _close_pools(
+    ik_rows: list[RowHistory],
+    gate_rows: list[RowHistory],
+    positions: torch.Tensor,
+    ape: torch.Tensor,
+    kpool: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The pooled key of every pool a token of this step closes (position ``p`` with ``(p + 1)
+    % kpool == 0``), written into ``out`` [T, di] at that token (the ``pools`` group's slot
+    mapping is -1 at the other tokens). Its ``kpool`` tokens come from the raw ``window`` group
+    (window ``kpool``: a row's gather covers every query's window, so a pool closed anywhere in
+    the step still has all its tokens there)."""
+    for ik_row, gate_row in zip(ik_rows, gate_rows):
+        query = ik_row.query
+        q_pos = positions[query]
+        closing = ((q_pos + 1) % kpool == 0).nonzero().flatten()
+        if closing.numel() == 0:
+            continue
+        starts = (q_pos[closing] + 1 - kpool).tolist()
+        where = {int(p): i for i, p in enumerate(ik_row.positions.tolist())}
+        index = []
+        for start in starts:
+            rows = [where.get(start + o) for o in range(kpool)]
+            if any(r is None for r in rows):
+                raise RuntimeError(
+                    f"glm5_flash: pool [{start}, {start + kpool}) left the raw window"
+                )
+            index.extend(rows)
+        take = torch.tensor(index, dtype=torch.long, device=out.device)
+        pooled = _pool_keys(ik_row.values[take], gate_row.values[take], ape, kpool)
+        out[query.start + closing] = pooled.to(out.dtype)
+    return out
+
+
 def _select(
     x: torch.Tensor,
     q_resid: torch.Tensor,
     q_pos: torch.Tensor,
     positions: torch.Tensor,
-    index_k: torch.Tensor,
-    index_gate: torch.Tensor,
+    pools: torch.Tensor,
+    pool_ends: torch.Tensor,
+    pool_visible: torch.Tensor,
     w: Weights,
     ctx: LayerContext,
 ) -> torch.Tensor:
     """Glm5NextTextIndexer.forward (M:811-914) for one row, no padding: bool [Tq, K] over the
-    row's gathered tokens (``positions`` 0..K-1). Pool ``j`` = tokens ``[j·kpool, (j+1)·kpool)``
-    is a candidate for query ``p`` iff complete and ``(j+1)·kpool - 1 <= p``; score
-    ``sum_h w[h]·H^-½ · ReLU(q[h]·pool_j · di^-½)``; the top ``min(index_topk / kpool,
-    #candidates)`` are selected (as tokens), plus, with ``index_kpool_always_select_tail``,
-    the query's incomplete tail pool ``[p + 1 - (p + 1) % kpool, p]``."""
+    row's gathered latent tokens (``positions`` 0..K-1). ``pools`` [n, di] are the row's closed
+    pools (the ``pools`` group: pool ``j`` = tokens ``[j·kpool, (j+1)·kpool)``, closing position
+    ``pool_ends[j]``), ``pool_visible`` [Tq, n] = closed at or before the query. Score
+    ``sum_h w[h]·H^-½ · ReLU(q[h]·pool_j · di^-½)``; the top ``min(index_topk / kpool, n)`` are
+    selected (as tokens), plus, with ``index_kpool_always_select_tail``, the query's incomplete
+    tail pool ``[p + 1 - (p + 1) % kpool, p]``."""
     cfg = ctx.config
     heads, di, kpool = int(cfg.index_n_heads), int(cfg.index_head_dim), int(cfg.index_kpool)
     num_keys = positions.shape[0]
     assert bool((positions == torch.arange(num_keys, device=positions.device)).all()), (
         "glm5_flash: indexed attention needs each row's whole history from position 0"
     )
-    p = "indexer."
-    q = F.linear(q_resid, w[f"{p}wq_b.weight"]).view(-1, heads, di)
-    pools = _pool_keys(index_k, index_gate, w[f"{p}index_kpool_compress_ape"], kpool)  # [P, di]
     num_pools = pools.shape[0]
-    selected = torch.zeros(q.shape[0], num_keys, dtype=torch.bool, device=x.device)
+    assert bool((pool_ends == (torch.arange(num_pools, device=x.device) + 1) * kpool - 1).all())
+    selected = torch.zeros(q_pos.shape[0], num_keys, dtype=torch.bool, device=x.device)
     if num_pools > 0:
-        scores = torch.matmul(q.float(), pools.t().float())  # [Tq, H, P]
+        q = F.linear(q_resid, w["indexer.wq_b.weight"]).view(-1, heads, di)
+        scores = torch.matmul(q.float(), pools.t().float())  # [Tq, H, n]
         scores = F.relu(scores * di**-0.5)
-        weights = F.linear(x, w[f"{p}weights_proj.weight"]).float() * heads**-0.5
-        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [Tq, P]
-        pool_end = torch.arange(1, num_pools + 1, device=x.device) * kpool - 1
-        candidate = pool_end[None, :] <= q_pos[:, None]
-        index_scores = index_scores.masked_fill(~candidate, torch.finfo(index_scores.dtype).min)
+        weights = F.linear(x, w["indexer.weights_proj.weight"]).float() * heads**-0.5
+        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [Tq, n]
+        index_scores = index_scores.masked_fill(~pool_visible, torch.finfo(index_scores.dtype).min)
         select_k = min(int(cfg.index_topk) // kpool, num_pools)
         top = index_scores.topk(select_k, dim=-1).indices  # [Tq, k]
-        chosen = candidate.gather(1, top)
-        pool_sel = torch.zeros_like(candidate).scatter_(1, top, chosen)  # [Tq, P]
+        chosen = pool_visible.gather(1, top)
+        pool_sel = torch.zeros_like(pool_visible).scatter_(1, top, chosen)  # [Tq, n]
         token_pool = torch.arange(num_keys, device=x.device) // kpool
         in_pool = token_pool < num_pools
         selected[:, in_pool] = pool_sel[:, token_pool[in_pool]]
@@ -426,9 +464,11 @@ def _select(
 def glm5_next_text_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """Glm5NextTextAttention (M:1101-1277) with Glm5NextTextIndexer (M:772-1061): MLA, NoPE.
     ``q = q_b(q_a_layernorm(q_a(x)))`` [T, H, dq]; the latent ``kv_a_layernorm(kv_a(x))`` is
-    cached; K / V = ``kv_b_proj(latent)`` split [dq | dv] per head; softmax (fp32, eager) of
-    ``q·k · dq^-½`` over the selected tokens only (the indexer's, or the previous layer's for
-    a ``shared`` layer); ``o_proj``."""
+    cached (main cache); K / V = ``kv_b_proj(latent)`` split [dq | dv] per head; softmax (fp32,
+    eager) of ``q·k · dq^-½`` over the selected tokens only (the indexer's, or the previous
+    layer's for a ``shared`` layer); ``o_proj``. The indexer writes its per-token key and pool
+    gate to the ``window`` group (the last ``kpool`` tokens: the open pool, the tail), closes
+    the pools this step completes into the ``pools`` group, and scores the row's closed pools."""
     cfg = ctx.config
     num_tokens = x.shape[0]
     heads, eps = int(cfg.num_attention_heads), float(cfg.rms_norm_eps)
@@ -438,22 +478,9 @@ def glm5_next_text_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> 
     latent = F.linear(x, w["kv_a_proj_with_mqa.weight"])[:, : int(cfg.kv_lora_rank)]
     latent = rms_norm(latent, w["kv_a_layernorm.weight"], eps)
     attention = ctx.require_attention()
-    shared = "indexer.wk.weight" not in w
-    if shared:
-        attention.write(latent=latent)
-    else:
-        p = "indexer."
-        ik = F.layer_norm(
-            F.linear(x, w[f"{p}wk.weight"]),
-            (int(cfg.index_head_dim),),
-            w[f"{p}k_norm.weight"],
-            w[f"{p}k_norm.bias"],
-            1e-6,
-        )
-        gate = F.linear(x, w[f"{p}index_kpool_compress_gate"])
-        attention.write(latent=latent, index_k=ik, index_gate=gate)
+    attention.write(latent=latent)
     rows = attention.gather("latent")
-    if shared:
+    if "indexer.wk.weight" not in w:  # a shared-indexer layer
         stash = _SHARED_SELECTION
         if stash.get("step") is not ctx.input_ids or stash.get("layer") != ctx.index - 1:
             raise RuntimeError(
@@ -462,9 +489,29 @@ def glm5_next_text_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> 
             )
         selections = stash["selections"]
     else:
-        ik_rows, gate_rows = attention.gather("index_k"), attention.gather("index_gate")
+        p = "indexer."
+        kpool = int(cfg.index_kpool)
+        ik = F.layer_norm(
+            F.linear(x, w[f"{p}wk.weight"]),
+            (int(cfg.index_head_dim),),
+            w[f"{p}k_norm.weight"],
+            w[f"{p}k_norm.bias"],
+            1e-6,
+        )
+        gate = F.linear(x, w[f"{p}index_kpool_compress_gate"])
+        window, pools = ctx.extra["window"], ctx.extra["pools"]
+        window.write(index_k=ik, index_gate=gate)
+        closed = _close_pools(
+            window.gather("index_k"),
+            window.gather("index_gate"),
+            ctx.positions,
+            w[f"{p}index_kpool_compress_ape"],
+            kpool,
+            torch.zeros_like(ik),
+        )
+        pools.write(key=closed)
         selections = []
-        for hist, ik_row, gate_row in zip(rows, ik_rows, gate_rows):
+        for hist, pool_row in zip(rows, pools.gather("key")):
             query = hist.query
             selections.append(
                 _select(
@@ -472,8 +519,9 @@ def glm5_next_text_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> 
                     q_resid[query],
                     ctx.positions[query],
                     hist.positions,
-                    ik_row.values,
-                    gate_row.values,
+                    pool_row.values,
+                    pool_row.positions,
+                    pool_row.mask,
                     w,
                     ctx,
                 )

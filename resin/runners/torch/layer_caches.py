@@ -104,17 +104,25 @@ def kimi_delta_attention_cache(config: Any) -> LayerCache:
     )
 
 
-def indexed_attention_cache(config: Any, with_indexer: bool = True) -> LayerCache:
-    """GLM-5.3-Flash ``indexed_attention`` (HF ``Glm5NextTextAttention`` + ``Glm5NextTextIndexer``):
-    a full per-token cache of the normed KV latent ``latent`` ``[kv_lora_rank]`` (K and V are
-    ``kv_b_proj`` of it; NoPE, so no rope part) and, for a layer running its own indexer, its
-    LayerNormed key ``index_k`` and pool gate logits ``index_gate`` ``[index_head_dim]`` (the
-    pooled keys are softmax(gate + ape)-weighted sums of ``index_kpool`` consecutive keys)."""
-    buffers: dict[str, tuple[int, ...]] = {"latent": (int(config.kv_lora_rank),)}
-    if with_indexer:
-        di = int(config.index_head_dim)
-        buffers.update(index_k=(di,), index_gate=(di,))
-    return LayerCache("full", buffers)
+def indexed_attention_cache(
+    config: Any, with_indexer: bool = True
+) -> LayerCache | tuple[LayerCache, dict[str, LayerCache]]:
+    """GLM-5.3-Flash ``indexed_attention`` (HF ``Glm5NextTextAttention`` + ``Glm5NextTextIndexer``,
+    MLA with a k-pool DSA indexer). Main: a full per-token cache of the normed KV latent
+    ``latent`` ``[kv_lora_rank]`` (K and V are ``kv_b_proj`` of it; NoPE, no rope part). With
+    the indexer, two extra caches: ``window``, a ``sliding_window(index_kpool)`` of its
+    LayerNormed key ``index_k`` and pool gate logits ``index_gate`` ``[index_head_dim]`` (what
+    the open pool and the raw tail read), and ``pools``, ``compressed(ratio index_kpool)``
+    entries ``key`` ``[index_head_dim]``: the softmax(gate + ape)-weighted sum of a pool's keys,
+    written at its last token (vLLM / SGLang keep the same: a pool cache plus a tail ring)."""
+    main = LayerCache("full", {"latent": (int(config.kv_lora_rank),)})
+    if not with_indexer:
+        return main
+    di, kpool = int(config.index_head_dim), int(config.index_kpool)
+    return main, {
+        "window": LayerCache("sliding_window", {"index_k": (di,), "index_gate": (di,)}, kpool),
+        "pools": LayerCache("compressed", {"key": (di,)}, ratio=kpool),
+    }
 
 
 def compression_ratio(layer_type: str, config: Any) -> int:
