@@ -392,7 +392,11 @@ class ForwardOutput:
 
     token_ids: uint32[N]; token_indptr: uint32[S+1], row i produced
     token_ids[token_indptr[i]:token_indptr[i+1]]. Optional logprobs: float32[N];
-    top_logprob_ids: uint32[N, k]; top_logprobs: float32[N, k].
+    top_logprob_ids: uint32[N, k]; top_logprobs: float32[N, k]. Optional draft_token_ids:
+    uint32[D] and draft_indptr: uint32[S+1] (together): the runner's own drafter's proposals
+    (MTP, EAGLE-style heads) for each row's request — the tokens after what the engine commits
+    for the row (the agreed prefix plus one) — verified by the next plan; at most
+    num_speculative_tokens are used, and they replace the n-gram drafter's for that row.
     """
 
     @property
@@ -405,6 +409,10 @@ class ForwardOutput:
     def top_logprob_ids(self) -> Any | None: ...
     @property
     def top_logprobs(self) -> Any | None: ...
+    @property
+    def draft_token_ids(self) -> Any | None: ...
+    @property
+    def draft_indptr(self) -> Any | None: ...
     def __new__(
         cls,
         token_ids: Any,
@@ -412,6 +420,8 @@ class ForwardOutput:
         logprobs: Any | None = None,
         top_logprob_ids: Any | None = None,
         top_logprobs: Any | None = None,
+        draft_token_ids: Any | None = None,
+        draft_indptr: Any | None = None,
     ) -> ForwardOutput: ...
 
 @final

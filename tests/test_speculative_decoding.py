@@ -183,3 +183,65 @@ def test_unseeded_sampling_keeps_the_distribution() -> None:
     biased = _MarkovRunner(stream=3)
     biased.table[:, 0] += 1.0
     assert chi_square(off, frequencies(3, biased)) > 20.5
+
+
+class _OracleDrafter:
+    """A runner with its own drafter (the public interface: ``ForwardOutput.draft_token_ids``
+    / ``draft_indptr``): it proposes the tokens a reference run produced next, working out what
+    the engine will commit for each row (the agreed prefix plus one) as an MTP head would."""
+
+    def __init__(self, inner: object, reference: dict[str, list[int]], k: int) -> None:
+        self.inner, self.reference, self.k = inner, reference, k
+
+    def cache_spec(self):  # type: ignore[no-untyped-def]
+        return self.inner.cache_spec()
+
+    def bind_cache(self, layout) -> None:  # type: ignore[no-untyped-def]
+        self.inner.bind_cache(layout)
+
+    def forward(self, plan: resin.BatchPlan) -> resin.ForwardOutput:
+        import numpy as np
+
+        out = self.inner.forward(plan)
+        drafts, indptr = [], [0]
+        for i, request_id in enumerate(plan.request_ids):
+            samples = int(plan.sample_indptr[i + 1] - plan.sample_indptr[i])
+            if samples:
+                tokens = out.token_ids[out.token_indptr[i] : out.token_indptr[i + 1]].tolist()
+                k = int(plan.num_draft_tokens[i])
+                row_drafts = plan.input_ids[plan.query_indptr[i + 1] - k : plan.query_indptr[i + 1]]
+                agreed = 0
+                while agreed < k and tokens[agreed] == row_drafts[agreed]:
+                    agreed += 1
+                start = int(plan.num_output_tokens[i]) + agreed + 1
+                drafts += self.reference[request_id][start : start + self.k]
+            indptr.append(len(drafts))
+        return resin.ForwardOutput(
+            out.token_ids,
+            out.token_indptr,
+            draft_token_ids=np.array(drafts, np.uint32),
+            draft_indptr=np.array(indptr, np.uint32),
+        )
+
+
+def test_a_runner_drafter_is_verified_like_the_ngram_one() -> None:
+    from resin.runners.torch import TorchRunner
+
+    params = resin.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    off, _ = _generate(MODELS["llama"], 0, params)
+    reference = {str(i): tokens for i, tokens in enumerate(off)}
+    runner = _OracleDrafter(TorchRunner.from_pretrained(MODELS["llama"]), reference, 3)
+    llm = LLM(
+        MODELS["llama"], runner=runner, max_num_seqs=4, max_model_len=128, num_speculative_tokens=3
+    )
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert [done[str(i)] for i in range(len(PROMPTS))] == off
+    drafted = _metric(llm, "spec_decode_num_draft_tokens_total")
+    assert drafted > 0 and _metric(llm, "spec_decode_num_accepted_tokens_total") == drafted

@@ -304,7 +304,11 @@ impl Engine {
             }
             let lo = output.token_indptr[i] as usize;
             let hi = output.token_indptr[i + 1] as usize;
-            if let Some(out) = self.commit_row(row, pending.expectations[i].samples, output, lo..hi, now) {
+            let drafts = match (output.draft_token_ids, output.draft_indptr) {
+                (Some(ids), Some(ptr)) => Some(&ids[ptr[i] as usize..ptr[i + 1] as usize]),
+                _ => None,
+            };
+            if let Some(out) = self.commit_row(row, pending.expectations[i].samples, output, lo..hi, drafts, now) {
                 outputs.push(out);
             }
         }
@@ -318,6 +322,7 @@ impl Engine {
         samples: bool,
         output: &ForwardOutputRef,
         range: std::ops::Range<usize>,
+        runner_drafts: Option<&[u32]>,
         now: Instant,
     ) -> Option<RequestOutput> {
         let eos = &self.config.eos_token_ids;
@@ -380,12 +385,16 @@ impl Engine {
                 let outputs_left = req.params.max_tokens.saturating_sub(req.num_output_tokens());
                 let context_left = max_model_len.saturating_sub(req.num_tokens());
                 let cap = k.min(outputs_left.saturating_sub(1)).min(context_left.saturating_sub(1));
-                req.drafts = draft::propose_ngram(
-                    &req.token_ids,
-                    self.config.ngram_prompt_lookup_min as usize,
-                    self.config.ngram_prompt_lookup_max as usize,
-                    cap as usize,
-                );
+                req.drafts = match runner_drafts {
+                    // The runner's own drafter (MTP, EAGLE-style heads) proposed for this row.
+                    Some(d) if !d.is_empty() => d[..d.len().min(cap as usize)].to_vec(),
+                    _ => draft::propose_ngram(
+                        &req.token_ids,
+                        self.config.ngram_prompt_lookup_min as usize,
+                        self.config.ngram_prompt_lookup_max as usize,
+                        cap as usize,
+                    ),
+                };
             }
             sched.kv.release_out_of_window(req);
             let computed = req.num_computed_tokens;

@@ -11,7 +11,10 @@ use crate::request::{FinishReason, RequestRecord};
 /// - `token_ids`: u32[N] sampled tokens, rows concatenated;
 /// - `token_indptr`: u32[S+1], row i produced `token_ids[token_indptr[i]..token_indptr[i+1]]`;
 /// - `logprobs`: f32[N], logprob of each sampled token (optional);
-/// - `top_logprob_ids` / `top_logprobs`: u32[N, k] / f32[N, k], row-major (optional, together).
+/// - `top_logprob_ids` / `top_logprobs`: u32[N, k] / f32[N, k], row-major (optional, together);
+/// - `draft_token_ids` / `draft_indptr`: u32[D] / u32[S+1], the runner's own drafter's
+///   proposals for each row's request, verified by the next plan (optional, together; at most
+///   `num_speculative_tokens` per row; they replace the n-gram drafter's for that row).
 #[derive(Copy, Clone, Debug, Default)]
 pub struct ForwardOutputRef<'a> {
     pub token_ids: &'a [u32],
@@ -21,6 +24,8 @@ pub struct ForwardOutputRef<'a> {
     pub top_logprobs: Option<&'a [f32]>,
     /// k, the number of columns of the top arrays (0 without them).
     pub num_top_logprobs: usize,
+    pub draft_token_ids: Option<&'a [u32]>,
+    pub draft_indptr: Option<&'a [u32]>,
 }
 
 /// What the engine needs to know about one row of the pending plan to check the output.
@@ -80,8 +85,26 @@ impl<'a> ForwardOutputRef<'a> {
                 )));
             }
         }
+        match (self.draft_token_ids, self.draft_indptr) {
+            (None, None) => {}
+            (Some(ids), Some(ptr)) => {
+                let monotone = ptr.windows(2).all(|w| w[0] <= w[1]);
+                if ptr.len() != s + 1 || ptr[0] != 0 || !monotone || ptr[s] as usize != ids.len() {
+                    return Err(CoreError::invalid(format!(
+                        "ForwardOutput.draft_indptr must be {} non-decreasing offsets from 0 to len(draft_token_ids) = {}",
+                        s + 1,
+                        ids.len()
+                    )));
+                }
+            }
+            _ => return Err(CoreError::invalid("ForwardOutput.draft_token_ids and draft_indptr must be given together")),
+        }
         if let Some(vocab) = vocab_size {
-            for (field, ids) in [("token_ids", Some(self.token_ids)), ("top_logprob_ids", self.top_logprob_ids)] {
+            for (field, ids) in [
+                ("token_ids", Some(self.token_ids)),
+                ("top_logprob_ids", self.top_logprob_ids),
+                ("draft_token_ids", self.draft_token_ids),
+            ] {
                 if let Some(pos) = ids.and_then(|ids| ids.iter().position(|&t| t >= vocab)) {
                     return Err(CoreError::invalid(format!(
                         "ForwardOutput.{field}[{pos}] = {} is out of vocabulary range [0, {vocab})",

@@ -273,6 +273,7 @@ fn logprobs_are_recorded_per_output_token() {
                 top_logprob_ids: Some(&[4, 9]),
                 top_logprobs: Some(&[-0.5, -1.5]),
                 num_top_logprobs: 2,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -289,6 +290,7 @@ fn logprobs_are_recorded_per_output_token() {
                 top_logprob_ids: Some(&[7, 4]),
                 top_logprobs: Some(&[-0.25, -2.0]),
                 num_top_logprobs: 2,
+                ..Default::default()
             },
         )
         .unwrap();

@@ -183,3 +183,36 @@ fn recurrent_groups_refuse_speculation() {
     assert!(err.message().contains("recurrent"), "{}", err.message());
     assert!(Engine::new(cfg(0), &specs).is_ok());
 }
+
+#[test]
+fn a_runner_drafter_replaces_the_ngram_one() {
+    let mut e = started(3, 10);
+    let plan = e.schedule().unwrap();
+    // All accepted (1, 2, 3, then 9); the runner proposes [4, 4, 4, 4] for what follows 9:
+    // the engine keeps k = 3 of them.
+    let ids = [1, 2, 3, 9];
+    let (drafts, draft_indptr) = ([4u32, 4, 4, 4], [0u32, 4]);
+    let out = ForwardOutputRef {
+        token_ids: &ids,
+        token_indptr: &[0, 4],
+        draft_token_ids: Some(&drafts),
+        draft_indptr: Some(&draft_indptr),
+        ..Default::default()
+    };
+    e.update(plan.step, &out).unwrap();
+    let plan = e.schedule().unwrap();
+    assert_eq!(plan.input_ids, vec![9, 4, 4, 4]);
+    // Bad draft arrays are refused and change nothing.
+    let bad = ForwardOutputRef {
+        token_ids: &[4, 4, 4, 4],
+        token_indptr: &[0, 4],
+        draft_token_ids: Some(&[1]),
+        draft_indptr: Some(&[0, 2]),
+        ..Default::default()
+    };
+    assert!(e.update(plan.step, &bad).unwrap_err().message().contains("draft_indptr"));
+    let half = ForwardOutputRef { token_ids: &[4], token_indptr: &[0, 1], draft_token_ids: Some(&[1]), ..Default::default() };
+    assert!(e.update(plan.step, &half).unwrap_err().message().contains("together"));
+    commit_rows(&mut e, &plan, &[&[4, 4, 4, 4]]);
+    e.check_integrity().unwrap();
+}

@@ -20,20 +20,28 @@ pub struct ForwardOutput {
     top_logprob_ids: Option<Py<PyAny>>,
     #[pyo3(get)]
     top_logprobs: Option<Py<PyAny>>,
+    #[pyo3(get)]
+    draft_token_ids: Option<Py<PyAny>>,
+    #[pyo3(get)]
+    draft_indptr: Option<Py<PyAny>>,
 }
 
 #[pymethods]
 impl ForwardOutput {
     #[new]
-    #[pyo3(signature = (token_ids, token_indptr, logprobs=None, top_logprob_ids=None, top_logprobs=None))]
+    #[pyo3(signature = (token_ids, token_indptr, logprobs=None, top_logprob_ids=None, top_logprobs=None,
+        draft_token_ids=None, draft_indptr=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         token_ids: Py<PyAny>,
         token_indptr: Py<PyAny>,
         logprobs: Option<Py<PyAny>>,
         top_logprob_ids: Option<Py<PyAny>>,
         top_logprobs: Option<Py<PyAny>>,
+        draft_token_ids: Option<Py<PyAny>>,
+        draft_indptr: Option<Py<PyAny>>,
     ) -> Self {
-        ForwardOutput { token_ids, token_indptr, logprobs, top_logprob_ids, top_logprobs }
+        ForwardOutput { token_ids, token_indptr, logprobs, top_logprob_ids, top_logprobs, draft_token_ids, draft_indptr }
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
@@ -85,6 +93,8 @@ pub struct CopiedOutput {
     top_logprobs: Option<Vec<f32>>,
     /// k: columns of the [N, k] top arrays (0 without them).
     num_top_logprobs: usize,
+    draft_token_ids: Option<Vec<u32>>,
+    draft_indptr: Option<Vec<u32>>,
 }
 
 impl CopiedOutput {
@@ -122,6 +132,18 @@ impl CopiedOutput {
             top_logprob_ids: top_ids.map(|a| a.0),
             top_logprobs: top_lps.map(|a| a.0),
             num_top_logprobs,
+            draft_token_ids: o
+                .draft_token_ids
+                .as_ref()
+                .map(|a| copied_array::<u32, Ix1>(a.bind(py), "draft_token_ids", "uint32"))
+                .transpose()?
+                .map(|a| a.0),
+            draft_indptr: o
+                .draft_indptr
+                .as_ref()
+                .map(|a| copied_array::<u32, Ix1>(a.bind(py), "draft_indptr", "uint32"))
+                .transpose()?
+                .map(|a| a.0),
         })
     }
 
@@ -134,6 +156,8 @@ impl CopiedOutput {
             top_logprob_ids: self.top_logprob_ids.as_deref(),
             top_logprobs: self.top_logprobs.as_deref(),
             num_top_logprobs: self.num_top_logprobs,
+            draft_token_ids: self.draft_token_ids.as_deref(),
+            draft_indptr: self.draft_indptr.as_deref(),
         }
     }
 }
