@@ -16,6 +16,7 @@ committed tiny checkpoint, and the harness catches the bugs such a port is prone
 - Caches: KDA -> a recurrent state (conv + delta state, fp32); indexed attention -> the latent
   per token (full), the indexer's key and pool gate for the last ``index_kpool`` tokens
   (sliding window) and one pooled key per ``index_kpool`` tokens (compressed entries).
+- Served: ``resin serve`` completions equal ``resin.LLM``'s, with a prefix-cache hit.
 - Planted bugs: an indexer that selects every visible token, or pools never written, fail at
   layer 2 ``self_attn``; a KDA state not carried across steps passes the layers stage and
   fails the engine stages.
@@ -242,3 +243,40 @@ def test_reference_is_hf_glm5_next_for_conditional_generation(tmp_path: Path) ->
         o.token_ids for o in LLM(TINY, max_num_seqs=4, max_model_len=128).generate(prompts, params)
     ]
     assert ours == tiny
+
+
+def test_served_by_resin_serve_with_prefix_hits() -> None:
+    """``resin serve`` on the tiny checkpoint (the registry picks this model directory): greedy
+    completions over HTTP equal ``resin.LLM``'s, and a second request sharing a 40-token prefix
+    restarts from the engine's KDA checkpoint and cached pools (``cached_tokens > 0``)."""
+    import openai
+
+    from resin import SamplingParams
+    from resin.llm import LLM
+    from resin.server.context import ServerOptions
+    from resin.server.serve import build_context
+    from tests.server_harness import LiveServer
+
+    prefix = [(7 * i + 3) % 300 + 5 for i in range(40)]
+    prompts = [prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]]
+    llm = LLM(TINY, max_num_seqs=4, max_model_len=128)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    expected = [out.token_ids for out in llm.generate(prompts, params)]
+    ctx = build_context(
+        TINY,
+        options=ServerOptions(served_model_names=["glm5-flash-tiny"]),
+        max_num_seqs=4,
+        max_model_len=128,
+    )
+    with LiveServer(ctx) as live:
+        client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0)
+        cached = []
+        for prompt, want in zip(prompts, expected, strict=True):
+            response = client.completions.create(
+                model="glm5-flash-tiny", prompt=prompt, max_tokens=6, temperature=0
+            )
+            assert response.usage.completion_tokens == len(want)
+            assert response.choices[0].text == llm.tokenizer.decode(want, skip_special_tokens=True)
+            details = response.usage.prompt_tokens_details
+            cached.append(0 if details is None else details.cached_tokens)
+        assert cached[0] == 0 and cached[1] > 0, cached
