@@ -172,11 +172,15 @@ class CacheLayout:
     def from_specs(specs: list[LayerCacheSpec], page_size: int, num_pages: int = 2) -> CacheLayout:
         """The layout an Engine builds for these per-layer specs: for sizing a pool first."""
     def pages_per_request(
-        self, max_model_len: int, max_num_batched_tokens: int, enable_prefix_caching: bool = True
+        self,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        num_speculative_tokens: int = 0,
     ) -> int:
         """Most pages one request of max_model_len tokens holds at once, over all groups
-        (states and a checkpoint in flight included): the pool must hold this many besides
-        the null page."""
+        (states, a checkpoint in flight and, with speculative decoding, a spare state per
+        recurrent group included): the pool must hold this many besides the null page."""
 
 @final
 class EngineConfig:
@@ -200,7 +204,9 @@ class EngineConfig:
     """Speculative decoding with the n-gram drafter (prompt lookup): up to this many draft
     tokens per decoding request and step, verified in one row of 1 + k tokens
     (num_draft_tokens, 1 + k sampling rows); the engine commits the longest prefix the runner's
-    sampled tokens agree with plus the token after it. 0 = off. Not with recurrent groups."""
+    sampled tokens agree with plus the token after it. 0 = off. With recurrent groups each
+    request also holds a spare state per group: saved before a verify row (copy_pages),
+    restored after a rejection, whose row is then recomputed."""
     ngram_prompt_lookup_min: int
     ngram_prompt_lookup_max: int
     """The drafter looks up the sequence's last max .. min tokens (longest first)."""

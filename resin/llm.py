@@ -146,6 +146,7 @@ class LLM:
                     settings["max_model_len"],
                     settings["max_num_batched_tokens"],
                     settings["enable_prefix_caching"],
+                    settings.get("num_speculative_tokens", 0),
                 ),
                 page_id_bytes(layout),
                 settings["max_num_seqs"],

@@ -50,6 +50,10 @@ pub struct KvCacheManager {
     /// Tokens between recurrent checkpoints (a multiple of the page size; see
     /// [`KvCacheManager::checkpoint_due`]).
     pub checkpoint_interval: u32,
+    /// Speculative decoding with recurrent groups: each request also holds a spare state per
+    /// recurrent group (its table's second `pages_per_state` pages), the state before its
+    /// last verify row, restored when a draft is rejected.
+    pub spare_states: bool,
     /// `copy_pages` pairs (src, dst, src, dst, ...) for the plan being built.
     pub pending_copies: Vec<u32>,
     /// Checkpoints whose copy rides on the plan being built or the pending plan: owned
@@ -97,9 +101,41 @@ impl KvCacheManager {
             enable_prefix_caching,
             checkpointing,
             checkpoint_interval: layout_page_size,
+            spare_states: false,
             pending_copies: Vec::new(),
             in_flight_checkpoints: Vec::new(),
         })
+    }
+
+    /// Pages a request holds in recurrent group `g`: its state, plus the spare with
+    /// speculative decoding.
+    pub fn state_pages(&self, g: usize) -> u32 {
+        self.layout.groups[g].pages_per_state * (1 + u32::from(self.spare_states))
+    }
+
+    /// `copy_pages` for a verify row of `req`: its state into its spare, in every recurrent
+    /// group (read before the forward advances the state over the drafts).
+    pub fn save_states(&mut self, req: &Request) {
+        for (g, group) in self.layout.groups.iter().enumerate() {
+            let n = group.pages_per_state as usize;
+            if n > 0 && req.pages[g].len() == 2 * n {
+                for p in 0..n {
+                    self.pending_copies.extend_from_slice(&[req.pages[g][p], req.pages[g][n + p]]);
+                }
+            }
+        }
+    }
+
+    /// `copy_pages` restoring `req`'s states from its spares (after a rejected draft).
+    pub fn restore_states(&mut self, req: &Request) {
+        for (g, group) in self.layout.groups.iter().enumerate() {
+            let n = group.pages_per_state as usize;
+            if n > 0 && req.pages[g].len() == 2 * n {
+                for p in 0..n {
+                    self.pending_copies.extend_from_slice(&[req.pages[g][n + p], req.pages[g][p]]);
+                }
+            }
+        }
     }
 
     pub fn page_size(&self) -> u32 {
@@ -231,7 +267,7 @@ impl KvCacheManager {
             .map(|g| {
                 let group = &self.layout.groups[g];
                 if group.is_recurrent() {
-                    return if req.pages[g].is_empty() { group.pages_per_state } else { 0 };
+                    return if req.pages[g].is_empty() { self.state_pages(g) } else { 0 };
                 }
                 let have = hit.map_or(req.pages[g].len(), |h| h.pages[g].len()) as u32;
                 self.num_table_pages(g, base + num_new_tokens).saturating_sub(have)
@@ -329,7 +365,7 @@ impl KvCacheManager {
         for (g, (pages, group)) in req.pages.iter_mut().zip(&self.layout.groups).enumerate() {
             if group.is_recurrent() {
                 if pages.is_empty() {
-                    for _ in 0..group.pages_per_state {
+                    for _ in 0..group.pages_per_state * (1 + u32::from(self.spare_states)) {
                         pages.push(self.pool.allocate_state().expect("free pages were counted"));
                     }
                 }
@@ -465,7 +501,7 @@ impl KvCacheManager {
     /// `seq_len` (none before the first entry closes).
     pub fn listed_pages<'r>(&self, req: &'r Request, g: usize, num_computed: u32, seq_len: u32) -> (u32, &'r [PageId]) {
         if self.layout.groups[g].is_recurrent() {
-            return (0, &req.pages[g]);
+            return (0, &req.pages[g][..self.layout.groups[g].pages_per_state as usize]);
         }
         let ps = self.page_size();
         let first = first_needed_position(&self.layout.groups[g].spec, num_computed) / ps;

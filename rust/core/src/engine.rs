@@ -73,8 +73,12 @@ impl Engine {
     pub fn new(config: EngineConfig, layer_specs: &[KvCacheSpec]) -> Result<Engine, CoreError> {
         config.validate()?;
         let layout = CacheLayout::from_layer_specs(layer_specs, config.num_pages, config.page_size)?;
-        let pages_per_request =
-            layout.pages_per_request(config.max_model_len, config.max_num_batched_tokens, config.enable_prefix_caching);
+        let pages_per_request = layout.pages_per_request(
+            config.max_model_len,
+            config.max_num_batched_tokens,
+            config.enable_prefix_caching,
+            config.num_speculative_tokens > 0,
+        );
         if pages_per_request > config.num_pages - 1 {
             return Err(CoreError::invalid(format!(
                 "EngineConfig.num_pages = {} is too small: one request of max_model_len = {} tokens needs {} pages \
@@ -85,13 +89,6 @@ impl Engine {
                 layout.groups.len()
             )));
         }
-        if config.num_speculative_tokens > 0 && layout.has_recurrent() {
-            return Err(CoreError::invalid(
-                "EngineConfig.num_speculative_tokens > 0 with recurrent cache groups is not supported: a verify row \
-                 advances each state over every draft, and rolling back a partial accept needs per-draft states"
-                    .to_string(),
-            ));
-        }
         let limits = SchedulerLimits {
             max_num_seqs: config.max_num_seqs,
             max_num_batched_tokens: config.max_num_batched_tokens,
@@ -99,6 +96,7 @@ impl Engine {
         };
         let mut kv = KvCacheManager::new(layout, config.enable_prefix_caching)?;
         kv.checkpoint_interval = config.checkpoint_interval_tokens();
+        kv.spare_states = config.num_speculative_tokens > 0 && kv.layout.has_recurrent();
         Ok(Engine {
             sched: Scheduler::new(limits, kv),
             config,
@@ -331,6 +329,7 @@ impl Engine {
         let sched = &mut self.sched;
         let req = sched.requests[row.req].as_mut().expect("live request index");
         // A verify row's drafts count as computed only once the model agreed with them.
+        let row_start = req.num_computed_tokens;
         req.num_computed_tokens += row.num_new_tokens - row.num_drafts;
         let drafts = std::mem::take(&mut req.drafts);
         // The runner has seen this plan's row; tokens appended below go in the next plan's
@@ -356,6 +355,12 @@ impl Engine {
                 }
                 req.num_computed_tokens += 1;
                 num_accepted += 1;
+            }
+            if row.num_drafts > 0 && num_accepted < row.num_drafts && finish.is_none() && sched.kv.spare_states {
+                // The recurrent states advanced over rejected drafts: restore them (the spares
+                // hold the states at the row's start) and recompute the row's committed tokens.
+                req.num_computed_tokens = row_start;
+                req.restore_states = true;
             }
             if row.num_drafts > 0 {
                 self.metrics.spec_decode_num_drafts += 1;
@@ -398,7 +403,9 @@ impl Engine {
             }
             sched.kv.release_out_of_window(req);
             let computed = req.num_computed_tokens;
-            if sched.kv.checkpointing && sched.kv.checkpoint_due(req, computed) {
+            // (Not while a restore is pending: the states are right only after it, and this
+            // boundary's checkpoint was queued when the request first reached it.)
+            if sched.kv.checkpointing && !req.restore_states && sched.kv.checkpoint_due(req, computed) {
                 sched.checkpoints_due.push((row.req, row.arrival_seq, computed / page_size));
             }
         }

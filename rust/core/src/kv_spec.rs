@@ -279,11 +279,21 @@ impl CacheLayout {
     }
 
     /// Most pages one request of `max_model_len` tokens holds at once, over all groups (its
-    /// states included, plus a checkpoint in flight per recurrent group with prefix caching).
-    pub fn pages_per_request(&self, max_model_len: u32, max_num_batched_tokens: u32, prefix_caching: bool) -> u32 {
+    /// states included, plus a checkpoint in flight per recurrent group with prefix caching,
+    /// plus a spare state per recurrent group with `speculative` decoding).
+    pub fn pages_per_request(
+        &self,
+        max_model_len: u32,
+        max_num_batched_tokens: u32,
+        prefix_caching: bool,
+        speculative: bool,
+    ) -> u32 {
         self.groups
             .iter()
-            .map(|g| g.max_pages_per_request(max_model_len, max_num_batched_tokens, self.page_size, prefix_caching))
+            .map(|g| {
+                g.max_pages_per_request(max_model_len, max_num_batched_tokens, self.page_size, prefix_caching)
+                    + if speculative { g.pages_per_state } else { 0 }
+            })
             .fold(0u32, u32::saturating_add)
     }
 

@@ -212,6 +212,9 @@ pub struct Request {
     /// Draft tokens proposed after the last committed step, verified by the next plan's row
     /// (speculative decoding); never part of `token_ids` until the target model agrees.
     pub drafts: Vec<u32>,
+    /// A draft was rejected in a recurrent layout: the next plan restores the states from the
+    /// spares (saved before the verify row) and recomputes from the verify row's start.
+    pub restore_states: bool,
     /// Tokens the runner has been shown through committed plans: everything when its slot
     /// was announced (`new_request_token_ids`), then up to the last committed plan that
     /// carried a row for it. The plan's `committed_token_ids` for this request start here.
@@ -258,6 +261,7 @@ impl Request {
             num_hashed_pages: vec![0; num_groups],
             slot: None,
             drafts: Vec::new(),
+            restore_states: false,
             num_tokens_shown: 0,
             arrival_seq,
             arrival_time: now,

@@ -164,6 +164,7 @@ impl Scheduler {
         let req = self.request_mut(idx);
         req.num_computed_tokens = 0;
         req.drafts.clear();
+        req.restore_states = false;
         req.status = RequestStatus::Waiting;
         self.enqueue_waiting(idx, true);
     }
@@ -197,6 +198,13 @@ impl Scheduler {
                 num_drafts = 0;
             }
             if num_drafts > 0 || self.kv.allocate(req, num_new) {
+                if req.restore_states {
+                    req.restore_states = false;
+                    self.kv.restore_states(req);
+                }
+                if num_drafts > 0 && self.kv.spare_states {
+                    self.kv.save_states(req);
+                }
                 rows.push(ScheduledRow { req: idx, num_new_tokens: num_new + num_drafts, num_drafts });
                 budget -= num_new + num_drafts;
                 i += 1;
@@ -341,7 +349,7 @@ impl Scheduler {
             for (g, pages) in r.pages.iter().enumerate() {
                 let group = &self.kv.layout.groups[g];
                 if group.is_recurrent() {
-                    if pages.len() as u32 != group.pages_per_state || pages.contains(&0) {
+                    if pages.len() as u32 != self.kv.state_pages(g) || pages.contains(&0) {
                         return Err(format!("request {}: group {g} does not hold exactly one state", r.id()));
                     }
                     continue;

@@ -125,12 +125,8 @@ fn random_engine(rng: &mut Rng) -> Engine {
         policy: if rng.chance(50) { SchedulingPolicy::Fcfs } else { SchedulingPolicy::Priority },
         // Every page boundary, a few pages, or a non-multiple of the page size (rounded up).
         recurrent_checkpoint_interval: [0, page_size * 3, 5][rng.below(3) as usize],
-        // Speculative decoding (n-gram drafts, verify rows) where the layout allows it.
-        num_speculative_tokens: if specs.iter().any(|s| matches!(s, KvCacheSpec::Recurrent { .. })) {
-            0
-        } else {
-            rng.below(4) as u32
-        },
+        // Speculative decoding (n-gram drafts, verify rows; spare states in recurrent layouts).
+        num_speculative_tokens: if rng.chance(40) { 1 + rng.below(3) as u32 } else { 0 },
         ngram_prompt_lookup_min: 1,
         ngram_prompt_lookup_max: 3,
     };

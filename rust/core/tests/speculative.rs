@@ -177,11 +177,42 @@ fn the_prefix_cache_hashes_only_committed_tokens() {
 }
 
 #[test]
-fn recurrent_groups_refuse_speculation() {
+fn recurrent_states_are_saved_before_a_verify_row_and_restored_after_a_rejection() {
+    // Full + recurrent (one page per state): a request holds its state (page 1) and a spare
+    // (page 2), allocated with its first pages.
     let specs = [KvCacheSpec::Full { bytes_per_token: 8 }, KvCacheSpec::Recurrent { state_bytes: 16 }];
-    let err = Engine::new(cfg(2), &specs).err().expect("refused");
-    assert!(err.message().contains("recurrent"), "{}", err.message());
-    assert!(Engine::new(cfg(0), &specs).is_ok());
+    let mut e = engine_with(EngineConfig { enable_prefix_caching: false, ..cfg(3) }, &specs);
+    e.add_request("a", vec![5, 1, 2, 3, 1, 2, 3, 1, 2], params(10)).unwrap();
+    let plan = e.schedule().unwrap();
+    let state = row_pages(&plan, 1, 0);
+    assert_eq!(state.len(), 1, "the plan lists the state only, not the spare");
+    commit_rows(&mut e, &plan, &[&[3]]);
+    // The verify row saves the state into the spare before its forward.
+    let plan = e.schedule().unwrap();
+    assert_eq!(plan.num_draft_tokens, vec![3]);
+    assert_eq!(plan.copy_pages.len(), 2, "one (src, dst) pair");
+    let (src, spare) = (plan.copy_pages[0], plan.copy_pages[1]);
+    assert_eq!(src, state[0]);
+    // Partial accept (1 agrees, 5 replaces 2): the state advanced over rejected drafts, so
+    // the next plan restores it from the spare and recomputes from the row's start (9).
+    let outs = commit_rows(&mut e, &plan, &[&[1, 5, 7, 7]]);
+    assert_eq!(outs[0].new_token_ids(), vec![1, 5]);
+    let plan = e.schedule().unwrap();
+    assert_eq!(plan.copy_pages, vec![spare, src]);
+    assert_eq!((plan.num_computed_tokens.clone(), plan.input_ids.clone()), (vec![9], vec![3, 1, 5]));
+    assert_eq!(plan.num_draft_tokens, vec![0]);
+    commit_rows(&mut e, &plan, &[&[2]]);
+    // Fully accepted rows need no restore.
+    let plan = e.schedule().unwrap();
+    assert!(plan.num_draft_tokens[0] > 0);
+    let k = plan.num_draft_tokens[0] as usize;
+    let end = plan.input_ids.len();
+    let mut agree: Vec<u32> = plan.input_ids[end - k..].to_vec();
+    agree.push(4);
+    commit_rows(&mut e, &plan, &[&agree]);
+    let plan = e.schedule().unwrap();
+    assert!(plan.copy_pages.is_empty() || plan.copy_pages == vec![src, spare], "a save, no restore");
+    e.check_integrity().unwrap();
 }
 
 #[test]

@@ -179,9 +179,15 @@ impl CacheLayout {
 
     /// Most pages one request of `max_model_len` tokens holds at once, over all groups (what
     /// `Engine` requires the pool to hold besides the null page).
-    #[pyo3(signature = (max_model_len, max_num_batched_tokens, enable_prefix_caching = true))]
-    fn pages_per_request(&self, max_model_len: u32, max_num_batched_tokens: u32, enable_prefix_caching: bool) -> u32 {
-        self.layout.pages_per_request(max_model_len, max_num_batched_tokens, enable_prefix_caching)
+    #[pyo3(signature = (max_model_len, max_num_batched_tokens, enable_prefix_caching = true, num_speculative_tokens = 0))]
+    fn pages_per_request(
+        &self,
+        max_model_len: u32,
+        max_num_batched_tokens: u32,
+        enable_prefix_caching: bool,
+        num_speculative_tokens: u32,
+    ) -> u32 {
+        self.layout.pages_per_request(max_model_len, max_num_batched_tokens, enable_prefix_caching, num_speculative_tokens > 0)
     }
 
     fn group_of_layer(&self, layer_index: u32) -> PyResult<usize> {
