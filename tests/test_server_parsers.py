@@ -673,6 +673,7 @@ def test_default_parsers():
     assert default_parsers("deepseek_v32") == ("deepseek_v32", "deepseek_v3")
     assert default_parsers("deepseek_v4") == ("deepseek_v4", "deepseek_v4")
     assert default_parsers("glm4_moe") == ("glm45", "glm45")
+    assert default_parsers("glm5_next") == default_parsers("glm5_next_text") == ("glm47", "glm45")
     assert default_parsers("llama") == ("llama3_json", None)
     assert default_parsers("mistral") == (None, None) and default_parsers("mixtral") == (None, None)
     for tool, reasoning in [

@@ -61,6 +61,10 @@ _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     "deepseek_v4": ("deepseek_v4", "deepseek_v4"),
     "glm4_moe": ("glm45", "glm45"),
     "glm4v_moe": ("glm45", "glm45"),
+    # GLM-5.3-Flash (resin/models/glm5_flash): GLM-4.7's <tool_call> / <arg_key> / <arg_value>
+    # spelling, <think> reasoning; the wrapper and the flat text config.
+    "glm5_next": ("glm47", "glm45"),
+    "glm5_next_text": ("glm47", "glm45"),
     "llama": ("llama3_json", None),
 }
 
