@@ -8,12 +8,15 @@ its own name minus ``model.``. Layer and expert indices are folded into ``{layer
 
 Added by hand: the same names under ``model.language_model.`` (where
 ``Glm5NextForConditionalGeneration`` keeps its text model; a checkpoint saved by that class
-with its ``model.visual.*`` tensors removed loads as is). A checkpoint that still has the vision
-tower's tensors is refused by the loader (NOTES.md, toolkit gap 2).
+with its ``model.visual.*`` tensors removed loads as is). The vision tower's tensors of a full
+multimodal checkpoint are left unused (``IGNORED_PREFIXES``): this runner serves text only.
 """
 
 import json
 from pathlib import Path
+
+# The vision tower (Glm5NextForConditionalGeneration's model.visual) is not run: text only.
+IGNORED_PREFIXES = ("model.visual.",)
 
 _GENERATED: dict[str, str] = {
     "model.layers.{layer}.self_attn.dt_bias": "layers.{layer}.self_attn.forget_gate.dt_bias",

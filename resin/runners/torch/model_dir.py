@@ -345,11 +345,14 @@ class ModelDirRunner(PagedRunner):
                 f"{checkpoint_dir} is a {architecture or args.model_type} "
                 f"checkpoint; {model_dir} runs {', '.join(record.architectures)}"
             )
-        weight_map = {}
+        weight_map: dict[str, str] = {}
+        ignored: tuple[str, ...] = ()
         if (model_dir / "weights.py").is_file():
-            weight_map = dict(
-                getattr(import_model_module(model_dir, "weights", name), "WEIGHT_MAP", {})
-            )
+            weights_module = import_model_module(model_dir, "weights", name)
+            weight_map = dict(getattr(weights_module, "WEIGHT_MAP", {}))
+            # Checkpoint parts this runner does not run (a vision tower of a multimodal
+            # checkpoint served text-only): left unused, not refused as unknown.
+            ignored = tuple(getattr(weights_module, "IGNORED_PREFIXES", ()))
         device = torch.device(device)
         definition = model_definition(name, record, blocks, args, device)
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
@@ -363,6 +366,7 @@ class ModelDirRunner(PagedRunner):
             required_globals=_required_globals(record, args, weight_map),
             expected_shape=_shape_checker(record, args, kinds),
             keep_in_fp32=record.keep_in_fp32.get(dtype_name, []),
+            ignored_prefixes=ignored,
             device=device,
             dtype=dtype,
         )

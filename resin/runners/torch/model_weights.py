@@ -115,6 +115,7 @@ def load_model_weights(
     required_globals: Iterable[str] = (),
     expected_shape: Callable[[str, int | None], list[int | None] | None] | None = None,
     keep_in_fp32: Iterable[str] = (),
+    ignored_prefixes: Iterable[str] = (),
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> ModelWeights:
@@ -127,12 +128,16 @@ def load_model_weights(
     ``required(layer)``: patterns (relative to ``model.layers.{layer}.``, ``{expert}``
     allowed) that layer must have; ``required_globals``: runner names of non-layer tensors
     the checkpoint must have (``norm.weight``, an untied ``lm_head.weight``).
+    ``ignored_prefixes``: checkpoint name prefixes of parts the runner does not run (a model
+    directory's ``weights.IGNORED_PREFIXES``, e.g. ``model.visual.`` for a text-only runner of
+    a multimodal checkpoint): their tensors are left in ``unused``, not read.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise WeightsError(
             f"unsupported dtype {dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
         )
     directory = Path(checkpoint_dir)
+    ignored = tuple(ignored_prefixes)
     files = locate_tensors(directory)
     mapping = dict(weight_map or {})
     # Names the weight map renames are known too (e.g. a checkpoint in the upstream naming).
@@ -146,8 +151,12 @@ def load_model_weights(
         if plan is not None and name in plan.scales:
             continue  # read with its tensor
         pattern, layer, expert = name_pattern(name)
-        if (layer is not None and layer >= num_layers) or name.endswith(IGNORED_SUFFIXES):
-            unused.append(name)  # MTP layers past the stack, leftover rotary buffers
+        if (
+            (layer is not None and layer >= num_layers)
+            or name.endswith(IGNORED_SUFFIXES)
+            or name.startswith(ignored)
+        ):
+            unused.append(name)  # MTP layers past the stack, leftover buffers, ignored parts
             continue
         if known is not None and pattern not in known:
             unknown.append(name)
