@@ -47,6 +47,13 @@ import torch.nn.functional as F
 from resin.loading.rope import RopeConfig, rope_inv_freq
 from resin.runners.torch.attention import RowHistory
 from resin.runners.torch.context import LayerContext
+from resin.runners.torch.hyper_connections import (
+    expand_streams,
+    hyper_connection,
+    mix_streams,
+    unweighted_rms_norm,
+)
+from resin.runners.torch.layers import clamped_swiglu
 from resin.runners.torch.layer_caches import compressed_attention_cache
 from resin.runners.torch.model_definition import LayerCache
 
@@ -156,9 +163,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * x32).to(x.dtype)
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeepseekV4UnweightedRMSNorm (M:67)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def deepseek_v4_rms_norm(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
@@ -172,35 +176,11 @@ def deepseek_v4_rms_norm(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torc
 def deepseek_v4_hyper_connection(
     x: torch.Tensor, w: Weights, ctx: LayerContext
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepseekV4HyperConnection (M:885-996): streams [T, hc, D] -> (post [T, hc] fp32,
-    comb [T, hc, hc] fp32 (Sinkhorn: columns first, then iters-1 x (rows, columns)),
-    collapsed [T, D] = sum_j pre_j h_j in the streams' dtype). Weights: fn, base, scale."""
-    cfg = ctx.config
-    n, eps = int(cfg.hc_mult), float(cfg.hc_eps)
-    flat = unweighted_rms_norm(x.reshape(x.shape[0], -1).float(), float(cfg.rms_norm_eps))
-    mixes = F.linear(flat, w["fn"].float())
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = w["base"].split([n, n, n * n])
-    pre_s, post_s, comb_s = w["scale"].unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(int(cfg.hc_sinkhorn_iters) - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return post, comb, collapsed
+    """DeepseekV4HyperConnection (M:885-996): (post, comb, collapsed) of the streams
+    (resin.runners.torch.hyper_connections.hyper_connection). Weights: fn, base, scale."""
+    return hyper_connection(x, w, ctx.config)
 
 
-def _mix(
-    post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
-) -> torch.Tensor:
-    """``post ⊗ block_out + combᵀ @ streams`` (M:1190-1199), in the streams' dtype."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
 
 
 def deepseek_v4_decoder_layer(
@@ -218,19 +198,18 @@ def deepseek_v4_decoder_layer(
     emit("input_layernorm", x)
     x = fns["self_attn"](x, weights["self_attn"], ctx)
     emit("self_attn", x)
-    hidden = _mix(post, comb, x, hidden)
+    hidden = mix_streams(post, comb, x, hidden)
     post, comb, collapsed = fns["ffn_hc"](hidden, weights["ffn_hc"], ctx)
     x = fns["post_attention_layernorm"](collapsed, weights["post_attention_layernorm"], ctx)
     emit("post_attention_layernorm", x)
     x = fns["mlp"](x, weights["mlp"], ctx)
     emit("mlp", x)
-    return _mix(post, comb, x, hidden)
+    return mix_streams(post, comb, x, hidden)
 
 
 def pre_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """DeepseekV4Model (M:1363): the embedding copied into ``hc_mult`` streams -> [T, hc, D]."""
-    n = int(ctx.config.hc_mult)
-    return hidden.unsqueeze(1).expand(-1, n, -1).contiguous()
+    return expand_streams(hidden, ctx.config)
 
 
 def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
@@ -474,8 +453,6 @@ def _indexer_selection(
 # -- MoE ------------------------------------------------------------------------------------
 
 
-def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def _score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -510,14 +487,14 @@ def deepseek_v4_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext)
     for expert in torch.unique(experts).tolist():
         token, slot = torch.where(experts == expert)
         e = f"experts.{expert}."
-        h = _clamped_swiglu(
+        h = clamped_swiglu(
             F.linear(x[token], w[e + "w1.weight"]), F.linear(x[token], w[e + "w3.weight"]), limit
         )
         y = F.linear(h, w[e + "w2.weight"]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     s = "shared_experts."
     shared = F.linear(
-        _clamped_swiglu(
+        clamped_swiglu(
             F.linear(x, w[s + "gate_proj.weight"]), F.linear(x, w[s + "up_proj.weight"]), limit
         ),
         w[s + "down_proj.weight"],

@@ -40,6 +40,13 @@ import torch.nn.functional as F
 
 from resin.runners.torch.attention import RowHistory
 from resin.runners.torch.context import LayerContext
+from resin.runners.torch.hyper_connections import (
+    expand_streams,
+    hyper_connection,
+    mix_streams,
+    unweighted_rms_norm,
+)
+from resin.runners.torch.layers import clamped_swiglu
 from resin.runners.torch.layer_caches import (
     indexed_attention_cache,
     kimi_delta_attention_cache,
@@ -132,9 +139,6 @@ def glm5_next_text_rms_norm(x: torch.Tensor, w: Weights, ctx: LayerContext) -> t
     return rms_norm(x, w["weight"], float(ctx.config.rms_norm_eps))
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Glm5NextTextUnweightedRMSNorm (M:211-217)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def gated_rms_norm(
@@ -154,36 +158,11 @@ def gated_rms_norm(
 def glm5_next_text_hyper_connection(
     x: torch.Tensor, w: Weights, ctx: LayerContext
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Glm5NextTextHyperConnection (M:220-328): streams [T, hc, D] -> (post [T, hc] fp32, comb
-    [T, hc, hc] fp32 (Sinkhorn: columns first, then iters - 1 x (rows, columns)), collapsed
-    [T, D] in the streams' dtype). Weights ``fn``, ``base``, ``scale`` (checkpoint names
-    ``hc_attn_*`` / ``hc_ffn_*``, renamed by weights.py)."""
-    cfg = ctx.config
-    n, eps = int(cfg.hc_mult), float(cfg.hc_eps)
-    flat = unweighted_rms_norm(x.reshape(x.shape[0], -1).float(), float(cfg.rms_norm_eps))
-    mixes = F.linear(flat, w["fn"].float())
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = w["base"].split([n, n, n * n])
-    pre_s, post_s, comb_s = w["scale"].unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(int(cfg.hc_sinkhorn_iters) - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return post, comb, collapsed
+    """Glm5NextTextHyperConnection (M:220-328): (post, comb, collapsed) of the streams
+    (resin.runners.torch.hyper_connections.hyper_connection). Weights: fn, base, scale."""
+    return hyper_connection(x, w, ctx.config)
 
 
-def _mix(
-    post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
-) -> torch.Tensor:
-    """``post (x) block_out + comb^T @ streams`` (M:1341-1352), in the streams' dtype."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
 
 
 def glm5_next_text_decoder_layer(
@@ -202,20 +181,19 @@ def glm5_next_text_decoder_layer(
     emit("input_layernorm", x)
     x = fns["self_attn"](x, weights["self_attn"], ctx)
     emit("self_attn", x)
-    hidden = _mix(post, comb, x, hidden)
+    hidden = mix_streams(post, comb, x, hidden)
     post, comb, collapsed = fns["ffn_hc"](hidden, weights["ffn_hc"], ctx)
     emit("ffn_hc", post)
     x = fns["post_attention_layernorm"](collapsed, weights["post_attention_layernorm"], ctx)
     emit("post_attention_layernorm", x)
     x = fns["mlp"](x, weights["mlp"], ctx)
     emit("mlp", x)
-    return _mix(post, comb, x, hidden)
+    return mix_streams(post, comb, x, hidden)
 
 
 def pre_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
-    """Glm5NextTextModel.forward (M:1505): the embedding copied into ``hc_mult`` streams."""
-    n = int(ctx.config.hc_mult)
-    return hidden.unsqueeze(1).expand(-1, n, -1).contiguous()
+    """Glm5NextTextModel.forward (M:1505): the embedding copied into ``hc_mult`` streams -> [T, hc, D]."""
+    return expand_streams(hidden, ctx.config)
 
 
 def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
@@ -545,13 +523,11 @@ def glm5_next_text_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> 
 # -- MLPs -------------------------------------------------------------------------------------
 
 
-def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def _mlp(x: torch.Tensor, w: Weights, prefix: str, limit: float) -> torch.Tensor:
     return F.linear(
-        _clamped_swiglu(
+        clamped_swiglu(
             F.linear(x, w[f"{prefix}gate_proj.weight"]),
             F.linear(x, w[f"{prefix}up_proj.weight"]),
             limit,
@@ -607,7 +583,7 @@ def glm5_next_text_mo_e(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
         slot, token = torch.where(experts.t() == e)
         gate_w, up_w, down_w = _expert(w, e)
         gate, up = F.linear(x[token], torch.cat([gate_w, up_w], dim=0)).chunk(2, dim=-1)
-        h = _clamped_swiglu(gate, up, limit)
+        h = clamped_swiglu(gate, up, limit)
         y = F.linear(h, down_w) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out + _mlp(x, w, "shared_experts.", limit)

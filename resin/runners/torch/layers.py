@@ -155,6 +155,12 @@ class SequenceView:
     key_positions: torch.Tensor | None = None
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SwiGLU with the gate clamped from above and the up projection to ``[-limit, limit]``
+    (DeepSeek-V4, GLM-5.3-Flash)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
 def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows ``slots`` (``page * page_entries + offset``) of a ``[num_pages, page_entries, ...]``
     cache: a flat index when the cache is contiguous, else (a view into a page row shared
