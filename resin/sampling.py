@@ -176,7 +176,7 @@ class Sampler:
 
         greedy = temperature == 0
         if bool(greedy.all()):  # the greedy fast path: no filters, no softmax, no sort
-            return self._output(plan, rows, processed.argmax(dim=-1), logits)
+            return self._output(plan, rows, offsets, processed.argmax(dim=-1), logits)
         scaled = processed / torch.where(greedy, 1.0, temperature)[:, None]
         scaled = apply_top_k(
             scaled, torch.as_tensor(np.array(sampling.top_k[rows]), device=self.device)
@@ -196,7 +196,7 @@ class Sampler:
             seed = int(sampling.seed[row])
             generator = self.generator if seed < 0 else self._seeded(seed, num_output_tokens[r])
             tokens[r] = torch.multinomial(probs[r], 1, generator=generator)[0]
-        return self._output(plan, rows, tokens, logits)
+        return self._output(plan, rows, offsets, tokens, logits)
 
     def _mask(
         self, processed: torch.Tensor, logits: torch.Tensor, slots: list[int], banned: list[int]
@@ -244,12 +244,17 @@ class Sampler:
         return generator
 
     def _output(
-        self, plan: BatchPlan, rows: np.ndarray, tokens: torch.Tensor, logits: torch.Tensor
+        self,
+        plan: BatchPlan,
+        rows: np.ndarray,
+        offsets: np.ndarray,
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
     ) -> ForwardOutput:
         # Per plan row its samples, in order; a row that does not sample returns one ignored 0.
         counts = np.maximum(np.diff(plan.sample_indptr.astype(np.int64)), 1)
         token_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
-        at = token_indptr[rows].astype(np.int64) + _offsets_in_row(rows)
+        at = token_indptr[rows].astype(np.int64) + offsets
         num_rows = int(token_indptr[-1])
         token_ids = np.zeros(num_rows, dtype=np.uint32)
         token_ids[at] = tokens.cpu().numpy().astype(np.uint32)

@@ -46,6 +46,25 @@ from resin.runners.torch.layers import (
 from resin.runners.torch.step_inputs import StepInputs
 
 
+def head_layout(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, value_dim: int | None
+) -> tuple[int, int, int]:
+    """``(query heads, query heads per KV head, value width)`` of one ``attend`` call, checked
+    the same way by every backend: the query heads must be a multiple of the cache's KV heads;
+    the value width is ``value_dim``, else the value cache's (the key cache's for K = V)."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads"
+        )
+    values = v_cache if v_cache is not None else k_cache
+    return (
+        num_heads,
+        num_heads // num_kv_heads,
+        value_dim if value_dim is not None else values.shape[-1],
+    )
+
+
 class AttentionBackend:
     """The interface. Subclasses implement :meth:`begin_step` and :meth:`attend`."""
 
@@ -176,17 +195,7 @@ class ReferenceBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads"
-            )
-        repeat = num_heads // num_kv_heads
-        dim_v = (
-            value_dim
-            if value_dim is not None
-            else (v_cache if v_cache is not None else k_cache).shape[-1]
-        )
+        num_heads, repeat, dim_v = head_layout(q, k_cache, v_cache, value_dim)
         out = q.new_empty(q.shape[0], num_heads, dim_v)
         for view in self._views(group):
             k_rows = read_slots(k_cache, view.slots)

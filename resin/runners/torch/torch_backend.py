@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from resin.runners.torch.attention import ReferenceBackend
+from resin.runners.torch.attention import ReferenceBackend, head_layout
 from resin.runners.torch.layers import read_slots
 
 
@@ -93,17 +93,8 @@ class TorchBackend(ReferenceBackend):
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads"
-            )
-        repeat = num_heads // num_kv_heads
-        dim_v = (
-            value_dim
-            if value_dim is not None
-            else (v_cache if v_cache is not None else k_cache).shape[-1]
-        )
+        num_heads, repeat, dim_v = head_layout(q, k_cache, v_cache, value_dim)
+        num_kv_heads = num_heads // repeat
         b = self._batch(group)
         rows, keys = b.slot_index.shape
         flat = b.slot_index.reshape(-1)

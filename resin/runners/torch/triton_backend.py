@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from resin.runners.torch.attention import ReferenceBackend
+from resin.runners.torch.attention import ReferenceBackend, head_layout
 from resin.runners.torch.layers import plan_tensor
 
 try:
@@ -317,19 +317,14 @@ class TritonBackend(ReferenceBackend):
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads"
-            )
+        num_heads, group_size, dim_v = head_layout(q, k_cache, v_cache, value_dim)
+        num_kv_heads = num_heads // group_size
         if not self.interpret and q.device.type != "cuda":
             raise RuntimeError(
                 f"the triton attention backend runs on a GPU: q is on {q.device} "
                 "(set TRITON_INTERPRET=1 to run on CPU through Triton's interpreter)"
             )
-        group_size = num_heads // num_kv_heads
         values = v_cache if v_cache is not None else k_cache
-        dim_v = value_dim if value_dim is not None else values.shape[-1]
         head_dim = q.shape[-1]
         out = q.new_empty(q.shape[0], num_heads, dim_v)
         assert self._step is not None, "begin_step first"

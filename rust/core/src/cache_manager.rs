@@ -113,26 +113,17 @@ impl KvCacheManager {
         self.layout.groups[g].pages_per_state * (1 + u32::from(self.spare_states))
     }
 
-    /// `copy_pages` for a verify row of `req`: its state into its spare, in every recurrent
-    /// group (read before the forward advances the state over the drafts).
-    pub fn save_states(&mut self, req: &Request) {
+    /// `copy_pages` between `req`'s states and their spares, in every recurrent group: state
+    /// -> spare before a verify row (`save`: read before the forward advances the state over
+    /// the drafts), spare -> state after a rejected draft (`!save`).
+    pub fn copy_spare_states(&mut self, req: &Request, save: bool) {
         for (g, group) in self.layout.groups.iter().enumerate() {
             let n = group.pages_per_state as usize;
             if n > 0 && req.pages[g].len() == 2 * n {
                 for p in 0..n {
-                    self.pending_copies.extend_from_slice(&[req.pages[g][p], req.pages[g][n + p]]);
-                }
-            }
-        }
-    }
-
-    /// `copy_pages` restoring `req`'s states from its spares (after a rejected draft).
-    pub fn restore_states(&mut self, req: &Request) {
-        for (g, group) in self.layout.groups.iter().enumerate() {
-            let n = group.pages_per_state as usize;
-            if n > 0 && req.pages[g].len() == 2 * n {
-                for p in 0..n {
-                    self.pending_copies.extend_from_slice(&[req.pages[g][n + p], req.pages[g][p]]);
+                    let (state, spare) = (req.pages[g][p], req.pages[g][n + p]);
+                    let pair = if save { [state, spare] } else { [spare, state] };
+                    self.pending_copies.extend_from_slice(&pair);
                 }
             }
         }

@@ -200,10 +200,10 @@ impl Scheduler {
             if num_drafts > 0 || self.kv.allocate(req, num_new) {
                 if req.restore_states {
                     req.restore_states = false;
-                    self.kv.restore_states(req);
+                    self.kv.copy_spare_states(req, false);
                 }
                 if num_drafts > 0 && self.kv.spare_states {
-                    self.kv.save_states(req);
+                    self.kv.copy_spare_states(req, true);
                 }
                 rows.push(ScheduledRow { req: idx, num_new_tokens: num_new + num_drafts, num_drafts });
                 budget -= num_new + num_drafts;
