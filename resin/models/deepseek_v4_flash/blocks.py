@@ -53,8 +53,8 @@ from resin.runners.torch.hyper_connections import (
     mix_streams,
     unweighted_rms_norm,
 )
-from resin.runners.torch.layers import clamped_swiglu
 from resin.runners.torch.layer_caches import compressed_attention_cache
+from resin.runners.torch.layers import clamped_swiglu
 from resin.runners.torch.model_definition import LayerCache
 
 Weights = dict[str, torch.Tensor]
@@ -163,8 +163,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * x32).to(x.dtype)
 
 
-
-
 def deepseek_v4_rms_norm(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """DeepseekV4RMSNorm (M:45): input/post-attention layernorms and the final norm."""
     return rms_norm(x, w["weight"], float(ctx.config.rms_norm_eps))
@@ -179,8 +177,6 @@ def deepseek_v4_hyper_connection(
     """DeepseekV4HyperConnection (M:885-996): (post, comb, collapsed) of the streams
     (resin.runners.torch.hyper_connections.hyper_connection). Weights: fn, base, scale."""
     return hyper_connection(x, w, ctx.config)
-
-
 
 
 def deepseek_v4_decoder_layer(
@@ -236,7 +232,9 @@ def layer_cache(
     * ratio)`` tokens (``kv``, the compressor's raw ``comp_kv`` / ``comp_gate``, CSA's indexer
     ``index_kv`` / ``index_gate``) plus compressed ``entries`` (``kv``, CSA's ``index_k``)."""
     if layer_type == SLIDING:
-        return LayerCache("sliding_window", {"kv": (1, head_dim)}, window or int(config.sliding_window))
+        return LayerCache(
+            "sliding_window", {"kv": (1, head_dim)}, window or int(config.sliding_window)
+        )
     return compressed_attention_cache(layer_type, config, head_dim)
 
 
@@ -451,8 +449,6 @@ def _indexer_selection(
 
 
 # -- MoE ------------------------------------------------------------------------------------
-
-
 
 
 def _score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

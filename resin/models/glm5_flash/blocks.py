@@ -44,14 +44,13 @@ from resin.runners.torch.hyper_connections import (
     expand_streams,
     hyper_connection,
     mix_streams,
-    unweighted_rms_norm,
 )
-from resin.runners.torch.layers import clamped_swiglu
 from resin.runners.torch.layer_caches import (
     indexed_attention_cache,
     kimi_delta_attention_cache,
     kimi_delta_attention_dims,
 )
+from resin.runners.torch.layers import clamped_swiglu
 from resin.runners.torch.model_definition import LayerCache
 
 Weights = dict[str, torch.Tensor]
@@ -139,8 +138,6 @@ def glm5_next_text_rms_norm(x: torch.Tensor, w: Weights, ctx: LayerContext) -> t
     return rms_norm(x, w["weight"], float(ctx.config.rms_norm_eps))
 
 
-
-
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -161,8 +158,6 @@ def glm5_next_text_hyper_connection(
     """Glm5NextTextHyperConnection (M:220-328): (post, comb, collapsed) of the streams
     (resin.runners.torch.hyper_connections.hyper_connection). Weights: fn, base, scale."""
     return hyper_connection(x, w, ctx.config)
-
-
 
 
 def glm5_next_text_decoder_layer(
@@ -521,8 +516,6 @@ def glm5_next_text_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> 
 
 
 # -- MLPs -------------------------------------------------------------------------------------
-
-
 
 
 def _mlp(x: torch.Tensor, w: Weights, prefix: str, limit: float) -> torch.Tensor:

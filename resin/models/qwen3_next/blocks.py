@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from resin.runners.torch.context import LayerContext
-from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
 from resin.runners.torch.layer_caches import gated_delta_net_dims
+from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
