@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from resin.loading.rope import RopeConfig, rope_inv_freq
 from resin.runners.torch.attention import RowHistory
+from resin.runners.torch.blocks import config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.hyper_connections import (
     expand_streams,
@@ -64,10 +65,6 @@ ASSUMED: tuple[str, ...] = ()
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
-
-
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
 
 
 # -- rotary ---------------------------------------------------------------------------------
@@ -132,8 +129,8 @@ def _rope_table(
 def deepseek_v4_rotary_embedding(config: Any, head_dim: int, device: torch.device) -> Any:
     """DeepseekV4RotaryEmbedding (M:76): ``main`` for sliding layers, ``compress`` for CSA and
     HCA layers (their q, window K = V, output de-rotation, compressed entries and indexer)."""
-    params = _cfg(config, "rope_parameters")
-    max_positions = int(_cfg(config, "max_position_embeddings", 2048))
+    params = config_value(config, "rope_parameters")
+    max_positions = int(config_value(config, "max_position_embeddings", 2048))
     main = _rope_table(params["main"], head_dim, max_positions, device)
     compress = _rope_table(params["compress"], head_dim, max_positions, device)
     return {SLIDING: main, CSA: compress, HCA: compress}

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from resin.loading.rope import parse_rope_config, rope_inv_freq
+from resin.runners.torch.blocks import config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
 
@@ -52,11 +53,6 @@ ASSUMED: tuple[str, ...] = ()
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # Gemma3TextConfig.default_theta (configuration_gemma3.py:98)
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
-
-
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    value = getattr(config, name, default)
-    return default if value is None else value
 
 
 # -- model-level hooks ---------------------------------------------------------------------
@@ -90,17 +86,18 @@ def rope_parameters_by_type(config: Any) -> dict[str, dict[str, Any]]:
     nested ``rope_parameters`` (transformers 5 spelling), or the legacy hub keys — ``rope_scaling``
     updates the global (full-attention) layers only; ``rope_theta`` / ``rope_local_base_freq``
     fill a type's missing ``rope_theta``."""
-    params = copy.deepcopy(dict(_cfg(config, "rope_parameters", {}) or {}))
+    params = copy.deepcopy(dict(config_value(config, "rope_parameters", {}) or {}))
     for layer_type in LAYER_TYPES:
         params[layer_type] = dict(params.get(layer_type) or {"rope_type": "default"})
-    legacy_scaling = _cfg(config, "rope_scaling")
+    legacy_scaling = config_value(config, "rope_scaling")
     if legacy_scaling:
         params["full_attention"].update(legacy_scaling)
     params["full_attention"].setdefault(
-        "rope_theta", _cfg(config, "rope_theta", DEFAULT_THETA["full_attention"])
+        "rope_theta", config_value(config, "rope_theta", DEFAULT_THETA["full_attention"])
     )
     params["sliding_attention"].setdefault(
-        "rope_theta", _cfg(config, "rope_local_base_freq", DEFAULT_THETA["sliding_attention"])
+        "rope_theta",
+        config_value(config, "rope_local_base_freq", DEFAULT_THETA["sliding_attention"]),
     )
     return params
 
@@ -110,7 +107,7 @@ def gemma3_rotary_embedding(config: Any, head_dim: int, device: torch.device) ->
     type (``compute_default_rope_parameters`` / ``ROPE_INIT_FUNCTIONS[rope_type]``), over the whole
     head_dim, angles duplicated for ``rotate_half`` (Resin's ``apply_rotary``), cos/sin in fp32
     then cast to the activation dtype; attention_scaling 1.0 for default and linear."""
-    max_positions = int(_cfg(config, "max_position_embeddings", 2048))
+    max_positions = int(config_value(config, "max_position_embeddings", 2048))
     tables = {}
     for layer_type, params in rope_parameters_by_type(config).items():
         rope = parse_rope_config(
@@ -163,7 +160,7 @@ def gemma3_mlp(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """Gemma3MLP (modeling_gemma3.py:103): ``down(act(gate(x)) * up(x))`` with
     ``hidden_activation`` = ``gelu_pytorch_tanh`` (GELUTanh: ``F.gelu(approximate="tanh")``).
     Weights: ``{gate,up,down}_proj.weight``."""
-    activation = _cfg(ctx.config, "hidden_activation", "gelu_pytorch_tanh")
+    activation = config_value(ctx.config, "hidden_activation", "gelu_pytorch_tanh")
     if activation != "gelu_pytorch_tanh":
         raise NotImplementedError(f"gemma3: hidden_activation {activation!r}")
     gate = F.gelu(F.linear(x, w["gate_proj.weight"]), approximate="tanh")

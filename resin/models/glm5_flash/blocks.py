@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from resin.runners.torch.attention import RowHistory
+from resin.runners.torch.blocks import config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.hyper_connections import (
     expand_streams,
@@ -59,11 +60,6 @@ ASSUMED: tuple[str, ...] = ()
 
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
-
-
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    value = getattr(config, name, default)
-    return default if value is None else value
 
 
 # -- config -----------------------------------------------------------------------------------
@@ -120,7 +116,9 @@ def normalise_config(values: dict[str, Any]) -> dict[str, Any]:
 
 def head_dim(config: Any) -> int:
     """Query / key width of the indexed attention: ``qk_nope_head_dim + qk_rope_head_dim``."""
-    return int(_cfg(config, "qk_nope_head_dim", 0)) + int(_cfg(config, "qk_rope_head_dim", 0))
+    return int(config_value(config, "qk_nope_head_dim", 0)) + int(
+        config_value(config, "qk_rope_head_dim", 0)
+    )
 
 
 # -- norms ------------------------------------------------------------------------------------
@@ -276,7 +274,7 @@ def forget_gate(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     f = F.linear(F.linear(x, w["forget_gate.f_a_proj.weight"]), w["forget_gate.f_b_proj.weight"])
     g = (f.float() + w["forget_gate.dt_bias"].float()).view(x.shape[0], d["heads"], d["dim"])
     rate = w["forget_gate.A_log"].float().exp().view(1, -1, 1)
-    lower = _cfg(ctx.config, "linear_lower_bound", None)
+    lower = config_value(ctx.config, "linear_lower_bound", None)
     if lower is not None:
         return float(lower) * torch.sigmoid(rate * g)
     return -rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
@@ -427,7 +425,7 @@ def _select(
         token_pool = torch.arange(num_keys, device=x.device) // kpool
         in_pool = token_pool < num_pools
         selected[:, in_pool] = pool_sel[:, token_pool[in_pool]]
-    if bool(_cfg(cfg, "index_kpool_always_select_tail", True)) and kpool > 1:
+    if bool(config_value(cfg, "index_kpool_always_select_tail", True)) and kpool > 1:
         tail_start = (q_pos + 1) - (q_pos + 1) % kpool
         key_pos = positions[None, :]
         selected |= (key_pos >= tail_start[:, None]) & (key_pos <= q_pos[:, None])
@@ -553,7 +551,10 @@ def glm5_next_text_mo_e(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
     cfg = ctx.config
     top_k, limit = int(cfg.num_experts_per_tok), float(cfg.swiglu_limit)
     num_experts = w["gate.weight"].shape[0]
-    groups, topk_group = int(_cfg(cfg, "n_group", 1)), int(_cfg(cfg, "topk_group", 1))
+    groups, topk_group = (
+        int(config_value(cfg, "n_group", 1)),
+        int(config_value(cfg, "topk_group", 1)),
+    )
     logits = F.linear(x.float(), w["gate.weight"].float())
     scores = logits.sigmoid()
     choice = scores + w["gate.e_score_correction_bias"].float()
@@ -566,7 +567,7 @@ def glm5_next_text_mo_e(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
     choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
     experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, experts)
-    if bool(_cfg(cfg, "norm_topk_prob", True)):
+    if bool(config_value(cfg, "norm_topk_prob", True)):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * float(cfg.routed_scaling_factor)
     out = torch.zeros_like(x)

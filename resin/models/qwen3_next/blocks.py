@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from resin.runners.torch.blocks import config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layer_caches import gated_delta_net_dims
 from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
@@ -46,11 +47,6 @@ from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
 ASSUMED: tuple[str, ...] = ()
-
-
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    value = getattr(config, name, default)
-    return default if value is None else value
 
 
 # -- rotary ----------------------------------------------------------------------------------
@@ -61,12 +57,14 @@ def qwen3_next_rotary_embedding(config: Any, head_dim: int, device: torch.device
     ``dim = int(head_dim * partial_rotary_factor)`` computed as HF does (torch fp32), angles
     duplicated for ``rotate_half``. ``partial_rotary_factor`` sits in ``rope_parameters``
     (the config class moves a top-level one there; default 0.25)."""
-    params = dict(_cfg(config, "rope_parameters", {}) or {})
+    params = dict(config_value(config, "rope_parameters", {}) or {})
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
         raise NotImplementedError(f"qwen3_next: rope_type {rope_type!r} (only 'default' ported)")
-    base = float(params.get("rope_theta", _cfg(config, "rope_theta", 10000.0)))
-    factor = float(params.get("partial_rotary_factor", _cfg(config, "partial_rotary_factor", 0.25)))
+    base = float(params.get("rope_theta", config_value(config, "rope_theta", 10000.0)))
+    factor = float(
+        params.get("partial_rotary_factor", config_value(config, "partial_rotary_factor", 0.25))
+    )
     dim = int(head_dim * factor)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     return RotaryEmbedding(inv_freq.numpy(), 1.0, device)
@@ -254,7 +252,7 @@ def qwen3_next_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext) 
     router_logits = F.linear(x, w["gate.weight"])
     probs = torch.softmax(router_logits, dtype=torch.float, dim=-1)
     top_values, top_experts = torch.topk(probs, top_k, dim=-1)
-    if bool(_cfg(ctx.config, "norm_topk_prob", True)):
+    if bool(config_value(ctx.config, "norm_topk_prob", True)):
         top_values = top_values / top_values.sum(dim=-1, keepdim=True)
     top_values = top_values.to(router_logits.dtype)
     out = torch.zeros_like(x)

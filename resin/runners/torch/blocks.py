@@ -34,10 +34,10 @@ PRENORM_CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", 
 
 
 def config_value(config: Any, name: str, default: Any = None) -> Any:
-    """``config.name`` for an HF config, a :class:`resin.loading.ModelConfig` or a dict."""
-    if isinstance(config, dict):
-        return config.get(name, default)
-    return getattr(config, name, default)
+    """``config.name`` for an HF config, a :class:`resin.loading.ModelConfig` or a dict;
+    ``default`` when it is absent or None (HF writes unset fields as None)."""
+    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+    return default if value is None else value
 
 
 def rms_norm_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
