@@ -15,7 +15,9 @@ The history comes from the engine's lifecycle diff alone, never from ``input_ids
 ``new_request_slots`` starts from ``new_request_token_ids`` (prompt, then any outputs it
 already has), and each row then appends ``committed_token_ids`` (the outputs the engine
 committed since the runner last saw the request) at their place, output tokens
-``num_output_tokens - n ..``, so a plan re-sent after a discarded one changes nothing.
+``num_output_tokens - n ..``, so a plan re-sent after a discarded one changes nothing. That
+history, the per-sample seeds and the output layout are framework-neutral and shared with the
+MLX sampler (:mod:`resin.sampling_state`).
 
 Seeds: a row with ``seed >= 0`` draws with its own ``torch.Generator`` seeded from
 ``(seed, plan.num_output_tokens[row])`` (output tokens so far), so a seeded request yields the
@@ -40,44 +42,35 @@ Imports torch; ``import resin`` does not import this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from resin._core import BatchPlan, ForwardOutput
+from resin.sampling_state import (
+    SlotHistory,
+    max_num_logprobs,
+    offsets_in_row,
+    pack_output,
+    sample_seed,
+)
 from resin.structured_output import GrammarRegistry, GrammarSlot, MaskBuffer, apply_grammar_masks
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, step) -> distinct seeds
-_SEED_MASK = (1 << 63) - 1
 
-
-@dataclass
-class SlotState:
-    """One live request: every token it has (prompt, then outputs) and how many are prompt."""
-
-    token_ids: list[int]
-    num_prompt_tokens: int
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-
-class Sampler:
-    """Samples one token per sampling row; keeps per-request state across plans."""
+class Sampler(SlotHistory):
+    """Samples one token per sampling row; keeps per-request state across plans (the token
+    history of :class:`~resin.sampling_state.SlotHistory`, plus grammar matchers)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
+        super().__init__()
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.slots: dict[int, SlotState] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
         self.grammars = GrammarRegistry()
         self.grammar_slots: dict[int, GrammarSlot] = {}
         self._mask_buffer = MaskBuffer(vocab_size)
 
-    def begin_step(self, plan: BatchPlan) -> None:
+    def begin_step(self, plan: BatchPlan) -> list[int]:
         """Apply the plan's lifecycle diff: drop finished slots, start new ones from their
         request's tokens, and append each row's ``committed_token_ids``.
 
@@ -86,22 +79,15 @@ class Sampler:
         ``new_request_token_ids``, and committed tokens land at their output index.
         """
         for slot in plan.finished_request_slots.tolist():
-            self.slots.pop(slot, None)
             self.grammar_slots.pop(slot, None)
-        indptr, token_ids = plan.new_request_token_indptr, plan.new_request_token_ids
-        new_slots = plan.new_request_slots.tolist()
-        for j, slot in enumerate(new_slots):
-            self.slots[slot] = SlotState(
-                token_ids[indptr[j] : indptr[j + 1]].tolist(),
-                int(plan.new_request_num_prompt_tokens[j]),
-            )
+        new_slots = super().begin_step(plan)  # the token history
         if new_slots and (self.grammars.active or self.grammar_slots):
             self._start_grammars(plan, new_slots)
-        self._append_committed(plan)
         for slot, grammar in self.grammar_slots.items():
             state = self.slots.get(slot)
             if state is not None:
                 grammar.sync(state.token_ids, state.num_prompt_tokens)
+        return new_slots
 
     def _start_grammars(self, plan: BatchPlan, new_slots: list[int]) -> None:
         """A (re)created slot drops its old matcher; one whose request has a grammar gets a
@@ -117,20 +103,6 @@ class Sampler:
             if grammar is not None:
                 self.grammar_slots[slot] = GrammarSlot(grammar)
 
-    def _append_committed(self, plan: BatchPlan) -> None:
-        committed = plan.committed_token_ids
-        if len(committed) == 0:
-            return
-        committed_indptr = plan.committed_token_indptr.tolist()
-        num_output_tokens = plan.num_output_tokens.tolist()
-        for row, slot in enumerate(plan.request_slots.tolist()):
-            lo, hi = committed_indptr[row], committed_indptr[row + 1]
-            state = self.slots.get(slot)
-            if lo == hi or state is None:
-                continue
-            del state.token_ids[state.num_prompt_tokens + num_output_tokens[row] - (hi - lo) :]
-            state.token_ids.extend(committed[lo:hi].tolist())
-
     def sample(self, logits: torch.Tensor, plan: BatchPlan, rows: np.ndarray) -> ForwardOutput:
         """Sample ``logits`` float32[len(rows), vocab]: one entry per sample of the step, ``rows``
         its plan row (``sampling_rows``; a row verifying k drafts has 1 + k consecutive
@@ -143,7 +115,7 @@ class Sampler:
         """
         sampling = plan.sampling
         slots = plan.request_slots[rows].tolist()
-        offsets = _offsets_in_row(rows)
+        offsets = offsets_in_row(rows)
         num_output_tokens = (plan.num_output_tokens[rows] + offsets).tolist()
         if self.grammar_slots and len(rows) != len(set(rows.tolist())):
             verifying = {slots[r] for r in np.flatnonzero(offsets > 0).tolist()}
@@ -240,7 +212,7 @@ class Sampler:
 
     def _seeded(self, seed: int, num_output_tokens: int) -> torch.Generator:
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(((seed * _SEED_MIX) + num_output_tokens) & _SEED_MASK)
+        generator.manual_seed(sample_seed(seed, num_output_tokens))
         return generator
 
     def _output(
@@ -251,37 +223,21 @@ class Sampler:
         tokens: torch.Tensor,
         logits: torch.Tensor,
     ) -> ForwardOutput:
-        # Per plan row its samples, in order; a row that does not sample returns one ignored 0.
-        counts = np.maximum(np.diff(plan.sample_indptr.astype(np.int64)), 1)
-        token_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
-        at = token_indptr[rows].astype(np.int64) + offsets
-        num_rows = int(token_indptr[-1])
-        token_ids = np.zeros(num_rows, dtype=np.uint32)
-        token_ids[at] = tokens.cpu().numpy().astype(np.uint32)
-        num_logprobs = plan.sampling.num_logprobs[rows]
-        if len(rows) == 0 or num_logprobs.max() < 0:
-            return ForwardOutput(token_ids, token_indptr)
-        k = int(num_logprobs.max())
+        k = max_num_logprobs(plan, rows)
+        if k < 0:
+            return pack_output(plan, rows, offsets, tokens.cpu().numpy())
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top_values, top_ids = torch.topk(logprobs, k, dim=-1)
         sampled = logprobs.gather(1, tokens[:, None])[:, 0]
-        out_logprobs = np.zeros(num_rows, dtype=np.float32)
-        out_top_ids = np.zeros((num_rows, k), dtype=np.uint32)
-        out_top_logprobs = np.zeros((num_rows, k), dtype=np.float32)
-        out_logprobs[at] = sampled.cpu().numpy()
-        out_top_ids[at] = top_ids.cpu().numpy().astype(np.uint32)
-        out_top_logprobs[at] = top_values.cpu().numpy()
-        return ForwardOutput(token_ids, token_indptr, out_logprobs, out_top_ids, out_top_logprobs)
-
-
-def _offsets_in_row(rows: np.ndarray) -> np.ndarray:
-    """For samples listed row by row (a row's samples consecutive), each one's index within
-    its row: 0 for a row's first sample, j for a verify row's j-th."""
-    if len(rows) == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.concatenate([[True], rows[1:] != rows[:-1]])
-    first = np.maximum.accumulate(np.where(starts, np.arange(len(rows)), 0))
-    return np.arange(len(rows)) - first
+        return pack_output(
+            plan,
+            rows,
+            offsets,
+            tokens.cpu().numpy(),
+            sampled.cpu().numpy(),
+            top_ids.cpu().numpy(),
+            top_values.cpu().numpy(),
+        )
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

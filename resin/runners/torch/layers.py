@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from resin._core import BatchPlan
+# Re-exported: it lives in resin.sampling_state (numpy, shared with the MLX runner).
+from resin.sampling_state import sampling_rows as sampling_rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -237,18 +238,3 @@ def plan_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array).to(device)
-
-
-def sampling_rows(plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:
-    """One entry per sample of the step, in ``sample_indptr`` order: the plan row it belongs to
-    and the index (in the step's flat token order) of the token whose logits are sampled. A
-    row samples its last token; a row verifying k drafts samples its last 1 + k tokens (the
-    model's choice after its last committed token and after each draft). A mid-prefill chunk
-    does not sample."""
-    counts: np.ndarray = np.diff(plan.sample_indptr.astype(np.int64)).astype(np.int64)
-    rows = np.repeat(np.arange(len(counts)), counts)
-    ends = plan.query_indptr[1:].astype(np.int64)
-    # Within a row, samples 0 .. c-1 sit at its last c tokens.
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    offset = np.arange(len(rows)) - first
-    return rows, ends[rows] - counts[rows] + offset
