@@ -12,7 +12,9 @@ Guarantees: every problem raises :class:`WeightsError` (a ``ValueError``) naming
 tensor and, for a shape mismatch, both shapes and the config fields that imply the expected
 one — before any tensor is copied.
 
-Imports torch; ``import resin`` does not import this module.
+Imports torch only to read tensors (:func:`load_weights`): the names, shapes and files
+(:func:`expected_tensor_shapes`, :func:`locate_tensors`) are torch-free, so the MLX runner checks
+a checkpoint with them without torch. ``import resin`` does not import this module.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from resin.loading.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+if TYPE_CHECKING:
+    import torch
+
+SUPPORTED_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # Architectures resin.loading parses (for the engine and `resin bench`) whose weights the torch
 # reference runner cannot use: their own runner lives under models/.
 CONFIG_ONLY_ARCHITECTURES = {"GptOssForCausalLM": "models/gpt_oss (resin eval parity gpt_oss)"}
@@ -120,16 +125,20 @@ def load_weights(
     config: ModelConfig,
     *,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of :func:`expected_tensor_shapes`, on ``device`` in ``dtype``.
 
     Reads ``model.safetensors`` or the shards of ``model.safetensors.index.json`` in
     ``model_dir``, memory-mapped; each tensor is read once and converted on the way.
     """
-    if dtype not in SUPPORTED_DTYPES:
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
+    supported = tuple(getattr(torch, n) for n in SUPPORTED_DTYPE_NAMES)
+    if dtype not in supported:
         raise WeightsError(
-            f"unsupported dtype {dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+            f"unsupported dtype {dtype}; supported: {', '.join(str(d) for d in supported)}"
         )
     directory = Path(model_dir)
     _refuse_quantized(directory)
@@ -175,13 +184,23 @@ def locate_tensors(directory: Path) -> dict[str, Path]:
     single = directory / SINGLE_FILE
     if not single.is_file():
         raise WeightsError(f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE}")
-    with _open(single, "cpu") as handle:
+    with _open(single, "cpu", framework="numpy") as handle:  # names only: no torch needed
         return {name: single for name in handle.keys()}
 
 
-def _open(path: Path, device: str | torch.device):  # type: ignore[no-untyped-def]
+def __getattr__(name: str) -> Any:
+    """``SUPPORTED_DTYPES`` (torch dtypes) is built on first use, so importing this module
+    does not import torch."""
+    if name == "SUPPORTED_DTYPES":
+        import torch
+
+        return tuple(getattr(torch, n) for n in SUPPORTED_DTYPE_NAMES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _open(path: Path, device: str | torch.device, framework: str = "pt"):  # type: ignore[no-untyped-def]
     try:
-        return safe_open(str(path), framework="pt", device=str(device))
+        return safe_open(str(path), framework=framework, device=str(device))
     except Exception as exc:  # safetensors raises its own error types
         raise WeightsError(f"cannot open {path}: {exc}") from exc
 
