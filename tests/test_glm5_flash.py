@@ -93,27 +93,42 @@ def test_tiny_checkpoint_is_small_and_cannot_hide_glm5_bugs() -> None:
             assert not torch.equal(t, torch.ones_like(t)), name  # HF: ones
 
 
-def test_cache_specs(blocks: Any) -> None:
-    from resin.runners.torch.model_dir import ModelRecord, load_model_args
-
-    args = blocks.normalise_config(load_model_args(TINY, ModelRecord.load(MODEL_DIR)).to_dict())
-    kda = blocks.layer_cache("linear_attention", None, type("C", (), args), 16, 4)
-    assert kda.kind == "recurrent" and kda.buffers == {"conv": (3 * 4 * 8, 3), "ssm": (4, 8, 8)}
+def test_cache_specs_are_resin_defaults(blocks: Any) -> None:
+    """No ``blocks.layer_cache``: Resin's defaults declare KDA's recurrent state and the indexed
+    layers' caches, and a ``shared``-indexer layer (layer 3) keeps the latent only (it never
+    writes the indexer's window or pools)."""
     from resin.runners.torch.layer_caches import is_gated_delta_net, is_kimi_delta_attention
+    from resin.runners.torch.model_dir import ModelDirRunner, ModelRecord, load_model_args
+    from resin.scaffold.layer_map import has_cache_declaration
 
+    assert not hasattr(blocks, "layer_cache")
+    args = blocks.normalise_config(load_model_args(TINY, ModelRecord.load(MODEL_DIR)).to_dict())
     config = type("C", (), args)
     assert is_kimi_delta_attention("linear_attention", config)
     assert not is_gated_delta_net("linear_attention", config)
     assert not is_kimi_delta_attention("indexed_attention", config)
     qwen3_next = json.loads((REPO / "resin/models/qwen3_next/tiny/config.json").read_text())
     assert not is_kimi_delta_attention("linear_attention", type("Q", (), qwen3_next))
-    main, extra = blocks.layer_cache("indexed_attention", None, config, 16, 4)
-    assert main.kind == "full" and main.buffers == {"latent": (32,)}
-    assert set(extra) == {"window", "pools"}
-    assert extra["window"].kind == "sliding_window" and extra["window"].window == 4
-    assert extra["window"].buffers == {"index_k": (16,), "index_gate": (16,)}
-    assert extra["pools"].kind == "compressed" and extra["pools"].ratio == 4
-    assert extra["pools"].buffers == {"key": (16,)}
+    for layer_type in ("linear_attention", "indexed_attention"):  # no scaffold stub either
+        assert has_cache_declaration(layer_type, None, config)
+
+    runner = ModelDirRunner.from_model_dir(MODEL_DIR, TINY)
+    layers = runner.model.layers
+    assert [layer.layer_type for layer in layers] == args["layer_types"]
+    for index in (0, 1, 4):
+        kda = layers[index]
+        assert kda.cache.kind == "recurrent" and not kda.extra_caches
+        assert kda.cache.buffers == {"conv": (3 * 4 * 8, 3), "ssm": (4, 8, 8)}
+    full, shared = layers[2], layers[3]
+    assert args["indexer_types"][2:4] == ["full", "shared"]
+    for layer in (full, shared):
+        assert layer.cache.kind == "full" and layer.cache.buffers == {"latent": (32,)}
+    assert set(full.extra_caches) == {"window", "pools"}
+    window, pools = full.extra_caches["window"], full.extra_caches["pools"]
+    assert window.kind == "sliding_window" and window.window == 4
+    assert window.buffers == {"index_k": (16,), "index_gate": (16,)}
+    assert pools.kind == "compressed" and pools.ratio == 4 and pools.buffers == {"key": (16,)}
+    assert shared.extra_caches == {}
 
 
 def test_parity_fp32_every_stage_against_hf_full_forward() -> None:

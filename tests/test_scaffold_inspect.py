@@ -328,3 +328,67 @@ def test_new_model_maps_compressed_and_gated_delta_net_layers_to_their_caches(
 
     assert not has_cache_declaration("linear_attention", None, SimpleNamespace())
     assert has_cache_declaration("linear_attention", None, qwen3_next)
+
+
+def test_glm5_caches_are_defaults_and_shared_indexer_layers_keep_the_latent_only() -> None:
+    """GLM-5.3-Flash's mixers need no ``blocks.layer_cache``: KDA ``linear_attention`` gets the
+    Kimi-delta-attention state, ``indexed_attention`` the latent plus, where ``indexer_types`` is
+    ``full``, the indexer's window and pools; a ``shared`` layer (it reuses the previous layer's
+    selection) keeps the latent only once its index is known, and the scaffold writes no stub."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from resin.runners.torch.model_dir import declare_layer_cache, default_layer_cache
+    from resin.scaffold.layer_map import cache_kind, has_cache_declaration
+
+    config = transformers.Glm5NextTextConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        layer_types=[
+            "linear_attention",
+            "indexed_attention",
+            "indexed_attention",
+            "linear_attention",
+        ],
+        indexer_types=["full", "full", "shared", "full"],
+        linear_num_heads=2,
+        linear_head_dim=8,
+        linear_conv_kernel_dim=3,
+        kv_lora_rank=24,
+        index_head_dim=12,
+        index_kpool=4,
+    )
+    assert cache_kind("indexed_attention", None) == "indexed"
+    for layer_type in ("linear_attention", "indexed_attention"):
+        assert has_cache_declaration(layer_type, None, config)
+    assert not has_cache_declaration("indexed_attention", None, SimpleNamespace())
+
+    state = declare_layer_cache(default_layer_cache, 0, "linear_attention", None, config, 0, 4)
+    assert (state.kind, state.buffers) == ("recurrent", {"conv": (3 * 2 * 8, 2), "ssm": (2, 8, 8)})
+    assert state.spec(torch.bfloat16).state_bytes == (48 * 2 + 2 * 8 * 8) * 4  # fp32 state
+    main, extra = declare_layer_cache(
+        default_layer_cache, 1, "indexed_attention", None, config, 0, 4
+    )
+    assert (main.kind, main.buffers) == ("full", {"latent": (24,)})
+    assert extra["window"].buffers == {"index_k": (12,), "index_gate": (12,)}
+    assert (extra["window"].window, extra["pools"].ratio) == (4, 4)
+    shared = declare_layer_cache(default_layer_cache, 2, "indexed_attention", None, config, 0, 4)
+    assert (shared.kind, shared.buffers) == ("full", {"latent": (24,)})
+    # Without the index (an older caller): every indexed layer declares the indexer caches.
+    assert isinstance(default_layer_cache("indexed_attention", None, config, 0, 4), tuple)
+
+    seen: list[int | None] = []
+
+    def old_hook(layer_type, window, cfg, head_dim, num_kv_heads):  # type: ignore[no-untyped-def]
+        seen.append(None)
+        return main
+
+    def new_hook(layer_type, window, cfg, head_dim, num_kv_heads, layer_index=None):  # type: ignore[no-untyped-def]
+        seen.append(layer_index)
+        return main
+
+    declare_layer_cache(old_hook, 3, "indexed_attention", None, config, 0, 4)
+    declare_layer_cache(new_hook, 3, "indexed_attention", None, config, 0, 4)
+    assert seen == [None, 3]

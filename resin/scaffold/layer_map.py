@@ -7,9 +7,10 @@ Owns three mappings the scaffold generator and generated runners share:
   ``sliding_window`` is set and not switched off by ``use_sliding_window``; else full), and
   :func:`cache_kind` says which ``resin.LayerCacheSpec`` a type needs: ``full``,
   ``sliding_window``, ``recurrent`` (linear attention / SSM: per-request state pages),
-  ``compressed`` (DeepSeek-V4 CSA / HCA: a raw window plus compressed entries) or ``unknown``
-  (the declarations of the known recurrent and compressed types:
-  ``resin.runners.torch.layer_caches``);
+  ``compressed`` (DeepSeek-V4 CSA / HCA: a raw window plus compressed entries), ``indexed``
+  (GLM-5.3-Flash's ``indexed_attention``: a per-token latent plus, on layers that run their own
+  indexer, the indexer's key window and pools) or ``unknown`` (the declarations of the known
+  recurrent, compressed and indexed types: ``resin.runners.torch.layer_caches``);
 - windows: a layer gets ``config.sliding_window`` iff its type is in :data:`WINDOWED_LAYER_TYPES`
   — the types whose HF attention is built with the raw ``config.sliding_window`` (read from the
   modeling code, transformers 5.x): ``sliding_attention`` (Gemma 2/3, gpt-oss, Mistral, Qwen2,
@@ -65,6 +66,8 @@ EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 COMPRESSED_TYPES = (CSA, HCA)
+# GLM-5.3-Flash's MLA + k-pool DSA indexer attention (resin.runners.torch.layer_caches).
+INDEXED = "indexed_attention"
 RECURRENT_TYPES = (
     "linear_attention",
     "mamba",
@@ -207,8 +210,7 @@ KIMI_DELTA_ATTENTION_FIELDS = ("linear_num_heads", "linear_head_dim", "linear_co
 def is_kimi_delta_attention(layer_type: str, config: Any) -> bool:
     """A ``linear_attention`` layer of the Kimi-delta-attention family (GLM-5.3-Flash's KDA:
     ``linear_num_heads`` heads of ``linear_head_dim`` for q, k and v alike, no key / value head
-    split): its state is declared by ``layer_caches.kimi_delta_attention_cache`` (used from a
-    model's ``blocks.layer_cache``; the default declaration covers gated delta nets only)."""
+    split): its state is declared by ``layer_caches.kimi_delta_attention_cache``."""
     return (
         layer_type == "linear_attention"
         and not is_gated_delta_net(layer_type, config)
@@ -216,12 +218,42 @@ def is_kimi_delta_attention(layer_type: str, config: Any) -> bool:
     )
 
 
+INDEXED_ATTENTION_FIELDS = ("kv_lora_rank", "index_head_dim", "index_kpool")
+
+
+def is_indexed_attention(layer_type: str, config: Any) -> bool:
+    """An ``indexed_attention`` layer whose config carries the latent and indexer widths
+    (GLM-5.3-Flash): its caches are declared by ``layer_caches.indexed_attention_cache``."""
+    return layer_type == INDEXED and all(
+        getattr(config, name, None) is not None for name in INDEXED_ATTENTION_FIELDS
+    )
+
+
+def runs_own_indexer(config: Any, layer_index: int | None) -> bool:
+    """Whether layer ``layer_index`` computes its own top-k selection: ``config.indexer_types``
+    says ``full`` (or nothing) there. A ``shared`` layer reuses the previous layer's selection
+    and keeps no indexer cache. Unknown (``layer_index`` None): True, the safe over-declaration."""
+    types = getattr(config, "indexer_types", None)
+    if layer_index is None or not types or layer_index >= len(types):
+        return True
+    return str(types[layer_index]) != "shared"
+
+
 def has_cache_declaration(layer_type: str, window: int | None, config: Any) -> bool:
     """Whether Resin declares this layer type's cache itself (plain attention, a gated delta
-    net, DeepSeek-V4 CSA / HCA); otherwise the model's ``blocks.layer_cache`` must."""
+    net or a Kimi delta attention, DeepSeek-V4 CSA / HCA, GLM-5.3-Flash indexed attention);
+    otherwise the model's ``blocks.layer_cache`` must."""
     kind = cache_kind(layer_type, window)
-    return kind in ("full", "sliding_window", "compressed") or (
-        kind == "recurrent" and is_gated_delta_net(layer_type, config)
+    return (
+        kind in ("full", "sliding_window", "compressed")
+        or (
+            kind == "recurrent"
+            and (
+                is_gated_delta_net(layer_type, config)
+                or is_kimi_delta_attention(layer_type, config)
+            )
+        )
+        or (kind == "indexed" and is_indexed_attention(layer_type, config))
     )
 
 
@@ -234,12 +266,14 @@ def compressed_cache_text(layer_type: str, config: Any) -> str:
 
 
 def cache_kind(layer_type: str, window: int | None) -> str:
-    """``full`` / ``sliding_window`` / ``recurrent`` / ``compressed`` / ``unknown`` for one
-    layer type."""
+    """``full`` / ``sliding_window`` / ``recurrent`` / ``compressed`` / ``indexed`` /
+    ``unknown`` for one layer type."""
     if layer_type == FULL:
         return "full"
     if layer_type in COMPRESSED_TYPES:
         return "compressed"
+    if layer_type == INDEXED:
+        return "indexed"
     if layer_type == SLIDING:
         if not window:
             raise ValueError("a sliding_attention layer without a sliding_window")

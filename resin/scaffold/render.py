@@ -26,10 +26,13 @@ from resin.scaffold.layer_map import (
     function_name,
     has_cache_declaration,
     is_gated_delta_net,
+    is_indexed_attention,
+    is_kimi_delta_attention,
     moe_expert_names,
     moe_renormalises,
     name_pattern,
     pattern_shapes,
+    runs_own_indexer,
     weight_map,
 )
 
@@ -262,6 +265,13 @@ def generator_warnings(arch: Architecture) -> list[str]:
                 f"layer {layer.index} is {layer.layer_type!r}: a recurrent state — declare it "
                 "in blocks.layer_cache (LayerCache('recurrent', {buffer: shape})) and read / "
                 "write it through ctx.state"
+            )
+            break
+        if kind == "indexed":
+            out.append(
+                f"layer {layer.index} is {layer.layer_type!r} without "
+                "kv_lora_rank / index_head_dim / index_kpool in its config: declare its "
+                "caches in blocks.layer_cache"
             )
             break
         if kind == "unknown":
@@ -511,7 +521,12 @@ def _layer_rows(layers: list[LayerInfo], config: Any) -> list[dict[str, str]]:
             "compressed": compressed_cache_text(layer.layer_type, config),
             "recurrent": "recurrent (gated delta net state)"
             if is_gated_delta_net(layer.layer_type, config)
+            else "recurrent (Kimi delta attention state)"
+            if is_kimi_delta_attention(layer.layer_type, config)
             else "recurrent (stub)",
+            "indexed": _indexed_cache_text(layer.index, config)
+            if is_indexed_attention(layer.layer_type, config)
+            else "indexed (stub)",
         }.get(kind, "unknown (stub)")
         key = (
             layer.layer_type,
@@ -526,6 +541,14 @@ def _layer_rows(layers: list[LayerInfo], config: Any) -> list[dict[str, str]]:
         {"layers": compact_indices(indices), **dict(zip(names, key))}
         for key, indices in rows.items()
     ]
+
+
+def _indexed_cache_text(index: int, config: Any) -> str:
+    """``full`` latent, plus the indexer's window and pools on a layer running its own."""
+    if not runs_own_indexer(config, index):
+        return "full (latent; shared indexer)"
+    kpool = getattr(config, "index_kpool", None)
+    return f"full (latent) + sliding_window({kpool}) + compressed(ratio {kpool})"
 
 
 def compact_indices(indices: list[int]) -> str:

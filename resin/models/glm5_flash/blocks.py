@@ -46,13 +46,8 @@ from resin.runners.torch.hyper_connections import (
     hyper_connection,
     mix_streams,
 )
-from resin.runners.torch.layer_caches import (
-    indexed_attention_cache,
-    kimi_delta_attention_cache,
-    kimi_delta_attention_dims,
-)
+from resin.runners.torch.layer_caches import kimi_delta_attention_dims
 from resin.runners.torch.layers import clamped_swiglu
-from resin.runners.torch.model_definition import LayerCache
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -195,32 +190,22 @@ def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
 
 
 # -- caches -----------------------------------------------------------------------------------
+# No ``layer_cache`` hook: Resin's defaults declare both mixers' caches
+# (``model_dir.default_layer_cache``): ``linear_attention`` -> ``layer_caches.
+# kimi_delta_attention_cache``, a recurrent state per request, fp32: ``conv`` [3·H·d, K - 1]
+# (the previous K - 1 conv inputs; HF's cache keeps K) and ``ssm`` [H, d, d];
+# ``indexed_attention`` -> ``layer_caches.indexed_attention_cache``: main ``latent``
+# [kv_lora_rank] per token (``kv_a_layernorm`` output; K and V are ``kv_b_proj`` of it) and, on
+# layers whose ``indexer_types`` entry is ``full``, extra ``window`` (the indexer's per-token key
+# ``index_k`` and pool gate ``index_gate`` [index_head_dim] for the last ``index_kpool`` tokens)
+# and extra ``pools`` (one pooled key ``key`` [index_head_dim] per ``index_kpool`` tokens,
+# written at the pool's last token). A ``shared`` layer keeps the latent only.
 
 
 def kda_dims(config: Any) -> dict[str, int]:
     """KDA widths: ``heads`` heads of ``dim`` (q, k, v alike), conv over ``3 * heads * dim``
     channels (``resin.runners.torch.layer_caches.kimi_delta_attention_dims``)."""
     return kimi_delta_attention_dims(config)
-
-
-def layer_cache(
-    layer_type: str, window: int | None, config: Any, head_dim: int, num_kv_heads: int
-) -> LayerCache | tuple[LayerCache, dict[str, LayerCache]]:
-    """``linear_attention``: Resin's ``layer_caches.kimi_delta_attention_cache`` — a recurrent
-    state per request, fp32: ``conv`` [3·H·d, K - 1] (the previous K - 1 conv inputs; HF's
-    cache keeps K) and ``ssm`` [H, d, d]. ``indexed_attention``: ``layer_caches.
-    indexed_attention_cache`` — main: ``latent`` [kv_lora_rank] per token (``kv_a_layernorm``
-    output; K and V are ``kv_b_proj`` of it); extra ``window``: the indexer's per-token key
-    ``index_k`` and pool gate ``index_gate`` [index_head_dim] for the last ``index_kpool``
-    tokens (the pool being filled, the raw tail); extra ``pools``: one pooled key ``key``
-    [index_head_dim] per ``index_kpool`` tokens, written at the pool's last token. A
-    ``shared``-indexer layer never writes the extras (the hook has no layer index to leave them
-    out: NOTES.md gap 3)."""
-    if layer_type == LINEAR:
-        return kimi_delta_attention_cache(config)
-    if layer_type == INDEXED:
-        return indexed_attention_cache(config)
-    raise ValueError(f"glm5_flash: unknown layer type {layer_type!r}")
 
 
 # -- KDA (linear attention) -------------------------------------------------------------------

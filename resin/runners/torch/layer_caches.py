@@ -10,10 +10,11 @@ says otherwise:
 - :func:`gated_delta_net_cache` — ``linear_attention`` layers of the gated-delta-net family
   (Qwen3-Next, Qwen3.5): one recurrent state per request;
 - :func:`kimi_delta_attention_cache` — ``linear_attention`` layers of the Kimi-delta-attention
-  family (GLM-5.3-Flash's KDA): one recurrent state per request (declared from a model's
-  ``blocks.layer_cache``; not yet a default);
+  family (GLM-5.3-Flash's KDA): one recurrent state per request;
 - :func:`indexed_attention_cache` — GLM-5.3-Flash's ``indexed_attention`` (MLA + a k-pool DSA
-  indexer): the KV latent and the indexer's key and pool gate per token (likewise);
+  indexer): the KV latent per token and, on layers that run their own indexer
+  (:func:`~resin.scaffold.layer_map.runs_own_indexer`: ``indexer_types`` is not ``shared``),
+  the indexer's key / pool-gate window and its pooled keys;
 - :func:`compressed_attention_cache` — DeepSeek-V4's ``compressed_sparse_attention`` (CSA) and
   ``heavily_compressed_attention`` (HCA): a raw sliding window plus compressed entries.
 
@@ -31,7 +32,9 @@ from resin.scaffold.layer_map import (
     COMPRESSED_TYPES,
     CSA,
     is_gated_delta_net,
+    is_indexed_attention,
     is_kimi_delta_attention,
+    runs_own_indexer,
 )
 
 __all__ = [
@@ -42,9 +45,11 @@ __all__ = [
     "gated_delta_net_dims",
     "indexed_attention_cache",
     "is_gated_delta_net",
+    "is_indexed_attention",
     "is_kimi_delta_attention",
     "kimi_delta_attention_cache",
     "kimi_delta_attention_dims",
+    "runs_own_indexer",
 ]
 
 
@@ -114,7 +119,9 @@ def indexed_attention_cache(
     LayerNormed key ``index_k`` and pool gate logits ``index_gate`` ``[index_head_dim]`` (what
     the open pool and the raw tail read), and ``pools``, ``compressed(ratio index_kpool)``
     entries ``key`` ``[index_head_dim]``: the softmax(gate + ape)-weighted sum of a pool's keys,
-    written at its last token (vLLM / SGLang keep the same: a pool cache plus a tail ring)."""
+    written at its last token (vLLM / SGLang keep the same: a pool cache plus a tail ring).
+    A ``shared``-indexer layer (``with_indexer=False``) reuses the previous layer's selection and
+    keeps the latent only."""
     main = LayerCache("full", {"latent": (int(config.kv_lora_rank),)})
     if not with_indexer:
         return main

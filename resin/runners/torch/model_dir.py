@@ -12,7 +12,8 @@ model-specific:
 - ``blocks.py`` — the model's math: ``BLOCKS`` (HF class -> function), ``ROTARY`` (HF class ->
   table factory, returning one table or a dict by layer type), and optional hooks ``embed``,
   ``pre_layers``, ``post_layers``, ``final_norm``, ``logits``, ``layer_cache`` (one
-  ``LayerCache``, or ``(main, {name: extra LayerCache})``), ``head_dim``
+  ``LayerCache``, or ``(main, {name: extra LayerCache})``; given the layer's index as the
+  keyword ``layer_index`` when its signature takes one), ``head_dim``
   (see :mod:`.model_definition`) and ``normalise_config(dict) -> dict`` (what the HF config
   class derives from older keys, applied to the checkpoint's config before anything reads it);
 - ``weights.py`` (only where checkpoint names need renaming) — ``WEIGHT_MAP``;
@@ -25,9 +26,11 @@ find their layers' classes. Imports torch.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,11 +210,19 @@ def num_kv_heads_of(args: Any) -> int:
 
 
 def default_layer_cache(
-    layer_type: str, window: int | None, args: Any, head_dim: int, num_kv_heads: int
+    layer_type: str,
+    window: int | None,
+    args: Any,
+    head_dim: int,
+    num_kv_heads: int,
+    layer_index: int | None = None,
 ) -> LayerCache | tuple[LayerCache, dict[str, LayerCache]]:
-    """K and V per token for full and sliding layers; the known recurrent and compressed
-    types' declarations (:mod:`.layer_caches`: gated-delta-net ``linear_attention``,
-    DeepSeek-V4 CSA / HCA); anything else must be declared in ``blocks.layer_cache``."""
+    """K and V per token for full and sliding layers; the known recurrent, compressed and
+    indexed types' declarations (:mod:`.layer_caches`: gated-delta-net and Kimi-delta-attention
+    ``linear_attention``, DeepSeek-V4 CSA / HCA, GLM-5.3-Flash ``indexed_attention`` — whose
+    indexer caches only layers that run their own indexer, known from ``layer_index``: without
+    it every indexed layer declares them); anything else must be declared in
+    ``blocks.layer_cache``."""
     kind = cache_kind(layer_type, window)
     if kind in ("full", "sliding_window"):
         return attention_cache(num_kv_heads, head_dim, window if kind == "sliding_window" else None)
@@ -219,11 +230,41 @@ def default_layer_cache(
         return layer_caches.compressed_attention_cache(layer_type, args, head_dim)
     if kind == "recurrent" and layer_caches.is_gated_delta_net(layer_type, args):
         return layer_caches.gated_delta_net_cache(args)
+    if kind == "recurrent" and layer_caches.is_kimi_delta_attention(layer_type, args):
+        return layer_caches.kimi_delta_attention_cache(args)
+    if kind == "indexed" and layer_caches.is_indexed_attention(layer_type, args):
+        return layer_caches.indexed_attention_cache(
+            args, with_indexer=layer_caches.runs_own_indexer(args, layer_index)
+        )
     raise NotImplementedError(
         f"layer type {layer_type!r} has no default cache ({kind}): write "
         "blocks.layer_cache(layer_type, window, config, head_dim, num_kv_heads) returning a "
         "resin.runners.torch.LayerCache (its per-token buffers, or a recurrent state)"
     )
+
+
+def declare_layer_cache(
+    hook: Callable[..., Any],
+    layer_index: int,
+    layer_type: str,
+    window: int | None,
+    args: Any,
+    head_dim: int,
+    num_kv_heads: int,
+) -> LayerCache | tuple[LayerCache, dict[str, LayerCache]]:
+    """Call a layer-cache declaration (``blocks.layer_cache`` or :func:`default_layer_cache`)
+    for one layer, passing ``layer_index`` when the hook accepts it (a keyword parameter of that
+    name or ``**kwargs``; older hooks take the five positional arguments only)."""
+    try:
+        params = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        params = ()  # type: ignore[assignment]
+    takes_index = any(
+        p.name == "layer_index" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params
+    )
+    if takes_index:
+        return hook(layer_type, window, args, head_dim, num_kv_heads, layer_index=layer_index)
+    return hook(layer_type, window, args, head_dim, num_kv_heads)
 
 
 def _split_layer_cache(
@@ -256,7 +297,9 @@ def model_definition(
                 "from a config that has this layer kind"
             )
         cache, extra = _split_layer_cache(
-            layer_cache(layer_type, window, args, head_dim, num_kv_heads)
+            declare_layer_cache(
+                layer_cache, index, layer_type, window, args, head_dim, num_kv_heads
+            )
         )
         layers.append(
             LayerDefinition(
