@@ -7,8 +7,9 @@ committed tiny checkpoint, and the harness catches the bugs such a port is prone
   full and a shared indexer layer, grouped routing (2 groups), kpool 4 with a top-k of 2 pools,
   and HF's degenerate inits randomised (``A_log`` zeros, the pool gate all ones, ``ape`` /
   hyper-connection ``base`` zeros, the routing bias).
-- HF's reference: transformers has no causal-LM class for ``glm5_next``; the model directory's
-  ``source/hf_text_lm.py`` registers HF's own text model + ``lm_head`` as one (toolkit gap 1).
+- HF's reference: transformers has no causal-LM class for ``glm5_next``; the harness loads HF's
+  own ``Glm5NextForConditionalGeneration`` (image-text-to-text) and runs its text-only forward
+  (``resin.scaffold.hf_model``), with no shim.
 - fp32: every stage against HF's full forward (parity.toml). bf16: every stage against HF's
   cached decode (the runner's recurrent KDA form; HF's chunked no-cache form flips one token of
   the 140-token prompt at bf16 resolution: NOTES.md).
@@ -43,12 +44,6 @@ MODEL_DIR = REPO / "resin" / "models" / "glm5_flash"
 TINY = MODEL_DIR / "tiny"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(autouse=True)
-def hf_reference() -> None:
-    parity_test = import_model_module(MODEL_DIR, "test_parity", "glm5_flash")
-    parity_test.register_hf_reference()
 
 
 @pytest.fixture
@@ -204,44 +199,45 @@ def test_kda_state_not_carried_fails_only_the_engine_stages(
 
 
 def test_reference_is_hf_glm5_next_for_conditional_generation(tmp_path: Path) -> None:
-    """The harness's reference (``source/hf_text_lm.py``: HF's text model + ``lm_head``) is
-    HF's real ``Glm5NextForConditionalGeneration`` on the same weights (logits equal), and that
-    class's own checkpoint (wrapper config, ``model.language_model.*`` names, the vision tower's
-    tensors included: weights.IGNORED_PREFIXES leaves them unused) runs in Resin to the same
-    greedy tokens as the committed tiny one."""
-    import transformers
+    """The harness's reference is HF's real ``Glm5NextForConditionalGeneration`` (no causal-LM
+    class exists: ``resin.scaffold.hf_model`` falls back to the image-text-to-text class, maps
+    the flat checkpoint's ``model.layers.*`` onto ``model.language_model.layers.*`` and builds
+    the unused vision tower one block deep). Its logits equal HF's text model + ``lm_head``
+    (``source/hf_text_lm.py``, what ``make_tiny.py`` saved), and that class's own checkpoint
+    (wrapper config, ``model.language_model.*`` names, the vision tower's tensors included:
+    weights.IGNORED_PREFIXES leaves them unused) runs in Resin to the same greedy tokens as the
+    committed tiny one."""
+    import importlib.util
+
     from safetensors.torch import load_file
-    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+    from transformers import Glm5NextForConditionalGeneration
 
     from resin import SamplingParams
+    from resin.evals.parity import hf_num_layers, hf_vocab_size, load_hf_model
     from resin.llm import LLM
 
-    shim = transformers.AutoModelForCausalLM.from_pretrained(
+    real = load_hf_model(TINY)
+    assert type(real) is Glm5NextForConditionalGeneration
+    assert (hf_vocab_size(real), hf_num_layers(real)) == (384, 5)
+    assert real.config.vision_config.depth == 1  # never run: built one block deep
+    spec = importlib.util.spec_from_file_location(
+        "glm5_flash_hf_text_lm", MODEL_DIR / "source" / "hf_text_lm.py"
+    )
+    assert spec is not None and spec.loader is not None
+    hf_text_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_text_lm)
+    text = hf_text_lm.Glm5FlashTextForCausalLM.from_pretrained(
         str(TINY), attn_implementation="eager"
     ).eval()
-    flat = json.loads((TINY / "config.json").read_text())
-    for key in ("architectures", "model_type", "tie_word_embeddings"):
-        flat.pop(key)
-    vision = {"model_type": "glm5_next_vision", "depth": 1, "hidden_size": 32, "num_heads": 2}
-    config = Glm5NextConfig(
-        text_config={**flat, "model_type": "glm5_next_text"},
-        vision_config={**vision, "intermediate_size": 32, "out_hidden_size": 64},
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "eager"
-    real = Glm5NextForConditionalGeneration(config).eval()
-    renamed = {
-        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
-        for k, v in shim.state_dict().items()
-    }
-    missing, unexpected = real.load_state_dict(renamed, strict=False)
-    assert not unexpected and all(name.startswith("model.visual.") for name in missing)
     ids = torch.randint(0, 384, (1, 70), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(real(input_ids=ids).logits, shim(ids).logits)
+        assert torch.equal(real(input_ids=ids).logits, text(ids).logits)
 
     checkpoint = tmp_path / "glm5_next"
-    real.save_pretrained(checkpoint)
+    # A fresh instance: save_pretrained would revert the loader's key mapping (model.layers.*)
+    as_saved = Glm5NextForConditionalGeneration(real.config)
+    as_saved.load_state_dict(real.state_dict())
+    as_saved.save_pretrained(checkpoint)
     tensors = load_file(str(checkpoint / "model.safetensors"))
     assert any(k.startswith("model.language_model.layers.") for k in tensors)
     assert any(k.startswith("model.visual.") for k in tensors), "the full checkpoint, as saved"

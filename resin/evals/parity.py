@@ -1,8 +1,10 @@
 """The parity harness: does a Runner compute what the HF ``transformers`` reference computes?
 
-``run_parity(model_dir)`` loads the checkpoint twice — as ``transformers.AutoModelForCausalLM``
-(eager attention, CPU, in the runner's dtype: float32 by default) and through a Runner (the
-torch reference runner unless ``runner_factory`` says otherwise) — and checks, in order:
+``run_parity(model_dir)`` loads the checkpoint twice — as ``transformers.AutoModelForCausalLM``,
+or ``AutoModelForImageTextToText`` for a multimodal wrapper config that has no causal-LM class
+(its text-only forward; :mod:`resin.scaffold.hf_model`), with eager attention, on CPU, in the
+runner's dtype (float32 by default) — and through a Runner (the torch reference runner unless
+``runner_factory`` says otherwise) — and checks, in order:
 
 1. ``layers``: one prefill of one prompt through a one-request :class:`resin.Engine` step with
    the runner's capture hook on, against forward hooks on the HF model. Checkpoints, in HF's
@@ -194,14 +196,30 @@ def default_runner_factory(model_dir: str | Path, dtype: str = "float32") -> Any
 
 
 def load_hf_model(model_dir: str | Path, dtype: str = "float32") -> Any:
-    """The HF reference: eager attention, CPU, eval mode, in ``dtype`` (the runner's)."""
+    """The HF reference: eager attention, CPU, eval mode, in ``dtype`` (the runner's). The
+    causal-LM class, else a wrapper's image-text-to-text class
+    (:func:`resin.scaffold.hf_model.from_pretrained`)."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=getattr(torch, dtype), attn_implementation="eager"
-    )
+    from resin.scaffold.hf_model import from_pretrained
+
+    model = from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="eager")
     return model.eval()
+
+
+def hf_vocab_size(model: Any) -> int:
+    """The reference's vocabulary: its text config's ``vocab_size`` (a wrapper's top level
+    has none)."""
+    from resin.scaffold.hf_model import text_config
+
+    return int(text_config(model.config).vocab_size)
+
+
+def hf_num_layers(model: Any) -> int:
+    """Decoder layers of the reference's stack (:func:`resin.scaffold.hf_model.decoder_stack`)."""
+    from resin.scaffold.hf_model import decoder_stack
+
+    return len(decoder_stack(model)[0].layers)
 
 
 def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
@@ -209,8 +227,11 @@ def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
     in execution order: ``embed_tokens``, per layer every direct child module as it runs
     (``layers.{i}.{child}``; Llama's four, Gemma's six norms and blocks, ...) and the layer's
     output ``layers.{i}``, then ``norm``, then ``logits``. A child whose output is not a
-    per-token tensor is skipped."""
+    per-token tensor is skipped. The hooks sit on the decoder stack wherever the class keeps
+    it (``model.model`` or a wrapper's ``model.model.language_model``)."""
     import torch
+
+    from resin.scaffold.hf_model import decoder_stack
 
     acts: dict[str, Any] = {}
     handles = []
@@ -230,7 +251,7 @@ def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
 
         return fn
 
-    inner = model.model
+    inner, _ = decoder_stack(model)
     handles.append(inner.embed_tokens.register_forward_hook(hook("embed_tokens")))
     for i, layer in enumerate(inner.layers):
         for child, module in layer.named_children():
@@ -471,7 +492,7 @@ def run_parity(
             )
         )
         return report
-    vocab_size = int(hf.config.vocab_size)
+    vocab_size = hf_vocab_size(hf)
     token_prompts = _encode_prompts(model_dir, prompts) if prompts else default_prompts(vocab_size)
     runner = factory(str(model_dir))
 
@@ -493,7 +514,7 @@ def run_parity(
             if acts is None:
                 report.stages.append(StageResult("layers", False, "runner has no capture hook"))
             else:
-                report.layers, stage = compare_layers(hf_acts, acts, len(hf.model.layers), tol)
+                report.layers, stage = compare_layers(hf_acts, acts, hf_num_layers(hf), tol)
                 report.stages.append(stage)
             report.stages.append(
                 compare_logits(
