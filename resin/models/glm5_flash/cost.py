@@ -232,7 +232,7 @@ class Glm5FlashDims:
             matmul += 2 * tokens * (sum(mixer.values()) + active_mlp + 2 * hc_site)
             hc_weights = 2 * mix * m * h
             if "mlp" in mlp:
-                mlp_weight_bytes = mlp["mlp"] * e
+                mlp_weight_bytes = float(mlp["mlp"] * e)
                 mlp_act = 2 * h + 3 * self.intermediate_size
             else:
                 expert = 3 * h * inter
