@@ -1,0 +1,148 @@
+"""The building blocks of the MLX runners, in plain ``mlx.core``, one function each.
+
+Owns the math the supported decoder layers share, written op for op like the torch reference
+runner (:mod:`resin.runners.torch.layers`) and transformers' modeling code, so fp32 agrees to
+rounding: RMSNorm (fp32 normalisation, cast back, then the weight), rotary tables at arbitrary
+positions from :func:`resin.loading.rope_inv_freq`'s inverse frequencies (every RoPE variant
+``resin.loading`` parses: default, linear, llama3, yarn; no second copy of that parsing), the
+half-split rotation, the SwiGLU MLP and top-k softmax-routed MoE (Qwen3-MoE with and without
+``norm_topk_prob``, Mixtral). Arrays are token-major: ``[T, ...]`` with T = tokens in the step.
+
+MoE experts run with :func:`mlx.core.gather_mm` on the experts' stacked weights: each token
+multiplies only its k chosen experts' matrices, with no host round trip (the torch reference
+loops over experts on the host instead; the sums are the same).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def mlx_dtype(dtype: object) -> mx.Dtype:
+    """``float32`` / ``bfloat16`` / ``float16`` (a name, ``torch.bfloat16``'s spelling, or an
+    MLX dtype) -> the MLX dtype; ValueError naming the choices otherwise."""
+    if isinstance(dtype, mx.Dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.").removeprefix("mlx.core.")
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} for the MLX runner; use {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """``x @ weight.T + bias`` (``nn.Linear``'s layout: weight [out, in])."""
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def silu(x: mx.array) -> mx.array:
+    """``x * sigmoid(x)`` computed in fp32 and rounded once, as torch's ``F.silu`` does for
+    bf16 / fp16 (MLX's half-precision sigmoid rounds differently)."""
+    x32 = x.astype(mx.float32)
+    return (x32 * mx.sigmoid(x32)).astype(x.dtype)
+
+
+def sigmoid(x: mx.array) -> mx.array:
+    """``sigmoid(x)`` computed in fp32 and rounded once, as torch's."""
+    return mx.sigmoid(x.astype(mx.float32)).astype(x.dtype)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """RMSNorm over the last dim in fp32, cast back, then the weight (``LlamaRMSNorm``)."""
+    x32 = x.astype(mx.float32)
+    x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+class RotaryTable:
+    """cos/sin tables for any positions from inverse frequencies (``rope_inv_freq``).
+
+    transformers keeps ``inv_freq`` in fp32 and multiplies positions in fp32; so does this.
+    The tables are the frequencies concatenated twice (HF ``rotate_half`` layout), times
+    ``attention_scaling`` (YaRN's mscale; 1 otherwise), cast to the runner's dtype.
+    """
+
+    def __init__(self, inv_freq: np.ndarray, attention_scaling: float):
+        self.inv_freq = mx.array(np.asarray(inv_freq, dtype=np.float32))
+        self.attention_scaling = float(attention_scaling)
+
+    def cos_sin(self, positions: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """``positions`` int[T] -> (cos, sin), each [T, rotary_dim] in ``dtype``."""
+        freqs = positions.astype(mx.float32)[:, None] * self.inv_freq[None, :]
+        angles = mx.concatenate([freqs, freqs], axis=-1)
+        cos = mx.cos(angles) * self.attention_scaling
+        sin = mx.sin(angles) * self.attention_scaling
+        return cos.astype(dtype), sin.astype(dtype)
+
+
+def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate ``x`` [T, heads, head_dim] by per-token angles ``cos``/``sin`` [T, rotary_dim]
+    (halves, HF ``rotate_half``); with partial rotary the first ``rotary_dim`` channels rotate
+    and the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        part, keep = x[..., :rotary_dim], x[..., rotary_dim:]
+        return mx.concatenate([apply_rotary(part, cos, sin), keep], axis=-1)
+    half = x.shape[-1] // 2
+    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def swiglu_mlp(
+    x: mx.array,
+    gate_w: mx.array,
+    up_w: mx.array,
+    down_w: mx.array,
+    gate_b: mx.array | None = None,
+    up_b: mx.array | None = None,
+    down_b: mx.array | None = None,
+) -> mx.array:
+    """``down(silu(gate(x)) * up(x))``."""
+    return linear(silu(linear(x, gate_w, gate_b)) * linear(x, up_w, up_b), down_w, down_b)
+
+
+def top_k_indices(scores: mx.array, k: int) -> mx.array:
+    """Indices [T, k] of each row's k largest ``scores`` (in no particular order)."""
+    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+
+
+def gathered_matmul(x: mx.array, weights: mx.array, experts: mx.array) -> mx.array:
+    """Per token and chosen expert, ``x @ weights[expert]``: ``x`` [T, 1, 1, K] (the same
+    input for every expert) or [T, k, 1, K] (one per expert), ``weights`` [E, K, N], ``experts``
+    int [T, k] -> [T, k, 1, N].
+
+    MLX's CPU ``gather_mm`` takes float32 only: on the CPU a bf16 / fp16 product is computed
+    in fp32 and rounded once (what a half-precision matmul with fp32 accumulation gives);
+    Metal runs it in the dtype itself."""
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        wide = mx.gather_mm(x.astype(mx.float32), weights.astype(mx.float32), rhs_indices=experts)
+        return wide.astype(x.dtype)
+    return mx.gather_mm(x, weights, rhs_indices=experts)
+
+
+def moe_mlp(
+    x: mx.array,
+    router: mx.array,
+    gate_up: mx.array,
+    down: mx.array,
+    num_experts_per_tok: int,
+    norm_topk_prob: bool,
+) -> mx.array:
+    """Top-k routed SwiGLU experts, as ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``:
+    softmax over all router logits in fp32, keep the top k, renormalise iff
+    ``norm_topk_prob``, cast the weights to ``x``'s dtype, weight each chosen expert's output
+    and sum. ``router`` [E, hidden]; ``gate_up`` [E, hidden, 2 * width] (each expert's gate
+    then up, transposed to ``x @ w``); ``down`` [E, width, hidden]."""
+    probs = mx.softmax(linear(x, router).astype(mx.float32), axis=-1)
+    experts = top_k_indices(probs, num_experts_per_tok)
+    weights = mx.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / mx.sum(weights, axis=-1, keepdims=True)
+    weights = weights.astype(x.dtype)
+    h = gathered_matmul(x[:, None, None, :], gate_up, experts)  # [T, k, 1, 2 * width]
+    gate, up = mx.split(h, 2, axis=-1)
+    y = gathered_matmul(silu(gate) * up, down, experts)[:, :, 0, :]  # [T, k, hidden]
+    return mx.sum(y * weights[..., None], axis=1)
