@@ -67,6 +67,69 @@ CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 
 
+# -- config ---------------------------------------------------------------------------------
+
+_RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # C:38, the checkpoint's compress_ratios
+
+
+def normalise_config(config: dict[str, Any]) -> dict[str, Any]:
+    """What ``DeepseekV4Config.__post_init__`` (C:235-318) derives from the keys DeepSeek's own
+    config.json ships: ``compress_ratios`` (one per layer, then the MTP layer's) ->
+    ``layer_types``; ``compress_rate_csa`` / ``_hca`` -> ``compress_rates``; ``num_hash_layers``
+    -> ``mlp_layer_types``; ``qk_rope_head_dim`` -> ``partial_rotary_factor``; a flat
+    ``rope_scaling`` / ``rope_parameters`` + ``compress_rope_theta`` -> the nested ``main`` /
+    ``compress`` tables (YaRN on the compressed layers only, ``attention_factor`` 1). A config
+    already in HF's form is returned unchanged. (``resin.runners.torch.model_dir`` drops the
+    recorded default of a key the checkpoint spells the legacy way.)"""
+    out = dict(config)
+    n = int(out["num_hidden_layers"])
+    ratios = out.pop("compress_ratios", None)
+    rates = dict(out.get("compress_rates") or {CSA: 4, HCA: 128})
+    for key, layer_type in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+        if out.get(key) is not None:
+            rates[layer_type] = int(out.pop(key))
+    out["compress_rates"] = rates
+    if out.get("layer_types") is None and ratios is not None:
+        unknown = sorted({int(r) for r in ratios} - set(_RATIO_TO_LAYER_TYPE))
+        if unknown:
+            raise ValueError(f"deepseek_v4: compress_ratios has unknown ratio(s) {unknown}")
+        out["layer_types"] = [_RATIO_TO_LAYER_TYPE[int(r)] for r in ratios]
+    if out.get("layer_types") is not None:
+        out["layer_types"] = list(out["layer_types"][:n])
+    hash_layers = out.pop("num_hash_layers", None)
+    if out.get("mlp_layer_types") is None:
+        n_hash = 3 if hash_layers is None else int(hash_layers)  # C:153
+        out["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    out["mlp_layer_types"] = list(out["mlp_layer_types"][:n])
+    rope_dim = out.get("qk_rope_head_dim")
+    if out.get("partial_rotary_factor") is None and rope_dim is not None:
+        out["partial_rotary_factor"] = int(rope_dim) / int(out["head_dim"])
+    partial = out.get("partial_rotary_factor")
+    partial = 0.125 if partial is None else float(partial)  # C:145
+    out["partial_rotary_factor"] = partial
+    out["qk_rope_head_dim"] = int(int(out["head_dim"]) * partial)
+    rope = out.get("rope_parameters") or {}
+    if not (isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict)):
+        flat = dict(out.pop("rope_scaling", None) or rope)
+        if "type" in flat:
+            flat.setdefault("rope_type", flat.pop("type"))
+        flat = {k: v for k, v in flat.items() if k not in ("main", "compress")}
+        theta = float(flat.pop("rope_theta", out.get("rope_theta", 10000.0)))
+        compress = {
+            **flat,
+            "rope_theta": float(out.get("compress_rope_theta", 160000.0)),
+            "partial_rotary_factor": partial,
+        }
+        compress.setdefault("rope_type", "default")
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+        main = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
+        out["rope_parameters"] = {"main": main, "compress": compress}
+    else:
+        out["rope_parameters"] = {"main": rope["main"], "compress": rope["compress"]}
+    return out
+
+
 # -- rotary ---------------------------------------------------------------------------------
 
 
@@ -205,15 +268,72 @@ def pre_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Ten
     return expand_streams(hidden, ctx.config)
 
 
-def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
-    """DeepseekV4HyperHead (M:999-1015): [T, hc, D] -> [T, D] (then the final norm)."""
-    cfg = ctx.config
+def _hyper_head(hidden: torch.Tensor, w: Weights, cfg: Any) -> torch.Tensor:
+    """DeepseekV4HyperHead (M:999-1015) with the ``hc_head.*`` tensors of ``w``: the streams
+    [T, hc, D] collapsed to [T, D] by sigmoid weights of their unweighted-RMS-normed mix."""
     flat = unweighted_rms_norm(hidden.flatten(1).float(), float(cfg.rms_norm_eps))
     mixes = F.linear(flat, w["hc_head.hc_fn"].float())
     pre = torch.sigmoid(
         mixes * w["hc_head.hc_scale"].float() + w["hc_head.hc_base"].float()
     ) + float(cfg.hc_eps)
     return (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
+
+
+def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """DeepseekV4HyperHead (M:999-1015): [T, hc, D] -> [T, D] (then the final norm)."""
+    return _hyper_head(hidden, w, ctx.config)
+
+
+# -- MTP (next-n layer) ---------------------------------------------------------------------
+# HF builds no MTP layer (it drops ``mtp.*``, M:1265); this follows DeepSeek's reference
+# ``inference/model.py`` ``MTPBlock``: a decoder layer with sliding-window attention only
+# (its ``compress_ratios`` entry is 0) and a top-k MoE, fed ``e_proj(enorm(embed(token))) +
+# h_proj(hnorm(h))`` — ``h`` the previous position's hyper-connection streams [T, hc, D]
+# before the hyper-head (the target's, or this layer's own output when chained) — and read out
+# by its own hyper-head and norm before the shared ``lm_head``.
+
+MTP_TENSORS = (  # the MTP layer's own tensors, besides a decoder layer's (checkpoint names)
+    "e_proj.weight",
+    "h_proj.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "norm.weight",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+)
+
+
+def mtp_layer_type(config: Any) -> str:
+    """Sliding-window attention: the MTP layer has no compressor."""
+    return SLIDING
+
+
+def mtp_mlp_type(config: Any) -> str:
+    """Top-k routed (``ffn.gate.bias``), not hash-routed: it is past ``num_hash_layers``."""
+    return "moe"
+
+
+def mtp_hidden_shape(config: Any) -> tuple[int, int]:
+    """What the MTP layer reads of the previous position: all ``hc_mult`` streams."""
+    return (int(config.hc_mult), int(config.hidden_size))
+
+
+def mtp_input(
+    prev: torch.Tensor, embeds: torch.Tensor, w: Weights, ctx: LayerContext
+) -> torch.Tensor:
+    """``MTPBlock.forward``'s input: ``e_proj(enorm(e))`` added to every stream of
+    ``h_proj(hnorm(h))`` -> [T, hc, D]."""
+    eps = float(ctx.config.rms_norm_eps)
+    e = F.linear(rms_norm(embeds, w["enorm.weight"], eps), w["e_proj.weight"])
+    h = F.linear(rms_norm(prev, w["hnorm.weight"], eps), w["h_proj.weight"])
+    return e[:, None, :] + h
+
+
+def mtp_output(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """The MTP layer's own hyper-head, then its own ``norm`` -> [T, D] (for ``lm_head``)."""
+    collapsed = _hyper_head(hidden, w, ctx.config)
+    return rms_norm(collapsed, w["norm.weight"], float(ctx.config.rms_norm_eps))
 
 
 # -- caches ---------------------------------------------------------------------------------

@@ -45,3 +45,38 @@ WEIGHT_MAP: dict[str, str] = {
     "model.layers.{layer}.ffn.gate.bias": "layers.{layer}.mlp.gate.e_score_correction_bias",
     "head.weight": "lm_head.weight",
 }
+
+# DeepSeek's own spelling, as the hub checkpoint ships it (``inference/model.py`` names, no
+# ``model.`` prefix: ``layers.0.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``), which
+# transformers renames on load (conversion_mapping.py "deepseek_v4"): the same targets.
+WEIGHT_MAP.update(
+    {
+        key.removeprefix("model."): target
+        for key, target in list(WEIGHT_MAP.items())
+        if key.startswith("model.layers.")
+    }
+)
+WEIGHT_MAP.update(
+    {
+        "embed.weight": "embed_tokens.weight",
+        "norm.weight": "norm.weight",
+        "hc_head_fn": "hc_head.hc_fn",
+        "hc_head_base": "hc_head.hc_base",
+        "hc_head_scale": "hc_head.hc_scale",
+    }
+)
+# The MTP layer (``mtp.{i}.*``, loaded as layer ``num_hidden_layers + i``: its decoder-layer
+# tensors take the names above) and its own tensors, reached by blocks.mtp_input / mtp_output
+# as the layer's ``mtp`` module.
+WEIGHT_MAP.update(
+    {
+        "layers.{layer}.e_proj.weight": "layers.{layer}.mtp.e_proj.weight",
+        "layers.{layer}.h_proj.weight": "layers.{layer}.mtp.h_proj.weight",
+        "layers.{layer}.enorm.weight": "layers.{layer}.mtp.enorm.weight",
+        "layers.{layer}.hnorm.weight": "layers.{layer}.mtp.hnorm.weight",
+        "layers.{layer}.norm.weight": "layers.{layer}.mtp.norm.weight",
+        "layers.{layer}.hc_head_fn": "layers.{layer}.mtp.hc_head.hc_fn",
+        "layers.{layer}.hc_head_base": "layers.{layer}.mtp.hc_head.hc_base",
+        "layers.{layer}.hc_head_scale": "layers.{layer}.mtp.hc_head.hc_scale",
+    }
+)

@@ -24,6 +24,7 @@ it before anything is copied (a built-in family checks shapes against its parsed
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
@@ -45,6 +46,19 @@ from resin.scaffold.layer_map import name_pattern
 
 # Checkpoint tensors that are leftovers, not weights (older checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = (".inv_freq", "._float_tensor")
+# Next-n (MTP) layers as DeepSeek ships them: ``mtp.{i}.<rest>``, after the decoder stack.
+_MTP_LAYER = re.compile(r"^(?:model\.)?mtp\.(\d+)\.")
+
+
+def stack_name(checkpoint_name: str, num_layers: int, num_mtp_layers: int) -> str:
+    """The name a tensor is matched and placed under: an MTP layer's ``mtp.{i}.<rest>`` (i <
+    ``num_mtp_layers``) becomes ``layers.{num_layers + i}.<rest>`` — the MTP layers are layers
+    past the stack, named by the same patterns as the decoder layers (the model's weight map
+    renames them once for both); any other name is unchanged."""
+    m = _MTP_LAYER.match(checkpoint_name)
+    if m is None or int(m.group(1)) >= num_mtp_layers:
+        return checkpoint_name
+    return f"layers.{num_layers + int(m.group(1))}." + checkpoint_name[m.end() :]
 
 
 @dataclass
@@ -116,6 +130,7 @@ def load_model_weights(
     expected_shape: Callable[[str, int | None], list[int | None] | None] | None = None,
     keep_in_fp32: Iterable[str] = (),
     ignored_prefixes: Iterable[str] = (),
+    num_mtp_layers: int = 0,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> ModelWeights:
@@ -131,6 +146,10 @@ def load_model_weights(
     ``ignored_prefixes``: checkpoint name prefixes of parts the runner does not run (a model
     directory's ``weights.IGNORED_PREFIXES``, e.g. ``model.visual.`` for a text-only runner of
     a multimodal checkpoint): their tensors are left in ``unused``, not read.
+    ``num_mtp_layers``: next-n (MTP) layers to load after the stack, from ``mtp.{i}.*``
+    (:func:`stack_name`): layers ``num_layers .. num_layers + num_mtp_layers - 1`` of the
+    result, checked by ``required`` like the others; MTP tensors past them (or all of them,
+    with 0) are left in ``unused``.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise WeightsError(
@@ -142,7 +161,12 @@ def load_model_weights(
     mapping = dict(weight_map or {})
     # Names the weight map renames are known too (e.g. a checkpoint in the upstream naming).
     known = None if known_patterns is None else set(known_patterns) | set(mapping)
-    plan = _dequant_plan(directory, files, known)
+    total_layers = num_layers + num_mtp_layers
+
+    def pattern_of(name: str) -> tuple[str, int | None, int | None]:
+        return name_pattern(stack_name(name, num_layers, num_mtp_layers))
+
+    plan = _dequant_plan(directory, files, known, pattern_of)
     chosen: dict[str, str] = {}
     unused: list[str] = []
     present: dict[int, set[str]] = {}
@@ -150,9 +174,10 @@ def load_model_weights(
     for name in files:
         if plan is not None and name in plan.scales:
             continue  # read with its tensor
-        pattern, layer, expert = name_pattern(name)
+        pattern, layer, expert = pattern_of(name)
         if (
-            (layer is not None and layer >= num_layers)
+            (layer is not None and layer >= total_layers)
+            or (layer is None and _MTP_LAYER.match(name) is not None)  # MTP, not loaded
             or name.endswith(IGNORED_SUFFIXES)
             or name.startswith(ignored)
         ):
@@ -163,7 +188,9 @@ def load_model_weights(
             continue
         target = mapping.get(pattern)
         chosen[name] = (
-            target.format(layer=layer, expert=expert) if target else default_runner_name(name)
+            target.format(layer=layer, expert=expert)
+            if target
+            else default_runner_name(stack_name(name, num_layers, num_mtp_layers))
         )
         if layer is not None:
             relative = pattern.split("layers.{layer}.", 1)[1]
@@ -184,13 +211,16 @@ def load_model_weights(
             "model and its config.json need them)"
         )
     if required is not None:
-        for layer in range(num_layers):
+        for layer in range(total_layers):
             missing = sorted(set(required(layer)) - present.get(layer, set()))
             if missing:
-                shown = ", ".join(f"model.layers.{layer}.{m}" for m in missing[:5])
+                where = (
+                    f"model.layers.{layer}." if layer < num_layers else f"mtp.{layer - num_layers}."
+                )
+                shown = ", ".join(f"{where}{m}" for m in missing[:5])
+                what = f"layer {layer}" if layer < num_layers else f"MTP layer {layer - num_layers}"
                 raise WeightsError(
-                    f"{directory}: layer {layer} is missing tensor(s) {shown} "
-                    "(its layer kind has them)"
+                    f"{directory}: {what} is missing tensor(s) {shown} (its layer kind has them)"
                 )
     if unused:
         warnings.warn(
@@ -199,13 +229,13 @@ def load_model_weights(
             stacklevel=2,
         )
     fp32_patterns = tuple(keep_in_fp32)
-    out = ModelWeights({}, [{} for _ in range(num_layers)], sorted(unused))
+    out = ModelWeights({}, [{} for _ in range(total_layers)], sorted(unused))
     by_file: dict[Path, list[str]] = {}
     for name in chosen:
         by_file.setdefault(files[name], []).append(name)
     if expected_shape is not None:
         logical = {} if plan is None else {n: q.shape for n, q in plan.tensors.items()}
-        _check_shapes(directory, by_file, expected_shape, logical)
+        _check_shapes(directory, by_file, expected_shape, logical, pattern_of)
     with _CpuReader(files) as cpu:
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt", device=str(device)) as handle:
@@ -225,7 +255,10 @@ def load_model_weights(
 
 
 def _dequant_plan(
-    directory: Path, files: Mapping[str, Path], known: set[str] | None
+    directory: Path,
+    files: Mapping[str, Path],
+    known: set[str] | None,
+    pattern_of: Callable[[str], tuple[str, int | None, int | None]] = name_pattern,
 ) -> DequantPlan | None:
     """None without a ``quantization_config``; otherwise every quantised tensor paired with
     its scale (WeightsError naming what does not fit)."""
@@ -245,8 +278,8 @@ def _dequant_plan(
         return plan_dequantisation(
             headers,
             scheme,
-            is_routed_expert=lambda name: name_pattern(name)[2] is not None,
-            is_known=lambda name: known is None or name_pattern(name)[0] in known,
+            is_routed_expert=lambda name: pattern_of(name)[2] is not None,
+            is_known=lambda name: known is None or pattern_of(name)[0] in known,
         )
     except WeightsError as exc:
         raise WeightsError(f"{directory}: {exc}") from None
@@ -282,6 +315,7 @@ def _check_shapes(
     by_file: Mapping[Path, list[str]],
     expected_shape: Callable[[str, int | None], list[int | None] | None],
     logical: Mapping[str, tuple[int, ...]] | None = None,
+    pattern_of: Callable[[str], tuple[str, int | None, int | None]] = name_pattern,
 ) -> None:
     """Every tensor's header shape (``logical``: the dequantised shape of a quantised one)
     against what the checkpoint's config implies, before any tensor is copied; WeightsError
@@ -289,7 +323,7 @@ def _check_shapes(
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as handle:
             for name in names:
-                pattern, layer, _ = name_pattern(name)
+                pattern, layer, _ = pattern_of(name)
                 want = expected_shape(pattern, layer)
                 if want is None:
                     continue
