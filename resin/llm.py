@@ -46,6 +46,10 @@ from resin.tokenizer import Tokenizer
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # 2 GiB of KV cache unless the caller says otherwise
 DEFAULT_MAX_NUM_SEQS = 64
+# Speculative decoding: "ngram" (the engine's prompt-lookup drafter) or "mtp" (the
+# checkpoint's next-n layer, drafted by the runner: resin.runners.torch.mtp_drafter).
+SPECULATIVE_METHODS = ("ngram", "mtp")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 MAX_IDLE_STEPS = 10_000  # consecutive steps without any output before generate gives up
 
 Prompt = str | list[int]
@@ -71,12 +75,15 @@ class LLM:
     """A checkpoint, its tokenizer and chat template, a runner and an engine, for offline use.
 
     ``runner``: None (the registry's runner for the checkpoint), a runner name or spec as
-    ``--runner`` takes (``torch``, ``null``, a registered model, a model directory,
-    ``module:Class``), or any :class:`resin.Runner` object. ``models_dirs``: extra model
+    ``--runner`` takes (``torch``, ``mlx`` — the MLX runner, ``device`` ``cpu`` or ``gpu`` —,
+    ``null``, a registered model, a model directory, ``module:Class``), or any
+    :class:`resin.Runner` object. ``models_dirs``: extra model
     directories to register (as ``--models-dir``). ``attention_backend``: the torch runners'
     attention backend (``reference`` by default). ``dtype``: a torch dtype or its name
-    (``"float32"``, ``"bfloat16"``, ``"float16"``). ``engine_config``: :class:`resin.EngineConfig`
-    fields.
+    (``"float32"``, ``"bfloat16"``, ``"float16"``). ``speculative_method``: None (off),
+    ``"ngram"`` or ``"mtp"`` (the runner's ``enable_mtp``; ValueError when the checkpoint has no
+    MTP layer), drafting ``num_speculative_tokens`` (default 3) per step. ``engine_config``:
+    :class:`resin.EngineConfig` fields.
     """
 
     def __init__(
@@ -89,9 +96,18 @@ class LLM:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         models_dirs: Sequence[str | Path] = (),
         attention_backend: str | None = None,
+        speculative_method: str | None = None,
         **engine_config: Any,
     ) -> None:
         from resin.registry import ModelRegistry, resolve_runner
+
+        if speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(
+                f"speculative method {speculative_method!r}; known: "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        if speculative_method is not None:
+            engine_config.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
 
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
@@ -109,6 +125,13 @@ class LLM:
             dtype=dtype,
             attention_backend=attention_backend,
         )
+        if speculative_method == "mtp":
+            enable_mtp = getattr(self.runner, "enable_mtp", None)
+            if enable_mtp is None:
+                raise ValueError(
+                    f"runner {type(self.runner).__name__} has no MTP drafter (enable_mtp)"
+                )
+            enable_mtp(int(engine_config["num_speculative_tokens"]))
         config = self._engine_config(self.runner, kv_cache_bytes, engine_config)
         self.engine = Engine(config, self.runner)
         self._request_counter = itertools.count()

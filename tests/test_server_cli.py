@@ -68,7 +68,7 @@ def test_serve_rejects_unknown_parser_and_missing_model():
         ["serve", str(ROOT / "tests/fixtures/qwen3"), "--speculative-method", "eagle"],
         env={"COLUMNS": "200"},
     )
-    assert result.exit_code == 2 and "the speculative methods are: ngram" in result.output
+    assert result.exit_code == 2 and "the speculative methods are: ngram, mtp" in result.output
 
 
 def test_resin_serve_subprocess_answers_and_stops():

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from resin.llm import SPECULATIVE_METHODS
 from resin.server.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 
 
@@ -90,7 +91,8 @@ def serve(
         str | None,
         typer.Option(
             help="Speculative decoding: 'ngram' (prompt lookup: drafts from the request's own "
-            "text, verified by the model; identical outputs). Default: off."
+            "text) or 'mtp' (the checkpoint's next-n layer, e.g. DeepSeek-V4's), verified by "
+            "the model; identical outputs. Default: off."
         ),
     ] = None,
     num_speculative_tokens: Annotated[
@@ -185,11 +187,13 @@ def serve(
         "enable_prefix_caching": enable_prefix_caching,
     }
     if speculative_method is not None:
-        if speculative_method != "ngram":
+        if speculative_method not in SPECULATIVE_METHODS:
             raise typer.BadParameter(
-                f"{speculative_method!r}: the speculative methods are: ngram",
+                f"{speculative_method!r}: the speculative methods are: "
+                + ", ".join(SPECULATIVE_METHODS),
                 param_hint="--speculative-method",
             )
+        engine_config["speculative_method"] = speculative_method
         engine_config["num_speculative_tokens"] = num_speculative_tokens
     for name, value in (
         ("num_pages", num_pages),

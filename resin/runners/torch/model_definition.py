@@ -126,6 +126,24 @@ def default_logits(hidden: torch.Tensor, w: Weights, ctx: Any) -> torch.Tensor:
 
 
 @dataclass
+class MtpDefinition:
+    """A model's next-n (MTP) layers, run as the drafter of speculative decoding
+    (:mod:`.mtp_drafter`): each is a decoder layer (``layers``, indices after the stack, with
+    their own caches) fed by ``input(prev_hidden, embeds, w, ctx) -> hidden`` — the previous
+    position's hidden state (the target's ``pre_layers``..last-layer stream, shape
+    ``hidden_shape`` per token, e.g. ``(hc, D)``; or the MTP layer's own output when chained)
+    mixed with the embedding of the token at this position (DeepSeek: ``e_proj(enorm(e)) +
+    h_proj(hnorm(h))``) — and read out by ``output(hidden, w, ctx) -> [T, D]`` (its own norm /
+    hyper-head) before the model's shared ``logits``. ``w`` is the layer's ``mtp`` module
+    (``layers.{i}.mtp.*`` runner names)."""
+
+    layers: list[LayerDefinition]
+    input: Hook
+    output: Hook
+    hidden_shape: tuple[int, ...]
+
+
+@dataclass
 class ModelDefinition:
     """A model's functions and structure (see module doc). ``config`` is what blocks see as
     ``ctx.config``; ``vocab_size`` sizes the sampler."""
@@ -142,6 +160,7 @@ class ModelDefinition:
     post_layers: Hook | None = None
     final_norm: Hook | None = None
     logits: Hook = default_logits
+    mtp: MtpDefinition | None = None  # next-n layers the checkpoint ships (None: none)
 
     def rotary_for(self, layer_type: str) -> Any:
         """The rotary table object of one layer type (None: the model has none)."""

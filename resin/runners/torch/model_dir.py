@@ -43,6 +43,7 @@ from resin.runners.torch.model_definition import (
     LayerCache,
     LayerDefinition,
     ModelDefinition,
+    MtpDefinition,
     attention_cache,
     default_embed,
     default_logits,
@@ -57,7 +58,9 @@ RECORD_FORMAT = 1
 # is dropped when the checkpoint gives one of its sources.
 DERIVED_CONFIG_KEYS = {
     "rope_parameters": ("rope_theta", "rope_scaling", "rope_type"),
-    "layer_types": ("sliding_window_pattern",),
+    "layer_types": ("sliding_window_pattern", "compress_ratios"),
+    "mlp_layer_types": ("num_hash_layers",),
+    "partial_rotary_factor": ("qk_rope_head_dim",),
 }
 
 
@@ -279,10 +282,65 @@ def _split_layer_cache(
     return declared, {}
 
 
+def mtp_kind(blocks: Any, args: Any) -> str | None:
+    """The layer kind of the model's next-n (MTP) layers — ``"{layer_type}/{mlp_type}"`` from
+    ``blocks.mtp_layer_type(config)`` / ``blocks.mtp_mlp_type(config)`` — or None when the
+    model directory defines no MTP (``mtp_input`` / ``mtp_output`` hooks)."""
+    hooks = ("mtp_layer_type", "mtp_mlp_type", "mtp_input", "mtp_output", "mtp_hidden_shape")
+    if not all(hasattr(blocks, hook) for hook in hooks):
+        return None
+    return f"{blocks.mtp_layer_type(args)}/{blocks.mtp_mlp_type(args)}"
+
+
+def mtp_layer_tensors(record: ModelRecord, kind: str, own: tuple[str, ...] = ()) -> list[str]:
+    """Tensor patterns (relative to the layer) an MTP layer of ``kind`` must have. The kind is
+    usually not a decoder layer of the record (DeepSeek-V4's MTP layer is sliding-window with
+    a top-k MoE; no decoder layer is both), so it is composed from the record: what every
+    kind of its layer type and every kind of its MLP type have, plus what only kinds of its
+    layer type (or only of its MLP type) have; and the MTP layer's ``own`` tensors."""
+    if kind in record.layer_kinds:
+        return sorted(set(record.layer_kinds[kind].get("tensors", [])) | set(own))
+    layer_type, mlp_type = kind.split("/", 1)
+    tensors = {k: set(v.get("tensors", [])) for k, v in record.layer_kinds.items()}
+    of_type = [t for k, t in tensors.items() if k.split("/", 1)[0] == layer_type]
+    of_mlp = [t for k, t in tensors.items() if k.split("/", 1)[1] == mlp_type]
+    if not of_type or not of_mlp:
+        raise ValueError(
+            f"{record.name}: the MTP layer is {kind!r}, but {ARCHITECTURE_FILE} has no layer "
+            f"of type {layer_type!r} or no {mlp_type!r} MLP to take its tensors from"
+        )
+    others_type = set().union(*[t for k, t in tensors.items() if k.split("/", 1)[0] != layer_type])
+    others_mlp = set().union(*[t for k, t in tensors.items() if k.split("/", 1)[1] != mlp_type])
+    type_all, mlp_all = set.intersection(*of_type), set.intersection(*of_mlp)
+    required = (type_all & mlp_all) | (type_all - others_type) | (mlp_all - others_mlp)
+    return sorted(required | set(own))
+
+
+def _mtp_classes(record: ModelRecord, kind: str) -> dict[str, Any]:
+    """Decoder and child classes of an MTP layer of ``kind``: its own record entry, else those
+    of a decoder layer of the same layer type (the MLP child from one of the same MLP type)."""
+    if kind in record.layer_kinds:
+        return record.layer_kinds[kind]
+    layer_type, mlp_type = kind.split("/", 1)
+    base = next(v for k, v in record.layer_kinds.items() if k.split("/", 1)[0] == layer_type)
+    mlp = next(v for k, v in record.layer_kinds.items() if k.split("/", 1)[1] == mlp_type)
+    children = dict(base["children"])
+    for child, cls in mlp["children"].items():
+        if child in ("mlp", "block_sparse_moe", "ffn", "feed_forward"):
+            children[child] = cls
+    return {"decoder": base["decoder"], "children": children}
+
+
 def model_definition(
-    name: str, record: ModelRecord, blocks: Any, args: ModelArgs, device: torch.device
+    name: str,
+    record: ModelRecord,
+    blocks: Any,
+    args: ModelArgs,
+    device: torch.device,
+    num_mtp_layers: int = 0,
 ) -> ModelDefinition:
-    """The definition of one checkpoint (``args``) of a model directory (``record`` + ``blocks``)."""
+    """The definition of one checkpoint (``args``) of a model directory (``record`` +
+    ``blocks``), with its first ``num_mtp_layers`` next-n (MTP) layers when asked."""
     head_dim = int(blocks.head_dim(args)) if hasattr(blocks, "head_dim") else head_dim_of(args)
     num_kv_heads = num_kv_heads_of(args)
     layer_cache = getattr(blocks, "layer_cache", default_layer_cache)
@@ -324,6 +382,40 @@ def model_definition(
     final_norm = getattr(blocks, "final_norm", None)
     if final_norm is None and record.norm is not None:
         final_norm = _block(blocks, record.norm, name)
+    mtp = None
+    next_n_kind = mtp_kind(blocks, args) if num_mtp_layers else None
+    if next_n_kind is not None:
+        classes = _mtp_classes(record, next_n_kind)
+        layer_type = next_n_kind.split("/", 1)[0]
+        window = getattr(args, "sliding_window", None)
+        window = window if layer_type in record.windowed_layer_types else None
+        mtp_layers = []
+        for i in range(num_mtp_layers):
+            cache, extra = _split_layer_cache(
+                declare_layer_cache(
+                    layer_cache, len(layers) + i, layer_type, window, args, head_dim, num_kv_heads
+                )
+            )
+            mtp_layers.append(
+                LayerDefinition(
+                    index=len(layers) + i,
+                    layer_type=layer_type,
+                    window=window,
+                    decoder=_block(blocks, classes["decoder"], name),
+                    children={
+                        child: _block(blocks, cls, name)
+                        for child, cls in classes["children"].items()
+                    },
+                    cache=cache,
+                    extra_caches=extra,
+                )
+            )
+        mtp = MtpDefinition(
+            layers=mtp_layers,
+            input=blocks.mtp_input,
+            output=blocks.mtp_output,
+            hidden_shape=tuple(blocks.mtp_hidden_shape(args)),
+        )
     return ModelDefinition(
         name=name,
         architecture=record.architectures[0],
@@ -337,7 +429,24 @@ def model_definition(
         post_layers=getattr(blocks, "post_layers", None),
         final_norm=final_norm,
         logits=getattr(blocks, "logits", default_logits),
+        mtp=mtp,
     )
+
+
+def checkpoint_mtp_layers(blocks: Any, args: Any, checkpoint_dir: str | Path) -> int:
+    """Next-n (MTP) layers to load: the config's ``num_nextn_predict_layers`` when the model
+    directory defines an MTP (:func:`mtp_kind`) and the checkpoint ships them (``mtp.{i}.*``
+    tensors, as DeepSeek does; ``save_pretrained`` drops them); else 0."""
+    wanted = int(getattr(args, "num_nextn_predict_layers", 0) or 0)
+    if not wanted or mtp_kind(blocks, args) is None:
+        return 0
+    from resin.loading.weights import locate_tensors
+
+    names = locate_tensors(Path(checkpoint_dir))
+    shipped = {
+        int(n.split(".")[1]) for n in names if n.startswith("mtp.") and n.split(".")[1].isdigit()
+    }
+    return sum(1 for i in range(wanted) if i in shipped)
 
 
 def _block(blocks: Any, cls_name: str, name: str) -> Any:
@@ -397,19 +506,28 @@ class ModelDirRunner(PagedRunner):
             # checkpoint served text-only): left unused, not refused as unknown.
             ignored = tuple(getattr(weights_module, "IGNORED_PREFIXES", ()))
         device = torch.device(device)
-        definition = model_definition(name, record, blocks, args, device)
+        num_mtp = checkpoint_mtp_layers(blocks, args, checkpoint_dir)
+        definition = model_definition(name, record, blocks, args, device, num_mtp)
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
+        required = [record.layer_kinds[k].get("tensors", []) for k in kinds]
+        if num_mtp:
+            kind = mtp_kind(blocks, args)
+            assert kind is not None
+            own = tuple(getattr(blocks, "MTP_TENSORS", ()))
+            required += [mtp_layer_tensors(record, kind, own)] * num_mtp
+            kinds += [kind] * num_mtp
         dtype_name = str(dtype).removeprefix("torch.")
         weights = load_model_weights(
             checkpoint_dir,
             len(definition.layers),
             weight_map=weight_map,
             known_patterns=record.checkpoint_patterns,
-            required=lambda i: record.layer_kinds[kinds[i]].get("tensors", []),
+            required=lambda i: required[i],
             required_globals=_required_globals(record, args, weight_map),
             expected_shape=_shape_checker(record, args, kinds),
             keep_in_fp32=record.keep_in_fp32.get(dtype_name, []),
             ignored_prefixes=ignored,
+            num_mtp_layers=num_mtp,
             device=device,
             dtype=dtype,
         )

@@ -11,6 +11,8 @@ Owns, once for all models (built-in families and generated model directories ali
   page) (zeroed: page 0, the null page, reads as zeros);
 - the forward: ``embed`` -> ``pre_layers`` -> every decoder layer -> ``post_layers`` ->
   ``final_norm`` -> ``logits`` -> the :class:`resin.sampling.Sampler`;
+- speculative decoding with the checkpoint's MTP layer: ``enable_mtp(k)`` before the engine
+  adds its caches and runs :class:`~.mtp_drafter.MtpDrafter` after each sampled step;
 - parity capture: set ``runner.capture`` to a dict (or a callable ``(name, tensor)``) and each
   forward reports ``model.embed_tokens``, per layer ``model.layers.{i}.<child>`` (what the
   decoder function emits) and ``model.layers.{i}``, ``model.norm`` and ``lm_head`` —
@@ -31,8 +33,9 @@ from resin._core import BatchPlan, CacheGroup, CacheLayout, ForwardOutput, Layer
 from resin.runners.torch.attention import AttentionBackend, LayerAttention, make_attention_backend
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import plan_tensor
-from resin.runners.torch.model_definition import LayerCache, ModelDefinition
+from resin.runners.torch.model_definition import LayerCache, LayerDefinition, ModelDefinition
 from resin.runners.torch.model_weights import ModelWeights
+from resin.runners.torch.mtp_drafter import TARGET_HIDDEN, MtpDrafter, target_hidden_cache
 from resin.runners.torch.recurrent_state import RecurrentState, apply_copies
 from resin.runners.torch.step_inputs import StepInputs
 from resin.sampling import Sampler
@@ -73,6 +76,39 @@ class PagedRunner:
         self.group_of_layer: list[int] = []
         self.group_windows: list[int | None] = []
         self.group_page_entries: list[int] = []
+        self.drafter: MtpDrafter | None = None
+
+    # -- speculative decoding ----------------------------------------------------------
+
+    def enable_mtp(self, num_speculative_tokens: int) -> None:
+        """Draft ``num_speculative_tokens`` tokens per sampled row with the checkpoint's MTP
+        layer (:mod:`.mtp_drafter`): its caches join ``cache_spec``, so call this before
+        the engine is built. ValueError when the model or checkpoint has no MTP layer."""
+        mtp = self.model.mtp
+        if mtp is None:
+            raise ValueError(
+                f"{self.model.name}: no MTP layer to draft with (the model directory "
+                "defines none, or the checkpoint ships no mtp.* tensors: "
+                "num_nextn_predict_layers / save_pretrained drop them); use "
+                "--speculative-method ngram"
+            )
+        if self.bound:
+            raise RuntimeError("enable_mtp after bind_cache: enable it before the engine")
+        for layer in mtp.layers:
+            layer.extra_caches.setdefault(TARGET_HIDDEN, target_hidden_cache(mtp))
+            self.child_weights.append(
+                {
+                    child: self.weights.module(layer.index, child)
+                    for child in [*layer.children, "mtp"]
+                }
+            )
+        self.drafter = MtpDrafter(self, mtp, num_speculative_tokens)
+
+    def _layers(self) -> list[LayerDefinition]:
+        """The decoder layers, then the MTP layers when drafting with them."""
+        if self.drafter is None or self.model.mtp is None:
+            return self.model.layers
+        return [*self.model.layers, *self.model.mtp.layers]
 
     # -- cache ---------------------------------------------------------------------------
 
@@ -85,7 +121,7 @@ class PagedRunner:
         """(layer index, cache name — "" for the main one —, cache) in spec order."""
         return [
             (layer.index, name, cache)
-            for layer in self.model.layers
+            for layer in self._layers()
             for name, cache in [("", layer.cache), *layer.extra_caches.items()]
         ]
 
@@ -102,7 +138,7 @@ class PagedRunner:
         (its pages are smaller). A cache whose buffers do not fit or align in a page row gets
         its own buffers too (``self.unshared`` names them).
         """
-        num_layers = len(self.model.layers)
+        num_layers = len(self._layers())
         self.layer_caches = [{} for _ in range(num_layers)]
         self.state_pages = [None] * num_layers
         self.extra_slots = [{} for _ in range(num_layers)]
@@ -206,6 +242,7 @@ class PagedRunner:
                 hidden, layer.children, self.child_weights[layer.index], ctx, emit
             )
             self._emit(f"model.layers.{layer.index}", hidden)
+        last_layer_hidden = hidden
         if model.post_layers is not None:
             hidden = model.post_layers(hidden, globals_, top)
 
@@ -218,7 +255,10 @@ class PagedRunner:
             logits = all_logits[last]
         else:
             logits = model.logits(self._final_norm(hidden[last], top), globals_, top)
-        return self.sampler.sample(logits.float(), plan, step.sample_rows)
+        out = self.sampler.sample(logits.float(), plan, step.sample_rows)
+        if self.drafter is not None:
+            out = self.drafter.run(step, last_layer_hidden, out, tables)
+        return out
 
     def _state_buffers(self) -> list[torch.Tensor]:
         """The distinct byte buffers recurrent states live in (shared slots, or their own)."""
@@ -243,7 +283,7 @@ class PagedRunner:
         )
         if index < 0 or tables is None:
             return ctx
-        layer = self.model.layers[index]
+        layer = self._layers()[index]
         group = self.group_of_layer[index]
         ctx.layer_type, ctx.window = layer.layer_type, layer.window
         ctx.rotary = self.model.rotary_for(layer.layer_type)

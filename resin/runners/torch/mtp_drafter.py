@@ -1,0 +1,308 @@
+"""The MTP drafter: a model's next-n layer proposing speculative tokens (DeepSeek's MTP).
+
+Owns :class:`MtpDrafter`, run by :class:`~.paged_runner.PagedRunner` after each sampled step
+when ``enable_mtp(k)`` was called, and :class:`DraftAttention`, the ``ctx.attention`` of its
+draft steps. The proposals go back to the engine in ``ForwardOutput.draft_token_ids`` /
+``draft_indptr``; the engine verifies them in the next plan like any drafter's (greedy:
+identical output; sampling: rejection sampling against the proposal, a point mass — the
+drafts are the MTP head's argmax).
+
+The MTP layer keeps a sequence of its own, one entry per token: the entry at position ``s``
+is the MTP layer's input ``(h[s-1], token[s])`` — the target's hidden state at the previous
+position and this position's token — so, like every cache, it depends only on tokens up to
+``s`` (prefix caching can share it). Two caches hold it, both in the engine's pool:
+
+- the MTP layer's own attention cache (its layer type's, e.g. a sliding window), written for
+  every token of every step (prompt chunks included) by the **cache pass**;
+- ``target_hidden``: the target's hidden state per token, a window of 2 tokens, so a row
+  starting at ``a`` finds ``h[a-1]`` from the previous step (or a prefix-cache hit). Position
+  0 has no previous token: its entry is made from zeros (hidden and embedding).
+
+After sampling, each row that sampled drafts ``k`` tokens by the **draft chain**: step 1 is
+the entry after the row's last accepted token — the target's hidden there and the token the
+engine commits after it (the bonus) — then each step feeds the layer's own output hidden and
+the previous draft. Draft steps read the cached entries up to the last accepted position (a
+verify row's rejected positions were cached too, but are never read: the next step rewrites
+them) plus the draft steps' own keys, held in :class:`DraftAttention`, never in the pool:
+a draft step's position may not have a page yet. With ``num_nextn_predict_layers`` > 1 the
+first layer is chained (vLLM's choice for DeepSeek). Imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from resin._core import ForwardOutput
+from resin.runners.torch.attention import RowHistory
+from resin.runners.torch.context import LayerContext
+from resin.runners.torch.layers import read_slots
+from resin.runners.torch.model_definition import LayerCache, MtpDefinition
+from resin.runners.torch.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from resin.runners.torch.paged_runner import PagedRunner
+
+TARGET_HIDDEN = "target_hidden"  # the MTP layer's extra cache of the target's hidden states
+
+
+def target_hidden_cache(definition: MtpDefinition) -> LayerCache:
+    """The per-token window of the target's hidden states the cache pass reads back one
+    position later (2 tokens: the previous one and the current)."""
+    return LayerCache("sliding_window", {"hidden": definition.hidden_shape}, window=2)
+
+
+class MtpDrafter:
+    """Runs one model's MTP layer for its runner (see the module doc)."""
+
+    def __init__(self, runner: PagedRunner, definition: MtpDefinition, num_tokens: int):
+        if num_tokens < 1:
+            raise ValueError("the MTP drafter needs num_speculative_tokens >= 1")
+        self.runner = runner
+        self.definition = definition
+        self.layer = definition.layers[0]
+        self.num_tokens = num_tokens
+
+    def run(
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor,
+        out: ForwardOutput,
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> ForwardOutput:
+        """The cache pass over the step's tokens, then ``num_tokens`` drafts per sampled row;
+        ``hidden`` is the target's last-layer hidden state [T, *hidden_shape]."""
+        runner, layer = self.runner, self.layer
+        ctx = runner._context(step, layer.index, tables)
+        ctx.caches = runner.layer_caches[layer.index]
+        w = runner.child_weights[layer.index]["mtp"]
+        prev = self._previous_hidden(step, hidden, ctx)
+        ctx.extra[TARGET_HIDDEN].write(hidden=hidden)
+        embeds = runner.model.embed(step.input_ids, runner.weights.globals, ctx)
+        first = step.positions == 0  # no previous position: a zero input
+        if bool(first.any()):
+            prev = prev.masked_fill(first.view(-1, *[1] * (prev.dim() - 1)), 0)
+            embeds = embeds.masked_fill(first[:, None], 0)
+        x = self.definition.input(prev, embeds, w, ctx)
+        layer.decoder(x, layer.children, runner.child_weights[layer.index], ctx, _no_emit)
+        rows, last, bonus = _accepted(step, out)
+        if not rows.size:
+            return out
+        drafts = self._chain(step, ctx, hidden[last], bonus, rows, last)
+        counts = np.zeros(len(step.plan.seq_lens), dtype=np.int64)
+        counts[rows] = self.num_tokens
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+        return ForwardOutput(
+            out.token_ids,
+            out.token_indptr,
+            out.logprobs,
+            out.top_logprob_ids,
+            out.top_logprobs,
+            drafts.reshape(-1).astype(np.uint32),
+            indptr,
+        )
+
+    def _previous_hidden(
+        self, step: StepInputs, hidden: torch.Tensor, ctx: LayerContext
+    ) -> torch.Tensor:
+        """Per token, the target's hidden state one position back: this step's previous token
+        within a row; for a row's first token, ``target_hidden`` at that position (zeros at
+        position 0)."""
+        prev = torch.zeros_like(hidden)
+        prev[1:] = hidden[:-1]
+        plan = step.plan
+        group = ctx.extra[TARGET_HIDDEN].group
+        cache = ctx.extra[TARGET_HIDDEN].caches["hidden"]
+        page_size = self.runner.group_page_entries[group]
+        starts = plan.query_indptr[:-1].astype(np.int64)
+        ends = plan.query_indptr[1:].astype(np.int64)
+        for row in np.flatnonzero(ends > starts):
+            first = int(starts[row])
+            position = int(plan.positions[first]) - 1
+            if position < 0:
+                prev[first] = 0
+                continue
+            pages = plan.kv_indices[group][
+                plan.kv_indptr[group][row] : plan.kv_indptr[group][row + 1]
+            ]
+            first_page = -(-int(plan.seq_lens[row]) // page_size) - len(pages)
+            index = position // page_size - first_page
+            if not 0 <= index < len(pages):
+                raise RuntimeError(
+                    f"MTP: the target's hidden state at position {position} left the pool "
+                    f"(row {row}); the engine must keep the {TARGET_HIDDEN} window"
+                )
+            slot = torch.tensor([int(pages[index]) * page_size + position % page_size])
+            prev[first] = read_slots(cache, slot.to(cache.device))[0]
+        return prev
+
+    def _chain(
+        self,
+        step: StepInputs,
+        cached: LayerContext,
+        hidden: torch.Tensor,
+        bonus: np.ndarray,
+        rows: np.ndarray,
+        last: np.ndarray,
+    ) -> np.ndarray:
+        """``num_tokens`` greedy drafts per sampled row [R, k]: the draft chain (module doc)."""
+        runner, layer, definition = self.runner, self.layer, self.definition
+        device = hidden.device
+        next_position = step.positions[torch.as_tensor(last, device=device)] + 1
+        attention = DraftAttention(cached, rows, next_position, layer.window)
+        rotary = runner.model.rotary_for(layer.layer_type)
+        w = runner.child_weights[layer.index]["mtp"]
+        tokens = torch.as_tensor(bonus, device=device, dtype=torch.long)
+        out = np.zeros((len(rows), self.num_tokens), dtype=np.int64)
+        for i in range(self.num_tokens):
+            positions = next_position + i
+            ctx = LayerContext(
+                index=layer.index,
+                config=runner.config,
+                head_dim=runner.model.head_dim,
+                dtype=runner.dtype,
+                input_ids=tokens,
+                positions=positions,
+                layer_type=layer.layer_type,
+                window=layer.window,
+                rotary=rotary,
+                attention=attention,  # type: ignore[arg-type]
+                query_indptr=torch.arange(len(rows) + 1, device=device),
+            )
+            if rotary is not None:
+                ctx.cos, ctx.sin = rotary.cos_sin(positions, runner.dtype)
+            embeds = runner.model.embed(tokens, runner.weights.globals, ctx)
+            x = definition.input(hidden, embeds, w, ctx)
+            hidden = layer.decoder(
+                x, layer.children, runner.child_weights[layer.index], ctx, _no_emit
+            )
+            normed = definition.output(hidden, w, ctx)
+            logits = runner.model.logits(normed, runner.weights.globals, ctx)
+            tokens = logits.float().argmax(dim=-1)
+            out[:, i] = tokens.cpu().numpy()
+            attention.next_step()
+        return out
+
+
+def _accepted(step: StepInputs, out: ForwardOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row that sampled: the row, the step index of its last accepted token (its last
+    committed input, or the last draft the model agreed with) and the token the engine commits
+    after it (the bonus) — the engine's own acceptance rule (engine.rs ``commit_row``)."""
+    plan = step.plan
+    token_ids = np.asarray(out.token_ids, dtype=np.int64)
+    indptr = np.asarray(out.token_indptr, dtype=np.int64)
+    ends = plan.query_indptr[1:].astype(np.int64)
+    num_drafts = plan.num_draft_tokens.astype(np.int64)
+    input_ids = plan.input_ids
+    rows, last, bonus = [], [], []
+    # (A row that does not sample returns one ignored 0: go by the plan's sample_indptr.)
+    for row in np.flatnonzero(np.diff(plan.sample_indptr.astype(np.int64)) > 0):
+        sampled = token_ids[indptr[row] : indptr[row + 1]]
+        k = int(num_drafts[row])
+        drafts = input_ids[ends[row] - k : ends[row]]
+        j = 0
+        while j < min(k, len(sampled) - 1) and sampled[j] == drafts[j]:
+            j += 1
+        rows.append(row)
+        last.append(ends[row] - 1 - k + j)
+        bonus.append(sampled[j])
+    return np.asarray(rows, dtype=np.int64), np.asarray(last, dtype=np.int64), np.asarray(bonus)
+
+
+def _no_emit(child: str, tensor: torch.Tensor) -> None:
+    """Parity capture covers the target model, not the drafter."""
+
+
+class DraftAttention:
+    """``ctx.attention`` of the draft steps: one query per drafting row, over the MTP layer's
+    cached entries up to the row's last accepted position (within the layer's window) and the
+    keys the draft steps wrote so far (held here, never in the pool). Softmax attention as
+    :class:`~.attention.ReferenceBackend` computes it (sinks, soft-capping, GQA, K = V)."""
+
+    def __init__(
+        self,
+        cached: LayerContext,
+        rows: np.ndarray,
+        first_position: torch.Tensor,
+        window: int | None,
+    ):
+        self.cached = cached.require_attention()
+        self.rows = rows
+        self.first_position = first_position  # the first draft step's position, per row
+        self.window = window
+        self.step = 0
+        self.history: dict[str, list[RowHistory]] = {}
+        self.written: dict[str, list[torch.Tensor]] = {}
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    def write(self, **values: torch.Tensor) -> None:
+        for name, tensor in values.items():
+            self.written.setdefault(name, []).append(tensor)
+
+    def _keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[R, K, kv_heads, dim]`` keys of buffer ``name`` for this draft step and their mask
+        ``[R, K]``: cached entries, then the draft steps' own."""
+        if name not in self.history:
+            self.history[name] = self.cached.gather(name)
+        position = self.first_position + self.step  # this step's query position, per row
+        rows = [self.history[name][row] for row in self.rows]
+        width = max((len(h.positions) for h in rows), default=0)
+        sample = self.written[name][0]
+        keys = sample.new_zeros((len(rows), width, *sample.shape[1:]))
+        mask = torch.zeros((len(rows), width), dtype=torch.bool, device=sample.device)
+        for r, hist in enumerate(rows):
+            n = len(hist.positions)
+            keys[r, :n] = hist.values.to(keys.dtype)
+            visible = hist.positions < self.first_position[r]  # up to the last accepted
+            if self.window is not None:
+                visible &= hist.positions > position[r] - self.window
+            mask[r, :n] = visible
+        own = torch.stack(self.written[name][: self.step + 1], dim=1)  # [R, steps, ...]
+        own_mask = torch.ones(own.shape[:2], dtype=torch.bool, device=own.device)
+        if self.window is not None:  # the draft steps' own keys may leave the window too
+            offsets = torch.arange(own.shape[1], device=own.device)
+            own_mask = (offsets > self.step - self.window).expand(own.shape[0], -1)
+        return torch.cat([keys, own], dim=1), torch.cat([mask, own_mask], dim=1)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        *,
+        scale: float,
+        keys: str = "k",
+        values: str | None = "v",
+        value_dim: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        k, mask = self._keys(keys)
+        v = k if values is None or values == keys else self._keys(values)[0]
+        num_heads, num_kv_heads = q.shape[1], k.shape[2]
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads, {num_kv_heads} KV heads")
+        repeat = num_heads // num_kv_heads
+        dim_v = value_dim if value_dim is not None else v.shape[-1]
+        k = k.repeat_interleave(repeat, dim=2)  # [R, K, H, D]
+        v = v[..., :dim_v].repeat_interleave(repeat, dim=2)
+        scores = torch.einsum("rhd,rkhd->rhk", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            dtype = torch.promote_types(scores.dtype, sinks.dtype)
+            sink = sinks.to(dtype).reshape(1, -1, 1).expand(scores.shape[0], -1, 1)
+            logits = torch.cat([scores.to(dtype), sink], dim=-1)
+            logits = logits - logits.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+        return torch.einsum("rhk,rkhd->rhd", probs, v)
+
+    def gather(self, name: str) -> Any:
+        raise NotImplementedError(
+            "MTP draft steps support softmax attention (write / attend), not gather"
+        )
