@@ -83,13 +83,16 @@ def generate(
     chat: bool = typer.Option(
         False, "--chat", help="Wrap the prompt as a user message with the chat template."
     ),
-    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
+    device: str = typer.Option(
+        "cpu", "--device", help="Device: cpu or cuda (torch runners); cpu or gpu (--runner mlx)."
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     runner: str | None = typer.Option(
         None,
         "--runner",
         help="Runner (default: the model "
         "registry's for the checkpoint's architecture): torch, "
+        'mlx (Apple\'s MLX; pip install mlx, or "mlx[cpu]" on Linux), '
         "a registered model name, a model directory, or "
         "module:Class.",
     ),

@@ -19,11 +19,14 @@ claims it wins (two user directories claiming one architecture at the same level
 one, with a warning naming both). An unknown architecture raises
 :class:`UnknownArchitectureError` listing what is registered and how to add a model
 (``resin new-model``). An explicit runner (``--runner NAME``) overrides the lookup: ``torch``,
-``null`` (no model: cycles ordinary tokens, for measuring the server), a registered model name,
-a model directory path, or ``module:Class``.
+``mlx`` (the MLX runner, :mod:`resin.runners.mlx`: the built-in families and gpt-oss on Apple's
+MLX; without MLX installed, an error naming the package to install), ``null`` (no model: cycles
+ordinary tokens, for measuring the server), a registered model name, a model directory path, or
+``module:Class``. ``torch`` and ``mlx`` always mean those runners, whatever a user directory is
+called.
 
-Importing this module is pure stdlib (records are JSON files); torch loads when a runner is
-built.
+Importing this module is pure stdlib (records are JSON files); torch (or MLX) loads when a
+runner is built.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ RECORD_FILE = "architecture.json"
 MODELS_PATH_ENV = "RESIN_MODELS_PATH"
 SHIPPED_MODELS_DIR = Path(__file__).resolve().parent / "models"
 BUILTIN_NAME = "torch"
+MLX_RUNNER = "mlx"
 NULL_RUNNER = "null"
 NULL_RUNNER_TEXT = " the quick brown fox jumps over the lazy dog and"
 # The built-in families (resin.loading parses these and the torch reference runner runs them).
@@ -216,6 +220,8 @@ def resolve_runner(
         )
     if runner == NULL_RUNNER:
         return _null_runner(checkpoint_dir)
+    if runner == MLX_RUNNER:
+        return _mlx_runner(checkpoint_dir, device, dtype, attention_backend)
     # "torch" always means the built-in families, whatever a user directory is called
     entry = registry.entries[-1] if runner == BUILTIN_NAME else registry.get(runner)
     if entry is None and Path(runner).is_dir() and (Path(runner) / RECORD_FILE).is_file():
@@ -239,9 +245,25 @@ def resolve_runner(
         return runner_class()
     names = ", ".join(sorted({e.name for e in registry.entries}))
     raise ValueError(
-        f"unknown runner {runner!r}: use {NULL_RUNNER}, a registered model ({names}), "
-        "a model directory, or module:Class"
+        f"unknown runner {runner!r}: use {MLX_RUNNER}, {NULL_RUNNER}, a registered model "
+        f"({names}), a model directory, or module:Class"
     )
+
+
+def _mlx_runner(checkpoint_dir: str | Path, device: str, dtype: Any, attention_backend: Any) -> Any:
+    """The MLX runner on ``checkpoint_dir`` (MlxNotInstalledError, a ValueError naming the
+    package to install, when MLX is missing)."""
+    from resin.runners.mlx import require_mlx
+
+    if attention_backend is not None:
+        raise ValueError(
+            f"--attention-backend {attention_backend} is for the torch runners; the MLX runner "
+            "has one attention implementation (resin/runners/mlx/paged_attention.py)"
+        )
+    require_mlx()
+    from resin.runners.mlx.runner import MlxRunner
+
+    return MlxRunner.from_pretrained(checkpoint_dir, device=device, dtype=dtype)
 
 
 def _null_runner(checkpoint_dir: str | Path) -> Any:
