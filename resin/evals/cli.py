@@ -1,13 +1,15 @@
 """``resin eval ...``: the typer sub-app the main CLI registers under ``eval``.
 
-``resin eval parity MODEL [--runner torch|model] [--json PATH]`` runs the parity harness
+``resin eval parity MODEL [--runner torch|model|mlx] [--json PATH]`` runs the parity harness
 (:func:`resin.evals.parity.run_parity`), prints its summary, optionally writes the JSON
 report, and exits 0 only when every stage passes (1 on a parity failure, or a runner that
 cannot be built — a stub raising NotImplementedError, a checkpoint it rejects; 2 on bad usage). MODEL is resolved by
 :func:`resin.evals.model_ref.resolve_model`: an HF checkpoint directory runs the torch reference
 runner; a model directory or a name under ``models/`` (made by ``resin new-model``) runs that
 model's ``runner.py`` on the checkpoint, tolerances and stress settings of its ``parity.toml``
-(command-line options override the file). ``--checkpoint DIR`` runs the same runner and settings
+(command-line options override the file). ``--runner mlx`` runs the MLX runner
+(:mod:`resin.runners.mlx`) on the same checkpoint, with the same ``parity.toml`` settings when
+MODEL is a model directory (gpt_oss). ``--checkpoint DIR`` runs the same runner and settings
 on another HF checkpoint (e.g. the real weights instead of ``tiny/``) without editing
 ``parity.toml``. An HF reference that cannot load or run is a failed stage (``reference`` /
 ``reference crashed: ...``), exit 1, never a traceback. torch and transformers are imported
@@ -23,6 +25,8 @@ from typing import Annotated, Any
 
 import typer
 
+from resin.evals.model_ref import ModelRef
+
 eval_app = typer.Typer(
     name="eval",
     help="Evaluate a runner: parity with HF transformers.",
@@ -30,7 +34,7 @@ eval_app = typer.Typer(
     add_completion=False,
 )
 
-RUNNERS = ("torch", "model")
+RUNNERS = ("torch", "model", "mlx")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -42,6 +46,16 @@ def _group() -> None:
 def _runner_factory(
     runner: str, dtype: str, device: str, attention_backend: str | None = None
 ) -> Any:
+    if runner == "mlx":
+
+        def mlx_factory(model_dir: str) -> Any:
+            from resin.registry import resolve_runner
+
+            return resolve_runner(
+                model_dir, "mlx", device=device, dtype=dtype, attention_backend=attention_backend
+            )
+
+        return mlx_factory
     if runner != "torch":
         raise typer.BadParameter(
             f"unknown runner {runner!r}; known: {', '.join(RUNNERS)}", param_hint="--runner"
@@ -74,8 +88,8 @@ def parity(
         str | None,
         typer.Option(
             help="torch (the built-in reference runner), model (MODEL's own model directory), "
-            "or another registered model name or model directory to run MODEL's checkpoint "
-            "with. Default: the model registry's choice for the checkpoint."
+            "mlx (the MLX runner), or another registered model name or model directory to run "
+            "MODEL's checkpoint with. Default: the model registry's choice for the checkpoint."
         ),
     ] = None,
     json_path: Annotated[
@@ -158,7 +172,7 @@ def parity(
         )
         typer.echo(f"parity FAIL: {error}: {exc}", err=True)
         if json_path is not None:
-            runner_name = "torch" if runner == "torch" else ref.runner_name
+            runner_name = runner if runner in ("torch", "mlx") else ref.runner_name
             json_path.write_text(
                 json.dumps(
                     {
@@ -213,13 +227,33 @@ def _run(
     from resin.evals.model_ref import run_model_parity
     from resin.evals.parity import run_parity
 
+    if ref.model_dir is not None and runner == "mlx":
+        # the model directory's parity.toml settings, the MLX runner on its checkpoint
+        fields = {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref)}
+        return run_model_parity(
+            _MlxModelRef(**fields), dtype=dtype, device=device, max_new_tokens=max_new_tokens
+        )
     if ref.model_dir is not None and runner != "torch":
         return run_model_parity(ref, dtype=dtype, device=device, max_new_tokens=max_new_tokens)
     dtype = dtype or "float32"
+    framework = "mlx" if runner == "mlx" else "torch"
     return run_parity(
         ref.checkpoint_dir,
-        runner_factory=_runner_factory("torch", dtype, device or "cpu", attention_backend),
+        runner_factory=_runner_factory(framework, dtype, device or "cpu", attention_backend),
         max_new_tokens=max_new_tokens or 8,
-        runner_name="torch",
+        runner_name=framework,
         dtype=dtype,
     )
+
+
+@dataclasses.dataclass
+class _MlxModelRef(ModelRef):
+    """A model directory's reference (its checkpoint and parity.toml) run by the MLX runner
+    instead of the directory's torch blocks."""
+
+    @property
+    def runner_name(self) -> str:
+        return "mlx"
+
+    def runner_factory(self, device: str = "cpu", dtype: Any = "float32") -> Any:
+        return _runner_factory("mlx", str(dtype), device, self.attention_backend)
