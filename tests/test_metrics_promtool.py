@@ -25,7 +25,9 @@ class OneTokenRunner:
 )
 def test_promtool_accepts_metrics_text() -> None:
     engine = resin.Engine(
-        resin.EngineConfig(page_size=4, num_pages=16, max_model_len=32, eos_token_ids=[0]),
+        resin.EngineConfig(
+            page_size=4, num_pages=16, max_model_len=32, eos_token_ids=[0], num_speculative_tokens=2
+        ),
         OneTokenRunner(),
     )
     engine.add_request("stops", [1, 2, 3], resin.SamplingParams(max_tokens=3))
@@ -35,6 +37,7 @@ def test_promtool_accepts_metrics_text() -> None:
     while engine.has_unfinished():
         engine.step()
     text = engine.metrics_text()
+    assert 'spec_decode_num_accepted_tokens_per_pos_total{position="1"}' in text
     result = subprocess.run(
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False
     )

@@ -48,6 +48,14 @@ def _metric(llm: LLM, name: str) -> float:
     return float(match.group(1))
 
 
+def _metric_at(llm: LLM, name: str, position: int) -> float:
+    match = re.search(
+        rf'^resin:{name}\{{position="{position}"\}} (\S+)', llm.engine.metrics_text(), re.M
+    )
+    assert match, (name, position)
+    return float(match.group(1))
+
+
 def _generate(model: Path, k: int, params: resin.SamplingParams, **engine) -> tuple[list, LLM]:
     engine = {"max_model_len": 128, **engine}
     llm = LLM(model, max_num_seqs=4, num_speculative_tokens=k, **engine)
@@ -259,3 +267,13 @@ def test_a_runner_drafter_is_verified_like_the_ngram_one(name: str, wrong_from: 
     rows = _metric(llm, "spec_decode_num_drafts_total")
     assert drafted > 0
     assert accepted == (drafted if wrong_from is None else rows), (accepted, drafted, rows)
+    # Per position: every row accepts its first draft; with wrong drafts from position 1 on,
+    # none accepts a later one.
+    per_pos = [
+        _metric_at(llm, "spec_decode_num_accepted_tokens_per_pos_total", i) for i in range(3)
+    ]
+    assert sum(per_pos) == accepted and per_pos[0] == rows, per_pos
+    if wrong_from == 1:
+        assert per_pos[1:] == [0, 0]
+    else:
+        assert per_pos[0] >= per_pos[1] >= per_pos[2] > 0

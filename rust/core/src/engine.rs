@@ -97,10 +97,11 @@ impl Engine {
         let mut kv = KvCacheManager::new(layout, config.enable_prefix_caching)?;
         kv.checkpoint_interval = config.checkpoint_interval_tokens();
         kv.spare_states = config.num_speculative_tokens > 0 && kv.layout.has_recurrent();
+        let draft_positions = config.num_speculative_tokens as usize;
         Ok(Engine {
             sched: Scheduler::new(limits, kv),
             config,
-            metrics: Metrics::default(),
+            metrics: Metrics::with_draft_positions(draft_positions),
             next_step: 0,
             next_arrival_seq: 0,
             pending: None,
@@ -366,6 +367,10 @@ impl Engine {
                 self.metrics.spec_decode_num_drafts += 1;
                 self.metrics.spec_decode_num_draft_tokens += u64::from(row.num_drafts);
                 self.metrics.spec_decode_num_accepted_tokens += u64::from(num_accepted);
+                // (A runner's drafts are cut to num_speculative_tokens: every position counts.)
+                for count in self.metrics.spec_decode_num_accepted_tokens_per_pos.iter_mut().take(num_accepted as usize) {
+                    *count += 1;
+                }
             }
             if self.config.enable_prefix_caching {
                 req.update_block_hashes(page_size);

@@ -73,6 +73,10 @@ pub struct Metrics {
     pub spec_decode_num_drafts: u64,
     pub spec_decode_num_draft_tokens: u64,
     pub spec_decode_num_accepted_tokens: u64,
+    /// Per draft position (0 = the first draft of a row): rows whose draft at that position
+    /// was accepted — vLLM's `spec_decode_num_accepted_tokens_per_pos`. One entry per
+    /// position up to `num_speculative_tokens` (empty without speculative decoding).
+    pub spec_decode_num_accepted_tokens_per_pos: Vec<u64>,
     pub time_to_first_token_s: Histogram,
     pub inter_token_latency_s: Histogram,
     pub e2e_request_latency_s: Histogram,
@@ -98,6 +102,7 @@ impl Default for Metrics {
             spec_decode_num_drafts: 0,
             spec_decode_num_draft_tokens: 0,
             spec_decode_num_accepted_tokens: 0,
+            spec_decode_num_accepted_tokens_per_pos: Vec::new(),
             time_to_first_token_s: Histogram::new(TTFT_BUCKETS_S),
             inter_token_latency_s: Histogram::new(ITL_BUCKETS_S),
             e2e_request_latency_s: Histogram::new(REQUEST_LATENCY_BUCKETS_S),
@@ -107,6 +112,11 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Zeroed, with a per-position acceptance counter for each of `num_speculative_tokens`.
+    pub fn with_draft_positions(num_speculative_tokens: usize) -> Self {
+        Metrics { spec_decode_num_accepted_tokens_per_pos: vec![0; num_speculative_tokens], ..Metrics::default() }
+    }
+
     pub fn record_finished(&mut self, reason: FinishReason) {
         let i = FINISH_REASONS.iter().position(|&r| r == reason).unwrap();
         self.request_success[i] += 1;
@@ -173,6 +183,15 @@ impl Metrics {
             "Speculative decoding: draft tokens the target model accepted.",
             self.spec_decode_num_accepted_tokens.to_string(),
         );
+        if !self.spec_decode_num_accepted_tokens_per_pos.is_empty() {
+            let _ = writeln!(
+                out,
+                "# HELP resin:spec_decode_num_accepted_tokens_per_pos_total Speculative decoding: accepted drafts by position in the row (0 = first draft).\n# TYPE resin:spec_decode_num_accepted_tokens_per_pos_total counter"
+            );
+            for (position, count) in self.spec_decode_num_accepted_tokens_per_pos.iter().enumerate() {
+                let _ = writeln!(out, "resin:spec_decode_num_accepted_tokens_per_pos_total{{position=\"{position}\"}} {count}");
+            }
+        }
         let _ = writeln!(
             out,
             "# HELP resin:request_success_total Count of finished requests by finish reason.\n# TYPE resin:request_success_total counter"

@@ -60,6 +60,7 @@ fn a_verify_row_carries_the_drafts_and_samples_every_position() {
     assert_eq!(outs[0].new_token_ids(), vec![1, 2, 3, 9]);
     let m = e.metrics();
     assert_eq!((m.spec_decode_num_drafts, m.spec_decode_num_draft_tokens, m.spec_decode_num_accepted_tokens), (1, 3, 3));
+    assert_eq!(m.spec_decode_num_accepted_tokens_per_pos, vec![1, 1, 1]);
     // 14 tokens, 13 computed: the next row starts at 13.
     let plan = e.schedule().unwrap();
     assert_eq!(plan.num_computed_tokens, vec![13]);
@@ -85,6 +86,7 @@ fn a_rejection_keeps_the_correction_and_recomputes_from_it() {
     let outs = commit_rows(&mut e, &plan, &[&[1, 2, 5, 6]]);
     assert_eq!(outs[0].new_token_ids(), vec![1, 2, 5], "1 and 2 agree; 5 replaces draft 3");
     assert_eq!(e.metrics().spec_decode_num_accepted_tokens, 2);
+    assert_eq!(e.metrics().spec_decode_num_accepted_tokens_per_pos, vec![1, 1, 0], "positions 0 and 1");
     let plan = e.schedule().unwrap();
     assert_eq!(plan.num_computed_tokens, vec![12], "3, 1 and 2 computed; 5 is the next input");
     assert_eq!(plan.input_ids[0], 5);
