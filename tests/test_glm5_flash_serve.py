@@ -3,7 +3,9 @@ checkpoint's defaults (model_type ``glm5_next``: the ``glm47`` tool parser, ``gl
 no flags) parse a GLM tool call — ``<tool_call>`` with ``<arg_key>`` / ``<arg_value>`` after
 reasoning and text — into OpenAI ``tool_calls`` and Anthropic ``tool_use``, streamed and not (a
 scripted runner emits the exact text through the checkpoint's own tokenizer); a request with an
-image gets a 400 (the model is served text-only).
+image gets a 400 (the model is served text-only). The checkpoint's GLM-5.3-Flash template ends
+the prompt with ``<|assistant|><think>``: the model's text starts inside the reasoning and
+closes it with ``</think>`` (tests/test_glm5_flash_chat.py checks the template itself).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from tests.scripted_tool_calls import check_anthropic, check_openai, scripted_se
 
 TINY = Path(__file__).resolve().parents[1] / "resin" / "models" / "glm5_flash" / "tiny"
 MODEL = "glm5-tiny"
-GLM_CALL = (
-    "<think>Oslo, two days.</think>Checking.<tool_call>get_weather"
+GLM_CALL = (  # what follows the template's pre-filled <think>
+    "Oslo, two days.</think>Checking.<tool_call>get_weather"
     "<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
     "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
 )
