@@ -3,8 +3,9 @@ roofline per shape, written as a report and compared with a baseline.
 
 Owns the command and the run: resolve MODEL (:func:`resin.evals.model_ref.resolve_model`:
 a checkpoint directory or a model under ``models/``), settle the settings (command line, then
-``--spec`` or else the model's ``perf.toml``, then defaults), load the runner once, calibrate the device's peaks
-(:func:`resin.evals.roofline.calibrate`), time every shape through a real engine
+``--spec`` or else the model's ``perf.toml``, then defaults), load the runner once (``--runner``:
+the registry's, or ``mlx`` for the MLX runner), calibrate the device's peaks
+(:func:`resin.evals.roofline.calibrate`, or with MLX for ``--runner mlx``), time every shape through a real engine
 (:mod:`resin.evals.perf_measure`), write ``report.json`` / ``report.md`` / ``report.png``
 (:mod:`resin.evals.perf_report`) into ``evals/perf/reports/<model>-<UTC timestamp>/`` (or
 ``--out``), and compare with ``--baseline`` (:mod:`resin.evals.perf_compare`).
@@ -39,6 +40,7 @@ DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
 DEFAULT_REPORTS_DIR = Path("evals/perf/reports")
 EXIT_REGRESSION, EXIT_USAGE, EXIT_FAILED = 1, 2, 3
+RUNNERS = ("torch", "mlx")
 
 
 @dataclass
@@ -53,6 +55,7 @@ class BenchSettings:
     dtype: str
     num_threads: int | None
     confirm: int = 1  # re-measurements of a flagged shape before it counts as regressed
+    runner: str = "torch"  # "torch" (the registry's torch runner) or "mlx"
 
 
 def run_bench(
@@ -73,16 +76,20 @@ def run_bench(
     times, and the run with the lower median is kept (the other's median is listed in the
     shape's ``discarded_medians_s``). Load from other processes only ever adds time, so a burst
     of it does not repeat on demand; a real regression does, and stays flagged."""
-    import torch
-
     from resin.evals.perf_measure import ShapeRunner
-    from resin.evals.roofline import calibrate
 
-    if settings.num_threads is not None and settings.device == "cpu":
-        torch.set_num_threads(settings.num_threads)
-    if settings.device.startswith("cuda"):
-        # Timing events and synchronize() act on the current device: make it the bench's.
-        torch.cuda.set_device(torch.device(settings.device))
+    if settings.runner == "mlx":
+        from resin.runners.mlx.calibrate import calibrate_mlx as calibrate
+    else:
+        import torch
+
+        from resin.evals.roofline import calibrate
+
+        if settings.num_threads is not None and settings.device == "cpu":
+            torch.set_num_threads(settings.num_threads)
+        if settings.device.startswith("cuda"):
+            # Timing events and synchronize() act on the current device: make it the bench's.
+            torch.cuda.set_device(torch.device(settings.device))
     notes, shapes = [], []
     max_len = model_config.max_position_embeddings
     for shape in settings.shapes:
@@ -105,11 +112,6 @@ def run_bench(
     entries = [
         shape_entry(measurer.measure(s, settings.repeats, settings.warmup), peaks) for s in shapes
     ]
-    device_name = (
-        torch.cuda.get_device_name(settings.device)
-        if settings.device.startswith("cuda")
-        else platform.processor() or "cpu"
-    )
     report = {
         "schema": SCHEMA,
         "model": model,
@@ -119,13 +121,8 @@ def run_bench(
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "git_commit": _git_commit(),
         "command": command,
-        "host": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_num_threads": torch.get_num_threads(),
-            "device_name": device_name,
-            "platform": platform.platform(),
-        },
+        "runner": settings.runner,
+        "host": _host(settings),
         "settings": {
             "repeats": settings.repeats,
             "warmup": settings.warmup,
@@ -161,6 +158,29 @@ def run_bench(
         comparison = compare(report, baseline, settings.threshold, baseline_name)
     report["comparison"] = {**comparison.to_dict(), "summary": comparison.summary()}
     return report
+
+
+def _host(settings: BenchSettings) -> dict[str, Any]:
+    """The software and device the run measured: torch's (threads, CUDA name) or MLX's."""
+    host: dict[str, Any] = {"python": platform.python_version()}
+    if settings.runner == "mlx":
+        from importlib.metadata import version
+
+        import mlx.core as mx
+
+        host.update(mlx=version("mlx"), mlx_device=str(mx.default_device()))
+        device_name = platform.processor() or "cpu"
+    else:
+        import torch
+
+        host.update(torch=torch.__version__, torch_num_threads=torch.get_num_threads())
+        device_name = (
+            torch.cuda.get_device_name(settings.device)
+            if settings.device.startswith("cuda")
+            else platform.processor() or "cpu"
+        )
+    host.update(device_name=device_name, platform=platform.platform())
+    return host
 
 
 def _git_commit() -> str:
@@ -277,6 +297,13 @@ def bench(
         str | None,
         typer.Option(help="Attention backend of the torch runners (default: reference)."),
     ] = None,
+    runner: Annotated[
+        str | None,
+        typer.Option(
+            help="torch (default: the model registry's torch runner for MODEL) or mlx (the MLX "
+            "runner on MODEL's checkpoint; --device cpu or gpu)."
+        ),
+    ] = None,
     models_dir: Annotated[
         list[Path] | None,
         typer.Option(
@@ -320,14 +347,22 @@ def bench(
         repeats=_first(repeats, spec.repeats, DEFAULT_REPEATS),
         warmup=_first(warmup, spec.warmup, DEFAULT_WARMUP),
         threshold=_first(threshold, spec.threshold, DEFAULT_THRESHOLD),
-        device=_first(device, spec.device, _machine_device()),
+        device=_first(device, spec.device, "cpu" if runner == "mlx" else _machine_device()),
         dtype=_first(dtype, spec.dtype, "float32"),
         num_threads=_first(num_threads, spec.num_threads, 0) or None,
         confirm=confirm,
+        runner=runner or "torch",
     )
+    if settings.runner not in RUNNERS:
+        raise _usage_error(f"--runner {runner!r}: use one of {', '.join(RUNNERS)}")
+    if settings.runner == "mlx" and device is None:
+        settings.device = "cpu"  # MLX: cpu or gpu (Metal); a perf.toml's cuda is not for it
     if settings.dtype not in DTYPE_BYTES:
         raise _usage_error(f"--dtype {settings.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
-    if not (settings.device == "cpu" or settings.device.startswith("cuda")):
+    if settings.runner == "mlx":
+        if settings.device not in ("cpu", "gpu"):
+            raise _usage_error(f"--device {settings.device!r} with --runner mlx: use cpu or gpu")
+    elif not (settings.device == "cpu" or settings.device.startswith("cuda")):
         raise _usage_error(f"--device {settings.device!r}: use cpu or cuda[:N]")
     if settings.device.startswith("cuda") and not _cuda_available():
         where = (
@@ -370,10 +405,18 @@ def bench(
             str(settings.warmup),
         ]
         + ([] if settings.num_threads is None else ["--num-threads", str(settings.num_threads)])
+        + ([] if settings.runner == "torch" else ["--runner", settings.runner])
     )
     ref.attention_backend = attention_backend
     try:
-        factory = ref.runner_factory(settings.device, settings.dtype)
+        if settings.runner == "mlx":
+            from resin.registry import resolve_runner
+
+            def factory(path: str) -> Any:
+                return resolve_runner(path, "mlx", device=settings.device, dtype=settings.dtype)
+
+        else:
+            factory = ref.runner_factory(settings.device, settings.dtype)
         report = run_bench(
             ref.name,
             settings,

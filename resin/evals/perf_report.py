@@ -138,6 +138,14 @@ def summary(report: dict[str, Any], out_dir: Path | None = None) -> str:
     return "\n".join(lines)
 
 
+def _framework(report: dict[str, Any]) -> str:
+    """``torch threads N`` (the torch runners), or ``runner mlx <version>``."""
+    host = report["host"]
+    if report.get("runner") == "mlx":
+        return f"runner mlx {host.get('mlx', '?')} on {host.get('mlx_device', '?')}"
+    return f"torch threads {host['torch_num_threads']}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     p, st = report["calibration"], report["settings"]
     lines = [
@@ -145,7 +153,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"- checkpoint: `{report['checkpoint_dir']}`",
         f"- device: {report['device']} ({report['host']['device_name']}), dtype {report['dtype']}, "
-        f"torch threads {report['host']['torch_num_threads']}",
+        + _framework(report),
         f"- commit: `{report['git_commit']}`, created {report['created_utc']}",
         f"- command: `{report['command']}`",
         f"- repeats {st['repeats']}, warm-up {st['warmup']}, threshold {st['threshold']:.0%}",
