@@ -392,3 +392,26 @@ def test_glm5_caches_are_defaults_and_shared_indexer_layers_keep_the_latent_only
     declare_layer_cache(old_hook, 3, "indexed_attention", None, config, 0, 4)
     declare_layer_cache(new_hook, 3, "indexed_attention", None, config, 0, 4)
     assert seen == [None, 3]
+
+
+def test_layer_types_of_a_wrapper_config_come_from_its_text_config() -> None:
+    """A multimodal wrapper (GLM-5.3-Flash's ``Glm5NextConfig``: ``text_config`` +
+    ``vision_config``) has no ``num_hidden_layers`` at the top: the layer and MLP types are read
+    from its text config (the HF object's ``get_text_config()``, or a ``text_config`` mapping)."""
+    transformers = pytest.importorskip("transformers")
+    text = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        layer_types=["linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse"],
+    )
+    wrapper = transformers.Glm5NextConfig(text_config=text)
+    assert getattr(wrapper, "num_hidden_layers", None) is None
+    expected = [("linear_attention", None), ("indexed_attention", None)]
+    assert layer_types_from_config(wrapper) == expected
+    assert mlp_types_from_config(wrapper) == ["dense", "sparse"]
+    as_json = SimpleNamespace(text_config=text, vision_config={"depth": 1})  # config.json form
+    assert layer_types_from_config(as_json) == expected
+    assert mlp_types_from_config(as_json) == ["dense", "sparse"]

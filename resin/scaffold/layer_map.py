@@ -115,8 +115,30 @@ MOE_EXPERT_NAMES = {
 _MOE_RENORMALISES = {"MixtralSparseMoeBlock": True}  # others read config.norm_topk_prob
 
 
+def text_part(config: Any) -> Any:
+    """The decoder's config: a multimodal wrapper's ``text_config`` (an HF config's
+    ``get_text_config(decoder=True)``, or a ``text_config`` mapping of a plain config object)
+    when the top level has no ``num_hidden_layers``; else ``config`` itself."""
+    if getattr(config, "num_hidden_layers", None) is not None:
+        return config
+    getter = getattr(config, "get_text_config", None)
+    if callable(getter):
+        try:
+            return getter(decoder=True)
+        except TypeError:  # older transformers: no decoder keyword
+            return getter()
+    text = getattr(config, "text_config", None)
+    if isinstance(text, dict):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(**text)
+    return text if text is not None else config
+
+
 def layer_types_from_config(config: Any) -> list[tuple[str, int | None]]:
-    """(layer type, window in tokens or None) for each of ``config.num_hidden_layers`` layers."""
+    """(layer type, window in tokens or None) for each of ``config.num_hidden_layers`` layers
+    (of the text config, for a multimodal wrapper: :func:`text_part`)."""
+    config = text_part(config)
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", True) is False:
@@ -143,7 +165,9 @@ def layer_types_from_config(config: Any) -> list[tuple[str, int | None]]:
 
 
 def mlp_types_from_config(config: Any) -> list[str]:
-    """The MLP kind of each of ``config.num_hidden_layers`` layers (rules in the module doc)."""
+    """The MLP kind of each of ``config.num_hidden_layers`` layers (rules in the module doc;
+    the text config's, for a multimodal wrapper: :func:`text_part`)."""
+    config = text_part(config)
     num_layers = int(config.num_hidden_layers)
     types = getattr(config, "mlp_layer_types", None)
     if types:
