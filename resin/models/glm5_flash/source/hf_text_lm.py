@@ -1,13 +1,16 @@
-"""The HF reference for GLM-5.3-Flash's text path as a causal LM (used at bring-up and in tests).
+"""HF's GLM-5.3-Flash text path as a causal LM, without the vision tower (``make_tiny.py``).
 
 transformers 5.24 has no ``AutoModelForCausalLM`` entry for ``glm5_next`` (only
-``Glm5NextForConditionalGeneration``, whose text model sits at ``model.language_model``), while
-Resin's scaffold and parity harness build ``AutoModelForCausalLM`` and read ``model.model.layers``
-(toolkit gap 1 in NOTES.md). This module registers ``Glm5FlashTextForCausalLM``: HF's own
-``Glm5NextTextModel`` plus ``lm_head``, the same math as ``Glm5NextForConditionalGeneration``'s
-text-only forward (``lm_head(norm(hc_head(streams)))``), for ``Glm5NextConfig`` (multimodal
-wrapper or flat: the config class folds a flat one into ``text_config``) and
-``Glm5NextTextConfig``. Importing it is the whole API: ``import_reference()``.
+``Glm5NextForConditionalGeneration``, whose text model sits at ``model.language_model``). The
+parity harness now loads that class itself (``resin.scaffold.hf_model``, NOTES.md gap 1); this
+module remains what ``make_tiny.py`` builds and saves — a text-only checkpoint with the
+causal-LM names (``model.layers.*``) and no vision tower — and what the reference test compares
+the wrapper class with. ``Glm5FlashTextForCausalLM``: HF's own ``Glm5NextTextModel`` plus
+``lm_head``, the same math as the wrapper's text-only forward
+(``lm_head(norm(hc_head(streams)))``), for ``Glm5NextConfig`` (multimodal wrapper or flat: the
+config class folds a flat one into ``text_config``) and ``Glm5NextTextConfig``. Importing it
+also registers both with ``AutoModelForCausalLM`` (``import_reference()``, as the scaffold run
+of loop row 2 needed); the harness no longer relies on that.
 """
 
 from __future__ import annotations
