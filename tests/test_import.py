@@ -1,6 +1,6 @@
 """``import resin`` loads numpy and the compiled core only; the ``resin`` CLI starts.
 
-Each check runs in a fresh interpreter. Importing resin must not load torch, triton,
+Each check runs in a fresh interpreter. Importing resin must not load torch, MLX, triton,
 jax, cupy or any CUDA module, and no third-party package beyond what ``import numpy``
 itself loads. ``resin._core`` is the compiled extension. ``resin --help`` (the console
 script) and ``python -m resin.cli --help`` work, and ``resin version`` prints the version.
@@ -15,6 +15,7 @@ from pathlib import Path
 
 BANNED = (
     "torch",
+    "mlx",
     "triton",
     "jax",
     "jaxlib",
@@ -50,6 +51,14 @@ def test_import_resin_loads_no_torch_or_cuda() -> None:
     modules = loaded_modules("import resin")
     assert "resin._core" in modules  # numpy may load lazily, with the first plan
     heavy = sorted(m for m in modules if m.split(".")[0] in BANNED or "cuda" in m.lower())
+    assert heavy == []
+
+
+def test_runner_selection_loads_no_framework() -> None:
+    """The registry, the offline API and the MLX runner package resolve names without loading
+    torch or MLX (a runner loads its framework when it is built)."""
+    modules = loaded_modules("import resin, resin.registry, resin.llm, resin.runners.mlx")
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("torch", "mlx", "transformers"))
     assert heavy == []
 
 
