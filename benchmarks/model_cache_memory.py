@@ -38,6 +38,7 @@ from resin.evals.model_ref import import_model_module
 from resin.llm import page_id_bytes
 from resin.runners.torch.model_dir import (
     _split_layer_cache,
+    declare_layer_cache,
     default_layer_cache,
     head_dim_of,
     num_kv_heads_of,
@@ -77,7 +78,9 @@ def layer_caches(model_dir: Path, config: Any, dtype: torch.dtype) -> list[dict[
     out = []
     for index, (layer_type, window) in enumerate(layer_types_from_config(config)):
         main, extra = _split_layer_cache(
-            declare(layer_type, window, config, head_dim, num_kv_heads_of(config))
+            declare_layer_cache(
+                declare, index, layer_type, window, config, head_dim, num_kv_heads_of(config)
+            )
         )
         for name, cache in [("", main), *extra.items()]:
             out.append(

@@ -251,6 +251,29 @@ def test_bench_writes_report(cli: Any, tmp_path: Path) -> None:
     assert "decode:1@16" in result.output.splitlines()[2]
 
 
+def test_bench_reports_speculative_acceptance(cli: Any, tmp_path: Path) -> None:
+    """--speculative-method: e2e shapes carry the engine's draft counters for one run, the mean
+    acceptance length (1 + accepted / verify rows) and tokens per step; off, none."""
+    result = cli(
+        "bench", str(LLAMA), "--shapes", "e2e:2@24+12 decode:2@16", "--repeats", "2",
+        "--warmup", "0", "--num-threads", "1", "--out", str(tmp_path / "s"),
+        "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "s" / "report.json").read_text())
+    assert report["settings"]["speculative_method"] == "ngram"
+    assert "--speculative-method ngram --num-speculative-tokens 3" in report["command"]
+    e2e, decode = report["shapes"]
+    spec = e2e["speculative"]
+    assert decode["speculative"] is None
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_drafts"]
+    assert spec["mean_acceptance_length"] == 1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+    assert spec["tokens_per_step"] == e2e["num_generated"] / e2e["num_steps_per_sample"]
+    assert "mean acceptance length" in result.output
+    result = cli("bench", str(LLAMA), "--speculative-method", "eagle", "--out", str(tmp_path))
+    assert result.exit_code == 2 and "use ngram or mtp" in result.output
+
+
 def test_bench_catches_injected_slowdown(
     cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

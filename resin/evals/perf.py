@@ -56,6 +56,8 @@ class BenchSettings:
     num_threads: int | None
     confirm: int = 1  # re-measurements of a flagged shape before it counts as regressed
     runner: str = "torch"  # "torch" (the registry's torch runner) or "mlx"
+    speculative_method: str | None = None  # "ngram" or "mtp" (the runner drafts): e2e shapes
+    num_speculative_tokens: int = 0  # report acceptance length and tokens per step
 
 
 def run_bench(
@@ -104,8 +106,19 @@ def run_bench(
     if not shapes:
         raise ValueError("every shape is longer than the checkpoint allows: " + "; ".join(notes))
     runner = load_runner()
+    k = settings.num_speculative_tokens if settings.speculative_method else 0
+    if settings.speculative_method == "mtp":
+        if not hasattr(runner, "enable_mtp"):
+            raise ValueError(f"--speculative-method mtp: {type(runner).__name__} has no MTP")
+        runner.enable_mtp(k)
     peaks = calibrate(settings.device, settings.dtype)
-    measurer = ShapeRunner(runner, model_config, settings.device, DTYPE_BYTES[settings.dtype])
+    measurer = ShapeRunner(
+        runner,
+        model_config,
+        settings.device,
+        DTYPE_BYTES[settings.dtype],
+        num_speculative_tokens=k,
+    )
     # A throwaway pass of the cheapest shape warms the process (allocator, lazy imports,
     # clocks), so the first measured shape is not the only one paying for it.
     measurer.measure(min(shapes, key=lambda s: s.batch_size * s.max_len_tokens), 2, 0)
@@ -128,6 +141,8 @@ def run_bench(
             "warmup": settings.warmup,
             "threshold": settings.threshold,
             "shapes": " ".join(s.id for s in shapes),
+            "speculative_method": settings.speculative_method,
+            "num_speculative_tokens": k,
         },
         "calibration": peaks.to_dict(),
         "shapes": entries,
@@ -312,6 +327,16 @@ def bench(
             "(repeatable; also $RESIN_MODELS_PATH).",
         ),
     ] = None,
+    speculative_method: Annotated[
+        str | None,
+        typer.Option(
+            help="Speculative decoding in e2e shapes: ngram or mtp; the report adds the mean "
+            "acceptance length and tokens per step. Default: off."
+        ),
+    ] = None,
+    num_speculative_tokens: Annotated[
+        int, typer.Option(help="Draft tokens per step with --speculative-method.")
+    ] = 3,
 ) -> None:
     """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
 
@@ -328,7 +353,15 @@ def bench(
             if spec_path is not None
             else load_perf_spec(ref.perf_spec or None, base_dir=ref.model_dir)
         )
-        checkpoint_dir = spec.checkpoint or ref.checkpoint_dir
+        # A checkpoint named on the command line is the one measured; a model named by its
+        # directory or name runs its perf.toml's checkpoint.
+        given = Path(model)
+        named_checkpoint = (given / "config.json").is_file() and not (
+            given / "architecture.json"
+        ).is_file()
+        checkpoint_dir = (
+            ref.checkpoint_dir if named_checkpoint else (spec.checkpoint or ref.checkpoint_dir)
+        )
         if not (Path(checkpoint_dir) / "config.json").is_file():
             raise ValueError(
                 f"{spec.source or 'perf spec'}: [reference] checkpoint "
@@ -352,7 +385,14 @@ def bench(
         num_threads=_first(num_threads, spec.num_threads, 0) or None,
         confirm=confirm,
         runner=runner or "torch",
+        speculative_method=speculative_method,
+        num_speculative_tokens=num_speculative_tokens,
     )
+    if speculative_method not in (None, "ngram", "mtp") or num_speculative_tokens < 1:
+        raise _usage_error(
+            f"--speculative-method {speculative_method!r} / --num-speculative-tokens "
+            f"{num_speculative_tokens}: use ngram or mtp, and at least 1 token"
+        )
     if settings.runner not in RUNNERS:
         raise _usage_error(f"--runner {runner!r}: use one of {', '.join(RUNNERS)}")
     if settings.runner == "mlx" and device is None:
@@ -406,6 +446,16 @@ def bench(
         ]
         + ([] if settings.num_threads is None else ["--num-threads", str(settings.num_threads)])
         + ([] if settings.runner == "torch" else ["--runner", settings.runner])
+        + (
+            []
+            if speculative_method is None
+            else [
+                "--speculative-method",
+                speculative_method,
+                "--num-speculative-tokens",
+                str(num_speculative_tokens),
+            ]
+        )
     )
     ref.attention_backend = attention_backend
     try:

@@ -10,7 +10,11 @@ timed plan is a real plan the engine built; nothing is synthesised:
 * ``prefill:N`` — per repeat, one request of N prompt tokens with ``max_tokens = 1`` in an engine
   whose token budget is N, so its one plan is a single N-token chunk from an empty cache.
 * ``e2e:B@P+O`` — per repeat, B requests of P prompt tokens generating O tokens each, stepped
-  from an idle engine until all finish; the sample is the wall time of the whole run.
+  from an idle engine until all finish; the sample is the wall time of the whole run. With
+  speculative decoding (``num_speculative_tokens`` > 0: the engine's n-gram drafter, or the
+  runner's own when it drafts, e.g. MTP) the run also counts verify rows, drafts and accepted
+  drafts (the engine's ``spec_decode_*`` counters) and its steps: the mean acceptance length
+  is ``1 + accepted / verify rows`` (vLLM's definition), tokens per step ``B·O / steps``.
 
 Each step is driven as ``schedule() -> runner.forward(plan) -> update(plan, output)`` with the
 three parts timed separately: the runner's step time (``forward``) and the engine overhead
@@ -89,6 +93,8 @@ class ShapeTiming:
     num_steps_per_sample: int = 1
     mean_context_len: float = 0.0  # tokens cached per row at the first timed step
     roofline_parts: list[StepCost] = field(default_factory=list)  # e2e: per step of one run
+    # e2e with speculative decoding, one run: verify rows, their drafts, the drafts accepted.
+    spec_decode: dict[str, int] | None = None
 
 
 class ForwardTimer:
@@ -142,9 +148,16 @@ class ShapeRunner:
     """Measures shapes on one loaded runner; a fresh engine per shape (sized for it)."""
 
     def __init__(
-        self, runner: Any, config: ModelDims, device: str, dtype_bytes: int, seed: int = 0
+        self,
+        runner: Any,
+        config: ModelDims,
+        device: str,
+        dtype_bytes: int,
+        seed: int = 0,
+        num_speculative_tokens: int = 0,
     ):
         self.runner = runner
+        self.num_speculative_tokens = num_speculative_tokens
         self.config = config
         self.timer = ForwardTimer(device)
         self.dtype_bytes = dtype_bytes
@@ -163,7 +176,9 @@ class ShapeRunner:
         # Every request at full length in every cache group: the engine's own rule.
         specs = self.runner.cache_spec() if hasattr(self.runner, "cache_spec") else []
         layout = CacheLayout.from_specs(list(specs), PAGE_SIZE)
-        pages_per_seq = layout.pages_per_request(max_len, budget_tokens, False)
+        pages_per_seq = layout.pages_per_request(
+            max_len, budget_tokens, False, self.num_speculative_tokens
+        )
         config = EngineConfig(
             page_size=PAGE_SIZE,
             num_pages=1 + max_num_seqs * pages_per_seq,
@@ -173,6 +188,7 @@ class ShapeRunner:
             enable_prefix_caching=False,
             eos_token_ids=[],
             vocab_size=self.config.vocab_size,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         return Engine(config, self.runner)
 
@@ -247,6 +263,7 @@ class ShapeRunner:
         timing = ShapeTiming(shape, num_tokens=b * (p + o), num_generated=b * o)
         for index in range(min(warmup, 1) + repeats):  # one warm-up run is plenty
             ids = {self._add(engine, p, o) for _ in range(b)}
+            before = _spec_counters(engine)
             parts = [0.0, 0.0, 0.0]
             costs: list[StepCost] = []
             started = time.perf_counter()
@@ -271,4 +288,20 @@ class ShapeRunner:
             timing.num_steps_per_sample = len(costs)
             timing.roofline_parts = costs
             timing.cost = sum(costs, ZERO_COST)
+            if self.num_speculative_tokens:
+                after = _spec_counters(engine)
+                timing.spec_decode = {k: after[k] - before[k] for k in after}
         return timing
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def _spec_counters(engine: Engine) -> dict[str, int]:
+    """The engine's ``spec_decode_*`` counters now (from its Prometheus text)."""
+    values = {}
+    for line in engine.metrics_text().splitlines():
+        for name in SPEC_COUNTERS:
+            if line.startswith(f"resin:spec_decode_{name}_total "):
+                values[name] = int(float(line.split()[1]))
+    return values

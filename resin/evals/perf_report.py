@@ -41,7 +41,19 @@ def shape_entry(timing: ShapeTiming, peaks: DevicePeaks) -> dict[str, Any]:
     else:
         roofline_s, bound = peaks.roofline_s(timing.cost), peaks.bound(timing.cost)
     cost = timing.cost
+    speculative = None
+    if timing.spec_decode is not None:  # one e2e run's counters
+        rows = timing.spec_decode["num_drafts"]
+        speculative = {
+            **timing.spec_decode,
+            # vLLM's mean acceptance length: tokens a verify row yields, bonus included
+            "mean_acceptance_length": 1 + timing.spec_decode["num_accepted_tokens"] / rows
+            if rows
+            else 1.0,
+            "tokens_per_step": timing.num_generated / timing.num_steps_per_sample,
+        }
     return {
+        "speculative": speculative,
         "id": shape.id,
         "kind": shape.kind,
         "batch_size": shape.batch_size,
@@ -127,6 +139,16 @@ def summary(report: dict[str, Any], out_dir: Path | None = None) -> str:
     rows = [HEADER] + _table_rows(report)
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for s in report["shapes"]:
+        spec = s.get("speculative")
+        if spec:
+            lines.append(
+                f"speculative {report['settings'].get('speculative_method')} "
+                f"k={report['settings'].get('num_speculative_tokens')} {s['id']}: mean "
+                f"acceptance length {spec['mean_acceptance_length']:.2f}, "
+                f"{spec['tokens_per_step']:.2f} tokens per step "
+                f"({spec['num_accepted_tokens']}/{spec['num_draft_tokens']} drafts accepted)"
+            )
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
     comparison = report.get("comparison")
