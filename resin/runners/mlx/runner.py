@@ -97,7 +97,13 @@ class MlxRunner:
                 model = gpt_oss_model(Path(model_dir), config, mx_dtype)
             else:
                 model = llama_family_model(Path(model_dir), config, mx_dtype)
-            mx.eval(list(model.globals.values()))
+            # Evaluate every weight now: MLX binds a lazy array to the stream of the thread
+            # that built it, and the forward may run on another one (resin serve's engine
+            # thread), which has no such stream.
+            mx.eval(
+                list(model.globals.values())
+                + [a for layer in model.layers for w in layer.weights.values() for a in w.values()]
+            )
         return cls(model, mx_dtype, mx_device)
 
     # -- cache ---------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class MlxSampler(SlotHistory):
         super().__init__()
         self.vocab_size = vocab_size
         self._key = mx.random.key(secrets.randbits(63))
+        mx.eval(self._key)  # not lazy: the forward may run on another thread (resin serve)
 
     def sample(self, logits: mx.array, plan: BatchPlan, rows: np.ndarray) -> ForwardOutput:
         """Sample ``logits`` float32 [R, vocab]: one entry per sample of the step, ``rows`` its
