@@ -5,6 +5,8 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-stamp
+# The MLX runner's package: Metal wheels on macOS, the CPU wheels elsewhere (CI on Linux).
+MLX_PKG := $(if $(filter Darwin,$(shell uname -s)),mlx>=0.29,mlx[cpu]>=0.29)
 
 .PHONY: install develop lint test test-rust test-python test-wheel wheel bench serve clean
 
@@ -15,7 +17,8 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "maturin>=1.7,<2" "numpy>=1.26" "typer>=0.12" "pytest>=8" "mypy>=1.10" \
 		"jinja2>=3.1" "tokenizers>=0.20" "safetensors>=0.4" "transformers>=4.45" "torch>=2.4" \
-		"fastapi>=0.110" "uvicorn>=0.29" "uvloop>=0.19" "httptools>=0.6" "httpx>=0.27" "openai>=1.40" "anthropic>=0.40" "matplotlib>=3.8" "ruff>=0.6" "xgrammar>=0.1.20" "llguidance>=1.0"
+		"fastapi>=0.110" "uvicorn>=0.29" "uvloop>=0.19" "httptools>=0.6" "httpx>=0.27" "openai>=1.40" "anthropic>=0.40" "matplotlib>=3.8" "ruff>=0.6" "xgrammar>=0.1.20" "llguidance>=1.0" \
+		"$(MLX_PKG)"
 	touch $(STAMP)
 
 # Editable install with a release build of the extension (resin/_core.*.so).
