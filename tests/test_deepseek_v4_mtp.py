@@ -334,3 +334,23 @@ def test_resin_serve_drafts_with_mtp(upstream: Path) -> None:
         assert re.search(r"^resin:spec_decode_num_drafts_total [1-9]", metrics, re.M)
     result = CliRunner().invoke(app, ["serve", str(TINY), "--speculative-method", "mtp"])
     assert result.exit_code == 2 and "no MTP layer" in result.output
+
+
+def test_seeded_sampling_is_identical_with_mtp_speculation(upstream: Path) -> None:
+    """The MTP drafts are verified like any drafter's: seeded sampled output (and its
+    logprobs) with MTP on is the output with speculation off."""
+    params = [
+        resin.SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=s, logprobs=2)
+        for s in (1, 2, 3)
+    ]
+    base = {"max_num_seqs": 3, "max_model_len": 96, "runner": RUNNER}
+    off = LLM(upstream, **base).generate(PROMPTS, params)
+    llm = LLM(upstream, speculative_method="mtp", num_speculative_tokens=3, **base)
+    on = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    for a, b in zip(on, off):
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    assert _metric(llm, "spec_decode_num_drafts_total") > 0
