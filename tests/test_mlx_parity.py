@@ -47,7 +47,7 @@ QUICK_PROMPTS = [
 ]
 # bf16: the fixtures' logits reach |90|, where one bf16 ulp is 0.5. The torch runner is bit
 # for bit HF (same kernels), so 0.1 holds for it; MLX rounds a few bf16 activations one ulp
-# apart (its CPU exp and accumulation order are not torch's), which moves a logit, and so a
+# apart (its CPU softmax is not torch's bit for bit), which moves a logit, and so a
 # log-prob, by an ulp of the logit: log-probs within 1.0 (two ulps). Hidden states and logits
 # keep the bf16 defaults (5e-2 scaled), greedy near-ties 0.1.
 MLX_BF16 = Tolerances(hidden=5e-2, logits=5e-2, logprobs=1.0, tie_margin=1e-1)
