@@ -6,7 +6,8 @@ it when it is wrong.
   Llama, Qwen3, Qwen3-MoE and Mistral fixtures (Mistral's 32-token window is narrower than the
   longer prompts), and ``resin eval parity gpt_oss --runner mlx`` (the CLI, with gpt_oss's
   parity.toml: sinks, its MoE, alternating 8-token windows).
-- bf16 on the same four fixtures, at :data:`MLX_BF16` (why below). gpt-oss in bf16 is not
+- bf16 on the same four fixtures, at :data:`MLX_BF16` (why below); fp16 on Llama and gpt-oss
+  at :data:`MLX_FP16`. gpt-oss in bf16 is not
   checked: its router picks the top 2 of 4 experts from bf16 logits, where ties and
   one-ulp differences are common on the tiny checkpoint, and torch and MLX break them
   differently (top-k tie order is unspecified in both), so a different expert — not a rounding
@@ -51,7 +52,11 @@ QUICK_PROMPTS = [
 # log-prob, by an ulp of the logit: log-probs within 1.0 (two ulps). Hidden states and logits
 # keep the bf16 defaults (5e-2 scaled), greedy near-ties 0.1.
 MLX_BF16 = Tolerances(hidden=5e-2, logits=5e-2, logprobs=1.0, tie_margin=1e-1)
+# fp16, the same reason at fp16's resolution: an ulp of a |90| logit is 0.0625, and log-probs
+# moved by up to three of them (0.19, gpt-oss) against the fp16 default of 0.02.
+MLX_FP16 = Tolerances(hidden=1e-2, logits=1e-2, logprobs=0.25, tie_margin=2e-2)
 STAGES = ["layers", "logits", *GREEDY_STAGES]
+GPT_OSS_TINY = REPO / "resin" / "models" / "gpt_oss" / "tiny"
 
 
 def _mlx(dtype: str = "float32", patch: Any = None) -> Any:
@@ -92,6 +97,23 @@ def test_every_stage_passes_in_bf16(arch: str) -> None:
         runner_name="mlx",
         dtype="bfloat16",
         tolerances=MLX_BF16,
+    )
+    assert report.passed, report.summary()
+    assert [s.name for s in report.stages] == STAGES
+
+
+@pytest.mark.parametrize("checkpoint", [FIXTURES / "llama", GPT_OSS_TINY], ids=["llama", "gpt_oss"])
+def test_every_stage_passes_in_fp16(checkpoint: Path) -> None:
+    """fp16 keeps gpt-oss's norms in fp32 (its architecture.json); with 10 mantissa bits the
+    router picks HF's experts on the tiny checkpoint, so gpt-oss passes here too."""
+    report = run_parity(
+        checkpoint,
+        _mlx("float16"),
+        prompts=QUICK_PROMPTS,
+        max_new_tokens=4,
+        runner_name="mlx",
+        dtype="float16",
+        tolerances=MLX_FP16,
     )
     assert report.passed, report.summary()
     assert [s.name for s in report.stages] == STAGES
