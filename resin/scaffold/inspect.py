@@ -1,8 +1,20 @@
 """Walk an HF model built on the ``meta`` device: the facts the scaffold is generated from.
 
 Owns :func:`inspect_architecture`: read a config (checkpoint directory, ``config.json`` path, or
-a ``transformers.PretrainedConfig``), build ``AutoModelForCausalLM.from_config`` under
-``torch.device("meta")`` (no weights, no memory) and record, as an :class:`Architecture`:
+a ``transformers.PretrainedConfig``), build its language model under ``torch.device("meta")``
+(no weights, no memory; the class :mod:`resin.scaffold.hf_model` picks:
+``AutoModelForCausalLM``, else ``AutoModelForImageTextToText`` for a multimodal wrapper) and
+record, as an :class:`Architecture`:
+
+- for a multimodal wrapper (GLM-5.3-Flash's ``Glm5NextForConditionalGeneration``, Mistral-3,
+  Gemma-3, Qwen-VL, ...): the text model only, found at its decoder stack
+  (:func:`resin.scaffold.hf_model.decoder_stack`, e.g. ``model.language_model``) and named
+  below as a causal LM's (``model.layers.0...``: the runner's view, ``Architecture.config`` the
+  text config), while the checkpoint names are the wrapper's own (``model.language_model.*``,
+  ``language_model.model.*``, ... as its ``save_pretrained`` writes them); every other child
+  on the way to the stack (a vision / audio tower, a projector) is a part the text runner does
+  not run: ``Architecture.ignored_prefixes`` holds their checkpoint-name prefixes
+  (``model.visual.``), which the generated ``weights.py`` lists as ``IGNORED_PREFIXES``;
 
 - every parameter's in-memory name and shape, and the checkpoint (on-disk) names each one is
   saved as (transformers' own ``revert_weight_conversion``: fused MoE experts are saved per
@@ -48,6 +60,7 @@ from typing import Any
 import torch
 import transformers
 
+from resin.scaffold import hf_model
 from resin.scaffold.layer_map import (
     FULL,
     RECURRENT_TYPES,
@@ -148,6 +161,30 @@ class Architecture:
     meta_forward_error: str | None = None
     # Modules of the HF tree the scaffold does not place (see the module doc), in tree order.
     extra_modules: list[BlockInfo] = field(default_factory=list)
+    # A multimodal wrapper's outer config (None for a causal LM; ``config`` is its text config).
+    wrapper_config: Any = None
+    # In-memory path of the decoder stack: "model", or "model.language_model" in a wrapper.
+    stack_path: str = "model"
+    # Checkpoint-name prefix of the stack's tensors ("model.", "model.language_model.", ...).
+    checkpoint_prefix: str = "model."
+    # Checkpoint-name prefixes of the parts the text runner does not run (a wrapper's vision /
+    # audio towers and projectors), with the module each one is: [(prefix, "path (Class)")].
+    ignored_parts: list[tuple[str, str]] = field(default_factory=list)
+    # Whether lm_head shares the embedding's weight in the built model (HF decides this from
+    # the outer config's tie_word_embeddings for a wrapper, not the text config's).
+    tied: bool = False
+
+    @property
+    def ignored_prefixes(self) -> tuple[str, ...]:
+        return tuple(prefix for prefix, _ in self.ignored_parts)
+
+    def runner_view(self, checkpoint_name: str) -> str:
+        """A checkpoint name with the stack's prefix written as a causal LM's (``model.``)."""
+        if self.checkpoint_prefix != "model." and checkpoint_name.startswith(
+            self.checkpoint_prefix
+        ):
+            return "model." + checkpoint_name[len(self.checkpoint_prefix) :]
+        return checkpoint_name
 
     @property
     def num_layers(self) -> int:
@@ -184,28 +221,37 @@ def load_config(source: str | Path | Any) -> Any:
 
 
 def build_meta_model(config: Any) -> Any:
-    """``AutoModelForCausalLM.from_config`` on the meta device, eager attention, eval mode."""
+    """The config's language model (:func:`resin.scaffold.hf_model.from_config`:
+    ``AutoModelForCausalLM``, else the image-text-to-text wrapper) on the meta device, eager
+    attention, eval mode."""
     config._attn_implementation = "eager"
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = hf_model.from_config(config)
     return model.eval()
 
 
 def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) -> Architecture:
     """Build the meta model for ``source``'s config and record its tree (see module doc)."""
-    config = load_config(source)
-    model = build_meta_model(config)
-    io_shapes, forward_error = _probe_shapes(model) if probe_shapes else ({}, None)
-    if probe_shapes:
-        io_shapes["__complete__"] = forward_error is None
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+    outer = load_config(source)
+    model = build_meta_model(outer)
+    try:
+        inner, stack_path = hf_model.decoder_stack(model)
+    except ValueError as exc:
         raise ValueError(
             f"{type(model).__name__}: expected the Llama-style layout "
-            "model.model.embed_tokens / model.model.layers (the scaffold and the "
-            "parity harness hook those); this model has top-level children "
-            f"{[n for n, _ in model.named_children()]}"
-        )
+            "model.model.embed_tokens / model.model.layers, or a multimodal wrapper's "
+            "model.model.language_model (the scaffold and the parity harness hook those): "
+            f"{exc}"
+        ) from exc
+    config = hf_model.text_config(outer) if stack_path != "model" else outer
+    towers = _towers(model, stack_path)
+    view = _RunnerView(stack_path, [path for path, _ in towers])
+    io_shapes: dict[str, Any] = {}
+    forward_error = None
+    if probe_shapes:
+        raw_shapes, forward_error = _probe_shapes(model)
+        io_shapes = {view.name(k): v for k, v in raw_shapes.items() if view.is_text(k)}
+        io_shapes["__complete__"] = forward_error is None
     layers = []
     layer_types = layer_types_from_config(config)
     mlp_types = mlp_types_from_config(config)
@@ -232,14 +278,17 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
                 mlp_types[index],
             )
         )
-    extra = _extra_modules(model, inner, io_shapes) + extra
-    param_shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    checkpoint_names = _checkpoint_names(model)
-    checkpoint_shapes = _checkpoint_shapes(model)
-    architectures = getattr(config, "architectures", None) or [type(model).__name__]
+    extra = _extra_modules(model, inner, io_shapes, [p for p, _ in towers], stack_path) + extra
+    state = {k: v for k, v in model.state_dict().items() if view.is_text(k)}
+    param_shapes = {view.name(name): tuple(p.shape) for name, p in state.items()}
+    checkpoint_names = {view.name(k): v for k, v in _checkpoint_names(model, state).items()}
+    tied = _is_tied(model, inner)
+    checkpoint_shapes = _checkpoint_shapes(model, state, checkpoint_names if tied else None)
+    architectures = getattr(outer, "architectures", None) or [type(model).__name__]
+    embed_names = checkpoint_names.get("model.embed_tokens.weight", [])
     return Architecture(
         architecture=architectures[0],
-        model_type=config.model_type,
+        model_type=outer.model_type,
         config=config,
         layers=layers,
         embed=_block("model.embed_tokens", inner.embed_tokens, io_shapes),
@@ -254,7 +303,86 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
         rope=dict(getattr(config, "rope_parameters", None) or {}),
         meta_forward_error=forward_error,
         extra_modules=extra,
+        wrapper_config=outer if stack_path != "model" else None,
+        stack_path=stack_path,
+        checkpoint_prefix=(
+            embed_names[0][: -len("embed_tokens.weight")]
+            if len(embed_names) == 1 and embed_names[0].endswith("embed_tokens.weight")
+            else "model."
+        ),
+        ignored_parts=_ignored_parts(model, towers),
+        tied=tied,
     )
+
+
+class _RunnerView:
+    """In-memory names of a wrapper's text model written as a causal LM's: the stack path
+    (``model.language_model``) becomes ``model``; ``lm_head`` stays. Names inside a tower
+    (:func:`_towers`) or naming a module on the way to the stack are not text
+    (:meth:`is_text`)."""
+
+    def __init__(self, stack_path: str, towers: list[str]) -> None:
+        self.stack = stack_path
+        parts = stack_path.split(".")
+        self.ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
+        self.towers = towers
+
+    def is_text(self, name: str) -> bool:
+        if self.stack == "model" or name == "":
+            return True
+        if name == self.stack or name.startswith(self.stack + "."):
+            return True
+        if name in self.ancestors:
+            return False
+        return not any(name == t or name.startswith(t + ".") for t in self.towers)
+
+    def name(self, name: str) -> str:
+        if name == self.stack:
+            return "model"
+        if self.stack != "model" and name.startswith(self.stack + "."):
+            return "model." + name[len(self.stack) + 1 :]
+        return name
+
+
+def _towers(model: Any, stack_path: str) -> list[tuple[str, Any]]:
+    """``(path, module)`` of each child of the modules on the way to a wrapper's decoder stack
+    that is neither on that way nor ``lm_head``: the parts a text runner does not run (vision /
+    audio towers, projectors). [] for a causal LM."""
+    if stack_path == "model":
+        return []
+    out = []
+    parts = stack_path.split(".")
+    owner = model
+    for depth, step in enumerate(parts):
+        here = ".".join(parts[:depth])
+        for name, child in owner.named_children():
+            if name != step and not (depth == 0 and name == "lm_head"):
+                out.append((f"{here}.{name}" if here else name, child))
+        owner = getattr(owner, step)
+    return out
+
+
+def _ignored_parts(model: Any, towers: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """``(checkpoint prefix, "path (Class)")`` per tower holding tensors. The prefix is where
+    ``save_pretrained`` puts them (transformers' own reverse conversion: in-memory
+    ``model.vision_tower.*`` is saved as ``vision_tower.*`` by Mistral-3 and Gemma-3,
+    ``model.visual.*`` as itself by GLM-5.3-Flash)."""
+    out: list[tuple[str, str]] = []
+    for path, child in towers:
+        state = {f"{path}.{k}": v for k, v in child.state_dict().items()}
+        prefixes = set()
+        for in_memory, names in _checkpoint_names(model, state).items():
+            rest = in_memory[len(path) :]  # ".blocks.0.attn.qkv.weight"
+            for saved in names:
+                prefixes.add(saved[: saved.index(rest) + 1] if rest in saved else path + ".")
+        out += [(prefix, f"{path} ({type(child).__name__})") for prefix in sorted(prefixes)]
+    return out
+
+
+def _is_tied(model: Any, inner: Any) -> bool:
+    head = getattr(model, "lm_head", None)
+    embed = getattr(inner, "embed_tokens", None)
+    return head is not None and embed is not None and head.weight is embed.weight
 
 
 PLAIN_EMBEDDINGS = ("Embedding",)
@@ -358,11 +486,23 @@ def _module_window(config: Any, layer_type: str, layer: Any) -> int | None:
     return None
 
 
-def _extra_modules(model: Any, inner: Any, io_shapes: dict[str, Any]) -> list[BlockInfo]:
-    """Children of the HF model and of its ``model`` that the scaffold does not place, and a
-    pseudo-entry per module holding unplaced tensors of its own."""
+def _extra_modules(
+    model: Any,
+    inner: Any,
+    io_shapes: dict[str, Any],
+    towers: list[str] | None = None,
+    stack_path: str = "model",
+) -> list[BlockInfo]:
+    """Children of the HF model and of its decoder stack (``inner``, at ``stack_path``) that
+    the scaffold does not place, and a pseudo-entry per module holding unplaced tensors of
+    its own. A wrapper's towers beside the stack are not listed: they are ignored parts
+    (:func:`_ignored_parts`). Paths are the runner's view (``model.`` for the stack)."""
     out = []
-    for owner, prefix, placed in ((model, "", PLACED_TOP), (inner, "model.", PLACED_INNER)):
+    placed_top: tuple[str, ...] = PLACED_TOP
+    if stack_path != "model":
+        placed_top = ("lm_head", stack_path.split(".")[0], *(towers or []))
+    owners = ((model, "", placed_top), (inner, "model.", PLACED_INNER))
+    for owner, prefix, placed in owners:
         own = {n: tuple(p.shape) for n, p in owner.named_parameters(recurse=False)}
         own_buffers = {
             n: tuple(b.shape)
@@ -473,14 +613,16 @@ def _optional_block(path: str, module: Any, io_shapes: dict[str, Any]) -> BlockI
     return None if module is None else _block(path, module, io_shapes)
 
 
-def _checkpoint_names(model: Any) -> dict[str, list[str]]:
-    """In-memory parameter name -> the checkpoint names ``save_pretrained`` writes it as."""
+def _checkpoint_names(model: Any, state: dict[str, Any] | None = None) -> dict[str, list[str]]:
+    """In-memory name -> the checkpoint names ``save_pretrained`` writes it as, for every
+    tensor of ``state`` (default: the model's whole ``state_dict``)."""
+    state = dict(model.state_dict()) if state is None else state
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # older transformers: names on disk are the in-memory names
-        return {name: [name] for name in model.state_dict()}
+        return {name: [name] for name in state}
     out: dict[str, list[str]] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         try:
             out[name] = list(revert_weight_conversion(model, {name: tensor}))
         except Exception:  # noqa: BLE001 - a converter that needs its siblings: keep the name
@@ -488,15 +630,23 @@ def _checkpoint_names(model: Any) -> dict[str, list[str]]:
     return out
 
 
-def _checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
-    state = dict(model.state_dict())
+def _checkpoint_shapes(
+    model: Any, state: dict[str, Any] | None = None, tied_names: dict[str, list[str]] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every tensor of ``state`` (default: the whole model) as
+    saved; with ``tied_names`` (in-memory -> checkpoint names, given when lm_head is tied),
+    lm_head's names are left out (a tied checkpoint does not store it)."""
+    state = dict(model.state_dict()) if state is None else dict(state)
     try:
         from transformers.core_model_loading import revert_weight_conversion
 
         state = revert_weight_conversion(model, state)
     except Exception:  # noqa: BLE001 - fall back to in-memory names (see _checkpoint_names)
         pass
-    if getattr(model.config, "tie_word_embeddings", False):
+    if tied_names is not None:
+        for name in ("lm_head.weight", *tied_names.get("lm_head.weight", [])):
+            state.pop(name, None)
+    elif getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return {name: tuple(t.shape) for name, t in state.items()}
 

@@ -45,6 +45,7 @@ Pure Python: no torch, no transformers.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 FULL = "full_attention"
@@ -367,13 +368,19 @@ def name_pattern(name: str) -> tuple[str, int | None, int | None]:
     return name, layer, expert
 
 
-def weight_map(checkpoint_names: dict[str, list[str]]) -> dict[str, str]:
-    """Checkpoint name pattern -> runner name pattern, over every parameter of the model."""
+def weight_map(
+    checkpoint_names: dict[str, list[str]], view: Callable[[str], str] | None = None
+) -> dict[str, str]:
+    """Checkpoint name pattern -> runner name pattern, over every parameter of the model.
+    ``view``: a checkpoint name as a causal LM's checkpoint would spell it (a multimodal
+    wrapper's ``model.language_model.`` -> ``model.``; ``Architecture.runner_view``), which
+    :func:`runner_name` falls back to where a fused tensor's pieces are not named after it."""
     out: dict[str, str] = {}
     for param, names in checkpoint_names.items():
         for name in names:
             pattern, _, _ = name_pattern(name)
-            out.setdefault(pattern, name_pattern(runner_name(param, name, len(names)))[0])
+            as_causal = view(name) if view is not None else name
+            out.setdefault(pattern, name_pattern(runner_name(param, as_causal, len(names)))[0])
     return out
 
 

@@ -3,7 +3,10 @@
 Owns :func:`model_record`: from an :class:`~resin.scaffold.inspect.Architecture` (the meta-model
 walk, run once at generation time) to the :class:`resin.runners.torch.model_dir.ModelRecord` the
 shared runner reads at run time instead of importing ``transformers``: the config class's
-defaults, each layer kind's HF classes and tensor patterns, the final-norm and rotary classes,
+defaults (for a multimodal wrapper: its text config class's, with the wrapper's own
+``tie_word_embeddings``), each layer kind's HF classes and tensor patterns (as the checkpoint
+names them: ``model.language_model.*`` for GLM-5.3-Flash's wrapper), the final-norm and rotary
+classes,
 every checkpoint tensor pattern of the model, and HF's keep-in-fp32 module patterns per dtype.
 Imports transformers (for the config class defaults and the model class's fp32 attributes).
 """
@@ -75,12 +78,21 @@ def model_record(
                 f"{entry} at layer {layer.index}): the scaffold cannot tell them "
                 "apart from the config"
             )
-    patterns = sorted({name_pattern(n)[0] for n in arch.checkpoint_shapes} | {"lm_head.weight"})
+    # lm_head is known even where tied: some tied checkpoints store it anyway.
+    heads = {"lm_head.weight", *arch.checkpoint_names.get("lm_head.weight", [])}
+    patterns = sorted({name_pattern(n)[0] for n in arch.checkpoint_shapes} | heads)
+    defaults = config_defaults(arch.config)
+    if arch.wrapper_config is not None:
+        # HF ties a wrapper's lm_head by the outer config (Mistral-3: True over its text
+        # config's False); the generated normalise_config keeps the top-level value.
+        outer = config_defaults(arch.wrapper_config)
+        if "tie_word_embeddings" in outer:
+            defaults["tie_word_embeddings"] = outer["tie_word_embeddings"]
     return ModelRecord(
         name=name,
         architectures=[arch.architecture],
         model_types=[arch.model_type],
-        config_defaults=config_defaults(arch.config),
+        config_defaults=defaults,
         layer_kinds=kinds,
         norm=arch.norm.cls_name if arch.norm else None,
         rotary=arch.rotary.cls_name if arch.rotary else None,

@@ -143,7 +143,9 @@ def render_model(
     written = []
     for filename, template in FILES.items():
         path = out_dir / filename
-        if filename == "weights.py" and not context["renamed_weights"]:
+        if filename == "weights.py" and not (
+            context["renamed_weights"] or context["ignored_parts"]
+        ):
             path.unlink(missing_ok=True)
             continue
         path.write_text(env.get_template(template).render(**context), encoding="utf-8")
@@ -186,8 +188,8 @@ def model_context(
         "blocks": blocks,
         "stubs": [b for b in blocks if b.stub],
         "assumed": [b for b in blocks if b.assumed],
-        "weight_map": weight_map(arch.checkpoint_names),
-        "renamed_weights": renamed_weights(weight_map(arch.checkpoint_names)),
+        "weight_map": weight_map(arch.checkpoint_names, arch.runner_view),
+        "renamed_weights": renamed_weights(weight_map(arch.checkpoint_names, arch.runner_view)),
         "block_imports": block_imports,
         "default_theta": 10000.0,
         "extra_modules": extra_module_lines(arch),
@@ -214,7 +216,10 @@ def model_context(
         "head_dim": arch.head_dim,
         "vocab_size": config.vocab_size,
         "max_positions": max_positions,
-        "tied": bool(getattr(config, "tie_word_embeddings", False)),
+        "tied": arch.tied or bool(getattr(config, "tie_word_embeddings", False)),
+        "ignored_parts": arch.ignored_parts,
+        "ignored_prefixes": _tuple_text(arch.ignored_prefixes),
+        "wrapper": _wrapper_context(arch),
         "layer_type_summary": _type_summary(arch.layers),
         "layer_rows": _layer_rows(arch.layers, config),
         "rope_text": ", ".join(f"{k}={v}" for k, v in sorted(arch.rope.items())) or "none",
@@ -234,6 +239,32 @@ def model_context(
         ),
         "warnings": generator_warnings(arch),
     }
+
+
+def _wrapper_context(arch: Architecture) -> dict[str, Any] | None:
+    """What the generated ``normalise_config`` of a multimodal wrapper needs: the key of its
+    text sub-config, every sub-config key, and the text config class's default depth."""
+    outer = arch.wrapper_config
+    if outer is None:
+        return None
+    keys = sorted(getattr(outer, "sub_configs", None) or {})
+    text_key = next((k for k in keys if getattr(outer, k, None) is arch.config), "text_config")
+    try:
+        default_layers = type(arch.config)().num_hidden_layers
+    except Exception:  # noqa: BLE001 - a config class that needs arguments
+        default_layers = None
+    return {
+        "text_key": text_key,
+        "sub_config_keys": _tuple_text(keys or [text_key]),
+        "other_keys": [k for k in keys if k != text_key],
+        "default_num_layers": default_layers,
+    }
+
+
+def _tuple_text(items: Any) -> str:
+    """A tuple of strings as Python source: ``("a", "b")``, ``("a",)``."""
+    quoted = [f'"{item}"' for item in items]
+    return "(" + ", ".join(quoted) + ("," if len(quoted) == 1 else "") + ")"
 
 
 def renamed_weights(mapping: dict[str, str]) -> dict[str, str]:
@@ -331,7 +362,9 @@ def _decoder_block(arch: Architecture, layer: LayerInfo) -> Block:
 
 
 def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
-    block = _base(info, "module", shapes, checkpoint_shapes=arch.checkpoint_shapes)
+    # as `w` holds them: the runner's names, whatever prefix a wrapper's checkpoint uses
+    by_runner_name = {arch.runner_view(n): s for n, s in arch.checkpoint_shapes.items()}
+    block = _base(info, "module", shapes, checkpoint_shapes=by_runner_name)
     kind = block_kind(info.cls_name)
     config = arch.config
     if kind == "rms_norm":

@@ -11,6 +11,13 @@ what HF writes), plus ``generation_config.json``, the byte-level BPE tokenizer o
 ``tests/fixtures`` (vocab 384; ids 0-3 are ``<|bos|>``, ``<|eos|>``, ``<|im_start|>``,
 ``<|im_end|>``) and ``CHANGES.md``. Everything is seeded: the same config gives the same files.
 
+A multimodal wrapper config (``text_config`` + a vision / audio tower, built as
+:mod:`resin.scaffold.hf_model` builds it) gives a text-serving wrapper checkpoint: its text
+config is shrunk and perturbed as below (the lines say ``text_config.<key>``), each tower is
+made one block deep and narrow (:func:`_shrink_towers`: the text runner and HF's text-only
+forward never run it, its tensors only have to exist under the wrapper's names), and the
+model is saved by the wrapper class, so names are the wrapper's own.
+
 A tiny checkpoint must not hide bugs, so beyond shrinking it (every change is one line of
 ``TinyCheckpoint.changes`` and of ``CHANGES.md``):
 
@@ -57,6 +64,7 @@ from typing import Any
 import torch
 import transformers
 
+from resin.scaffold import hf_model
 from resin.scaffold.inspect import build_meta_model, load_config, persistent_buffers
 from resin.scaffold.layer_map import EXPERT_COUNT_FIELDS, mlp_types_from_config
 
@@ -138,6 +146,16 @@ ROUTING_BUFFER_MARKERS = (
 BIND_DIFF = 1e-2  # scaled logits change that counts as "binds" / "has an effect"
 NO_EFFECT = 1e-6
 PROBE_LEN = 48
+# A multimodal wrapper's towers (never run by the text runner) at these widths when present.
+TOWER_WIDTHS = {
+    "hidden_size": 32,
+    "embed_dim": 32,
+    "intermediate_size": 64,
+    "projection_intermediate_size": 64,
+    "num_heads": 2,
+    "num_attention_heads": 2,
+    "head_dim": 16,
+}
 THRESHOLD_HALVINGS = 6
 
 
@@ -168,15 +186,105 @@ def tiny_config(source: str | Path | Any, seed_layers: int = 4) -> Any:
 def _tiny_raw(
     source: str | Path | Any, seed_layers: int = 4
 ) -> tuple[dict[str, Any], list[str], list[_Change]]:
-    """(tiny raw config dict, shrink lines, default traps applied to it)."""
+    """(tiny raw config dict, shrink lines, default traps applied to it). A multimodal
+    wrapper's text sub-config is shrunk as a causal LM's config is; its towers as
+    :func:`_shrink_towers` says."""
     config = load_config(source)
     raw = config.to_dict()
+    text_key = _text_key(config)
+    if text_key is None:
+        tiny, lines = _shrink_text(raw, seed_layers)
+        traps = _default_traps(tiny)
+    else:
+        tiny = copy.deepcopy(raw)
+        tiny[text_key], lines = _shrink_text(raw[text_key], seed_layers, f"{text_key}.")
+        if "dtype" in tiny:
+            tiny["dtype"] = "float32"
+        for key in ("torch_dtype", "transformers_version", "_name_or_path"):
+            tiny.pop(key, None)
+        lines += _shrink_towers(tiny, text_key)
+        traps = [
+            _Change(c.what, [((text_key, *path), old, new) for path, old, new in c.edits])
+            for c in _default_traps(tiny[text_key])
+        ]
+    for change in traps:
+        _apply(tiny, change, new=True)
+    return tiny, lines, traps
+
+
+def _text_key(config: Any) -> str | None:
+    """The key of a multimodal wrapper's text sub-config (``text_config``); None for a config
+    whose decoder is its top level (:func:`resin.scaffold.hf_model.text_config`)."""
+    text = hf_model.text_config(config)
+    if text is config:
+        return None
+    for key in getattr(config, "sub_configs", None) or {}:
+        if getattr(config, key, None) is text:
+            return str(key)
+    raise ValueError(
+        f"{type(config).__name__}: the text config is not one of its sub-configs "
+        f"{sorted(getattr(config, 'sub_configs', None) or {})}; the tiny maker cannot shrink it"
+    )
+
+
+def _text_of(raw: dict[str, Any]) -> dict[str, Any]:
+    """The part of a raw config dict that holds the decoder's settings (see :func:`_text_key`)."""
+    key = (
+        _text_key(_config_from_raw(raw)) if any(isinstance(v, dict) for v in raw.values()) else None
+    )
+    return raw if key is None else raw[key]
+
+
+def _shrink_towers(tiny: dict[str, Any], text_key: str) -> list[str]:
+    """Every sub-config of a wrapper but the text one (vision / audio towers) made one block
+    deep (:data:`resin.scaffold.hf_model.DEPTH_FIELDS`) and narrow (:data:`TOWER_WIDTHS`;
+    ``out_hidden_size`` = the text hidden size), in ``tiny``. The text runner never runs a
+    tower and HF's text-only forward never calls one: its tensors only have to exist under
+    the wrapper's names. Narrowing is undone (depth 1 kept) when the wrapper then does not
+    build. Returns one line per tower."""
+    lines = []
+    hidden = tiny[text_key].get("hidden_size")
+    for key, sub in sorted(tiny.items()):
+        if key == text_key or not isinstance(sub, dict) or "model_type" not in sub:
+            continue
+        before = copy.deepcopy(sub)
+        for field_name in hf_model.DEPTH_FIELDS:
+            if isinstance(sub.get(field_name), int) and sub[field_name] > 1:
+                sub[field_name] = 1
+        deep_only = copy.deepcopy(sub)
+        widths = {**TOWER_WIDTHS, "out_hidden_size": hidden}
+        for field_name, value in widths.items():
+            if isinstance(sub.get(field_name), int) and not isinstance(sub[field_name], bool):
+                sub[field_name] = value
+        try:
+            build_meta_model(_config_from_raw(tiny))
+            how = ""
+        except Exception as exc:  # noqa: BLE001 - keep the tower's widths, say why
+            tiny[key] = sub = deep_only
+            how = f" (narrowing it broke the wrapper's build: {type(exc).__name__}; widths kept)"
+        changed = [
+            f"{name} {_fmt(before[name])} -> {_fmt(sub[name])}"
+            for name in sorted(sub)
+            if name in before and before[name] != sub[name]
+        ]
+        lines.append(
+            f"tower: {key} ({sub['model_type']}) {', '.join(changed) or 'unchanged'}{how}: the "
+            "text runner never runs it, its tensors are only saved under the wrapper's names"
+        )
+    return lines
+
+
+def _shrink_text(
+    raw: dict[str, Any], seed_layers: int, where: str = ""
+) -> tuple[dict[str, Any], list[str]]:
+    """(a causal LM's raw config dict shrunk as the module doc says, one line per change;
+    ``where`` prefixes each key in the lines, e.g. ``text_config.``)."""
     num_layers = int(raw["num_hidden_layers"])
     n = _tiny_num_layers(raw, num_layers, seed_layers)
     tiny = copy.deepcopy(raw)
-    for key, value in TINY_WIDTHS.items():
+    for key, width in TINY_WIDTHS.items():
         if isinstance(raw.get(key), int) and not isinstance(raw.get(key), bool) and raw[key] > 0:
-            tiny[key] = value
+            tiny[key] = width
     for key, parts in DERIVED_WIDTHS.items():  # keep sums / aliases of shrunk widths exact
         if (
             isinstance(raw.get(key), int)
@@ -244,14 +352,11 @@ def _tiny_raw(
     for key in ("torch_dtype", "transformers_version", "_name_or_path"):
         tiny.pop(key, None)
     lines = [
-        f"shrunk: {key} {_fmt(raw.get(key))} -> {_fmt(tiny[key])}"
+        f"shrunk: {where}{key} {_fmt(raw.get(key))} -> {_fmt(tiny[key])}"
         for key in sorted(tiny)
         if key in raw and raw[key] != tiny[key] and key not in ("dtype",)
     ]
-    traps = _default_traps(tiny)
-    for change in traps:
-        _apply(tiny, change, new=True)
-    return tiny, lines, traps
+    return tiny, lines
 
 
 def _default_traps(tiny: dict[str, Any]) -> list[_Change]:
@@ -437,7 +542,7 @@ def write_changes(path: Path, lines: list[str]) -> None:
 def reinit_weights(model: torch.nn.Module, seed: int) -> None:
     """Seeded values at scales that keep logits apart (as scripts/make_fixtures.py)."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = int(model.config.hidden_size)  # type: ignore[union-attr,arg-type]
+    hidden = int(hf_model.text_config(model.config).hidden_size)
     for name, param in sorted(model.named_parameters()):
         if "norm" in name and name.endswith("weight"):
             values = 0.5 + torch.rand(param.shape, generator=gen)
@@ -467,7 +572,7 @@ def reinit_routing_buffers(
     one line per buffer changed, and per constant buffer left alone. ``originals``, when given,
     receives each changed buffer's previous value (state-dict name -> tensor)."""
     gen = torch.Generator().manual_seed(seed + 1)
-    config = model.config  # type: ignore[union-attr]
+    config = hf_model.text_config(model.config)
     experts = max(
         (
             int(getattr(config, k))
@@ -589,8 +694,10 @@ def _buffer_effects(
 def _tune_thresholds(raw: dict[str, Any], state: dict[str, Any], probe: Any) -> list[str]:
     """Halve each positive threshold until the tiny activations cross it (module doc)."""
     lines = []
-    for key in sorted(raw):
-        value = raw[key]
+    text = _text_of(raw)  # the decoder's settings: raw itself, or a wrapper's text_config
+    where = "" if text is raw else next(f"{k}." for k, v in raw.items() if v is text)
+    for key in sorted(text):
+        value = text[key]
         if (
             not THRESHOLD_PATTERN.search(key)
             or isinstance(value, bool)
@@ -602,7 +709,7 @@ def _tune_thresholds(raw: dict[str, Any], state: dict[str, Any], probe: Any) -> 
         bound = first = None
         for step in range(THRESHOLD_HALVINGS + 1):
             on = _logits(raw, state, probe)
-            off = _logits({**raw, key: _scaled_value(raw[key], 1e6)}, state, probe)
+            off = _logits(_with(raw, text, key, _scaled_value(text[key], 1e6)), state, probe)
             if on is None or off is None:
                 break
             diff = _scaled_diff(on, off)
@@ -610,31 +717,40 @@ def _tune_thresholds(raw: dict[str, Any], state: dict[str, Any], probe: Any) -> 
             if diff > BIND_DIFF:
                 bound = diff
                 break
-            lower = _scaled_value(raw[key], 0.5)
-            if step == THRESHOLD_HALVINGS or lower == raw[key]:
+            lower = _scaled_value(text[key], 0.5)
+            if step == THRESHOLD_HALVINGS or lower == text[key]:
                 break
-            raw[key] = lower
+            text[key] = lower
         if bound is None:
-            tried = raw[key]
-            raw[key] = original
+            tried = text[key]
+            text[key] = original
             lines.append(
-                f"threshold: {key} = {_fmt(original)} kept: the tiny model's "
+                f"threshold: {where}{key} = {_fmt(original)} kept: the tiny model's "
                 f"activations never cross it, even at {_fmt(tried)} (or HF did not "
                 "run): parity cannot check it, test it by hand"
             )
-        elif raw[key] != original:
+        elif text[key] != original:
             how = "never reach it" if not first else "barely cross it"
             lines.append(
-                f"threshold: {key} {_fmt(original)} -> {_fmt(raw[key])} (at "
+                f"threshold: {where}{key} {_fmt(original)} -> {_fmt(text[key])} (at "
                 f"{_fmt(original)} the tiny activations {how}: removing it moves HF's "
-                f"logits by {first:.3g} scaled; at {_fmt(raw[key])} by {bound:.3g})"
+                f"logits by {first:.3g} scaled; at {_fmt(text[key])} by {bound:.3g})"
             )
         else:
             lines.append(
-                f"threshold: {key} = {_fmt(original)} kept: it already binds "
+                f"threshold: {where}{key} = {_fmt(original)} kept: it already binds "
                 f"(removing it moves HF's logits by {bound:.3g} scaled)"
             )
     return lines
+
+
+def _with(raw: dict[str, Any], text: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of ``raw`` with ``text[key]`` (``text``: ``raw`` or its text sub-config) set."""
+    if text is raw:
+        return {**raw, key: value}
+    out = copy.deepcopy(raw)
+    _text_of(out)[key] = value
+    return out
 
 
 def _scaled_value(value: Any, factor: float) -> Any:
@@ -662,9 +778,11 @@ def _logits(raw: dict[str, Any], state: dict[str, Any], probe: Any) -> Any:
 
 
 def _build(config: Any) -> Any:
+    """The config's language model (:func:`resin.scaffold.hf_model.from_config`: a causal
+    LM, or a multimodal wrapper whose text-only forward the probes run), eager, eval mode."""
     config = copy.deepcopy(config)
     config._attn_implementation = "eager"
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return hf_model.from_config(config).eval()
 
 
 def _config_from_raw(raw: dict[str, Any]) -> Any:
