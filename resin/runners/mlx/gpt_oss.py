@@ -31,6 +31,7 @@ from resin.runners.mlx.layers import (
     apply_rotary,
     gathered_matmul,
     linear,
+    scale,
     sigmoid,
     top_k_indices,
 )
@@ -69,7 +70,7 @@ def clamped_swiglu(gate_up: mx.array, alpha: float, limit: float) -> mx.array:
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = mx.minimum(gate, limit)
     up = mx.clip(up, -limit, limit)
-    return (up + 1) * (gate * sigmoid(gate * alpha))
+    return (up + 1) * (gate * sigmoid(scale(gate, alpha)))
 
 
 def gpt_oss_mlp(x: mx.array, w: Weights, ctx: LayerStep) -> mx.array:

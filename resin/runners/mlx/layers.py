@@ -18,6 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from resin.runners.mlx.torch_topk import torch_cpu_topk
+
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -33,9 +35,22 @@ def mlx_dtype(dtype: object) -> mx.Dtype:
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """``x @ weight.T + bias`` (``nn.Linear``'s layout: weight [out, in])."""
-    y = x @ weight.T
-    return y if bias is None else y + bias
+    """``x @ weight.T + bias`` (``nn.Linear``'s layout: weight [out, in]). The bias joins the
+    product before it is rounded (``mx.addmm``), as torch's ``F.linear`` (addmm) does: in
+    bf16 a separate ``+ bias`` rounds twice and lands one ulp off on about a third of the
+    outputs."""
+    if bias is None:
+        return x @ weight.T
+    return mx.addmm(bias, x, weight.T)
+
+
+def scale(x: mx.array, factor: float) -> mx.array:
+    """``x * factor`` for a Python float, as torch computes a half-precision tensor times a
+    scalar: in fp32 with the scalar unrounded, then rounded once. (MLX's ``x * factor`` rounds
+    the scalar to ``x``'s dtype first: 1.702 becomes bf16 1.703125.)"""
+    if x.dtype == mx.float32:
+        return x * factor
+    return (x.astype(mx.float32) * factor).astype(x.dtype)
 
 
 def silu(x: mx.array) -> mx.array:
@@ -105,8 +120,28 @@ def swiglu_mlp(
 
 
 def top_k_indices(scores: mx.array, k: int) -> mx.array:
-    """Indices [T, k] of each row's k largest ``scores`` (in no particular order)."""
-    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+    """Indices [T, k] of each row's k largest ``scores`` [T, n]: the ones ``torch.topk`` picks
+    on the CPU, in its order, ties included (the MoE routers of HF and the torch runners).
+
+    A row whose k + 1 largest values are all distinct (and has no NaN) has one answer, its
+    descending order, taken from ``mx.argsort``. A row with a tie among them (frequent on
+    bf16 router logits: 8 significant bits) is ambiguous, and torch's pick follows from the
+    swaps of libstdc++'s selection (:mod:`.torch_topk`), not from a rule on indices: those
+    rows are redone on the host with :func:`~.torch_topk.torch_cpu_topk`. Telling whether any
+    row is ambiguous evaluates the scores (one host sync per MoE layer and step)."""
+    n = scores.shape[-1]
+    order = mx.argsort(-scores, axis=-1)
+    head = order[:, : min(k + 1, n)]
+    values = mx.take_along_axis(scores, head, axis=-1)
+    ambiguous = mx.any(values[:, 1:] == values[:, :-1], axis=-1) | mx.any(mx.isnan(scores), axis=-1)
+    if not bool(mx.any(ambiguous).item()):
+        return head[:, :k]
+    rows = np.flatnonzero(np.array(ambiguous))
+    picked = np.array(head[:, :k]).astype(np.int32)
+    host = np.array(scores[mx.array(rows.astype(np.int32))].astype(mx.float32))
+    for row, row_scores in zip(rows, host, strict=True):
+        picked[row] = torch_cpu_topk(row_scores, k)
+    return mx.array(picked)
 
 
 def gathered_matmul(x: mx.array, weights: mx.array, experts: mx.array) -> mx.array:

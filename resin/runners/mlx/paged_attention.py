@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from resin._core import BatchPlan
+from resin.runners.mlx.layers import scale as scale_by
 
 
 @dataclass
@@ -175,7 +176,7 @@ def _attention(
 ) -> mx.array:
     """``softmax(q @ k.T * scale, masked) @ v`` with transformers' eager dtype rules (module
     doc); ``sinks`` broadcasts as a [..., 1] logit column per head."""
-    scores = (queries @ keys.swapaxes(-1, -2)) * scale
+    scores = scale_by(queries @ keys.swapaxes(-1, -2), scale)
     scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
     if sinks is None:
         probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype)
