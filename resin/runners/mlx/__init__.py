@@ -9,6 +9,8 @@ code, and CI tests it there. Owns:
 - the model math (:mod:`.layers`: RMSNorm, RoPE tables, SwiGLU, top-k MoE; :mod:`.llama`: the
   built-in families Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral; :mod:`.gpt_oss`: gpt-oss);
 - paged attention on the plan's page tables and slot mapping (:mod:`.paged_attention`);
+- ``torch.topk``'s CPU choice among tied values, in numpy (:mod:`.torch_topk`), which the MoE
+  routers follow so they pick HF's experts;
 - the MLX sampler (:mod:`.sampler`) on the framework-neutral :mod:`resin.sampling_state`;
 - weights from the checkpoint's safetensors (:mod:`.weights`).
 

@@ -18,9 +18,9 @@ several equal values is kept is whatever the swaps of libstdc++'s introselect / 
 introsort leave in front: deterministic (no randomness, the same for the same row), but not
 "lowest index first". ``[1, 1, 1, 1]`` with k = 2 gives ``[2, 3]``; ``[0.197, -1.23, 0.197,
 1.227]`` gives ``[3, 2]``. The functions below are libstdc++'s (``bits/stl_algo.h``,
-``bits/stl_heap.h``) step for step on a Python list; ``tests/test_mlx_runner.py`` checks them
-against ``torch.topk`` on rows full of ties. CUDA's ``torch.topk`` (radix select) breaks ties
-its own way; the CPU's is the one the parity harness's HF reference runs.
+``bits/stl_heap.h``) step for step on a Python list; ``tests/test_mlx_numerics.py`` checks them
+against ``torch.topk`` on rows full of ties. This is the CPU kernel, the one the parity
+harness's HF reference runs; CUDA's ``torch.topk`` is another kernel, not checked here.
 """
 
 from __future__ import annotations
