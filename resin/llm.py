@@ -82,7 +82,10 @@ class LLM:
     attention backend (``reference`` by default). ``dtype``: a torch dtype or its name
     (``"float32"``, ``"bfloat16"``, ``"float16"``). ``speculative_method``: None (off),
     ``"ngram"`` or ``"mtp"`` (the runner's ``enable_mtp``; ValueError when the checkpoint has no
-    MTP layer), drafting ``num_speculative_tokens`` (default 3) per step. ``engine_config``:
+    MTP layer), drafting ``num_speculative_tokens`` (default 3) per step.
+    ``tensor_parallel_size``: N > 1 runs a built-in-family checkpoint on N tensor-parallel
+    ranks (:class:`resin.runners.parallel.TensorParallelRunner`: N - 1 worker processes;
+    ``llm.runner.close()`` stops them, as does the process exit). ``engine_config``:
     :class:`resin.EngineConfig` fields.
     """
 
@@ -97,6 +100,7 @@ class LLM:
         models_dirs: Sequence[str | Path] = (),
         attention_backend: str | None = None,
         speculative_method: str | None = None,
+        tensor_parallel_size: int = 1,
         **engine_config: Any,
     ) -> None:
         from resin.registry import ModelRegistry, resolve_runner
@@ -117,14 +121,21 @@ class LLM:
         self.chat_template = ChatTemplate.from_pretrained(
             self.model_dir, self.tokenizer.special_tokens_map
         )
-        self.runner = resolve_runner(
-            self.model_dir,
-            runner,
-            registry=ModelRegistry(models_dirs),
-            device=device,
-            dtype=dtype,
-            attention_backend=attention_backend,
-        )
+        registry = ModelRegistry(models_dirs)
+        if tensor_parallel_size > 1:
+            self.runner = _tensor_parallel_runner(
+                self.model_dir, runner, registry, tensor_parallel_size, device, dtype,
+                attention_backend,
+            )  # fmt: skip
+        else:
+            self.runner = resolve_runner(
+                self.model_dir,
+                runner,
+                registry=registry,
+                device=device,
+                dtype=dtype,
+                attention_backend=attention_backend,
+            )
         if speculative_method == "mtp":
             enable_mtp = getattr(self.runner, "enable_mtp", None)
             if enable_mtp is None:
@@ -137,6 +148,12 @@ class LLM:
         self._request_counter = itertools.count()
 
     # -- construction ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def _engine_config(
         self, runner: Any, kv_cache_bytes: int, overrides: Mapping[str, Any]
     ) -> EngineConfig:
@@ -337,3 +354,33 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         ):
             raise TypeError(f"each prompt must be a str or a list of token ids, got {prompt!r}")
     return [p if isinstance(p, str) else list(p) for p in items]
+
+
+def _tensor_parallel_runner(
+    model_dir: Path,
+    runner: Any,
+    registry: Any,
+    size: int,
+    device: str,
+    dtype: Any,
+    attention_backend: str | None,
+) -> Any:
+    """The tensor-parallel runner of a built-in-family checkpoint (model directories, MLX
+    and explicit runner objects are refused with the reason)."""
+    if runner not in (None, "torch"):
+        raise ValueError(
+            f"tensor_parallel_size {size} runs the built-in torch runner; runner {runner!r} "
+            "cannot be sharded"
+        )
+    entry = registry.for_checkpoint(model_dir)
+    if entry.model_dir is not None:
+        raise NotImplementedError(
+            f"tensor parallelism runs the built-in families (Llama, Mistral, Qwen2/3, "
+            f"Qwen3-MoE, Mixtral); {model_dir} is served by the model directory "
+            f"{entry.model_dir}, which does not shard yet"
+        )
+    from resin.runners.parallel import TensorParallelRunner
+
+    return TensorParallelRunner(
+        model_dir, size, device=device, dtype=dtype, attention_backend=attention_backend
+    )

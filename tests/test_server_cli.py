@@ -45,6 +45,7 @@ OPTIONS = [
     "--dtype",
     "--speculative-method",
     "--num-speculative-tokens",
+    "--tensor-parallel-size",
 ]
 
 

@@ -98,6 +98,14 @@ def serve(
     num_speculative_tokens: Annotated[
         int, typer.Option(help="Draft tokens per step with --speculative-method (default 3).")
     ] = 3,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Tensor-parallel ranks (built-in families; torch.distributed, gloo on CPU): "
+            "N - 1 worker processes start with the server and stop with it.",
+        ),
+    ] = 1,
     tool_parser: Annotated[
         str | None,
         typer.Option(
@@ -195,6 +203,8 @@ def serve(
             )
         engine_config["speculative_method"] = speculative_method
         engine_config["num_speculative_tokens"] = num_speculative_tokens
+    if tensor_parallel_size > 1:
+        engine_config["tensor_parallel_size"] = tensor_parallel_size
     for name, value in (
         ("num_pages", num_pages),
         ("max_model_len", max_model_len),

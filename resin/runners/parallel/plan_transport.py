@@ -1,0 +1,125 @@
+"""Handing each step's :class:`resin.BatchPlan` to the other ranks of a parallel runner.
+
+Owns :class:`PlanWriter` (rank 0: the plan's arrays copied once into a shared-memory segment)
+and :class:`PlanView` (the other ranks: the same attribute names over that memory, what the
+torch runner reads of a plan). Only a small layout message — field names, dtypes, shapes and
+offsets, a few hundred bytes — crosses the control pipe per step; the arrays themselves are
+never pickled. The segment grows (a new one, named in the message) when a plan outgrows it.
+
+One host only: across hosts the same layout would be sent first and the flat buffer
+broadcast with ``torch.distributed.broadcast`` (NCCL / gloo), which this module's split into
+"layout" and "bytes" is shaped for.
+
+The sampling arrays and request ids are not sent: only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+SCALARS = (
+    "step",
+    "num_sequences",
+    "num_decode_sequences",
+    "num_tokens",
+    "padded_num_sequences",
+    "page_size",
+    "num_cache_groups",
+)
+ARRAYS = (
+    "request_slots",
+    "input_ids",
+    "positions",
+    "query_indptr",
+    "num_computed_tokens",
+    "seq_lens",
+    "sample_indptr",
+    "num_draft_tokens",
+    "num_output_tokens",
+    "copy_pages",
+    "zero_pages",
+)
+GROUP_ARRAYS = (  # one array per cache group
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "slot_mapping",
+    "state_slots",
+    "has_initial_state",
+    "block_table",
+)
+ALIGN = 64
+
+
+class PlanWriter:
+    """Rank 0's side: ``write(plan)`` -> the layout message the other ranks open."""
+
+    def __init__(self, initial_bytes: int = 1 << 20):
+        self.segment = shared_memory.SharedMemory(create=True, size=initial_bytes)
+
+    def write(self, plan: Any) -> dict[str, Any]:
+        arrays: list[tuple[str, np.ndarray]] = [(name, getattr(plan, name)) for name in ARRAYS]
+        for name in GROUP_ARRAYS:
+            arrays += [(f"{name}.{g}", a) for g, a in enumerate(getattr(plan, name))]
+        layout, offset = [], 0
+        for name, array in arrays:
+            array = np.ascontiguousarray(array)
+            layout.append((name, array.dtype.str, array.shape, offset))
+            offset += -(-array.nbytes // ALIGN) * ALIGN
+        if offset > self.segment.size:
+            self.close()
+            self.segment = shared_memory.SharedMemory(
+                create=True, size=max(offset, 2 * self.segment.size)
+            )
+        buffer = self.segment.buf
+        for (_, dtype, shape, start), (_, array) in zip(layout, arrays):
+            view = np.ndarray(shape, dtype=dtype, buffer=buffer, offset=start)
+            view[...] = array
+        return {
+            "segment": self.segment.name,
+            "scalars": {name: int(getattr(plan, name)) for name in SCALARS},
+            "arrays": layout,
+        }
+
+    def close(self) -> None:
+        self.segment.close()
+        self.segment.unlink()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Open rank 0's segment. (Spawned workers share rank 0's resource tracker, which drops
+    the segment when rank 0 unlinks it: nothing to unregister here.)"""
+    return shared_memory.SharedMemory(name=name)
+
+
+class PlanView:
+    """A plan as the other ranks see it: the scalars and arrays of :class:`PlanWriter`'s
+    message, read-only views into the shared segment (valid until the next step)."""
+
+    _segments: dict[str, shared_memory.SharedMemory] = {}
+
+    def __init__(self, message: dict[str, Any]):
+        name = message["segment"]
+        segment = self._segments.get(name)
+        if segment is None:
+            for old in self._segments.values():
+                old.close()
+            self._segments.clear()
+            segment = _attach(name)
+            self._segments[name] = segment
+        for key, value in message["scalars"].items():
+            setattr(self, key, value)
+        groups: dict[str, list[np.ndarray]] = {name: [] for name in GROUP_ARRAYS}
+        for key, dtype, shape, offset in message["arrays"]:
+            view = np.ndarray(tuple(shape), dtype=dtype, buffer=segment.buf, offset=offset)
+            view.flags.writeable = False
+            base, _, group = key.partition(".")
+            if group:
+                groups[base].append(view)
+            else:
+                setattr(self, key, view)
+        for base, views in groups.items():
+            setattr(self, base, tuple(views))

@@ -1,0 +1,175 @@
+"""Tensor-parallel sharding of the built-in (Llama-family) models: which slice of each tensor a
+rank holds, and a loader that reads only that slice from the safetensors files.
+
+Owns :class:`TensorParallelShard` (one rank's share of heads, KV heads, MLP width and vocab)
+and :func:`load_weight_shard`. The split is Megatron's, as vLLM and SGLang do it:
+
+- attention: ``q_proj`` (and its bias) by query heads — rank r holds heads ``[r·H/N, (r+1)·H/N)``;
+  ``k_proj`` / ``v_proj`` by KV heads, or, with fewer KV heads than ranks, the one KV head the
+  rank's query heads read (replicated over the N/KV ranks that share it); ``o_proj`` by its
+  input columns (the same heads) — a row-parallel projection whose partial sums are all-reduced
+  after the block; ``q_norm`` / ``k_norm`` (per head_dim) replicated;
+- MLP and every MoE expert: ``gate_proj`` / ``up_proj`` by output rows, ``down_proj`` by input
+  columns (all-reduced after the block); the router replicated;
+- ``embed_tokens`` and ``lm_head``: by vocabulary rows, ``ceil(V / N)`` per rank (the last one
+  shorter): a vocab-parallel embedding (each rank looks up its own ids, all-reduce) and
+  lm_head (all-gather of the logit shards);
+- norms replicated.
+
+So each rank's resident bytes are ~1/N of the model (plus the replicated norms and routers)
+and its KV cache holds only its KV heads (``cache_spec`` is per rank). Tensors are read with
+``safe_open(...).get_slice``: a rank never materialises another rank's part. Imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from resin.loading import ModelConfig
+from resin.loading.weights import (
+    WeightsError,
+    expected_tensor_shapes,
+    locate_tensors,
+)
+
+
+@dataclass(frozen=True)
+class TensorParallelShard:
+    """Rank ``rank`` of ``world_size`` for one checkpoint's config (see the module doc)."""
+
+    rank: int
+    world_size: int
+    num_heads: int  # the model's query heads
+    num_kv_heads: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, world_size: int) -> TensorParallelShard:
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        if heads % world_size:
+            raise ValueError(
+                f"tensor parallel size {world_size} does not divide the "
+                f"{heads} attention heads of this checkpoint"
+            )
+        if kv % world_size and world_size % kv:
+            raise ValueError(
+                f"tensor parallel size {world_size} and the checkpoint's {kv} KV heads: one "
+                "must divide the other (KV heads are split, or replicated over ranks)"
+            )
+        if config.intermediate_size % world_size or (
+            config.moe is not None and config.moe.moe_intermediate_size % world_size
+        ):
+            raise ValueError(
+                f"tensor parallel size {world_size} does not divide the MLP width of this "
+                "checkpoint"
+            )
+        return cls(rank, world_size, heads, kv, config.vocab_size)
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.world_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(self.num_kv_heads // self.world_size, 1)
+
+    @property
+    def first_kv_head(self) -> int:
+        """The first KV head this rank holds (with replication: the one its heads read)."""
+        if self.num_kv_heads >= self.world_size:
+            return self.rank * self.local_kv_heads
+        return self.rank * self.num_kv_heads // self.world_size
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.vocab_size // self.world_size)
+
+    @property
+    def vocab_start(self) -> int:
+        return min(self.rank * self.vocab_per_rank, self.vocab_size)
+
+    @property
+    def vocab_end(self) -> int:
+        return min(self.vocab_start + self.vocab_per_rank, self.vocab_size)
+
+    def slices(self, name: str, shape: tuple[int, ...], head_dim: int) -> tuple[slice, ...]:
+        """This rank's part of checkpoint tensor ``name`` (full ``shape``), per dimension."""
+        full = tuple(slice(0, n) for n in shape)
+
+        def rows(start: int, stop: int) -> tuple[slice, ...]:
+            return (slice(start, stop), *full[1:])
+
+        def cols(start: int, stop: int) -> tuple[slice, ...]:
+            return (full[0], slice(start, stop), *full[2:])
+
+        r, n = self.rank, self.world_size
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return rows(self.vocab_start, self.vocab_end)
+        if ".q_proj." in name:
+            return rows(r * self.local_heads * head_dim, (r + 1) * self.local_heads * head_dim)
+        if ".k_proj." in name or ".v_proj." in name:
+            first = self.first_kv_head * head_dim
+            return rows(first, first + self.local_kv_heads * head_dim)
+        if ".o_proj.weight" in name:
+            return cols(r * self.local_heads * head_dim, (r + 1) * self.local_heads * head_dim)
+        width = shape[0] if name.endswith(("gate_proj.weight", "up_proj.weight")) else None
+        if any(name.endswith(s) for s in (".w1.weight", ".w3.weight")):
+            width = shape[0]  # Mixtral's expert gate / up
+        if width is not None:
+            return rows(r * width // n, (r + 1) * width // n)
+        if name.endswith((".down_proj.weight", ".w2.weight")):
+            width = shape[1]
+            return cols(r * width // n, (r + 1) * width // n)
+        if name.endswith((".gate_proj.bias", ".up_proj.bias")):
+            return rows(r * shape[0] // n, (r + 1) * shape[0] // n)
+        return full  # norms, routers, o_proj / down_proj biases (added once: rank 0's only)
+
+    def keeps_bias(self, name: str) -> bool:
+        """A row-parallel projection's bias is added once, after the all-reduce: rank 0 keeps
+        it, the others hold zeros."""
+        return self.rank == 0 or not name.endswith((".o_proj.bias", ".down_proj.bias"))
+
+
+def load_weight_shard(
+    model_dir: str | os.PathLike[str],
+    config: ModelConfig,
+    shard: TensorParallelShard,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """This rank's part of every tensor the built-in runner needs (checkpoint names), each read
+    as a slice (never the whole tensor) and checked against the config's full shape first."""
+    directory = Path(model_dir)
+    files = locate_tensors(directory)
+    expected = expected_tensor_shapes(config)
+    if config.tie_word_embeddings and "lm_head.weight" not in files:
+        del expected["lm_head.weight"]
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise WeightsError(f"{directory}: missing tensor(s) {', '.join(missing[:5])}")
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in names:
+                got = tuple(handle.get_slice(name).get_shape())
+                if got != expected[name]:
+                    raise WeightsError(
+                        f"{path.name}: tensor {name} has shape {got}, config.json implies "
+                        f"{expected[name]}"
+                    )
+            for name in names:
+                index = shard.slices(name, expected[name], config.head_dim)
+                tensor = handle.get_slice(name)[index]
+                if not shard.keeps_bias(name):
+                    tensor = torch.zeros_like(tensor)
+                out[name] = tensor.to(device=device, dtype=dtype).contiguous()
+    return out

@@ -1,0 +1,122 @@
+"""A tensor-parallel rank of the built-in (Llama-family) runner: the same model definition on
+this rank's weight shard, with the collectives Megatron's split needs.
+
+Owns :func:`tensor_parallel_runner`: a :class:`~resin.runners.torch.TorchRunner` whose layers
+see only their shard (the blocks read head counts and widths off the weights, so they run
+unchanged) and whose hooks add the communication, each a ``torch.distributed`` collective on
+the given process group (gloo on CPU, NCCL on GPUs):
+
+- ``self_attn`` and ``mlp`` outputs: all-reduce (row-parallel ``o_proj`` / ``down_proj``);
+- the embedding: a vocab-parallel lookup — each rank embeds the ids in its vocabulary range,
+  zeros elsewhere — then all-reduce;
+- the logits: each rank's vocabulary shard, padded to ``ceil(V / N)``, all-gathered and cut to
+  V, so rank 0 samples from the full distribution.
+
+The KV cache holds the rank's KV heads only: ``cache_spec`` is the per-rank bytes. Imports
+torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from resin.loading import load_model_config
+from resin.runners.parallel.sharding import TensorParallelShard, load_weight_shard
+from resin.runners.torch.model_definition import ModelDefinition
+from resin.runners.torch.model_weights import ModelWeights
+from resin.runners.torch.runner import TorchRunner, _runner_name, llama_family_definition
+
+
+def _all_reduce_after(block: Any, group: Any) -> Any:
+    def reduced(x: torch.Tensor, w: dict[str, torch.Tensor], ctx: Any) -> torch.Tensor:
+        out = block(x, w, ctx)
+        dist.all_reduce(out, group=group)
+        return out
+
+    reduced.__name__ = f"all_reduced_{getattr(block, '__name__', 'block')}"
+    return reduced
+
+
+def tensor_parallel_definition(
+    definition: ModelDefinition, shard: TensorParallelShard, group: Any
+) -> ModelDefinition:
+    """``definition`` with the collectives of the module doc added around its blocks."""
+    start, end, per_rank = shard.vocab_start, shard.vocab_end, shard.vocab_per_rank
+    vocab = shard.vocab_size
+
+    def embed(input_ids: torch.Tensor, w: dict[str, torch.Tensor], ctx: Any) -> torch.Tensor:
+        local = input_ids - start
+        inside = (input_ids >= start) & (input_ids < end)
+        out = F.embedding(local.clamp(0, end - start - 1), w["embed_tokens.weight"])
+        out = out * inside[:, None].to(out.dtype)
+        dist.all_reduce(out, group=group)
+        return out
+
+    def logits(hidden: torch.Tensor, w: dict[str, torch.Tensor], ctx: Any) -> torch.Tensor:
+        head = w.get("lm_head.weight", w["embed_tokens.weight"])
+        local = F.linear(hidden, head)
+        if local.shape[-1] < per_rank:  # the last shard: pad to the common size
+            pad = local.new_full((local.shape[0], per_rank - local.shape[-1]), float("-inf"))
+            local = torch.cat([local, pad], dim=-1)
+        parts = [torch.empty_like(local) for _ in range(shard.world_size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)[:, :vocab]
+
+    layers = [
+        dataclasses.replace(
+            layer,
+            children={
+                name: _all_reduce_after(fn, group) if name in ("self_attn", "mlp") else fn
+                for name, fn in layer.children.items()
+            },
+        )
+        for layer in definition.layers
+    ]
+    return dataclasses.replace(definition, layers=layers, embed=embed, logits=logits)
+
+
+def tensor_parallel_runner(
+    model_dir: str | os.PathLike[str],
+    rank: int,
+    world_size: int,
+    group: Any = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attention_backend: Any = None,
+) -> TorchRunner:
+    """Rank ``rank``'s runner: its weight shard (read as slices), the model with local head
+    counts (its KV cache is its KV heads), the collectives on ``group``."""
+    config = load_model_config(model_dir)
+    shard = TensorParallelShard.of(config, rank, world_size)
+    local_config = dataclasses.replace(
+        config,
+        num_attention_heads=shard.local_heads,
+        num_key_value_heads=shard.local_kv_heads,
+    )
+    device = torch.device(device)
+    flat = load_weight_shard(model_dir, config, shard, device=device, dtype=dtype)
+    weights = ModelWeights.from_flat(flat, config.num_hidden_layers, rename=_runner_name)
+    definition = tensor_parallel_definition(
+        llama_family_definition(local_config, device), shard, group
+    )
+    # The vocabulary the sampler sees is the whole one (the logits are all-gathered).
+    definition = dataclasses.replace(definition, vocab_size=config.vocab_size)
+    runner = TorchRunner(definition, weights, device, dtype, attention_backend)
+    runner.model_config = config
+    runner.shard = shard  # type: ignore[attr-defined]
+    return runner
+
+
+def resident_weight_bytes(runner: TorchRunner) -> int:
+    """Bytes of every weight tensor this rank holds."""
+    tensors = list(runner.weights.globals.values()) + [
+        t for layer in runner.weights.layers for t in layer.values()
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors)
