@@ -83,9 +83,10 @@ class LLM:
     (``"float32"``, ``"bfloat16"``, ``"float16"``). ``speculative_method``: None (off),
     ``"ngram"`` or ``"mtp"`` (the runner's ``enable_mtp``; ValueError when the checkpoint has no
     MTP layer), drafting ``num_speculative_tokens`` (default 3) per step.
-    ``tensor_parallel_size``: N > 1 runs a built-in-family checkpoint on N tensor-parallel
-    ranks (:class:`resin.runners.parallel.TensorParallelRunner`: N - 1 worker processes;
-    ``llm.runner.close()`` stops them, as does the process exit). ``engine_config``:
+    ``tensor_parallel_size`` / ``expert_parallel_size``: N > 1 runs a built-in-family
+    checkpoint on N ranks (:class:`resin.runners.parallel.TensorParallelRunner`: N - 1 worker
+    processes; ``llm.close()`` stops them, as does the process exit) — attention and MLPs
+    split (TP), the routed experts dealt out (EP), or both over the same ranks. ``engine_config``:
     :class:`resin.EngineConfig` fields.
     """
 
@@ -101,6 +102,7 @@ class LLM:
         attention_backend: str | None = None,
         speculative_method: str | None = None,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         **engine_config: Any,
     ) -> None:
         from resin.registry import ModelRegistry, resolve_runner
@@ -122,10 +124,10 @@ class LLM:
             self.model_dir, self.tokenizer.special_tokens_map
         )
         registry = ModelRegistry(models_dirs)
-        if tensor_parallel_size > 1:
-            self.runner = _tensor_parallel_runner(
-                self.model_dir, runner, registry, tensor_parallel_size, device, dtype,
-                attention_backend,
+        if tensor_parallel_size > 1 or expert_parallel_size > 1:
+            self.runner = _parallel_runner(
+                self.model_dir, runner, registry, tensor_parallel_size, expert_parallel_size,
+                device, dtype, attention_backend,
             )  # fmt: skip
         else:
             self.runner = resolve_runner(
@@ -356,31 +358,44 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return [p if isinstance(p, str) else list(p) for p in items]
 
 
-def _tensor_parallel_runner(
+def _parallel_runner(
     model_dir: Path,
     runner: Any,
     registry: Any,
-    size: int,
+    tp: int,
+    ep: int,
     device: str,
     dtype: Any,
     attention_backend: str | None,
 ) -> Any:
-    """The tensor-parallel runner of a built-in-family checkpoint (model directories, MLX
-    and explicit runner objects are refused with the reason)."""
+    """The parallel runner of a built-in-family checkpoint: TP over ``tp`` ranks, EP over
+    ``ep`` (alone, or over the same ranks as TP); model directories, MLX and explicit runner
+    objects are refused with the reason."""
     if runner not in (None, "torch"):
         raise ValueError(
-            f"tensor_parallel_size {size} runs the built-in torch runner; runner {runner!r} "
+            f"tensor / expert parallelism runs the built-in torch runner; runner {runner!r} "
             "cannot be sharded"
+        )
+    if tp > 1 and ep > 1 and tp != ep:
+        raise ValueError(
+            f"expert_parallel_size {ep} with tensor_parallel_size {tp}: experts are dealt "
+            "over the tensor-parallel ranks (equal sizes), or EP runs alone (tp 1)"
         )
     entry = registry.for_checkpoint(model_dir)
     if entry.model_dir is not None:
         raise NotImplementedError(
-            f"tensor parallelism runs the built-in families (Llama, Mistral, Qwen2/3, "
-            f"Qwen3-MoE, Mixtral); {model_dir} is served by the model directory "
+            f"tensor / expert parallelism runs the built-in families (Llama, Mistral, "
+            f"Qwen2/3, Qwen3-MoE, Mixtral); {model_dir} is served by the model directory "
             f"{entry.model_dir}, which does not shard yet"
         )
     from resin.runners.parallel import TensorParallelRunner
 
     return TensorParallelRunner(
-        model_dir, size, device=device, dtype=dtype, attention_backend=attention_backend
+        model_dir,
+        max(tp, ep),
+        device=device,
+        dtype=dtype,
+        attention_backend=attention_backend,
+        tensor_parallel=tp > 1,
+        expert_parallel=ep > 1,
     )

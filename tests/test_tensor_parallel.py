@@ -4,7 +4,8 @@ identical to the single-process run.
 Each ``TensorParallelRunner`` spawns N - 1 worker processes (one torch thread each): the
 tests run the Llama, Qwen3 (q/k norm) and Qwen3-MoE fixtures at TP = 2 — KV heads split —
 and Llama at TP = 4 — 2 KV heads replicated over 4 ranks — under chunked prefill, prefix
-hits and preemption; check each rank's resident weight and KV bytes are ~1/N of the
+hits and preemption; Qwen3-MoE and Mixtral at EP = 2 (alone: attention replicated) and
+TP = 2 + EP = 2 (whole experts per rank); check each rank's resident weight and KV bytes are ~1/N of the
 single-process runner's; and that a killed rank fails the next step with an error naming it
 (no hang), a rank's exception comes back with its traceback, and a size the heads do not
 allow is refused before any process starts.
@@ -29,10 +30,12 @@ PARAMS = resin.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _tp(model: Path, size: int, **engine: object) -> LLM:
+def _tp(model: Path, size: int, ep: bool = False, tp: bool = True, **engine: object) -> LLM:
     from resin.runners.parallel import TensorParallelRunner
 
-    runner = TensorParallelRunner(model, size, num_threads=1, timeout_s=60)
+    runner = TensorParallelRunner(
+        model, size, num_threads=1, timeout_s=60, tensor_parallel=tp, expert_parallel=ep
+    )
     return LLM(model, runner=runner, **{"max_num_seqs": 3, "max_model_len": 96, **engine})
 
 
@@ -63,6 +66,34 @@ def test_tp2_greedy_is_the_single_process_output(name: str) -> None:
                 assert "resin:num_preemptions_total 0" not in llm.engine.metrics_text()
         finally:
             llm.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("tp", [False, True], ids=["ep2", "tp2_ep2"])
+def test_expert_parallel_greedy_is_the_single_process_output(name: str, tp: bool) -> None:
+    """EP=2 alone (attention replicated, experts dealt out) and TP=2+EP=2 (attention split,
+    whole experts per rank): the single-process tokens; each rank holds half the experts."""
+    model = FIXTURES / name
+    single = LLM(model, max_num_seqs=3, max_model_len=96)
+    want = _tokens(single)
+    llm = _tp(model, 2, ep=True, tp=tp, num_pages=200)
+    try:
+        assert _tokens(llm) == want
+        local = llm.runner.local
+        experts = [
+            t for layer in local.weights.layers for n, t in layer.items() if ".experts." in n
+        ]
+        whole = [
+            t
+            for layer in single.runner.weights.layers
+            for n, t in layer.items()
+            if ".experts." in n
+        ]
+        held = sum(t.numel() for t in experts)
+        assert held * 2 == sum(t.numel() for t in whole)
+        assert list(local.shard.local_experts) == list(range(local.shard.num_experts // 2))
+    finally:
+        llm.close()
 
 
 def test_each_rank_holds_its_share_of_weights_and_kv() -> None:
@@ -123,6 +154,10 @@ def test_bad_sizes_and_runners_are_refused() -> None:
 
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         TensorParallelRunner(FIXTURES / "llama", 3)
+    with pytest.raises(ValueError, match="needs a MoE checkpoint"):
+        TensorParallelRunner(FIXTURES / "llama", 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="equal sizes"):
+        LLM(FIXTURES / "qwen3_moe", tensor_parallel_size=2, expert_parallel_size=4)
     with pytest.raises(NotImplementedError, match="model directory"):
         LLM(
             Path(__file__).resolve().parents[1] / "resin" / "models" / "gpt_oss" / "tiny",

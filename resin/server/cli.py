@@ -106,6 +106,14 @@ def serve(
             "N - 1 worker processes start with the server and stop with it.",
         ),
     ] = 1,
+    expert_parallel_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Expert-parallel ranks for MoE checkpoints: whole experts dealt over the ranks "
+            "(alone, or equal to --tensor-parallel-size: over the same ranks).",
+        ),
+    ] = 1,
     tool_parser: Annotated[
         str | None,
         typer.Option(
@@ -205,6 +213,8 @@ def serve(
         engine_config["num_speculative_tokens"] = num_speculative_tokens
     if tensor_parallel_size > 1:
         engine_config["tensor_parallel_size"] = tensor_parallel_size
+    if expert_parallel_size > 1:
+        engine_config["expert_parallel_size"] = expert_parallel_size
     for name, value in (
         ("num_pages", num_pages),
         ("max_model_len", max_model_len),

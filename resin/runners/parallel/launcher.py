@@ -77,6 +77,7 @@ def _worker_main(
     attention_backend: str | None,
     timeout_s: float,
     num_threads: int | None,
+    split: tuple[bool, bool],
     conn: Any,
 ) -> None:
     """Rank ``rank``'s loop: build the shard, then bind / step / report until told to stop or
@@ -89,6 +90,8 @@ def _worker_main(
             model_dir,
             rank,
             world_size,
+            tensor_parallel=split[0],
+            expert_parallel=split[1],
             device=device,
             dtype=getattr(torch, dtype),
             attention_backend=attention_backend,
@@ -137,9 +140,11 @@ def _stats(runner: Any) -> dict[str, int]:
 
 
 class TensorParallelRunner:
-    """Rank 0 of ``world_size`` tensor-parallel ranks of a built-in-family checkpoint: the
-    runner the engine drives (``cache_spec`` / ``bind_cache`` / ``forward``). See the module
-    doc. ``close()`` stops the workers (also done when the object is collected or the process
+    """Rank 0 of ``world_size`` parallel ranks of a built-in-family checkpoint: the runner
+    the engine drives (``cache_spec`` / ``bind_cache`` / ``forward``). See the module doc.
+    ``tensor_parallel`` / ``expert_parallel``: what the ranks split (attention, dense MLPs and
+    the vocabulary; the routed experts) — TP, EP alone, or TP+EP over the same ranks.
+    ``close()`` stops the workers (also done when the object is collected or the process
     exits)."""
 
     def __init__(
@@ -152,16 +157,25 @@ class TensorParallelRunner:
         attention_backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         num_threads: int | None = None,
+        tensor_parallel: bool = True,
+        expert_parallel: bool = False,
     ):
         if world_size < 2:
-            raise ValueError("a tensor-parallel runner needs tensor_parallel_size >= 2")
+            raise ValueError("a parallel runner needs at least 2 ranks")
         if dist.is_initialized():
             raise RuntimeError(
                 "this process already belongs to a torch.distributed group: one "
                 "tensor-parallel runner per process (close the other first)"
             )
         # Refuse a size the checkpoint's heads / widths do not allow before any process starts.
-        TensorParallelShard.of(load_model_config(model_dir), 0, world_size)
+        split = (tensor_parallel, expert_parallel)
+        TensorParallelShard.of(
+            load_model_config(model_dir),
+            0,
+            world_size,
+            tensor_parallel=tensor_parallel,
+            expert_parallel=expert_parallel,
+        )
         dtype_name = str(dtype).removeprefix("torch.")
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -184,6 +198,7 @@ class TensorParallelRunner:
                     attention_backend,
                     timeout_s,
                     num_threads,
+                    split,
                     child,
                 ),
                 daemon=True,
@@ -200,6 +215,8 @@ class TensorParallelRunner:
                 model_dir,
                 0,
                 world_size,
+                tensor_parallel=tensor_parallel,
+                expert_parallel=expert_parallel,
                 device=device,
                 dtype=getattr(torch, dtype_name),
                 attention_backend=attention_backend,

@@ -16,7 +16,9 @@ and :func:`load_weight_shard`. The split is Megatron's, as vLLM and SGLang do it
   lm_head (all-gather of the logit shards);
 - norms replicated.
 
-So each rank's resident bytes are ~1/N of the model (plus the replicated norms and routers)
+With expert parallelism (``expert_parallel``) the routed experts are not sliced but dealt
+out whole, ``E / N`` per rank, and attention and dense MLPs are either tensor-parallel too or
+replicated (``tensor_parallel`` off: EP alone). So each rank's resident bytes are ~1/N of the model (plus the replicated norms and routers)
 and its KV cache holds only its KV heads (``cache_spec`` is per rank). Tensors are read with
 ``safe_open(...).get_slice``: a rank never materialises another rank's part. Imports torch.
 """
@@ -24,6 +26,7 @@ and its KV cache holds only its KV heads (``cache_spec`` is per rank). Tensors a
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,68 +40,116 @@ from resin.loading.weights import (
     locate_tensors,
 )
 
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
 
 @dataclass(frozen=True)
 class TensorParallelShard:
-    """Rank ``rank`` of ``world_size`` for one checkpoint's config (see the module doc)."""
+    """Rank ``rank`` of ``world_size`` for one checkpoint's config (see the module doc).
+
+    ``tensor_parallel``: attention, dense MLPs and the vocabulary are split over the ranks
+    (else replicated). ``expert_parallel``: each rank holds ``num_experts / world_size`` whole
+    experts — ``[r·E/N, (r+1)·E/N)`` — instead of a slice of every expert; the others are
+    zero-width placeholders (no bytes, no FLOPs), so the MoE block runs unchanged and its
+    partial sums are all-reduced like a row-parallel MLP's."""
 
     rank: int
     world_size: int
     num_heads: int  # the model's query heads
     num_kv_heads: int
     vocab_size: int
+    tensor_parallel: bool = True
+    expert_parallel: bool = False
+    num_experts: int = 0
 
     @classmethod
-    def of(cls, config: ModelConfig, rank: int, world_size: int) -> TensorParallelShard:
+    def of(
+        cls,
+        config: ModelConfig,
+        rank: int,
+        world_size: int,
+        *,
+        tensor_parallel: bool = True,
+        expert_parallel: bool = False,
+    ) -> TensorParallelShard:
         heads, kv = config.num_attention_heads, config.num_key_value_heads
-        if heads % world_size:
-            raise ValueError(
-                f"tensor parallel size {world_size} does not divide the "
-                f"{heads} attention heads of this checkpoint"
-            )
-        if kv % world_size and world_size % kv:
-            raise ValueError(
-                f"tensor parallel size {world_size} and the checkpoint's {kv} KV heads: one "
-                "must divide the other (KV heads are split, or replicated over ranks)"
-            )
-        if config.intermediate_size % world_size or (
-            config.moe is not None and config.moe.moe_intermediate_size % world_size
-        ):
-            raise ValueError(
-                f"tensor parallel size {world_size} does not divide the MLP width of this "
-                "checkpoint"
-            )
-        return cls(rank, world_size, heads, kv, config.vocab_size)
+        n = world_size
+        if not (tensor_parallel or expert_parallel):
+            raise ValueError("a parallel runner splits attention (TP), experts (EP) or both")
+        if expert_parallel:
+            if config.moe is None:
+                raise ValueError("expert parallelism needs a MoE checkpoint; this one is dense")
+            if config.moe.num_experts % n:
+                raise ValueError(
+                    f"expert parallel size {n} does not divide the {config.moe.num_experts} "
+                    "experts of this checkpoint"
+                )
+        if tensor_parallel:
+            if heads % n:
+                raise ValueError(
+                    f"tensor parallel size {n} does not divide the {heads} attention heads of "
+                    "this checkpoint"
+                )
+            if kv % n and n % kv:
+                raise ValueError(
+                    f"tensor parallel size {n} and the checkpoint's {kv} KV heads: one must "
+                    "divide the other (KV heads are split, or replicated over ranks)"
+                )
+            widths = [config.intermediate_size]
+            if config.moe is not None and not expert_parallel:
+                widths.append(config.moe.moe_intermediate_size)
+            if any(w % n for w in widths):
+                raise ValueError(
+                    f"tensor parallel size {n} does not divide the MLP width of this checkpoint"
+                )
+        experts = config.moe.num_experts if config.moe is not None else 0
+        return cls(rank, n, heads, kv, config.vocab_size, tensor_parallel, expert_parallel, experts)
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size if self.tensor_parallel else 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank if self.tensor_parallel else 0
 
     @property
     def local_heads(self) -> int:
-        return self.num_heads // self.world_size
+        return self.num_heads // self.tp_size
 
     @property
     def local_kv_heads(self) -> int:
-        return max(self.num_kv_heads // self.world_size, 1)
+        return max(self.num_kv_heads // self.tp_size, 1)
 
     @property
     def first_kv_head(self) -> int:
         """The first KV head this rank holds (with replication: the one its heads read)."""
-        if self.num_kv_heads >= self.world_size:
-            return self.rank * self.local_kv_heads
-        return self.rank * self.num_kv_heads // self.world_size
+        if self.num_kv_heads >= self.tp_size:
+            return self.tp_rank * self.local_kv_heads
+        return self.tp_rank * self.num_kv_heads // self.tp_size
 
     @property
     def vocab_per_rank(self) -> int:
-        return -(-self.vocab_size // self.world_size)
+        return -(-self.vocab_size // self.tp_size)
 
     @property
     def vocab_start(self) -> int:
-        return min(self.rank * self.vocab_per_rank, self.vocab_size)
+        return min(self.tp_rank * self.vocab_per_rank, self.vocab_size)
 
     @property
     def vocab_end(self) -> int:
         return min(self.vocab_start + self.vocab_per_rank, self.vocab_size)
 
+    @property
+    def local_experts(self) -> range:
+        if not self.expert_parallel:
+            return range(self.num_experts)
+        per_rank = self.num_experts // self.world_size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
     def slices(self, name: str, shape: tuple[int, ...], head_dim: int) -> tuple[slice, ...]:
-        """This rank's part of checkpoint tensor ``name`` (full ``shape``), per dimension."""
+        """This rank's part of checkpoint tensor ``name`` (full ``shape``), per dimension
+        (an empty slice: a placeholder of no width)."""
         full = tuple(slice(0, n) for n in shape)
 
         def rows(start: int, stop: int) -> tuple[slice, ...]:
@@ -107,24 +158,30 @@ class TensorParallelShard:
         def cols(start: int, stop: int) -> tuple[slice, ...]:
             return (full[0], slice(start, stop), *full[2:])
 
-        r, n = self.rank, self.world_size
+        expert = _EXPERT.search(name)
+        up = name.endswith(("gate_proj.weight", "up_proj.weight", ".w1.weight", ".w3.weight"))
+        down = name.endswith((".down_proj.weight", ".w2.weight"))
+        if expert is not None and self.expert_parallel:
+            if int(expert.group(1)) in self.local_experts:
+                return full  # a whole local expert
+            return rows(0, 0) if up else cols(0, 0)  # another rank's: no bytes here
+        if not self.tensor_parallel:
+            return full
+        r, n = self.tp_rank, self.tp_size
+        heads = self.local_heads * head_dim
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return rows(self.vocab_start, self.vocab_end)
         if ".q_proj." in name:
-            return rows(r * self.local_heads * head_dim, (r + 1) * self.local_heads * head_dim)
+            return rows(r * heads, (r + 1) * heads)
         if ".k_proj." in name or ".v_proj." in name:
             first = self.first_kv_head * head_dim
             return rows(first, first + self.local_kv_heads * head_dim)
         if ".o_proj.weight" in name:
-            return cols(r * self.local_heads * head_dim, (r + 1) * self.local_heads * head_dim)
-        width = shape[0] if name.endswith(("gate_proj.weight", "up_proj.weight")) else None
-        if any(name.endswith(s) for s in (".w1.weight", ".w3.weight")):
-            width = shape[0]  # Mixtral's expert gate / up
-        if width is not None:
-            return rows(r * width // n, (r + 1) * width // n)
-        if name.endswith((".down_proj.weight", ".w2.weight")):
-            width = shape[1]
-            return cols(r * width // n, (r + 1) * width // n)
+            return cols(r * heads, (r + 1) * heads)
+        if up:
+            return rows(r * shape[0] // n, (r + 1) * shape[0] // n)
+        if down:
+            return cols(r * shape[1] // n, (r + 1) * shape[1] // n)
         if name.endswith((".gate_proj.bias", ".up_proj.bias")):
             return rows(r * shape[0] // n, (r + 1) * shape[0] // n)
         return full  # norms, routers, o_proj / down_proj biases (added once: rank 0's only)
@@ -132,6 +189,8 @@ class TensorParallelShard:
     def keeps_bias(self, name: str) -> bool:
         """A row-parallel projection's bias is added once, after the all-reduce: rank 0 keeps
         it, the others hold zeros."""
+        if not self.tensor_parallel:
+            return True
         return self.rank == 0 or not name.endswith((".o_proj.bias", ".down_proj.bias"))
 
 
@@ -168,6 +227,10 @@ def load_weight_shard(
                     )
             for name in names:
                 index = shard.slices(name, expected[name], config.head_dim)
+                if any(part.stop == part.start for part in index):  # another rank's expert
+                    size = [part.stop - part.start for part in index]
+                    out[name] = torch.empty(size, device=device, dtype=dtype)
+                    continue
                 tensor = handle.get_slice(name)[index]
                 if not shard.keeps_bias(name):
                     tensor = torch.zeros_like(tensor)

@@ -6,7 +6,9 @@ see only their shard (the blocks read head counts and widths off the weights, so
 unchanged) and whose hooks add the communication, each a ``torch.distributed`` collective on
 the given process group (gloo on CPU, NCCL on GPUs):
 
-- ``self_attn`` and ``mlp`` outputs: all-reduce (row-parallel ``o_proj`` / ``down_proj``);
+- ``self_attn`` and ``mlp`` outputs: all-reduce (row-parallel ``o_proj`` / ``down_proj``;
+  under expert parallelism the MoE layers' outputs, each rank's experts' share; with EP
+  alone attention and dense MLPs are replicated and need none);
 - the embedding: a vocab-parallel lookup — each rank embeds the ids in its vocabulary range,
   zeros elsewhere — then all-reduce;
 - the logits: each rank's vocabulary shard, padded to ``ceil(V / N)``, all-gathered and cut to
@@ -44,9 +46,14 @@ def _all_reduce_after(block: Any, group: Any) -> Any:
 
 
 def tensor_parallel_definition(
-    definition: ModelDefinition, shard: TensorParallelShard, group: Any
+    definition: ModelDefinition,
+    shard: TensorParallelShard,
+    group: Any,
+    moe_layers: list[bool] | None = None,
 ) -> ModelDefinition:
-    """``definition`` with the collectives of the module doc added around its blocks."""
+    """``definition`` with the collectives of the module doc added around its blocks
+    (``moe_layers[i]``: layer i's MLP is routed experts, all-reduced under EP)."""
+    moe_layers = moe_layers or [False] * len(definition.layers)
     start, end, per_rank = shard.vocab_start, shard.vocab_end, shard.vocab_per_rank
     vocab = shard.vocab_size
 
@@ -68,16 +75,26 @@ def tensor_parallel_definition(
         dist.all_gather(parts, local.contiguous(), group=group)
         return torch.cat(parts, dim=-1)[:, :vocab]
 
+    def reduced(name: str, index: int) -> bool:
+        """Whose output is a partial sum: attention and MLPs under TP; MoE under EP."""
+        if name == "self_attn":
+            return shard.tensor_parallel
+        if name == "mlp":
+            return shard.tensor_parallel or (shard.expert_parallel and moe_layers[index])
+        return False
+
     layers = [
         dataclasses.replace(
             layer,
             children={
-                name: _all_reduce_after(fn, group) if name in ("self_attn", "mlp") else fn
+                name: _all_reduce_after(fn, group) if reduced(name, i) else fn
                 for name, fn in layer.children.items()
             },
         )
-        for layer in definition.layers
+        for i, layer in enumerate(definition.layers)
     ]
+    if not shard.tensor_parallel:  # EP alone: the embedding and lm_head are replicated
+        return dataclasses.replace(definition, layers=layers)
     return dataclasses.replace(definition, layers=layers, embed=embed, logits=logits)
 
 
@@ -87,14 +104,20 @@ def tensor_parallel_runner(
     world_size: int,
     group: Any = None,
     *,
+    tensor_parallel: bool = True,
+    expert_parallel: bool = False,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     attention_backend: Any = None,
 ) -> TorchRunner:
     """Rank ``rank``'s runner: its weight shard (read as slices), the model with local head
-    counts (its KV cache is its KV heads), the collectives on ``group``."""
+    counts (its KV cache is its KV heads), the collectives on ``group``. ``expert_parallel``:
+    whole experts dealt over the ranks (:class:`~.sharding.TensorParallelShard`);
+    ``tensor_parallel`` off with it: attention and dense layers replicated (EP alone)."""
     config = load_model_config(model_dir)
-    shard = TensorParallelShard.of(config, rank, world_size)
+    shard = TensorParallelShard.of(
+        config, rank, world_size, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel
+    )
     local_config = dataclasses.replace(
         config,
         num_attention_heads=shard.local_heads,
@@ -104,7 +127,10 @@ def tensor_parallel_runner(
     flat = load_weight_shard(model_dir, config, shard, device=device, dtype=dtype)
     weights = ModelWeights.from_flat(flat, config.num_hidden_layers, rename=_runner_name)
     definition = tensor_parallel_definition(
-        llama_family_definition(local_config, device), shard, group
+        llama_family_definition(local_config, device),
+        shard,
+        group,
+        [config.is_moe_layer(i) for i in range(config.num_hidden_layers)],
     )
     # The vocabulary the sampler sees is the whole one (the logits are all-gathered).
     definition = dataclasses.replace(definition, vocab_size=config.vocab_size)
