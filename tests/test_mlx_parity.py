@@ -15,6 +15,7 @@ it when it is wrong.
   or lowest-index-first, layer 0 ``mlp`` departs (scaled 0.15) and log-probs move by 5.4.
 - planted bugs: a sliding window ignored and a wrong RoPE base are caught at layer 0
   ``self_attn``.
+- captures are numpy arrays, which the harness takes (``as_float_tensor``).
 """
 
 from __future__ import annotations
@@ -165,3 +166,20 @@ def test_planted_bugs_are_caught_at_attention(arch: str, patch: Any) -> None:
     assert not report.passed
     first = report.first_departure
     assert first is not None and (first["layer"], first["module"]) == (0, "self_attn")
+
+
+def test_captures_are_numpy_arrays_the_harness_compares() -> None:
+    """The MLX runner hands parity numpy arrays (torch loaded or not); the harness converts."""
+    import numpy as np
+
+    from resin.evals.parity import as_float_tensor
+    from resin.evals.parity_engine import runner_capture_prefill
+    from resin.runners.mlx import MlxRunner
+
+    runner = MlxRunner.from_pretrained(FIXTURES / "llama")
+    vocab = json.loads((FIXTURES / "llama" / "config.json").read_text())["vocab_size"]
+    acts, _, _ = runner_capture_prefill(runner, QUICK_PROMPTS[1], vocab)
+    assert acts is not None and "layers.0.self_attn" in acts and "logits" in acts
+    assert all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in acts.values())
+    logits = as_float_tensor(acts["logits"])
+    assert logits.shape == (len(QUICK_PROMPTS[1]), vocab) and str(logits.dtype) == "torch.float32"

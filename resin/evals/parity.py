@@ -287,6 +287,14 @@ def scaled_error(got: Any, ref: Any) -> tuple[float, float, float]:
     return diff, ref_max, diff / max(1.0, ref_max)
 
 
+def as_float_tensor(value: Any) -> Any:
+    """A runner's capture (a torch tensor, or a numpy array from a runner without torch, the
+    MLX runner's) as a float32 CPU torch tensor."""
+    import torch
+
+    return torch.as_tensor(value).detach().float().cpu()
+
+
 def compare_layers(
     hf: dict[str, Any], runner: dict[str, Any], num_layers: int, tol: Tolerances
 ) -> tuple[list[dict[str, Any]], StageResult]:
@@ -300,7 +308,7 @@ def compare_layers(
         if name not in runner:
             missing.append(name)
             continue
-        got = runner[name].detach().float().cpu()
+        got = as_float_tensor(runner[name])
         got = got.reshape(hf[name].shape) if got.numel() == hf[name].numel() else got
         diff, ref_max, scaled = scaled_error(got, hf[name])
         rows.append(
@@ -354,7 +362,7 @@ def compare_logits(
     problems: list[tuple[str, dict[str, Any]]] = []
     hf_lp = torch.log_softmax(hf_logits, dim=-1)
     if runner_logits is not None:
-        got = runner_logits.detach().float().cpu()
+        got = as_float_tensor(runner_logits)
         got = got.reshape(hf_logits.shape) if got.numel() == hf_logits.numel() else got
         diff, ref_max, scaled = scaled_error(got, hf_logits)
         metrics.update(max_abs_diff=diff, scaled_diff=scaled, num_positions=hf_logits.shape[0])

@@ -17,9 +17,8 @@ Owns :class:`MlxRunner`, the MLX counterpart of the torch runners' shared paged 
 - parity capture: set ``runner.capture`` to a dict (or a callable ``(name, array)``) and each
   forward reports ``model.embed_tokens``, per layer ``model.layers.{i}.<child>`` and
   ``model.layers.{i}``, ``model.norm`` and ``lm_head`` (logits of every token) — transformers'
-  module names, as the torch runners. A dict gets float32 host copies: torch tensors when torch
-  is already imported (the parity harness compares torch tensors), numpy arrays otherwise; the
-  runner never imports torch.
+  module names, as the torch runners. A dict gets float32 numpy copies (the parity harness
+  takes them as they are); the runner never imports torch.
 
 Families (:meth:`MlxRunner.from_pretrained`, by ``config.json``'s architecture): the built-in
 Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral (:mod:`.llama`) and gpt-oss (:mod:`.gpt_oss`).
@@ -30,7 +29,6 @@ Devices: ``cpu`` (``mx.cpu``), ``gpu`` / ``metal`` / ``mps`` (``mx.gpu``, Apple 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -209,9 +207,6 @@ class MlxRunner:
             self.capture(name, array)
 
 
-def host_copy(array: mx.array) -> Any:
-    """A float32 host copy of ``array``: a torch tensor when torch is already imported (what
-    the parity harness compares), else a numpy array. Never imports torch itself."""
-    values = np.array(array.astype(mx.float32))
-    torch = sys.modules.get("torch")
-    return torch.from_numpy(values) if torch is not None else values
+def host_copy(array: mx.array) -> np.ndarray:
+    """A float32 numpy copy of ``array`` (the parity harness takes numpy captures)."""
+    return np.array(array.astype(mx.float32))
