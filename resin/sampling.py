@@ -7,9 +7,18 @@ Owns the per-request sampler state (the token history penalties need, keyed by
    logit is divided by the penalty, a negative one multiplied), then frequency and presence
    (output tokens only, OpenAI/vLLM: ``logit -= frequency * count + presence * (count > 0)``);
 2. ``banned_token_ids`` set to ``-inf`` (stop tokens before ``min_tokens``);
-3. temperature 0 = greedy (argmax of the penalised logits); otherwise divide by the
-   temperature, then top-k (0 = off), top-p, min-p (each keeps at least one token, in
-   transformers' order), softmax and draw.
+3. temperature 0 = greedy (argmax of the penalised logits; a step whose rows are all greedy
+   does nothing else); otherwise divide by the temperature, then top-k (0 = off; ties with the
+   k-th kept), top-p (the most likely tokens whose probability reaches ``top_p``, over the
+   top-k survivors; ties with the last kept), min-p (probability >= ``min_p`` times the top
+   one's), in transformers' order, and draw.
+
+The draw is one batched pass for every row (:func:`sample_tokens`, no Python loop over rows):
+each row's filters reduce to one threshold logit, found among its ``CANDIDATES`` (256) largest
+logits when it can be, else over the whole row, and the token is the first kept token in
+token-id order whose cumulative probability exceeds the sample's uniform number in [0, 1)
+(inverse-CDF sampling). Penalties and bans change only the entries they touch (one scatter
+each for the batch); a step with none of them, nor grammars, reads the logits without a copy.
 
 The history comes from the engine's lifecycle diff alone, never from ``input_ids``: a slot in
 ``new_request_slots`` starts from ``new_request_token_ids`` (prompt, then any outputs it
@@ -19,14 +28,21 @@ committed since the runner last saw the request) at their place, output tokens
 history, the per-sample seeds and the output layout are framework-neutral and shared with the
 MLX sampler (:mod:`resin.sampling_state`).
 
-Seeds: a row with ``seed >= 0`` draws with its own ``torch.Generator`` seeded from
-``(seed, plan.num_output_tokens[row])`` (output tokens so far), so a seeded request yields the
-same tokens whatever else is in the batch, and again after preemption. Unseeded rows share
-one generator.
+Seeds: a sample's uniform number is :func:`~resin.sampling_state.sample_uniforms` of
+``(seed, output index)`` — splitmix64 of :func:`~resin.sampling_state.sample_seed`, in numpy,
+for the whole step at once — where the j-th sample of a row has output index
+``plan.num_output_tokens[row] + j``. A row's token depends only on its logits, its settings and
+that number, so a seeded request yields the same tokens whatever else is in the batch, again
+after preemption, and with speculative decoding on. Unseeded samples take their numbers from
+the sampler's ``generator`` (one ``torch.rand`` call per step). The numbers depend on nothing
+else, so another framework's sampler making the same draw from them gets the same tokens from
+the same logits, up to float rounding at a cumulative-probability edge (the MLX sampler does
+not yet: it keys ``mx.random`` with ``sample_seed``).
 
 Logprobs (``num_logprobs >= 0``) are ``log_softmax`` of the raw model logits (before penalties,
-bans and temperature; vLLM's default "raw" mode), in float32. ``top_logprob_ids`` has
-``k = max num_logprobs`` of the batch columns; rows asking fewer just carry extra columns.
+bans and temperature; vLLM's default "raw" mode), in float32, computed for the samples that
+ask only. ``top_logprob_ids`` has ``k = max num_logprobs`` of the batch columns; rows asking
+fewer just carry extra columns, rows not asking zeros (the engine reads neither).
 
 Structured outputs (:mod:`resin.structured_output`): ``sampler.grammars`` is a
 :class:`~resin.structured_output.GrammarRegistry` the server fills (request id -> compiled
@@ -42,6 +58,9 @@ Imports torch; ``import resin`` does not import this module.
 
 from __future__ import annotations
 
+from itertools import chain
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -51,7 +70,7 @@ from resin.sampling_state import (
     max_num_logprobs,
     offsets_in_row,
     pack_output,
-    sample_seed,
+    sample_uniforms,
 )
 from resin.structured_output import GrammarRegistry, GrammarSlot, MaskBuffer, apply_grammar_masks
 
@@ -110,13 +129,12 @@ class Sampler(SlotHistory):
 
         Returns, per plan row, its samples' tokens (one 0 for a row that does not sample, which
         the engine ignores), with logprobs when any sampling row asks for them. A seeded row's
-        j-th sample draws from the generator of output index ``num_output_tokens + j``: the
-        same tokens with and without speculative decoding.
+        j-th sample draws with the uniform of output index ``num_output_tokens + j``: the same
+        tokens with and without speculative decoding.
         """
         sampling = plan.sampling
         slots = plan.request_slots[rows].tolist()
         offsets = offsets_in_row(rows)
-        num_output_tokens = (plan.num_output_tokens[rows] + offsets).tolist()
         if self.grammar_slots and len(rows) != len(set(rows.tolist())):
             verifying = {slots[r] for r in np.flatnonzero(offsets > 0).tolist()}
             if verifying & set(self.grammar_slots):
@@ -124,57 +142,157 @@ class Sampler(SlotHistory):
                     "a grammar-constrained request in a verify row (speculative decoding): "
                     "structured outputs need num_speculative_tokens = 0"
                 )
-        temperature = torch.as_tensor(np.array(sampling.temperature[rows]), device=self.device)
-        processed = logits.clone()
-        banned_rows: list[int] = []
-        for r, row in enumerate(rows.tolist()):
-            self._penalise(
-                processed[r],
-                slots[r],
-                float(sampling.repetition_penalty[row]),
-                float(sampling.frequency_penalty[row]),
-                float(sampling.presence_penalty[row]),
-            )
-            banned = plan.banned_token_ids[
-                plan.banned_token_indptr[row] : plan.banned_token_indptr[row + 1]
-            ]
-            if len(banned):
-                banned_rows.append(r)
-                processed[
-                    r, torch.as_tensor(banned.astype(np.int64), device=self.device)
-                ] = -torch.inf
-        if self.grammar_slots:
-            self._mask(processed, logits, slots, banned_rows)
-
-        greedy = temperature == 0
-        if bool(greedy.all()):  # the greedy fast path: no filters, no softmax, no sort
-            return self._output(plan, rows, offsets, processed.argmax(dim=-1), logits)
-        scaled = processed / torch.where(greedy, 1.0, temperature)[:, None]
-        scaled = apply_top_k(
-            scaled, torch.as_tensor(np.array(sampling.top_k[rows]), device=self.device)
+        greedy = np.asarray(sampling.temperature[rows]) == 0
+        filtered = _filtered(
+            np.asarray(sampling.top_k[rows]),
+            np.asarray(sampling.top_p[rows]),
+            np.asarray(sampling.min_p[rows]),
+            self.vocab_size,
         )
-        scaled = apply_top_p(
-            scaled, torch.as_tensor(np.array(sampling.top_p[rows]), device=self.device)
-        )
-        scaled = apply_min_p(
-            scaled, torch.as_tensor(np.array(sampling.min_p[rows]), device=self.device)
-        )
-        probs = torch.softmax(scaled, dim=-1)
-
-        tokens = processed.argmax(dim=-1)
-        for r, row in enumerate(rows.tolist()):
-            if greedy[r]:
+        # Greedy, drawn unfiltered, drawn filtered: each group's rows copied once (none when
+        # there is one group and nothing to change), then one batched call per group.
+        groups = [np.flatnonzero(greedy), np.flatnonzero(~greedy & ~filtered)]
+        groups.append(np.flatnonzero(~greedy & filtered))
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        for group, part in enumerate(groups):
+            if len(part) == 0:
                 continue
-            seed = int(sampling.seed[row])
-            generator = self.generator if seed < 0 else self._seeded(seed, num_output_tokens[r])
-            tokens[r] = torch.multinomial(probs[r], 1, generator=generator)[0]
+            whole = len(part) == len(rows)
+            processed, owned = self._processed(logits, plan, rows, slots, None if whole else part)
+            if group == 0:  # the greedy fast path: no filters, no softmax, no sort
+                group_tokens = processed.argmax(dim=-1)
+            else:
+                group_tokens = self._draw(processed, owned, plan, rows, offsets, part)
+            if whole:
+                tokens = group_tokens
+            else:
+                tokens[self._tensor(part, np.int64)] = group_tokens
         return self._output(plan, rows, offsets, tokens, logits)
 
+    def _draw(
+        self,
+        processed: torch.Tensor,
+        owned: bool,
+        plan: BatchPlan,
+        rows: np.ndarray,
+        offsets: np.ndarray,
+        part: np.ndarray,
+    ) -> torch.Tensor:
+        """Tokens int64 [n] for the samples ``part`` (indices into ``rows``), whose processed
+        logits are ``processed`` [n, V] (divided by the temperature in place when ``owned``):
+        one :func:`sample_tokens` call."""
+        chosen = rows[part]
+        output_indices = plan.num_output_tokens[chosen].astype(np.int64) + offsets[part]
+        sampling = plan.sampling
+        temperature = self._tensor(sampling.temperature[chosen], np.float32)[:, None]
+        return sample_tokens(
+            processed.div_(temperature) if owned else processed / temperature,
+            self._tensor(sampling.top_k[chosen], np.int64),
+            self._tensor(sampling.top_p[chosen], np.float32),
+            self._tensor(sampling.min_p[chosen], np.float32),
+            self._uniforms(np.asarray(sampling.seed[chosen], dtype=np.int64), output_indices),
+        )
+
+    def _tensor(self, values: np.ndarray, dtype: type[np.generic]) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values, dtype=dtype), device=self.device)
+
+    def _processed(
+        self,
+        logits: torch.Tensor,
+        plan: BatchPlan,
+        rows: np.ndarray,
+        slots: list[int],
+        part: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, bool]:
+        """The logits of the samples ``part`` (indices into ``rows``; all of them when None)
+        after penalties, bans and grammar masks, changed at the affected entries only, and
+        whether the tensor is a copy of this call's: ``part``'s rows (``index_select``), or
+        all of them when any has a penalty, a ban or a grammar; else ``logits`` itself."""
+        if part is not None:
+            rows, slots = rows[part], [slots[i] for i in part.tolist()]
+        sampling = plan.sampling
+        repetition = np.asarray(sampling.repetition_penalty[rows], dtype=np.float32)
+        frequency = np.asarray(sampling.frequency_penalty[rows], dtype=np.float32)
+        presence = np.asarray(sampling.presence_penalty[rows], dtype=np.float32)
+        indptr = plan.banned_token_indptr.astype(np.int64)
+        num_banned = indptr[rows + 1] - indptr[rows]
+        repeating = np.flatnonzero(repetition != 1.0)
+        counting = np.flatnonzero((frequency != 0.0) | (presence != 0.0))
+        changed = len(repeating) or len(counting) or num_banned.any() or self.grammar_slots
+        if part is not None:
+            processed = logits.index_select(0, self._tensor(part, np.int64))
+        elif changed:
+            processed = logits.clone()
+        else:
+            return logits, False
+        if len(repeating):  # prompt + output tokens: positive / penalty, negative * penalty
+            r, t, _ = self._history_entries(repeating, slots, outputs_only=False)
+            values = processed[r, t]
+            penalty = torch.as_tensor(repetition, device=self.device)[r]
+            processed[r, t] = torch.where(values > 0, values / penalty, values * penalty)
+        if len(counting):  # output tokens: logit -= frequency * count + presence * (count > 0)
+            r, t, counts = self._history_entries(counting, slots, outputs_only=True)
+            f = torch.as_tensor(frequency, device=self.device)[r]
+            p = torch.as_tensor(presence, device=self.device)[r]
+            counts = counts.to(processed.dtype)
+            processed[r, t] = processed[r, t] - (f * counts + p * (counts > 0).to(counts.dtype))
+        banned_rows = np.flatnonzero(num_banned)
+        if len(banned_rows):
+            first = np.repeat(np.cumsum(num_banned) - num_banned, num_banned)
+            at = np.repeat(indptr[rows], num_banned) + np.arange(int(num_banned.sum())) - first
+            r = torch.as_tensor(np.repeat(np.arange(len(rows)), num_banned), device=self.device)
+            t = torch.as_tensor(plan.banned_token_ids[at].astype(np.int64), device=self.device)
+            processed[r, t] = -torch.inf
+        if self.grammar_slots:
+            self._mask(processed, logits, slots, banned_rows.tolist(), part)
+        return processed, True
+
+    def _history_entries(
+        self, samples: np.ndarray, slots: list[int], outputs_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The distinct (sample, token) pairs of the ``samples``' histories (prompt + output
+        tokens, or output tokens only) with how often each token occurs: three int64 [n]."""
+        histories = []
+        for r in samples.tolist():
+            state = self.slots[slots[r]]
+            histories.append(state.output_token_ids if outputs_only else state.token_ids)
+        lengths = np.array([len(h) for h in histories], dtype=np.int64)
+        tokens = np.fromiter(chain.from_iterable(histories), np.int64, int(lengths.sum()))
+        keys = np.repeat(samples.astype(np.int64), lengths) * self.vocab_size + tokens
+        keys, counts = np.unique(
+            keys[(tokens >= 0) & (tokens < self.vocab_size)], return_counts=True
+        )
+        as_tensor = lambda a: torch.as_tensor(a, device=self.device)  # noqa: E731
+        return (
+            as_tensor(keys // self.vocab_size),
+            as_tensor(keys % self.vocab_size),
+            as_tensor(counts.astype(np.int64)),
+        )
+
+    def _uniforms(self, seeds: np.ndarray, output_indices: np.ndarray) -> torch.Tensor:
+        """float32 [n]: a seeded sample's :func:`~resin.sampling_state.sample_uniforms`
+        number, an unseeded one's from the sampler's generator (one call for all of them)."""
+        uniforms = torch.as_tensor(
+            sample_uniforms(np.maximum(seeds, 0), output_indices), device=self.device
+        )
+        unseeded = np.flatnonzero(seeds < 0)
+        if len(unseeded):
+            uniforms[torch.as_tensor(unseeded, device=self.device)] = torch.rand(
+                len(unseeded), generator=self.generator, device=self.device
+            )
+        return uniforms
+
     def _mask(
-        self, processed: torch.Tensor, logits: torch.Tensor, slots: list[int], banned: list[int]
+        self,
+        processed: torch.Tensor,
+        logits: torch.Tensor,
+        slots: list[int],
+        banned: list[int],
+        part: np.ndarray | None,
     ) -> None:
-        """Apply the grammar rows' token masks to ``processed`` in place; a row of ``banned``
-        (rows with banned tokens) left with no allowed token gets the grammar mask alone."""
+        """Apply the grammar rows' token masks to ``processed`` in place (its row r is row
+        ``part[r]`` of ``logits``, r when ``part`` is None); a row of ``banned`` (rows with
+        banned tokens) left with no allowed token gets the grammar mask alone."""
         indices, grammars = [], []
         for r, slot in enumerate(slots):
             grammar = self.grammar_slots.get(slot)
@@ -186,34 +304,10 @@ class Sampler(SlotHistory):
         apply_grammar_masks(processed, indices, grammars, self._mask_buffer)
         for r in set(banned).intersection(indices):
             if bool(torch.isneginf(processed[r]).all()):  # the bans left nothing: grammar wins
-                processed[r] = logits[r]
+                processed[r] = logits[r if part is None else int(part[r])]
                 apply_grammar_masks(
                     processed, [r], [self.grammar_slots[slots[r]]], self._mask_buffer
                 )
-
-    def _penalise(
-        self, logits: torch.Tensor, slot: int, repetition: float, frequency: float, presence: float
-    ) -> None:
-        """Apply the row's penalties to its logits [vocab] in place."""
-        if repetition == 1.0 and frequency == 0.0 and presence == 0.0:
-            return
-        state = self.slots[slot]
-        if repetition != 1.0:
-            seen = self._counts(state.token_ids) > 0
-            penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-            logits.copy_(torch.where(seen, penalised, logits))
-        if frequency != 0.0 or presence != 0.0:
-            counts = self._counts(state.output_token_ids).to(logits.dtype)
-            logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
-
-    def _counts(self, token_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return torch.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
-
-    def _seeded(self, seed: int, num_output_tokens: int) -> torch.Generator:
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(sample_seed(seed, num_output_tokens))
-        return generator
 
     def _output(
         self,
@@ -223,48 +317,221 @@ class Sampler(SlotHistory):
         tokens: torch.Tensor,
         logits: torch.Tensor,
     ) -> ForwardOutput:
+        """Pack the tokens, with logprobs (of the raw ``logits``) computed for the samples that
+        ask for them only; the other samples' entries are zeros the engine does not read."""
         k = max_num_logprobs(plan, rows)
+        token_ids = tokens.cpu().numpy()
         if k < 0:
-            return pack_output(plan, rows, offsets, tokens.cpu().numpy())
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+            return pack_output(plan, rows, offsets, token_ids)
+        asking = np.flatnonzero(plan.sampling.num_logprobs[rows] >= 0)
+        at = torch.as_tensor(asking, device=self.device)
+        logprobs = torch.log_softmax(logits.index_select(0, at).float(), dim=-1)
         top_values, top_ids = torch.topk(logprobs, k, dim=-1)
-        sampled = logprobs.gather(1, tokens[:, None])[:, 0]
-        return pack_output(
-            plan,
-            rows,
-            offsets,
-            tokens.cpu().numpy(),
-            sampled.cpu().numpy(),
-            top_ids.cpu().numpy(),
-            top_values.cpu().numpy(),
+        sampled = np.zeros(len(rows), dtype=np.float32)
+        all_top_ids = np.zeros((len(rows), k), dtype=np.int64)
+        all_top_values = np.zeros((len(rows), k), dtype=np.float32)
+        sampled[asking] = logprobs.gather(1, tokens[at][:, None])[:, 0].cpu().numpy()
+        all_top_ids[asking] = top_ids.cpu().numpy()
+        all_top_values[asking] = top_values.cpu().numpy()
+        return pack_output(plan, rows, offsets, token_ids, sampled, all_top_ids, all_top_values)
+
+
+CANDIDATES = 256
+"""How many of a row's largest logits the filters and the draw look at first (fixed, so a
+row's token never depends on the rest of the batch): a row whose kept set lies inside them
+draws among them; one without filters, or whose kept set reaches past them (a wide top-p or
+top-k), draws over the whole vocabulary — the same token either way, more work."""
+
+
+def sample_tokens(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of ``scaled`` float32 [S, V] (logits / temperature), all rows at once.
+
+    ``top_k`` int64 [S] (0 = off), ``top_p`` / ``min_p`` / ``uniforms`` float32 [S] (the
+    uniforms in [0, 1)). The row keeps the tokens at or above :func:`filter_thresholds`; its
+    token is the first kept one, in token-id order, whose cumulative probability (softmax over
+    the kept tokens) exceeds its uniform: inverse-CDF sampling, so the token depends only on
+    the row's logits, settings and uniform. Returns int64 [S].
+    """
+    num_rows, vocab_size = scaled.shape
+    filtered = _filtered(top_k, top_p, min_p, vocab_size)
+    if not bool(filtered.all()):  # no filter: the whole row's softmax
+        if not bool(filtered.any()):
+            return _inverse_cdf(scaled, uniforms)[:, 0]
+        tokens = torch.empty(num_rows, dtype=torch.int64, device=scaled.device)
+        at = (~filtered).nonzero()[:, 0]
+        tokens[at] = _inverse_cdf(scaled.index_select(0, at), uniforms[at])[:, 0]
+        at = filtered.nonzero()[:, 0]
+        tokens[at] = sample_tokens(
+            scaled.index_select(0, at), top_k[at], top_p[at], min_p[at], uniforms[at]
         )
+        return tokens
+    values, indices = scaled.topk(min(CANDIDATES, vocab_size), dim=-1)
+    threshold = filter_thresholds(scaled, values, indices, top_k, top_p, min_p)
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=scaled.device)
+    if values.shape[1] < vocab_size:
+        inside = threshold > values[:, -1]
+    else:  # the candidates are the whole vocabulary
+        inside = torch.ones(num_rows, dtype=torch.bool, device=scaled.device)
+    at = inside.nonzero()[:, 0]
+    if len(at):  # kept tokens first, in token-id order; the other candidates after them
+        v = values.index_select(0, at)
+        kept = v >= threshold[at, None]
+        order, perm = torch.where(kept, indices.index_select(0, at), vocab_size).sort(dim=-1)
+        v = v.gather(1, perm).masked_fill(order == vocab_size, -torch.inf)
+        tokens[at] = order.gather(1, _inverse_cdf(v, uniforms[at]))[:, 0]
+    at = (~inside).nonzero()[:, 0]
+    if len(at):
+        v = scaled.index_select(0, at)
+        if bool(threshold[at].isfinite().any()):
+            v.masked_fill_(v < threshold[at, None], -torch.inf)
+        tokens[at] = _inverse_cdf(v, uniforms[at])[:, 0]
+    return tokens
+
+
+def _filtered(top_k: Any, top_p: Any, min_p: Any, vocab_size: int) -> Any:
+    """Which rows have a filter (top-k, top-p or min-p on): numpy or torch, [S] bool."""
+    return ((top_k > 0) & (top_k < vocab_size)) | (top_p < 1) | (min_p > 0)
+
+
+def _inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """int64 [n, 1]: per row of ``logits`` [n, m], the first column whose cumulative softmax
+    exceeds ``uniforms`` [n] times the total (never a column of probability 0)."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, cdf.new_zeros(())))
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+
+
+def filter_thresholds(
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """float32 [S]: per row of ``logits`` [S, V], the smallest logit it keeps after top-k,
+    then top-p (over the top-k survivors), then min-p, in transformers' order; ``values`` /
+    ``indices`` [S, C] are the row's C largest logits, descending (``logits.topk(C)``).
+
+    - top-k (0 = off): the k-th largest logit; ties with it are kept.
+    - top-p (1 = off): the smallest set of most likely tokens whose probability reaches
+      ``top_p`` (always the most likely one; ties with the last one are kept). Found among the
+      C candidates when their probability reaches ``top_p``, else by a sort of the row.
+    - min-p (0 = off): tokens whose probability is at least ``min_p`` times the top one's,
+      i.e. logits >= max + log(min_p).
+    """
+    threshold = top_k_thresholds(logits, values, top_k)
+    nucleus = (top_p < 1).nonzero()[:, 0]
+    if len(nucleus):
+        top_p_threshold = _top_p_thresholds(logits, values, indices, threshold, top_p, nucleus)
+        threshold[nucleus] = torch.maximum(threshold[nucleus], top_p_threshold)
+    min_p_threshold = values[:, 0] + torch.log(min_p.clamp(min=0).to(values.dtype))
+    return torch.maximum(threshold, min_p_threshold)
+
+
+def top_k_thresholds(
+    logits: torch.Tensor, values: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
+    """float32 [S]: each row's k-th largest logit (``-inf`` where top-k is off: 0 or >= V)."""
+    vocab_size, num_candidates = logits.shape[1], values.shape[1]
+    top_k = top_k.to(torch.int64)
+    active = (top_k > 0) & (top_k < vocab_size)
+    threshold = values.gather(1, (top_k.clamp(1, num_candidates) - 1)[:, None])[:, 0]
+    threshold = threshold.masked_fill(~active | (top_k > num_candidates), -torch.inf)
+    wide = (active & (top_k > num_candidates)).nonzero()[:, 0]
+    if len(wide):  # k past the candidates: a topk of its own
+        k = top_k[wide]
+        wide_values = logits.index_select(0, wide).topk(int(k.max()), dim=-1).values
+        threshold[wide] = wide_values.gather(1, (k - 1)[:, None])[:, 0]
+    return threshold
+
+
+def _top_p_thresholds(
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    top_k_threshold: torch.Tensor,
+    top_p: torch.Tensor,
+    nucleus: torch.Tensor,
+) -> torch.Tensor:
+    """float32 [n]: the smallest logit of the nucleus of each row in ``nucleus`` int64 [n],
+    over its top-k survivors (logits >= ``top_k_threshold``); the other arguments as
+    :func:`filter_thresholds`'s."""
+    vocab_size = logits.shape[1]
+    threshold = torch.empty(len(nucleus), dtype=values.dtype, device=values.device)
+    kth, mass = top_k_threshold[nucleus], top_p[nucleus]
+    # A top-k inside the candidates: the distribution is theirs; else the whole row's.
+    if values.shape[1] < vocab_size:
+        small = kth > values[nucleus, -1]
+    else:  # the candidates are the whole vocabulary
+        small = torch.ones(len(nucleus), dtype=torch.bool, device=values.device)
+    at = small.nonzero()[:, 0]
+    if len(at):
+        v = values.index_select(0, nucleus[at])
+        probs = v.masked_fill(v < kth[at, None], -torch.inf).softmax(dim=-1)
+        threshold[at] = v.gather(1, _first_reaching(probs.cumsum(dim=-1), mass[at]))[:, 0]
+    at = (~small).nonzero()[:, 0]
+    if len(at):
+        row = logits.index_select(0, nucleus[at])
+        if bool(kth[at].isfinite().any()):
+            row.masked_fill_(row < kth[at, None], -torch.inf)
+        probs = row.softmax(dim=-1)
+        cumulative = probs.gather(1, indices.index_select(0, nucleus[at])).cumsum(dim=-1)
+        first = _first_reaching(cumulative, mass[at])
+        threshold[at] = values.index_select(0, nucleus[at]).gather(1, first)[:, 0]
+        beyond = (cumulative[:, -1] < mass[at]).nonzero()[:, 0]
+        if len(beyond):  # the nucleus reaches past the candidates: sort those rows
+            probs = probs.index_select(0, beyond)
+            order = probs.argsort(dim=-1, descending=True)
+            cumulative = probs.gather(1, order).cumsum(dim=-1)
+            first = order.gather(1, _first_reaching(cumulative, mass[at][beyond]))
+            threshold[at[beyond]] = row.index_select(0, beyond).gather(1, first)[:, 0]
+    return threshold
+
+
+def _first_reaching(cumulative: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """int64 [n, 1]: the first column where ``cumulative`` [n, m] reaches ``mass`` [n] (the
+    last column when none does)."""
+    first = (cumulative < mass[:, None]).sum(dim=-1, keepdim=True)
+    return first.clamp_(max=cumulative.shape[1] - 1)
+
+
+def _keep_from(logits: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    return logits.masked_fill(logits < threshold[:, None], -torch.inf)
+
+
+def _candidates(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values, indices = logits.topk(min(CANDIDATES, logits.shape[1]), dim=-1)
+    return values, indices
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's ``top_k`` largest logits (ties at the k-th kept); 0 = keep all."""
-    vocab_size = logits.shape[-1]
-    k = top_k.to(torch.int64).clamp(1, vocab_size)
-    kth_largest = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-    remove = (logits < kth_largest) & (top_k > 0)[:, None]
-    return logits.masked_fill(remove, -torch.inf)
+    """``logits`` [S, V] with each row's logits below its ``top_k`` largest set to ``-inf``
+    (ties at the k-th kept); 0 = keep all."""
+    return _keep_from(logits, top_k_thresholds(logits, _candidates(logits)[0], top_k))
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``.
-
-    transformers' ``TopPLogitsWarper``: ascending sort, drop tokens whose cumulative
-    probability is <= 1 - top_p, always keep the most likely token.
-    """
-    sorted_logits, sorted_index = logits.sort(dim=-1, descending=False)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)[:, None]
-    remove_sorted[:, -1] = False
-    remove = remove_sorted.scatter(1, sorted_index, remove_sorted)
-    return logits.masked_fill(remove, -torch.inf)
+    """``logits`` [S, V] keeping each row's smallest set of most likely tokens whose probability
+    reaches ``top_p`` (the most likely always; ties with the last kept); 1 = keep all."""
+    threshold = logits.new_full((logits.shape[0],), -torch.inf)
+    values, indices = _candidates(logits)
+    nucleus = (top_p < 1).nonzero()[:, 0]
+    threshold[nucleus] = _top_p_thresholds(
+        logits, values, indices, threshold.clone(), top_p, nucleus
+    )
+    return _keep_from(logits, threshold)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, -torch.inf)
+    """``logits`` [S, V] dropping tokens whose probability is below ``min_p`` times the row's
+    top probability; 0 = keep all."""
+    top = logits.max(dim=-1).values
+    return _keep_from(logits, top + torch.log(min_p.clamp(min=0).to(logits.dtype)))

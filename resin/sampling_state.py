@@ -14,7 +14,8 @@ Owns, for the torch sampler (:mod:`resin.sampling`) and the MLX sampler
   k drafts has 1 + k samples);
 - :func:`sample_seed`: the seed of a seeded row's sample, from ``(seed, output index)``, so a
   seeded request draws the same stream whatever else is in the batch, after preemption, and
-  with speculative decoding on;
+  with speculative decoding on; :func:`sample_uniforms`: the uniform number in [0, 1) that
+  draws such a sample (splitmix64 of that seed, vectorised over the step's samples);
 - :func:`pack_output`: sampled tokens (and logprobs) laid out as a :class:`ForwardOutput`, one
   ignored 0 for a row that does not sample.
 
@@ -31,6 +32,7 @@ from resin._core import BatchPlan, ForwardOutput
 
 SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, step) -> distinct seeds
 SEED_MASK = (1 << 63) - 1
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the same golden-ratio constant)
 
 
 @dataclass
@@ -116,6 +118,24 @@ def sample_seed(seed: int, output_index: int) -> int:
     """The seed of the sample at output index ``output_index`` of a request seeded ``seed``
     (>= 0): a 63-bit mix, so distinct (seed, index) pairs give distinct streams."""
     return ((seed * SEED_MIX) + output_index) & SEED_MASK
+
+
+def sample_uniforms(seeds: np.ndarray, output_indices: np.ndarray) -> np.ndarray:
+    """float32 [n] in [0, 1): the uniform of each sample, for ``seeds`` int64 [n] (>= 0) and
+    ``output_indices`` int64 [n] (the output index each sample predicts).
+
+    A counter-based generator, no state: the splitmix64 output function of
+    :func:`sample_seed`'s 63-bit mix, its top 24 bits scaled by 2**-24 (exact in float32).
+    The same (seed, output index) always gives the same number, on any framework; the torch
+    sampler turns it into a token by inverse-CDF sampling (:func:`resin.sampling.sample_tokens`).
+    """
+    x = np.asarray(seeds, dtype=np.int64).astype(np.uint64) * np.uint64(SEED_MIX)
+    x = (x + np.asarray(output_indices, dtype=np.int64).astype(np.uint64)) & np.uint64(SEED_MASK)
+    z = x + np.uint64(SPLITMIX_GAMMA)  # splitmix64: state x, one step, then the output mix
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
 
 
 def pack_output(

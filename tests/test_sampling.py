@@ -4,6 +4,9 @@ A table runner gives each sampling row the logits ``TABLE[last token]``, so a re
 be computed independently in numpy: penalties (repetition on prompt + output, frequency and
 presence on output), banned stop tokens before ``min_tokens``, seeds reproducible whatever
 the batch (and across preemption), top-k / top-p / min-p masks, logprobs = log_softmax.
+The batched draw (:func:`resin.sampling.sample_tokens`) is checked on its own at a vocabulary
+larger than its candidate set against a float64 inverse-CDF reference, row by row and batched;
+seeded draws through the engine pass a chi-square test against the filtered softmax.
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ import pytest
 import torch
 
 import resin
-from resin.sampling import Sampler, apply_min_p, apply_top_k, apply_top_p
+from resin.sampling import (
+    CANDIDATES,
+    Sampler,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    sample_tokens,
+)
+from resin.sampling_state import sample_uniforms
 
 VOCAB_SIZE = 32
 TABLE = np.random.default_rng(0).normal(0.0, 2.0, (VOCAB_SIZE, VOCAB_SIZE)).astype(np.float32)
@@ -233,3 +244,160 @@ def test_slot_state_follows_lifecycle() -> None:
     engine.add_request("b", [9], resin.SamplingParams(max_tokens=1, temperature=0.0))
     engine.step()
     assert [s.token_ids for s in runner.sampler.slots.values()] == [[9]]
+
+
+def test_sample_uniforms_are_splitmix64_of_the_seed_mix() -> None:
+    # splitmix64 from state 0 first outputs 0xE220A8397B1DCDAF (its published test vector);
+    # sample_seed(0, 0) = 0, so the uniform is that output's top 24 bits.
+    assert sample_uniforms(np.array([0]), np.array([0]))[0] == np.float32(0xE220A8 / 2**24)
+    seeds = np.array([7, 7, 7, 8, 2**40], dtype=np.int64)
+    indices = np.array([0, 1, 2, 0, 5], dtype=np.int64)
+    u = sample_uniforms(seeds, indices)
+    assert u.dtype == np.float32 and ((u >= 0) & (u < 1)).all()
+    assert len(set(u.tolist())) == len(u)  # every (seed, index) its own number
+    one_by_one = [sample_uniforms(seeds[i : i + 1], indices[i : i + 1])[0] for i in range(5)]
+    assert u.tolist() == one_by_one
+    many = sample_uniforms(np.arange(20000), np.zeros(20000, dtype=np.int64))
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many.std()) - 12**-0.5) < 0.01
+
+
+BIG_VOCAB = 1000  # > CANDIDATES: rows draw inside the candidates or over the whole vocabulary
+
+
+def reference_draw(
+    logits: np.ndarray, top_k: int, top_p: float, min_p: float, u: float
+) -> tuple[int, float, int]:
+    """Independent float64 reference of one row's draw: the kept set (top-k with ties, top-p
+    over the survivors in descending order, min-p against the top probability), then the first
+    kept token in token-id order whose cumulative probability exceeds ``u``. Returns the token,
+    the distance of the nearest decision (a threshold or a CDF step) from the row's values,
+    and the number of kept tokens."""
+    x = logits.astype(np.float64)
+    keep = np.ones(len(x), dtype=bool)
+    margin = np.inf
+    if 0 < top_k < len(x):
+        keep &= x >= np.sort(x)[::-1][top_k - 1]
+    if top_p < 1:
+        masked = np.where(keep, x, -np.inf)
+        probs = np.exp(masked - masked.max())
+        probs /= probs.sum()
+        order = np.argsort(-masked, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        first = min(int(np.searchsorted(cumulative, top_p)), len(x) - 1)
+        margin = min(margin, float(np.abs(cumulative - top_p).min()))
+        keep &= x >= masked[order[first]]
+    if min_p > 0:
+        cut = x.max() + np.log(min_p)
+        margin = min(margin, float(np.abs(x - cut).min()))
+        keep &= x >= cut
+    probs = np.where(keep, np.exp(x - x.max()), 0.0)
+    cdf = np.cumsum(probs) / probs.sum()
+    margin = min(margin, float(np.abs(cdf - u).min()))
+    return int(np.searchsorted(cdf, u, side="right")), margin, int(keep.sum())
+
+
+def random_rows(num_rows: int, seed: int) -> tuple[np.ndarray, list[tuple[int, float, float]]]:
+    """Logits from peaked to flat, and settings covering every filter, alone and together."""
+    rng = np.random.default_rng(seed)
+    scale = rng.choice([0.5, 2.0, 6.0], size=(num_rows, 1))
+    logits = (rng.normal(0.0, 1.0, (num_rows, BIG_VOCAB)) * scale).astype(np.float32)
+    choices = [
+        (0, 1.0, 0.0),
+        (1, 1.0, 0.0),
+        (40, 1.0, 0.0),
+        (600, 1.0, 0.0),
+        (0, 0.9, 0.0),
+        (0, 0.3, 0.0),
+        (50, 0.8, 0.0),
+        (700, 0.95, 0.0),
+        (0, 1.0, 0.05),
+        (20, 0.9, 0.1),
+    ]
+    return logits, [choices[i % len(choices)] for i in rng.permutation(num_rows)]
+
+
+def draw(logits: np.ndarray, settings: list[tuple[int, float, float]], u: np.ndarray) -> list[int]:
+    top_k, top_p, min_p = (np.array(column) for column in zip(*settings))
+    return sample_tokens(
+        torch.from_numpy(logits),
+        torch.from_numpy(top_k.astype(np.int64)),
+        torch.from_numpy(top_p.astype(np.float32)),
+        torch.from_numpy(min_p.astype(np.float32)),
+        torch.from_numpy(u.astype(np.float32)),
+    ).tolist()
+
+
+def test_batched_draw_matches_the_reference_inverse_cdf() -> None:
+    logits, settings = random_rows(300, seed=3)
+    u = np.random.default_rng(4).random(300).astype(np.float32)
+    tokens = draw(logits, settings, u)
+    checked, kept_sizes = 0, []
+    for row, (top_k, top_p, min_p) in enumerate(settings):
+        expected, margin, num_kept = reference_draw(logits[row], top_k, top_p, min_p, u[row])
+        kept_sizes.append(num_kept)
+        if margin > 1e-4:  # float32 vs float64 can only disagree at a decision's edge
+            assert tokens[row] == expected, (row, settings[row])
+            checked += 1
+    assert checked > 0.9 * len(settings)
+    # Both ways of drawing were exercised: kept sets inside the candidates and past them.
+    assert min(kept_sizes) < CANDIDATES < max(kept_sizes)
+
+
+def test_draw_of_a_row_does_not_depend_on_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits, settings = random_rows(120, seed=5)
+    u = np.random.default_rng(6).random(120).astype(np.float32)
+    batched = draw(logits, settings, u)
+    alone = [draw(logits[r : r + 1], settings[r : r + 1], u[r : r + 1])[0] for r in range(120)]
+    assert batched == alone
+    order = np.random.default_rng(7).permutation(120)
+    shuffled = draw(logits[order], [settings[i] for i in order], u[order])
+    assert shuffled == [batched[i] for i in order]
+    # Drawing every row among the candidates (as many as the vocabulary) gives the same tokens.
+    monkeypatch.setattr("resin.sampling.CANDIDATES", BIG_VOCAB)
+    assert draw(logits, settings, u) == batched
+
+
+def chi_square_statistic(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic over the cells expecting >= 5 draws (the rest pooled in one), and
+    its degrees of freedom."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    keep = expected > 0
+    return float(((observed - expected)[keep] ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
+
+
+def chi_square_999(df: int) -> float:
+    """The Wilson-Hilferty approximation of the 99.9% chi-square quantile (0.1% false alarms),
+    slightly above the exact value: df 5 -> 20.8 (exact 20.5), 10 -> 29.8 (29.6), 31 -> 61.2
+    (61.1)."""
+    z, a = 3.0902, 2.0 / (9 * df)
+    return float(df * (1 - a + z * a**0.5) ** 3)
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(temperature=1.0), dict(temperature=0.6, top_k=8), dict(top_p=0.8)]
+)
+def test_seeded_draws_follow_the_filtered_softmax(settings: dict[str, Any]) -> None:
+    """2,000 requests seeded 0..1999 draw one token each from TABLE[3]: the counts pass a
+    chi-square test against softmax(logits / T) restricted to the kept set, and fail it
+    against a shifted distribution (so the test can fail)."""
+    token, num_requests = 3, 2000
+    requests = {
+        f"r{i}": ([token], resin.SamplingParams(max_tokens=1, seed=i, **settings))
+        for i in range(num_requests)
+    }
+    finished = generate(requests, num_pages=2 * num_requests + 8, max_num_seqs=256)
+    counts = np.bincount([out.token_ids[0] for out in finished.values()], minlength=VOCAB_SIZE)
+    params = resin.SamplingParams(**settings)
+    scaled = torch.from_numpy(TABLE[token] / np.float32(params.temperature))[None]
+    kept = apply_top_p(
+        apply_top_k(scaled, torch.tensor([params.top_k])), torch.tensor([params.top_p])
+    )
+    probs = torch.softmax(kept, dim=-1)[0].double().numpy()
+    statistic, df = chi_square_statistic(counts, probs)
+    assert statistic < chi_square_999(df), (statistic, df, counts)
+    shifted = np.roll(probs, 1)
+    statistic, df = chi_square_statistic(counts, shifted)
+    assert statistic > chi_square_999(df)
