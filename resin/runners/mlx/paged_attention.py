@@ -13,7 +13,8 @@ page_size + offset`` is one row, so the plan's ``slot_mapping`` and the slots of
 - **Read**: row i's listed pages cover its keys in position order from logical page
   ``ceil(seq_len / page_size) - num_listed`` (docs/batch_plan.md: a sliding-window group lists
   only the pages that intersect the window); slots past ``seq_len`` in the last page are
-  dropped; the mask is causal and, for a sliding-window group, ``key > query - window``.
+  dropped; the mask is causal and, for a sliding-window group, ``key > query - window``
+  (:mod:`resin.page_views`, the arithmetic the torch runners share).
 - **Batching**: the decode rows (the plan puts them first, one token each) attend in one batched
   call, their keys padded to the longest with masked slot-0 entries; every other row (a prefill
   chunk, a verify row) attends alone with its own shapes, so nothing pads a prompt. Outputs come
@@ -33,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from resin._core import BatchPlan
+from resin.page_views import key_mask, readable_keys
 from resin.runners.mlx.layers import scale as scale_by
 
 
@@ -77,23 +79,14 @@ class GroupAttention:
         kv_indptr, kv_indices = plan.kv_indptr[group], plan.kv_indices[group]
         seq_lens = plan.seq_lens.astype(np.int64)
         num_decode = int(plan.num_decode_sequences)
-        offsets = np.arange(page_size, dtype=np.int64)
 
         def keys_of(row: int) -> tuple[np.ndarray, np.ndarray]:
-            pages = kv_indices[kv_indptr[row] : kv_indptr[row + 1]].astype(np.int64)
-            seq_len = int(seq_lens[row])
-            first_page = -(-seq_len // page_size) - len(pages)
-            slots = (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
-            key_positions = first_page * page_size + np.arange(len(slots), dtype=np.int64)
-            written = key_positions < seq_len  # the rest of the last page is not this row's
-            return slots[written], key_positions[written]
+            pages = kv_indices[kv_indptr[row] : kv_indptr[row + 1]]
+            return readable_keys(pages, int(seq_lens[row]), page_size)
 
         def mask_of(row: int, key_positions: np.ndarray) -> np.ndarray:
-            query_positions = positions[query_indptr[row] : query_indptr[row + 1]][:, None]
-            mask = key_positions[None, :] <= query_positions
-            if window is not None:
-                mask &= key_positions[None, :] > query_positions - window
-            return mask
+            queries = positions[query_indptr[row] : query_indptr[row + 1]]
+            return key_mask(queries, key_positions, window)
 
         decode_slots = decode_mask = None
         if num_decode:

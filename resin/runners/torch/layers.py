@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from resin.page_views import readable_keys
+
 # Re-exported: it lives in resin.sampling_state (numpy, shared with the MLX runner).
 from resin.sampling_state import sampling_rows as sampling_rows
 
@@ -200,25 +202,16 @@ def build_sequence_views(
     (docs/batch_plan.md, "Sliding-window group"). A compressed group (``ratio`` > 1) lists the
     pages of its closed entries from entry 0, ``page_size`` (its ``entries_per_page``)
     entries per page; an entry's key position is the position of the token that closes it,
-    ``(e + 1) * ratio - 1``, so the causal mask is the visibility rule.
-    Built once per step and cache group.
+    ``(e + 1) * ratio - 1``, so the causal mask is the visibility rule. The slots and key
+    positions are :func:`resin.page_views.readable_keys`' (numpy, shared with the MLX runner),
+    moved to ``device``. Built once per step and cache group.
     """
     views = []
-    offsets = torch.arange(page_size, device=device)
     for row in range(len(seq_lens)):
-        seq_len = int(seq_lens[row])
-        pages = torch.as_tensor(
-            kv_indices[kv_indptr[row] : kv_indptr[row + 1]].astype(np.int64), device=device
-        )
-        units = seq_len // ratio if ratio > 1 else seq_len  # tokens, or closed entries
-        first_page = -(-units // page_size) - len(pages)
-        slots = (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
-        key_index = first_page * page_size + torch.arange(len(slots), device=device)
-        # Slots past the row's end in its last page are never read: their bytes may belong
-        # to another cache group's last owner (shared buffers), e.g. NaN as this dtype.
-        written = key_index < units
-        slots, key_index = slots[written], key_index[written]
-        key_positions = (key_index + 1) * ratio - 1 if ratio > 1 else key_index
+        pages = kv_indices[kv_indptr[row] : kv_indptr[row + 1]]
+        host_slots, host_keys = readable_keys(pages, int(seq_lens[row]), page_size, ratio)
+        slots = torch.as_tensor(host_slots, device=device)
+        key_positions = torch.as_tensor(host_keys, device=device)
         query = slice(int(query_indptr[row]), int(query_indptr[row + 1]))
         query_positions = positions[query][:, None]
         mask = key_positions[None, :] <= query_positions
