@@ -21,6 +21,8 @@ import torch
 here = Path(__file__).resolve().parent
 sys.path.insert(0, str(here))
 import hf_text_lm  # noqa: E402
+
+hf_text_lm.import_reference()  # the scaffold run builds the reference as a causal LM
 from transformers import GenerationConfig  # noqa: E402
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig  # noqa: E402
 
