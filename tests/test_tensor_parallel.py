@@ -208,3 +208,33 @@ def test_resin_serve_answers_on_two_ranks() -> None:
             assert message.content[0].text == expected.text  # type: ignore[union-attr]
     finally:
         ctx.loop.runner.close()
+
+
+def test_parity_and_bench_take_the_same_flags(tmp_path: Path) -> None:
+    """``resin eval parity`` / ``resin bench`` with --tensor-parallel-size (+ EP): every parity
+    stage passes on two ranks (the layers stage captured by rank 0: its hidden states after
+    each all-reduce are the model's), and bench times the group."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from resin.cli import app
+
+    result = CliRunner().invoke(
+        app,
+        ["eval", "parity", str(FIXTURES / "qwen3_moe"), "--tensor-parallel-size", "2",
+         "--expert-parallel-size", "2", "--max-new-tokens", "4"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "parity PASS" in result.output and "[pass] layers" in result.output
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(
+        app,
+        ["bench", str(FIXTURES / "llama"), "--shapes", "decode:2@16 e2e:2@16+4", "--repeats",
+         "2", "--warmup", "0", "--num-threads", "1", "--tensor-parallel-size", "2", "--out",
+         str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert "--tensor-parallel-size 2" in report["command"]
+    assert all(s["tokens_per_s"] > 0 for s in report["shapes"])

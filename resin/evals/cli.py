@@ -133,6 +133,16 @@ def parity(
         str | None,
         typer.Option(help="Attention backend of the torch runners (default: reference)."),
     ] = None,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Run the built-in runner on N tensor-parallel ranks (gloo on CPU)."
+        ),
+    ] = 1,
+    expert_parallel_size: Annotated[
+        int,
+        typer.Option(min=1, help="Deal a MoE checkpoint's experts over N ranks."),
+    ] = 1,
 ) -> None:
     """Check a runner against HF transformers: per-layer diffs, logits, greedy tokens under stress."""
     from resin.evals.model_ref import ModelRefError, resolve_model
@@ -159,8 +169,12 @@ def parity(
         )
     if checkpoint is not None:
         ref = _with_checkpoint(ref, model, checkpoint)
+    parallel = (tensor_parallel_size, expert_parallel_size)
     try:
-        report = _run(ref, runner, dtype, device, max_new_tokens, attention_backend)
+        if max(parallel) > 1:
+            report = _run_parallel(ref, parallel, dtype, device, max_new_tokens)
+        else:
+            report = _run(ref, runner, dtype, device, max_new_tokens, attention_backend)
     except (NotImplementedError, ValueError) as exc:
         # The runner could not be built: a stub in models/NAME/blocks.py hit while loading, or
         # a checkpoint it rejects (ConfigError / WeightsError are ValueErrors). run_parity
@@ -214,6 +228,56 @@ def _with_checkpoint(ref: Any, model: str, checkpoint: Path) -> Any:
         return dataclasses.replace(ref, checkpoint_dir=path)
     ref.checkpoint_dir = path
     return ref
+
+
+def _run_parallel(
+    ref: Any,
+    sizes: tuple[int, int],
+    dtype: str | None,
+    device: str | None,
+    max_new_tokens: int | None,
+) -> Any:
+    """Parity of the built-in runner on TP / EP ranks: one group for every stage (a process
+    holds one), rank 0 capturing for the layers stage."""
+    from resin.evals.parity import run_parity
+    from resin.runners.parallel import TensorParallelRunner
+
+    if ref.model_dir is not None:
+        raise NotImplementedError(
+            f"--tensor-parallel-size / --expert-parallel-size run the built-in families; "
+            f"{ref.model_dir} is a model directory, which does not shard yet"
+        )
+    tp, ep = sizes
+    if tp > 1 and ep > 1 and tp != ep:
+        raise ValueError("--expert-parallel-size must equal --tensor-parallel-size, or run alone")
+    group: dict[str, Any] = {}
+
+    def factory(model_dir: str) -> Any:
+        if model_dir not in group:
+            for old in group.values():
+                old.close()
+            group.clear()
+            group[model_dir] = TensorParallelRunner(
+                model_dir,
+                max(tp, ep),
+                device=device or "cpu",
+                dtype=dtype or "float32",
+                tensor_parallel=tp > 1,
+                expert_parallel=ep > 1,
+            )
+        return group[model_dir]
+
+    try:
+        return run_parity(
+            ref.checkpoint_dir,
+            runner_factory=factory,
+            max_new_tokens=max_new_tokens or 8,
+            runner_name=f"torch tp{tp} ep{ep}",
+            dtype=dtype or "float32",
+        )
+    finally:
+        for runner in group.values():
+            runner.close()
 
 
 def _run(

@@ -337,6 +337,13 @@ def bench(
     num_speculative_tokens: Annotated[
         int, typer.Option(help="Draft tokens per step with --speculative-method.")
     ] = 3,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(min=1, help="Built-in runner on N tensor-parallel ranks (gloo on CPU)."),
+    ] = 1,
+    expert_parallel_size: Annotated[
+        int, typer.Option(min=1, help="A MoE checkpoint's experts dealt over N ranks.")
+    ] = 1,
 ) -> None:
     """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
 
@@ -467,6 +474,12 @@ def bench(
 
         else:
             factory = ref.runner_factory(settings.device, settings.dtype)
+        if max(tensor_parallel_size, expert_parallel_size) > 1:
+            factory = _parallel_factory(ref, tensor_parallel_size, expert_parallel_size, settings)
+            command += (
+                f" --tensor-parallel-size {tensor_parallel_size}"
+                f" --expert-parallel-size {expert_parallel_size}"
+            )
         report = run_bench(
             ref.name,
             settings,
@@ -489,3 +502,29 @@ def bench(
     typer.echo(summary(report, out_dir))
     if report["comparison"] is not None and not report["comparison"]["passed"]:
         raise typer.Exit(EXIT_REGRESSION)
+
+
+def _parallel_factory(ref: Any, tp: int, ep: int, settings: BenchSettings) -> Any:
+    """``factory(checkpoint) -> runner`` on TP / EP ranks (the built-in families only)."""
+    if ref.model_dir is not None or settings.runner != "torch":
+        raise ValueError(
+            "--tensor-parallel-size / --expert-parallel-size run the built-in torch runner; "
+            f"{ref.name} is served by a model directory or another runner"
+        )
+    if tp > 1 and ep > 1 and tp != ep:
+        raise ValueError("--expert-parallel-size must equal --tensor-parallel-size, or run alone")
+
+    def factory(checkpoint_dir: str) -> Any:
+        from resin.runners.parallel import TensorParallelRunner
+
+        return TensorParallelRunner(
+            checkpoint_dir,
+            max(tp, ep),
+            device=settings.device,
+            dtype=settings.dtype,
+            num_threads=settings.num_threads,
+            tensor_parallel=tp > 1,
+            expert_parallel=ep > 1,
+        )
+
+    return factory

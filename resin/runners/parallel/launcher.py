@@ -57,6 +57,10 @@ class _NoSampling:
         return None
 
 
+def _discard(name: str, tensor: torch.Tensor) -> None:
+    """The capture hook of ranks other than 0 (rank 0's captures are the full tensors)."""
+
+
 def _init_group(init_file: str, rank: int, world_size: int, timeout_s: float) -> None:
     dist.init_process_group(
         "gloo",
@@ -111,6 +115,9 @@ def _worker_main(
                 runner.bind_cache(CacheLayout.from_specs(specs, page_size, num_pages))
                 conn.send(("bound", None))
             elif op == "step":
+                # Parity capture on rank 0 computes every token's logits: so must this rank,
+                # for the all-gather to line up (what it captures is dropped).
+                runner.capture = _discard if payload["capture"] else None
                 runner.forward(PlanView(payload))  # type: ignore[arg-type]
             elif op == "stats":
                 conn.send(("stats", _stats(runner)))
@@ -249,6 +256,7 @@ class TensorParallelRunner:
     def forward(self, plan: BatchPlan) -> ForwardOutput:
         self._check_alive()
         message = self.writer.write(plan)
+        message["capture"] = self.local.capture is not None
         for pipe in self._pipes:
             pipe.send(("step", message))
         try:
@@ -258,6 +266,16 @@ class TensorParallelRunner:
             raise RankFailure(f"tensor-parallel step failed on rank 0: {exc}") from exc
         self._check_errors()
         return out
+
+    @property
+    def capture(self) -> Any:
+        """Parity capture (:mod:`resin.runners.torch.paged_runner`): rank 0's hidden states
+        after each block's all-reduce are the whole model's, so it captures for the group."""
+        return self.local.capture
+
+    @capture.setter
+    def capture(self, value: Any) -> None:
+        self.local.capture = value
 
     # -- introspection and lifetime -----------------------------------------------------
 
