@@ -135,12 +135,15 @@ class MtpDefinition:
     mixed with the embedding of the token at this position (DeepSeek: ``e_proj(enorm(e)) +
     h_proj(hnorm(h))``) — and read out by ``output(hidden, w, ctx) -> [T, D]`` (its own norm /
     hyper-head) before the model's shared ``logits``. ``w`` is the layer's ``mtp`` module
-    (``layers.{i}.mtp.*`` runner names)."""
+    (``layers.{i}.mtp.*`` runner names). ``target(hidden, globals, ctx)``, when set, makes the
+    target's last-layer output into what the MTP layer reads (GLM: the model's final hidden
+    state, ``norm(mean(streams))``, as vLLM hands it to its MTP); None: the output itself."""
 
     layers: list[LayerDefinition]
     input: Hook
     output: Hook
     hidden_shape: tuple[int, ...]
+    target: Hook | None = None
 
 
 @dataclass

@@ -401,7 +401,11 @@ def model_definition(
                     index=len(layers) + i,
                     layer_type=layer_type,
                     window=window,
-                    decoder=_block(blocks, classes["decoder"], name),
+                    # A next-n layer may not be one of the stack's decoder layers (GLM's has
+                    # no hyper-connections): ``blocks.MTP_DECODER`` names its own.
+                    decoder=_block(
+                        blocks, getattr(blocks, "MTP_DECODER", classes["decoder"]), name
+                    ),
                     children={
                         child: _block(blocks, cls, name)
                         for child, cls in classes["children"].items()
@@ -415,6 +419,7 @@ def model_definition(
             input=blocks.mtp_input,
             output=blocks.mtp_output,
             hidden_shape=tuple(blocks.mtp_hidden_shape(args)),
+            target=getattr(blocks, "mtp_target", None),
         )
     return ModelDefinition(
         name=name,
@@ -433,19 +438,28 @@ def model_definition(
     )
 
 
-def checkpoint_mtp_layers(blocks: Any, args: Any, checkpoint_dir: str | Path) -> int:
+def checkpoint_mtp_layers(
+    blocks: Any,
+    args: Any,
+    checkpoint_dir: str | Path,
+    prefixes: tuple[str, ...] | None = None,
+) -> int:
     """Next-n (MTP) layers to load: the config's ``num_nextn_predict_layers`` when the model
-    directory defines an MTP (:func:`mtp_kind`) and the checkpoint ships them (``mtp.{i}.*``
-    tensors, as DeepSeek does; ``save_pretrained`` drops them); else 0."""
+    directory defines an MTP (:func:`mtp_kind`) and the checkpoint ships them (tensors under
+    ``prefixes``, the model directory's ``weights.MTP_PREFIXES``: by default ``mtp.{i}.*``, as
+    DeepSeek does; GLM keeps them as ``model.layers.{num_hidden_layers + i}.*``;
+    ``save_pretrained`` drops them); else 0."""
+    from resin.runners.torch.model_weights import DEFAULT_MTP_PREFIXES, mtp_layer_of
+
     wanted = int(getattr(args, "num_nextn_predict_layers", 0) or 0)
     if not wanted or mtp_kind(blocks, args) is None:
         return 0
     from resin.loading.weights import locate_tensors
 
+    num_layers = int(args.num_hidden_layers)
     names = locate_tensors(Path(checkpoint_dir))
-    shipped = {
-        int(n.split(".")[1]) for n in names if n.startswith("mtp.") and n.split(".")[1].isdigit()
-    }
+    found = (mtp_layer_of(n, num_layers, prefixes or DEFAULT_MTP_PREFIXES) for n in names)
+    shipped = {f[0] for f in found if f is not None}
     return sum(1 for i in range(wanted) if i in shipped)
 
 
@@ -499,14 +513,17 @@ class ModelDirRunner(PagedRunner):
             )
         weight_map: dict[str, str] = {}
         ignored: tuple[str, ...] = ()
+        mtp_prefixes: tuple[str, ...] | None = None
         if (model_dir / "weights.py").is_file():
             weights_module = import_model_module(model_dir, "weights", name)
             weight_map = dict(getattr(weights_module, "WEIGHT_MAP", {}))
             # Checkpoint parts this runner does not run (a vision tower of a multimodal
             # checkpoint served text-only): left unused, not refused as unknown.
             ignored = tuple(getattr(weights_module, "IGNORED_PREFIXES", ()))
+            # Where the checkpoint keeps its next-n layers, when not DeepSeek's ``mtp.{i}.``.
+            mtp_prefixes = getattr(weights_module, "MTP_PREFIXES", None)
         device = torch.device(device)
-        num_mtp = checkpoint_mtp_layers(blocks, args, checkpoint_dir)
+        num_mtp = checkpoint_mtp_layers(blocks, args, checkpoint_dir, mtp_prefixes)
         definition = model_definition(name, record, blocks, args, device, num_mtp)
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
         required = [record.layer_kinds[k].get("tensors", []) for k in kinds]
@@ -514,7 +531,9 @@ class ModelDirRunner(PagedRunner):
             kind = mtp_kind(blocks, args)
             assert kind is not None
             own = tuple(getattr(blocks, "MTP_TENSORS", ()))
-            required += [mtp_layer_tensors(record, kind, own)] * num_mtp
+            absent = tuple(getattr(blocks, "MTP_ABSENT_TENSORS", ()))
+            tensors = [t for t in mtp_layer_tensors(record, kind, own) if t not in absent]
+            required += [tensors] * num_mtp
             kinds += [kind] * num_mtp
         dtype_name = str(dtype).removeprefix("torch.")
         weights = load_model_weights(
@@ -528,6 +547,7 @@ class ModelDirRunner(PagedRunner):
             keep_in_fp32=record.keep_in_fp32.get(dtype_name, []),
             ignored_prefixes=ignored,
             num_mtp_layers=num_mtp,
+            **({"mtp_prefixes": mtp_prefixes} if mtp_prefixes else {}),
             device=device,
             dtype=dtype,
         )

@@ -46,19 +46,52 @@ from resin.scaffold.layer_map import name_pattern
 
 # Checkpoint tensors that are leftovers, not weights (older checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = (".inv_freq", "._float_tensor")
-# Next-n (MTP) layers as DeepSeek ships them: ``mtp.{i}.<rest>``, after the decoder stack.
-_MTP_LAYER = re.compile(r"^(?:model\.)?mtp\.(\d+)\.")
+# Where a checkpoint keeps its next-n (MTP) layers: prefixes with ``{i}`` (the MTP layer's own
+# index, renamed to a layer past the stack: DeepSeek's ``mtp.{i}.``) or ``{layer}`` (already a
+# layer past the stack, ``num_hidden_layers + i``: DeepSeek-V3 / GLM's ``model.layers.{layer}.``).
+# A model directory names its own in ``weights.MTP_PREFIXES``; this is the default.
+DEFAULT_MTP_PREFIXES = ("mtp.{i}.", "model.mtp.{i}.")
 
 
-def stack_name(checkpoint_name: str, num_layers: int, num_mtp_layers: int) -> str:
+def _mtp_pattern(prefix: str) -> re.Pattern[str]:
+    escaped = re.escape(prefix).replace(r"\{i\}", r"(?P<i>\d+)")
+    return re.compile("^" + escaped.replace(r"\{layer\}", r"(?P<layer>\d+)"))
+
+
+def mtp_layer_of(
+    checkpoint_name: str, num_layers: int, prefixes: Iterable[str] = DEFAULT_MTP_PREFIXES
+) -> tuple[int, bool, int] | None:
+    """``(i, renamed, end)`` when the name is a tensor of MTP layer ``i`` under one of
+    ``prefixes`` (``renamed``: an ``{i}`` prefix, to be placed as a layer; ``end``: where the
+    layer-relative rest starts), else None."""
+    for prefix in prefixes:
+        m = _mtp_pattern(prefix).match(checkpoint_name)
+        if m is None:
+            continue
+        if "i" in m.groupdict():
+            return int(m.group("i")), True, m.end()
+        i = int(m.group("layer")) - num_layers
+        if i >= 0:
+            return i, False, m.end()
+    return None
+
+
+def stack_name(
+    checkpoint_name: str,
+    num_layers: int,
+    num_mtp_layers: int,
+    prefixes: Iterable[str] = DEFAULT_MTP_PREFIXES,
+) -> str:
     """The name a tensor is matched and placed under: an MTP layer's ``mtp.{i}.<rest>`` (i <
     ``num_mtp_layers``) becomes ``layers.{num_layers + i}.<rest>`` — the MTP layers are layers
     past the stack, named by the same patterns as the decoder layers (the model's weight map
-    renames them once for both); any other name is unchanged."""
-    m = _MTP_LAYER.match(checkpoint_name)
-    if m is None or int(m.group(1)) >= num_mtp_layers:
+    renames them once for both); a ``{layer}`` prefix already names that layer, and any other
+    name is unchanged."""
+    found = mtp_layer_of(checkpoint_name, num_layers, prefixes)
+    if found is None or not found[1] or found[0] >= num_mtp_layers:
         return checkpoint_name
-    return f"layers.{num_layers + int(m.group(1))}." + checkpoint_name[m.end() :]
+    i, _, end = found
+    return f"layers.{num_layers + i}." + checkpoint_name[end:]
 
 
 @dataclass
@@ -131,6 +164,7 @@ def load_model_weights(
     keep_in_fp32: Iterable[str] = (),
     ignored_prefixes: Iterable[str] = (),
     num_mtp_layers: int = 0,
+    mtp_prefixes: Iterable[str] = DEFAULT_MTP_PREFIXES,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> ModelWeights:
@@ -146,10 +180,10 @@ def load_model_weights(
     ``ignored_prefixes``: checkpoint name prefixes of parts the runner does not run (a model
     directory's ``weights.IGNORED_PREFIXES``, e.g. ``model.visual.`` for a text-only runner of
     a multimodal checkpoint): their tensors are left in ``unused``, not read.
-    ``num_mtp_layers``: next-n (MTP) layers to load after the stack, from ``mtp.{i}.*``
-    (:func:`stack_name`): layers ``num_layers .. num_layers + num_mtp_layers - 1`` of the
-    result, checked by ``required`` like the others; MTP tensors past them (or all of them,
-    with 0) are left in ``unused``.
+    ``num_mtp_layers``: next-n (MTP) layers to load after the stack, from ``mtp.{i}.*`` or the
+    model directory's ``mtp_prefixes`` (:func:`stack_name`): layers ``num_layers ..
+    num_layers + num_mtp_layers - 1`` of the result, checked by ``required`` like the others;
+    MTP tensors past them (or all of them, with 0) are left in ``unused``.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise WeightsError(
@@ -162,9 +196,10 @@ def load_model_weights(
     # Names the weight map renames are known too (e.g. a checkpoint in the upstream naming).
     known = None if known_patterns is None else set(known_patterns) | set(mapping)
     total_layers = num_layers + num_mtp_layers
+    prefixes = tuple(mtp_prefixes)
 
     def pattern_of(name: str) -> tuple[str, int | None, int | None]:
-        return name_pattern(stack_name(name, num_layers, num_mtp_layers))
+        return name_pattern(stack_name(name, num_layers, num_mtp_layers, prefixes))
 
     plan = _dequant_plan(directory, files, known, pattern_of)
     chosen: dict[str, str] = {}
@@ -177,7 +212,7 @@ def load_model_weights(
         pattern, layer, expert = pattern_of(name)
         if (
             (layer is not None and layer >= total_layers)
-            or (layer is None and _MTP_LAYER.match(name) is not None)  # MTP, not loaded
+            or (layer is None and mtp_layer_of(name, num_layers, prefixes) is not None)
             or name.endswith(IGNORED_SUFFIXES)
             or name.startswith(ignored)
         ):
@@ -190,7 +225,7 @@ def load_model_weights(
         chosen[name] = (
             target.format(layer=layer, expert=expert)
             if target
-            else default_runner_name(stack_name(name, num_layers, num_mtp_layers))
+            else default_runner_name(stack_name(name, num_layers, num_mtp_layers, prefixes))
         )
         if layer is not None:
             relative = pattern.split("layers.{layer}.", 1)[1]
@@ -215,7 +250,9 @@ def load_model_weights(
             missing = sorted(set(required(layer)) - present.get(layer, set()))
             if missing:
                 where = (
-                    f"model.layers.{layer}." if layer < num_layers else f"mtp.{layer - num_layers}."
+                    f"model.layers.{layer}."
+                    if layer < num_layers
+                    else prefixes[0].format(i=layer - num_layers, layer=layer)
                 )
                 shown = ", ".join(f"{where}{m}" for m in missing[:5])
                 what = f"layer {layer}" if layer < num_layers else f"MTP layer {layer - num_layers}"

@@ -78,6 +78,9 @@ class MtpDrafter:
         ctx = runner._context(step, layer.index, tables)
         ctx.caches = runner.layer_caches[layer.index]
         w = runner.child_weights[layer.index]["mtp"]
+        if self.definition.target is not None:  # what the MTP layer reads of the target
+            top = runner._context(step, -1)
+            hidden = self.definition.target(hidden, runner.weights.globals, top)
         prev = self._previous_hidden(step, hidden, ctx)
         ctx.extra[TARGET_HIDDEN].write(hidden=hidden)
         embeds = runner.model.embed(step.input_ids, runner.weights.globals, ctx)
@@ -151,7 +154,13 @@ class MtpDrafter:
         runner, layer, definition = self.runner, self.layer, self.definition
         device = hidden.device
         next_position = step.positions[torch.as_tensor(last, device=device)] + 1
-        attention = DraftAttention(cached, rows, next_position, layer.window)
+
+        def draft(view: Any) -> DraftAttention:  # one per cache the layer declared
+            window, ratio = runner.group_windows[view.group], runner.group_ratios[view.group]
+            return DraftAttention(view, rows, next_position, window, ratio)
+
+        attention = draft(cached.require_attention())
+        extra = {name: draft(v) for name, v in cached.extra.items() if name != TARGET_HIDDEN}
         rotary = runner.model.rotary_for(layer.layer_type)
         w = runner.child_weights[layer.index]["mtp"]
         tokens = torch.as_tensor(bonus, device=device, dtype=torch.long)
@@ -170,6 +179,7 @@ class MtpDrafter:
                 rotary=rotary,
                 attention=attention,  # type: ignore[arg-type]
                 query_indptr=torch.arange(len(rows) + 1, device=device),
+                extra=extra,  # type: ignore[arg-type]
             )
             if rotary is not None:
                 ctx.cos, ctx.sin = rotary.cos_sin(positions, runner.dtype)
@@ -182,7 +192,8 @@ class MtpDrafter:
             logits = runner.model.logits(normed, runner.weights.globals, ctx)
             tokens = logits.float().argmax(dim=-1)
             out[:, i] = tokens.cpu().numpy()
-            attention.next_step()
+            for view in (attention, *extra.values()):
+                view.next_step()
         return out
 
 
@@ -216,57 +227,86 @@ def _no_emit(child: str, tensor: torch.Tensor) -> None:
 
 
 class DraftAttention:
-    """``ctx.attention`` of the draft steps: one query per drafting row, over the MTP layer's
-    cached entries up to the row's last accepted position (within the layer's window) and the
-    keys the draft steps wrote so far (held here, never in the pool). Softmax attention as
-    :class:`~.attention.ReferenceBackend` computes it (sinks, soft-capping, GQA, K = V)."""
+    """``ctx.attention`` (and each ``ctx.extra[name]``) of the draft steps: one query per
+    drafting row, over one of the MTP layer's caches — its cached entries up to the row's last
+    accepted position and the entries the draft steps wrote so far (held here, never in the
+    pool). ``window`` / ``ratio`` are the cache group's: an entry is visible to the query at
+    ``p`` when its position (a compressed entry's: the token that closes it) is ``<= p`` and,
+    with a window, ``> p - window``; a compressed group keeps a draft step's written entry only
+    when that step closes one (``(p + 1) % ratio == 0``), as the pool's slot mapping would.
+    ``attend`` is softmax attention as :class:`~.attention.ReferenceBackend` computes it (sinks,
+    soft-capping, GQA, K = V); ``gather`` gives the same entries as one
+    :class:`~.attention.RowHistory` per drafting row (query ``r``), for layers that read their
+    caches themselves (compressed or indexed attention)."""
 
     def __init__(
         self,
-        cached: LayerContext,
+        cached: Any,
         rows: np.ndarray,
         first_position: torch.Tensor,
         window: int | None,
+        ratio: int = 1,
     ):
-        self.cached = cached.require_attention()
+        self.cached = cached  # the cache pass's view of this cache (a LayerAttention)
         self.rows = rows
         self.first_position = first_position  # the first draft step's position, per row
         self.window = window
+        self.ratio = ratio
         self.step = 0
         self.history: dict[str, list[RowHistory]] = {}
-        self.written: dict[str, list[torch.Tensor]] = {}
+        self.written: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def next_step(self) -> None:
         self.step += 1
 
     def write(self, **values: torch.Tensor) -> None:
+        """This draft step's entries [R, ...] (one per drafting row)."""
+        position = self.first_position + self.step
+        keep = (position + 1) % self.ratio == 0  # a compressed group: closing steps only
         for name, tensor in values.items():
-            self.written.setdefault(name, []).append(tensor)
+            log = self.written.setdefault(name, [])
+            del log[self.step :]  # a layer writing twice in one step keeps the last
+            log.append((tensor, keep))
 
-    def _keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[R, K, kv_heads, dim]`` keys of buffer ``name`` for this draft step and their mask
-        ``[R, K]``: cached entries, then the draft steps' own."""
+    def _rows(self, name: str) -> list[RowHistory]:
+        """Per drafting row: positions, values and the visibility mask [1, K] of buffer
+        ``name`` for this draft step's query (cached entries, then the draft steps' own)."""
         if name not in self.history:
             self.history[name] = self.cached.gather(name)
         position = self.first_position + self.step  # this step's query position, per row
-        rows = [self.history[name][row] for row in self.rows]
+        own = self.written.get(name, [])[: self.step + 1]
+        out = []
+        for r, row in enumerate(self.rows):
+            hist = self.history[name][int(row)]
+            accepted = hist.positions < self.first_position[r]  # up to the last accepted
+            positions, values = hist.positions[accepted], hist.values[accepted]
+            mine = [(i, t[r]) for i, (t, keep) in enumerate(own) if bool(keep[r])]
+            if mine:
+                steps = torch.tensor([i for i, _ in mine], device=positions.device)
+                positions = torch.cat([positions, self.first_position[r] + steps])
+                values = torch.cat([values, torch.stack([t for _, t in mine]).to(values.dtype)])
+            visible = positions <= position[r]
+            if self.window is not None:
+                visible &= positions > position[r] - self.window
+            out.append(RowHistory(slice(r, r + 1), positions, values, visible[None, :]))
+        return out
+
+    def gather(self, name: str) -> list[RowHistory]:
+        return self._rows(name)
+
+    def _keys(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[R, K, kv_heads, dim]`` keys of buffer ``name`` for this draft step and their mask
+        ``[R, K]`` (rows padded to the longest)."""
+        rows = self._rows(name)
         width = max((len(h.positions) for h in rows), default=0)
-        sample = self.written[name][0]
+        sample = rows[0].values
         keys = sample.new_zeros((len(rows), width, *sample.shape[1:]))
         mask = torch.zeros((len(rows), width), dtype=torch.bool, device=sample.device)
         for r, hist in enumerate(rows):
             n = len(hist.positions)
-            keys[r, :n] = hist.values.to(keys.dtype)
-            visible = hist.positions < self.first_position[r]  # up to the last accepted
-            if self.window is not None:
-                visible &= hist.positions > position[r] - self.window
-            mask[r, :n] = visible
-        own = torch.stack(self.written[name][: self.step + 1], dim=1)  # [R, steps, ...]
-        own_mask = torch.ones(own.shape[:2], dtype=torch.bool, device=own.device)
-        if self.window is not None:  # the draft steps' own keys may leave the window too
-            offsets = torch.arange(own.shape[1], device=own.device)
-            own_mask = (offsets > self.step - self.window).expand(own.shape[0], -1)
-        return torch.cat([keys, own], dim=1), torch.cat([mask, own_mask], dim=1)
+            keys[r, :n] = hist.values
+            mask[r, :n] = hist.mask[0]
+        return keys, mask
 
     def attend(
         self,
@@ -301,8 +341,3 @@ class DraftAttention:
             logits = logits - logits.max(dim=-1, keepdim=True).values
             probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
         return torch.einsum("rhk,rkhd->rhd", probs, v)
-
-    def gather(self, name: str) -> Any:
-        raise NotImplementedError(
-            "MTP draft steps support softmax attention (write / attend), not gather"
-        )
