@@ -1,6 +1,6 @@
 """Structured outputs: grammars compiled by the server, enforced by the sampler as token masks.
 
-The engine knows nothing of grammars. Three pieces, all out of band of ``SamplingParams``:
+The engine knows nothing of grammars. The pieces, all out of band of ``SamplingParams``:
 
 - :class:`GrammarRegistry` — a small thread-safe map ``request id -> compiled grammar`` that the
   runner's :class:`resin.sampling.Sampler` owns (``sampler.grammars``). The server registers a
@@ -19,6 +19,10 @@ The engine knows nothing of grammars. Three pieces, all out of band of ``Samplin
   from the outputs it already has. :func:`apply_grammar_masks` fills one bitmask for the rows
   with grammars and applies it to their logits (``-inf`` for disallowed tokens; the stop tokens
   are allowed only where the grammar can end).
+- For a runner without torch (MLX): :class:`SlotGrammars`, the registry and the slots'
+  matchers driven by the lifecycle diff (the torch sampler's steps), and
+  :func:`allowed_tokens`, the masks as a numpy bool array (llguidance fills through
+  ``llguidance.numpy``, so no torch is loaded).
 
 Two engines, one interface: ``llguidance`` (Lark grammars with embedded ``%json{...}``
 schemas; the DeepSeek formats as Lark alternatives) and ``xgrammar`` (its JSON-schema grammars,
@@ -644,6 +648,63 @@ class GrammarSlot:
         return not self.failed and not self.matcher.is_terminated()
 
 
+class SlotGrammars:
+    """A sampler's grammar state without a tensor framework: the :class:`GrammarRegistry` the
+    server fills and one :class:`GrammarSlot` per constrained request slot, driven by the
+    plan's lifecycle diff (the steps :class:`resin.sampling.Sampler` takes for the torch
+    runners; the MLX sampler's). Pair it with :func:`allowed_tokens` for the masks."""
+
+    def __init__(self) -> None:
+        self.registry = GrammarRegistry()
+        self.slots: dict[int, GrammarSlot] = {}
+
+    def begin_step(self, plan: Any, new_slots: Sequence[int], histories: Mapping[int, Any]) -> None:
+        """After the token history took the plan's diff (``histories``: slot -> its
+        ``SlotState``; ``new_slots`` the slots it started): finished slots drop their matcher,
+        a (re)created slot gets a new one when its request has a grammar, and every matcher
+        advances over its request's committed outputs (a re-sent diff changes nothing)."""
+        for slot in plan.finished_request_slots.tolist():
+            self.slots.pop(slot, None)
+        if new_slots and (self.registry.active or self.slots):
+            row_of = {slot: row for row, slot in enumerate(plan.request_slots.tolist())}
+            request_ids = plan.request_ids if self.registry.active else []
+            for slot in new_slots:
+                self.slots.pop(slot, None)
+                row = row_of.get(slot)
+                if row is None or not request_ids:
+                    continue
+                grammar = self.registry.get(request_ids[row])
+                if grammar is not None:
+                    self.slots[slot] = GrammarSlot(grammar)
+        for slot, grammar in self.slots.items():
+            state = histories.get(slot)
+            if state is not None:
+                grammar.sync(state.token_ids, state.num_prompt_tokens)
+
+    def check_no_verify_rows(self, slots: Sequence[int], offsets: Any) -> None:
+        """NotImplementedError when a constrained slot verifies drafts (a sample at offset > 0
+        in its row: speculative decoding), as the torch sampler."""
+        if not self.slots:
+            return
+        verifying = {slots[r] for r in range(len(slots)) if int(offsets[r]) > 0}
+        if verifying & set(self.slots):
+            raise NotImplementedError(
+                "a grammar-constrained request in a verify row (speculative decoding): "
+                "structured outputs need num_speculative_tokens = 0"
+            )
+
+    def constraining(self, slots: Sequence[int]) -> tuple[list[int], list[GrammarSlot]]:
+        """(sample indices, their matchers) of the samples whose slot's grammar still
+        constrains (not ended, not failed)."""
+        indices, grammars = [], []
+        for r, slot in enumerate(slots):
+            grammar = self.slots.get(slot)
+            if grammar is not None and grammar.constrains:
+                indices.append(r)
+                grammars.append(grammar)
+        return indices, grammars
+
+
 class MaskBuffer:
     """A reusable CPU bitmask for up to ``capacity`` rows (grown on demand); int32 words, bit
     ``i`` of word ``i // 32`` (both engines' layout)."""
@@ -694,6 +755,39 @@ def fill_bitmask(slots: Sequence[GrammarSlot], bitmask: Any, indices: Sequence[i
     _batch_matcher.batch_fill_next_token_bitmask(
         [s.matcher for s, _ in xgr_rows], bitmask, [i for _, i in xgr_rows]
     )
+
+
+def allowed_tokens(slots: Sequence[GrammarSlot], vocab_size: int) -> Any:
+    """numpy bool ``[len(slots), vocab_size]``: each slot's allowed next tokens, filled on the
+    host for a runner without torch (the MLX runner). llguidance fills through
+    ``llguidance.numpy`` (no torch imported); xgrammar, which imports torch itself, fills a
+    torch view of the same buffer (:func:`fill_bitmask`)."""
+    global _executor
+    import numpy as np
+
+    bitmask = np.full((len(slots), (vocab_size + 31) // 32), -1, dtype=np.int32)
+    llg_rows = [(s.matcher.inner, i) for i, s in enumerate(slots) if _is_llg(s)]
+    if len(llg_rows) == 1:
+        import llguidance.numpy as llg_numpy
+
+        llg_numpy.fill_next_token_bitmask(llg_rows[0][0], bitmask, llg_rows[0][1])
+    elif llg_rows:
+        import llguidance as llg
+        import llguidance.numpy as llg_numpy
+
+        if _executor is None:
+            _executor = llg.LLExecutor()
+        llg_numpy.fill_next_token_bitmask_par(_executor, llg_rows, bitmask)
+    xgr_rows = [i for i, s in enumerate(slots) if not _is_llg(s)]
+    if xgr_rows:
+        import torch
+
+        fill_bitmask([slots[i] for i in xgr_rows], torch.from_numpy(bitmask), xgr_rows)
+    # bit i of word i // 32: the words' bytes in little-endian order, each byte's bits low first
+    bits = np.unpackbits(
+        bitmask.astype("<i4", copy=False).view(np.uint8), axis=1, bitorder="little"
+    )
+    return bits[:, :vocab_size].astype(bool)
 
 
 def _is_llg(slot: GrammarSlot) -> bool:

@@ -1,8 +1,9 @@
 """Structured outputs for the server: request fields → a compiled grammar for the sampler.
 
 What is enforced (docs/server.md "Structured outputs"), when the runner's sampler takes grammars
-(torch runners; ``sampler.grammars``) and the grammar engine is installed (llguidance by
-default, else xgrammar; ``RESIN_GRAMMAR_ENGINE`` forces one: :mod:`resin.structured_output`):
+(the torch and MLX runners; ``sampler.grammars``) and the grammar engine is installed
+(llguidance by default, else xgrammar; ``RESIN_GRAMMAR_ENGINE`` forces one:
+:mod:`resin.structured_output`):
 
 - a forced tool call — Chat/Responses ``tool_choice: "required"`` or a named function (custom
   tools included: one ``input`` string), Anthropic ``tool_choice: any`` / ``tool`` — becomes

@@ -27,8 +27,14 @@ gives a different (equally distributed) token stream on MLX and on torch. Greedy
 across frameworks up to floating-point ties. Within MLX, the stream is reproducible on the same
 device; CPU and Metal kernels may round logits differently and so flip near-equal choices.
 
-Structured outputs (grammars) are not enforced by this sampler: it has no ``grammars``
-registry, so ``resin serve`` reports them as not enforced for the MLX runner.
+**Structured outputs** (:mod:`resin.structured_output`), as the torch sampler: ``grammars``
+is the registry the server fills; a slot whose request has a grammar when it is (re)created
+gets a matcher that follows the request's committed outputs (:class:`SlotGrammars`), and after
+penalties and bans each constrained row's disallowed tokens are ``-inf`` (the mask filled on the
+host as numpy — llguidance's numpy fill, so no torch — and applied with one ``mx.where``). A
+row whose bans leave no allowed token samples under the grammar mask alone; a constrained
+request in a verify row raises ``NotImplementedError`` (structured outputs need
+``num_speculative_tokens = 0``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from resin.sampling_state import (
     pack_output,
     sample_seed,
 )
+from resin.structured_output import SlotGrammars, allowed_tokens
 
 
 class MlxSampler(SlotHistory):
@@ -56,6 +63,15 @@ class MlxSampler(SlotHistory):
         self.vocab_size = vocab_size
         self._key = mx.random.key(secrets.randbits(63))
         mx.eval(self._key)  # not lazy: the forward may run on another thread (resin serve)
+        self.grammar_state = SlotGrammars()
+        self.grammars = self.grammar_state.registry  # what resin serve registers grammars in
+
+    def begin_step(self, plan: BatchPlan) -> list[int]:
+        """The token history's lifecycle diff (:class:`~resin.sampling_state.SlotHistory`),
+        then the grammar matchers'."""
+        new_slots = super().begin_step(plan)
+        self.grammar_state.begin_step(plan, new_slots, self.slots)
+        return new_slots
 
     def sample(self, logits: mx.array, plan: BatchPlan, rows: np.ndarray) -> ForwardOutput:
         """Sample ``logits`` float32 [R, vocab]: one entry per sample of the step, ``rows`` its
@@ -66,10 +82,14 @@ class MlxSampler(SlotHistory):
         offsets = offsets_in_row(rows)
         if len(rows) == 0:  # every row is a mid-prefill chunk
             return pack_output(plan, rows, offsets, np.zeros(0, dtype=np.uint32))
+        slots = plan.request_slots[rows].tolist()
+        self.grammar_state.check_no_verify_rows(slots, offsets)
         processed = self._penalise(logits, plan, rows)
         banned = _banned_mask(plan, rows, self.vocab_size)
         if banned is not None:
             processed = mx.where(mx.array(banned), -mx.inf, processed)
+        if self.grammar_state.slots:
+            processed = self._mask(processed, logits, slots, banned)
         temperature = np.asarray(sampling.temperature[rows], dtype=np.float32)
         tokens = mx.argmax(processed, axis=-1)
         sampled_rows = np.flatnonzero(temperature > 0)
@@ -107,6 +127,33 @@ class MlxSampler(SlotHistory):
         tokens = np.array(greedy_tokens)
         tokens[sampled] = np.array(mx.stack(draws))
         return mx.array(tokens)
+
+    def _mask(
+        self, processed: mx.array, logits: mx.array, slots: list[int], banned: np.ndarray | None
+    ) -> mx.array:
+        """``processed`` with each constrained sample's disallowed tokens at ``-inf``; a sample
+        with bans (``banned`` rows) left with no allowed token gets its raw ``logits`` under
+        the grammar mask alone (the torch sampler's rule)."""
+        indices, grammars = self.grammar_state.constraining(slots)
+        if not grammars:
+            return processed
+        allowed = np.ones(processed.shape, dtype=bool)
+        allowed[indices] = allowed_tokens(grammars, self.vocab_size)
+        allowed_array = mx.array(allowed)
+        processed = mx.where(allowed_array, processed, -mx.inf)
+        if banned is None:
+            return processed
+        candidates = [r for r in indices if banned[r].any()]
+        if not candidates:
+            return processed
+        nothing_left = np.zeros(len(slots), dtype=bool)
+        nothing_left[candidates] = np.array(
+            mx.all(mx.isneginf(processed[mx.array(candidates)]), axis=-1)
+        )
+        if not nothing_left.any():
+            return processed
+        grammar_only = mx.where(allowed_array, logits, -mx.inf)
+        return mx.where(mx.array(nothing_left)[:, None], grammar_only, processed)
 
     def _penalise(self, logits: mx.array, plan: BatchPlan, rows: np.ndarray) -> mx.array:
         """The rows' penalties applied to their logits (a new array; rows without penalties
