@@ -222,27 +222,29 @@ class Sampler(SlotHistory):
         if part is not None:
             processed = logits.index_select(0, self._tensor(part, np.int64))
         elif changed:
-            processed = logits.clone()
+            processed = logits.clone(memory_format=torch.contiguous_format)
         else:
             return logits, False
+        flat = processed.view(-1)  # entry (r, t) at r * vocab_size + t
         if len(repeating):  # prompt + output tokens: positive / penalty, negative * penalty
-            r, t, _ = self._history_entries(repeating, slots, outputs_only=False)
-            values = processed[r, t]
+            at, r, _ = self._history_entries(repeating, slots, outputs_only=False)
+            values = flat.index_select(0, at)
             penalty = torch.as_tensor(repetition, device=self.device)[r]
-            processed[r, t] = torch.where(values > 0, values / penalty, values * penalty)
+            flat.index_copy_(0, at, torch.where(values > 0, values / penalty, values * penalty))
         if len(counting):  # output tokens: logit -= frequency * count + presence * (count > 0)
-            r, t, counts = self._history_entries(counting, slots, outputs_only=True)
+            at, r, counts = self._history_entries(counting, slots, outputs_only=True)
             f = torch.as_tensor(frequency, device=self.device)[r]
             p = torch.as_tensor(presence, device=self.device)[r]
             counts = counts.to(processed.dtype)
-            processed[r, t] = processed[r, t] - (f * counts + p * (counts > 0).to(counts.dtype))
+            penalty = f * counts + p * (counts > 0).to(counts.dtype)
+            flat.index_copy_(0, at, flat.index_select(0, at) - penalty)
         banned_rows = np.flatnonzero(num_banned)
         if len(banned_rows):
             first = np.repeat(np.cumsum(num_banned) - num_banned, num_banned)
-            at = np.repeat(indptr[rows], num_banned) + np.arange(int(num_banned.sum())) - first
-            r = torch.as_tensor(np.repeat(np.arange(len(rows)), num_banned), device=self.device)
-            t = torch.as_tensor(plan.banned_token_ids[at].astype(np.int64), device=self.device)
-            processed[r, t] = -torch.inf
+            ids = np.repeat(indptr[rows], num_banned) + np.arange(int(num_banned.sum())) - first
+            sample = np.repeat(np.arange(len(rows), dtype=np.int64), num_banned)
+            banned = sample * self.vocab_size + plan.banned_token_ids[ids].astype(np.int64)
+            flat.index_fill_(0, self._tensor(banned, np.int64), -torch.inf)
         if self.grammar_slots:
             self._mask(processed, logits, slots, banned_rows.tolist(), part)
         return processed, True
@@ -251,7 +253,8 @@ class Sampler(SlotHistory):
         self, samples: np.ndarray, slots: list[int], outputs_only: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The distinct (sample, token) pairs of the ``samples``' histories (prompt + output
-        tokens, or output tokens only) with how often each token occurs: three int64 [n]."""
+        tokens, or output tokens only) as flat indices ``sample * vocab_size + token``, their
+        samples, and how often each token occurs: three int64 [n]."""
         histories = []
         for r in samples.tolist():
             state = self.slots[slots[r]]
@@ -262,11 +265,10 @@ class Sampler(SlotHistory):
         keys, counts = np.unique(
             keys[(tokens >= 0) & (tokens < self.vocab_size)], return_counts=True
         )
-        as_tensor = lambda a: torch.as_tensor(a, device=self.device)  # noqa: E731
         return (
-            as_tensor(keys // self.vocab_size),
-            as_tensor(keys % self.vocab_size),
-            as_tensor(counts.astype(np.int64)),
+            self._tensor(keys, np.int64),
+            self._tensor(keys // self.vocab_size, np.int64),
+            self._tensor(counts, np.int64),
         )
 
     def _uniforms(self, seeds: np.ndarray, output_indices: np.ndarray) -> torch.Tensor:
