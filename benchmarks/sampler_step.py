@@ -1,0 +1,292 @@
+"""One sampler step at 256 rows: mixed sampling settings vs greedy, the sampler before and after
+the batched draw (issue 14), and the step's cost at 64 and 1,024 generated tokens.
+
+A real ``resin.Engine`` schedules 256 requests; its runner feeds each plan's lifecycle diff to
+both samplers (``begin_step``) and answers with fixed tokens, so after N generated tokens both
+samplers hold the same histories (penalties need them). On the captured decode plan the
+benchmark times ``Sampler.sample(logits, plan, rows)`` — penalties, bans, filters, the draw and
+the output — median of ``--repeats`` calls, each sampler on the same logits:
+
+- "before": ``resin/sampling.py`` at ``--before`` (default 2b7ac0d, the last per-row sampler:
+  a Python loop over rows, a ``torch.Generator`` per seeded row, two full sorts for
+  top-k / top-p), loaded from git into a temporary module; "after": the working tree's.
+- greedy: 256 rows at temperature 0, nothing else; mixed: eight settings, 32 rows each
+  (greedy with penalties; temperature alone; top-k; top-p; top-k + top-p; min-p; top-p with a
+  repetition penalty; top-k with frequency and presence penalties; most seeded).
+- logits: "peaked" (LLM-like: a N(0, 2) bulk with 8 tokens 10-16 above it, the top one
+  taking ~0.9 of the mass) or "flat" (the bulk alone: a top-p nucleus of thousands of tokens,
+  the worst case for a candidate set).
+
+Greedy rows must agree between the two samplers (same penalties, same argmax); the benchmark
+checks it. The logprobs rows: the mixed step with ``logprobs=5`` on every row at 64 and 1,024
+generated tokens, and the same step without logprobs.
+
+    .venv/bin/python benchmarks/sampler_step.py   # prints tables, writes results/sampler_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import resin
+from resin import Engine, EngineConfig, ForwardOutput, SamplingParams
+from resin.sampling import Sampler
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+NUM_ROWS = 256
+PROMPT_LEN = 32
+MIXED = [
+    dict(temperature=0.0, repetition_penalty=1.05, presence_penalty=0.2),
+    dict(temperature=0.7),
+    dict(temperature=0.8, top_k=50, seed=1),
+    dict(temperature=1.0, top_p=0.9, seed=2),
+    dict(temperature=0.6, top_k=40, top_p=0.95, seed=3),
+    dict(temperature=1.0, min_p=0.05, seed=4),
+    dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=5),
+    dict(temperature=0.9, top_k=100, frequency_penalty=0.3, presence_penalty=0.5),
+]
+
+
+def load_before(rev: str) -> type:
+    """The ``Sampler`` class of ``resin/sampling.py`` at git revision ``rev``."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:resin/sampling.py"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "sampling_before.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("sampling_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Sampler  # type: ignore[no-any-return]
+
+
+class HistoryRunner:
+    """Feeds every plan to the samplers' ``begin_step`` and answers fixed pseudo-random tokens;
+    keeps the last plan where all rows decode."""
+
+    def __init__(self, samplers: list[Any], vocab_size: int) -> None:
+        self.samplers, self.vocab_size = samplers, vocab_size
+        self.rng = np.random.default_rng(0)
+        self.decode_plan: resin.BatchPlan | None = None
+
+    def forward(self, plan: resin.BatchPlan) -> ForwardOutput:
+        for sampler in self.samplers:
+            sampler.begin_step(plan)
+        n = plan.num_sequences
+        if n == NUM_ROWS and int(np.diff(plan.sample_indptr).sum()) == n:
+            self.decode_plan = plan
+        tokens = self.rng.integers(0, min(self.vocab_size, 30000), n).astype(np.uint32)
+        indptr = np.arange(n + 1, dtype=np.uint32)
+        k = max(int(plan.sampling.num_logprobs.max()), 0) if n else 0
+        if k == 0:
+            return ForwardOutput(tokens, indptr)
+        top_ids = np.zeros((n, k), np.uint32)
+        return ForwardOutput(
+            tokens, indptr, np.zeros(n, np.float32), top_ids, np.zeros((n, k), np.float32)
+        )
+
+
+def capture(
+    settings: list[dict[str, Any]], num_generated: int, vocab_size: int, samplers: list[Any]
+) -> resin.BatchPlan:
+    """The decode plan after ``num_generated`` tokens of 256 requests cycling ``settings``."""
+    config = EngineConfig(
+        page_size=16,
+        num_pages=NUM_ROWS * ((PROMPT_LEN + num_generated) // 16 + 2) + 16,
+        max_model_len=PROMPT_LEN + num_generated + 16,
+        max_num_seqs=NUM_ROWS,
+        max_num_batched_tokens=8192,
+        vocab_size=vocab_size,
+        eos_token_ids=[],
+    )
+    runner = HistoryRunner(samplers, vocab_size)
+    engine = Engine(config, runner)
+    rng = np.random.default_rng(1)
+    for i in range(NUM_ROWS):
+        prompt = rng.integers(0, min(vocab_size, 30000), PROMPT_LEN).tolist()
+        params = SamplingParams(
+            max_tokens=num_generated + 1, ignore_eos=True, **settings[i % len(settings)]
+        )
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(num_generated):
+        engine.step()
+    assert runner.decode_plan is not None and runner.decode_plan.num_sequences == NUM_ROWS
+    return runner.decode_plan
+
+
+def make_logits(kind: str, vocab_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(NUM_ROWS, vocab_size, generator=gen) * 2.0
+    if kind == "peaked":
+        top = torch.randint(0, vocab_size, (NUM_ROWS, 8), generator=gen)
+        lift = torch.tensor([16.0, 13.0, 12.0, 11.5, 11.0, 10.5, 10.0, 10.0])
+        logits.scatter_(1, top, lift.expand(NUM_ROWS, 8) + torch.randn(NUM_ROWS, 8, generator=gen))
+    return logits
+
+
+def median_ms(calls: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median wall time (ms) of each call, the calls interleaved round by round (after one
+    warm-up round), so a noisy machine slows them alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(repeats + 1):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+
+
+def step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
+    rows = np.arange(plan.num_sequences)
+    return lambda: sampler.sample(logits, plan, rows)
+
+
+def greedy_tokens(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> np.ndarray:
+    out = sampler.sample(logits, plan, np.arange(plan.num_sequences))
+    greedy = np.asarray(plan.sampling.temperature) == 0
+    return np.asarray(out.token_ids)[greedy]
+
+
+def step_rows(
+    vocabs: list[int], repeats: int, before_repeats: int, before_cls: type
+) -> list[dict[str, Any]]:
+    rows = []
+    for vocab_size in vocabs:
+        greedy_samplers = [before_cls(vocab_size), Sampler(vocab_size)]
+        greedy_plan = capture([dict(temperature=0.0)], 16, vocab_size, greedy_samplers)
+        mixed_samplers = [before_cls(vocab_size), Sampler(vocab_size)]
+        mixed_plan = capture(MIXED, 64, vocab_size, mixed_samplers)
+        for kind in ("peaked", "flat"):
+            logits = make_logits(kind, vocab_size)
+            before, after = mixed_samplers
+            same = np.array_equal(
+                greedy_tokens(before, logits, mixed_plan), greedy_tokens(after, logits, mixed_plan)
+            )
+            assert same, "greedy rows differ between the samplers"
+            row: dict[str, Any] = {"vocab_size": vocab_size, "logits": kind}
+            for name, index, n in (("after", 1, repeats), ("before", 0, before_repeats)):
+                timed = median_ms(
+                    {
+                        "greedy": step(greedy_samplers[index], logits, greedy_plan),
+                        "mixed": step(mixed_samplers[index], logits, mixed_plan),
+                    },
+                    n,
+                )
+                row[f"greedy_{name}_ms"], row[f"mixed_{name}_ms"] = timed["greedy"], timed["mixed"]
+                print(f"  vocab {vocab_size} {kind} {name}: {timed}", flush=True)
+            row["mixed_over_greedy_after"] = row["mixed_after_ms"] / row["greedy_after_ms"]
+            row["mixed_speedup"] = row["mixed_before_ms"] / row["mixed_after_ms"]
+            rows.append(row)
+    return rows
+
+
+def logprob_rows(
+    vocab_size: int, repeats: int, before_repeats: int, before_cls: type
+) -> list[dict[str, Any]]:
+    rows = []
+    settings = [dict(s, logprobs=5) for s in MIXED]
+    logits = make_logits("peaked", vocab_size)
+    for num_generated in (64, 1024):
+        samplers = [before_cls(vocab_size), Sampler(vocab_size)]
+        plan = capture(settings, num_generated, vocab_size, samplers)
+        bare = [before_cls(vocab_size), Sampler(vocab_size)]
+        bare_plan = capture(MIXED, num_generated, vocab_size, bare)
+        row: dict[str, Any] = {"vocab_size": vocab_size, "generated_tokens": num_generated}
+        for name, index, n in (("after", 1, repeats), ("before", 0, before_repeats)):
+            timed = median_ms(
+                {
+                    "with": step(samplers[index], logits, plan),
+                    "without": step(bare[index], logits, bare_plan),
+                },
+                n,
+            )
+            row[f"with_logprobs_{name}_ms"], row[f"without_{name}_ms"] = (
+                timed["with"],
+                timed["without"],
+            )
+        print(f"  logprobs at {num_generated} tokens: {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
+    parser.add_argument("--logprobs-vocab", type=int, default=32000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--before-repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--before", default="2b7ac0d", help="git revision of the 'before' sampler")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    before_cls = load_before(args.before)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {NUM_ROWS} rows, median of {args.repeats}"
+    )
+    steps = step_rows(args.vocab, args.repeats, args.before_repeats, before_cls)
+    logprobs = logprob_rows(args.logprobs_vocab, args.repeats, args.before_repeats, before_cls)
+
+    print("\nSampler step, ms (median)\n")
+    print(
+        "| vocab | logits | greedy before | greedy after | mixed before | mixed after | mixed / greedy (after) | mixed speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in steps:
+        print(
+            f"| {r['vocab_size']:,} | {r['logits']} | {r['greedy_before_ms']:.1f} | {r['greedy_after_ms']:.1f} "
+            f"| {r['mixed_before_ms']:.1f} | {r['mixed_after_ms']:.1f} | {r['mixed_over_greedy_after']:.2f}x "
+            f"| {r['mixed_speedup']:.1f}x |"
+        )
+    print(
+        f"\nMixed step with and without logprobs=5 (vocab {args.logprobs_vocab:,}, peaked), ms (median)\n"
+    )
+    print(
+        "| generated tokens | before, with | before, without | after, with | after, without | after: logprobs cost |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in logprobs:
+        print(
+            f"| {r['generated_tokens']:,} | {r['with_logprobs_before_ms']:.1f} | {r['without_before_ms']:.1f} "
+            f"| {r['with_logprobs_after_ms']:.1f} | {r['without_after_ms']:.1f} "
+            f"| {r['with_logprobs_after_ms'] - r['without_after_ms']:.1f} |"
+        )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_path = RESULTS / "sampler_step.json"
+    payload = {
+        "benchmark": "sampler_step",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "num_rows": NUM_ROWS,
+        "repeats": args.repeats,
+        "before_repeats": args.before_repeats,
+        "before": args.before,
+        "mixed_settings": MIXED,
+        "steps": steps,
+        "logprobs": logprobs,
+    }
+    out_path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nJSON: {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
