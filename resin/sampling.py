@@ -17,8 +17,10 @@ The draw is one batched pass for every row (:func:`sample_tokens`, no Python loo
 each row's filters reduce to one threshold logit, found among its ``CANDIDATES`` (256) largest
 logits when it can be, else over the whole row, and the token is the first kept token in
 token-id order whose cumulative probability exceeds the sample's uniform number in [0, 1)
-(inverse-CDF sampling). Penalties and bans change only the entries they touch (one scatter
-each for the batch); a step with none of them, nor grammars, reads the logits without a copy.
+(inverse-CDF sampling). The rows go in three groups (greedy, drawn without a filter, drawn
+with one), each copied once and handled by one batched call; a step of one group copies nothing
+unless a penalty, ban or grammar changes its logits. Penalties and bans change only the entries
+they touch (one scatter each for the batch).
 
 The history comes from the engine's lifecycle diff alone, never from ``input_ids``: a slot in
 ``new_request_slots`` starts from ``new_request_token_ids`` (prompt, then any outputs it
