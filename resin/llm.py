@@ -86,7 +86,9 @@ class LLM:
     ``tensor_parallel_size`` / ``expert_parallel_size``: N > 1 runs a built-in-family
     checkpoint on N ranks (:class:`resin.runners.parallel.TensorParallelRunner`: N - 1 worker
     processes; ``llm.close()`` stops them, as does the process exit) — attention and MLPs
-    split (TP), the routed experts dealt out (EP), or both over the same ranks. ``engine_config``:
+    split (TP), the routed experts dealt out (EP), or both over the same ranks.
+    ``data_parallel_size``: D attention replicas, each with its own engine and requests, the
+    MoE layers shared (:class:`resin.runners.parallel.data_parallel.DataParallelEngine`). ``engine_config``:
     :class:`resin.EngineConfig` fields.
     """
 
@@ -103,6 +105,7 @@ class LLM:
         speculative_method: str | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         **engine_config: Any,
     ) -> None:
         from resin.registry import ModelRegistry, resolve_runner
@@ -124,7 +127,17 @@ class LLM:
             self.model_dir, self.tokenizer.special_tokens_map
         )
         registry = ModelRegistry(models_dirs)
-        if tensor_parallel_size > 1 or expert_parallel_size > 1:
+        if data_parallel_size > 1:
+            if tensor_parallel_size > 1 or expert_parallel_size not in (1, data_parallel_size):
+                raise ValueError(
+                    "data_parallel_size: DP attention with the experts dealt over the same "
+                    "ranks (expert_parallel_size 1 or equal), no tensor parallelism"
+                )
+            self.runner = _parallel_runner(
+                self.model_dir, runner, registry, 1, data_parallel_size, device, dtype,
+                attention_backend, data_parallel=True,
+            )  # fmt: skip
+        elif tensor_parallel_size > 1 or expert_parallel_size > 1:
             self.runner = _parallel_runner(
                 self.model_dir, runner, registry, tensor_parallel_size, expert_parallel_size,
                 device, dtype, attention_backend,
@@ -146,7 +159,14 @@ class LLM:
                 )
             enable_mtp(int(engine_config["num_speculative_tokens"]))
         config = self._engine_config(self.runner, kv_cache_bytes, engine_config)
-        self.engine = Engine(config, self.runner)
+        # An Engine, or (DP attention) D of them behind the part of its interface used here.
+        self.engine: Engine
+        if data_parallel_size > 1:
+            from resin.runners.parallel.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(config, self.runner)  # type: ignore[assignment]
+        else:
+            self.engine = Engine(config, self.runner)
         self._request_counter = itertools.count()
 
     # -- construction ---------------------------------------------------------------------
@@ -367,6 +387,7 @@ def _parallel_runner(
     device: str,
     dtype: Any,
     attention_backend: str | None,
+    data_parallel: bool = False,
 ) -> Any:
     """The parallel runner of a built-in-family checkpoint: TP over ``tp`` ranks, EP over
     ``ep`` (alone, or over the same ranks as TP); model directories, MLX and explicit runner
@@ -398,4 +419,5 @@ def _parallel_runner(
         attention_backend=attention_backend,
         tensor_parallel=tp > 1,
         expert_parallel=ep > 1,
+        data_parallel=data_parallel,
     )

@@ -46,6 +46,8 @@ OPTIONS = [
     "--speculative-method",
     "--num-speculative-tokens",
     "--tensor-parallel-size",
+    "--expert-parallel-size",
+    "--data-parallel-size",
 ]
 
 

@@ -14,6 +14,7 @@ allow is refused before any process starts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -165,9 +166,11 @@ def test_bad_sizes_and_runners_are_refused() -> None:
         )
 
 
-def test_resin_serve_answers_on_two_ranks() -> None:
-    """The server with tensor_parallel_size 2 (what ``resin serve --tensor-parallel-size 2``
-    builds): OpenAI and Anthropic answers (temperature 0) equal the single-process
+@pytest.mark.parametrize("parallel", [("llama", "tensor"), ("qwen3_moe", "data")])
+def test_resin_serve_answers_on_two_ranks(parallel: tuple[str, str]) -> None:
+    """The server with tensor_parallel_size 2 or data_parallel_size 2 (what ``resin serve
+    --tensor-parallel-size 2`` / ``--data-parallel-size 2`` build): OpenAI and Anthropic
+    answers (temperature 0) equal the single-process
     runner's greedy text."""
     anthropic = pytest.importorskip("anthropic")
     openai = pytest.importorskip("openai")
@@ -175,7 +178,8 @@ def test_resin_serve_answers_on_two_ranks() -> None:
     from resin.server.serve import build_context
     from tests.server_harness import LiveServer
 
-    model = FIXTURES / "llama"
+    name, kind = parallel
+    model = FIXTURES / name
     messages = [{"role": "user", "content": "Hello there"}]
     expected = LLM(model, max_num_seqs=2, max_model_len=96).chat(
         messages, resin.SamplingParams(max_tokens=8, temperature=0.0)
@@ -185,10 +189,12 @@ def test_resin_serve_answers_on_two_ranks() -> None:
         options=ServerOptions(served_model_names=["tp"]),
         max_num_seqs=2,
         max_model_len=96,
-        tensor_parallel_size=2,
+        **{f"{kind}_parallel_size": 2},  # type: ignore[arg-type]
     )
     try:
         assert type(ctx.loop.runner).__name__ == "TensorParallelRunner"
+        if kind == "data":
+            assert type(ctx.loop.engine).__name__ == "DataParallelEngine"
         with LiveServer(ctx) as live:
             client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="x", max_retries=0)
             chat = client.chat.completions.create(
@@ -238,3 +244,39 @@ def test_parity_and_bench_take_the_same_flags(tmp_path: Path) -> None:
     report = json.loads((out / "report.json").read_text())
     assert "--tensor-parallel-size 2" in report["command"]
     assert all(s["tokens_per_s"] > 0 for s in report["shapes"])
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_dp_attention_greedy_is_the_single_process_output(name: str) -> None:
+    """DP attention = 2: two engines (pools, schedulers), a request on one rank for its life,
+    the MoE layers exchanging both ranks' tokens; an idle rank (one request in flight) joins
+    the exchange with none. Under chunked prefill, prefix hits and preemption."""
+    model = FIXTURES / name
+    want = _tokens(LLM(model, max_num_seqs=3, max_model_len=96))
+    for engine in (
+        {"num_pages": 200},
+        {"max_num_batched_tokens": 7, "num_pages": 200},
+        {"page_size": 4, "max_num_batched_tokens": 16, "num_pages": 17, "max_model_len": 64},
+    ):
+        llm = LLM(model, data_parallel_size=2, **{"max_num_seqs": 3, "max_model_len": 96, **engine})
+        try:
+            assert _tokens(llm) == want, engine
+            served = [  # both engines served requests (their own prompt tokens)
+                re.search(r"^resin:prompt_tokens_total (\S+)", e.metrics_text(), re.M)
+                for e in llm.engine.engines
+            ]
+            assert all(m is not None and float(m.group(1)) > 0 for m in served)
+            one = llm.generate(PROMPTS[:1], PARAMS)  # the other rank idles
+            assert one[0].token_ids == want[0]
+            if engine["num_pages"] == 200:  # PROMPTS[0] ran on engine 0, and so does this
+                assert one[0].num_cached_tokens > 0
+            else:  # 17 pages per engine for its ~50- and ~35-token requests: preemption
+                preemptions = [
+                    re.search(r"^resin:num_preemptions_total (\S+)", e.metrics_text(), re.M)
+                    for e in llm.engine.engines
+                ]
+                assert sum(float(m.group(1)) for m in preemptions if m) > 0
+        finally:
+            llm.close()
+        if name != "qwen3_moe":
+            break  # the engine side is covered once

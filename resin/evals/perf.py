@@ -465,6 +465,7 @@ def bench(
         )
     )
     ref.attention_backend = attention_backend
+    started: list[Any] = []
     try:
         if settings.runner == "mlx":
             from resin.registry import resolve_runner
@@ -475,7 +476,9 @@ def bench(
         else:
             factory = ref.runner_factory(settings.device, settings.dtype)
         if max(tensor_parallel_size, expert_parallel_size) > 1:
-            factory = _parallel_factory(ref, tensor_parallel_size, expert_parallel_size, settings)
+            factory = _parallel_factory(
+                ref, tensor_parallel_size, expert_parallel_size, settings, started
+            )
             command += (
                 f" --tensor-parallel-size {tensor_parallel_size}"
                 f" --expert-parallel-size {expert_parallel_size}"
@@ -495,6 +498,9 @@ def bench(
     except RuntimeError as exc:
         typer.echo(f"error: the run failed: {exc}", err=True)
         raise typer.Exit(EXIT_FAILED) from exc
+    finally:
+        for group in started:  # a parallel runner's workers, stopped after the run
+            group.close()
     if dims_note is not None:
         report["notes"].append(dims_note)
     out_dir = out or _default_out_dir(ref.name)
@@ -504,7 +510,9 @@ def bench(
         raise typer.Exit(EXIT_REGRESSION)
 
 
-def _parallel_factory(ref: Any, tp: int, ep: int, settings: BenchSettings) -> Any:
+def _parallel_factory(
+    ref: Any, tp: int, ep: int, settings: BenchSettings, started: list[Any]
+) -> Any:
     """``factory(checkpoint) -> runner`` on TP / EP ranks (the built-in families only)."""
     if ref.model_dir is not None or settings.runner != "torch":
         raise ValueError(
@@ -517,7 +525,7 @@ def _parallel_factory(ref: Any, tp: int, ep: int, settings: BenchSettings) -> An
     def factory(checkpoint_dir: str) -> Any:
         from resin.runners.parallel import TensorParallelRunner
 
-        return TensorParallelRunner(
+        runner = TensorParallelRunner(
             checkpoint_dir,
             max(tp, ep),
             device=settings.device,
@@ -526,5 +534,7 @@ def _parallel_factory(ref: Any, tp: int, ep: int, settings: BenchSettings) -> An
             tensor_parallel=tp > 1,
             expert_parallel=ep > 1,
         )
+        started.append(runner)
+        return runner
 
     return factory

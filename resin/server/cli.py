@@ -114,6 +114,14 @@ def serve(
             "(alone, or equal to --tensor-parallel-size: over the same ranks).",
         ),
     ] = 1,
+    data_parallel_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="DP attention for MoE checkpoints: D attention replicas, each with its own "
+            "engine and requests, the experts dealt over the D ranks.",
+        ),
+    ] = 1,
     tool_parser: Annotated[
         str | None,
         typer.Option(
@@ -215,6 +223,8 @@ def serve(
         engine_config["tensor_parallel_size"] = tensor_parallel_size
     if expert_parallel_size > 1:
         engine_config["expert_parallel_size"] = expert_parallel_size
+    if data_parallel_size > 1:
+        engine_config["data_parallel_size"] = data_parallel_size
     for name, value in (
         ("num_pages", num_pages),
         ("max_model_len", max_model_len),

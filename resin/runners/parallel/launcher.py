@@ -29,6 +29,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -38,6 +39,7 @@ from resin.loading import load_model_config
 from resin.runners.parallel.plan_transport import PlanView, PlanWriter
 from resin.runners.parallel.sharding import TensorParallelShard
 from resin.runners.parallel.tensor_parallel import resident_weight_bytes, tensor_parallel_runner
+from resin.runners.torch.context import LayerContext
 
 DEFAULT_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 300.0
@@ -55,6 +57,30 @@ class _NoSampling:
 
     def sample(self, logits: torch.Tensor, plan: Any, rows: Any) -> None:
         return None
+
+
+def _forward(runner: Any, plan: Any) -> Any:
+    """``runner.forward(plan)``; an empty plan under DP attention is an idle pass instead: the
+    rank joins each MoE layer's token exchange with no tokens (SGLang's idle batch), and
+    returns an empty output."""
+    if plan.num_tokens or not getattr(runner, "data_parallel", False):
+        return runner.forward(plan)
+    hidden = runner.config.hidden_size
+    empty = torch.zeros((0, hidden), dtype=runner.dtype, device=runner.device)
+    ids = torch.zeros(0, dtype=torch.long, device=runner.device)
+    with torch.inference_mode():
+        for layer in runner.model.layers:
+            if layer.index in runner.moe_layer_indices:
+                ctx = LayerContext(
+                    index=layer.index,
+                    config=runner.config,
+                    head_dim=runner.model.head_dim,
+                    dtype=runner.dtype,
+                    input_ids=ids,
+                    positions=ids,
+                )
+                layer.children["mlp"](empty, runner.child_weights[layer.index]["mlp"], ctx)
+    return ForwardOutput(np.zeros(0, np.uint32), np.zeros(1, np.uint32))
 
 
 def _discard(name: str, tensor: torch.Tensor) -> None:
@@ -81,7 +107,7 @@ def _worker_main(
     attention_backend: str | None,
     timeout_s: float,
     num_threads: int | None,
-    split: tuple[bool, bool],
+    split: tuple[bool, bool, bool],
     conn: Any,
 ) -> None:
     """Rank ``rank``'s loop: build the shard, then bind / step / report until told to stop or
@@ -96,11 +122,13 @@ def _worker_main(
             world_size,
             tensor_parallel=split[0],
             expert_parallel=split[1],
+            data_parallel=split[2],
             device=device,
             dtype=getattr(torch, dtype),
             attention_backend=attention_backend,
         )
-        runner.sampler = _NoSampling()  # type: ignore[assignment]
+        if not split[2]:  # data parallel: every rank samples its own requests
+            runner.sampler = _NoSampling()  # type: ignore[assignment]
         conn.send(("ready", None))
         while True:
             try:
@@ -118,7 +146,9 @@ def _worker_main(
                 # Parity capture on rank 0 computes every token's logits: so must this rank,
                 # for the all-gather to line up (what it captures is dropped).
                 runner.capture = _discard if payload["capture"] else None
-                runner.forward(PlanView(payload))  # type: ignore[arg-type]
+                out = _forward(runner, PlanView(payload))
+                if payload.get("reply"):  # data parallel: this rank's own rows
+                    conn.send(("output", _output_arrays(out)))
             elif op == "stats":
                 conn.send(("stats", _stats(runner)))
     except Exception:  # noqa: BLE001 - reported to rank 0, which fails the step with it
@@ -129,6 +159,17 @@ def _worker_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_OUTPUT_FIELDS = ("token_ids", "token_indptr", "logprobs", "top_logprob_ids", "top_logprobs")
+
+
+def _output_arrays(out: ForwardOutput) -> tuple[Any, ...]:
+    """A ForwardOutput as plain arrays, for the pipe (a handful per row: token ids, log-probs)."""
+    return tuple(
+        None if getattr(out, name) is None else np.asarray(getattr(out, name))
+        for name in _OUTPUT_FIELDS
+    )
 
 
 def _stats(runner: Any) -> dict[str, int]:
@@ -166,6 +207,7 @@ class TensorParallelRunner:
         num_threads: int | None = None,
         tensor_parallel: bool = True,
         expert_parallel: bool = False,
+        data_parallel: bool = False,
     ):
         if world_size < 2:
             raise ValueError("a parallel runner needs at least 2 ranks")
@@ -175,7 +217,7 @@ class TensorParallelRunner:
                 "tensor-parallel runner per process (close the other first)"
             )
         # Refuse a size the checkpoint's heads / widths do not allow before any process starts.
-        split = (tensor_parallel, expert_parallel)
+        split = (tensor_parallel, expert_parallel, data_parallel)
         TensorParallelShard.of(
             load_model_config(model_dir),
             0,
@@ -183,6 +225,7 @@ class TensorParallelRunner:
             tensor_parallel=tensor_parallel,
             expert_parallel=expert_parallel,
         )
+        self.data_parallel = data_parallel
         dtype_name = str(dtype).removeprefix("torch.")
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -224,6 +267,7 @@ class TensorParallelRunner:
                 world_size,
                 tensor_parallel=tensor_parallel,
                 expert_parallel=expert_parallel,
+                data_parallel=data_parallel,
                 device=device,
                 dtype=getattr(torch, dtype_name),
                 attention_backend=attention_backend,
@@ -234,6 +278,7 @@ class TensorParallelRunner:
             self.close()
             raise
         self.writer = PlanWriter()
+        self._rank_writers = [PlanWriter() for _ in range(world_size - 1)] if data_parallel else []
         self.model_config = self.local.model_config
         self.bound = False
 
@@ -277,6 +322,37 @@ class TensorParallelRunner:
     def capture(self, value: Any) -> None:
         self.local.capture = value
 
+    # -- data parallel: one plan per rank ------------------------------------------------
+
+    def bind_rank(self, rank: int, layout: CacheLayout) -> None:
+        """Bind rank ``rank``'s caches alone (data parallel: one engine, and pool, per rank)."""
+        self._check_alive()
+        if rank == 0:
+            self.local.bind_cache(layout)
+            return
+        self._pipes[rank - 1].send(("bind", (layout.page_size, layout.num_pages)))
+        self._expect(rank, "bound", self.timeout_s)
+
+    def forward_all(self, plans: list[BatchPlan]) -> list[ForwardOutput]:
+        """Data parallel: rank r runs ``plans[r]`` (its engine's; an empty plan keeps an idle
+        rank in the MoE layers' collectives), every rank samples its own rows."""
+        if len(plans) != self.world_size:
+            raise ValueError(f"{len(plans)} plans for {self.world_size} ranks")
+        self._check_alive()
+        for pipe, writer, plan in zip(self._pipes, self._rank_writers, plans[1:]):
+            message = writer.write(plan)  # a segment per rank: all plans are in flight at once
+            message.update(capture=False, reply=True)
+            pipe.send(("step", message))
+        try:
+            outputs = [_forward(self.local, plans[0])]
+        except Exception as exc:
+            self._check_alive(wait_s=1.0)
+            raise RankFailure(f"data-parallel step failed on rank 0: {exc}") from exc
+        for rank in range(1, self.world_size):
+            arrays = self._expect(rank, "output", self.timeout_s)
+            outputs.append(ForwardOutput(*arrays))
+        return outputs
+
     # -- introspection and lifetime -----------------------------------------------------
 
     def rank_stats(self) -> list[dict[str, int]]:
@@ -292,6 +368,9 @@ class TensorParallelRunner:
         if getattr(self, "writer", None) is not None:
             self.writer.close()
             self.writer = None  # type: ignore[assignment]
+        for writer in getattr(self, "_rank_writers", []):
+            writer.close()
+        self._rank_writers = []
         self._finalizer()
         if dist.is_initialized():
             dist.destroy_process_group()

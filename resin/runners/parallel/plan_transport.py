@@ -10,7 +10,8 @@ One host only: across hosts the same layout would be sent first and the flat buf
 broadcast with ``torch.distributed.broadcast`` (NCCL / gloo), which this module's split into
 "layout" and "bytes" is shaped for.
 
-The sampling arrays and request ids are not sent: only rank 0 samples.
+The sampling arrays, lifecycle arrays and request ids go too: under DP attention every rank
+samples its own rows.
 """
 
 from __future__ import annotations
@@ -41,6 +42,27 @@ ARRAYS = (
     "num_output_tokens",
     "copy_pages",
     "zero_pages",
+    # what a sampling rank reads too (data parallel: every rank samples its own rows)
+    "committed_token_indptr",
+    "committed_token_ids",
+    "banned_token_indptr",
+    "banned_token_ids",
+    "new_request_slots",
+    "new_request_token_indptr",
+    "new_request_token_ids",
+    "new_request_num_prompt_tokens",
+    "finished_request_slots",
+)
+SAMPLING = (  # plan.sampling's per-row arrays
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "num_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 GROUP_ARRAYS = (  # one array per cache group
     "kv_indptr",
@@ -64,6 +86,7 @@ class PlanWriter:
         arrays: list[tuple[str, np.ndarray]] = [(name, getattr(plan, name)) for name in ARRAYS]
         for name in GROUP_ARRAYS:
             arrays += [(f"{name}.{g}", a) for g, a in enumerate(getattr(plan, name))]
+        arrays += [(f"sampling:{name}", getattr(plan.sampling, name)) for name in SAMPLING]
         layout, offset = [], 0
         for name, array in arrays:
             array = np.ascontiguousarray(array)
@@ -81,6 +104,7 @@ class PlanWriter:
         return {
             "segment": self.segment.name,
             "scalars": {name: int(getattr(plan, name)) for name in SCALARS},
+            "request_ids": list(plan.request_ids),
             "arrays": layout,
         }
 
@@ -93,6 +117,15 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     """Open rank 0's segment. (Spawned workers share rank 0's resource tracker, which drops
     the segment when rank 0 unlinks it: nothing to unregister here.)"""
     return shared_memory.SharedMemory(name=name)
+
+
+class _SamplingView:
+    """``plan.sampling`` on the other ranks: the per-row sampling arrays."""
+
+    temperature: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.temperature)
 
 
 class PlanView:
@@ -112,10 +145,15 @@ class PlanView:
             self._segments[name] = segment
         for key, value in message["scalars"].items():
             setattr(self, key, value)
+        self.request_ids = message.get("request_ids", [])
+        self.sampling = _SamplingView()
         groups: dict[str, list[np.ndarray]] = {name: [] for name in GROUP_ARRAYS}
         for key, dtype, shape, offset in message["arrays"]:
             view = np.ndarray(tuple(shape), dtype=dtype, buffer=segment.buf, offset=offset)
             view.flags.writeable = False
+            if key.startswith("sampling:"):
+                setattr(self.sampling, key.removeprefix("sampling:"), view)
+                continue
             base, _, group = key.partition(".")
             if group:
                 groups[base].append(view)

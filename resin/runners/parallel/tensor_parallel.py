@@ -11,6 +11,8 @@ the given process group (gloo on CPU, NCCL on GPUs):
   alone attention and dense MLPs are replicated and need none);
 - the embedding: a vocab-parallel lookup — each rank embeds the ids in its vocabulary range,
   zeros elsewhere — then all-reduce;
+- DP attention (``data_parallel``): attention replicated, each rank on its own requests (its
+  own engine and plan), the MoE layers exchanging tokens (:func:`_data_parallel_moe`);
 - the logits: each rank's vocabulary shard, padded to ``ceil(V / N)``, all-gathered and cut to
   V, so rank 0 samples from the full distribution.
 
@@ -45,11 +47,39 @@ def _all_reduce_after(block: Any, group: Any) -> Any:
     return reduced
 
 
+def _data_parallel_moe(block: Any, group: Any) -> Any:
+    """DP attention's MoE layer: every rank's tokens through every rank's experts. The
+    ranks' token counts differ (an idle rank has none): all-gather the counts, all-gather the
+    tokens padded to the longest, run the local experts on all of them, all-reduce the
+    partial sums (each expert is on one rank), keep this rank's rows."""
+
+    def moe(x: torch.Tensor, w: dict[str, torch.Tensor], ctx: Any) -> torch.Tensor:
+        world = dist.get_world_size(group)
+        count = torch.tensor([x.shape[0]], dtype=torch.int64)
+        counts = [torch.zeros_like(count) for _ in range(world)]
+        dist.all_gather(counts, count, group=group)
+        sizes = [int(c) for c in counts]
+        longest = max(sizes)
+        padded = x.new_zeros((longest, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        tokens = torch.cat([p[:n] for p, n in zip(parts, sizes)])
+        out = block(tokens, w, ctx) if tokens.shape[0] else tokens.clone()
+        dist.all_reduce(out, group=group)
+        start = sum(sizes[: dist.get_rank(group)])
+        return out[start : start + x.shape[0]]
+
+    moe.__name__ = f"data_parallel_{getattr(block, '__name__', 'moe')}"
+    return moe
+
+
 def tensor_parallel_definition(
     definition: ModelDefinition,
     shard: TensorParallelShard,
     group: Any,
     moe_layers: list[bool] | None = None,
+    data_parallel: bool = False,
 ) -> ModelDefinition:
     """``definition`` with the collectives of the module doc added around its blocks
     (``moe_layers[i]``: layer i's MLP is routed experts, all-reduced under EP)."""
@@ -83,13 +113,14 @@ def tensor_parallel_definition(
             return shard.tensor_parallel or (shard.expert_parallel and moe_layers[index])
         return False
 
+    def wrap(name: str, index: int, fn: Any) -> Any:
+        if data_parallel and name == "mlp" and moe_layers[index]:
+            return _data_parallel_moe(fn, group)
+        return _all_reduce_after(fn, group) if reduced(name, index) else fn
+
     layers = [
         dataclasses.replace(
-            layer,
-            children={
-                name: _all_reduce_after(fn, group) if reduced(name, i) else fn
-                for name, fn in layer.children.items()
-            },
+            layer, children={name: wrap(name, i, fn) for name, fn in layer.children.items()}
         )
         for i, layer in enumerate(definition.layers)
     ]
@@ -106,6 +137,7 @@ def tensor_parallel_runner(
     *,
     tensor_parallel: bool = True,
     expert_parallel: bool = False,
+    data_parallel: bool = False,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     attention_backend: Any = None,
@@ -113,7 +145,11 @@ def tensor_parallel_runner(
     """Rank ``rank``'s runner: its weight shard (read as slices), the model with local head
     counts (its KV cache is its KV heads), the collectives on ``group``. ``expert_parallel``:
     whole experts dealt over the ranks (:class:`~.sharding.TensorParallelShard`);
-    ``tensor_parallel`` off with it: attention and dense layers replicated (EP alone)."""
+    ``tensor_parallel`` off with it: attention and dense layers replicated (EP alone);
+    ``data_parallel``: each rank runs its own requests' plan (DP attention) and the MoE
+    layers exchange the ranks' tokens (:func:`_data_parallel_moe`)."""
+    if data_parallel and (tensor_parallel or not expert_parallel):
+        raise ValueError("DP attention runs with the experts dealt over the ranks (EP), no TP")
     config = load_model_config(model_dir)
     shard = TensorParallelShard.of(
         config, rank, world_size, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel
@@ -131,12 +167,17 @@ def tensor_parallel_runner(
         shard,
         group,
         [config.is_moe_layer(i) for i in range(config.num_hidden_layers)],
+        data_parallel,
     )
     # The vocabulary the sampler sees is the whole one (the logits are all-gathered).
     definition = dataclasses.replace(definition, vocab_size=config.vocab_size)
     runner = TorchRunner(definition, weights, device, dtype, attention_backend)
     runner.model_config = config
     runner.shard = shard  # type: ignore[attr-defined]
+    runner.data_parallel = data_parallel  # type: ignore[attr-defined]
+    runner.moe_layer_indices = {  # type: ignore[attr-defined]
+        i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)
+    }
     return runner
 
 
