@@ -189,6 +189,97 @@ def post_layers(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
     return hidden.mean(dim=1)
 
 
+# -- MTP (next-n layer) -----------------------------------------------------------------------
+# HF builds no MTP layer (``_keys_to_ignore_on_load_unexpected`` drops ``layers.45.*``); this
+# follows vLLM's ``models/glm5next/common/mtp.py`` (NOTES.md "MTP", with sources): the checkpoint's
+# layer ``num_hidden_layers`` (``model[.language_model].layers.45.*``) is an indexed-attention
+# (MLA + its own k-pool indexer) layer with a routed MoE and **no hyper-connections** (vLLM's
+# ``is_mtp_layer`` takes the plain pre-norm residual path), fed ``eh_proj(cat(enorm(e),
+# hnorm(h)))`` — ``h`` the target's final hidden state ``norm(mean(streams))`` at the previous
+# position, or, chained, this layer's own output — and read out by ``shared_head.norm``, whose
+# output is both the next step's ``h`` and (through the model's ``lm_head``) the draft logits.
+
+MTP_TENSORS = (  # the MTP layer's own tensors, besides a decoder layer's (checkpoint names)
+    "eh_proj.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "shared_head.norm.weight",
+)
+# The stack's indexed / sparse layers have hyper-connections; the MTP layer does not.
+MTP_ABSENT_TENSORS = (
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+)
+MTP_DECODER = "Glm5NextMtpDecoderLayer"
+
+
+def mtp_layer_type(config: Any) -> str:
+    """Indexed attention (vLLM builds MLA, never KDA, for the layer past the stack)."""
+    return INDEXED
+
+
+def mtp_mlp_type(config: Any) -> str:
+    """vLLM: the last stack layer's MLP type (``sparse`` in the real checkpoint)."""
+    types = list(config_value(config, "mlp_layer_types", None) or [])
+    return str(types[-1]) if types else "sparse"
+
+
+def mtp_hidden_shape(config: Any) -> tuple[int]:
+    """What the MTP layer reads of the previous position: one ``hidden_size`` vector."""
+    return (int(config.hidden_size),)
+
+
+def mtp_target(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """The target's final hidden state from its last layer's streams [T, hc, D] -> [T, D]:
+    the hyper-head (mean) and the final ``norm``, what vLLM's model returns to its MTP."""
+    return rms_norm(hidden.mean(dim=1), w["norm.weight"], float(ctx.config.rms_norm_eps))
+
+
+def mtp_input(
+    prev: torch.Tensor, embeds: torch.Tensor, w: Weights, ctx: LayerContext
+) -> torch.Tensor:
+    """``Glm5NextMultiTokenPredictorLayer.forward``'s input: ``eh_proj`` of
+    ``[enorm(e) | hnorm(h)]`` (vLLM's ``fused_eh_norm``: each RMSNorm in fp32 times its
+    weight) -> [T, D]."""
+    eps = float(ctx.config.rms_norm_eps)
+    e = _fp32_norm(embeds, w["enorm.weight"], eps)
+    h = _fp32_norm(prev, w["hnorm.weight"], eps)
+    return F.linear(torch.cat([e, h], dim=-1).to(embeds.dtype), w["eh_proj.weight"])
+
+
+def _fp32_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def mtp_output(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """The layer already ends in ``shared_head.norm`` (:func:`glm5_next_mtp_decoder_layer`):
+    its output goes to ``lm_head`` as is."""
+    return hidden
+
+
+def glm5_next_mtp_decoder_layer(
+    hidden: torch.Tensor,
+    fns: dict[str, Callable[..., Any]],
+    weights: dict[str, Weights],
+    ctx: LayerContext,
+    emit: Callable[[str, torch.Tensor], None],
+) -> torch.Tensor:
+    """vLLM's ``Glm5NextDecoderLayer`` on its ``is_mtp_layer`` path, then the MTP layer's
+    ``shared_head.norm``: ``r = h + attn(input_layernorm(h))``, ``y = r +
+    mlp(post_attention_layernorm(r))``, ``shared_head.norm(y)`` [T, D] — the next step's hidden
+    state and the draft's pre-``lm_head`` state alike (vLLM returns it twice)."""
+    x = fns["input_layernorm"](hidden, weights["input_layernorm"], ctx)
+    residual = hidden + fns["self_attn"](x, weights["self_attn"], ctx)
+    x = fns["post_attention_layernorm"](residual, weights["post_attention_layernorm"], ctx)
+    out = residual + fns["mlp"](x, weights["mlp"], ctx)
+    return rms_norm(out, weights["mtp"]["shared_head.norm.weight"], float(ctx.config.rms_norm_eps))
+
+
 # -- caches -----------------------------------------------------------------------------------
 # No ``layer_cache`` hook: Resin's defaults declare both mixers' caches
 # (``model_dir.default_layer_cache``): ``linear_attention`` -> ``layer_caches.
@@ -577,6 +668,7 @@ BLOCKS: dict[str, Callable[..., Any]] = {
     "Glm5NextTextHyperConnection": glm5_next_text_hyper_connection,
     "Glm5NextTextMoE": glm5_next_text_mo_e,
     "Glm5NextTextAttention": glm5_next_text_attention,
+    MTP_DECODER: glm5_next_mtp_decoder_layer,  # not an HF class: HF builds no MTP layer
 }
 # No RoPE (qk_rope_head_dim 0, no model.rotary_emb): no rotary table.
 ROTARY: dict[str, Callable[..., Any]] = {}

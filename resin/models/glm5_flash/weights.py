@@ -45,3 +45,12 @@ def _language_model_names(generated: dict[str, str]) -> dict[str, str]:
 
 
 WEIGHT_MAP: dict[str, str] = {**_GENERATED, **_language_model_names(_GENERATED)}
+
+# The MTP layer (NOTES.md "MTP"): GLM keeps it as the layer past the stack, ``model.layers.{N}.*``
+# (``model.language_model.layers.{N}.*`` in a wrapper checkpoint), N = num_hidden_layers; its
+# decoder tensors take the stack's names, its own reach blocks.mtp_input / the MTP decoder as the
+# layer's ``mtp`` module.
+MTP_PREFIXES = ("model.layers.{layer}.", "model.language_model.layers.{layer}.")
+for _prefix in ("model.", "model.language_model."):
+    for _name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        WEIGHT_MAP[f"{_prefix}layers.{{layer}}.{_name}"] = f"layers.{{layer}}.mtp.{_name}"
