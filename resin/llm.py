@@ -403,11 +403,11 @@ def _parallel_runner(
             "over the tensor-parallel ranks (equal sizes), or EP runs alone (tp 1)"
         )
     entry = registry.for_checkpoint(model_dir)
-    if entry.model_dir is not None:
+    if entry.model_dir is not None and (ep > 1 or data_parallel):
         raise NotImplementedError(
-            f"tensor / expert parallelism runs the built-in families (Llama, Mistral, "
-            f"Qwen2/3, Qwen3-MoE, Mixtral); {model_dir} is served by the model directory "
-            f"{entry.model_dir}, which does not shard yet"
+            f"expert parallelism and DP attention run the built-in families (Qwen3-MoE, "
+            f"Mixtral); {model_dir} is served by the model directory {entry.model_dir}, "
+            "which shards by tensor parallelism only (when its weights.py has TENSOR_PARALLEL)"
         )
     from resin.runners.parallel import TensorParallelRunner
 
@@ -420,4 +420,5 @@ def _parallel_runner(
         tensor_parallel=tp > 1,
         expert_parallel=ep > 1,
         data_parallel=data_parallel,
+        model_directory=entry.model_dir,
     )

@@ -26,6 +26,7 @@ import resin  # noqa: E402
 from resin.llm import LLM  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+GPT_OSS = Path(__file__).resolve().parents[1] / "resin" / "models" / "gpt_oss" / "tiny"
 PROMPTS = [list(range(5, 45)), [7, 8, 9] * 6, [3, 1, 4, 1, 5, 9, 2, 6] * 3 + [5]]
 PARAMS = resin.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -160,10 +161,34 @@ def test_bad_sizes_and_runners_are_refused() -> None:
     with pytest.raises(ValueError, match="equal sizes"):
         LLM(FIXTURES / "qwen3_moe", tensor_parallel_size=2, expert_parallel_size=4)
     with pytest.raises(NotImplementedError, match="model directory"):
-        LLM(
-            Path(__file__).resolve().parents[1] / "resin" / "models" / "gpt_oss" / "tiny",
-            tensor_parallel_size=2,
-        )
+        LLM(GPT_OSS, expert_parallel_size=2)
+    deepseek = GPT_OSS.parents[1] / "deepseek_v4_flash" / "tiny"
+    with pytest.raises(NotImplementedError, match="no TENSOR_PARALLEL rules"):
+        LLM(deepseek, tensor_parallel_size=2)
+
+
+def test_a_model_directory_shards_by_its_rules() -> None:
+    """gpt-oss (resin/models/gpt_oss: sinks, biased attention, fused interleaved experts) on
+    two ranks by its weights.TENSOR_PARALLEL: the single-process tokens, under chunked prefill
+    too; every parity stage passes (layers included)."""
+    from typer.testing import CliRunner
+
+    from resin.cli import app
+
+    want = _tokens(LLM(GPT_OSS, max_num_seqs=3, max_model_len=96))
+    for engine in ({}, {"max_num_batched_tokens": 7}):
+        llm = LLM(GPT_OSS, max_num_seqs=3, max_model_len=96, tensor_parallel_size=2, **engine)
+        try:
+            assert type(llm.runner.local).__name__ == "ModelDirRunner"
+            assert _tokens(llm) == want, engine
+        finally:
+            llm.close()
+    result = CliRunner().invoke(
+        app,
+        ["eval", "parity", str(GPT_OSS), "--tensor-parallel-size", "2", "--max-new-tokens", "4"],
+    )
+    assert result.exit_code == 0, result.output
+    assert "[pass] layers" in result.output
 
 
 @pytest.mark.parametrize("parallel", [("llama", "tensor"), ("qwen3_moe", "data")])

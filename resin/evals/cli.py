@@ -242,12 +242,12 @@ def _run_parallel(
     from resin.evals.parity import run_parity
     from resin.runners.parallel import TensorParallelRunner
 
-    if ref.model_dir is not None:
-        raise NotImplementedError(
-            f"--tensor-parallel-size / --expert-parallel-size run the built-in families; "
-            f"{ref.model_dir} is a model directory, which does not shard yet"
-        )
     tp, ep = sizes
+    if ref.model_dir is not None and ep > 1:
+        raise NotImplementedError(
+            f"--expert-parallel-size runs the built-in families; {ref.model_dir} is a model "
+            "directory, which shards by tensor parallelism only"
+        )
     if tp > 1 and ep > 1 and tp != ep:
         raise ValueError("--expert-parallel-size must equal --tensor-parallel-size, or run alone")
     group: dict[str, Any] = {}
@@ -264,6 +264,7 @@ def _run_parallel(
                 dtype=dtype or "float32",
                 tensor_parallel=tp > 1,
                 expert_parallel=ep > 1,
+                model_directory=ref.model_dir,
             )
         return group[model_dir]
 

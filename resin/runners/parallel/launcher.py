@@ -22,6 +22,7 @@ instead of a hang. Imports torch.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import tempfile
 import traceback
@@ -108,6 +109,7 @@ def _worker_main(
     timeout_s: float,
     num_threads: int | None,
     split: tuple[bool, bool, bool],
+    model_directory: str | None,
     conn: Any,
 ) -> None:
     """Rank ``rank``'s loop: build the shard, then bind / step / report until told to stop or
@@ -123,6 +125,7 @@ def _worker_main(
             tensor_parallel=split[0],
             expert_parallel=split[1],
             data_parallel=split[2],
+            model_directory=model_directory,
             device=device,
             dtype=getattr(torch, dtype),
             attention_backend=attention_backend,
@@ -208,6 +211,7 @@ class TensorParallelRunner:
         tensor_parallel: bool = True,
         expert_parallel: bool = False,
         data_parallel: bool = False,
+        model_directory: str | os.PathLike[str] | None = None,
     ):
         if world_size < 2:
             raise ValueError("a parallel runner needs at least 2 ranks")
@@ -218,13 +222,24 @@ class TensorParallelRunner:
             )
         # Refuse a size the checkpoint's heads / widths do not allow before any process starts.
         split = (tensor_parallel, expert_parallel, data_parallel)
-        TensorParallelShard.of(
-            load_model_config(model_dir),
-            0,
-            world_size,
-            tensor_parallel=tensor_parallel,
-            expert_parallel=expert_parallel,
-        )
+        if model_directory is None:
+            TensorParallelShard.of(
+                load_model_config(model_dir),
+                0,
+                world_size,
+                tensor_parallel=tensor_parallel,
+                expert_parallel=expert_parallel,
+            )
+        else:
+            raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+            TensorParallelShard.of_counts(
+                0,
+                world_size,
+                int(raw["num_attention_heads"]),
+                int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+                int(raw["vocab_size"]),
+            )
+        directory = None if model_directory is None else str(model_directory)
         self.data_parallel = data_parallel
         dtype_name = str(dtype).removeprefix("torch.")
         self.world_size = world_size
@@ -249,6 +264,7 @@ class TensorParallelRunner:
                     timeout_s,
                     num_threads,
                     split,
+                    directory,
                     child,
                 ),
                 daemon=True,
@@ -268,6 +284,7 @@ class TensorParallelRunner:
                 tensor_parallel=tensor_parallel,
                 expert_parallel=expert_parallel,
                 data_parallel=data_parallel,
+                model_directory=directory,
                 device=device,
                 dtype=getattr(torch, dtype_name),
                 attention_backend=attention_backend,
@@ -279,7 +296,7 @@ class TensorParallelRunner:
             raise
         self.writer = PlanWriter()
         self._rank_writers = [PlanWriter() for _ in range(world_size - 1)] if data_parallel else []
-        self.model_config = self.local.model_config
+        self.model_config = getattr(self.local, "model_config", None)
         self.bound = False
 
     # -- the runner protocol ------------------------------------------------------------

@@ -63,6 +63,18 @@ class TensorParallelShard:
     num_experts: int = 0
 
     @classmethod
+    def of_counts(
+        cls, rank: int, world_size: int, num_heads: int, num_kv_heads: int, vocab_size: int
+    ) -> TensorParallelShard:
+        """Tensor parallelism over a model directory's checkpoint (its config's counts)."""
+        if num_heads % world_size or (num_kv_heads % world_size and world_size % num_kv_heads):
+            raise ValueError(
+                f"tensor parallel size {world_size}: the checkpoint's {num_heads} attention "
+                f"heads must split evenly, and its {num_kv_heads} KV heads split or replicate"
+            )
+        return cls(rank, world_size, num_heads, num_kv_heads, vocab_size)
+
+    @classmethod
     def of(
         cls,
         config: ModelConfig,
@@ -192,6 +204,45 @@ class TensorParallelShard:
         if not self.tensor_parallel:
             return True
         return self.rank == 0 or not name.endswith((".o_proj.bias", ".down_proj.bias"))
+
+
+# Rule kinds a model directory's ``weights.TENSOR_PARALLEL`` gives per tensor (its runner name
+# relative to the layer, or a global name): (kind, dim).
+RULE_KINDS = ("heads", "head_scalars", "kv_heads", "width", "vocab", "once")
+
+
+def rule_part(
+    shard: TensorParallelShard,
+    rule: tuple[str, int | None],
+    shape: tuple[int, ...],
+    head_dim: int,
+) -> tuple[tuple[slice, ...], bool]:
+    """This rank's part of a tensor under one rule: ``heads`` / ``head_scalars`` — the rank's
+    query heads along ``dim`` (``head_dim`` or 1 entry per head); ``kv_heads`` — its KV heads
+    (replicated when fewer than ranks); ``width`` — an even split of ``dim``; ``vocab`` — its
+    vocabulary rows; ``once`` — whole on rank 0, zeros elsewhere (a bias after a row-parallel
+    projection). Returns (slices, zero)."""
+    kind, dim = rule
+    full = [slice(0, n) for n in shape]
+    if kind not in RULE_KINDS:
+        raise ValueError(f"tensor-parallel rule {kind!r}; known: {', '.join(RULE_KINDS)}")
+    if kind == "once":
+        return tuple(full), shard.rank != 0
+    assert dim is not None
+    r, n = shard.tp_rank, shard.tp_size
+    if kind in ("heads", "head_scalars"):
+        unit = head_dim if kind == "heads" else 1
+        full[dim] = slice(r * shard.local_heads * unit, (r + 1) * shard.local_heads * unit)
+    elif kind == "kv_heads":
+        first = shard.first_kv_head * head_dim
+        full[dim] = slice(first, first + shard.local_kv_heads * head_dim)
+    elif kind == "width":
+        if shape[dim] % n:
+            raise ValueError(f"tensor-parallel size {n} does not divide a width of {shape[dim]}")
+        full[dim] = slice(r * shape[dim] // n, (r + 1) * shape[dim] // n)
+    else:  # vocab
+        full[dim] = slice(shard.vocab_start, shard.vocab_end)
+    return tuple(full), False
 
 
 def load_weight_shard(

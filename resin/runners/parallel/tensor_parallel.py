@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -141,7 +142,8 @@ def tensor_parallel_runner(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     attention_backend: Any = None,
-) -> TorchRunner:
+    model_directory: str | os.PathLike[str] | None = None,
+) -> Any:
     """Rank ``rank``'s runner: its weight shard (read as slices), the model with local head
     counts (its KV cache is its KV heads), the collectives on ``group``. ``expert_parallel``:
     whole experts dealt over the ranks (:class:`~.sharding.TensorParallelShard`);
@@ -150,6 +152,21 @@ def tensor_parallel_runner(
     layers exchange the ranks' tokens (:func:`_data_parallel_moe`)."""
     if data_parallel and (tensor_parallel or not expert_parallel):
         raise ValueError("DP attention runs with the experts dealt over the ranks (EP), no TP")
+    if model_directory is not None:  # a model directory's own sharding rules (TP only)
+        if expert_parallel or data_parallel:
+            raise NotImplementedError(
+                f"{model_directory}: model directories shard by tensor parallelism only"
+            )
+        from resin.runners.torch.model_dir import ModelDirRunner
+
+        return ModelDirRunner.from_model_dir(
+            Path(model_directory),
+            model_dir,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            parallel=(rank, world_size, group),
+        )
     config = load_model_config(model_dir)
     shard = TensorParallelShard.of(
         config, rank, world_size, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel

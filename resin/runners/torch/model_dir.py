@@ -488,8 +488,12 @@ class ModelDirRunner(PagedRunner):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         attention_backend: str | AttentionBackend | None = None,
+        parallel: tuple[int, int, Any] | None = None,
     ) -> ModelDirRunner:
-        """Load ``checkpoint_dir`` with the model directory ``model_dir``'s blocks."""
+        """Load ``checkpoint_dir`` with the model directory ``model_dir``'s blocks.
+        ``parallel``: (rank, world size, process group) — this rank's tensor-parallel shard,
+        by the directory's ``weights.TENSOR_PARALLEL`` rules
+        (:mod:`resin.runners.parallel.sharding`), read as slices, with the collectives."""
         from resin.evals.model_ref import import_model_module
 
         model_dir = Path(model_dir)
@@ -514,6 +518,7 @@ class ModelDirRunner(PagedRunner):
         weight_map: dict[str, str] = {}
         ignored: tuple[str, ...] = ()
         mtp_prefixes: tuple[str, ...] | None = None
+        weights_module: Any = None
         if (model_dir / "weights.py").is_file():
             weights_module = import_model_module(model_dir, "weights", name)
             weight_map = dict(getattr(weights_module, "WEIGHT_MAP", {}))
@@ -523,8 +528,24 @@ class ModelDirRunner(PagedRunner):
             # Where the checkpoint keeps its next-n layers, when not DeepSeek's ``mtp.{i}.``.
             mtp_prefixes = getattr(weights_module, "MTP_PREFIXES", None)
         device = torch.device(device)
+        shard_part, shard = None, None
+        full_args = args  # the checkpoint's shapes are checked against the whole model
+        if parallel is not None:
+            rules = getattr(weights_module, "TENSOR_PARALLEL", None)
+            if rules is None:
+                raise NotImplementedError(
+                    f"{name}: its weights.py declares no TENSOR_PARALLEL rules, so it does not "
+                    "shard (tensor parallelism: the built-in families and gpt_oss so far)"
+                )
+            args, shard, shard_part = _tensor_parallel_args(args, rules, parallel)
         num_mtp = checkpoint_mtp_layers(blocks, args, checkpoint_dir, mtp_prefixes)
+        num_mtp = 0 if parallel is not None else num_mtp  # (MTP does not shard yet)
         definition = model_definition(name, record, blocks, args, device, num_mtp)
+        if parallel is not None:
+            from resin.runners.parallel.tensor_parallel import tensor_parallel_definition
+
+            assert shard is not None
+            definition = tensor_parallel_definition(definition, shard, parallel[2])
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
         required = [record.layer_kinds[k].get("tensors", []) for k in kinds]
         if num_mtp:
@@ -543,17 +564,50 @@ class ModelDirRunner(PagedRunner):
             known_patterns=record.checkpoint_patterns,
             required=lambda i: required[i],
             required_globals=_required_globals(record, args, weight_map),
-            expected_shape=_shape_checker(record, args, kinds),
+            expected_shape=_shape_checker(record, full_args, kinds),
             keep_in_fp32=record.keep_in_fp32.get(dtype_name, []),
             ignored_prefixes=ignored,
             num_mtp_layers=num_mtp,
             **({"mtp_prefixes": mtp_prefixes} if mtp_prefixes else {}),
+            shard=shard_part,
             device=device,
             dtype=dtype,
         )
         runner = cls(definition, weights, device, dtype, attention_backend)
         runner.model_dir = model_dir
+        if shard is not None:
+            runner.shard = shard  # type: ignore[attr-defined]
         return runner
+
+
+def _tensor_parallel_args(
+    args: ModelArgs, rules: dict[str, Any], parallel: tuple[int, int, Any]
+) -> tuple[ModelArgs, Any, Any]:
+    """(the config with this rank's head counts — caches hold its KV heads —, its shard, and
+    the loader's ``shard(runner_name, shape)`` callback from the model's rules: keyed by the
+    runner name relative to the layer, or a global runner name; unlisted: replicated)."""
+    from resin.runners.parallel.sharding import TensorParallelShard, rule_part
+
+    rank, world, _ = parallel
+    head_dim = head_dim_of(args)
+    shard = TensorParallelShard.of_counts(
+        rank, world, int(args.num_attention_heads), num_kv_heads_of(args), int(args.vocab_size)
+    )
+    local = ModelArgs(
+        **{
+            **args.to_dict(),
+            "head_dim": head_dim,
+            "num_attention_heads": shard.local_heads,
+            "num_key_value_heads": shard.local_kv_heads,
+        }
+    )
+
+    def part(runner_name: str, shape: tuple[int, ...]) -> Any:
+        key = runner_name.split(".", 2)[2] if runner_name.startswith("layers.") else runner_name
+        rule = rules.get(key)
+        return None if rule is None else rule_part(shard, rule, shape, head_dim)
+
+    return local, shard, part
 
 
 def _shape_checker(record: ModelRecord, args: ModelArgs, kinds: list[str]) -> Any:

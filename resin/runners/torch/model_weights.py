@@ -165,6 +165,7 @@ def load_model_weights(
     ignored_prefixes: Iterable[str] = (),
     num_mtp_layers: int = 0,
     mtp_prefixes: Iterable[str] = DEFAULT_MTP_PREFIXES,
+    shard: Callable[[str, tuple[int, ...]], tuple[tuple[slice, ...], bool] | None] | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> ModelWeights:
@@ -180,6 +181,10 @@ def load_model_weights(
     ``ignored_prefixes``: checkpoint name prefixes of parts the runner does not run (a model
     directory's ``weights.IGNORED_PREFIXES``, e.g. ``model.visual.`` for a text-only runner of
     a multimodal checkpoint): their tensors are left in ``unused``, not read.
+    ``shard(runner_name, shape)``: a tensor-parallel rank's part of a tensor — per-dimension
+    slices and whether it is zeros (a row-parallel bias another rank adds), or None for the
+    whole tensor — read with ``get_slice``, so a rank never materialises the rest
+    (:mod:`resin.runners.parallel.sharding`).
     ``num_mtp_layers``: next-n (MTP) layers to load after the stack, from ``mtp.{i}.*`` or the
     model directory's ``mtp_prefixes`` (:func:`stack_name`): layers ``num_layers ..
     num_layers + num_mtp_layers - 1`` of the result, checked by ``required`` like the others;
@@ -277,10 +282,24 @@ def load_model_weights(
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt", device=str(device)) as handle:
                 for name in names:
+                    part = None
+                    if shard is not None:
+                        shape = tuple(handle.get_slice(name).get_shape())
+                        part = shard(chosen[name], shape)
                     if plan is not None and name in plan.tensors:
+                        if part is not None:
+                            raise WeightsError(
+                                f"{name}: a quantised tensor cannot be read as a "
+                                "tensor-parallel slice (dequantise the checkpoint first)"
+                            )
                         spec = plan.tensors[name]
                         tensor = dequantize(spec, cpu.get(name), cpu.get(spec.scale))
                         tensor = tensor.to(device)
+                    elif part is not None:  # a rank's slice, read as such (never whole)
+                        slices, zero = part
+                        tensor = handle.get_slice(name)[slices]
+                        if zero:  # a row-parallel bias: added once, by rank 0
+                            tensor = torch.zeros_like(tensor)
                     else:
                         tensor = handle.get_tensor(name)
                     if tensor.is_floating_point():
