@@ -88,7 +88,9 @@ class LLM:
     processes; ``llm.close()`` stops them, as does the process exit) — attention and MLPs
     split (TP), the routed experts dealt out (EP), or both over the same ranks.
     ``data_parallel_size``: D attention replicas, each with its own engine and requests, the
-    MoE layers shared (:class:`resin.runners.parallel.data_parallel.DataParallelEngine`). ``engine_config``:
+    MoE layers shared (:class:`resin.runners.parallel.data_parallel.DataParallelEngine`).
+    ``context_parallel_size``: long prefills' rows split over N ranks
+    (:mod:`resin.runners.parallel.context_parallel`; full-attention checkpoints). ``engine_config``:
     :class:`resin.EngineConfig` fields.
     """
 
@@ -106,6 +108,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         **engine_config: Any,
     ) -> None:
         from resin.registry import ModelRegistry, resolve_runner
@@ -127,7 +130,14 @@ class LLM:
             self.model_dir, self.tokenizer.special_tokens_map
         )
         registry = ModelRegistry(models_dirs)
-        if data_parallel_size > 1:
+        if context_parallel_size > 1:
+            if max(tensor_parallel_size, expert_parallel_size, data_parallel_size) > 1:
+                raise ValueError("context_parallel_size runs alone (no TP / EP / DP with it)")
+            self.runner = _parallel_runner(
+                self.model_dir, runner, registry, 1, 1, device, dtype, attention_backend,
+                context_parallel=context_parallel_size,
+            )  # fmt: skip
+        elif data_parallel_size > 1:
             if tensor_parallel_size > 1 or expert_parallel_size not in (1, data_parallel_size):
                 raise ValueError(
                     "data_parallel_size: DP attention with the experts dealt over the same "
@@ -388,6 +398,7 @@ def _parallel_runner(
     dtype: Any,
     attention_backend: str | None,
     data_parallel: bool = False,
+    context_parallel: int = 1,
 ) -> Any:
     """The parallel runner of a built-in-family checkpoint: TP over ``tp`` ranks, EP over
     ``ep`` (alone, or over the same ranks as TP); model directories, MLX and explicit runner
@@ -411,6 +422,21 @@ def _parallel_runner(
         )
     from resin.runners.parallel import TensorParallelRunner
 
+    if context_parallel > 1:
+        if entry.model_dir is not None:
+            raise NotImplementedError(
+                f"context parallelism runs the built-in families; {model_dir} is served by "
+                f"the model directory {entry.model_dir}"
+            )
+        return TensorParallelRunner(
+            model_dir,
+            context_parallel,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            tensor_parallel=False,
+            context_parallel=True,
+        )
     return TensorParallelRunner(
         model_dir,
         max(tp, ep),

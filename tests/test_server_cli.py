@@ -48,6 +48,7 @@ OPTIONS = [
     "--tensor-parallel-size",
     "--expert-parallel-size",
     "--data-parallel-size",
+    "--context-parallel-size",
 ]
 
 

@@ -305,3 +305,36 @@ def test_dp_attention_greedy_is_the_single_process_output(name: str) -> None:
             llm.close()
         if name != "qwen3_moe":
             break  # the engine side is covered once
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_cp2_greedy_is_the_single_process_output(name: str) -> None:
+    """Context parallelism = 2: long rows split zigzag over the ranks (K / V all-gathered, the
+    final hidden states gathered for rank 0 to sample), short and decode rows whole; under
+    chunked prefill (chunks long enough to split), prefix hits and preemption. A
+    sliding-window checkpoint is refused."""
+    model = FIXTURES / name
+    want = _tokens(LLM(model, max_num_seqs=3, max_model_len=96))
+    configs: list[dict[str, int]] = [{"num_pages": 200}]
+    if name == "llama":
+        configs += [
+            {"max_num_batched_tokens": 12, "num_pages": 200},
+            {"page_size": 4, "max_num_batched_tokens": 16, "num_pages": 20, "max_model_len": 64},
+        ]
+    for engine in configs:
+        llm = LLM(
+            model, context_parallel_size=2, **{"max_num_seqs": 3, "max_model_len": 96, **engine}
+        )
+        try:
+            assert _tokens(llm) == want, engine
+            if engine["num_pages"] == 200:
+                again = llm.generate(PROMPTS, PARAMS)
+                assert [o.token_ids for o in again] == want
+                assert sum(o.num_cached_tokens for o in again) > 0
+            else:
+                assert "resin:num_preemptions_total 0" not in llm.engine.metrics_text()
+        finally:
+            llm.close()
+    if name == "llama":
+        with pytest.raises(NotImplementedError, match="sliding-window"):
+            LLM(FIXTURES / "mistral", context_parallel_size=2)

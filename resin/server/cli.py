@@ -122,6 +122,14 @@ def serve(
             "engine and requests, the experts dealt over the D ranks.",
         ),
     ] = 1,
+    context_parallel_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Context parallelism: long prefills split over N ranks (full-attention "
+            "built-in families; the KV cache is replicated).",
+        ),
+    ] = 1,
     tool_parser: Annotated[
         str | None,
         typer.Option(
@@ -225,6 +233,8 @@ def serve(
         engine_config["expert_parallel_size"] = expert_parallel_size
     if data_parallel_size > 1:
         engine_config["data_parallel_size"] = data_parallel_size
+    if context_parallel_size > 1:
+        engine_config["context_parallel_size"] = context_parallel_size
     for name, value in (
         ("num_pages", num_pages),
         ("max_model_len", max_model_len),

@@ -108,7 +108,7 @@ def _worker_main(
     attention_backend: str | None,
     timeout_s: float,
     num_threads: int | None,
-    split: tuple[bool, bool, bool],
+    split: tuple[bool, bool, bool, bool],
     model_directory: str | None,
     conn: Any,
 ) -> None:
@@ -125,6 +125,7 @@ def _worker_main(
             tensor_parallel=split[0],
             expert_parallel=split[1],
             data_parallel=split[2],
+            context_parallel=split[3],
             model_directory=model_directory,
             device=device,
             dtype=getattr(torch, dtype),
@@ -212,6 +213,7 @@ class TensorParallelRunner:
         expert_parallel: bool = False,
         data_parallel: bool = False,
         model_directory: str | os.PathLike[str] | None = None,
+        context_parallel: bool = False,
     ):
         if world_size < 2:
             raise ValueError("a parallel runner needs at least 2 ranks")
@@ -221,8 +223,11 @@ class TensorParallelRunner:
                 "tensor-parallel runner per process (close the other first)"
             )
         # Refuse a size the checkpoint's heads / widths do not allow before any process starts.
-        split = (tensor_parallel, expert_parallel, data_parallel)
-        if model_directory is None:
+        split = (tensor_parallel, expert_parallel, data_parallel, context_parallel)
+        if context_parallel:
+            if tensor_parallel or expert_parallel or data_parallel or model_directory:
+                raise ValueError("context parallelism runs alone, on a built-in family")
+        elif model_directory is None:
             TensorParallelShard.of(
                 load_model_config(model_dir),
                 0,
@@ -284,6 +289,7 @@ class TensorParallelRunner:
                 tensor_parallel=tensor_parallel,
                 expert_parallel=expert_parallel,
                 data_parallel=data_parallel,
+                context_parallel=context_parallel,
                 model_directory=directory,
                 device=device,
                 dtype=getattr(torch, dtype_name),

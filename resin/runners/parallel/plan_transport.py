@@ -1,7 +1,7 @@
 """Handing each step's :class:`resin.BatchPlan` to the other ranks of a parallel runner.
 
 Owns :class:`PlanWriter` (rank 0: the plan's arrays copied once into a shared-memory segment)
-and :class:`PlanView` (the other ranks: the same attribute names over that memory, what the
+and :class:`PlanView` (the other ranks: the same attribute names, copied out of it — what the
 torch runner reads of a plan). Only a small layout message — field names, dtypes, shapes and
 offsets, a few hundred bytes — crosses the control pipe per step; the arrays themselves are
 never pickled. The segment grows (a new one, named in the message) when a plan outgrows it.
@@ -130,7 +130,7 @@ class _SamplingView:
 
 class PlanView:
     """A plan as the other ranks see it: the scalars and arrays of :class:`PlanWriter`'s
-    message, read-only views into the shared segment (valid until the next step)."""
+    message, copied out of the shared segment as the message arrives (read-only)."""
 
     _segments: dict[str, shared_memory.SharedMemory] = {}
 
@@ -149,7 +149,10 @@ class PlanView:
         self.sampling = _SamplingView()
         groups: dict[str, list[np.ndarray]] = {name: [] for name in GROUP_ARRAYS}
         for key, dtype, shape, offset in message["arrays"]:
-            view = np.ndarray(tuple(shape), dtype=dtype, buffer=segment.buf, offset=offset)
+            # A private copy (a plan is small): rank 0 may write the next plan into the
+            # segment while this rank is still in the step's last layers (e.g. after EP's
+            # last collective), so nothing of this step may alias it.
+            view = np.ndarray(tuple(shape), dtype=dtype, buffer=segment.buf, offset=offset).copy()
             view.flags.writeable = False
             if key.startswith("sampling:"):
                 setattr(self.sampling, key.removeprefix("sampling:"), view)

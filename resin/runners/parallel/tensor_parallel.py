@@ -143,6 +143,7 @@ def tensor_parallel_runner(
     dtype: torch.dtype = torch.float32,
     attention_backend: Any = None,
     model_directory: str | os.PathLike[str] | None = None,
+    context_parallel: bool = False,
 ) -> Any:
     """Rank ``rank``'s runner: its weight shard (read as slices), the model with local head
     counts (its KV cache is its KV heads), the collectives on ``group``. ``expert_parallel``:
@@ -152,6 +153,10 @@ def tensor_parallel_runner(
     layers exchange the ranks' tokens (:func:`_data_parallel_moe`)."""
     if data_parallel and (tensor_parallel or not expert_parallel):
         raise ValueError("DP attention runs with the experts dealt over the ranks (EP), no TP")
+    if context_parallel:
+        return _context_parallel_runner(
+            model_dir, rank, world_size, group, device, dtype, attention_backend
+        )
     if model_directory is not None:  # a model directory's own sharding rules (TP only)
         if expert_parallel or data_parallel:
             raise NotImplementedError(
@@ -195,6 +200,37 @@ def tensor_parallel_runner(
     runner.moe_layer_indices = {  # type: ignore[attr-defined]
         i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)
     }
+    return runner
+
+
+def _context_parallel_runner(
+    model_dir: str | os.PathLike[str],
+    rank: int,
+    world_size: int,
+    group: Any,
+    device: Any,
+    dtype: torch.dtype,
+    attention_backend: Any,
+) -> Any:
+    """Rank ``rank`` of a context-parallel group: the whole built-in model, full-attention
+    layers only (:mod:`.context_parallel`)."""
+    from resin.loading.weights import load_weights
+    from resin.runners.parallel.context_parallel import ContextParallelRunner
+
+    config = load_model_config(model_dir)
+    if any(config.layer_window_tokens(i) for i in range(config.num_hidden_layers)):
+        raise NotImplementedError(
+            "context parallelism splits full-attention rows; this checkpoint has sliding-window "
+            "layers (their window's keys would have to cross ranks: not built)"
+        )
+    device = torch.device(device)
+    flat = load_weights(model_dir, config, device=device, dtype=dtype)
+    weights = ModelWeights.from_flat(flat, config.num_hidden_layers, rename=_runner_name)
+    runner = ContextParallelRunner(
+        llama_family_definition(config, device), weights, device, dtype, attention_backend
+    )
+    runner.model_config = config
+    runner.cp = (rank, world_size, group)
     return runner
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -214,8 +215,16 @@ class PagedRunner:
                 f"{type(self).__name__}.forward before bind_cache: create the "
                 "runner's resin.Engine first (it calls bind_cache)"
             )
-        model, globals_ = self.model, self.weights.globals
         self.sampler.begin_step(plan)
+        step, top, tables = self._begin(plan)
+        last_layer_hidden, hidden = self._run_stack(step, top, tables)
+        out = self._sample(plan, step, hidden, top)
+        if self.drafter is not None:
+            out = self.drafter.run(step, last_layer_hidden, out, tables)
+        return out
+
+    def _begin(self, plan: Any) -> tuple[StepInputs, LayerContext, dict[int, Any]]:
+        """The step's tensors, the backend planned, the plan's cache ops applied."""
         step = StepInputs.from_plan(plan, self.device)
         self.attention_backend.begin_step(
             step, self.group_windows, self.group_page_entries, self.group_ratios
@@ -227,10 +236,15 @@ class PagedRunner:
         if step.zero_pages.numel():
             for pages in self.slot_buffers:
                 pages[step.zero_pages] = 0
-        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._state_tables = {}
-        top = self._context(step, -1)
+        return step, self._context(step, -1), {}
 
+    def _run_stack(
+        self, step: StepInputs, top: LayerContext, tables: dict[int, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding, pre_layers, every decoder layer, post_layers -> (the last layer's
+        output, the hidden state the final norm reads)."""
+        model, globals_ = self.model, self.weights.globals
         hidden = model.embed(step.input_ids, globals_, top)
         self._emit("model.embed_tokens", hidden)
         if model.pre_layers is not None:
@@ -245,7 +259,14 @@ class PagedRunner:
         last_layer_hidden = hidden
         if model.post_layers is not None:
             hidden = model.post_layers(hidden, globals_, top)
+        return last_layer_hidden, hidden
 
+    def _sample(
+        self, plan: Any, step: StepInputs, hidden: torch.Tensor, top: LayerContext
+    ) -> ForwardOutput:
+        """Final norm and logits at the sampled tokens (every token's with capture on), then
+        the sampler."""
+        model, globals_ = self.model, self.weights.globals
         last = step.last_token_indices
         if self.capture is not None:
             normed = self._final_norm(hidden, top)
@@ -255,10 +276,7 @@ class PagedRunner:
             logits = all_logits[last]
         else:
             logits = model.logits(self._final_norm(hidden[last], top), globals_, top)
-        out = self.sampler.sample(logits.float(), plan, step.sample_rows)
-        if self.drafter is not None:
-            out = self.drafter.run(step, last_layer_hidden, out, tables)
-        return out
+        return self.sampler.sample(logits.float(), plan, step.sample_rows)
 
     def _state_buffers(self) -> list[torch.Tensor]:
         """The distinct byte buffers recurrent states live in (shared slots, or their own)."""
