@@ -413,13 +413,7 @@ def _parallel_runner(
             f"expert_parallel_size {ep} with tensor_parallel_size {tp}: experts are dealt "
             "over the tensor-parallel ranks (equal sizes), or EP runs alone (tp 1)"
         )
-    entry = registry.for_checkpoint(model_dir)
-    if entry.model_dir is not None and (ep > 1 or data_parallel):
-        raise NotImplementedError(
-            f"expert parallelism and DP attention run the built-in families (Qwen3-MoE, "
-            f"Mixtral); {model_dir} is served by the model directory {entry.model_dir}, "
-            "which shards by tensor parallelism only (when its weights.py has TENSOR_PARALLEL)"
-        )
+    entry = registry.for_checkpoint(model_dir)  # a model directory shards by its own rules
     from resin.runners.parallel import TensorParallelRunner
 
     if context_parallel > 1:

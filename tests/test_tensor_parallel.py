@@ -160,8 +160,6 @@ def test_bad_sizes_and_runners_are_refused() -> None:
         TensorParallelRunner(FIXTURES / "llama", 2, expert_parallel=True)
     with pytest.raises(ValueError, match="equal sizes"):
         LLM(FIXTURES / "qwen3_moe", tensor_parallel_size=2, expert_parallel_size=4)
-    with pytest.raises(NotImplementedError, match="model directory"):
-        LLM(GPT_OSS, expert_parallel_size=2)
     deepseek = GPT_OSS.parents[1] / "deepseek_v4_flash" / "tiny"
     with pytest.raises(NotImplementedError, match="no TENSOR_PARALLEL rules"):
         LLM(deepseek, tensor_parallel_size=2)
@@ -189,6 +187,31 @@ def test_a_model_directory_shards_by_its_rules() -> None:
     )
     assert result.exit_code == 0, result.output
     assert "[pass] layers" in result.output
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"expert_parallel_size": 2},
+        {"tensor_parallel_size": 2, "expert_parallel_size": 2},
+        {"data_parallel_size": 2},
+    ],
+    ids=["ep2", "tp2_ep2", "dp2"],
+)
+def test_gpt_oss_expert_and_data_parallel(sizes: dict[str, int]) -> None:
+    """gpt-oss by its weights.EXPERT_PARALLEL: each rank a block of whole experts (fused
+    tensors sliced along the experts), the MoE block skipping the others; EP alone, TP+EP and
+    DP attention give the single-process tokens."""
+    want = _tokens(LLM(GPT_OSS, max_num_seqs=3, max_model_len=96))
+    llm = LLM(GPT_OSS, max_num_seqs=3, max_model_len=96, num_pages=200, **sizes)
+    try:
+        assert _tokens(llm) == want
+        if "data_parallel_size" not in sizes:
+            local = llm.runner.local
+            held = local.weights.layers[0]["mlp.experts.gate_up_proj"].shape[0]
+            assert held == 2 and local.shard.local_experts.start == 0
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("parallel", [("llama", "tensor"), ("qwen3_moe", "data")])

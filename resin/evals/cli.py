@@ -243,11 +243,6 @@ def _run_parallel(
     from resin.runners.parallel import TensorParallelRunner
 
     tp, ep = sizes
-    if ref.model_dir is not None and ep > 1:
-        raise NotImplementedError(
-            f"--expert-parallel-size runs the built-in families; {ref.model_dir} is a model "
-            "directory, which shards by tensor parallelism only"
-        )
     if tp > 1 and ep > 1 and tp != ep:
         raise ValueError("--expert-parallel-size must equal --tensor-parallel-size, or run alone")
     group: dict[str, Any] = {}

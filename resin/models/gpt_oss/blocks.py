@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from resin.runners.torch.blocks import prenorm_decoder_layer, rope_from_config
+from resin.runners.torch.blocks import config_value, prenorm_decoder_layer, rope_from_config
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import apply_rotary
 
@@ -103,6 +103,8 @@ def gpt_oss_mlp(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
         num_experts_per_tok=int(ctx.config.num_experts_per_tok),
         swiglu_alpha=float(ctx.config.swiglu_alpha),
         swiglu_limit=float(ctx.config.swiglu_limit),
+        # Expert parallelism: this rank holds experts [first, first + len(gate_up)) only.
+        first_expert=int(config_value(ctx.config, "expert_parallel_first_expert", 0)),
     )
     return moe_mlp(x, moe)
 
@@ -146,6 +148,7 @@ class GptOssMoeWeights:
     num_experts_per_tok: int
     swiglu_alpha: float
     swiglu_limit: float
+    first_expert: int = 0  # the experts held: [first_expert, first_expert + len(gate_up))
 
 
 def route(
@@ -174,12 +177,16 @@ def moe_mlp(x: torch.Tensor, moe: GptOssMoeWeights) -> torch.Tensor:
     loop; HF's default ``grouped_mm`` path computes the same)."""
     scores, experts = route(x, moe.router, moe.router_bias, moe.num_experts_per_tok)
     out = torch.zeros_like(x)
+    held = range(moe.first_expert, moe.first_expert + moe.gate_up.shape[0])
     for expert in torch.unique(experts).tolist():
+        if expert not in held:  # another rank's expert (expert parallelism)
+            continue
         token_index, slot = torch.where(experts == expert)
-        gate_up = x[token_index] @ moe.gate_up[expert] + moe.gate_up_bias[expert]
+        e = expert - moe.first_expert
+        gate_up = x[token_index] @ moe.gate_up[e] + moe.gate_up_bias[e]
         y = (
-            clamped_swiglu(gate_up, moe.swiglu_alpha, moe.swiglu_limit) @ moe.down[expert]
-            + moe.down_bias[expert]
+            clamped_swiglu(gate_up, moe.swiglu_alpha, moe.swiglu_limit) @ moe.down[e]
+            + moe.down_bias[e]
         )
         out.index_add_(0, token_index, (y * scores[token_index, slot, None]).to(x.dtype))
     return out

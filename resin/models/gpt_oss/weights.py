@@ -28,3 +28,14 @@ TENSOR_PARALLEL: dict[str, tuple[str, int | None]] = {
     "embed_tokens.weight": ("vocab", 0),
     "lm_head.weight": ("vocab", 0),
 }
+
+# Expert parallelism: the experts' dimension of each fused expert tensor. A rank holds a
+# contiguous block of whole experts (its biases included: each expert lives on one rank) and
+# the MoE block skips the others (``expert_parallel_first_expert`` in the rank's config).
+EXPERT_PARALLEL: dict[str, int] = {
+    "mlp.experts.gate_up_proj": 0,
+    "mlp.experts.gate_up_proj_bias": 0,
+    "mlp.experts.down_proj": 0,
+    "mlp.experts.down_proj_bias": 0,
+}
+NUM_EXPERTS = "num_local_experts"  # the config key counting the experts

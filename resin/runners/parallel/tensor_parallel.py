@@ -157,11 +157,7 @@ def tensor_parallel_runner(
         return _context_parallel_runner(
             model_dir, rank, world_size, group, device, dtype, attention_backend
         )
-    if model_directory is not None:  # a model directory's own sharding rules (TP only)
-        if expert_parallel or data_parallel:
-            raise NotImplementedError(
-                f"{model_directory}: model directories shard by tensor parallelism only"
-            )
+    if model_directory is not None:  # a model directory's own sharding rules
         from resin.runners.torch.model_dir import ModelDirRunner
 
         return ModelDirRunner.from_model_dir(
@@ -170,7 +166,7 @@ def tensor_parallel_runner(
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
-            parallel=(rank, world_size, group),
+            parallel=(rank, world_size, group, tensor_parallel, expert_parallel, data_parallel),
         )
     config = load_model_config(model_dir)
     shard = TensorParallelShard.of(

@@ -488,12 +488,13 @@ class ModelDirRunner(PagedRunner):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         attention_backend: str | AttentionBackend | None = None,
-        parallel: tuple[int, int, Any] | None = None,
+        parallel: tuple[int, int, Any, bool, bool, bool] | None = None,
     ) -> ModelDirRunner:
         """Load ``checkpoint_dir`` with the model directory ``model_dir``'s blocks.
-        ``parallel``: (rank, world size, process group) — this rank's tensor-parallel shard,
-        by the directory's ``weights.TENSOR_PARALLEL`` rules
-        (:mod:`resin.runners.parallel.sharding`), read as slices, with the collectives."""
+        ``parallel``: (rank, world size, process group, tensor parallel, expert parallel, DP
+        attention) — this rank's shard by the directory's ``weights.TENSOR_PARALLEL`` /
+        ``EXPERT_PARALLEL`` rules (:mod:`resin.runners.parallel.sharding`), read as slices,
+        with the collectives."""
         from resin.evals.model_ref import import_model_module
 
         model_dir = Path(model_dir)
@@ -531,13 +532,7 @@ class ModelDirRunner(PagedRunner):
         shard_part, shard = None, None
         full_args = args  # the checkpoint's shapes are checked against the whole model
         if parallel is not None:
-            rules = getattr(weights_module, "TENSOR_PARALLEL", None)
-            if rules is None:
-                raise NotImplementedError(
-                    f"{name}: its weights.py declares no TENSOR_PARALLEL rules, so it does not "
-                    "shard (tensor parallelism: the built-in families and gpt_oss so far)"
-                )
-            args, shard, shard_part = _tensor_parallel_args(args, rules, parallel)
+            args, shard, shard_part = _tensor_parallel_args(args, weights_module, parallel, name)
         num_mtp = checkpoint_mtp_layers(blocks, args, checkpoint_dir, mtp_prefixes)
         num_mtp = 0 if parallel is not None else num_mtp  # (MTP does not shard yet)
         definition = model_definition(name, record, blocks, args, device, num_mtp)
@@ -545,7 +540,10 @@ class ModelDirRunner(PagedRunner):
             from resin.runners.parallel.tensor_parallel import tensor_parallel_definition
 
             assert shard is not None
-            definition = tensor_parallel_definition(definition, shard, parallel[2])
+            moe = [bool(shard.expert_parallel)] * len(definition.layers)  # (every layer: MoE)
+            definition = tensor_parallel_definition(
+                definition, shard, parallel[2], moe, data_parallel=parallel[5]
+            )
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
         required = [record.layer_kinds[k].get("tensors", []) for k in kinds]
         if num_mtp:
@@ -577,37 +575,60 @@ class ModelDirRunner(PagedRunner):
         runner.model_dir = model_dir
         if shard is not None:
             runner.shard = shard  # type: ignore[attr-defined]
+            runner.data_parallel = parallel is not None and parallel[5]  # type: ignore[attr-defined]
+            runner.moe_layer_indices = (  # type: ignore[attr-defined]
+                set(range(len(definition.layers))) if shard.expert_parallel else set()
+            )
         return runner
 
 
 def _tensor_parallel_args(
-    args: ModelArgs, rules: dict[str, Any], parallel: tuple[int, int, Any]
+    args: ModelArgs, weights_module: Any, parallel: tuple[Any, ...], name: str
 ) -> tuple[ModelArgs, Any, Any]:
-    """(the config with this rank's head counts — caches hold its KV heads —, its shard, and
-    the loader's ``shard(runner_name, shape)`` callback from the model's rules: keyed by the
-    runner name relative to the layer, or a global runner name; unlisted: replicated)."""
+    """(the config with this rank's head counts — its caches hold its KV heads — and first
+    expert, its shard, and the loader's ``shard(runner_name, shape)`` callback from the model's
+    rules: keyed by the runner name relative to the layer, or a global runner name; a tensor
+    no rule names is replicated)."""
     from resin.runners.parallel.sharding import TensorParallelShard, rule_part
 
-    rank, world, _ = parallel
+    rank, world, _, tp, ep, _dp = parallel
+    rules = getattr(weights_module, "TENSOR_PARALLEL", None) if tp else {}
+    expert_rules = getattr(weights_module, "EXPERT_PARALLEL", None) if ep else {}
+    if rules is None or expert_rules is None:
+        what = "TENSOR_PARALLEL" if rules is None else "EXPERT_PARALLEL"
+        raise NotImplementedError(
+            f"{name}: its weights.py declares no {what} rules, so it does not shard that way "
+            "(model directories with rules: gpt_oss)"
+        )
     head_dim = head_dim_of(args)
-    shard = TensorParallelShard.of_counts(
-        rank, world, int(args.num_attention_heads), num_kv_heads_of(args), int(args.vocab_size)
+    heads, kv_heads = int(args.num_attention_heads), num_kv_heads_of(args)
+    num_experts = int(getattr(args, getattr(weights_module, "NUM_EXPERTS", ""), 0) or 0)
+    if tp:
+        TensorParallelShard.of_counts(rank, world, heads, kv_heads, int(args.vocab_size))
+    if ep and (not num_experts or num_experts % world):
+        raise ValueError(f"{name}: {num_experts} experts do not split over {world} ranks")
+    shard = TensorParallelShard(
+        rank, world, heads, kv_heads, int(args.vocab_size), tp, ep, num_experts
     )
-    local = ModelArgs(
-        **{
-            **args.to_dict(),
-            "head_dim": head_dim,
-            "num_attention_heads": shard.local_heads,
-            "num_key_value_heads": shard.local_kv_heads,
-        }
-    )
+    local = {**args.to_dict(), "head_dim": head_dim}
+    if tp:
+        local.update(
+            num_attention_heads=shard.local_heads, num_key_value_heads=shard.local_kv_heads
+        )
+    if ep:
+        local["expert_parallel_first_expert"] = shard.local_experts.start
+    experts = shard.local_experts
 
     def part(runner_name: str, shape: tuple[int, ...]) -> Any:
         key = runner_name.split(".", 2)[2] if runner_name.startswith("layers.") else runner_name
+        if key in expert_rules:  # whole experts: this rank's block of them
+            slices = [slice(0, n) for n in shape]
+            slices[expert_rules[key]] = slice(experts.start, experts.stop)
+            return tuple(slices), False
         rule = rules.get(key)
         return None if rule is None else rule_part(shard, rule, shape, head_dim)
 
-    return local, shard, part
+    return ModelArgs(**local), shard, part
 
 
 def _shape_checker(record: ModelRecord, args: ModelArgs, kinds: list[str]) -> Any:
