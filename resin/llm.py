@@ -90,7 +90,7 @@ class LLM:
     ``data_parallel_size``: D attention replicas, each with its own engine and requests, the
     MoE layers shared (:class:`resin.runners.parallel.data_parallel.DataParallelEngine`).
     ``context_parallel_size``: long prefills' rows split over N ranks
-    (:mod:`resin.runners.parallel.context_parallel`; full-attention checkpoints). ``engine_config``:
+    (:mod:`resin.runners.parallel.context_parallel`; full and sliding-window attention). ``engine_config``:
     :class:`resin.EngineConfig` fields.
     """
 
@@ -417,11 +417,6 @@ def _parallel_runner(
     from resin.runners.parallel import TensorParallelRunner
 
     if context_parallel > 1:
-        if entry.model_dir is not None:
-            raise NotImplementedError(
-                f"context parallelism runs the built-in families; {model_dir} is served by "
-                f"the model directory {entry.model_dir}"
-            )
         return TensorParallelRunner(
             model_dir,
             context_parallel,
@@ -430,6 +425,7 @@ def _parallel_runner(
             attention_backend=attention_backend,
             tensor_parallel=False,
             context_parallel=True,
+            model_directory=entry.model_dir,
         )
     return TensorParallelRunner(
         model_dir,

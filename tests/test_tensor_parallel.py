@@ -334,8 +334,7 @@ def test_dp_attention_greedy_is_the_single_process_output(name: str) -> None:
 def test_cp2_greedy_is_the_single_process_output(name: str) -> None:
     """Context parallelism = 2: long rows split zigzag over the ranks (K / V all-gathered, the
     final hidden states gathered for rank 0 to sample), short and decode rows whole; under
-    chunked prefill (chunks long enough to split), prefix hits and preemption. A
-    sliding-window checkpoint is refused."""
+    chunked prefill (chunks long enough to split), prefix hits and preemption."""
     model = FIXTURES / name
     want = _tokens(LLM(model, max_num_seqs=3, max_model_len=96))
     configs: list[dict[str, int]] = [{"num_pages": 200}]
@@ -358,6 +357,17 @@ def test_cp2_greedy_is_the_single_process_output(name: str) -> None:
                 assert "resin:num_preemptions_total 0" not in llm.engine.metrics_text()
         finally:
             llm.close()
-    if name == "llama":
-        with pytest.raises(NotImplementedError, match="sliding-window"):
-            LLM(FIXTURES / "mistral", context_parallel_size=2)
+
+
+@pytest.mark.parametrize("model", [FIXTURES / "mistral", GPT_OSS], ids=["mistral", "gpt_oss"])
+def test_cp2_with_sliding_windows(model: Path) -> None:
+    """CP over sliding-window layers (Mistral; gpt-oss's alternating windows, a model
+    directory): a chunk's window is in its cache (every rank writes every key), its page list
+    the row's cut at its end — the single-process tokens, under chunked prefill too."""
+    want = _tokens(LLM(model, max_num_seqs=3, max_model_len=96))
+    for engine in ({}, {"max_num_batched_tokens": 12}):
+        llm = LLM(model, context_parallel_size=2, max_num_seqs=3, max_model_len=96, **engine)
+        try:
+            assert _tokens(llm) == want, engine
+        finally:
+            llm.close()

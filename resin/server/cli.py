@@ -126,8 +126,8 @@ def serve(
         int,
         typer.Option(
             min=1,
-            help="Context parallelism: long prefills split over N ranks (full-attention "
-            "built-in families; the KV cache is replicated).",
+            help="Context parallelism: long prefills split over N ranks (full and sliding-window "
+            "attention; the KV cache is replicated).",
         ),
     ] = 1,
     tool_parser: Annotated[

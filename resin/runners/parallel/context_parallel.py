@@ -19,9 +19,10 @@ balances — while shorter rows, decode rows included, stay whole on rank 0) and
 - a plan with no long row (decode steps) runs whole on every rank, with no collective: the
   replicated caches stay equal.
 
-Full-attention caches only: a sliding window, a recurrent state or a compressed group would
-need the window's keys, a sequential scan or ratio-aligned splits (docs/parallelism.md), and
-such a checkpoint is refused. Imports torch.
+Full-attention and sliding-window caches (every rank writes every key, so a chunk's window
+is in its cache; its page list is the row's, cut at the chunk's end). A recurrent state or a
+compressed group would need a sequential scan or ratio-aligned splits (docs/parallelism.md):
+a plan with such a group is refused. Imports torch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from resin.runners.torch.attention import LayerAttention
 from resin.runners.torch.context import LayerContext
+from resin.runners.torch.paged_runner import PagedRunner
 from resin.runners.torch.runner import TorchRunner
 from resin.runners.torch.step_inputs import StepInputs
 
@@ -95,12 +97,17 @@ class _SubPlan:
         self.num_draft_tokens = np.zeros(len(rows), dtype=np.uint32)
         self.copy_pages, self.zero_pages = plan.copy_pages, plan.zero_pages
         kv_indptr, kv_indices, slots = [], [], []
+        seq_lens = plan.seq_lens.astype(np.int64)
         for g in range(plan.num_cache_groups):
             pointers, pages = plan.kv_indptr[g], plan.kv_indices[g]
-            listed = [
-                pages[pointers[s.row] : pointers[s.row] + -(-end // page_size)]
-                for s, end in zip(rows, ends)
-            ]
+            listed = []
+            for sub, end in zip(rows, ends):
+                # The row lists logical pages [first, ceil(seq_len / P)) (first = 0 for full
+                # attention; a sliding window lists from its first query's window): the chunk
+                # keeps them up to its own end, so its window is inside them.
+                start, stop = int(pointers[sub.row]), int(pointers[sub.row + 1])
+                first = -(-int(seq_lens[sub.row]) // page_size) - (stop - start)
+                listed.append(pages[start : start + -(-end // page_size) - first])
             kv_indices.append(
                 np.concatenate(listed).astype(np.uint32) if listed else np.zeros(0, np.uint32)
             )
@@ -121,7 +128,7 @@ class _GatheredWrites(LayerAttention):
     step's in the plan's token order through the full slot mapping; ``attend`` reads this
     rank's sub-rows (the backend was planned with them)."""
 
-    runner: ContextParallelRunner | None = None
+    runner: ContextParallelMixin | None = None
 
     def write(self, **values: torch.Tensor) -> None:
         assert self.runner is not None
@@ -133,9 +140,10 @@ class _GatheredWrites(LayerAttention):
         )
 
 
-class ContextParallelRunner(TorchRunner):
-    """A built-in-family runner that computes its share of each plan's long rows (module
-    doc). ``cp = (rank, world_size, group)``."""
+class ContextParallelMixin(PagedRunner):
+    """Context parallelism over a paged runner (module doc): mixed into the built-in runner
+    (:class:`ContextParallelRunner`) and the model-directory one
+    (:class:`ContextParallelModelDirRunner`). ``cp = (rank, world_size, group)``."""
 
     cp: tuple[int, int, Any]
     _splits: list[list[SubRow]]
@@ -143,6 +151,11 @@ class ContextParallelRunner(TorchRunner):
 
     @torch.inference_mode()
     def forward(self, plan: Any) -> Any:
+        if any(kind in ("recurrent", "compressed") for kind in self._group_kinds()):
+            raise NotImplementedError(
+                "context parallelism splits attention rows: recurrent states and compressed "
+                "groups are not split (docs/parallelism.md)"
+            )
         rank, world, _ = self.cp
         self._splits = split_plan(plan, world)
         if not all(self._splits):  # no long row: every rank runs the plan whole (decode)
@@ -180,6 +193,9 @@ class ContextParallelRunner(TorchRunner):
             ctx.attention = attention
         return ctx
 
+    def _group_kinds(self) -> list[str]:
+        return [str(spec.kind) for spec in self.cache_spec()]
+
     def _gather_tokens(self, values: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of ``values`` (this rank's tokens, in its sub-plan order) put
         back in the full plan's token order, on every rank."""
@@ -198,3 +214,18 @@ class ContextParallelRunner(TorchRunner):
         for part, index in zip(parts, indices):
             out[torch.as_tensor(index.astype(np.int64), device=out.device)] = part[: len(index)]
         return out
+
+
+class ContextParallelRunner(ContextParallelMixin, TorchRunner):
+    """A built-in family under context parallelism."""
+
+
+def context_parallel_model_dir_runner() -> Any:
+    """The model-directory runner under context parallelism (imported lazily: model_dir
+    imports the scaffold)."""
+    from resin.runners.torch.model_dir import ModelDirRunner
+
+    class ContextParallelModelDirRunner(ContextParallelMixin, ModelDirRunner):
+        """A model directory under context parallelism."""
+
+    return ContextParallelModelDirRunner

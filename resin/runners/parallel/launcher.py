@@ -225,8 +225,8 @@ class TensorParallelRunner:
         # Refuse a size the checkpoint's heads / widths do not allow before any process starts.
         split = (tensor_parallel, expert_parallel, data_parallel, context_parallel)
         if context_parallel:
-            if tensor_parallel or expert_parallel or data_parallel or model_directory:
-                raise ValueError("context parallelism runs alone, on a built-in family")
+            if tensor_parallel or expert_parallel or data_parallel:
+                raise ValueError("context parallelism runs alone (no TP / EP / DP with it)")
         elif model_directory is None:
             TensorParallelShard.of(
                 load_model_config(model_dir),

@@ -155,7 +155,7 @@ def tensor_parallel_runner(
         raise ValueError("DP attention runs with the experts dealt over the ranks (EP), no TP")
     if context_parallel:
         return _context_parallel_runner(
-            model_dir, rank, world_size, group, device, dtype, attention_backend
+            model_dir, rank, world_size, group, device, dtype, attention_backend, model_directory
         )
     if model_directory is not None:  # a model directory's own sharding rules
         from resin.runners.torch.model_dir import ModelDirRunner
@@ -207,25 +207,34 @@ def _context_parallel_runner(
     device: Any,
     dtype: torch.dtype,
     attention_backend: Any,
+    model_directory: str | os.PathLike[str] | None = None,
 ) -> Any:
-    """Rank ``rank`` of a context-parallel group: the whole built-in model, full-attention
-    layers only (:mod:`.context_parallel`)."""
+    """Rank ``rank`` of a context-parallel group: the whole model (a built-in family, or a
+    model directory's) on this rank (:mod:`.context_parallel`)."""
     from resin.loading.weights import load_weights
-    from resin.runners.parallel.context_parallel import ContextParallelRunner
-
-    config = load_model_config(model_dir)
-    if any(config.layer_window_tokens(i) for i in range(config.num_hidden_layers)):
-        raise NotImplementedError(
-            "context parallelism splits full-attention rows; this checkpoint has sliding-window "
-            "layers (their window's keys would have to cross ranks: not built)"
-        )
-    device = torch.device(device)
-    flat = load_weights(model_dir, config, device=device, dtype=dtype)
-    weights = ModelWeights.from_flat(flat, config.num_hidden_layers, rename=_runner_name)
-    runner = ContextParallelRunner(
-        llama_family_definition(config, device), weights, device, dtype, attention_backend
+    from resin.runners.parallel.context_parallel import (
+        ContextParallelRunner,
+        context_parallel_model_dir_runner,
     )
-    runner.model_config = config
+
+    runner: Any
+    if model_directory is not None:
+        runner = context_parallel_model_dir_runner().from_model_dir(
+            Path(model_directory),
+            model_dir,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+        )
+    else:
+        config = load_model_config(model_dir)
+        device = torch.device(device)
+        flat = load_weights(model_dir, config, device=device, dtype=dtype)
+        weights = ModelWeights.from_flat(flat, config.num_hidden_layers, rename=_runner_name)
+        runner = ContextParallelRunner(
+            llama_family_definition(config, device), weights, device, dtype, attention_backend
+        )
+        runner.model_config = config
     runner.cp = (rank, world_size, group)
     return runner
 
