@@ -160,9 +160,26 @@ def test_bad_sizes_and_runners_are_refused() -> None:
         TensorParallelRunner(FIXTURES / "llama", 2, expert_parallel=True)
     with pytest.raises(ValueError, match="equal sizes"):
         LLM(FIXTURES / "qwen3_moe", tensor_parallel_size=2, expert_parallel_size=4)
-    deepseek = GPT_OSS.parents[1] / "deepseek_v4_flash" / "tiny"
+    glm = GPT_OSS.parents[1] / "glm5_flash" / "tiny"
     with pytest.raises(NotImplementedError, match="no TENSOR_PARALLEL rules"):
-        LLM(deepseek, tensor_parallel_size=2)
+        LLM(glm, tensor_parallel_size=2)
+
+
+def test_deepseek_v4_shards_by_its_rules() -> None:
+    """DeepSeek-V4 (resin/models/deepseek_v4_flash) at TP=2 by its weights.TENSOR_PARALLEL:
+    query heads and sinks split, the grouped low-rank output by groups (o_groups per rank),
+    experts and the shared expert by width; the single K = V head, its compressed caches, the
+    compressors, the indexer, hash routing and hyper-connections replicated — the
+    single-process tokens on its real caches, under chunked prefill too."""
+    deepseek = GPT_OSS.parents[1] / "deepseek_v4_flash" / "tiny"
+    want = _tokens(LLM(deepseek, max_num_seqs=3, max_model_len=96))
+    for engine in ({}, {"max_num_batched_tokens": 9}):
+        llm = LLM(deepseek, max_num_seqs=3, max_model_len=96, tensor_parallel_size=2, **engine)
+        try:
+            assert _tokens(llm) == want, engine
+            assert llm.runner.local.config.o_groups == 1  # 2 groups, one per rank
+        finally:
+            llm.close()
 
 
 def test_a_model_directory_shards_by_its_rules() -> None:

@@ -80,3 +80,26 @@ WEIGHT_MAP.update(
         "layers.{layer}.hc_head_scale": "layers.{layer}.mtp.hc_head.hc_scale",
     }
 )
+
+# Tensor parallelism (resin.runners.parallel.sharding's rule kinds; runner names relative to the
+# layer): the query heads split (q_b_proj rows, the per-head sinks), the grouped low-rank
+# output by its groups (o_a_proj's rows are groups x o_lora_rank, o_b_proj row-parallel: one
+# all-reduce after attention), every routed and the shared expert by width (w2 / down
+# row-parallel). Replicated: the single K = V head and its cache (MQA: every rank reads it),
+# q_a / kv projections and norms, the compressors and the lightning indexer (its score sums
+# over its own heads), the routers and hash tables, the hyper-connections.
+TENSOR_PARALLEL: dict[str, tuple[str, int | None]] = {
+    "self_attn.q_b_proj.weight": ("heads", 0),
+    "self_attn.sinks": ("head_scalars", 0),
+    "self_attn.o_a_proj.weight": ("width", 0),
+    "self_attn.o_b_proj.weight": ("width", 1),
+    "mlp.experts.{expert}.w1.weight": ("width", 0),
+    "mlp.experts.{expert}.w3.weight": ("width", 0),
+    "mlp.experts.{expert}.w2.weight": ("width", 1),
+    "mlp.shared_experts.gate_proj.weight": ("width", 0),
+    "mlp.shared_experts.up_proj.weight": ("width", 0),
+    "mlp.shared_experts.down_proj.weight": ("width", 1),
+    "embed_tokens.weight": ("vocab", 0),
+    "lm_head.weight": ("vocab", 0),
+}
+TENSOR_PARALLEL_CONFIG = {"o_groups": "split"}  # each rank runs its heads' output groups

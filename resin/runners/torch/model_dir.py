@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -582,6 +583,9 @@ class ModelDirRunner(PagedRunner):
         return runner
 
 
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
 def _tensor_parallel_args(
     args: ModelArgs, weights_module: Any, parallel: tuple[Any, ...], name: str
 ) -> tuple[ModelArgs, Any, Any]:
@@ -615,12 +619,19 @@ def _tensor_parallel_args(
         local.update(
             num_attention_heads=shard.local_heads, num_key_value_heads=shard.local_kv_heads
         )
+        # Other per-rank counts the blocks read from the config (DeepSeek-V4's o_groups).
+        for key, how in getattr(weights_module, "TENSOR_PARALLEL_CONFIG", {}).items():
+            value = int(local[key])
+            if how != "split" or value % world:
+                raise ValueError(f"{name}: config {key} = {value} does not split over {world}")
+            local[key] = value // world
     if ep:
         local["expert_parallel_first_expert"] = shard.local_experts.start
     experts = shard.local_experts
 
     def part(runner_name: str, shape: tuple[int, ...]) -> Any:
         key = runner_name.split(".", 2)[2] if runner_name.startswith("layers.") else runner_name
+        key = _EXPERT_INDEX.sub(".experts.{expert}.", key)  # one rule for every expert
         if key in expert_rules:  # whole experts: this rank's block of them
             slices = [slice(0, n) for n in shape]
             slices[expert_rules[key]] = slice(experts.start, experts.stop)
