@@ -160,9 +160,26 @@ def test_bad_sizes_and_runners_are_refused() -> None:
         TensorParallelRunner(FIXTURES / "llama", 2, expert_parallel=True)
     with pytest.raises(ValueError, match="equal sizes"):
         LLM(FIXTURES / "qwen3_moe", tensor_parallel_size=2, expert_parallel_size=4)
+    with pytest.raises(NotImplementedError, match="no EXPERT_PARALLEL rules"):
+        LLM(GPT_OSS.parents[1] / "glm5_flash" / "tiny", expert_parallel_size=2)
+
+
+def test_glm5_flash_shards_by_its_rules() -> None:
+    """GLM-5.3-Flash at TP=2 by its weights.TENSOR_PARALLEL: KDA heads split (their
+    recurrent states are per rank: linear_num_heads / 2), MLA heads split with the latent and
+    the indexer replicated, MoE / dense MLPs by width — the single-process tokens, under
+    chunked prefill and prefix hits (recurrent checkpoints) too."""
     glm = GPT_OSS.parents[1] / "glm5_flash" / "tiny"
-    with pytest.raises(NotImplementedError, match="no TENSOR_PARALLEL rules"):
-        LLM(glm, tensor_parallel_size=2)
+    want = _tokens(LLM(glm, max_num_seqs=3, max_model_len=96))
+    for engine in ({"num_pages": 300}, {"max_num_batched_tokens": 9, "num_pages": 300}):
+        llm = LLM(glm, max_num_seqs=3, max_model_len=96, tensor_parallel_size=2, **engine)
+        try:
+            assert _tokens(llm) == want, engine
+            again = llm.generate(PROMPTS, PARAMS)
+            assert [o.token_ids for o in again] == want
+            assert llm.runner.local.config.linear_num_heads * 2 == 4  # the tiny's 4 heads
+        finally:
+            llm.close()
 
 
 def test_deepseek_v4_shards_by_its_rules() -> None:

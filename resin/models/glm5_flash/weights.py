@@ -54,3 +54,40 @@ MTP_PREFIXES = ("model.layers.{layer}.", "model.language_model.layers.{layer}.")
 for _prefix in ("model.", "model.language_model."):
     for _name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
         WEIGHT_MAP[f"{_prefix}layers.{{layer}}.{_name}"] = f"layers.{{layer}}.mtp.{_name}"
+
+# Tensor parallelism (resin.runners.parallel.sharding's rule kinds; runner names relative to the
+# layer). KDA layers: q / k / v, their short convolutions, the forget-gate and output-gate
+# up-projections, beta, A_log and dt_bias by head (width splits of heads x dim), o_proj
+# row-parallel; each rank's recurrent state holds its heads (TENSOR_PARALLEL_CONFIG
+# linear_num_heads). Indexed (MLA) layers: q_b_proj and kv_b_proj by head, o_proj
+# row-parallel; the latent (kv_a) and its cache, the q / kv down-projections and norms and the
+# indexer are replicated. MoE: routed, shared and dense MLPs by width; the router replicated.
+# Hyper-connections and norms replicated.
+TENSOR_PARALLEL: dict[str, tuple[str, int | None]] = {
+    "self_attn.q_proj.weight": ("width", 0),
+    "self_attn.k_proj.weight": ("width", 0),
+    "self_attn.v_proj.weight": ("width", 0),
+    "self_attn.q_conv1d.weight": ("width", 0),
+    "self_attn.k_conv1d.weight": ("width", 0),
+    "self_attn.v_conv1d.weight": ("width", 0),
+    "self_attn.forget_gate.f_b_proj.weight": ("width", 0),
+    "self_attn.g_b_proj.weight": ("width", 0),
+    "self_attn.b_proj.weight": ("width", 0),
+    "self_attn.forget_gate.A_log": ("width", 0),
+    "self_attn.forget_gate.dt_bias": ("width", 0),
+    "self_attn.q_b_proj.weight": ("width", 0),
+    "self_attn.kv_b_proj.weight": ("width", 0),
+    "self_attn.o_proj.weight": ("width", 1),
+    "mlp.gate_proj.weight": ("width", 0),
+    "mlp.up_proj.weight": ("width", 0),
+    "mlp.down_proj.weight": ("width", 1),
+    "mlp.experts.{expert}.gate_proj.weight": ("width", 0),
+    "mlp.experts.{expert}.up_proj.weight": ("width", 0),
+    "mlp.experts.{expert}.down_proj.weight": ("width", 1),
+    "mlp.shared_experts.gate_proj.weight": ("width", 0),
+    "mlp.shared_experts.up_proj.weight": ("width", 0),
+    "mlp.shared_experts.down_proj.weight": ("width", 1),
+    "embed_tokens.weight": ("vocab", 0),
+    "lm_head.weight": ("vocab", 0),
+}
+TENSOR_PARALLEL_CONFIG = {"linear_num_heads": "split"}  # each rank's KDA heads

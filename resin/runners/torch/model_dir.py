@@ -614,7 +614,9 @@ def _tensor_parallel_args(
     shard = TensorParallelShard(
         rank, world, heads, kv_heads, int(args.vocab_size), tp, ep, num_experts
     )
-    local = {**args.to_dict(), "head_dim": head_dim}
+    local = args.to_dict()
+    if local.get("head_dim") is None:  # (derived from the full head count: keep it)
+        local["head_dim"] = head_dim
     if tp:
         local.update(
             num_attention_heads=shard.local_heads, num_key_value_heads=shard.local_kv_heads
