@@ -405,3 +405,27 @@ def test_cp2_with_sliding_windows(model: Path) -> None:
             assert _tokens(llm) == want, engine
         finally:
             llm.close()
+
+
+@pytest.mark.parametrize("model", ["deepseek_v4_flash", "glm5_flash"])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"expert_parallel_size": 2},
+        {"tensor_parallel_size": 2, "expert_parallel_size": 2},
+        {"data_parallel_size": 2},
+    ],
+    ids=["ep2", "tp2_ep2", "dp2"],
+)
+def test_deepseek_v4_and_glm5_expert_and_data_parallel(model: str, sizes: dict[str, int]) -> None:
+    """The worked models by their weights.EXPERT_PARALLEL: routed experts (separate tensors)
+    dealt out whole — another rank's zero-width —, the shared expert added once under EP
+    alone, dense layers (GLM's "dense" MLPs) replicated; under DP attention the hash-routed
+    layers (DeepSeek-V4) route on the exchanged token ids. The single-process tokens."""
+    path = GPT_OSS.parents[1] / model / "tiny"
+    want = _tokens(LLM(path, max_num_seqs=3, max_model_len=96))
+    llm = LLM(path, max_num_seqs=3, max_model_len=96, num_pages=300, **sizes)
+    try:
+        assert _tokens(llm) == want
+    finally:
+        llm.close()

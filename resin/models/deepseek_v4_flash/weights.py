@@ -103,3 +103,15 @@ TENSOR_PARALLEL: dict[str, tuple[str, int | None]] = {
     "lm_head.weight": ("vocab", 0),
 }
 TENSOR_PARALLEL_CONFIG = {"o_groups": "split"}  # each rank runs its heads' output groups
+
+# Expert parallelism: each routed expert a tensor of its own, dealt out whole (E / N per
+# rank; another rank's are zero-width placeholders, so the MoE block's loop adds nothing for
+# them); with EP alone the shared expert is replicated and added once (rank 0's down).
+EXPERT_PARALLEL: dict[str, int | tuple[str, int]] = {
+    "mlp.experts.{expert}.w1.weight": ("separate", 0),
+    "mlp.experts.{expert}.w3.weight": ("separate", 0),
+    "mlp.experts.{expert}.w2.weight": ("separate", 1),
+}
+EXPERT_PARALLEL_ONCE = ("mlp.shared_experts.down_proj.weight",)
+NUM_EXPERTS = "n_routed_experts"
+MOE_MLP_TYPES = ("moe", "hash_moe")

@@ -91,3 +91,15 @@ TENSOR_PARALLEL: dict[str, tuple[str, int | None]] = {
     "lm_head.weight": ("vocab", 0),
 }
 TENSOR_PARALLEL_CONFIG = {"linear_num_heads": "split"}  # each rank's KDA heads
+
+# Expert parallelism: as DeepSeek-V4's (separate expert tensors dealt out whole, zero-width
+# placeholders for another rank's, the shared expert added once under EP alone); the dense
+# layers (mlp_layer_types "dense") stay replicated.
+EXPERT_PARALLEL: dict[str, int | tuple[str, int]] = {
+    "mlp.experts.{expert}.gate_proj.weight": ("separate", 0),
+    "mlp.experts.{expert}.up_proj.weight": ("separate", 0),
+    "mlp.experts.{expert}.down_proj.weight": ("separate", 1),
+}
+EXPERT_PARALLEL_ONCE = ("mlp.shared_experts.down_proj.weight",)
+NUM_EXPERTS = "n_routed_experts"
+MOE_MLP_TYPES = ("sparse",)

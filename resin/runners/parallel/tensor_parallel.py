@@ -66,6 +66,15 @@ def _data_parallel_moe(block: Any, group: Any) -> Any:
         parts = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(parts, padded, group=group)
         tokens = torch.cat([p[:n] for p, n in zip(parts, sizes)])
+        # The token ids travel too: a hash-routed MoE (DeepSeek-V4) routes on them.
+        ids = ctx.input_ids
+        padded_ids = ids.new_zeros(longest)
+        padded_ids[: ids.shape[0]] = ids
+        id_parts = [torch.empty_like(padded_ids) for _ in range(world)]
+        dist.all_gather(id_parts, padded_ids, group=group)
+        ctx = dataclasses.replace(
+            ctx, input_ids=torch.cat([p[:n] for p, n in zip(id_parts, sizes)])
+        )
         out = block(tokens, w, ctx) if tokens.shape[0] else tokens.clone()
         dist.all_reduce(out, group=group)
         start = sum(sizes[: dist.get_rank(group)])

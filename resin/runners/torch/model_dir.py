@@ -541,7 +541,11 @@ class ModelDirRunner(PagedRunner):
             from resin.runners.parallel.tensor_parallel import tensor_parallel_definition
 
             assert shard is not None
-            moe = [bool(shard.expert_parallel)] * len(definition.layers)  # (every layer: MoE)
+            moe_types = tuple(getattr(weights_module, "MOE_MLP_TYPES", ("moe",)))
+            moe = [
+                bool(shard.expert_parallel) and kind.split("/", 1)[1] in moe_types
+                for _, _, kind in layer_kinds(args, record)
+            ]
             definition = tensor_parallel_definition(
                 definition, shard, parallel[2], moe, data_parallel=parallel[5]
             )
@@ -577,13 +581,13 @@ class ModelDirRunner(PagedRunner):
         if shard is not None:
             runner.shard = shard  # type: ignore[attr-defined]
             runner.data_parallel = parallel is not None and parallel[5]  # type: ignore[attr-defined]
-            runner.moe_layer_indices = (  # type: ignore[attr-defined]
-                set(range(len(definition.layers))) if shard.expert_parallel else set()
-            )
+            runner.moe_layer_indices = {  # type: ignore[attr-defined]
+                i for i, is_moe in enumerate(moe) if is_moe
+            }
         return runner
 
 
-_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
 def _tensor_parallel_args(
@@ -631,13 +635,22 @@ def _tensor_parallel_args(
         local["expert_parallel_first_expert"] = shard.local_experts.start
     experts = shard.local_experts
 
+    shared_once = set(getattr(weights_module, "EXPERT_PARALLEL_ONCE", ())) if ep and not tp else ()
+
     def part(runner_name: str, shape: tuple[int, ...]) -> Any:
         key = runner_name.split(".", 2)[2] if runner_name.startswith("layers.") else runner_name
+        index = _EXPERT_INDEX.search(key)
         key = _EXPERT_INDEX.sub(".experts.{expert}.", key)  # one rule for every expert
-        if key in expert_rules:  # whole experts: this rank's block of them
+        if key in expert_rules:
+            rule = expert_rules[key]
             slices = [slice(0, n) for n in shape]
-            slices[expert_rules[key]] = slice(experts.start, experts.stop)
+            if isinstance(rule, int):  # a fused tensor: this rank's block of experts
+                slices[rule] = slice(experts.start, experts.stop)
+            elif index is None or int(index.group(1)) not in experts:
+                slices[rule[1]] = slice(0, 0)  # another rank's expert: zero width, no bytes
             return tuple(slices), False
+        if key in shared_once:  # EP alone: a replicated MLP inside the MoE block, added once
+            return tuple(slice(0, n) for n in shape), rank != 0
         rule = rules.get(key)
         return None if rule is None else rule_part(shard, rule, shape, head_dim)
 
