@@ -45,7 +45,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3"])  # (the others: the strategy matrix below)
 def test_tp2_greedy_is_the_single_process_output(name: str) -> None:
     model = FIXTURES / name
     single = LLM(model, max_num_seqs=3, max_model_len=96)
@@ -70,7 +70,7 @@ def test_tp2_greedy_is_the_single_process_output(name: str) -> None:
             llm.close()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["mixtral"])  # (Qwen3-MoE: the strategy matrix below)
 @pytest.mark.parametrize("tp", [False, True], ids=["ep2", "tp2_ep2"])
 def test_expert_parallel_greedy_is_the_single_process_output(name: str, tp: bool) -> None:
     """EP=2 alone (attention replicated, experts dealt out) and TP=2+EP=2 (attention split,
@@ -160,8 +160,8 @@ def test_bad_sizes_and_runners_are_refused() -> None:
         TensorParallelRunner(FIXTURES / "llama", 2, expert_parallel=True)
     with pytest.raises(ValueError, match="equal sizes"):
         LLM(FIXTURES / "qwen3_moe", tensor_parallel_size=2, expert_parallel_size=4)
-    with pytest.raises(NotImplementedError, match="no EXPERT_PARALLEL rules"):
-        LLM(GPT_OSS.parents[1] / "glm5_flash" / "tiny", expert_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="no TENSOR_PARALLEL rules"):
+        LLM(GPT_OSS.parents[1] / "qwen3_next" / "tiny", tensor_parallel_size=2)
 
 
 def test_glm5_flash_shards_by_its_rules() -> None:
@@ -171,7 +171,7 @@ def test_glm5_flash_shards_by_its_rules() -> None:
     chunked prefill and prefix hits (recurrent checkpoints) too."""
     glm = GPT_OSS.parents[1] / "glm5_flash" / "tiny"
     want = _tokens(LLM(glm, max_num_seqs=3, max_model_len=96))
-    for engine in ({"num_pages": 300}, {"max_num_batched_tokens": 9, "num_pages": 300}):
+    for engine in ({"num_pages": 300},):  # (chunked prefill, preemption: the matrix below)
         llm = LLM(glm, max_num_seqs=3, max_model_len=96, tensor_parallel_size=2, **engine)
         try:
             assert _tokens(llm) == want, engine
@@ -190,7 +190,7 @@ def test_deepseek_v4_shards_by_its_rules() -> None:
     single-process tokens on its real caches, under chunked prefill too."""
     deepseek = GPT_OSS.parents[1] / "deepseek_v4_flash" / "tiny"
     want = _tokens(LLM(deepseek, max_num_seqs=3, max_model_len=96))
-    for engine in ({}, {"max_num_batched_tokens": 9}):
+    for engine in ({},):  # (chunked prefill, prefix hits, preemption: the matrix below)
         llm = LLM(deepseek, max_num_seqs=3, max_model_len=96, tensor_parallel_size=2, **engine)
         try:
             assert _tokens(llm) == want, engine
@@ -208,7 +208,7 @@ def test_a_model_directory_shards_by_its_rules() -> None:
     from resin.cli import app
 
     want = _tokens(LLM(GPT_OSS, max_num_seqs=3, max_model_len=96))
-    for engine in ({}, {"max_num_batched_tokens": 7}):
+    for engine in ({},):  # (chunked prefill, prefix hits, preemption: the matrix below)
         llm = LLM(GPT_OSS, max_num_seqs=3, max_model_len=96, tensor_parallel_size=2, **engine)
         try:
             assert type(llm.runner.local).__name__ == "ModelDirRunner"
@@ -225,12 +225,8 @@ def test_a_model_directory_shards_by_its_rules() -> None:
 
 @pytest.mark.parametrize(
     "sizes",
-    [
-        {"expert_parallel_size": 2},
-        {"tensor_parallel_size": 2, "expert_parallel_size": 2},
-        {"data_parallel_size": 2},
-    ],
-    ids=["ep2", "tp2_ep2", "dp2"],
+    [{"expert_parallel_size": 2}],  # (TP+EP, DP and the engine side: the matrix below)
+    ids=["ep2"],
 )
 def test_gpt_oss_expert_and_data_parallel(sizes: dict[str, int]) -> None:
     """gpt-oss by its weights.EXPERT_PARALLEL: each rank a block of whole experts (fused
@@ -315,6 +311,12 @@ def test_parity_and_bench_take_the_same_flags(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "parity PASS" in result.output and "[pass] layers" in result.output
+    for flags in (["--data-parallel-size", "2"], ["--context-parallel-size", "2"]):
+        result = CliRunner().invoke(
+            app, ["eval", "parity", str(FIXTURES / "qwen3_moe"), *flags, "--max-new-tokens", "4"]
+        )
+        assert result.exit_code == 0, (flags, result.output)
+        assert "parity PASS" in result.output and "[pass] layers" in result.output
     out = tmp_path / "bench"
     result = CliRunner().invoke(
         app,
@@ -328,7 +330,7 @@ def test_parity_and_bench_take_the_same_flags(tmp_path: Path) -> None:
     assert all(s["tokens_per_s"] > 0 for s in report["shapes"])
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["mixtral"])  # (Qwen3-MoE: the strategy matrix below)
 def test_dp_attention_greedy_is_the_single_process_output(name: str) -> None:
     """DP attention = 2: two engines (pools, schedulers), a request on one rank for its life,
     the MoE layers exchanging both ranks' tokens; an idle rank (one request in flight) joins
@@ -360,40 +362,10 @@ def test_dp_attention_greedy_is_the_single_process_output(name: str) -> None:
                 assert sum(float(m.group(1)) for m in preemptions if m) > 0
         finally:
             llm.close()
-        if name != "qwen3_moe":
-            break  # the engine side is covered once
+        break  # (the engine side: the strategy matrix below)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
-def test_cp2_greedy_is_the_single_process_output(name: str) -> None:
-    """Context parallelism = 2: long rows split zigzag over the ranks (K / V all-gathered, the
-    final hidden states gathered for rank 0 to sample), short and decode rows whole; under
-    chunked prefill (chunks long enough to split), prefix hits and preemption."""
-    model = FIXTURES / name
-    want = _tokens(LLM(model, max_num_seqs=3, max_model_len=96))
-    configs: list[dict[str, int]] = [{"num_pages": 200}]
-    if name == "llama":
-        configs += [
-            {"max_num_batched_tokens": 12, "num_pages": 200},
-            {"page_size": 4, "max_num_batched_tokens": 16, "num_pages": 20, "max_model_len": 64},
-        ]
-    for engine in configs:
-        llm = LLM(
-            model, context_parallel_size=2, **{"max_num_seqs": 3, "max_model_len": 96, **engine}
-        )
-        try:
-            assert _tokens(llm) == want, engine
-            if engine["num_pages"] == 200:
-                again = llm.generate(PROMPTS, PARAMS)
-                assert [o.token_ids for o in again] == want
-                assert sum(o.num_cached_tokens for o in again) > 0
-            else:
-                assert "resin:num_preemptions_total 0" not in llm.engine.metrics_text()
-        finally:
-            llm.close()
-
-
-@pytest.mark.parametrize("model", [FIXTURES / "mistral", GPT_OSS], ids=["mistral", "gpt_oss"])
+@pytest.mark.parametrize("model", [FIXTURES / "mistral"], ids=["mistral"])  # gpt-oss: matrix
 def test_cp2_with_sliding_windows(model: Path) -> None:
     """CP over sliding-window layers (Mistral; gpt-oss's alternating windows, a model
     directory): a chunk's window is in its cache (every rank writes every key), its page list
@@ -407,25 +379,66 @@ def test_cp2_with_sliding_windows(model: Path) -> None:
             llm.close()
 
 
-@pytest.mark.parametrize("model", ["deepseek_v4_flash", "glm5_flash"])
-@pytest.mark.parametrize(
-    "sizes",
-    [
-        {"expert_parallel_size": 2},
-        {"tensor_parallel_size": 2, "expert_parallel_size": 2},
-        {"data_parallel_size": 2},
+STRATEGIES = {
+    "tp2": {"tensor_parallel_size": 2},
+    "ep2": {"expert_parallel_size": 2},
+    "tp2_ep2": {"tensor_parallel_size": 2, "expert_parallel_size": 2},
+    "dp2": {"data_parallel_size": 2},
+    "cp2": {"context_parallel_size": 2},
+}
+MATRIX = [
+    ("llama", "tp2"),
+    ("llama", "cp2"),
+    *[
+        (m, s)
+        for m in ("qwen3_moe", "gpt_oss", "deepseek_v4_flash", "glm5_flash")
+        for s in STRATEGIES
     ],
-    ids=["ep2", "tp2_ep2", "dp2"],
-)
-def test_deepseek_v4_and_glm5_expert_and_data_parallel(model: str, sizes: dict[str, int]) -> None:
-    """The worked models by their weights.EXPERT_PARALLEL: routed experts (separate tensors)
-    dealt out whole — another rank's zero-width —, the shared expert added once under EP
-    alone, dense layers (GLM's "dense" MLPs) replicated; under DP attention the hash-routed
-    layers (DeepSeek-V4) route on the exchanged token ids. The single-process tokens."""
-    path = GPT_OSS.parents[1] / model / "tiny"
-    want = _tokens(LLM(path, max_num_seqs=3, max_model_len=96))
-    llm = LLM(path, max_num_seqs=3, max_model_len=96, num_pages=300, **sizes)
+    ("qwen3_next", "cp2"),
+]
+
+
+def _checkpoint(name: str) -> Path:
+    return FIXTURES / name if (FIXTURES / name).is_dir() else GPT_OSS.parents[1] / name / "tiny"
+
+
+def _counter(llm: LLM, name: str) -> float:
+    engines = getattr(llm.engine, "engines", [llm.engine])  # DP: one engine per rank
+    total = 0.0
+    for engine in engines:
+        match = re.search(rf"^resin:{name} (\S+)", engine.metrics_text(), re.M)
+        total += float(match.group(1)) if match else 0.0
+    return total
+
+
+@pytest.mark.parametrize("name, strategy", MATRIX, ids=[f"{m}-{s}" for m, s in MATRIX])
+def test_every_strategy_keeps_the_single_process_tokens(name: str, strategy: str) -> None:
+    """Every model in CI under every split it supports (TP=2, EP=2, TP=2+EP=2, DP=2, CP=2):
+    greedy tokens identical to the single-process run, under chunked prefill then prefix hits
+    (one engine, the same prompts twice), and under preemption (a pool too small for the
+    three requests at once)."""
+    model = _checkpoint(name)
+    want = _tokens(LLM(model, max_num_seqs=3, max_model_len=96))
+    sizes = STRATEGIES[strategy]
+    llm = LLM(
+        model, max_num_seqs=3, max_model_len=96, max_num_batched_tokens=12, num_pages=300, **sizes
+    )
     try:
         assert _tokens(llm) == want
+        again = llm.generate(PROMPTS, PARAMS)
+        assert [o.token_ids for o in again] == want
+        assert sum(o.num_cached_tokens for o in again) > 0
+    finally:
+        llm.close()
+    spec = LLM(model, max_model_len=56, page_size=4).runner.cache_spec()
+    layout = resin.CacheLayout.from_specs(list(spec), 4)
+    pages = layout.pages_per_request(56, 16, True) + 1  # one whole request: they take turns
+    llm = LLM(
+        model, max_num_seqs=3, max_model_len=56, page_size=4, max_num_batched_tokens=16,
+        num_pages=pages, **sizes,
+    )  # fmt: skip
+    try:
+        assert _tokens(llm) == want
+        assert _counter(llm, "num_preemptions_total") > 0
     finally:
         llm.close()

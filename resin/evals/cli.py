@@ -143,6 +143,14 @@ def parity(
         int,
         typer.Option(min=1, help="Deal a MoE checkpoint's experts over N ranks."),
     ] = 1,
+    context_parallel_size: Annotated[
+        int,
+        typer.Option(min=1, help="Split long prefills over N ranks (context parallelism)."),
+    ] = 1,
+    data_parallel_size: Annotated[
+        int,
+        typer.Option(min=1, help="DP attention over N ranks (one engine each, MoE shared)."),
+    ] = 1,
 ) -> None:
     """Check a runner against HF transformers: per-layer diffs, logits, greedy tokens under stress."""
     from resin.evals.model_ref import ModelRefError, resolve_model
@@ -169,7 +177,12 @@ def parity(
         )
     if checkpoint is not None:
         ref = _with_checkpoint(ref, model, checkpoint)
-    parallel = (tensor_parallel_size, expert_parallel_size)
+    parallel = (
+        tensor_parallel_size,
+        expert_parallel_size,
+        context_parallel_size,
+        data_parallel_size,
+    )
     try:
         if max(parallel) > 1:
             report = _run_parallel(ref, parallel, dtype, device, max_new_tokens)
@@ -232,7 +245,7 @@ def _with_checkpoint(ref: Any, model: str, checkpoint: Path) -> Any:
 
 def _run_parallel(
     ref: Any,
-    sizes: tuple[int, int],
+    sizes: tuple[int, int, int, int],
     dtype: str | None,
     device: str | None,
     max_new_tokens: int | None,
@@ -242,7 +255,12 @@ def _run_parallel(
     from resin.evals.parity import run_parity
     from resin.runners.parallel import TensorParallelRunner
 
-    tp, ep = sizes
+    tp, ep, cp, dp = sizes
+    if cp > 1 and max(tp, ep, dp) > 1:
+        raise ValueError("--context-parallel-size runs alone (no TP / EP / DP with it)")
+    if dp > 1 and (tp > 1 or ep not in (1, dp)):
+        raise ValueError("--data-parallel-size: the experts over the same ranks, no TP")
+    ep = dp if dp > 1 else ep
     if tp > 1 and ep > 1 and tp != ep:
         raise ValueError("--expert-parallel-size must equal --tensor-parallel-size, or run alone")
     group: dict[str, Any] = {}
@@ -254,11 +272,13 @@ def _run_parallel(
             group.clear()
             group[model_dir] = TensorParallelRunner(
                 model_dir,
-                max(tp, ep),
+                max(tp, ep, cp, dp),
                 device=device or "cpu",
                 dtype=dtype or "float32",
                 tensor_parallel=tp > 1,
                 expert_parallel=ep > 1,
+                context_parallel=cp > 1,
+                data_parallel=dp > 1,
                 model_directory=ref.model_dir,
             )
         return group[model_dir]
@@ -268,7 +288,7 @@ def _run_parallel(
             ref.checkpoint_dir,
             runner_factory=factory,
             max_new_tokens=max_new_tokens or 8,
-            runner_name=f"torch tp{tp} ep{ep}",
+            runner_name=f"torch tp{tp} ep{ep} cp{cp} dp{dp}",
             dtype=dtype or "float32",
         )
     finally:

@@ -178,6 +178,17 @@ def _make_engine(
         eos_token_ids=[],
         vocab_size=vocab_size,
     )
+    return _new_engine(config, runner)
+
+
+def _new_engine(config: Any, runner: Any) -> Any:
+    """An engine for ``runner``: DP attention's runner group gets one engine per rank."""
+    import resin
+
+    if getattr(runner, "data_parallel", False):
+        from resin.runners.parallel.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(config, runner)
     return resin.Engine(config, runner)
 
 
@@ -407,7 +418,7 @@ def runner_capture_prefill(
         eos_token_ids=[],
         vocab_size=vocab_size,
     )
-    engine = resin.Engine(config, runner)
+    engine = _new_engine(config, runner)
     engine.add_request(
         "parity-prefill",
         prompt,

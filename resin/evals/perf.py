@@ -344,6 +344,9 @@ def bench(
     expert_parallel_size: Annotated[
         int, typer.Option(min=1, help="A MoE checkpoint's experts dealt over N ranks.")
     ] = 1,
+    context_parallel_size: Annotated[
+        int, typer.Option(min=1, help="Long prefills split over N ranks (context parallelism).")
+    ] = 1,
 ) -> None:
     """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
 
@@ -475,13 +478,19 @@ def bench(
 
         else:
             factory = ref.runner_factory(settings.device, settings.dtype)
-        if max(tensor_parallel_size, expert_parallel_size) > 1:
+        if max(tensor_parallel_size, expert_parallel_size, context_parallel_size) > 1:
             factory = _parallel_factory(
-                ref, tensor_parallel_size, expert_parallel_size, settings, started
+                ref,
+                tensor_parallel_size,
+                expert_parallel_size,
+                settings,
+                started,
+                context_parallel_size,
             )
             command += (
                 f" --tensor-parallel-size {tensor_parallel_size}"
                 f" --expert-parallel-size {expert_parallel_size}"
+                f" --context-parallel-size {context_parallel_size}"
             )
         report = run_bench(
             ref.name,
@@ -511,14 +520,13 @@ def bench(
 
 
 def _parallel_factory(
-    ref: Any, tp: int, ep: int, settings: BenchSettings, started: list[Any]
+    ref: Any, tp: int, ep: int, settings: BenchSettings, started: list[Any], cp: int = 1
 ) -> Any:
     """``factory(checkpoint) -> runner`` on TP / EP ranks (the built-in families only)."""
-    if ref.model_dir is not None or settings.runner != "torch":
-        raise ValueError(
-            "--tensor-parallel-size / --expert-parallel-size run the built-in torch runner; "
-            f"{ref.name} is served by a model directory or another runner"
-        )
+    if settings.runner != "torch":
+        raise ValueError("the parallel flags run the torch runners, not --runner mlx")
+    if cp > 1 and max(tp, ep) > 1:
+        raise ValueError("--context-parallel-size runs alone (no TP / EP with it)")
     if tp > 1 and ep > 1 and tp != ep:
         raise ValueError("--expert-parallel-size must equal --tensor-parallel-size, or run alone")
 
@@ -527,12 +535,14 @@ def _parallel_factory(
 
         runner = TensorParallelRunner(
             checkpoint_dir,
-            max(tp, ep),
+            max(tp, ep, cp),
             device=settings.device,
             dtype=settings.dtype,
             num_threads=settings.num_threads,
             tensor_parallel=tp > 1,
             expert_parallel=ep > 1,
+            context_parallel=cp > 1,
+            model_directory=ref.model_dir,
         )
         started.append(runner)
         return runner

@@ -41,6 +41,10 @@ from resin.runners.torch.runner import TorchRunner
 from resin.runners.torch.step_inputs import StepInputs
 
 
+def _no_emit(child: str, tensor: torch.Tensor) -> None:
+    """Parity capture does not run under CP."""
+
+
 @dataclass
 class SubRow:
     """One plan row's (or chunk's) tokens a rank computes: ``row`` of the full plan, its
@@ -76,7 +80,14 @@ class _SubPlan:
     sub-row a row whose ``seq_len`` ends at its last token, the row's pages up to there, and
     no sampling (rank 0 samples the full plan)."""
 
-    def __init__(self, plan: Any, rows: list[SubRow], page_size: int):
+    def __init__(
+        self,
+        plan: Any,
+        rows: list[SubRow],
+        page_entries: list[int],
+        ratios: list[int],
+        recurrent: list[bool],
+    ):
         tokens = np.concatenate(
             [np.arange(s.start, s.stop) for s in rows] or [np.zeros(0, np.int64)]
         ).astype(np.int64)
@@ -101,13 +112,19 @@ class _SubPlan:
         for g in range(plan.num_cache_groups):
             pointers, pages = plan.kv_indptr[g], plan.kv_indices[g]
             listed = []
+            per_page, ratio = page_entries[g], ratios[g]
             for sub, end in zip(rows, ends):
-                # The row lists logical pages [first, ceil(seq_len / P)) (first = 0 for full
-                # attention; a sliding window lists from its first query's window): the chunk
-                # keeps them up to its own end, so its window is inside them.
                 start, stop = int(pointers[sub.row]), int(pointers[sub.row + 1])
-                first = -(-int(seq_lens[sub.row]) // page_size) - (stop - start)
-                listed.append(pages[start : start + -(-end // page_size) - first])
+                if recurrent[g]:  # (recurrent layers run on the whole plan: unused here)
+                    listed.append(pages[start:stop])
+                    continue
+                # The row lists logical pages [first, ceil(units / per_page)) of its units —
+                # tokens, or a compressed group's closed entries (first = 0 for full attention
+                # and entries; a sliding window lists from its first query's window): the
+                # chunk keeps them up to its own end, so its window is inside them.
+                units, row_units = end // ratio, int(seq_lens[sub.row]) // ratio
+                first = -(-row_units // per_page) - (stop - start)
+                listed.append(pages[start : start + -(-units // per_page) - first])
             kv_indices.append(
                 np.concatenate(listed).astype(np.uint32) if listed else np.zeros(0, np.uint32)
             )
@@ -151,25 +168,30 @@ class ContextParallelMixin(PagedRunner):
 
     @torch.inference_mode()
     def forward(self, plan: Any) -> Any:
-        if any(kind in ("recurrent", "compressed") for kind in self._group_kinds()):
-            raise NotImplementedError(
-                "context parallelism splits attention rows: recurrent states and compressed "
-                "groups are not split (docs/parallelism.md)"
-            )
         rank, world, _ = self.cp
         self._splits = split_plan(plan, world)
-        if not all(self._splits):  # no long row: every rank runs the plan whole (decode)
+        # No long row (decode), or parity capture on (its checkpoints are whole-step tensors):
+        # every rank runs the plan whole.
+        if not all(self._splits) or self.capture is not None:
             out = super().forward(plan)
             # No collective ran: wait for every rank before rank 0 lets the engine write the
             # next plan over the shared memory this one is read from.
             dist.barrier(group=self.cp[2])
             return out
         self.sampler.begin_step(plan)
-        sub = _SubPlan(plan, self._splits[rank], plan.page_size)
+        kinds = self._group_kinds()
+        recurrent = [kind == "recurrent" for kind in kinds]
+        sub = _SubPlan(
+            plan, self._splits[rank], self.group_page_entries, self.group_ratios, recurrent
+        )
         self._full_slots = [
             torch.as_tensor(plan.slot_mapping[g].astype(np.int64), device=self.device)
             for g in range(plan.num_cache_groups)
         ]
+        # Recurrent layers are not split (a state is sequential): they run on the whole plan,
+        # on every rank alike (their states are replicated), between the split layers.
+        self._full_step = StepInputs.from_plan(plan, self.device)
+        self._own_tokens = torch.as_tensor(sub.token_index, device=self.device)
         self._splitting = True
         try:
             step, top, tables = self._begin(sub)
@@ -177,24 +199,63 @@ class ContextParallelMixin(PagedRunner):
         finally:
             self._splitting = False
         full_hidden = self._gather_tokens(hidden)
-        full_step = StepInputs.from_plan(plan, self.device)
-        return self._sample(plan, full_step, full_hidden, top)
+        return self._sample(plan, self._full_step, full_hidden, top)
+
+    def _run_stack(
+        self, step: StepInputs, top: LayerContext, tables: dict[int, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not getattr(self, "_splitting", False) or not any(
+            layer.cache.kind == "recurrent" for layer in self.model.layers
+        ):
+            return super()._run_stack(step, top, tables)
+        model, globals_ = self.model, self.weights.globals
+        hidden = model.embed(step.input_ids, globals_, top)
+        if model.pre_layers is not None:
+            hidden = model.pre_layers(hidden, globals_, top)
+        full_tables: dict[int, Any] = {}
+        for layer in model.layers:
+            weights = self.child_weights[layer.index]
+            if layer.cache.kind == "recurrent":
+                whole = self._gather_tokens(hidden)
+                self._splitting = False  # (this layer's context: the whole plan's)
+                try:
+                    ctx = self._context(self._full_step, layer.index, full_tables)
+                    whole = layer.decoder(whole, layer.children, weights, ctx, _no_emit)
+                finally:
+                    self._splitting = True
+                hidden = whole[self._own_tokens]
+            else:
+                ctx = self._context(step, layer.index, tables)
+                hidden = layer.decoder(hidden, layer.children, weights, ctx, _no_emit)
+        last_layer_hidden = hidden
+        if model.post_layers is not None:
+            hidden = model.post_layers(hidden, globals_, top)
+        return last_layer_hidden, hidden
 
     def _context(self, step: StepInputs, index: int, tables: Any = None) -> LayerContext:
         ctx = super()._context(step, index, tables)
-        if ctx.attention is not None and getattr(self, "_splitting", False):
-            attention = _GatheredWrites(
-                ctx.attention.backend,
-                ctx.attention.group,
-                ctx.attention.slot_mapping,
-                ctx.attention.caches,
-            )
-            attention.runner = self
-            ctx.attention = attention
+        if not getattr(self, "_splitting", False):
+            return ctx
+        if ctx.attention is not None:
+            ctx.attention = self._gathered(ctx.attention)
+        # Extra caches too (DeepSeek-V4's compressed entries: each rank closes the entries its
+        # tokens end, and every rank needs all of them).
+        ctx.extra = {name: self._gathered(extra) for name, extra in ctx.extra.items()}
         return ctx
 
+    def _gathered(self, attention: LayerAttention) -> LayerAttention:
+        out = _GatheredWrites(
+            attention.backend, attention.group, attention.slot_mapping, attention.caches
+        )
+        out.runner = self
+        return out
+
+    def bind_cache(self, layout: Any) -> None:
+        super().bind_cache(layout)
+        self._kinds = [str(group.spec.kind) for group in layout.groups]  # per cache group
+
     def _group_kinds(self) -> list[str]:
-        return [str(spec.kind) for spec in self.cache_spec()]
+        return self._kinds
 
     def _gather_tokens(self, values: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of ``values`` (this rank's tokens, in its sub-plan order) put

@@ -11,7 +11,8 @@ A request goes to the engine with the fewest unfinished requests and stays there
 are on that rank). Each step every engine schedules; all D plans run together
 (:meth:`~.launcher.TensorParallelRunner.forward_all`) — an engine with nothing to do hands
 its rank an empty plan, which still runs every layer so the MoE collectives line up (SGLang's
-idle batches) — and each engine commits its own rank's output. Imports torch.
+idle batches) — and each engine commits its own rank's output. ``/metrics`` sums the
+engines' series. Imports torch.
 """
 
 from __future__ import annotations
@@ -106,21 +107,29 @@ class DataParallelEngine:
                 self.owner.pop(out.request_id, None)
         return results
 
+    def check_integrity(self) -> None:
+        for engine in self.engines:
+            engine.check_integrity()
+
     def metrics_text(self) -> str:
-        """Rank 0's engine's metrics, each other rank's after it with a ``dp_rank`` label."""
-        texts = []
-        for rank, engine in enumerate(self.engines):
-            lines = engine.metrics_text().splitlines()
-            if rank == 0:
-                texts += lines
-                continue
+        """The engines' Prometheus text summed series by series (counters, histograms and the
+        running / waiting gauges add up over the replicas; the KV-cache usage is their mean),
+        in rank 0's order with its HELP / TYPE lines."""
+        texts = [engine.metrics_text().splitlines() for engine in self.engines]
+        totals: dict[str, float] = {}
+        for lines in texts:
             for line in lines:
-                if line.startswith("#") or not line.strip():
-                    continue
-                name, _, value = line.partition(" ")
-                if "{" in name:
-                    name = name.replace("{", f'{{dp_rank="{rank}",', 1)
-                else:
-                    name = f'{name}{{dp_rank="{rank}"}}'
-                texts.append(f"{name} {value}")
-        return "\n".join(texts) + "\n"
+                if line and not line.startswith("#"):
+                    series, _, text = line.rpartition(" ")
+                    totals[series] = totals.get(series, 0.0) + float(text)
+        out = []
+        for line in texts[0]:
+            if not line or line.startswith("#"):
+                out.append(line)
+                continue
+            series = line.rpartition(" ")[0]
+            total = totals[series]
+            if series.startswith("resin:kv_cache_usage_perc"):
+                total /= len(self.engines)
+            out.append(f"{series} {int(total) if total == int(total) else total}")
+        return "\n".join(out) + "\n"
