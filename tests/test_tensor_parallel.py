@@ -328,6 +328,22 @@ def test_parity_and_bench_take_the_same_flags(tmp_path: Path) -> None:
     report = json.loads((out / "report.json").read_text())
     assert "--tensor-parallel-size 2" in report["command"]
     assert all(s["tokens_per_s"] > 0 for s in report["shapes"])
+    # DP attention: e2e shapes (each rank's engine plans its own requests)
+    result = CliRunner().invoke(
+        app,
+        ["bench", str(FIXTURES / "qwen3_moe"), "--shapes", "e2e:4@16+4", "--repeats", "2",
+         "--warmup", "0", "--num-threads", "1", "--data-parallel-size", "2", "--out",
+         str(tmp_path / "dp")],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "dp" / "report.json").read_text())
+    (e2e,) = report["shapes"]
+    assert e2e["num_generated"] == 16 and e2e["tokens_per_s"] > 0
+    result = CliRunner().invoke(
+        app, ["bench", str(FIXTURES / "qwen3_moe"), "--shapes", "decode:2@16",
+              "--data-parallel-size", "2", "--out", str(tmp_path / "dp2")],
+    )  # fmt: skip
+    assert result.exit_code != 0 and "e2e shapes only" in result.output
 
 
 @pytest.mark.parametrize("name", ["mixtral"])  # (Qwen3-MoE: the strategy matrix below)

@@ -347,6 +347,10 @@ def bench(
     context_parallel_size: Annotated[
         int, typer.Option(min=1, help="Long prefills split over N ranks (context parallelism).")
     ] = 1,
+    data_parallel_size: Annotated[
+        int,
+        typer.Option(min=1, help="DP attention over N ranks (one engine each; e2e shapes)."),
+    ] = 1,
 ) -> None:
     """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
 
@@ -478,7 +482,8 @@ def bench(
 
         else:
             factory = ref.runner_factory(settings.device, settings.dtype)
-        if max(tensor_parallel_size, expert_parallel_size, context_parallel_size) > 1:
+        sizes = (tensor_parallel_size, expert_parallel_size, context_parallel_size)
+        if max(*sizes, data_parallel_size) > 1:
             factory = _parallel_factory(
                 ref,
                 tensor_parallel_size,
@@ -486,11 +491,13 @@ def bench(
                 settings,
                 started,
                 context_parallel_size,
+                data_parallel_size,
             )
             command += (
                 f" --tensor-parallel-size {tensor_parallel_size}"
                 f" --expert-parallel-size {expert_parallel_size}"
                 f" --context-parallel-size {context_parallel_size}"
+                f" --data-parallel-size {data_parallel_size}"
             )
         report = run_bench(
             ref.name,
@@ -520,13 +527,22 @@ def bench(
 
 
 def _parallel_factory(
-    ref: Any, tp: int, ep: int, settings: BenchSettings, started: list[Any], cp: int = 1
+    ref: Any,
+    tp: int,
+    ep: int,
+    settings: BenchSettings,
+    started: list[Any],
+    cp: int = 1,
+    dp: int = 1,
 ) -> Any:
     """``factory(checkpoint) -> runner`` on TP / EP ranks (the built-in families only)."""
     if settings.runner != "torch":
         raise ValueError("the parallel flags run the torch runners, not --runner mlx")
-    if cp > 1 and max(tp, ep) > 1:
-        raise ValueError("--context-parallel-size runs alone (no TP / EP with it)")
+    if cp > 1 and max(tp, ep, dp) > 1:
+        raise ValueError("--context-parallel-size runs alone (no TP / EP / DP with it)")
+    if dp > 1 and (tp > 1 or ep not in (1, dp)):
+        raise ValueError("--data-parallel-size: the experts over the same ranks, no TP")
+    ep = dp if dp > 1 else ep
     if tp > 1 and ep > 1 and tp != ep:
         raise ValueError("--expert-parallel-size must equal --tensor-parallel-size, or run alone")
 
@@ -535,13 +551,14 @@ def _parallel_factory(
 
         runner = TensorParallelRunner(
             checkpoint_dir,
-            max(tp, ep, cp),
+            max(tp, ep, cp, dp),
             device=settings.device,
             dtype=settings.dtype,
             num_threads=settings.num_threads,
             tensor_parallel=tp > 1,
             expert_parallel=ep > 1,
             context_parallel=cp > 1,
+            data_parallel=dp > 1,
             model_directory=ref.model_dir,
         )
         started.append(runner)

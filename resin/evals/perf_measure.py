@@ -124,24 +124,37 @@ class ForwardTimer:
 
 @dataclass
 class Step:
-    """One driven engine step: its plan, the three timed parts (seconds) and update's outputs."""
+    """One driven engine step: its plan, the three timed parts (seconds) and update's outputs
+    (``plans``: every plan of the step — DP attention runs one per rank)."""
 
     plan: BatchPlan
     schedule_s: float
     forward_s: float
     update_s: float
     outputs: list[Any]
+    plans: list[BatchPlan] = field(default_factory=list)
 
 
 def drive_step(engine: Engine, runner: Any, timer: ForwardTimer) -> Step:
-    """One engine step as schedule -> forward -> update, each part timed."""
+    """One engine step as schedule -> forward -> update, each part timed. DP attention
+    (:class:`resin.runners.parallel.data_parallel.DataParallelEngine`): every rank's engine
+    schedules, one group forward runs all the plans, every engine commits."""
+    engines = getattr(engine, "engines", None)
+    if engines is not None:
+        t0 = time.perf_counter()
+        plans = [e.schedule() for e in engines]
+        schedule_s = time.perf_counter() - t0
+        outputs, forward_s = timer(lambda _: runner.forward_all(plans), plans[0])
+        t1 = time.perf_counter()
+        results = [out for e, p, o in zip(engines, plans, outputs) for out in e.update(p, o)]
+        return Step(plans[0], schedule_s, forward_s, time.perf_counter() - t1, results, plans)
     t0 = time.perf_counter()
     plan = engine.schedule()
     schedule_s = time.perf_counter() - t0
     output, forward_s = timer(runner.forward, plan)
     t1 = time.perf_counter()
     outputs = engine.update(plan, output)
-    return Step(plan, schedule_s, forward_s, time.perf_counter() - t1, outputs)
+    return Step(plan, schedule_s, forward_s, time.perf_counter() - t1, outputs, [plan])
 
 
 class ShapeRunner:
@@ -165,6 +178,11 @@ class ShapeRunner:
         self._next_id = 0
 
     def measure(self, shape: Shape, repeats: int, warmup: int) -> ShapeTiming:
+        if getattr(self.runner, "data_parallel", False) and shape.kind != "e2e":
+            raise ValueError(
+                f"{shape.id}: under DP attention the ranks' plans differ, so resin bench times "
+                "e2e shapes only (e2e:B@P+O)"
+            )
         if shape.kind == "decode":
             return self._decode(shape, repeats, warmup)
         if shape.kind == "prefill":
@@ -190,6 +208,10 @@ class ShapeRunner:
             vocab_size=self.config.vocab_size,
             num_speculative_tokens=self.num_speculative_tokens,
         )
+        if getattr(self.runner, "data_parallel", False):
+            from resin.runners.parallel.data_parallel import DataParallelEngine
+
+            return DataParallelEngine(config, self.runner)  # type: ignore[return-value]
         return Engine(config, self.runner)
 
     def _add(self, engine: Engine, num_prompt_tokens: int, max_tokens: int) -> str:
@@ -272,7 +294,12 @@ class ShapeRunner:
                 parts[0] += step.schedule_s
                 parts[1] += step.forward_s
                 parts[2] += step.update_s
-                costs.append(plan_cost(self.config, step.plan, self.dtype_bytes))
+                costs.append(
+                    sum(
+                        (plan_cost(self.config, p, self.dtype_bytes) for p in step.plans),
+                        ZERO_COST,
+                    )
+                )
                 ids -= {out.request_id for out in step.outputs if out.finished}
                 if not ids:
                     break
