@@ -220,7 +220,6 @@ def _context_parallel_runner(
 ) -> Any:
     """Rank ``rank`` of a context-parallel group: the whole model (a built-in family, or a
     model directory's) on this rank (:mod:`.context_parallel`)."""
-    from resin.loading.weights import load_weights
     from resin.runners.parallel.context_parallel import (
         ContextParallelRunner,
         context_parallel_model_dir_runner,
@@ -235,15 +234,10 @@ def _context_parallel_runner(
             dtype=dtype,
             attention_backend=attention_backend,
         )
-    else:
-        config = load_model_config(model_dir)
-        device = torch.device(device)
-        flat = load_weights(model_dir, config, device=device, dtype=dtype)
-        weights = ModelWeights.from_flat(flat, config.num_hidden_layers, rename=_runner_name)
-        runner = ContextParallelRunner(
-            llama_family_definition(config, device), weights, device, dtype, attention_backend
+    else:  # the whole built-in model: TorchRunner's own loader
+        runner = ContextParallelRunner.from_pretrained(
+            model_dir, device=device, dtype=dtype, attention_backend=attention_backend
         )
-        runner.model_config = config
     runner.cp = (rank, world_size, group)
     return runner
 
