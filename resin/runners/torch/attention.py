@@ -65,6 +65,32 @@ def head_layout(
     )
 
 
+def masked_softmax(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
+    query_dtype: torch.dtype,
+    value_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Attention probabilities from scaled ``scores`` [..., K], every backend's one rule:
+    soft-capping (``tanh(scores / softcap) * softcap``) before the ``mask`` (False: -inf);
+    without ``sinks`` an fp32 softmax cast to the query dtype; with ``sinks`` (broadcastable
+    to ``scores.shape[:-1] + (1,)``) the sink logit joins every row's softmax and is dropped
+    after it — the row max, sink included, subtracted first, in the promoted dtype (an fp32
+    sink makes it fp32, as torch.cat's promotion does in HF) — cast to the value dtype."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query_dtype)
+    dtype = torch.promote_types(scores.dtype, sinks.dtype)
+    sink = sinks.to(dtype).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores.to(dtype), sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(value_dtype)
+
+
 class AttentionBackend:
     """The interface. Subclasses implement :meth:`begin_step` and :meth:`attend`."""
 
@@ -203,19 +229,8 @@ class ReferenceBackend(AttentionBackend):
             k = k_rows.repeat_interleave(repeat, dim=1)  # [K, H, D]
             v = v_rows[..., :dim_v].repeat_interleave(repeat, dim=1)  # [K, H, Dv]
             scores = torch.einsum("qhd,khd->hqk", q[view.query], k) * scale
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            scores = scores.masked_fill(~view.mask[None], float("-inf"))
-            if sinks is None:
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            else:
-                # An fp32 sink (kept fp32 by HF's dtype plan) makes the softmax fp32, as
-                # torch.cat's type promotion does in HF.
-                dtype = torch.promote_types(scores.dtype, sinks.dtype)
-                sink = sinks.to(dtype).reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
-                logits = torch.cat([scores.to(dtype), sink], dim=-1)
-                logits = logits - logits.max(dim=-1, keepdim=True).values
-                probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+            sink = None if sinks is None else sinks.reshape(-1, 1, 1)
+            probs = masked_softmax(scores, view.mask[None], sink, softcap, q.dtype, v.dtype)
             out[view.query] = torch.einsum("hqk,khd->qhd", probs, v)
         return out
 

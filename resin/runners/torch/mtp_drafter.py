@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from resin._core import ForwardOutput
-from resin.runners.torch.attention import RowHistory
+from resin.runners.torch.attention import RowHistory, masked_softmax
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import read_slots
 from resin.runners.torch.model_definition import LayerCache, MtpDefinition
@@ -120,25 +120,27 @@ class MtpDrafter:
         cache = ctx.extra[TARGET_HIDDEN].caches["hidden"]
         page_size = self.runner.group_page_entries[group]
         starts = plan.query_indptr[:-1].astype(np.int64)
-        ends = plan.query_indptr[1:].astype(np.int64)
-        for row in np.flatnonzero(ends > starts):
-            first = int(starts[row])
-            position = int(plan.positions[first]) - 1
-            if position < 0:
-                prev[first] = 0
-                continue
-            pages = plan.kv_indices[group][
-                plan.kv_indptr[group][row] : plan.kv_indptr[group][row + 1]
-            ]
-            first_page = -(-int(plan.seq_lens[row]) // page_size) - len(pages)
-            index = position // page_size - first_page
-            if not 0 <= index < len(pages):
-                raise RuntimeError(
-                    f"MTP: the target's hidden state at position {position} left the pool "
-                    f"(row {row}); the engine must keep the {TARGET_HIDDEN} window"
-                )
-            slot = torch.tensor([int(pages[index]) * page_size + position % page_size])
-            prev[first] = read_slots(cache, slot.to(cache.device))[0]
+        rows = np.flatnonzero(plan.query_indptr[1:].astype(np.int64) > starts)
+        first = starts[rows]  # each row's first token, then the position before it
+        position = plan.positions[first].astype(np.int64) - 1
+        prev[torch.as_tensor(first[position < 0], device=prev.device)] = 0
+        rows, first, position = rows[position >= 0], first[position >= 0], position[position >= 0]
+        if not len(rows):
+            return prev
+        # One read for every row (the window group lists pages from the window's first).
+        pointers = plan.kv_indptr[group].astype(np.int64)
+        listed = pointers[rows + 1] - pointers[rows]
+        first_page = -(-plan.seq_lens[rows].astype(np.int64) // page_size) - listed
+        index = position // page_size - first_page
+        lost = (index < 0) | (index >= listed)
+        if lost.any():
+            raise RuntimeError(
+                f"MTP: the target's hidden state at position {int(position[lost][0])} left the "
+                f"pool (row {int(rows[lost][0])}); the engine must keep the {TARGET_HIDDEN} window"
+            )
+        pages = plan.kv_indices[group].astype(np.int64)[pointers[rows] + index]
+        slots = torch.as_tensor(pages * page_size + position % page_size, device=cache.device)
+        prev[torch.as_tensor(first, device=prev.device)] = read_slots(cache, slots).to(prev.dtype)
         return prev
 
     def _chain(
@@ -329,15 +331,6 @@ class DraftAttention:
         k = k.repeat_interleave(repeat, dim=2)  # [R, K, H, D]
         v = v[..., :dim_v].repeat_interleave(repeat, dim=2)
         scores = torch.einsum("rhd,rkhd->rhk", q, k) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-        if sinks is None:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        else:
-            dtype = torch.promote_types(scores.dtype, sinks.dtype)
-            sink = sinks.to(dtype).reshape(1, -1, 1).expand(scores.shape[0], -1, 1)
-            logits = torch.cat([scores.to(dtype), sink], dim=-1)
-            logits = logits - logits.max(dim=-1, keepdim=True).values
-            probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+        sink = None if sinks is None else sinks.reshape(1, -1, 1)
+        probs = masked_softmax(scores, mask[:, None, :], sink, softcap, q.dtype, v.dtype)
         return torch.einsum("rhk,rkhd->rhd", probs, v)

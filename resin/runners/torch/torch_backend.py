@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from resin.runners.torch.attention import ReferenceBackend, head_layout
+from resin.runners.torch.attention import ReferenceBackend, head_layout, masked_softmax
 from resin.runners.torch.layers import read_slots
 
 
@@ -139,15 +139,5 @@ def _softmax_attention(
     """The reference backend's masked softmax (sinks, softcap) over a padded batch; ``sinks``
     broadcasts to ``[S, H, Q, 1]``."""
     scores = torch.einsum("shqd,shkd->shqk", q, k) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    else:
-        dtype = torch.promote_types(scores.dtype, sinks.dtype)
-        sink = sinks.to(dtype).expand(*scores.shape[:3], 1)
-        logits = torch.cat([scores.to(dtype), sink], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+    probs = masked_softmax(scores, mask, sinks, softcap, q.dtype, v.dtype)
     return torch.einsum("shqk,shkd->shqd", probs, v)
