@@ -262,10 +262,18 @@ def _triton_backend() -> AttentionBackend:
     return TritonBackend()
 
 
+def _flashinfer_backend() -> AttentionBackend:
+    # It subclasses TorchBackend (its fallback); building it needs CUDA and flashinfer-python.
+    from resin.runners.torch.flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend()
+
+
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "reference": ReferenceBackend,
     "torch": _torch_backend,  # every row in one batched call per layer (torch_backend.py)
     "triton": _triton_backend,  # a paged-attention kernel on the page table (triton_backend.py)
+    "flashinfer": _flashinfer_backend,  # FlashInfer's paged wrappers (flashinfer_backend.py)
 }
 DEFAULT_BACKEND = "reference"
 
