@@ -1,4 +1,5 @@
-"""The ``flashinfer`` attention backend (resin/runners/torch/flashinfer_backend.py).
+"""The ``flashinfer`` attention backend (resin/runners/torch/flashinfer_backend.py) and its page
+table (flashinfer_page_table.py).
 
 On CPU (no CUDA, no flashinfer needed):
 
@@ -25,8 +26,6 @@ backend on random caches, and the parity harness on a tiny Llama with head_dim 1
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,13 +34,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from resin.runners.torch.attention import ReferenceBackend  # noqa: E402
+from resin.runners.torch.attention import (  # noqa: E402
+    ReferenceBackend,
+    make_attention_backend,
+)
 from resin.runners.torch.flashinfer_backend import (  # noqa: E402
+    STATS,
     FlashInferBackend,
+    unsupported_reason,
+)
+from resin.runners.torch.flashinfer_page_table import (  # noqa: E402
     build_page_table,
     table_views,
     trailing_positions,
-    unsupported_reason,
 )
 from resin.runners.torch.layers import build_sequence_views  # noqa: E402
 
@@ -251,6 +256,7 @@ def test_backend_plans_once_and_runs_in_place(
     runs = [ptrs for event, ptrs in log if event == "run"]
     assert runs == [(k.data_ptr(), v.data_ptr()) for k, v in caches]  # the views themselves
     assert backend.num_runs == num_layers and not backend.fallback_reasons
+    assert STATS["flashinfer"] >= num_layers  # the per-process count the GPU check reads
     backend.begin_step(step, [window], [page], [1])  # a new step plans again
     backend.attend(q, *caches[0], 0, scale=dim**-0.5, sinks=sink, softcap=softcap)
     assert sum(e[0] == "plan" for e in log) == 2
@@ -355,11 +361,13 @@ def test_sinks_without_the_sink_wrapper_fall_back() -> None:
 
 @pytest.mark.skipif(CUDA, reason="a GPU is present: the backend builds")
 def test_selecting_it_without_cuda_names_what_is_missing() -> None:
-    code = "from resin.runners.torch.attention import make_attention_backend as m; m('flashinfer')"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    assert "RuntimeError: the flashinfer attention backend needs a CUDA GPU" in done.stderr
-    assert ("flashinfer-python" in done.stderr) == (not HAS_FLASHINFER)
+    with pytest.raises(RuntimeError, match="the flashinfer attention backend needs a CUDA GPU"):
+        make_attention_backend("flashinfer")
+    try:
+        make_attention_backend("flashinfer")
+    except RuntimeError as exc:
+        assert ("flashinfer-python" in str(exc)) == (not HAS_FLASHINFER)
+        assert "--attention-backend torch" in str(exc)
 
 
 # -- on CUDA with flashinfer ---------------------------------------------------------------------

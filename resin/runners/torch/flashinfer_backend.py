@@ -1,6 +1,6 @@
 """The ``flashinfer`` attention backend: FlashInfer's paged wrappers reading Resin's cache in place.
 
-Once per step and cache group, :func:`build_page_table` turns the plan's page table into
+Once per step and cache group, :func:`~.flashinfer_page_table.build_page_table` turns the plan's page table into
 FlashInfer's CSR form — ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``,
 int32 on the host (FlashInfer's ``plan()`` reads the indptrs there and copies the rest to the
 GPU). The first layer that attends in a group plans a wrapper for it; every later layer of the
@@ -45,6 +45,11 @@ than fp16 / bf16 or K / V of another dtype than q, head dims outside
 (or with a softcap, which its sink variant has not), and tensors off CUDA. ``gather``
 (compressed / indexed attention) is the reference backend's.
 
+Counters: per backend ``num_runs`` (FlashInfer calls) and ``fallback_reasons``; per process
+:data:`STATS` (the same, summed over backends), written as JSON at exit to the path in
+``$RESIN_FLASHINFER_STATS`` when set — how the GPU check proves a parity run went through
+FlashInfer and not only through the fallback.
+
 ``plan()`` runs on the host, so a step through this backend cannot be captured in a CUDA
 graph as it stands (FlashInfer's ``use_cuda_graph`` wrappers with fixed buffers would be the
 way). Building the backend needs CUDA and the ``flashinfer-python`` package; the module itself
@@ -53,16 +58,23 @@ imports neither, so the page-table code runs (and is tested) anywhere.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
+import json
+import os
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from resin.runners.torch.attention import head_layout
+from resin.runners.torch.flashinfer_page_table import (
+    PageTable,
+    build_page_table,
+    host_int64,
+    trailing_positions,
+)
 from resin.runners.torch.torch_backend import TorchBackend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace, one per backend
@@ -70,115 +82,17 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)  # FlashInfer's FA2 / FA3 head dims (prefil
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 TENSOR_CORE_GROUP = 4  # decode on tensor cores above this many query heads per KV head
 ALIGN_BYTES = 16  # FlashInfer loads K / V 16 bytes at a time (cp.async)
+STATS_ENV = "RESIN_FLASHINFER_STATS"
+STATS: Counter[str] = Counter()  # "flashinfer" runs and "fallback: <reason>" calls, per process
 
 
-@dataclass(frozen=True)
-class PageTable:
-    """One cache group's FlashInfer page table for a step (module doc); int32 on the host.
-
-    ``qo_indptr`` [S+1] (row i's queries are the step's tokens ``[qo_indptr[i],
-    qo_indptr[i+1])``), ``kv_indptr`` [S+1] / ``kv_indices`` [nnz] (the pages it lists, in
-    position order), ``kv_last_page_len`` [S] (entries used in its last listed page, 1..page
-    size; 0 when it lists none), ``kv_lens`` [S] (its listed keys: ``(pages - 1) * page_size +
-    last``), ``seq_lens`` [S]; ``window_left`` is FlashInfer's (``window - 1``, -1 for none).
-    """
-
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
-    kv_lens: torch.Tensor
-    seq_lens: torch.Tensor
-    page_size: int
-    window_left: int
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.seq_lens.numel())
-
-    @property
-    def qo_lens(self) -> torch.Tensor:
-        return self.qo_indptr[1:] - self.qo_indptr[:-1]
-
-    @property
-    def decode_only(self) -> bool:
-        """Every row has exactly one query (FlashInfer's decode wrapper then applies)."""
-        return self.num_rows > 0 and bool((self.qo_lens == 1).all())
+def _write_stats(path: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(dict(STATS), handle, indent=2, sort_keys=True)
 
 
-def _int64(array: Any) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(array).astype(np.int64))
-
-
-def build_page_table(
-    query_indptr: Any,
-    seq_lens: Any,
-    kv_indptr: Any,
-    kv_indices: Any,
-    page_size: int,
-    window: int | None,
-) -> PageTable:
-    """FlashInfer's CSR page table for one token group from the plan's arrays (uint32 numpy,
-    or anything ``np.asarray`` takes). The pages are the plan's own (no copy of the cache, no
-    re-listing): the last page's length follows from ``seq_len``, since the plan lists every
-    row through its last page. ValueError when a row's listed keys cannot hold its queries."""
-    qo_indptr, seq = _int64(query_indptr), _int64(seq_lens)
-    indptr, indices = _int64(kv_indptr), _int64(kv_indices)
-    num_listed = indptr[1:] - indptr[:-1]
-    num_pages = (seq + page_size - 1) // page_size
-    last = torch.where(num_listed > 0, seq - (num_pages - 1) * page_size, 0)
-    kv_lens = torch.where(num_listed > 0, (num_listed - 1) * page_size + last, 0)
-    qo_lens = qo_indptr[1:] - qo_indptr[:-1]
-    bad = (num_listed > num_pages) | (qo_lens > kv_lens)
-    if bool(bad.any()):
-        row = int(torch.nonzero(bad)[0])
-        raise ValueError(
-            f"row {row}: {int(num_listed[row])} listed pages of {page_size} hold "
-            f"{int(kv_lens[row])} keys for seq_len {int(seq[row])} and {int(qo_lens[row])} "
-            "queries: the plan must list every row's pages through its last one"
-        )
-    return PageTable(
-        qo_indptr=qo_indptr.to(torch.int32),
-        kv_indptr=indptr.to(torch.int32),
-        kv_indices=indices.to(torch.int32),
-        kv_last_page_len=last.to(torch.int32),
-        kv_lens=kv_lens.to(torch.int32),
-        seq_lens=seq.to(torch.int32),
-        page_size=page_size,
-        window_left=-1 if window is None else int(window) - 1,
-    )
-
-
-def trailing_positions(table: PageTable) -> torch.Tensor:
-    """int64 [T]: the position FlashInfer assumes for each query — row i's are its last ``q``
-    tokens, ``seq_len - q .. seq_len - 1``."""
-    qo_lens = table.qo_lens.to(torch.int64)
-    rows = torch.repeat_interleave(torch.arange(table.num_rows), qo_lens)
-    offsets = torch.arange(int(qo_lens.sum())) - table.qo_indptr.to(torch.int64)[rows]
-    return (table.seq_lens.to(torch.int64) - qo_lens)[rows] + offsets
-
-
-def table_views(table: PageTable) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """Per row, what FlashInfer's kernels read from ``table``: ``(query slice, slots int64
-    [kv_len], mask bool [q, kv_len])`` — key j of the listed pages lives at slot ``page *
-    page_size + offset``; query i sees key j iff ``j <= kv_len - q + i`` (bottom-right causal)
-    and, with a window, ``j >= kv_len - q + i - window_left``. For tests and for reading: the
-    contract the backend relies on, in plain torch."""
-    views = []
-    ps, offsets = table.page_size, torch.arange(table.page_size)
-    for row in range(table.num_rows):
-        start, stop = int(table.kv_indptr[row]), int(table.kv_indptr[row + 1])
-        pages = table.kv_indices[start:stop].to(torch.int64)
-        kv_len = int(table.kv_lens[row])
-        slots = (pages[:, None] * ps + offsets[None, :]).reshape(-1)[:kv_len]
-        q0, q1 = int(table.qo_indptr[row]), int(table.qo_indptr[row + 1])
-        query_at = kv_len - (q1 - q0) + torch.arange(q1 - q0)[:, None]
-        keys = torch.arange(kv_len)[None, :]
-        mask = keys <= query_at
-        if table.window_left >= 0:
-            mask &= keys >= query_at - table.window_left
-        views.append((slice(q0, q1), slots, mask))
-    return views
+if os.environ.get(STATS_ENV):
+    atexit.register(_write_stats, os.environ[STATS_ENV])
 
 
 def unsupported_reason(
@@ -299,7 +213,7 @@ class FlashInferBackend(TorchBackend):
             result = f"page table: {exc}"
         else:
             given = getattr(plan, "positions", None)
-            positions = step.positions.cpu() if given is None else _int64(given)
+            positions = step.positions.cpu() if given is None else host_int64(given)
             if not torch.equal(positions.to(torch.int64), trailing_positions(result)):
                 result = "positions other than each row's trailing tokens"
         self.tables[group] = result
@@ -333,6 +247,7 @@ class FlashInferBackend(TorchBackend):
         table = self._table(group) if reason is None else reason
         if isinstance(table, str) or v_cache is None:  # v_cache None: a reason already
             self.fallback_reasons[str(table)] += 1
+            STATS[f"fallback: {table}"] += 1
             return super().attend(
                 q,
                 k_cache,
@@ -348,6 +263,7 @@ class FlashInferBackend(TorchBackend):
         wrapper = self._planned(group, table, q, k_cache, scale, softcap, sinks is not None)
         query = q if q.stride(-1) == 1 else q.contiguous()
         self.num_runs += 1
+        STATS["flashinfer"] += 1
         if sinks is not None:
             sink = sinks.to(device=q.device, dtype=torch.float32).contiguous()
             return wrapper.run(query, (k_cache, v_cache), sink, float(scale))
