@@ -122,3 +122,31 @@ def test_every_model_passes_parity_on_it(model: str) -> None:
     report = run_model_parity(ref)
     assert report.passed, report.summary()
     assert any(stage.name.startswith("greedy/") for stage in report.stages)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_garbage_past_a_rows_end_never_reaches_the_output(window: int | None) -> None:
+    """The torch backend gathers whole pages, so it reads the unwritten tail of each row's
+    last page and (padding a row with a partial only page) the null page. In a shared buffer
+    those bytes may be another group's, e.g. NaN: they must be zeroed, not just masked
+    (0 * NaN is NaN)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = [(9, 1), (0, 3), (21, 1), (2, 1)]  # row 1 and row 3: one partial page each
+    plan = _Plan(rows, window)
+    step: Any = _Step(plan, rows)
+    k_cache = torch.full((plan.num_pages, PAGE, 2, 8), float("nan"))
+    v_cache = torch.full((plan.num_pages, PAGE, 2, 8), float("nan"))
+    for row, (cached, new) in enumerate(rows):  # fill only the written slots
+        pages = plan.kv_indices[0][plan.kv_indptr[0][row] : plan.kv_indptr[0][row + 1]]
+        first = -(-(cached + new) // PAGE) - len(pages)
+        for i, page in enumerate(pages):
+            written = min(PAGE, cached + new - (first + i) * PAGE)
+            k_cache[page, :written] = torch.randn(written, 2, 8, generator=gen)
+            v_cache[page, :written] = torch.randn(written, 2, 8, generator=gen)
+    q = torch.randn(len(step.positions), 4, 8, generator=gen)
+    outs = []
+    for backend in (ReferenceBackend(), TorchBackend()):
+        backend.begin_step(step, [window], [PAGE], [1])
+        outs.append(backend.attend(q, k_cache, v_cache, 0, scale=8**-0.5))
+    assert torch.isfinite(outs[1]).all()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -95,6 +95,8 @@ class AttentionBackend:
     """The interface. Subclasses implement :meth:`begin_step` and :meth:`attend`."""
 
     name = "base"
+    # (slot_mapping, keep mask or None when every token is written, kept slots int64): :meth:`write`
+    _write_memo: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
 
     def begin_step(
         self,
@@ -120,12 +122,20 @@ class AttentionBackend:
         """Store each ``values[i]`` [T, kv_heads, dim] into ``caches[i]`` at ``slot_mapping``
         (int64[T]); skip slot -1 (one mask for all the buffers).
 
-        -1 must never be used as an index (it would address the pool's last slot).
+        -1 must never be used as an index (it would address the pool's last slot). Every layer
+        of a group passes the same ``slot_mapping``: the mask and the kept slots are worked out
+        for its first write and reused (no per-layer masking when every token is written).
         """
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
+        memo = self._write_memo
+        if memo is None or memo[0] is not slot_mapping:
+            keep = slot_mapping >= 0
+            every = bool(keep.all())
+            kept = (slot_mapping if every else slot_mapping[keep]).long()
+            memo = (slot_mapping, None if every else keep, kept)
+            self._write_memo = memo
+        _, kept_mask, slots = memo
         for cache, tensor in zip(caches, values):
-            write_slots(cache, slots, tensor[keep])
+            write_slots(cache, slots, tensor if kept_mask is None else tensor[kept_mask])
 
     def attend(
         self,

@@ -1,18 +1,26 @@
 """The ``torch`` attention backend: every row of a step in one batched attention call per layer.
 
-The reference backend loops over the plan's rows in Python inside every layer. This one builds,
-once per step and cache group, a padded batch from the same per-row views
-(:func:`~.layers.build_sequence_views`: slots and masks): ``slot_index`` ``[S, K]`` (each row's
-readable cache slots, padded with the row's first slot), ``query_index`` ``[S, Q]`` (each row's
-tokens in the step's flat order, padded) and ``mask`` ``[S, Q, K]`` (the row's causal / window
-mask; padding keys and queries masked). A layer then gathers K and V for all rows with one index,
-and runs ``torch.nn.functional.scaled_dot_product_attention`` over ``[S, Hkv, r * Q, K]`` — GQA /
-MQA by folding the r query heads that share a KV head into the query axis (no copy of K and V
-per head), a shared K = V cache by slicing — or, with attention sinks or a logit
-softcap (which SDPA cannot express), the same masked softmax as the reference backend, batched.
-The result is scattered back to the step's token order.
+The reference backend loops over the plan's rows in Python inside every layer. This one plans,
+once per step and cache group, a padded batch over whole pages (:class:`RowBatch`, built with
+numpy from the plan's CSR page table, no loop over rows): ``page_table`` ``[S * P]`` (each row's
+listed pages, padded to the longest row's ``P``), so a layer gathers K and V for all rows with
+one ``index_select`` of whole pages (a page is one contiguous block: a memcpy, several times
+faster than gathering slot by slot), and ``mask`` ``[S, Q, P * E]`` (``E`` entries per page: the
+row's causal / window mask over those keys; keys past the row's end, padding keys and padding
+queries masked). It then runs ``torch.nn.functional.scaled_dot_product_attention`` over
+``[S, Hkv, r * Q, K]`` — GQA / MQA by folding the r query heads that share a KV head into the
+query axis (no copy of K and V per head), a shared K = V cache by slicing — or, with attention
+sinks or a logit softcap (which SDPA cannot express), the same masked softmax as the reference
+backend, batched. A decode-only step (one query per row, in order) reads and writes the
+queries in place; otherwise they are gathered from, and scattered back to, the step's token
+order.
 
-Padding costs ``S * Q * K``: a decode batch (Q = 1) pads only keys to the longest row; a step
+Masked keys must still be finite (``0 * NaN`` is NaN): the unwritten tail of a row's last page
+may hold another cache group's bytes in a shared buffer (docs/batch_plan.md), so the gathered
+keys there are zeroed (``blank_keys``); padding pages repeat the row's first page when it is
+full, else read the null page and are zeroed too.
+
+Padding costs ``S * Q * P * E``: a decode batch (Q = 1) pads only keys to the longest row; a step
 mixing one long prefill chunk with many decode rows pads every decode row's queries to the
 chunk. ``gather`` (compressed / indexed attention) is the reference backend's.
 
@@ -21,23 +29,124 @@ Imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from resin.runners.torch.attention import ReferenceBackend, head_layout, masked_softmax
-from resin.runners.torch.layers import read_slots
 
 
 @dataclass
 class RowBatch:
     """One cache group's padded batch for this step (see the module doc)."""
 
-    slot_index: torch.Tensor  # int64 [S, K]
-    query_index: torch.Tensor  # int64 [S, Q]
-    query_valid: torch.Tensor  # bool [S, Q]
+    num_rows: int
+    num_keys: int  # P * E
+    page_table: torch.Tensor  # int64 [S * P]: the pages a layer gathers, row-major
+    blank_keys: torch.Tensor | None  # int64: flat [S * K] indices of gathered keys to zero
+    query_index: torch.Tensor | None  # int64 [S, Q] (None: one query per row, in order)
+    query_valid: torch.Tensor | None  # bool [S, Q]
     mask: torch.Tensor  # bool [S, Q, K]
+    folded_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def folded_mask(self, repeat: int) -> torch.Tensor:
+        """``mask`` for ``repeat`` query heads folded into the query axis: [S, 1, r * Q, K]."""
+        mask = self.folded_masks.get(repeat)
+        if mask is None:
+            mask = self.mask.repeat(1, repeat, 1)[:, None]
+            self.folded_masks[repeat] = mask
+        return mask
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """Every row's keys (or values) of ``cache`` [pages, E, heads, dim]: [S, K, heads, dim]."""
+        pages = cache.index_select(0, self.page_table)
+        if self.blank_keys is not None:
+            pages.view(self.num_rows * self.num_keys, -1).index_fill_(0, self.blank_keys, 0)
+        return pages.view(self.num_rows, self.num_keys, *cache.shape[2:])
+
+
+def plan_row_batch(
+    query_indptr: np.ndarray,
+    seq_lens: np.ndarray,
+    kv_indptr: np.ndarray,
+    kv_indices: np.ndarray,
+    positions: torch.Tensor,
+    page_entries: int,
+    window_tokens: int | None,
+    ratio: int = 1,
+) -> RowBatch:
+    """The group's :class:`RowBatch` from the plan's arrays (module doc). Key ``j`` of a row is
+    entry ``first_page * E + j`` with ``first_page = ceil(units / E) - num_listed`` (a window
+    group lists only the pages intersecting the window); ``units`` is the row's tokens, or its
+    closed entries (``seq_len // ratio``) in a compressed group, whose entry e has key position
+    ``(e + 1) * ratio - 1`` (:func:`resin.page_views.readable_keys`, vectorised)."""
+    device = positions.device
+    query_indptr = np.asarray(query_indptr, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    kv_indptr = np.asarray(kv_indptr, dtype=np.int64)
+    kv_indices = np.asarray(kv_indices, dtype=np.int64)
+    num_rows = len(seq_lens)
+    entries = page_entries
+    num_listed = np.diff(kv_indptr)
+    width = max(int(num_listed.max(initial=0)), 1)  # P
+    units = seq_lens // ratio if ratio > 1 else seq_lens
+    first_page = -(-units // entries) - num_listed
+    column = np.arange(width)
+    listed = column[None, :] < num_listed[:, None]  # [S, P]
+    # Padding pages repeat the row's first listed page when that page is full (finite bytes,
+    # masked), else the null page (zeroed after the gather).
+    first_full = (num_listed > 0) & ((first_page + 1) * entries <= units)
+    if len(kv_indices):
+        source = kv_indptr[:-1, None] + np.minimum(
+            column[None, :], np.maximum(num_listed - 1, 0)[:, None]
+        )
+        pages = kv_indices[np.minimum(source, len(kv_indices) - 1)]
+        pages = np.where(listed | first_full[:, None], np.where(listed, pages, pages[:, :1]), 0)
+    else:
+        pages = np.zeros((num_rows, width), dtype=np.int64)
+    key_index = first_page[:, None] * entries + np.arange(width * entries)[None, :]  # [S, K]
+    key_listed = np.repeat(listed, entries, axis=1)
+    written = key_listed & (key_index < units[:, None])
+    # Zero what may be garbage: unwritten keys in a listed page (the last page's tail) and
+    # every key of a null padding page.
+    blank = ~written & (key_listed | ~first_full[:, None])
+    blank_flat = np.flatnonzero(blank)
+    key_positions = (key_index + 1) * ratio - 1 if ratio > 1 else key_index
+
+    query_lens = np.diff(query_indptr)
+    num_queries = max(int(query_lens.max(initial=0)), 1)
+    in_order = num_queries == 1 and bool((query_lens == 1).all())
+    key_pos = torch.from_numpy(key_positions).to(device)
+    key_ok = torch.from_numpy(written).to(device)
+    if in_order:
+        query_index = query_valid = None
+        query_positions = positions[:, None]  # [S, 1]
+    else:
+        offsets = np.arange(num_queries)[None, :]
+        valid = offsets < query_lens[:, None]
+        index = np.where(valid, query_indptr[:-1, None] + offsets, 0)
+        query_index = torch.from_numpy(index).to(device)
+        query_valid = torch.from_numpy(valid).to(device)
+        query_positions = positions[query_index]  # [S, Q]
+    mask = key_ok[:, None, :] & (key_pos[:, None, :] <= query_positions[:, :, None])
+    if window_tokens is not None:
+        mask &= key_pos[:, None, :] > query_positions[:, :, None] - window_tokens
+    if query_valid is not None:
+        mask &= query_valid[:, :, None]
+        # Padding queries see the row's first key (finite: real or zeroed), so no softmax
+        # row is empty (no NaN).
+        mask[:, :, 0] |= ~query_valid
+    return RowBatch(
+        num_rows=num_rows,
+        num_keys=width * entries,
+        page_table=torch.from_numpy(pages.reshape(-1)).to(device),
+        blank_keys=torch.from_numpy(blank_flat).to(device) if len(blank_flat) else None,
+        query_index=query_index,
+        query_valid=query_valid,
+        mask=mask,
+    )
 
 
 class TorchBackend(ReferenceBackend):
@@ -55,30 +164,21 @@ class TorchBackend(ReferenceBackend):
 
     def _batch(self, group: int) -> RowBatch:
         batch = self.batches.get(group)
-        if batch is not None:
-            return batch
-        views = self._views(group)
-        assert self._step is not None
-        device = self._step[0].device
-        num_rows = len(views)
-        num_keys = max((len(v.slots) for v in views), default=0) or 1
-        num_queries = max((v.query.stop - v.query.start for v in views), default=0) or 1
-        slot_index = torch.zeros((num_rows, num_keys), dtype=torch.int64, device=device)
-        query_index = torch.zeros((num_rows, num_queries), dtype=torch.int64, device=device)
-        query_valid = torch.zeros((num_rows, num_queries), dtype=torch.bool, device=device)
-        mask = torch.zeros((num_rows, num_queries, num_keys), dtype=torch.bool, device=device)
-        for row, view in enumerate(views):
-            keys, queries = len(view.slots), view.query.stop - view.query.start
-            if keys:
-                slot_index[row, :keys] = view.slots
-                slot_index[row, keys:] = view.slots[0]
-            query_index[row, :queries] = torch.arange(view.query.start, view.query.stop)
-            query_valid[row, :queries] = True
-            mask[row, :queries, :keys] = view.mask
-            # Padding queries see the row's first key, so no softmax row is empty (no NaN).
-            mask[row, queries:, 0] = True
-        batch = RowBatch(slot_index, query_index, query_valid, mask)
-        self.batches[group] = batch
+        if batch is None:
+            assert self._step is not None, "begin_step first"
+            step, windows, page_entries, ratios = self._step
+            plan = step.plan
+            batch = plan_row_batch(
+                plan.query_indptr,
+                plan.seq_lens,
+                plan.kv_indptr[group],
+                plan.kv_indices[group],
+                step.positions,
+                page_entries[group],
+                windows[group],
+                ratios[group],
+            )
+            self.batches[group] = batch
         return batch
 
     def attend(
@@ -96,22 +196,21 @@ class TorchBackend(ReferenceBackend):
         num_heads, repeat, dim_v = head_layout(q, k_cache, v_cache, value_dim)
         num_kv_heads = num_heads // repeat
         b = self._batch(group)
-        rows, keys = b.slot_index.shape
-        flat = b.slot_index.reshape(-1)
-        k = read_slots(k_cache, flat).reshape(rows, keys, num_kv_heads, -1)
-        v = (
-            k
-            if v_cache is None
-            else read_slots(v_cache, flat).reshape(rows, keys, num_kv_heads, -1)
-        )
+        rows = b.num_rows
+        k = b.gather(k_cache)
+        v = k if v_cache is None else b.gather(v_cache)
         k = k.to(q.dtype).transpose(1, 2)  # [S, Hkv, K, D]
         v = v[..., :dim_v].to(q.dtype).transpose(1, 2)
         # GQA / MQA without copying K and V per query head: fold the heads that share a KV head
         # into the query axis, [S, Hkv, repeat * Q, D] (query head = kv head * repeat + r).
-        num_queries = b.query_index.shape[1]
-        queries = q[b.query_index].transpose(1, 2)  # [S, H, Q, D]
-        queries = queries.reshape(rows, num_kv_heads, repeat * num_queries, -1)
-        mask = b.mask.repeat(1, repeat, 1)[:, None]  # [S, 1, repeat * Q, K]
+        if b.query_index is None:
+            num_queries = 1
+            queries = q.reshape(rows, 1, num_heads, -1)
+        else:
+            num_queries = b.query_index.shape[1]
+            queries = q[b.query_index]
+        queries = queries.transpose(1, 2).reshape(rows, num_kv_heads, repeat * num_queries, -1)
+        mask = b.folded_mask(repeat)  # [S, 1, repeat * Q, K]
         if sinks is None and softcap is None:
             out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale)
         else:
@@ -122,6 +221,9 @@ class TorchBackend(ReferenceBackend):
             out = _softmax_attention(queries, k, v, mask, scale, sink, softcap)
         # [S, Hkv, repeat * Q, Dv] -> [S, Q, H, Dv]
         out = out.reshape(rows, num_heads, num_queries, dim_v).transpose(1, 2)
+        if b.query_index is None:
+            return out.reshape(rows, num_heads, dim_v)
+        assert b.query_valid is not None
         result = q.new_empty(q.shape[0], num_heads, dim_v)
         result[b.query_index[b.query_valid]] = out[b.query_valid]
         return result
