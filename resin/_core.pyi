@@ -210,6 +210,12 @@ class EngineConfig:
     ngram_prompt_lookup_min: int
     ngram_prompt_lookup_max: int
     """The drafter looks up the sequence's last max .. min tokens (longest first)."""
+    cuda_graph_batch_sizes: list[int]
+    """CUDA-graph batch buckets, strictly ascending (default empty: no padding). A pure-decode
+    step (every row a one-token decode row: no prefill chunk, no verify row) of S rows reports
+    ``BatchPlan.padded_num_sequences`` = the smallest bucket >= S; any other step, or S above
+    every bucket, reports S. The plan's arrays stay S rows long: padding rows exist only in the
+    runner's static buffers (docs/batch_plan.md, "CUDA-graph padding")."""
     def __new__(
         cls,
         page_size: int = 16,
@@ -225,6 +231,7 @@ class EngineConfig:
         num_speculative_tokens: int = 0,
         ngram_prompt_lookup_min: int = 1,
         ngram_prompt_lookup_max: int = 4,
+        cuda_graph_batch_sizes: list[int] | None = None,
     ) -> EngineConfig: ...
 
 @final
@@ -270,7 +277,13 @@ class BatchPlan:
     @property
     def num_tokens(self) -> int: ...
     @property
-    def padded_num_sequences(self) -> int: ...
+    def padded_num_sequences(self) -> int:
+        """CUDA-graph bucket of the step: for a pure-decode step with
+        ``EngineConfig.cuda_graph_batch_sizes`` set, the smallest bucket >= num_sequences; else
+        num_sequences. Every array still has num_sequences rows: a runner replaying a graph at
+        this size pads its own static buffers with rows that read and write nothing (one query
+        token at position 0, seq_len 1, page list = the null page 0, slot -1, samples
+        discarded); any runner may ignore it and run the S rows eagerly."""
     @property
     def page_size(self) -> int: ...
     @property

@@ -204,6 +204,7 @@ impl Engine {
         let recycled = self.recycler.take();
         let mut plan =
             BatchPlan::build(step, &rows, num_decode, &self.sched.requests, &self.sched.kv, &self.config.eos_token_ids, recycled);
+        plan.padded_num_sequences = self.config.padded_num_sequences(plan.num_sequences, plan.num_decode_sequences);
         // Lifecycle notices ride only on plans with rows: an empty plan reaches no runner
         // (step() skips forward), so its notices wait for the next real plan.
         let diff = if rows.is_empty() { Default::default() } else { self.sched.slots.take_diff() };

@@ -36,6 +36,12 @@ pub struct EngineConfig {
     /// The n-gram drafter's match lengths: the last `max` .. `min` tokens are looked up.
     pub ngram_prompt_lookup_min: u32,
     pub ngram_prompt_lookup_max: u32,
+    /// CUDA-graph batch buckets, strictly ascending (empty: no padding, the default). A
+    /// pure-decode step (every row a one-token decode row, so no verify rows and no prefill
+    /// chunks) of S rows reports `BatchPlan::padded_num_sequences` = the smallest bucket >= S;
+    /// any other step, or S above every bucket, reports S (`padded_num_sequences`). The plan's
+    /// arrays stay S rows long either way: the runner pads its own static buffers.
+    pub cuda_graph_batch_sizes: Vec<u32>,
 }
 
 /// Default tokens between recurrent checkpoints: a checkpoint copies every recurrent
@@ -59,6 +65,7 @@ impl Default for EngineConfig {
             num_speculative_tokens: 0,
             ngram_prompt_lookup_min: 1,
             ngram_prompt_lookup_max: 4,
+            cuda_graph_batch_sizes: Vec::new(),
         }
     }
 }
@@ -102,6 +109,12 @@ impl EngineConfig {
                 self.max_model_len
             )));
         }
+        if self.cuda_graph_batch_sizes.first() == Some(&0) || self.cuda_graph_batch_sizes.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(CoreError::invalid(format!(
+                "EngineConfig.cuda_graph_batch_sizes must be strictly ascending sizes >= 1, got {:?}",
+                self.cuda_graph_batch_sizes
+            )));
+        }
         if let Some(vocab) = self.vocab_size {
             if vocab == 0 {
                 return Err(CoreError::invalid("EngineConfig.vocab_size must be >= 1"));
@@ -118,5 +131,17 @@ impl EngineConfig {
     pub fn checkpoint_interval_tokens(&self) -> u32 {
         let ps = self.page_size.max(1);
         self.recurrent_checkpoint_interval.max(1).div_ceil(ps).saturating_mul(ps)
+    }
+
+    /// The CUDA-graph bucket a step of `num_sequences` rows runs at: the smallest of
+    /// `cuda_graph_batch_sizes` >= `num_sequences` when the step is pure decode (every row a
+    /// one-token decode row: `num_decode_sequences == num_sequences`), else `num_sequences`
+    /// (a mixed or prefill step, a verify row, no bucket that large, no buckets, no rows).
+    pub fn padded_num_sequences(&self, num_sequences: u32, num_decode_sequences: u32) -> u32 {
+        if num_sequences == 0 || num_decode_sequences != num_sequences {
+            return num_sequences;
+        }
+        let buckets = &self.cuda_graph_batch_sizes;
+        buckets.get(buckets.partition_point(|&b| b < num_sequences)).copied().unwrap_or(num_sequences)
     }
 }

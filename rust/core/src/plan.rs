@@ -137,7 +137,12 @@ pub struct BatchPlan {
     pub num_decode_sequences: u32,
     /// T.
     pub num_tokens: u32,
-    /// CUDA-graph bucket size; equals `num_sequences` (eager) until graphs land.
+    /// CUDA-graph bucket size (`EngineConfig::padded_num_sequences`): for a pure-decode step
+    /// with `EngineConfig::cuda_graph_batch_sizes` set, the smallest bucket >= S; otherwise S.
+    /// Every array stays S rows long: a runner that replays a graph at this size pads its own
+    /// static buffers with rows `[S, padded_num_sequences)` that read and write nothing (one
+    /// query token at position 0, `seq_len` 1, page list = the null page 0, slot -1, samples
+    /// discarded). Set by the engine after `build` (which sets S).
     pub padded_num_sequences: u32,
     /// [S] the caller's request ids, packed (copying a few bytes per row is cheaper than
     /// reference counting): row i's id is `request_id_bytes[request_id_ends[i-1]..request_id_ends[i]]`.

@@ -38,6 +38,21 @@ const VOCAB: u32 = 12;
 /// token pages, rows list `ceil((seq_len / ratio) / entries_per_page)` pages, none null,
 /// `kv_last_page_len` counts the last page's entries, and a token's slot is set iff it
 /// closes an entry, pointing into the listed page of that entry.
+/// `padded_num_sequences` is the smallest bucket >= S for a pure-decode step (S otherwise),
+/// and every array still has S rows.
+fn check_padding(e: &Engine, plan: &BatchPlan) {
+    let s = plan.num_sequences;
+    let buckets = &e.config().cuda_graph_batch_sizes;
+    let pure_decode = s > 0 && plan.num_decode_sequences == s;
+    let expected = if pure_decode { buckets.iter().copied().find(|&b| b >= s).unwrap_or(s) } else { s };
+    assert_eq!(plan.padded_num_sequences, expected);
+    assert!(plan.padded_num_sequences >= s);
+    assert_eq!((plan.seq_lens.len(), plan.query_indptr.len()), (s as usize, s as usize + 1));
+    if pure_decode {
+        assert_eq!(plan.num_tokens, s, "a pure-decode step has one token per row");
+    }
+}
+
 fn check_compressed_plan(e: &Engine, plan: &BatchPlan) {
     for (g, group) in e.layout().groups.iter().enumerate() {
         let Some(ratio) = group.spec.ratio() else { continue };
@@ -129,6 +144,8 @@ fn random_engine(rng: &mut Rng) -> Engine {
         num_speculative_tokens: if rng.chance(40) { 1 + rng.below(3) as u32 } else { 0 },
         ngram_prompt_lookup_min: 1,
         ngram_prompt_lookup_max: 3,
+        // CUDA-graph buckets (padding is reported only; the plan's arrays never change).
+        cuda_graph_batch_sizes: if rng.chance(30) { vec![1, 2, 4] } else { Vec::new() },
     };
     // Smallest pool that fits one request, plus a little: preemption is common.
     let min_pages = match Engine::new(config.clone(), &specs) {
@@ -209,6 +226,7 @@ fn randomized_operations_keep_every_invariant() {
                 _ => {
                     let plan = e.schedule().unwrap();
                     check_compressed_plan(&e, &plan);
+                    check_padding(&e, &plan);
                     if plan.num_sequences > 0 && rng.chance(3) {
                         // A bad output (wrong length) is refused and changes nothing.
                         let free = e.num_free_pages();
@@ -237,6 +255,7 @@ fn randomized_operations_keep_every_invariant() {
         while e.has_unfinished() {
             let plan = e.schedule().unwrap();
             check_compressed_plan(&e, &plan);
+            check_padding(&e, &plan);
             let (ids, indptr) = random_output(&mut rng, &plan);
             e.update(plan.step, &ForwardOutputRef { token_ids: &ids, token_indptr: &indptr, ..Default::default() }).unwrap();
             check_pool_accounting(&e);

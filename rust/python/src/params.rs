@@ -170,6 +170,8 @@ pub struct EngineConfig {
     pub ngram_prompt_lookup_min: i64,
     #[pyo3(get, set)]
     pub ngram_prompt_lookup_max: i64,
+    #[pyo3(get, set)]
+    pub cuda_graph_batch_sizes: Vec<i64>,
 }
 
 impl EngineConfig {
@@ -196,6 +198,11 @@ impl EngineConfig {
             num_speculative_tokens: field("num_speculative_tokens", self.num_speculative_tokens)?,
             ngram_prompt_lookup_min: field("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min)?,
             ngram_prompt_lookup_max: field("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max)?,
+            cuda_graph_batch_sizes: self
+                .cuda_graph_batch_sizes
+                .iter()
+                .map(|&b| field("cuda_graph_batch_sizes", b))
+                .collect::<PyResult<_>>()?,
         };
         config.validate().map_err(to_py)?;
         Ok(config)
@@ -208,7 +215,7 @@ impl EngineConfig {
     #[pyo3(signature = (page_size=16, num_pages=4096, max_num_seqs=256, max_num_batched_tokens=2048,
         max_model_len=4096, enable_prefix_caching=true, eos_token_ids=None, vocab_size=None, policy="fcfs",
         recurrent_checkpoint_interval=256, num_speculative_tokens=0, ngram_prompt_lookup_min=1,
-        ngram_prompt_lookup_max=4))]
+        ngram_prompt_lookup_max=4, cuda_graph_batch_sizes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         page_size: i64,
@@ -224,6 +231,7 @@ impl EngineConfig {
         num_speculative_tokens: i64,
         ngram_prompt_lookup_min: i64,
         ngram_prompt_lookup_max: i64,
+        cuda_graph_batch_sizes: Option<Vec<i64>>,
     ) -> PyResult<Self> {
         // The signature's literal (a literal so Python sees the default) is the core's.
         const _: () = assert!(engine_config::DEFAULT_RECURRENT_CHECKPOINT_INTERVAL == 256);
@@ -241,6 +249,7 @@ impl EngineConfig {
             num_speculative_tokens,
             ngram_prompt_lookup_min,
             ngram_prompt_lookup_max,
+            cuda_graph_batch_sizes: cuda_graph_batch_sizes.unwrap_or_default(),
         };
         config.to_core()?;
         Ok(config)
@@ -251,7 +260,7 @@ impl EngineConfig {
             "EngineConfig(page_size={}, num_pages={}, max_num_seqs={}, max_num_batched_tokens={}, max_model_len={}, \
              enable_prefix_caching={}, eos_token_ids={:?}, vocab_size={:?}, policy={:?}, \
              recurrent_checkpoint_interval={}, num_speculative_tokens={}, ngram_prompt_lookup_min={}, \
-             ngram_prompt_lookup_max={})",
+             ngram_prompt_lookup_max={}, cuda_graph_batch_sizes={:?})",
             self.page_size,
             self.num_pages,
             self.max_num_seqs,
@@ -264,7 +273,8 @@ impl EngineConfig {
             self.recurrent_checkpoint_interval,
             self.num_speculative_tokens,
             self.ngram_prompt_lookup_min,
-            self.ngram_prompt_lookup_max
+            self.ngram_prompt_lookup_max,
+            self.cuda_graph_batch_sizes
         )
     }
 }
