@@ -13,6 +13,9 @@ Owns, once for all models (built-in families and generated model directories ali
   ``final_norm`` -> ``logits`` -> the :class:`resin.sampling.Sampler`;
 - speculative decoding with the checkpoint's MTP layer: ``enable_mtp(k)`` before the engine
   adds its caches and runs :class:`~.mtp_drafter.MtpDrafter` after each sampled step;
+- CUDA graphs: ``configure_cuda_graphs(...)`` before the engine picks the decode batch sizes
+  (the engine's ``cuda_graph_batch_sizes``); ``bind_cache`` then captures them and pure-decode
+  steps replay (:mod:`.cuda_graphs`; eager otherwise, and always on CPU);
 - parity capture: set ``runner.capture`` to a dict (or a callable ``(name, tensor)``) and each
   forward reports ``model.embed_tokens``, per layer ``model.layers.{i}.<child>`` (what the
   decoder function emits) and ``model.layers.{i}``, ``model.norm`` and ``lm_head`` —
@@ -25,8 +28,8 @@ A model never edits this file: a fix here reaches every model. Imports torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +43,9 @@ from resin.runners.torch.mtp_drafter import TARGET_HIDDEN, MtpDrafter, target_hi
 from resin.runners.torch.recurrent_state import RecurrentState, apply_copies
 from resin.runners.torch.step_inputs import StepInputs
 from resin.sampling import Sampler
+
+if TYPE_CHECKING:
+    from resin.runners.torch.cuda_graphs import CudaGraphs
 
 Capture = Callable[[str, torch.Tensor], None] | dict[str, torch.Tensor]
 
@@ -78,6 +84,39 @@ class PagedRunner:
         self.group_windows: list[int | None] = []
         self.group_page_entries: list[int] = []
         self.drafter: MtpDrafter | None = None
+        self.cuda_graphs: CudaGraphs | None = None
+
+    # -- CUDA graphs ---------------------------------------------------------------------
+
+    def configure_cuda_graphs(
+        self,
+        batch_sizes: Sequence[int] | None = None,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: bool | None = None,
+    ) -> list[int]:
+        """Choose the decode batch sizes to capture (None: vLLM's default sizes up to
+        ``max_num_seqs``; sizes above it are dropped) and return them: the list to give the
+        engine as ``EngineConfig.cuda_graph_batch_sizes``. Empty, with the reason logged once,
+        when this runner cannot capture (not on CUDA, a backend without static metadata, MTP,
+        recurrent or compressed caches: :func:`.cuda_graphs.ineligible_reason`). Call before
+        the engine is built; ``bind_cache`` captures. ``capture``: None captures (CUDA only:
+        elsewhere no graphs); False runs the same padded static-buffer path eagerly on any
+        device (how tests check it on CPU)."""
+        from resin.runners.torch.cuda_graphs import configure
+
+        if self.bound:
+            raise RuntimeError(
+                "configure_cuda_graphs after bind_cache: configure before the engine"
+            )
+        self.cuda_graphs = configure(self, batch_sizes, max_num_seqs, max_model_len, capture)
+        return [] if self.cuda_graphs is None else list(self.cuda_graphs.batch_sizes)
+
+    def cuda_graph_stats(self) -> dict[str, Any] | None:
+        """Steps replayed vs run eager, and why (:meth:`.cuda_graphs.CudaGraphs.stats`); None
+        without graphs."""
+        return None if self.cuda_graphs is None else self.cuda_graphs.stats()
 
     # -- speculative decoding ----------------------------------------------------------
 
@@ -139,6 +178,8 @@ class PagedRunner:
         (its pages are smaller). A cache whose buffers do not fit or align in a page row gets
         its own buffers too (``self.unshared`` names them).
         """
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()  # graphs read the old buffers: drop them first
         num_layers = len(self._layers())
         self.layer_caches = [{} for _ in range(num_layers)]
         self.state_pages = [None] * num_layers
@@ -171,6 +212,8 @@ class PagedRunner:
         # Positions one page holds, per group (a recurrent group's pages hold state bytes).
         self.group_page_entries = [group.entries_per_page or layout.page_size for group in groups]
         self.bound = True
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.bind(layout)  # capture over these buffers
 
     def _bind_one(
         self, cache: LayerCache, group: CacheGroup, spec_index: int, layout: CacheLayout
@@ -216,6 +259,10 @@ class PagedRunner:
                 "runner's resin.Engine first (it calls bind_cache)"
             )
         self.sampler.begin_step(plan)
+        if self.cuda_graphs is not None:
+            out = self.cuda_graphs.forward(plan)  # None: this plan runs eager
+            if out is not None:
+                return out
         step, top, tables = self._begin(plan)
         last_layer_hidden, hidden = self._run_stack(step, top, tables)
         out = self._sample(plan, step, hidden, top)

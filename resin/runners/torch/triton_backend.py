@@ -22,6 +22,9 @@ every stride of q, K, V and the output. Prefill chunks and decode rows go throug
 kernel (query blocks are a grid axis; blocks past a row's query length do nothing). ``gather``
 (compressed / indexed attention) is the reference backend's.
 
+K / V writes go through a small kernel that skips slot -1 (no host sync), and the backend is
+``graph_safe`` for CUDA graphs (:mod:`.cuda_graphs`): both live in :mod:`.triton_static`.
+
 Triton runs on a CUDA (or ROCm) GPU, or on CPU through its interpreter (``TRITON_INTERPRET=1``:
 slow, for tests). The setting must hold both when triton is first imported in the process (its
 library functions are decorated then) and when the first backend is built (the kernel is
@@ -32,13 +35,13 @@ building the backend needs it (a clear error otherwise, and on CPU without the i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from resin.runners.torch.attention import ReferenceBackend, head_layout
 from resin.runners.torch.layers import plan_tensor
+from resin.runners.torch.triton_static import GraphSafeTables, GroupTable
 
 try:
     import triton  # type: ignore[import-untyped,import-not-found,unused-ignore]
@@ -243,19 +246,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-@dataclass
-class GroupTable:
-    """One cache group's page table for this step, as int64 device tensors."""
-
-    query_indptr: torch.Tensor
-    seq_lens: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    max_query_len: int
-
-
-class TritonBackend(ReferenceBackend):
-    """Paged attention in one Triton kernel per layer (module doc)."""
+class TritonBackend(GraphSafeTables, ReferenceBackend):
+    """Paged attention in one Triton kernel per layer (module doc); K / V writes and the
+    CUDA-graph static tables from :class:`~.triton_static.GraphSafeTables`."""
 
     name = "triton"
 
@@ -275,6 +268,7 @@ class TritonBackend(ReferenceBackend):
         self.block_n = INTERPRETED_BLOCK_N if self.interpret else BLOCK_N  # keys per iteration
         self.heads_per_program = HEADS_PER_PROGRAM  # a power of two
         self.tables: dict[int, GroupTable] = {}
+        self.init_graph_safe()
 
     def begin_step(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().begin_step(*args, **kwargs)
