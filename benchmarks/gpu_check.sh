@@ -132,8 +132,12 @@ then
 fi
 log "preflight: $(tr '\n' ';' < "$OUT_DIR/preflight.txt")"
 grep -q NO_CUDA "$OUT_DIR/preflight.txt" && log "no CUDA device: GPU_CHECK_ALLOW_CPU=1, going on"
+# FlashInfer compiles its kernels on first use with nvcc (CUDA_HOME, else PATH).
+if ! command -v nvcc > /dev/null && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+    export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"
+fi
 command -v nvcc > /dev/null && log "nvcc: $(nvcc --version | tail -n 2 | head -n 1)" ||
-    log "nvcc: not on PATH (FlashInfer compiles its kernels with it: its steps will fail)"
+    log "nvcc: not found (FlashInfer compiles its kernels with it: its steps will fail)"
 
 # -- the bundle ----------------------------------------------------------------------------------
 if [ -z "$BUNDLE" ]; then
