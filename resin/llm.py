@@ -21,6 +21,11 @@ Engine defaults (each can be overridden with a keyword of :class:`resin.EngineCo
   one full-length sequence needs. Plus one for the null page.
 - ``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s (vLLM's rule);
   ``vocab_size``: ``config.json``'s.
+- ``cuda_graph_batch_sizes``: the decode batch sizes the runner captures CUDA graphs at, as
+  its ``configure_cuda_graphs`` chooses them (``cuda_graph_batch_sizes=None``: vLLM's default
+  sizes up to ``max_num_seqs``); empty — no padding, every step eager — with
+  ``enforce_eager=True``, on CPU, or for a runner that cannot capture
+  (:mod:`resin.runners.torch.cuda_graphs` says why in the ``resin.cuda_graphs`` log).
 
 Sampling: with no ``sampling_params`` the request defaults are ``SamplingParams()`` updated with
 the checkpoint's ``generation_config.json`` fields (``Tokenizer.sampling_defaults``), as vLLM does.
@@ -33,6 +38,7 @@ Importing this module does not import torch; building the default runner does.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +59,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 MAX_IDLE_STEPS = 10_000  # consecutive steps without any output before generate gives up
 
 Prompt = str | list[int]
+log = logging.getLogger("resin.cuda_graphs")
 
 
 @dataclass
@@ -90,8 +97,12 @@ class LLM:
     ``data_parallel_size``: D attention replicas, each with its own engine and requests, the
     MoE layers shared (:class:`resin.runners.parallel.data_parallel.DataParallelEngine`).
     ``context_parallel_size``: long prefills' rows split over N ranks
-    (:mod:`resin.runners.parallel.context_parallel`; full and sliding-window attention). ``engine_config``:
-    :class:`resin.EngineConfig` fields.
+    (:mod:`resin.runners.parallel.context_parallel`; full and sliding-window attention).
+    ``enforce_eager``: no CUDA graphs (no capture, no padding). ``cuda_graph_batch_sizes``: the
+    decode batch sizes to capture (None: the runner's defaults up to ``max_num_seqs``); they
+    reach the engine as ``EngineConfig.cuda_graph_batch_sizes`` when the runner captures them
+    (a CUDA torch runner on a graph-safe backend, e.g. ``attention_backend="triton"``).
+    ``engine_config``: :class:`resin.EngineConfig` fields.
     """
 
     def __init__(
@@ -109,6 +120,8 @@ class LLM:
         expert_parallel_size: int = 1,
         data_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        cuda_graph_batch_sizes: Sequence[int] | None = None,
         **engine_config: Any,
     ) -> None:
         from resin.registry import ModelRegistry, resolve_runner
@@ -169,6 +182,9 @@ class LLM:
                 )
             enable_mtp(int(engine_config["num_speculative_tokens"]))
         config = self._engine_config(self.runner, kv_cache_bytes, engine_config)
+        config.cuda_graph_batch_sizes = cuda_graph_sizes(
+            self.runner, config, cuda_graph_batch_sizes, enforce_eager
+        )
         # An Engine, or (DP attention) D of them behind the part of its interface used here.
         self.engine: Engine
         if data_parallel_size > 1:
@@ -341,6 +357,39 @@ class LLM:
             if logprobs is None
             else [{int(k): float(v) for k, v in entry.items()} for entry in logprobs],
         )
+
+
+def cuda_graph_sizes(
+    runner: Any, config: EngineConfig, requested: Sequence[int] | None, enforce_eager: bool
+) -> list[int]:
+    """The batch sizes ``runner`` captures CUDA graphs at (its ``configure_cuda_graphs``, told
+    the engine's ``max_num_seqs`` and ``max_model_len``), for ``EngineConfig.cuda_graph_batch_sizes``;
+    [] with ``enforce_eager`` or a runner without graphs."""
+    if enforce_eager:
+        return []
+    configure = getattr(runner, "configure_cuda_graphs", None)
+    if configure is None:
+        if requested:
+            log.info("CUDA graphs off: runner %s does not capture them", type(runner).__name__)
+        return []
+    sizes = configure(
+        requested, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len
+    )
+    return [int(b) for b in sizes]
+
+
+def parse_batch_sizes(text: str | None) -> list[int] | None:
+    """``--cuda-graph-batch-sizes``: sizes separated by commas or spaces (``"1,2,4,8"``); None
+    for None (the runner's defaults). ValueError for anything but positive integers."""
+    if text is None:
+        return None
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(
+            f"--cuda-graph-batch-sizes {text!r}: positive integers separated by commas, "
+            "e.g. 1,2,4,8"
+        )
+    return sorted({int(p) for p in parts})
 
 
 def default_num_pages(

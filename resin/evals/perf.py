@@ -58,6 +58,8 @@ class BenchSettings:
     runner: str = "torch"  # "torch" (the registry's torch runner) or "mlx"
     speculative_method: str | None = None  # "ngram" or "mtp" (the runner drafts): e2e shapes
     num_speculative_tokens: int = 0  # report acceptance length and tokens per step
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_batch_sizes: list[int] | None = None  # None: the runner's defaults
 
 
 def run_bench(
@@ -111,6 +113,7 @@ def run_bench(
         if not hasattr(runner, "enable_mtp"):
             raise ValueError(f"--speculative-method mtp: {type(runner).__name__} has no MTP")
         runner.enable_mtp(k)
+    graph_sizes = _cuda_graph_sizes(runner, settings, shapes)
     peaks = calibrate(settings.device, settings.dtype)
     measurer = ShapeRunner(
         runner,
@@ -118,13 +121,22 @@ def run_bench(
         settings.device,
         DTYPE_BYTES[settings.dtype],
         num_speculative_tokens=k,
+        cuda_graph_batch_sizes=graph_sizes,
     )
     # A throwaway pass of the cheapest shape warms the process (allocator, lazy imports,
     # clocks), so the first measured shape is not the only one paying for it.
     measurer.measure(min(shapes, key=lambda s: s.batch_size * s.max_len_tokens), 2, 0)
-    entries = [
-        shape_entry(measurer.measure(s, settings.repeats, settings.warmup), peaks) for s in shapes
-    ]
+
+    def measured(shape: Shape) -> dict[str, Any]:
+        """One shape's report entry, with the CUDA-graph steps its run replayed / ran eager."""
+        before = _graph_counts(runner)
+        entry = shape_entry(measurer.measure(shape, settings.repeats, settings.warmup), peaks)
+        if graph_sizes:
+            after = _graph_counts(runner)
+            entry["cuda_graph_steps"] = {k: after[k] - before[k] for k in after}
+        return entry
+
+    entries = [measured(s) for s in shapes]
     report = {
         "schema": SCHEMA,
         "model": model,
@@ -143,12 +155,24 @@ def run_bench(
             "shapes": " ".join(s.id for s in shapes),
             "speculative_method": settings.speculative_method,
             "num_speculative_tokens": k,
+            "enforce_eager": settings.enforce_eager,
+            "cuda_graph_batch_sizes": graph_sizes,
         },
         "calibration": peaks.to_dict(),
         "shapes": entries,
         "notes": notes,
         "comparison": None,
     }
+    stats = _graph_stats(runner)
+    if stats is not None:
+        report["cuda_graphs"] = stats
+        reasons = ", ".join(f"{r}: {n}" for r, n in stats["eager_reasons"].items())
+        notes.append(
+            f"CUDA graphs at batch sizes {stats['batch_sizes']}"
+            + (f" off ({stats['disabled']})" if stats["disabled"] else "")
+            + f": {stats['num_replayed']} steps replayed, {stats['num_eager']} eager"
+            + (f" ({reasons})" if reasons else "")
+        )
     if baseline is None:
         return report
     comparison = compare(report, baseline, settings.threshold, baseline_name)
@@ -173,6 +197,32 @@ def run_bench(
         comparison = compare(report, baseline, settings.threshold, baseline_name)
     report["comparison"] = {**comparison.to_dict(), "summary": comparison.summary()}
     return report
+
+
+def _cuda_graph_sizes(runner: Any, settings: BenchSettings, shapes: list[Shape]) -> list[int]:
+    """The decode batch sizes the runner captures for this run (``configure_cuda_graphs``,
+    up to the largest shape's batch), for every shape's engine; [] with ``--enforce-eager`` or
+    a runner without graphs (an MLX or parallel runner, a CPU or non-graph-safe one)."""
+    configure = getattr(runner, "configure_cuda_graphs", None)
+    if settings.enforce_eager or configure is None:
+        return []
+    longest = max(s.max_len_tokens for s in shapes) + settings.warmup + settings.repeats + 2
+    sizes = configure(
+        settings.cuda_graph_batch_sizes,
+        max_num_seqs=max(s.batch_size for s in shapes),
+        max_model_len=longest + 64,  # decode shapes add a few tokens past their context
+    )
+    return [int(b) for b in sizes]
+
+
+def _graph_stats(runner: Any) -> dict[str, Any] | None:
+    stats = getattr(runner, "cuda_graph_stats", None)
+    return None if stats is None else stats()
+
+
+def _graph_counts(runner: Any) -> dict[str, int]:
+    stats = _graph_stats(runner) or {}
+    return {"replayed": stats.get("num_replayed", 0), "eager": stats.get("num_eager", 0)}
 
 
 def _host(settings: BenchSettings) -> dict[str, Any]:
@@ -351,14 +401,31 @@ def bench(
         int,
         typer.Option(min=1, help="DP attention over N ranks (one engine each; e2e shapes)."),
     ] = 1,
+    enforce_eager: Annotated[
+        bool,
+        typer.Option(
+            "--enforce-eager", help="No CUDA graphs: every step eager (no capture, no padding)."
+        ),
+    ] = False,
+    cuda_graph_batch_sizes: Annotated[
+        str | None,
+        typer.Option(
+            help="Decode batch sizes to capture CUDA graphs at, e.g. 1,2,4,8 (default: 1, 2, 4, "
+            "every 8 ... up to the largest shape's batch). Only a torch runner on CUDA with a "
+            "graph-safe attention backend (triton) captures; the report counts the steps "
+            "replayed vs run eager."
+        ),
+    ] = None,
 ) -> None:
     """Measure step times, tokens/s, engine overhead and % of roofline; compare with a baseline.
 
     Exit 0 ok, 1 a shape regressed against --baseline, 2 bad usage, 3 the run failed.
     """
     from resin.evals.model_ref import ModelRefError, resolve_model
+    from resin.llm import parse_batch_sizes
 
     try:
+        graph_sizes = parse_batch_sizes(cuda_graph_batch_sizes)
         ref = resolve_model(model, models_dirs=list(models_dir or ()))
         if spec_path is not None and not spec_path.is_file():
             raise ValueError(f"--spec {spec_path}: no such file")
@@ -401,6 +468,8 @@ def bench(
         runner=runner or "torch",
         speculative_method=speculative_method,
         num_speculative_tokens=num_speculative_tokens,
+        enforce_eager=enforce_eager,
+        cuda_graph_batch_sizes=graph_sizes,
     )
     if speculative_method not in (None, "ngram", "mtp") or num_speculative_tokens < 1:
         raise _usage_error(
@@ -469,6 +538,12 @@ def bench(
                 "--num-speculative-tokens",
                 str(num_speculative_tokens),
             ]
+        )
+        + (["--enforce-eager"] if enforce_eager else [])
+        + (
+            []
+            if graph_sizes is None
+            else ["--cuda-graph-batch-sizes", ",".join(map(str, graph_sizes))]
         )
     )
     ref.attention_backend = attention_backend

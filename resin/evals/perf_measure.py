@@ -16,6 +16,10 @@ timed plan is a real plan the engine built; nothing is synthesised:
   drafts (the engine's ``spec_decode_*`` counters) and its steps: the mean acceptance length
   is ``1 + accepted / verify rows`` (vLLM's definition), tokens per step ``B·O / steps``.
 
+With CUDA graphs (``cuda_graph_batch_sizes``: what the runner captured) every engine pads its
+pure-decode steps to them and the runner replays; each new engine re-captures (``bind_cache``),
+untimed.
+
 Each step is driven as ``schedule() -> runner.forward(plan) -> update(plan, output)`` with the
 three parts timed separately: the runner's step time (``forward``) and the engine overhead
 (``schedule + update``, a host-side cost). On CPU ``time.perf_counter`` times the forward; on
@@ -168,9 +172,13 @@ class ShapeRunner:
         dtype_bytes: int,
         seed: int = 0,
         num_speculative_tokens: int = 0,
+        cuda_graph_batch_sizes: list[int] | None = None,
     ):
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        # The batch sizes the runner captured (PagedRunner.configure_cuda_graphs): each
+        # shape's engine pads its decode steps to them.
+        self.cuda_graph_batch_sizes = list(cuda_graph_batch_sizes or [])
         self.config = config
         self.timer = ForwardTimer(device)
         self.dtype_bytes = dtype_bytes
@@ -207,6 +215,7 @@ class ShapeRunner:
             eos_token_ids=[],
             vocab_size=self.config.vocab_size,
             num_speculative_tokens=self.num_speculative_tokens,
+            cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
         )
         if getattr(self.runner, "data_parallel", False):
             from resin.runners.parallel.data_parallel import DataParallelEngine

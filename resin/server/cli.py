@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from resin.llm import SPECULATIVE_METHODS
+from resin.llm import SPECULATIVE_METHODS, parse_batch_sizes
 from resin.server.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 
 
@@ -204,6 +204,22 @@ def serve(
             help="Serve /docs, /redoc and /openapi.json. Default: on, off when --api-key is set.",
         ),
     ] = None,
+    enforce_eager: Annotated[
+        bool,
+        typer.Option(
+            "--enforce-eager",
+            help="No CUDA graphs: every step runs eager (no capture, no padded decode batches).",
+        ),
+    ] = False,
+    cuda_graph_batch_sizes: Annotated[
+        str | None,
+        typer.Option(
+            help="Decode batch sizes to capture CUDA graphs at, e.g. 1,2,4,8 (default: 1, 2, "
+            "4, every 8 to 256, every 16 to 512, up to --max-num-seqs, and it). Only a torch "
+            "runner on CUDA with a graph-safe attention backend (triton) captures; eager "
+            "otherwise."
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="torch device for the runner.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
@@ -227,6 +243,14 @@ def serve(
             )
         engine_config["speculative_method"] = speculative_method
         engine_config["num_speculative_tokens"] = num_speculative_tokens
+    try:
+        graph_sizes = parse_batch_sizes(cuda_graph_batch_sizes)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--cuda-graph-batch-sizes") from exc
+    if enforce_eager:
+        engine_config["enforce_eager"] = True
+    if graph_sizes is not None:
+        engine_config["cuda_graph_batch_sizes"] = graph_sizes
     if tensor_parallel_size > 1:
         engine_config["tensor_parallel_size"] = tensor_parallel_size
     if expert_parallel_size > 1:
@@ -277,7 +301,8 @@ def serve(
     typer.echo(
         f"resin: serving {model} as {options.served_model_names[0]!r} on "
         f"http://{host}:{port} (runner {type(ctx.loop.runner).__name__}, tool parser {options.tool_parser}, "
-        f"reasoning parser {options.reasoning_parser})",
+        f"reasoning parser {options.reasoning_parser}, CUDA graphs "
+        f"{list(getattr(ctx.loop.engine.config, 'cuda_graph_batch_sizes', [])) or 'off'})",
         err=True,
     )
     run_server(ctx, host, port, log_level)
