@@ -29,7 +29,7 @@ develop: install
 
 # Debug build on purpose: every schedule/update/abort also runs check_integrity().
 test-rust:
-	cargo test -p resin-core
+	cargo test -p resin-core -p resin-kernels
 
 test-python: install
 	$(VPY) -m pytest -q

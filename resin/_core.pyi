@@ -27,6 +27,7 @@ __all__ = [
     "SamplingArrays",
     "SamplingParams",
     "StepError",
+    "paged_attention",
     "__version__",
 ]
 
@@ -542,3 +543,32 @@ class Engine:
         """Prometheus text exposition (format 0.0.4) of the engine metrics, prefix ``resin:``."""
     def check_integrity(self) -> None:
         """Raise RuntimeError if any cache-pool or scheduler invariant is broken."""
+
+def paged_attention(
+    q: npt.NDArray[np.float32],
+    k_cache: npt.NDArray[np.float32],
+    v_cache: npt.NDArray[np.float32] | None,
+    out: npt.NDArray[np.float32],
+    query_indptr: npt.NDArray[np.uint32],
+    seq_lens: npt.NDArray[np.uint32],
+    kv_indptr: npt.NDArray[np.uint32],
+    kv_indices: npt.NDArray[np.uint32],
+    positions: npt.NDArray[np.int64],
+    *,
+    scale: float,
+    value_dim: int,
+    window: int | None = None,
+    ratio: int = 1,
+    softcap: float | None = None,
+    sinks: npt.NDArray[np.float32] | None = None,
+    threads: int = 1,
+) -> None:
+    """Attention of ``q`` [T, H, D] over the cache pages the plan's CSR page table lists, read
+    in place (rust/kernels/src/paged_attention.rs), written into ``out`` [T, H, value_dim].
+    ``k_cache`` / ``v_cache``: [pages, entries, kv_heads, dim], strided views allowed with a
+    contiguous last axis; ``v_cache=None``: values are the key rows' first ``value_dim``
+    channels. A query at position p sees the row's written keys at positions <= p (and
+    > p - window); a compressed group (``ratio`` > 1) counts closed entries, entry e at key
+    position (e + 1) * ratio - 1. ``sinks``: one logit per head joining the softmax;
+    ``softcap``: tanh(s / c) * c. f32 only. Bad shapes or plan indices raise ValueError before
+    any memory is read; the GIL is released while it runs on ``threads`` threads."""

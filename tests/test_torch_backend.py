@@ -58,6 +58,14 @@ class _Step:
 ROWS = [(9, 1), (0, 7), (21, 1), (5, 6), (2, 1)]  # decode rows and prefill chunks
 
 
+def _torch_backend(cpu_kernel: bool) -> TorchBackend:
+    """The torch backend on its padded SDPA batch, or with the CPU paged-attention kernel
+    (``resin._core.paged_attention``) for every step (float32 on CPU)."""
+    backend = TorchBackend()
+    backend.use_cpu_kernel = cpu_kernel
+    return backend
+
+
 @pytest.mark.parametrize(
     ("window", "heads", "kv_heads", "shared", "sinks", "softcap"),
     [
@@ -69,8 +77,15 @@ ROWS = [(9, 1), (0, 7), (21, 1), (5, 6), (2, 1)]  # decode rows and prefill chun
         (None, 4, 1, True, True, None),
     ],
 )
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["sdpa", "cpu-kernel"])
 def test_matches_the_reference_backend(
-    window: int | None, heads: int, kv_heads: int, shared: bool, sinks: bool, softcap: float | None
+    window: int | None,
+    heads: int,
+    kv_heads: int,
+    shared: bool,
+    sinks: bool,
+    softcap: float | None,
+    cpu_kernel: bool,
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     plan = _Plan(ROWS, window)
@@ -81,7 +96,7 @@ def test_matches_the_reference_backend(
     q = torch.randn(len(step.positions), heads, dim, generator=gen)
     sink = torch.randn(heads, generator=gen) if sinks else None
     outs = []
-    for backend in (ReferenceBackend(), TorchBackend()):
+    for backend in (ReferenceBackend(), _torch_backend(cpu_kernel)):
         backend.begin_step(step, [window], [PAGE], [1])
         outs.append(
             backend.attend(
@@ -124,8 +139,11 @@ def test_every_model_passes_parity_on_it(model: str) -> None:
     assert any(stage.name.startswith("greedy/") for stage in report.stages)
 
 
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["sdpa", "cpu-kernel"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_garbage_past_a_rows_end_never_reaches_the_output(window: int | None) -> None:
+def test_garbage_past_a_rows_end_never_reaches_the_output(
+    window: int | None, cpu_kernel: bool
+) -> None:
     """The torch backend gathers whole pages, so it reads the unwritten tail of each row's
     last page and (padding a row with a partial only page) the null page. In a shared buffer
     those bytes may be another group's, e.g. NaN: they must be zeroed, not just masked
@@ -145,8 +163,51 @@ def test_garbage_past_a_rows_end_never_reaches_the_output(window: int | None) ->
             v_cache[page, :written] = torch.randn(written, 2, 8, generator=gen)
     q = torch.randn(len(step.positions), 4, 8, generator=gen)
     outs = []
-    for backend in (ReferenceBackend(), TorchBackend()):
+    for backend in (ReferenceBackend(), _torch_backend(cpu_kernel)):
         backend.begin_step(step, [window], [PAGE], [1])
         outs.append(backend.attend(q, k_cache, v_cache, 0, scale=8**-0.5))
     assert torch.isfinite(outs[1]).all()
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_kernel_decides_by_padding() -> None:
+    from resin.runners.torch.torch_backend import kernel_pays
+
+    assert kernel_pays(np.array([0, 1, 2, 3]), np.array([40, 9, 100]))  # decode rows
+    assert not kernel_pays(np.array([0, 64]), np.array([64]))  # one prefill chunk: SDPA
+    # a long chunk with many decode rows: SDPA would pad every row to the chunk
+    assert kernel_pays(np.array([0, 512, *range(513, 576)]), np.array([512] + [300] * 63))
+
+
+def test_the_cpu_kernel_refuses_bad_arguments_with_value_errors() -> None:
+    from resin import _core
+
+    q = np.zeros((2, 2, 8), np.float32)
+    cache = np.zeros((3, PAGE, 1, 8), np.float32)
+    out = np.zeros((2, 2, 8), np.float32)
+    table = dict(
+        query_indptr=np.array([0, 2], np.uint32),
+        seq_lens=np.array([2], np.uint32),
+        kv_indptr=np.array([0, 1], np.uint32),
+        kv_indices=np.array([1], np.uint32),
+        positions=np.array([0, 1], np.int64),
+    )
+
+    def call(**changes: Any) -> None:
+        args: dict[str, Any] = dict(q=q, k_cache=cache, v_cache=None, out=out, **table)
+        args.update(changes)
+        _core.paged_attention(**args, scale=1.0, value_dim=8)
+
+    call()  # well formed
+    with pytest.raises(ValueError, match="page 7"):
+        call(kv_indices=np.array([7], np.uint32))
+    with pytest.raises(ValueError, match="past 2 tokens"):
+        call(query_indptr=np.array([0, 3], np.uint32))
+    with pytest.raises(ValueError, match="lists 1 pages"):
+        call(seq_lens=np.array([0], np.uint32))
+    with pytest.raises(ValueError, match="out is"):
+        call(out=np.zeros((2, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="contiguous last axis"):
+        call(k_cache=np.zeros((3, PAGE, 1, 16), np.float32)[..., ::2])
+    with pytest.raises(TypeError):
+        call(q=q.astype(np.float64))

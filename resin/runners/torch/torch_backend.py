@@ -29,12 +29,14 @@ Imports torch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from resin import _core
 from resin.runners.torch.attention import ReferenceBackend, head_layout, masked_softmax
 
 
@@ -149,18 +151,119 @@ def plan_row_batch(
     )
 
 
+@dataclass
+class KernelRows:
+    """One cache group's plan arrays as the CPU paged-attention kernel takes them (uint32 page
+    table, int64 positions), made once per step."""
+
+    query_indptr: np.ndarray
+    seq_lens: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    positions: np.ndarray
+    page_entries: int
+    window: int | None
+    ratio: int
+
+
+def kernel_pays(query_indptr: np.ndarray, seq_lens: np.ndarray) -> bool:
+    """Whether the CPU kernel beats the padded SDPA batch for this step's rows: always when no
+    row has more than :data:`KERNEL_MAX_QUERIES` queries (decode, verify rows, short chunks);
+    otherwise when padding would inflate SDPA's work past :data:`KERNEL_PADDING_RATIO` times
+    the kernel's (a long chunk mixed with decode rows). The kernel does each row's exact
+    queries x keys but without SDPA's blocked matmuls."""
+    query_lens = np.diff(np.asarray(query_indptr, dtype=np.int64))
+    if len(query_lens) == 0 or int(query_lens.max()) <= KERNEL_MAX_QUERIES:
+        return True
+    keys = np.asarray(seq_lens, dtype=np.int64)
+    padded = len(query_lens) * int(query_lens.max()) * int(keys.max())
+    return padded > KERNEL_PADDING_RATIO * int((query_lens * keys).sum())
+
+
+KERNEL_MAX_QUERIES = 16
+KERNEL_PADDING_RATIO = 4
+
+
 class TorchBackend(ReferenceBackend):
-    """Batched attention in plain torch (module doc)."""
+    """Batched attention in plain torch (module doc); on CPU in float32, the paged-attention
+    kernel of ``resin._core`` when :func:`kernel_pays` (``use_cpu_kernel``; set
+    ``RESIN_TORCH_CPU_KERNEL=0`` to turn it off)."""
 
     name = "torch"
 
     def __init__(self) -> None:
         super().__init__()
         self.batches: dict[int, RowBatch] = {}
+        self.kernel_rows: dict[int, KernelRows | None] = {}
+        self.use_cpu_kernel = os.environ.get("RESIN_TORCH_CPU_KERNEL", "1") != "0"
 
     def begin_step(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().begin_step(*args, **kwargs)
         self.batches = {}
+        self.kernel_rows = {}
+
+    def _kernel_rows(self, group: int) -> KernelRows | None:
+        if group in self.kernel_rows:
+            return self.kernel_rows[group]
+        assert self._step is not None, "begin_step first"
+        step, windows, page_entries, ratios = self._step
+        plan = step.plan
+        rows = None
+        if kernel_pays(plan.query_indptr, plan.seq_lens):
+            rows = KernelRows(
+                query_indptr=np.ascontiguousarray(plan.query_indptr, dtype=np.uint32),
+                seq_lens=np.ascontiguousarray(plan.seq_lens, dtype=np.uint32),
+                kv_indptr=np.ascontiguousarray(plan.kv_indptr[group], dtype=np.uint32),
+                kv_indices=np.ascontiguousarray(plan.kv_indices[group], dtype=np.uint32),
+                positions=step.positions.numpy().astype(np.int64),
+                page_entries=page_entries[group],
+                window=windows[group],
+                ratio=ratios[group],
+            )
+        self.kernel_rows[group] = rows
+        return rows
+
+    def _kernel_attend(
+        self,
+        rows: KernelRows,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        scale: float,
+        dim_v: int,
+        sinks: torch.Tensor | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], dim_v)
+        _core.paged_attention(
+            q.contiguous().numpy(),
+            k_cache.numpy(),
+            None if v_cache is None else v_cache.numpy(),
+            out.numpy(),
+            rows.query_indptr,
+            rows.seq_lens,
+            rows.kv_indptr,
+            rows.kv_indices,
+            rows.positions,
+            scale=scale,
+            value_dim=dim_v,
+            window=rows.window,
+            ratio=rows.ratio,
+            softcap=softcap,
+            sinks=None if sinks is None else sinks.float().contiguous().numpy(),
+            threads=torch.get_num_threads(),
+        )
+        return out
+
+    def _kernel_takes(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
+    ) -> bool:
+        tensors = [q, k_cache] + ([] if v_cache is None else [v_cache])
+        return (
+            self.use_cpu_kernel
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and all(t.stride(-1) == 1 for t in tensors)
+        )
 
     def _batch(self, group: int) -> RowBatch:
         batch = self.batches.get(group)
@@ -195,6 +298,12 @@ class TorchBackend(ReferenceBackend):
     ) -> torch.Tensor:
         num_heads, repeat, dim_v = head_layout(q, k_cache, v_cache, value_dim)
         num_kv_heads = num_heads // repeat
+        if self._kernel_takes(q, k_cache, v_cache):
+            kernel_rows = self._kernel_rows(group)
+            if kernel_rows is not None and kernel_rows.page_entries == k_cache.shape[1]:
+                return self._kernel_attend(
+                    kernel_rows, q, k_cache, v_cache, scale, dim_v, sinks, softcap
+                )
         b = self._batch(group)
         rows = b.num_rows
         k = b.gather(k_cache)

@@ -3,12 +3,14 @@
 //! Thin by rule: no engine logic lives here. Each file wraps one noun: `params`
 //! (SamplingParams, EngineConfig), `cache` (LayerCacheSpec, CacheGroup, CacheLayout),
 //! `plan` (BatchPlan, SamplingArrays), `output` (ForwardOutput, RequestOutput) and
-//! `engine` (Engine), `errors` (StepError, InvalidOutputError). The GIL is released while Rust works; plan arrays are numpy views
+//! `engine` (Engine), `errors` (StepError, InvalidOutputError), `kernels` (`paged_attention`, the
+//! `resin-kernels` CPU kernel on numpy views). The GIL is released while Rust works; plan arrays are numpy views
 //! on memory the plan owns (no copy).
 
 mod cache;
 mod engine;
 mod errors;
+mod kernels;
 mod output;
 mod params;
 mod plan;
@@ -28,6 +30,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::ForwardOutput>()?;
     m.add_class::<output::RequestOutput>()?;
     m.add_class::<engine::Engine>()?;
+    m.add_function(wrap_pyfunction!(kernels::paged_attention, m)?)?;
     m.add("StepError", m.py().get_type::<errors::StepError>())?;
     m.add("InvalidOutputError", errors::invalid_output_error(m.py())?)?;
     Ok(())

@@ -1,0 +1,562 @@
+//! Attention of a step's queries over the paged KV cache, reading K and V in place.
+//!
+//! The torch backend's batched path gathers every row's pages into a padded batch before
+//! `scaled_dot_product_attention`: on a decode step that copy is as large as the attention's
+//! own reads. This kernel walks each row's pages through the plan's CSR page table instead
+//! (docs/batch_plan.md): row `s` lists pages `kv_indices[kv_indptr[s]..kv_indptr[s + 1]]`,
+//! listed key `j` lives in page `j / E`, entry `j % E` (`E` entries per page), and is the row's
+//! entry `first_page * E + j` with `first_page = ceil(units / E) - num_listed` (a sliding-window
+//! group lists only the pages intersecting the window). `units` is the row's tokens, or its
+//! closed entries `seq_len / ratio` in a compressed group, whose entry `e` has key position
+//! `(e + 1) * ratio - 1`. A query at position `p` sees the written keys at positions `<= p`
+//! (and `> p - window`); keys past the row's end are never read.
+//!
+//! Per (row, KV head) work item, for each of the row's queries: the scores of the query heads
+//! sharing the KV head (each key loaded once for all of them), a two-pass softmax in f32 with
+//! an optional logit softcap (`tanh(s / c) * c`) and per-head sink logit (it joins the softmax
+//! and is dropped after it), then the values' weighted sum. Items are split over `threads`
+//! scoped threads by cost (queries times keys). f32 only; dot products and the value sums use
+//! AVX2 + FMA when the CPU has them.
+
+use std::fmt;
+
+/// One layer's attention over one cache group, for one step (module doc). Plan arrays are the
+/// `BatchPlan`'s; `positions` are the step's token positions.
+pub struct PagedAttention<'a> {
+    pub query_indptr: &'a [u32],
+    pub seq_lens: &'a [u32],
+    pub kv_indptr: &'a [u32],
+    pub kv_indices: &'a [u32],
+    pub positions: &'a [i64],
+    /// Entries per page (`page_size` for a token group).
+    pub page_entries: usize,
+    /// Sliding window in tokens, or `None`.
+    pub window: Option<i64>,
+    /// Source tokens per entry: 1 for a token group.
+    pub ratio: i64,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Channels of a value (the first `value_dim` of the value rows).
+    pub value_dim: usize,
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    /// One logit per query head, or `None`.
+    pub sinks: Option<&'a [f32]>,
+}
+
+/// Where the arrays live: base pointers and element strides (the innermost stride is 1).
+/// `q` is `[num_tokens, num_heads, head_dim]`, `k` and `v` are `[num_pages, page_entries,
+/// num_kv_heads, dim]` (`v` may alias `k`), `out` is `[num_tokens, num_heads, value_dim]`.
+#[derive(Clone, Copy)]
+pub struct Buffers {
+    pub q: *const f32,
+    pub q_strides: [isize; 2],
+    pub k: *const f32,
+    pub k_strides: [isize; 3],
+    pub v: *const f32,
+    pub v_strides: [isize; 3],
+    pub out: *mut f32,
+    pub out_strides: [isize; 2],
+    pub num_tokens: usize,
+    pub num_pages: usize,
+}
+
+// The pointers are only dereferenced inside `PagedAttention::run`'s scoped threads, which write
+// disjoint output rows (one work item per row and KV head).
+unsafe impl Send for Buffers {}
+unsafe impl Sync for Buffers {}
+
+/// A plan or shape the kernel refuses, before touching memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidArgument(pub String);
+
+impl fmt::Display for InvalidArgument {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidArgument {}
+
+fn invalid<T>(message: String) -> Result<T, InvalidArgument> {
+    Err(InvalidArgument(message))
+}
+
+/// A row's geometry in the group.
+#[derive(Clone, Copy)]
+struct Row {
+    queries: (usize, usize),
+    pages: (usize, usize),
+    /// Entry index of listed key 0.
+    first_entry: i64,
+    /// Written keys among the listed ones.
+    num_keys: usize,
+}
+
+impl PagedAttention<'_> {
+    fn num_rows(&self) -> usize {
+        self.seq_lens.len()
+    }
+
+    fn row(&self, s: usize) -> Row {
+        let listed = (self.kv_indptr[s + 1] - self.kv_indptr[s]) as i64;
+        let e = self.page_entries as i64;
+        let seq_len = self.seq_lens[s] as i64;
+        let units = if self.ratio > 1 { seq_len / self.ratio } else { seq_len };
+        let first_page = (units + e - 1) / e - listed;
+        let num_keys = (units - first_page * e).clamp(0, listed * e) as usize;
+        Row {
+            queries: (self.query_indptr[s] as usize, self.query_indptr[s + 1] as usize),
+            pages: (self.kv_indptr[s] as usize, self.kv_indptr[s + 1] as usize),
+            first_entry: first_page * e,
+            num_keys,
+        }
+    }
+
+    /// Checks every index the kernel will follow (the arrays' own extents are the caller's).
+    pub fn check(&self, b: &Buffers) -> Result<(), InvalidArgument> {
+        let s = self.num_rows();
+        if self.query_indptr.len() != s + 1 || self.kv_indptr.len() != s + 1 {
+            return invalid(format!(
+                "{s} rows need query_indptr and kv_indptr of length {}, got {} and {}",
+                s + 1,
+                self.query_indptr.len(),
+                self.kv_indptr.len()
+            ));
+        }
+        if self.page_entries == 0 || self.ratio < 1 {
+            return invalid(format!("page_entries must be >= 1 and ratio >= 1, got {} and {}", self.page_entries, self.ratio));
+        }
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return invalid(format!("{} query heads do not share {} KV heads evenly", self.num_heads, self.num_kv_heads));
+        }
+        if let Some(sinks) = self.sinks {
+            if sinks.len() != self.num_heads {
+                return invalid(format!("{} sinks for {} heads", sinks.len(), self.num_heads));
+            }
+        }
+        if self.positions.len() < b.num_tokens {
+            return invalid(format!("{} positions for {} tokens", self.positions.len(), b.num_tokens));
+        }
+        for w in self.query_indptr.windows(2).chain(self.kv_indptr.windows(2)) {
+            if w[1] < w[0] {
+                return invalid("query_indptr and kv_indptr must not decrease".into());
+            }
+        }
+        if self.query_indptr[s] as usize > b.num_tokens {
+            return invalid(format!("query_indptr ends at {} past {} tokens", self.query_indptr[s], b.num_tokens));
+        }
+        if self.kv_indptr[s] as usize > self.kv_indices.len() {
+            return invalid(format!("kv_indptr ends at {} past {} kv_indices", self.kv_indptr[s], self.kv_indices.len()));
+        }
+        if let Some(&page) = self.kv_indices.iter().find(|&&p| p as usize >= b.num_pages) {
+            return invalid(format!("kv_indices holds page {page} of a {}-page cache", b.num_pages));
+        }
+        for row in 0..s {
+            let listed = (self.kv_indptr[row + 1] - self.kv_indptr[row]) as i64;
+            let r = self.row(row);
+            if r.first_entry < 0 {
+                return invalid(format!(
+                    "row {row} lists {listed} pages, more than its {} entries fill",
+                    self.seq_lens[row] as i64 / self.ratio.max(1)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the plan (see [`check`](Self::check)), then writes `out` for every query of the
+    /// step.
+    ///
+    /// # Safety
+    /// Every pointer in `b` must address an array of the documented shape with the given
+    /// strides, live and unaliased by `out` for the call.
+    pub unsafe fn run(&self, b: &Buffers, threads: usize) -> Result<(), InvalidArgument> {
+        self.check(b)?;
+        let rows: Vec<Row> = (0..self.num_rows()).map(|s| self.row(s)).collect();
+        let items: Vec<(usize, usize)> = (0..rows.len()).flat_map(|s| (0..self.num_kv_heads).map(move |g| (s, g))).collect();
+        let cost = |&(s, _): &(usize, usize)| {
+            let r = &rows[s];
+            ((r.queries.1 - r.queries.0) * (r.num_keys + 1)) as u64
+        };
+        let total: u64 = items.iter().map(cost).sum();
+        let threads = threads.clamp(1, items.len().max(1));
+        if threads == 1 || total < 4096 {
+            self.run_items(b, &rows, &items);
+            return Ok(());
+        }
+        // Contiguous chunks of about equal cost.
+        let mut chunks: Vec<&[(usize, usize)]> = Vec::with_capacity(threads);
+        let (mut start, mut acc) = (0, 0u64);
+        for (i, item) in items.iter().enumerate() {
+            acc += cost(item);
+            if acc * threads as u64 >= total * (chunks.len() as u64 + 1) && chunks.len() + 1 < threads {
+                chunks.push(&items[start..=i]);
+                start = i + 1;
+            }
+        }
+        chunks.push(&items[start..]);
+        std::thread::scope(|scope| {
+            let rows = &rows;
+            for chunk in &chunks[1..] {
+                scope.spawn(move || self.run_items(b, rows, chunk));
+            }
+            self.run_items(b, rows, chunks[0]);
+        });
+        Ok(())
+    }
+
+    fn run_items(&self, b: &Buffers, rows: &[Row], items: &[(usize, usize)]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has the features; the caller upholds `run`'s contract.
+                unsafe { self.items_avx2(b, rows, items) };
+                return;
+            }
+        }
+        // SAFETY: `run`'s contract.
+        unsafe { self.items::<false>(b, rows, items) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn items_avx2(&self, b: &Buffers, rows: &[Row], items: &[(usize, usize)]) {
+        self.items::<true>(b, rows, items)
+    }
+
+    #[inline(always)]
+    unsafe fn items<const FMA: bool>(&self, b: &Buffers, rows: &[Row], items: &[(usize, usize)]) {
+        let repeat = self.num_heads / self.num_kv_heads;
+        let (d, dv, e) = (self.head_dim, self.value_dim, self.page_entries);
+        let mut scores: Vec<f32> = Vec::new();
+        let mut acc: Vec<f32> = vec![0.0; repeat * dv];
+        let mut sums: Vec<f32> = Vec::with_capacity(repeat);
+        for &(s, g) in items {
+            let row = rows[s];
+            let pages = &self.kv_indices[row.pages.0..row.pages.1];
+            scores.clear();
+            scores.resize(repeat * row.num_keys, 0.0);
+            let key = |base: *const f32, strides: &[isize; 3], j: usize| -> *const f32 {
+                let page = pages[j / e] as isize;
+                base.offset(page * strides[0] + (j % e) as isize * strides[1] + g as isize * strides[2])
+            };
+            for t in row.queries.0..row.queries.1 {
+                let (lo, hi) = self.visible(row, self.positions[t]);
+                let q_row = |i: usize| b.q.offset(t as isize * b.q_strides[0] + (g * repeat + i) as isize * b.q_strides[1]);
+                for j in lo..hi {
+                    let k = key(b.k, &b.k_strides, j);
+                    for i in 0..repeat {
+                        let mut x = dot::<FMA>(q_row(i), k, d) * self.scale;
+                        if let Some(c) = self.softcap {
+                            x = (x / c).tanh() * c;
+                        }
+                        scores[i * row.num_keys + j] = x;
+                    }
+                }
+                acc.iter_mut().for_each(|a| *a = 0.0);
+                sums.clear();
+                for i in 0..repeat {
+                    let row_scores = &mut scores[i * row.num_keys + lo..i * row.num_keys + hi];
+                    let sink = self.sinks.map(|sinks| sinks[g * repeat + i]);
+                    let mut max = sink.unwrap_or(f32::NEG_INFINITY);
+                    for &x in row_scores.iter() {
+                        max = max.max(x);
+                    }
+                    let mut sum = sink.map_or(0.0, |x| (x - max).exp());
+                    for x in row_scores.iter_mut() {
+                        *x = (*x - max).exp();
+                        sum += *x;
+                    }
+                    sums.push(sum);
+                }
+                for j in lo..hi {
+                    let v = key(b.v, &b.v_strides, j);
+                    for i in 0..repeat {
+                        axpy::<FMA>(scores[i * row.num_keys + j], v, &mut acc[i * dv..(i + 1) * dv]);
+                    }
+                }
+                for (i, &sum) in sums.iter().enumerate() {
+                    let norm = if hi > lo || self.sinks.is_some() { 1.0 / sum } else { f32::NAN };
+                    let out = b.out.offset(t as isize * b.out_strides[0] + (g * repeat + i) as isize * b.out_strides[1]);
+                    for (c, &a) in acc[i * dv..(i + 1) * dv].iter().enumerate() {
+                        *out.add(c) = a * norm;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The listed keys `[lo, hi)` a query at `position` sees (module doc): key positions are
+    /// increasing in `j`, so the causal and window bounds are a range.
+    fn visible(&self, row: Row, position: i64) -> (usize, usize) {
+        let r = self.ratio;
+        // entry x has key position (x + 1) * r - 1 <= p  <=>  x < floor((p + 1) / r)
+        let hi = (position + 1).div_euclid(r) - row.first_entry;
+        let hi = hi.clamp(0, row.num_keys as i64);
+        let lo = match self.window {
+            // (x + 1) * r - 1 > p - w  <=>  x >= floor((p - w + 1) / r)
+            Some(w) => ((position - w + 1).div_euclid(r) - row.first_entry).clamp(0, hi),
+            None => 0,
+        };
+        (lo as usize, hi as usize)
+    }
+}
+
+const LANES: usize = 16;
+
+/// `sum(a[i] * b[i])` over `n` contiguous f32s, in `LANES` partial sums.
+#[inline(always)]
+unsafe fn dot<const FMA: bool>(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut i = 0;
+    while i + LANES <= n {
+        for (l, slot) in acc.iter_mut().enumerate() {
+            let (x, y) = (*a.add(i + l), *b.add(i + l));
+            *slot = if FMA { x.mul_add(y, *slot) } else { *slot + x * y };
+        }
+        i += LANES;
+    }
+    let mut tail = 0.0f32;
+    while i < n {
+        tail += *a.add(i) * *b.add(i);
+        i += 1;
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `acc += p * v` over `acc.len()` contiguous f32s of `v`.
+#[inline(always)]
+unsafe fn axpy<const FMA: bool>(p: f32, v: *const f32, acc: &mut [f32]) {
+    for (c, slot) in acc.iter_mut().enumerate() {
+        let x = *v.add(c);
+        *slot = if FMA { x.mul_add(p, *slot) } else { *slot + x * p };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A naive reference: every key's position and visibility worked out directly.
+    #[allow(clippy::too_many_arguments)]
+    fn naive(att: &PagedAttention, q: &[f32], k: &[f32], v: &[f32], num_tokens: usize) -> Vec<f32> {
+        let (h, hkv, d, dv, e) = (att.num_heads, att.num_kv_heads, att.head_dim, att.value_dim, att.page_entries);
+        let mut out = vec![0.0f32; num_tokens * h * dv];
+        for s in 0..att.seq_lens.len() {
+            let pages = &att.kv_indices[att.kv_indptr[s] as usize..att.kv_indptr[s + 1] as usize];
+            let units = att.seq_lens[s] as i64 / att.ratio;
+            let first = (units + e as i64 - 1) / e as i64 - pages.len() as i64;
+            for t in att.query_indptr[s] as usize..att.query_indptr[s + 1] as usize {
+                let p = att.positions[t];
+                for head in 0..h {
+                    let g = head / (h / hkv);
+                    let mut logits = vec![];
+                    let mut values = vec![];
+                    for (pi, &page) in pages.iter().enumerate() {
+                        for off in 0..e {
+                            let x = (first + pi as i64) * e as i64 + off as i64;
+                            let pos = (x + 1) * att.ratio - 1;
+                            if x >= units || pos > p || att.window.is_some_and(|w| pos <= p - w) {
+                                continue;
+                            }
+                            let base = ((page as usize * e + off) * hkv + g) * d;
+                            let mut sc: f32 = (0..d).map(|c| q[(t * h + head) * d + c] * k[base + c]).sum();
+                            sc *= att.scale;
+                            if let Some(c) = att.softcap {
+                                sc = (sc / c).tanh() * c;
+                            }
+                            logits.push(sc);
+                            values.push(&v[base..base + dv]);
+                        }
+                    }
+                    let sink = att.sinks.map(|x| x[head]);
+                    let max = logits.iter().copied().fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
+                    let sum: f32 = logits.iter().map(|x| (x - max).exp()).sum::<f32>() + sink.map_or(0.0, |x| (x - max).exp());
+                    for (l, val) in logits.iter().zip(&values) {
+                        for c in 0..dv {
+                            out[(t * h + head) * dv + c] += (l - max).exp() / sum * val[c];
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    struct Case {
+        rows: Vec<(u32, u32)>, // (cached, new)
+        window: Option<i64>,
+        ratio: i64,
+        heads: (usize, usize),
+        sinks: bool,
+        softcap: Option<f32>,
+        threads: usize,
+    }
+
+    fn check_case(case: Case) {
+        let (e, d) = (4usize, 24usize);
+        let (h, hkv) = case.heads;
+        let mut query_indptr = vec![0u32];
+        let mut seq_lens = vec![];
+        let mut kv_indptr = vec![0u32];
+        let mut kv_indices = vec![];
+        let mut positions = vec![];
+        let mut next_page = 1u32;
+        for &(cached, new) in &case.rows {
+            let seq = cached + new;
+            let units = seq as i64 / case.ratio;
+            let total_pages = (units as u32).div_ceil(e as u32);
+            let pages: Vec<u32> = (next_page..next_page + total_pages).rev().collect(); // any order
+            next_page += total_pages;
+            let skip = match case.window {
+                Some(w) => ((cached as i64 - w + 1).max(0) / case.ratio / e as i64) as usize,
+                None => 0,
+            };
+            kv_indices.extend(&pages[skip.min(pages.len())..]);
+            kv_indptr.push(kv_indices.len() as u32);
+            seq_lens.push(seq);
+            positions.extend((cached..seq).map(i64::from));
+            query_indptr.push(positions.len() as u32);
+        }
+        let t = positions.len();
+        let num_pages = next_page as usize;
+        let mut state = 12345u64;
+        let mut rand = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+                })
+                .collect()
+        };
+        let q = rand(t * h * d);
+        let k = rand(num_pages * e * hkv * d);
+        let v = rand(num_pages * e * hkv * d);
+        let sinks = rand(h);
+        let att = PagedAttention {
+            query_indptr: &query_indptr,
+            seq_lens: &seq_lens,
+            kv_indptr: &kv_indptr,
+            kv_indices: &kv_indices,
+            positions: &positions,
+            page_entries: e,
+            window: case.window,
+            ratio: case.ratio,
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+            value_dim: d - 4,
+            scale: 0.3,
+            softcap: case.softcap,
+            sinks: case.sinks.then_some(&sinks[..]),
+        };
+        let dv = d - 4;
+        let mut out = vec![f32::NAN; t * h * dv];
+        let buffers = Buffers {
+            q: q.as_ptr(),
+            q_strides: [(h * d) as isize, d as isize],
+            k: k.as_ptr(),
+            k_strides: [(e * hkv * d) as isize, (hkv * d) as isize, d as isize],
+            v: v.as_ptr(),
+            v_strides: [(e * hkv * d) as isize, (hkv * d) as isize, d as isize],
+            out: out.as_mut_ptr(),
+            out_strides: [(h * dv) as isize, dv as isize],
+            num_tokens: t,
+            num_pages,
+        };
+        unsafe { att.run(&buffers, case.threads).unwrap() };
+        let want = naive(&att, &q, &k, &v, t);
+        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "element {i}: {a} vs {b}");
+        }
+    }
+
+    const ROWS: [(u32, u32); 5] = [(9, 1), (0, 7), (21, 1), (5, 6), (2, 1)];
+
+    #[test]
+    fn full_attention_gqa_any_page_order() {
+        for threads in [1, 3] {
+            check_case(Case { rows: ROWS.to_vec(), window: None, ratio: 1, heads: (4, 2), sinks: false, softcap: None, threads });
+        }
+    }
+
+    #[test]
+    fn sliding_window_mqa() {
+        check_case(Case {
+            rows: ROWS.to_vec(),
+            window: Some(6),
+            ratio: 1,
+            heads: (4, 1),
+            sinks: false,
+            softcap: None,
+            threads: 2,
+        });
+    }
+
+    #[test]
+    fn sinks_and_softcap() {
+        check_case(Case {
+            rows: ROWS.to_vec(),
+            window: Some(5),
+            ratio: 1,
+            heads: (4, 4),
+            sinks: true,
+            softcap: Some(7.0),
+            threads: 2,
+        });
+    }
+
+    #[test]
+    fn compressed_entries() {
+        let rows = vec![(17, 1), (3, 13), (40, 4)];
+        check_case(Case { rows, window: None, ratio: 4, heads: (2, 1), sinks: true, softcap: None, threads: 1 });
+    }
+
+    #[test]
+    fn refuses_out_of_range_pages_and_bad_indptr() {
+        let (q, k) = (vec![0.0f32; 8], vec![0.0f32; 32]);
+        let mut out = vec![0.0f32; 8];
+        let buffers = Buffers {
+            q: q.as_ptr(),
+            q_strides: [8, 8],
+            k: k.as_ptr(),
+            k_strides: [8, 8, 8],
+            v: k.as_ptr(),
+            v_strides: [8, 8, 8],
+            out: out.as_mut_ptr(),
+            out_strides: [8, 8],
+            num_tokens: 1,
+            num_pages: 2,
+        };
+        let mut att = PagedAttention {
+            query_indptr: &[0, 1],
+            seq_lens: &[1],
+            kv_indptr: &[0, 1],
+            kv_indices: &[5],
+            positions: &[0],
+            page_entries: 2,
+            window: None,
+            ratio: 1,
+            num_heads: 1,
+            num_kv_heads: 1,
+            head_dim: 8,
+            value_dim: 8,
+            scale: 1.0,
+            softcap: None,
+            sinks: None,
+        };
+        let err = unsafe { att.run(&buffers, 1) }.unwrap_err();
+        assert!(err.0.contains("page 5"), "{err}");
+        att.kv_indices = &[1];
+        att.query_indptr = &[0, 2];
+        let err = unsafe { att.run(&buffers, 1) }.unwrap_err();
+        assert!(err.0.contains("past 1 tokens"), "{err}");
+        att.query_indptr = &[0, 1];
+        att.kv_indptr = &[0, 1];
+        att.seq_lens = &[0];
+        let err = unsafe { att.run(&buffers, 1) }.unwrap_err();
+        assert!(err.0.contains("lists 1 pages"), "{err}");
+    }
+}

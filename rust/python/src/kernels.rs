@@ -1,0 +1,116 @@
+//! `paged_attention`: the `resin-kernels` CPU paged-attention kernel on numpy views of torch
+//! tensors (the torch runner passes `tensor.numpy()`: no copy). Checks dtypes, shapes and
+//! strides here and the plan's indices in the kernel, so a bad call is a `ValueError`, never a
+//! wild read. The GIL is released while it runs.
+
+use numpy::{PyArrayMethods, PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use resin_kernels::paged_attention::{Buffers, PagedAttention};
+
+/// Element strides of `array`'s leading `N` axes; its last axis must be contiguous.
+fn strides<const N: usize>(name: &str, byte_strides: &[isize]) -> PyResult<[isize; N]> {
+    let item = std::mem::size_of::<f32>() as isize;
+    let last = byte_strides[byte_strides.len() - 1];
+    if last != item || byte_strides.iter().any(|s| s % item != 0) {
+        return Err(PyValueError::new_err(format!(
+            "paged_attention: {name} needs a contiguous last axis (byte strides {byte_strides:?})"
+        )));
+    }
+    let mut out = [0isize; N];
+    for (o, s) in out.iter_mut().zip(byte_strides) {
+        *o = s / item;
+    }
+    Ok(out)
+}
+
+fn slice<'a, T: numpy::Element>(name: &str, array: &'a PyReadonlyArray1<'_, T>) -> PyResult<&'a [T]> {
+    array.as_slice().map_err(|_| PyValueError::new_err(format!("paged_attention: {name} must be contiguous")))
+}
+
+/// Attention of `q` [T, H, D] (f32) over the cache pages the plan lists (docs in
+/// `resin-kernels`' `paged_attention`), written into `out` [T, H, value_dim]. `k_cache` /
+/// `v_cache` are [pages, entries, kv_heads, dim] (strided views allowed, last axis
+/// contiguous); `v_cache=None`: values are the key rows' first `value_dim` channels.
+#[pyfunction]
+#[pyo3(signature = (
+    q, k_cache, v_cache, out, query_indptr, seq_lens, kv_indptr, kv_indices, positions,
+    *, scale, value_dim, window=None, ratio=1, softcap=None, sinks=None, threads=1
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    py: Python<'_>,
+    q: PyReadonlyArray3<'_, f32>,
+    k_cache: PyReadonlyArray4<'_, f32>,
+    v_cache: Option<PyReadonlyArray4<'_, f32>>,
+    mut out: PyReadwriteArray3<'_, f32>,
+    query_indptr: PyReadonlyArray1<'_, u32>,
+    seq_lens: PyReadonlyArray1<'_, u32>,
+    kv_indptr: PyReadonlyArray1<'_, u32>,
+    kv_indices: PyReadonlyArray1<'_, u32>,
+    positions: PyReadonlyArray1<'_, i64>,
+    scale: f32,
+    value_dim: usize,
+    window: Option<i64>,
+    ratio: i64,
+    softcap: Option<f32>,
+    sinks: Option<PyReadonlyArray1<'_, f32>>,
+    threads: usize,
+) -> PyResult<()> {
+    let (qs, ks, os) = (q.shape().to_vec(), k_cache.shape().to_vec(), out.shape().to_vec());
+    let vs = v_cache.as_ref().map_or(ks.clone(), |v| v.shape().to_vec());
+    let (num_tokens, num_heads, head_dim) = (qs[0], qs[1], qs[2]);
+    let bad = |what: String| Err(PyValueError::new_err(format!("paged_attention: {what}")));
+    if ks[3] != head_dim {
+        return bad(format!("q {qs:?} and k_cache {ks:?} disagree on the key width"));
+    }
+    if vs[0] != ks[0] || vs[1] != ks[1] || vs[2] != ks[2] || vs[3] < value_dim {
+        return bad(format!("v_cache {vs:?} does not hold {value_dim}-wide values for k_cache {ks:?}"));
+    }
+    if os != [num_tokens, num_heads, value_dim] {
+        return bad(format!("out is {os:?}, expected [{num_tokens}, {num_heads}, {value_dim}]"));
+    }
+    let q_strides = strides::<2>("q", q.strides())?;
+    let k_strides = strides::<3>("k_cache", k_cache.strides())?;
+    let v_strides = match &v_cache {
+        Some(v) => strides::<3>("v_cache", v.strides())?,
+        None => k_strides,
+    };
+    let out_strides = strides::<2>("out", out.strides())?;
+    let sink_values = match &sinks {
+        Some(s) => Some(slice("sinks", s)?),
+        None => None,
+    };
+    let att = PagedAttention {
+        query_indptr: slice("query_indptr", &query_indptr)?,
+        seq_lens: slice("seq_lens", &seq_lens)?,
+        kv_indptr: slice("kv_indptr", &kv_indptr)?,
+        kv_indices: slice("kv_indices", &kv_indices)?,
+        positions: slice("positions", &positions)?,
+        page_entries: ks[1],
+        window,
+        ratio,
+        num_heads,
+        num_kv_heads: ks[2],
+        head_dim,
+        value_dim,
+        scale,
+        softcap,
+        sinks: sink_values,
+    };
+    let buffers = Buffers {
+        q: q.data(),
+        q_strides,
+        k: k_cache.data(),
+        k_strides,
+        v: v_cache.as_ref().map_or(k_cache.data(), |v| v.data()),
+        v_strides,
+        out: out.as_array_mut().as_mut_ptr(),
+        out_strides,
+        num_tokens,
+        num_pages: ks[0],
+    };
+    // SAFETY: every pointer is a live numpy array of the checked shape and strides; `out` is
+    // borrowed mutably (numpy's borrow checker refuses an `out` that aliases an input).
+    py.detach(|| unsafe { att.run(&buffers, threads) }).map_err(|e| PyValueError::new_err(format!("paged_attention: {e}")))
+}
