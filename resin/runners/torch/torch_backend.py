@@ -24,6 +24,12 @@ Padding costs ``S * Q * P * E``: a decode batch (Q = 1) pads only keys to the lo
 mixing one long prefill chunk with many decode rows pads every decode row's queries to the
 chunk. ``gather`` (compressed / indexed attention) is the reference backend's.
 
+On CPU in float32 the backend skips the gather altogether when :func:`kernel_pays`: it calls
+``resin._core.paged_attention`` (rust/kernels), which reads each row's pages in place through
+the same page table, on numpy views of the layer's tensors (no copy) — decode steps, verify
+rows and short chunks always, and mixed steps whose padding would cost SDPA more than 4x the
+kernel's exact work. ``RESIN_TORCH_CPU_KERNEL=0`` turns it off (benchmarks, debugging).
+
 Imports torch.
 """
 
