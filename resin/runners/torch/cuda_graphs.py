@@ -347,7 +347,7 @@ class CudaGraphs:
             buffer.np[:s] = values
             buffer.np[s:b] = pad
             buffer.upload(b)
-        if self.capture:
+        if self.runner.device.type == "cuda":  # the copies read pinned host memory
             if self._uploaded is None:
                 self._uploaded = torch.cuda.Event()
             self._uploaded.record()
