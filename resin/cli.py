@@ -102,7 +102,7 @@ def generate(
     attention_backend: str | None = typer.Option(
         None,
         "--attention-backend",
-        help="Attention backend of the torch runners (default: reference).",
+        help="Attention backend of the torch runners (default: torch).",
     ),
 ) -> None:
     """Generate text from MODEL for one prompt and print it."""

@@ -100,7 +100,10 @@ def _layers_departure() -> Any:
     breaks first; the greedy stages would only repeat it)."""
     ref = resolve_model(MODEL_DIR)
     report = run_parity(
-        ref.checkpoint_dir, runner_factory=ref.runner_factory("cpu", "float32"), checks=("layers",)
+        ref.checkpoint_dir,
+        # the parity harness's backend (the planted bugs below patch ReferenceBackend)
+        runner_factory=ref.runner_factory("cpu", "float32", default_backend="reference"),
+        checks=("layers",),
     )
     assert not report.passed
     return report.first_departure

@@ -306,6 +306,7 @@ def _run(
 ) -> Any:
     from resin.evals.model_ref import run_model_parity
     from resin.evals.parity import run_parity
+    from resin.runners.torch.attention import PARITY_BACKEND
 
     if ref.model_dir is not None and runner == "mlx":
         # the model directory's parity.toml settings, the MLX runner on its checkpoint
@@ -319,7 +320,12 @@ def _run(
     framework = "mlx" if runner == "mlx" else "torch"
     return run_parity(
         ref.checkpoint_dir,
-        runner_factory=_runner_factory(framework, dtype, device or "cpu", attention_backend),
+        runner_factory=_runner_factory(
+            framework,
+            dtype,
+            device or "cpu",
+            attention_backend or (PARITY_BACKEND if framework == "torch" else None),
+        ),
         max_new_tokens=max_new_tokens or 8,
         runner_name=framework,
         dtype=dtype,
@@ -335,5 +341,7 @@ class _MlxModelRef(ModelRef):
     def runner_name(self) -> str:
         return "mlx"
 
-    def runner_factory(self, device: str = "cpu", dtype: Any = "float32") -> Any:
+    def runner_factory(
+        self, device: str = "cpu", dtype: Any = "float32", default_backend: str | None = None
+    ) -> Any:
         return _runner_factory("mlx", str(dtype), device, self.attention_backend)

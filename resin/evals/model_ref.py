@@ -99,10 +99,14 @@ class ModelRef:
         dtype or its name (``"bfloat16"``)."""
         return self.runner_factory(device, dtype)(str(checkpoint_dir or self.checkpoint_dir))
 
-    def runner_factory(self, device: str = "cpu", dtype: Any = "float32") -> Any:
-        """``factory(checkpoint_dir) -> runner``, the shape ``run_parity(runner_factory=...)`` takes."""
+    def runner_factory(
+        self, device: str = "cpu", dtype: Any = "float32", default_backend: str | None = None
+    ) -> Any:
+        """``factory(checkpoint_dir) -> runner``, the shape ``run_parity(runner_factory=...)`` takes;
+        the torch runners' attention backend is ``attention_backend``, else ``default_backend``,
+        else the runners' own default."""
         entry = self.entry()
-        backend = self.attention_backend
+        backend = self.attention_backend or default_backend
 
         def factory(checkpoint_dir: str) -> Any:
             return entry.load_runner(
@@ -280,6 +284,7 @@ def run_model_parity(
     """``run_parity`` on ``ref``'s checkpoint with its runner and parity.toml settings;
     explicit arguments override the file. Returns the :class:`ParityReport`."""
     from resin.evals.parity import Tolerances, run_parity
+    from resin.runners.torch.attention import PARITY_BACKEND
 
     settings = parity_settings(ref)
     # parity.toml's top-level tolerances are for its own dtype; another dtype gets that dtype's
@@ -293,7 +298,7 @@ def run_model_parity(
         "tolerances": tolerances,
         "dtype": dtype,
         "runner_name": ref.runner_name,
-        "runner_factory": ref.runner_factory(device, dtype),
+        "runner_factory": ref.runner_factory(device, dtype, default_backend=PARITY_BACKEND),
         "greedy_reference": settings["greedy_reference"],
     }
     kwargs["max_new_tokens"] = max_new_tokens or settings.get("max_new_tokens", 8)

@@ -360,7 +360,7 @@ def bench(
     ] = None,
     attention_backend: Annotated[
         str | None,
-        typer.Option(help="Attention backend of the torch runners (default: reference)."),
+        typer.Option(help="Attention backend of the torch runners (default: torch)."),
     ] = None,
     runner: Annotated[
         str | None,

@@ -41,7 +41,7 @@ def serve(
     ] = None,
     attention_backend: Annotated[
         str | None,
-        typer.Option(help="Attention backend of the torch runners (default: reference)."),
+        typer.Option(help="Attention backend of the torch runners (default: torch)."),
     ] = None,
     served_model_name: Annotated[
         list[str] | None,
