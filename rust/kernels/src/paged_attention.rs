@@ -238,15 +238,15 @@ impl PagedAttention<'_> {
             let pages = &self.kv_indices[row.pages.0..row.pages.1];
             scores.clear();
             scores.resize(repeat * row.num_keys, 0.0);
-            let key = |base: *const f32, strides: &[isize; 3], j: usize| -> *const f32 {
-                let page = pages[j / e] as isize;
-                base.offset(page * strides[0] + (j % e) as isize * strides[1] + g as isize * strides[2])
+            let key = |base: *const f32, strides: &[isize; 3], page: usize, entry: usize| -> *const f32 {
+                let page = pages[page] as isize;
+                base.offset(page * strides[0] + entry as isize * strides[1] + g as isize * strides[2])
             };
             for t in row.queries.0..row.queries.1 {
                 let (lo, hi) = self.visible(row, self.positions[t]);
                 let q_row = |i: usize| b.q.offset(t as isize * b.q_strides[0] + (g * repeat + i) as isize * b.q_strides[1]);
-                for j in lo..hi {
-                    let k = key(b.k, &b.k_strides, j);
+                for_keys(lo, hi, e, |j, page, entry| {
+                    let k = key(b.k, &b.k_strides, page, entry);
                     for i in 0..repeat {
                         let mut x = dot::<FMA>(q_row(i), k, d) * self.scale;
                         if let Some(c) = self.softcap {
@@ -254,7 +254,7 @@ impl PagedAttention<'_> {
                         }
                         scores[i * row.num_keys + j] = x;
                     }
-                }
+                });
                 acc.iter_mut().for_each(|a| *a = 0.0);
                 sums.clear();
                 for i in 0..repeat {
@@ -271,12 +271,12 @@ impl PagedAttention<'_> {
                     }
                     sums.push(sum);
                 }
-                for j in lo..hi {
-                    let v = key(b.v, &b.v_strides, j);
+                for_keys(lo, hi, e, |j, page, entry| {
+                    let v = key(b.v, &b.v_strides, page, entry);
                     for i in 0..repeat {
                         axpy::<FMA>(scores[i * row.num_keys + j], v, &mut acc[i * dv..(i + 1) * dv]);
                     }
-                }
+                });
                 for (i, &sum) in sums.iter().enumerate() {
                     let norm = if hi > lo || self.sinks.is_some() { 1.0 / sum } else { f32::NAN };
                     let out = b.out.offset(t as isize * b.out_strides[0] + (g * repeat + i) as isize * b.out_strides[1]);
@@ -323,7 +323,30 @@ unsafe fn dot<const FMA: bool>(a: *const f32, b: *const f32, n: usize) -> f32 {
         tail += *a.add(i) * *b.add(i);
         i += 1;
     }
-    acc.iter().sum::<f32>() + tail
+    // A tree, not a running sum: log2(LANES) dependent adds.
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+    }
+    acc[0] + tail
+}
+
+/// Calls `f(j, page, entry)` for the listed keys `j` in `[lo, hi)`: key `j` is entry `j % e` of
+/// listed page `j / e`, walked page by page (no division per key).
+#[inline(always)]
+fn for_keys(lo: usize, hi: usize, e: usize, mut f: impl FnMut(usize, usize, usize)) {
+    let mut j = lo;
+    while j < hi {
+        let page = j / e;
+        let end = hi.min((page + 1) * e);
+        for (entry, key) in (j - page * e..).zip(j..end) {
+            f(key, page, entry);
+        }
+        j = end;
+    }
 }
 
 /// `acc += p * v` over `acc.len()` contiguous f32s of `v`.
