@@ -190,6 +190,18 @@ KERNEL_MAX_QUERIES = 16
 KERNEL_PADDING_RATIO = 4
 
 
+def kernel_threads() -> int:
+    """Threads for the CPU kernel: the calling thread plus the cores torch's pool leaves idle.
+    Not torch's thread count: its OpenMP workers spin between ops, and a kernel thread
+    competing with a spinning worker for a core made a 64-row decode step ~30% slower than
+    the kernel on one thread (2 cores, 2 torch threads; docs/benchmarks.md)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - torch.get_num_threads() + 1)
+
+
 class TorchBackend(ReferenceBackend):
     """Batched attention in plain torch (module doc); on CPU in float32, the paged-attention
     kernel of ``resin._core`` when :func:`kernel_pays` (``use_cpu_kernel``; set
@@ -257,7 +269,7 @@ class TorchBackend(ReferenceBackend):
             ratio=rows.ratio,
             softcap=softcap,
             sinks=None if sinks is None else sinks.float().contiguous().numpy(),
-            threads=torch.get_num_threads(),
+            threads=kernel_threads(),
         )
         return out
 
