@@ -6,9 +6,15 @@ once to `benchmarks/results/llama_23m/` (git-ignored) with the tiny fixture toke
 `--prompt-len`-token random prompts, on CPU in float32:
 
 - resin: `LLM.generate` with C concurrent requests (one engine, continuous batching), once per
-  attention backend in `--attention-backends` (default: reference and torch);
+  attention backend in `--attention-backends` (default: reference and torch; `torch-sdpa` is the
+  torch backend with its CPU paged-attention kernel off, `RESIN_TORCH_CPU_KERNEL=0`);
 - HF sequential: `model.generate` one request at a time (C requests);
 - HF padded: one `model.generate` call on a left-padded batch of C prompts.
+
+- matmul floor: only the checkpoint's projections (every layer's q/k/v/o and gate/up/down, the
+  lm_head at sampled tokens) on the same token counts: the prefill's C x prompt tokens, then
+  `output_len - 1` decode steps of C rows. No implementation doing this math in float32 on
+  this CPU is faster; a ratio to HF above floor / HF is out of reach.
 
 Throughput = generated tokens / wall seconds. Prints a markdown table, writes JSON.
 
@@ -66,15 +72,23 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
 
 
 def bench_resin(prompts: list[list[int]], output_len: int, backend: str = "reference") -> float:
+    import os
+
     import resin
     from resin.llm import LLM
 
-    llm = LLM(
-        CHECKPOINT,
-        max_num_seqs=max(len(prompts), 1),
-        max_model_len=1024,
-        attention_backend=backend,
-    )
+    kernel_off = backend == "torch-sdpa"
+    if kernel_off:
+        os.environ["RESIN_TORCH_CPU_KERNEL"] = "0"  # read when the backend is built
+    try:
+        llm = LLM(
+            CHECKPOINT,
+            max_num_seqs=max(len(prompts), 1),
+            max_model_len=1024,
+            attention_backend="torch" if kernel_off else backend,
+        )
+    finally:
+        os.environ.pop("RESIN_TORCH_CPU_KERNEL", None)
     params = resin.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], params)  # warm-up: allocator, first-call costs
     start = time.perf_counter()
@@ -82,6 +96,34 @@ def bench_resin(prompts: list[list[int]], output_len: int, backend: str = "refer
     seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == output_len for o in outputs)
     return len(prompts) * output_len / seconds
+
+
+def bench_matmul_floor(prompts: list[list[int]], output_len: int) -> float:
+    """Tokens/s if only the projections ran (module doc): the lower bound on the time."""
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    weights = load_file(str(CHECKPOINT / "model.safetensors"))
+    projections = [w for name, w in weights.items() if name.endswith("proj.weight")]
+    lm_head = weights["lm_head.weight"]
+    hidden = lm_head.shape[1]
+    rows, prompt_tokens = len(prompts), sum(len(p) for p in prompts)
+
+    def step(tokens: int, sampled: int) -> None:
+        x = torch.randn(tokens, hidden)
+        for w in projections:  # input width: hidden, or the MLP width for down_proj
+            F.linear(x if w.shape[1] == hidden else torch.randn(tokens, w.shape[1]), w)
+        F.linear(torch.randn(sampled, hidden), lm_head)
+
+    with torch.inference_mode():
+        step(rows, rows)  # warm-up
+        start = time.perf_counter()
+        step(prompt_tokens, rows)
+        for _ in range(output_len - 1):
+            step(rows, rows)
+        seconds = time.perf_counter() - start
+    return rows * output_len / seconds
 
 
 def bench_hf(prompts: list[list[int]], output_len: int, padded: bool) -> float:
@@ -141,6 +183,7 @@ def main() -> None:
             },
             "hf_sequential_tok_s": bench_hf(prompts, args.output_len, padded=False),
             "hf_padded_tok_s": bench_hf(prompts, args.output_len, padded=True),
+            "matmul_floor_tok_s": bench_matmul_floor(prompts, args.output_len),
         }
         rows.append(row)
         print(f"C={c}: {row}", file=sys.stderr)
@@ -150,16 +193,18 @@ def main() -> None:
     head = " | ".join(f"resin {b} tok/s" for b in backends)
     ratios = " | ".join(f"{b} / HF best" for b in backends)
     print(
-        f"| concurrent requests | {head} | HF one at a time tok/s | HF padded batch tok/s | {ratios} |"
+        f"| concurrent requests | {head} | HF one at a time tok/s | HF padded batch tok/s | "
+        f"matmul floor tok/s | {ratios} | floor / HF best |"
     )
-    print("|---" * (3 + 2 * len(backends)) + "|")
+    print("|---" * (5 + 2 * len(backends)) + "|")
     for r in rows:
         best = max(r["hf_sequential_tok_s"], r["hf_padded_tok_s"])
         ours = " | ".join(f"{r[f'resin_{b}_tok_s']:.0f}" for b in backends)
         ratio = " | ".join(f"{r[f'resin_{b}_tok_s'] / best:.2f}x" for b in backends)
         print(
             f"| {r['concurrency']} | {ours} | {r['hf_sequential_tok_s']:.0f} | "
-            f"{r['hf_padded_tok_s']:.0f} | {ratio} |"
+            f"{r['hf_padded_tok_s']:.0f} | {r['matmul_floor_tok_s']:.0f} | {ratio} | "
+            f"{r['matmul_floor_tok_s'] / best:.2f}x |"
         )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(
