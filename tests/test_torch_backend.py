@@ -58,11 +58,24 @@ class _Step:
 ROWS = [(9, 1), (0, 7), (21, 1), (5, 6), (2, 1)]  # decode rows and prefill chunks
 
 
-def _torch_backend(cpu_kernel: bool) -> TorchBackend:
+class _CountingBackend(TorchBackend):
+    """The torch backend, counting the layers the CPU kernel ran (so a test of the kernel path
+    cannot pass on the SDPA path)."""
+
+    kernel_calls = 0
+
+    def _kernel_attend(self, *args: Any, **kwargs: Any) -> Any:
+        self.kernel_calls += 1
+        return super()._kernel_attend(*args, **kwargs)
+
+
+def _torch_backend(cpu_kernel: bool) -> _CountingBackend:
     """The torch backend on its padded SDPA batch, or with the CPU paged-attention kernel
-    (``resin._core.paged_attention``) for every step (float32 on CPU)."""
-    backend = TorchBackend()
+    (``resin._core.paged_attention``) for every step (float32 on CPU; these heads are narrower
+    than the kernel's default minimum)."""
+    backend = _CountingBackend()
     backend.use_cpu_kernel = cpu_kernel
+    backend.kernel_min_head_dim = 1
     return backend
 
 
@@ -112,6 +125,7 @@ def test_matches_the_reference_backend(
         )
     assert outs[1].shape == outs[0].shape
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert backend.kernel_calls == (1 if cpu_kernel else 0)
 
 
 def test_is_registered() -> None:
@@ -168,6 +182,7 @@ def test_garbage_past_a_rows_end_never_reaches_the_output(
         outs.append(backend.attend(q, k_cache, v_cache, 0, scale=8**-0.5))
     assert torch.isfinite(outs[1]).all()
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert backend.kernel_calls == (1 if cpu_kernel else 0)
 
 
 def test_the_cpu_kernel_decides_by_padding() -> None:
@@ -211,3 +226,32 @@ def test_the_cpu_kernel_refuses_bad_arguments_with_value_errors() -> None:
         call(k_cache=np.zeros((3, PAGE, 1, 16), np.float32)[..., ::2])
     with pytest.raises(TypeError):
         call(q=q.astype(np.float64))
+
+
+@pytest.mark.parametrize(
+    "model", ["tests/fixtures/llama", "resin/models/gpt_oss", "resin/models/deepseek_v4_flash"]
+)
+def test_parity_holds_with_the_cpu_kernel_on_every_head_width(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fixtures' heads are narrower than the kernel's default minimum, so parity runs the
+    CPU kernel here with the minimum lifted: plain GQA, sinks + sliding window (gpt-oss), a
+    shared K = V cache with sinks (DeepSeek-V4)."""
+    pytest.importorskip("transformers")
+    from resin.evals.model_ref import resolve_model, run_model_parity
+    from resin.runners.torch import torch_backend
+
+    calls = []
+    real = torch_backend.TorchBackend._kernel_attend
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend, "KERNEL_MIN_HEAD_DIM", 1)
+    monkeypatch.setattr(torch_backend.TorchBackend, "_kernel_attend", counted)
+    ref = resolve_model(REPO / model)
+    ref.attention_backend = "torch"
+    report = run_model_parity(ref)
+    assert report.passed, report.summary()
+    assert calls, "the CPU kernel never ran"

@@ -24,7 +24,8 @@ Padding costs ``S * Q * P * E``: a decode batch (Q = 1) pads only keys to the lo
 mixing one long prefill chunk with many decode rows pads every decode row's queries to the
 chunk. ``gather`` (compressed / indexed attention) is the reference backend's.
 
-On CPU in float32 the backend skips the gather altogether when :func:`kernel_pays`: it calls
+On CPU in float32, with heads of at least 64 channels, the backend skips the gather altogether
+when :func:`kernel_pays`: it calls
 ``resin._core.paged_attention`` (rust/kernels), which reads each row's pages in place through
 the same page table, on numpy views of the layer's tensors (no copy) — decode steps, verify
 rows and short chunks always, and mixed steps whose padding would cost SDPA more than 4x the
@@ -188,6 +189,10 @@ def kernel_pays(query_indptr: np.ndarray, seq_lens: np.ndarray) -> bool:
 
 KERNEL_MAX_QUERIES = 16
 KERNEL_PADDING_RATIO = 4
+# Below this the kernel's per-key work (index arithmetic, the lane reduction, exp) outweighs
+# its saved gather: at head_dim 16 (the Llama fixture) a 64-row decode step took 12.1 ms
+# against SDPA's 7.2; at head_dim 64 it wins (docs/benchmarks.md).
+KERNEL_MIN_HEAD_DIM = 64
 
 
 def kernel_threads() -> int:
@@ -203,8 +208,9 @@ def kernel_threads() -> int:
 
 
 class TorchBackend(ReferenceBackend):
-    """Batched attention in plain torch (module doc); on CPU in float32, the paged-attention
-    kernel of ``resin._core`` when :func:`kernel_pays` (``use_cpu_kernel``; set
+    """Batched attention in plain torch (module doc); on CPU in float32 with heads of at least
+    :data:`KERNEL_MIN_HEAD_DIM` channels, the paged-attention kernel of ``resin._core`` when
+    :func:`kernel_pays` (``use_cpu_kernel``; set
     ``RESIN_TORCH_CPU_KERNEL=0`` to turn it off)."""
 
     name = "torch"
@@ -214,6 +220,7 @@ class TorchBackend(ReferenceBackend):
         self.batches: dict[int, RowBatch] = {}
         self.kernel_rows: dict[int, KernelRows | None] = {}
         self.use_cpu_kernel = os.environ.get("RESIN_TORCH_CPU_KERNEL", "1") != "0"
+        self.kernel_min_head_dim = KERNEL_MIN_HEAD_DIM
 
     def begin_step(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().begin_step(*args, **kwargs)
@@ -279,6 +286,7 @@ class TorchBackend(ReferenceBackend):
         tensors = [q, k_cache] + ([] if v_cache is None else [v_cache])
         return (
             self.use_cpu_kernel
+            and q.shape[-1] >= self.kernel_min_head_dim
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and all(t.stride(-1) == 1 for t in tensors)
         )
