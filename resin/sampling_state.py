@@ -37,10 +37,14 @@ SPLITMIX_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the same golden-r
 
 @dataclass
 class SlotState:
-    """One live request: every token it has (prompt, then outputs) and how many are prompt."""
+    """One live request: every token it has (prompt, then outputs) and how many are prompt;
+    ``num_rewrites`` counts the times tokens it already had were replaced (a diff re-sent
+    after a discarded plan), so a reader that keeps a summary of the tokens (the torch
+    sampler's penalty counts) knows when appending the new ones is not enough."""
 
     token_ids: list[int]
     num_prompt_tokens: int
+    num_rewrites: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -85,7 +89,10 @@ class SlotHistory:
             state = self.slots.get(slot)
             if lo == hi or state is None:
                 continue
-            del state.token_ids[state.num_prompt_tokens + num_output_tokens[row] - (hi - lo) :]
+            start = state.num_prompt_tokens + num_output_tokens[row] - (hi - lo)
+            if start < len(state.token_ids):
+                del state.token_ids[start:]
+                state.num_rewrites += 1
             state.token_ids.extend(committed[lo:hi].tolist())
 
 
@@ -127,7 +134,8 @@ def sample_uniforms(seeds: np.ndarray, output_indices: np.ndarray) -> np.ndarray
     A counter-based generator, no state: the splitmix64 output function of
     :func:`sample_seed`'s 63-bit mix, its top 24 bits scaled by 2**-24 (exact in float32).
     The same (seed, output index) always gives the same number, on any framework; the torch
-    sampler turns it into a token by inverse-CDF sampling (:func:`resin.sampling.sample_tokens`).
+    sampler turns it into a token by inverse-CDF sampling
+    (:func:`resin.sampling_draw.sample_tokens`).
     """
     x = np.asarray(seeds, dtype=np.int64).astype(np.uint64) * np.uint64(SEED_MIX)
     x = (x + np.asarray(output_indices, dtype=np.int64).astype(np.uint64)) & np.uint64(SEED_MASK)

@@ -353,7 +353,7 @@ def test_draw_of_a_row_does_not_depend_on_the_batch(monkeypatch: pytest.MonkeyPa
     shuffled = draw(logits[order], [settings[i] for i in order], u[order])
     assert shuffled == [batched[i] for i in order]
     # Drawing every row among the candidates (as many as the vocabulary) gives the same tokens.
-    monkeypatch.setattr("resin.sampling.CANDIDATES", BIG_VOCAB)
+    monkeypatch.setattr("resin.sampling_draw.CANDIDATES", BIG_VOCAB)
     assert draw(logits, settings, u) == batched
 
 

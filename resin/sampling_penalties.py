@@ -1,0 +1,197 @@
+"""Penalties and bans for the torch sampler, applied to the step's copy of the raw logits.
+
+Owns the rules, applied in this order, each at the entries it touches only (one
+``index_select`` + ``index_copy_`` / ``index_fill_`` for the batch each):
+
+1. repetition (prompt + output tokens, HF/vLLM): a positive logit is divided by the penalty, a
+   negative one multiplied;
+2. frequency and presence (output tokens only, OpenAI/vLLM):
+   ``logit -= frequency * count + presence * (count > 0)``;
+3. ``banned_token_ids`` (stop tokens before ``min_tokens``) set to ``-inf``.
+
+And the counts they read: :class:`Penalties` keeps, per request slot, a :class:`TokenTally` of
+its history (the distinct tokens and how often each occurs; one over prompt + outputs, one
+over the outputs), built the first time a penalised row needs it and then brought up to date
+with the tokens appended since: O(new tokens) a step, not O(history). A tally starts again
+from the history when the slot holds a new request or its history was rewritten
+(:attr:`~resin.sampling_state.SlotState.num_rewrites`).
+
+Imports torch; ``import resin`` does not import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from resin._core import BatchPlan
+from resin.sampling_state import SlotState
+
+
+class TokenTally:
+    """The distinct tokens of ``state.token_ids[start:]`` in ``[0, vocab_size)`` and how often
+    each occurs, in order of first occurrence (``ids[:size]``, ``counts[:size]``, int64)."""
+
+    def __init__(self, state: SlotState, start: int, vocab_size: int) -> None:
+        self.state, self.start, self.vocab_size = state, start, vocab_size
+        self._restart()
+
+    def _restart(self) -> None:
+        self.num_rewrites = self.state.num_rewrites
+        self.end = self.start  # state.token_ids[start:end] are counted
+        self.position: dict[int, int] = {}
+        self.ids = np.zeros(16, dtype=np.int64)
+        self.counts = np.zeros(16, dtype=np.int64)
+        self.size = 0
+
+    def update(self) -> None:
+        """Count the tokens appended since the last update (all of them after a rewrite)."""
+        tokens = self.state.token_ids
+        if self.state.num_rewrites != self.num_rewrites or len(tokens) < self.end:
+            self._restart()
+        if len(tokens) == self.end:
+            return
+        new = tokens[self.end :]
+        self.end = len(tokens)
+        if len(new) > 64:  # a prompt or a long catch-up: count it in numpy
+            values = np.asarray(new, dtype=np.int64)
+            values = values[(values >= 0) & (values < self.vocab_size)]
+            ids, first, counts = np.unique(values, return_index=True, return_counts=True)
+            order = np.argsort(first, kind="stable")  # keep first-occurrence order
+            for token, count in zip(ids[order].tolist(), counts[order].tolist()):
+                self._add(token, count)
+            return
+        for token in new:
+            if 0 <= token < self.vocab_size:
+                self._add(token, 1)
+
+    def _add(self, token: int, count: int) -> None:
+        at = self.position.get(token)
+        if at is not None:
+            self.counts[at] += count
+            return
+        if self.size == len(self.ids):
+            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+            self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+        self.position[token] = self.size
+        self.ids[self.size], self.counts[self.size] = token, count
+        self.size += 1
+
+
+@dataclass
+class PenaltyPlan:
+    """One step's penalties for the samples of a group: the per-sample settings (float32 [n])
+    and which samples each rule touches (indices into the group)."""
+
+    repetition: np.ndarray
+    frequency: np.ndarray
+    presence: np.ndarray
+    repeating: np.ndarray
+    counting: np.ndarray
+    banned_indptr: np.ndarray  # int64 [num plan rows + 1]
+    num_banned: np.ndarray  # int64 [n]
+    rows: np.ndarray  # the samples' plan rows
+
+    @property
+    def changes_logits(self) -> bool:
+        return bool(len(self.repeating) or len(self.counting) or self.num_banned.any())
+
+
+class Penalties:
+    """The per-slot tallies of the penalised requests; applies a step's penalties and bans."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.tallies: dict[tuple[int, bool], TokenTally] = {}  # (slot, outputs only) -> tally
+
+    def plan(self, plan: BatchPlan, rows: np.ndarray) -> PenaltyPlan:
+        """The penalties of the samples of plan rows ``rows``."""
+        sampling = plan.sampling
+        repetition = np.asarray(sampling.repetition_penalty[rows], dtype=np.float32)
+        frequency = np.asarray(sampling.frequency_penalty[rows], dtype=np.float32)
+        presence = np.asarray(sampling.presence_penalty[rows], dtype=np.float32)
+        indptr = plan.banned_token_indptr.astype(np.int64)
+        return PenaltyPlan(
+            repetition,
+            frequency,
+            presence,
+            np.flatnonzero(repetition != 1.0),
+            np.flatnonzero((frequency != 0.0) | (presence != 0.0)),
+            indptr,
+            indptr[rows + 1] - indptr[rows],
+            rows,
+        )
+
+    def apply(
+        self,
+        processed: torch.Tensor,
+        step: PenaltyPlan,
+        plan: BatchPlan,
+        slots: list[int],
+        states: dict[int, SlotState],
+    ) -> np.ndarray:
+        """Apply ``step`` to ``processed`` [n, V] in place (row r is sample r of the group;
+        ``slots[r]`` its request slot). Returns the samples with banned tokens."""
+        flat = processed.view(-1)  # entry (r, t) at r * vocab_size + t
+        if len(step.repeating):  # prompt + output tokens: positive / penalty, negative * penalty
+            at, r, _ = self._entries(step.repeating, slots, states, outputs_only=False)
+            values = flat.index_select(0, at)
+            penalty = torch.as_tensor(step.repetition, device=self.device)[r]
+            flat.index_copy_(0, at, torch.where(values > 0, values / penalty, values * penalty))
+        if len(step.counting):  # output tokens: logit -= frequency * count + presence * (count > 0)
+            at, r, counts = self._entries(step.counting, slots, states, outputs_only=True)
+            f = torch.as_tensor(step.frequency, device=self.device)[r]
+            p = torch.as_tensor(step.presence, device=self.device)[r]
+            counts = counts.to(processed.dtype)
+            penalty = f * counts + p * (counts > 0).to(counts.dtype)
+            flat.index_copy_(0, at, flat.index_select(0, at) - penalty)
+        num_banned = step.num_banned
+        banned_rows = np.flatnonzero(num_banned)
+        if len(banned_rows):
+            first = np.repeat(np.cumsum(num_banned) - num_banned, num_banned)
+            ids = np.repeat(step.banned_indptr[step.rows], num_banned)
+            ids += np.arange(int(num_banned.sum())) - first
+            sample = np.repeat(np.arange(len(step.rows), dtype=np.int64), num_banned)
+            banned = sample * self.vocab_size + plan.banned_token_ids[ids].astype(np.int64)
+            flat.index_fill_(0, torch.as_tensor(banned, device=self.device), -torch.inf)
+        return banned_rows
+
+    def _entries(
+        self,
+        samples: np.ndarray,
+        slots: list[int],
+        states: dict[int, SlotState],
+        outputs_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The distinct (sample, token) pairs of the ``samples``' histories (prompt + output
+        tokens, or output tokens only) as flat indices ``sample * vocab_size + token``, their
+        samples, and how often each token occurs: three int64 [n]."""
+        ids, counts, sizes = [], [], []
+        for r in samples.tolist():
+            tally = self._tally(slots[r], states[slots[r]], outputs_only)
+            ids.append(tally.ids[: tally.size])
+            counts.append(tally.counts[: tally.size])
+            sizes.append(tally.size)
+        sample = np.repeat(samples.astype(np.int64), sizes)
+        keys = sample * self.vocab_size + np.concatenate(ids)
+        return (
+            torch.as_tensor(keys, device=self.device),
+            torch.as_tensor(sample, device=self.device),
+            torch.as_tensor(np.concatenate(counts), device=self.device),
+        )
+
+    def _tally(self, slot: int, state: SlotState, outputs_only: bool) -> TokenTally:
+        tally = self.tallies.get((slot, outputs_only))
+        if tally is None or tally.state is not state:  # a new request in the slot
+            start = state.num_prompt_tokens if outputs_only else 0
+            tally = TokenTally(state, start, self.vocab_size)
+            self.tallies[(slot, outputs_only)] = tally
+        tally.update()
+        return tally
+
+    def drop(self, slot: int) -> None:
+        """Forget a finished slot's tallies."""
+        self.tallies.pop((slot, False), None)
+        self.tallies.pop((slot, True), None)
