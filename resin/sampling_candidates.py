@@ -4,8 +4,8 @@ the whole row (:func:`top_candidates`).
 Owns the tree of block maxima and its guarantee: the values are exactly
 ``logits.topk(n).values`` (the indices may order equal values differently). Cost per row of V
 logits, torch on a CPU (``topk`` ~10 ns a value, a vectorised max well under one): one max
-over blocks of four (reading the row once, writing a quarter), the same over the quarter, ...,
-then one ``topk`` over 4n values per level, instead of a ``topk`` over V.
+over blocks of eight (reading the row once, writing an eighth), then of four over that, ...,
+and one ``topk`` over 4n (8n at the bottom) values per level, instead of a ``topk`` over V.
 
 Imports torch; ``import resin`` does not import this module.
 """
@@ -16,8 +16,12 @@ import torch
 
 from resin.sampling_workspace import Workspace
 
+FIRST_BRANCHING = 8
+"""Logits per block of the tree's first level: its max reads the whole row, and its fill of
+the level (1/8 of the row) costs less than a quarter's; the bottom search reads 8 per node."""
+
 BRANCHING = 4
-"""Children per node of :func:`top_candidates`' tree of block maxima."""
+"""Children per node of the tree's levels above the first."""
 
 
 def top_candidates(
@@ -27,9 +31,9 @@ def top_candidates(
     columns: ``values`` equal ``logits.topk(num).values`` exactly; ``indices`` int64 [S, num]
     (columns of equal values may come in another order than ``topk``'s).
 
-    A tree of block maxima: level 1 holds the maximum of each block of ``BRANCHING`` logits
-    (strided blocks, so the max is one vectorised pass), level 2 those of level 1, ... up to a
-    level of 2-8 ``num`` nodes. Going down, each level keeps its ``num`` largest nodes among
+    A tree of block maxima: level 1 holds the maximum of each block of ``FIRST_BRANCHING``
+    logits (strided blocks, so the max is one vectorised pass), level 2 that of each block of
+    ``BRANCHING`` level-1 nodes, ... up to a level of 2-8 ``num`` nodes. Going down, each level keeps its ``num`` largest nodes among
     the children of the nodes kept above (plus the few nodes a level's blocks leave over). Why
     that loses nothing: let t be the row's ``num``-th largest logit. A node above t contains a
     logit above t, so fewer than ``num`` nodes of a level are above t and all are kept (their
@@ -42,18 +46,20 @@ def top_candidates(
         values, indices = logits.topk(min(num, vocab_size), dim=-1)
         return values, indices
     ws = workspace if workspace is not None else Workspace(logits.device)
-    b = BRANCHING
-    levels = [logits.contiguous()]
+    levels, widths = [logits.contiguous()], []  # widths[i]: children per node of level i + 1
+    b = FIRST_BRANCHING
     while levels[-1].shape[1] // b >= 2 * num:
         below = levels[-1]
         m = below.shape[1] // b
         level = ws.get(f"candidates.level{len(levels)}", (num_rows, m), logits.dtype)
         torch.amax(below[:, : b * m].view(num_rows, b, m), dim=1, out=level)
         levels.append(level)
+        widths.append(b)
+        b = BRANCHING
     values, ids = levels[-1].topk(num, dim=-1, sorted=False)
     row_starts = torch.arange(num_rows, device=logits.device)[:, None]
     for depth in range(len(levels) - 2, -1, -1):  # at least one level: V >= 16 num
-        below, m = levels[depth], levels[depth + 1].shape[1]
+        below, m, b = levels[depth], levels[depth + 1].shape[1], widths[depth]
         n = below.shape[1]
         # Node j of the level above is the max of below[j + i * m] for i < b; flat indices.
         start = row_starts * n

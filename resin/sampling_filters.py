@@ -205,8 +205,8 @@ def _wide_nucleus_thresholds(
 
     Looked for among each row's ``num`` largest logits (:func:`top_candidates`), rows of the
     same ``num`` together: ``num`` is :func:`_nucleus_sizes` of what the candidates saw, and
-    of what the last search saw for the rows it does not cover (at least 4x more); once it
-    would pass half the vocabulary, a sort of the row. The order is the logits' (the candidates' order), and
+    of what the last search saw for the rows it does not cover (at least 4x more), up to a
+    sort of the row. The order is the logits' (the candidates' order), and
     the cumulative sums are a sort's: the first ``num`` of them are the prefix's own."""
     vocab_size = row.shape[1]
     nums = _nucleus_sizes(cumulative, mass, 8 * num_candidates, vocab_size)
@@ -225,19 +225,25 @@ def _wide_nucleus_thresholds(
         else:
             r = workspace.get("filters.wide_rows", (len(at), vocab_size), row.dtype)
             torch.index_select(row, 0, at, out=r)
-        if 2 * num > vocab_size:
+        if num >= vocab_size:  # every logit: a sort (a topk of all of them, cheaper than none)
             top, ids = r.sort(dim=-1, descending=True)
         else:
             top, ids = top_candidates(r, num, workspace)
-        cumulative = probs.index_select(0, at).gather(1, ids).cumsum(dim=-1)
+        # The probabilities at those columns, in the logits' order (no copy of the rows).
+        cumulative = probs.view(-1)[ids + (at * vocab_size)[:, None]].cumsum(dim=-1)
         m = mass[todo]
         fits = (cumulative[:, -1] >= m) | (ids.shape[1] == vocab_size)
         done = fits.nonzero()[:, 0]
+        if len(done) == len(todo):  # all of them: no copies
+            top_done, ids_done, cumulative_done = top, ids, cumulative
+        else:
+            top_done, ids_done = top.index_select(0, done), ids.index_select(0, done)
+            cumulative_done = cumulative.index_select(0, done)
         if len(done):
-            first = _first_reaching(cumulative.index_select(0, done), m[done])
-            threshold[todo[done]] = top.index_select(0, done).gather(1, first)[:, 0]
-            own_values[todo[done]] = top.index_select(0, done)[:, :num_candidates]
-            own_indices[todo[done]] = ids.index_select(0, done)[:, :num_candidates]
+            first = _first_reaching(cumulative_done, m[done])
+            threshold[todo[done]] = top_done.gather(1, first)[:, 0]
+            own_values[todo[done]] = top_done[:, :num_candidates]
+            own_indices[todo[done]] = ids_done[:, :num_candidates]
         short = (~fits).nonzero()[:, 0]
         if len(short):  # a new bound from what this search saw
             larger = _nucleus_sizes(
@@ -259,7 +265,8 @@ def _nucleus_sizes(
     last = cumulative[:, -1] - cumulative[:, -2] if num_seen > 1 else cumulative[:, -1]
     bound = num_seen + ((mass - cumulative[:, -1]) / last).nan_to_num(posinf=vocab_size)
     return [
-        max(least, 1 << (int(4 * b) - 1).bit_length()) for b in bound.clamp(max=vocab_size).tolist()
+        min(vocab_size, max(least, 1 << (int(4 * b) - 1).bit_length()))
+        for b in bound.clamp(max=vocab_size).tolist()
     ]
 
 
