@@ -169,10 +169,12 @@ class Sampler(SlotHistory):
         kind = draw_groups(top_k, top_p, np.asarray(sampling.min_p[rows]), self.vocab_size)
         # Greedy rows, then the drawn ones copied once, in the blocks the draw reads them in
         # (draw_groups: unfiltered rows, then by the width of the candidate search), top-p
-        # rows without a top-k first in theirs (they read the whole row too). No copy for a
-        # step of one kind with nothing to change.
+        # rows without a top-k first in theirs (they read the whole row too), and within
+        # those the rows at temperature 1 first (nothing to divide). No copy for a step of
+        # one kind with nothing to change.
         top_k_on = (top_k > 0) & (top_k < self.vocab_size)
-        order = 2 * kind + ~((top_p < 1) & ~top_k_on)
+        divided = np.asarray(sampling.temperature[rows]) != 1
+        order = 4 * kind + 2 * ~((top_p < 1) & ~top_k_on) + divided
         drawn = np.flatnonzero(~greedy)
         drawn = drawn[np.argsort(order[drawn], kind="stable")]
         tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)

@@ -84,10 +84,19 @@ class ScaledRows:
         return temperature[lo:hi]
 
     def _scale_in_place(self, lo: int, hi: int) -> None:
+        """Divide rows ``lo:hi`` of ``logits`` in place, each run of rows whose temperature is
+        not 1 at once (the Sampler puts a block's temperature-1 rows first: one run)."""
         temperature = self._divisor(self.temperature, lo, hi)
         if temperature is None or self.temperature is None:
             return
-        self.logits[lo:hi].div_(temperature[:, None])
+        dividing = (temperature != 1).tolist() + [False]
+        start = None
+        for i, divide in enumerate(dividing):
+            if divide and start is None:
+                start = i
+            elif not divide and start is not None:
+                self.logits[lo + start : lo + i].div_(temperature[start:i, None])
+                start = None
         self.temperature = self.temperature.clone()  # the caller's stays as it was
         self.temperature[lo:hi] = 1
 
