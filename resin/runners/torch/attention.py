@@ -34,7 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from resin.runners.torch.layers import (
@@ -171,6 +173,20 @@ class RowHistory:
     mask: torch.Tensor
 
 
+class GroupTable(NamedTuple):
+    """One cache group's page table for this step (the plan's CSR arrays, the step's token
+    positions) and how to read it: entries per page, sliding window, tokens per entry."""
+
+    query_indptr: np.ndarray
+    seq_lens: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    positions: torch.Tensor
+    page_entries: int
+    window: int | None
+    ratio: int
+
+
 class ReferenceBackend(AttentionBackend):
     """Per-sequence attention in plain torch: gather each row's slots, mask, softmax in fp32.
 
@@ -198,23 +214,37 @@ class ReferenceBackend(AttentionBackend):
         self._step = (step, group_windows, list(group_page_entries), ratios)
         self.views = [None] * len(group_windows)
 
+    def group_table(self, group: int) -> GroupTable:
+        """This step's page table of ``group`` and how to read it."""
+        assert self._step is not None, "begin_step first"
+        step, windows, page_entries, ratios = self._step
+        plan = step.plan
+        return GroupTable(
+            plan.query_indptr,
+            plan.seq_lens,
+            plan.kv_indptr[group],
+            plan.kv_indices[group],
+            step.positions,
+            page_entries[group],
+            windows[group],
+            ratios[group],
+        )
+
     def _views(self, group: int) -> list[SequenceView]:
         """Each row's readable slots and mask in ``group`` (once per step and group)."""
         views = self.views[group]
         if views is None:
-            assert self._step is not None, "begin_step first"
-            step, windows, page_entries, ratios = self._step
-            plan = step.plan
+            t = self.group_table(group)
             views = build_sequence_views(
-                plan.query_indptr,
-                plan.seq_lens,
-                plan.kv_indptr[group],
-                plan.kv_indices[group],
-                step.positions,
-                page_entries[group],
-                windows[group],
-                step.device,
-                ratio=ratios[group],
+                t.query_indptr,
+                t.seq_lens,
+                t.kv_indptr,
+                t.kv_indices,
+                t.positions,
+                t.page_entries,
+                t.window,
+                t.positions.device,
+                ratio=t.ratio,
             )
             self.views[group] = views
         return views

@@ -230,20 +230,18 @@ class TorchBackend(ReferenceBackend):
     def _kernel_rows(self, group: int) -> KernelRows | None:
         if group in self.kernel_rows:
             return self.kernel_rows[group]
-        assert self._step is not None, "begin_step first"
-        step, windows, page_entries, ratios = self._step
-        plan = step.plan
+        t = self.group_table(group)
         rows = None
-        if kernel_pays(plan.query_indptr, plan.seq_lens):
+        if kernel_pays(t.query_indptr, t.seq_lens):
             rows = KernelRows(
-                query_indptr=np.ascontiguousarray(plan.query_indptr, dtype=np.uint32),
-                seq_lens=np.ascontiguousarray(plan.seq_lens, dtype=np.uint32),
-                kv_indptr=np.ascontiguousarray(plan.kv_indptr[group], dtype=np.uint32),
-                kv_indices=np.ascontiguousarray(plan.kv_indices[group], dtype=np.uint32),
-                positions=step.positions.numpy().astype(np.int64),
-                page_entries=page_entries[group],
-                window=windows[group],
-                ratio=ratios[group],
+                query_indptr=np.ascontiguousarray(t.query_indptr, dtype=np.uint32),
+                seq_lens=np.ascontiguousarray(t.seq_lens, dtype=np.uint32),
+                kv_indptr=np.ascontiguousarray(t.kv_indptr, dtype=np.uint32),
+                kv_indices=np.ascontiguousarray(t.kv_indices, dtype=np.uint32),
+                positions=t.positions.numpy().astype(np.int64),
+                page_entries=t.page_entries,
+                window=t.window,
+                ratio=t.ratio,
             )
         self.kernel_rows[group] = rows
         return rows
@@ -294,19 +292,7 @@ class TorchBackend(ReferenceBackend):
     def _batch(self, group: int) -> RowBatch:
         batch = self.batches.get(group)
         if batch is None:
-            assert self._step is not None, "begin_step first"
-            step, windows, page_entries, ratios = self._step
-            plan = step.plan
-            batch = plan_row_batch(
-                plan.query_indptr,
-                plan.seq_lens,
-                plan.kv_indptr[group],
-                plan.kv_indices[group],
-                step.positions,
-                page_entries[group],
-                windows[group],
-                ratios[group],
-            )
+            batch = plan_row_batch(*self.group_table(group))
             self.batches[group] = batch
         return batch
 
