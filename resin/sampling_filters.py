@@ -179,6 +179,7 @@ def _top_p_thresholds(
                 probs,
                 beyond,
                 cumulative.index_select(0, beyond),
+                values.index_select(0, nucleus[at[beyond]])[:, -1],
                 mass[at][beyond],
                 rows.workspace,
                 num_candidates,
@@ -193,23 +194,27 @@ def _wide_nucleus_thresholds(
     probs: torch.Tensor,
     beyond: torch.Tensor,
     cumulative: torch.Tensor,
+    last: torch.Tensor,
     mass: torch.Tensor,
     workspace: Workspace,
     num_candidates: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the rows ``beyond`` int64 [n] of ``row`` [N, V] (scaled logits) and ``probs``
     [N, V] (their softmax), where the candidates (``cumulative`` [n, m], their cumulative
-    probabilities) fall short of ``mass`` [n]: the logit of the token whose cumulative
-    probability, in descending order, first reaches ``mass``, float32 [n], and each row's C =
-    ``num_candidates`` largest logits and their columns, [n, C] each.
+    probabilities; ``last`` [n], the m-th's logit) fall short of ``mass`` [n]: the logit of
+    the token whose cumulative probability, in descending order, first reaches ``mass``,
+    float32 [n], and each row's C = ``num_candidates`` largest logits and their columns,
+    [n, C] each.
 
     Looked for among each row's ``num`` largest logits (:func:`top_candidates`), rows of the
-    same ``num`` together: ``num`` is :func:`_nucleus_sizes` of what the candidates saw, and
-    of what the last search saw for the rows it does not cover (at least 4x more), up to a
-    sort of the row. The order is the logits' (the candidates' order), and
-    the cumulative sums are a sort's: the first ``num`` of them are the prefix's own."""
+    same ``num`` together: ``num`` is first :func:`_sampled_nucleus_sizes` (an estimate from
+    every 8th token), then, for the rows it does not cover, :func:`_nucleus_sizes` of what the
+    search saw (at least 4x more), up to a sort of the row. The order is the logits' (the
+    candidates' order), and the cumulative sums are a sort's: the first ``num`` of them are
+    the prefix's own. (The estimates decide only the cost; the search checks what it finds.)"""
     vocab_size = row.shape[1]
-    nums = _nucleus_sizes(cumulative, mass, 8 * num_candidates, vocab_size)
+    least = max(num_candidates, 2 * cumulative.shape[1])
+    nums = _sampled_nucleus_sizes(row, probs, beyond, cumulative, last, mass, least)
     threshold = torch.empty(len(beyond), dtype=row.dtype, device=row.device)
     own_values = row.new_empty((len(beyond), num_candidates))
     own_indices = torch.empty((len(beyond), num_candidates), dtype=torch.int64, device=row.device)
@@ -252,6 +257,52 @@ def _wide_nucleus_thresholds(
             for i, size in zip(todo[short].tolist(), larger):
                 pending.setdefault(size, []).append(i)
     return threshold, own_values, own_indices
+
+
+SAMPLE_STRIDE = 8
+""":func:`_sampled_nucleus_sizes` reads every 8th token of a row."""
+
+
+def _sampled_nucleus_sizes(
+    row: torch.Tensor,
+    probs: torch.Tensor,
+    beyond: torch.Tensor,
+    cumulative: torch.Tensor,
+    last: torch.Tensor,
+    mass: torch.Tensor,
+    least: int,
+) -> list[int]:
+    """How many of each row's largest logits to search for a nucleus of ``mass`` [n] past its
+    m candidates (the arguments as :func:`_wide_nucleus_thresholds`'): a histogram of every
+    ``SAMPLE_STRIDE``-th token below the m-th logit (quarter-logit bins, 16 logits deep) gives
+    the mass and the number of tokens above each bin; the size is 1.25x the count where the
+    mass reaches ``mass`` (one bin further), rounded up to a quarter octave, >= ``least``; a
+    nucleus deeper than the histogram gets the whole vocabulary."""
+    vocab_size, stride, bins = row.shape[1], SAMPLE_STRIDE, 64
+    tokens = row[:, ::stride].index_select(0, beyond)
+    weights = probs[:, ::stride].index_select(0, beyond)
+    depth = (last[:, None] - tokens).mul_(4)  # in quarter logits below the m-th
+    below = depth > 0  # the candidates (and the m-th's ties) are counted exactly already
+    weights.masked_fill_(~below, 0)
+    at = depth.clamp_(0, bins - 1).to(torch.int64)
+    bin_mass = weights.new_zeros((len(beyond), bins)).scatter_add_(1, at, weights)
+    bin_count = weights.new_zeros((len(beyond), bins)).scatter_add_(1, at, below.to(weights.dtype))
+    reached = cumulative[:, -1:] + stride * bin_mass.cumsum(dim=1)
+    counts = cumulative.shape[1] + stride * bin_count.cumsum(dim=1)
+    reach = ((reached < mass[:, None]).sum(dim=1) + 1).clamp_(max=bins - 1)
+    sizes = counts.gather(1, reach[:, None])[:, 0].mul_(1.25).add_(64)
+    sizes[reach == bins - 1] = vocab_size  # past the histogram: it may be anything
+    return [min(vocab_size, max(least, _quarter_octave(int(size)))) for size in sizes.tolist()]
+
+
+def _quarter_octave(size: int) -> int:
+    """The smallest of 2^(k/4), rounded up to a multiple of 64, that is >= ``size``."""
+    top = 1 << max(size - 1, 1).bit_length()
+    for quarter in (0.5946, 0.7071, 0.8409, 1.0):  # 2^(-3/4) .. 2^0
+        step = -(-int(top * quarter) // 64) * 64
+        if step >= size:
+            return step
+    return top
 
 
 def _nucleus_sizes(
