@@ -235,7 +235,8 @@ def _wide_nucleus_thresholds(
         else:
             top, ids = top_candidates(r, num, workspace)
         # The probabilities at those columns, in the logits' order (no copy of the rows).
-        cumulative = probs.view(-1)[ids + (at * vocab_size)[:, None]].cumsum(dim=-1)
+        flat = (ids + (at * vocab_size)[:, None]).view(-1)
+        cumulative = probs.view(-1).index_select(0, flat).view(ids.shape).cumsum(dim=-1)
         m = mass[todo]
         fits = (cumulative[:, -1] >= m) | (ids.shape[1] == vocab_size)
         done = fits.nonzero()[:, 0]

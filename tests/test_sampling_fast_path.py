@@ -223,6 +223,31 @@ def test_draw_matches_the_plain_draw_bit_for_bit(
     assert torch.equal(draw_tokens(logits, *args), expected)  # the buffers reused
 
 
+@pytest.mark.parametrize("estimate", ["too small", "everything"])
+def test_wide_nucleus_sizes_decide_only_the_cost(
+    estimate: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nuclei of thousands of tokens (flat logits, top-p 0.9-0.999): however wrong the size
+    estimate (a search too small to hold the nucleus, so it grows; or a sort of the row),
+    the tokens are the plain draw's."""
+    vocab_size, num_rows = 20000, 16
+    rng = np.random.default_rng(8)
+    logits = torch.from_numpy(random_logits("flat", num_rows, vocab_size, rng))
+    top_p = torch.from_numpy(rng.choice([0.9, 0.95, 0.999], num_rows).astype(np.float32))
+    off = torch.zeros(num_rows)
+    top_k = torch.zeros(num_rows, dtype=torch.int64)
+    uniforms = torch.from_numpy(rng.random(num_rows).astype(np.float32))
+
+    def sizes(
+        row: Any, probs: Any, beyond: Any, cumulative: Any, last: Any, mass: Any, least: int
+    ) -> list[int]:
+        return [least if estimate == "too small" else vocab_size] * len(beyond)
+
+    monkeypatch.setattr("resin.sampling_filters._sampled_nucleus_sizes", sizes)
+    expected, _ = reference_sample_tokens(logits, top_k, top_p, off, uniforms)
+    assert torch.equal(sample_tokens(logits, top_k, top_p, off, uniforms), expected)
+
+
 def test_draw_of_a_row_does_not_depend_on_the_batch() -> None:
     logits, top_k, top_p, min_p, uniforms, temperature = batch("peaked", 64, 5003, 3)
     args = (temperature, top_k, top_p, min_p, uniforms)
