@@ -18,8 +18,11 @@ the output — median of ``--repeats`` calls, each sampler on the same logits:
   the worst case for a candidate set).
 
 Greedy rows must agree between the two samplers (same penalties, same argmax); the benchmark
-checks it. The logprobs rows: the mixed step with ``logprobs=5`` on every row at 64 and 1,024
-generated tokens, and the same step without logprobs.
+checks it. Every row of the mixed step must also give the very token the batched sampler gave
+before its fast path (``--same-as``, default 408029d: ``topk(256)`` over the whole row, fresh
+tensors, a sort for a wide nucleus; unseeded rows from the same generator state); checked for
+each vocabulary and kind of logits. The logprobs rows: the mixed step with ``logprobs=5`` on
+every row at 64 and 1,024 generated tokens, and the same step without logprobs.
 
     .venv/bin/python benchmarks/sampler_step.py   # prints tables, writes results/sampler_step.json
 """
@@ -60,7 +63,8 @@ MIXED = [
 
 
 def load_before(rev: str) -> type:
-    """The ``Sampler`` class of ``resin/sampling.py`` at git revision ``rev``."""
+    """The ``Sampler`` class of ``resin/sampling.py`` at git revision ``rev`` (one module then,
+    importing only modules that still exist)."""
     source = subprocess.run(
         ["git", "show", f"{rev}:resin/sampling.py"],
         cwd=ROOT,
@@ -68,9 +72,10 @@ def load_before(rev: str) -> type:
         capture_output=True,
         text=True,
     ).stdout
-    path = Path(tempfile.mkdtemp()) / "sampling_before.py"
+    name = f"sampling_{rev}"
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("sampling_before", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -165,35 +170,53 @@ def greedy_tokens(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> 
     return np.asarray(out.token_ids)[greedy]
 
 
+def same_tokens(samplers: list[Any], logits: torch.Tensor, plan: resin.BatchPlan) -> bool:
+    """Whether the samplers give every row the same token (unseeded rows drawing from the same
+    generator state)."""
+    tokens = []
+    for sampler in samplers:
+        sampler.generator.manual_seed(0)
+        tokens.append(
+            np.asarray(sampler.sample(logits, plan, np.arange(plan.num_sequences)).token_ids)
+        )
+    return all(np.array_equal(tokens[0], t) for t in tokens[1:])
+
+
 def step_rows(
-    vocabs: list[int], repeats: int, before_repeats: int, before_cls: type
+    vocabs: list[int], repeats: int, before_repeats: int, before_cls: type, same_cls: type
 ) -> list[dict[str, Any]]:
     rows = []
     for vocab_size in vocabs:
         greedy_samplers = [before_cls(vocab_size), Sampler(vocab_size)]
         greedy_plan = capture([dict(temperature=0.0)], 16, vocab_size, greedy_samplers)
-        mixed_samplers = [before_cls(vocab_size), Sampler(vocab_size)]
+        mixed_samplers = [before_cls(vocab_size), Sampler(vocab_size), same_cls(vocab_size)]
         mixed_plan = capture(MIXED, 64, vocab_size, mixed_samplers)
         for kind in ("peaked", "flat"):
             logits = make_logits(kind, vocab_size)
-            before, after = mixed_samplers
+            before, after, same_as = mixed_samplers
             same = np.array_equal(
                 greedy_tokens(before, logits, mixed_plan), greedy_tokens(after, logits, mixed_plan)
             )
             assert same, "greedy rows differ between the samplers"
+            identical = same_tokens([same_as, after], logits, mixed_plan)
+            assert identical, "the mixed step's tokens differ from the --same-as sampler's"
             row: dict[str, Any] = {"vocab_size": vocab_size, "logits": kind}
+            row["tokens_identical_to_same_as"] = identical
             for name, index, n in (("after", 1, repeats), ("before", 0, before_repeats)):
-                timed = median_ms(
-                    {
-                        "greedy": step(greedy_samplers[index], logits, greedy_plan),
-                        "mixed": step(mixed_samplers[index], logits, mixed_plan),
-                    },
-                    n,
-                )
+                calls = {
+                    "greedy": step(greedy_samplers[index], logits, greedy_plan),
+                    "mixed": step(mixed_samplers[index], logits, mixed_plan),
+                }
+                if name == "after":  # the --same-as sampler in the same rounds
+                    calls["mixed_same_as"] = step(same_as, logits, mixed_plan)
+                timed = median_ms(calls, n)
                 row[f"greedy_{name}_ms"], row[f"mixed_{name}_ms"] = timed["greedy"], timed["mixed"]
+                if name == "after":
+                    row["mixed_same_as_ms"] = timed["mixed_same_as"]
                 print(f"  vocab {vocab_size} {kind} {name}: {timed}", flush=True)
             row["mixed_over_greedy_after"] = row["mixed_after_ms"] / row["greedy_after_ms"]
             row["mixed_speedup"] = row["mixed_before_ms"] / row["mixed_after_ms"]
+            row["mixed_speedup_vs_same_as"] = row["mixed_same_as_ms"] / row["mixed_after_ms"]
             rows.append(row)
     return rows
 
@@ -235,26 +258,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before-repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--before", default="2b7ac0d", help="git revision of the 'before' sampler")
+    parser.add_argument(
+        "--same-as",
+        default="408029d",
+        help="git revision of a sampler whose tokens the working tree's must equal",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     before_cls = load_before(args.before)
+    same_cls = load_before(args.same_as)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {NUM_ROWS} rows, median of {args.repeats}"
     )
-    steps = step_rows(args.vocab, args.repeats, args.before_repeats, before_cls)
+    steps = step_rows(args.vocab, args.repeats, args.before_repeats, before_cls, same_cls)
     logprobs = logprob_rows(args.logprobs_vocab, args.repeats, args.before_repeats, before_cls)
 
-    print("\nSampler step, ms (median)\n")
+    print(f"\nSampler step, ms (median); mixed tokens identical to {args.same_as}'s: checked\n")
     print(
-        "| vocab | logits | greedy before | greedy after | mixed before | mixed after | mixed / greedy (after) | mixed speed-up |"
+        f"| vocab | logits | greedy before | greedy after | mixed before | mixed {args.same_as} "
+        f"| mixed after | mixed / greedy (after) | mixed speed-up vs before / vs {args.same_as} |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in steps:
         print(
             f"| {r['vocab_size']:,} | {r['logits']} | {r['greedy_before_ms']:.1f} | {r['greedy_after_ms']:.1f} "
-            f"| {r['mixed_before_ms']:.1f} | {r['mixed_after_ms']:.1f} | {r['mixed_over_greedy_after']:.2f}x "
-            f"| {r['mixed_speedup']:.1f}x |"
+            f"| {r['mixed_before_ms']:.1f} | {r['mixed_same_as_ms']:.1f} | {r['mixed_after_ms']:.1f} "
+            f"| {r['mixed_over_greedy_after']:.2f}x "
+            f"| {r['mixed_speedup']:.1f}x / {r['mixed_speedup_vs_same_as']:.1f}x |"
         )
     print(
         f"\nMixed step with and without logprobs=5 (vocab {args.logprobs_vocab:,}, peaked), ms (median)\n"
@@ -279,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "before_repeats": args.before_repeats,
         "before": args.before,
+        "same_as": args.same_as,
         "mixed_settings": MIXED,
         "steps": steps,
         "logprobs": logprobs,
