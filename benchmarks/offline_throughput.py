@@ -6,8 +6,8 @@ once to `benchmarks/results/llama_23m/` (git-ignored) with the tiny fixture toke
 `--prompt-len`-token random prompts, on CPU in float32:
 
 - resin: `LLM.generate` with C concurrent requests (one engine, continuous batching), once per
-  attention backend in `--attention-backends` (default: reference and torch; `torch-sdpa` is the
-  torch backend with its CPU paged-attention kernel off, `RESIN_TORCH_CPU_KERNEL=0`);
+  attention backend in `--attention-backends` (default: reference and torch; `torch-kernel` is the
+  torch backend with its opt-in CPU paged-attention kernel on, `RESIN_TORCH_CPU_KERNEL=1`);
 - HF sequential: `model.generate` one request at a time (C requests);
 - HF padded: one `model.generate` call on a left-padded batch of C prompts.
 
@@ -77,15 +77,15 @@ def bench_resin(prompts: list[list[int]], output_len: int, backend: str = "refer
     import resin
     from resin.llm import LLM
 
-    kernel_off = backend == "torch-sdpa"
-    if kernel_off:
-        os.environ["RESIN_TORCH_CPU_KERNEL"] = "0"  # read when the backend is built
+    kernel_on = backend == "torch-kernel"
+    if kernel_on:
+        os.environ["RESIN_TORCH_CPU_KERNEL"] = "1"  # read when the backend is built
     try:
         llm = LLM(
             CHECKPOINT,
             max_num_seqs=max(len(prompts), 1),
             max_model_len=1024,
-            attention_backend="torch" if kernel_off else backend,
+            attention_backend="torch" if kernel_on else backend,
         )
     finally:
         os.environ.pop("RESIN_TORCH_CPU_KERNEL", None)

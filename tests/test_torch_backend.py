@@ -234,8 +234,8 @@ def test_the_cpu_kernel_refuses_bad_arguments_with_value_errors() -> None:
 def test_parity_holds_with_the_cpu_kernel_on_every_head_width(
     model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fixtures' heads are narrower than the kernel's default minimum, so parity runs the
-    CPU kernel here with the minimum lifted: plain GQA, sinks + sliding window (gpt-oss), a
+    """The kernel is opt-in and the fixtures' heads are narrower than its default minimum, so
+    parity runs it here opted in with the minimum lifted: plain GQA, sinks + sliding window (gpt-oss), a
     shared K = V cache with sinks (DeepSeek-V4)."""
     pytest.importorskip("transformers")
     from resin.evals.model_ref import resolve_model, run_model_parity
@@ -248,6 +248,7 @@ def test_parity_holds_with_the_cpu_kernel_on_every_head_width(
         calls.append(1)
         return real(self, *args, **kwargs)
 
+    monkeypatch.setenv("RESIN_TORCH_CPU_KERNEL", "1")  # opt-in
     monkeypatch.setattr(torch_backend, "KERNEL_MIN_HEAD_DIM", 1)
     monkeypatch.setattr(torch_backend.TorchBackend, "_kernel_attend", counted)
     ref = resolve_model(REPO / model)

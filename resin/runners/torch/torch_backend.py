@@ -24,12 +24,15 @@ Padding costs ``S * Q * P * E``: a decode batch (Q = 1) pads only keys to the lo
 mixing one long prefill chunk with many decode rows pads every decode row's queries to the
 chunk. ``gather`` (compressed / indexed attention) is the reference backend's.
 
-On CPU in float32, with heads of at least 64 channels, the backend skips the gather altogether
-when :func:`kernel_pays`: it calls
+Opt-in (``RESIN_TORCH_CPU_KERNEL=1``), on CPU in float32 with heads of at least 64 channels, the
+backend skips the gather altogether when :func:`kernel_pays`: it calls
 ``resin._core.paged_attention`` (rust/kernels), which reads each row's pages in place through
 the same page table, on numpy views of the layer's tensors (no copy) — decode steps, verify
 rows and short chunks always, and mixed steps whose padding would cost SDPA more than 4x the
-kernel's exact work. ``RESIN_TORCH_CPU_KERNEL=0`` turns it off (benchmarks, debugging).
+kernel's exact work. Off by default because it did not pay end to end: at 64 requests on the
+23M-parameter Llama (head_dim 64) ``benchmarks/offline_throughput.py`` measured 648 tok/s with
+it against 730 without (2 threads), and a tie on one thread, although one layer's decode
+attention alone was ~3x faster (docs/benchmarks.md).
 
 Imports torch.
 """
@@ -210,8 +213,7 @@ def kernel_threads() -> int:
 class TorchBackend(ReferenceBackend):
     """Batched attention in plain torch (module doc); on CPU in float32 with heads of at least
     :data:`KERNEL_MIN_HEAD_DIM` channels, the paged-attention kernel of ``resin._core`` when
-    :func:`kernel_pays` (``use_cpu_kernel``; set
-    ``RESIN_TORCH_CPU_KERNEL=0`` to turn it off)."""
+    :func:`kernel_pays` (``use_cpu_kernel``: opt-in, ``RESIN_TORCH_CPU_KERNEL=1``)."""
 
     name = "torch"
 
@@ -219,7 +221,8 @@ class TorchBackend(ReferenceBackend):
         super().__init__()
         self.batches: dict[int, RowBatch] = {}
         self.kernel_rows: dict[int, KernelRows | None] = {}
-        self.use_cpu_kernel = os.environ.get("RESIN_TORCH_CPU_KERNEL", "1") != "0"
+        # Opt-in: a decode micro-benchmark gained, end to end it did not (module doc).
+        self.use_cpu_kernel = os.environ.get("RESIN_TORCH_CPU_KERNEL", "0") == "1"
         self.kernel_min_head_dim = KERNEL_MIN_HEAD_DIM
 
     def begin_step(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
