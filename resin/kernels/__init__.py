@@ -1,7 +1,7 @@
 """Hand-written GPU kernels behind torch-shaped functions, each opt-in and off by default.
 
 Owns :data:`linear` — the function the shared blocks' MLP projections call
-(:func:`resin.runners.torch.blocks.swiglu_mlp_block`): ``torch.nn.functional.linear`` itself,
+(:func:`resin.runners.torch.layers.swiglu_mlp`: the shared SwiGLU block and the MoE experts): ``torch.nn.functional.linear`` itself,
 or, with ``RESIN_CUTLASS_GEMM=1`` in the environment when this package is first imported,
 :func:`.cutlass_gemm.cutlass_linear` (a CUTLASS DSL tensor-core GEMM, falling back to
 ``F.linear`` for what it does not take). Opting in where the kernel cannot run (no CUDA, no

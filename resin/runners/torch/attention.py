@@ -173,7 +173,7 @@ class RowHistory:
     mask: torch.Tensor
 
 
-class GroupTable(NamedTuple):
+class GroupArrays(NamedTuple):
     """One cache group's page table for this step (the plan's CSR arrays, the step's token
     positions) and how to read it: entries per page, sliding window, tokens per entry."""
 
@@ -214,12 +214,12 @@ class ReferenceBackend(AttentionBackend):
         self._step = (step, group_windows, list(group_page_entries), ratios)
         self.views = [None] * len(group_windows)
 
-    def group_table(self, group: int) -> GroupTable:
+    def group_arrays(self, group: int) -> GroupArrays:
         """This step's page table of ``group`` and how to read it."""
         assert self._step is not None, "begin_step first"
         step, windows, page_entries, ratios = self._step
         plan = step.plan
-        return GroupTable(
+        return GroupArrays(
             plan.query_indptr,
             plan.seq_lens,
             plan.kv_indptr[group],
@@ -234,7 +234,7 @@ class ReferenceBackend(AttentionBackend):
         """Each row's readable slots and mask in ``group`` (once per step and group)."""
         views = self.views[group]
         if views is None:
-            t = self.group_table(group)
+            t = self.group_arrays(group)
             views = build_sequence_views(
                 t.query_indptr,
                 t.seq_lens,

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from resin import kernels
 from resin.loading.rope import parse_rope_config, parse_rope_tables, rope_inv_freq
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import (
@@ -25,6 +24,7 @@ from resin.runners.torch.layers import (
     apply_rotary,
     moe_mlp,
     rms_norm,
+    swiglu_mlp,
 )
 
 Weights = dict[str, torch.Tensor]
@@ -63,12 +63,16 @@ def gqa_attention_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
 
 
 def swiglu_mlp_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` with optional biases (:func:`~.layers.swiglu_mlp`'s ops),
-    each projection through :data:`resin.kernels.linear`: ``F.linear`` unless
-    ``RESIN_CUTLASS_GEMM=1`` opts in to the CUTLASS GEMM."""
-    gate = kernels.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
-    up = kernels.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
-    return kernels.linear(F.silu(gate) * up, w["down_proj.weight"], w.get("down_proj.bias"))
+    """``down(silu(gate(x)) * up(x))`` with optional biases."""
+    return swiglu_mlp(
+        x,
+        w["gate_proj.weight"],
+        w["up_proj.weight"],
+        w["down_proj.weight"],
+        w.get("gate_proj.bias"),
+        w.get("up_proj.bias"),
+        w.get("down_proj.bias"),
+    )
 
 
 def topk_moe_block(

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from resin import kernels
 from resin.page_views import readable_keys
 
 # Re-exported: it lives in resin.sampling_state (numpy, shared with the MLX runner).
@@ -104,8 +105,10 @@ def swiglu_mlp(
     up_b: torch.Tensor | None = None,
     down_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``."""
-    return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+    """``down(silu(gate(x)) * up(x))``, each projection through :data:`resin.kernels.linear`
+    (``F.linear`` itself unless ``RESIN_CUTLASS_GEMM=1`` opts in to the CUTLASS GEMM)."""
+    linear = kernels.linear
+    return linear(F.silu(linear(x, gate_w, gate_b)) * linear(x, up_w, up_b), down_w, down_b)
 
 
 @dataclass

@@ -233,7 +233,7 @@ class TorchBackend(ReferenceBackend):
     def _kernel_rows(self, group: int) -> KernelRows | None:
         if group in self.kernel_rows:
             return self.kernel_rows[group]
-        t = self.group_table(group)
+        t = self.group_arrays(group)
         rows = None
         if kernel_pays(t.query_indptr, t.seq_lens):
             rows = KernelRows(
@@ -295,7 +295,7 @@ class TorchBackend(ReferenceBackend):
     def _batch(self, group: int) -> RowBatch:
         batch = self.batches.get(group)
         if batch is None:
-            batch = plan_row_batch(*self.group_table(group))
+            batch = plan_row_batch(*self.group_arrays(group))
             self.batches[group] = batch
         return batch
 
