@@ -194,7 +194,7 @@ KERNEL_MAX_QUERIES = 16
 KERNEL_PADDING_RATIO = 4
 # Below this the kernel's per-key work (index arithmetic, the lane reduction, exp) outweighs
 # its saved gather: at head_dim 16 (the Llama fixture) a 64-row decode step took 12.1 ms
-# against SDPA's 7.2; at head_dim 64 it wins (docs/benchmarks.md).
+# against SDPA's 7.2 (skills/optimize-perf, worked example).
 KERNEL_MIN_HEAD_DIM = 64
 
 
@@ -202,7 +202,7 @@ def kernel_threads() -> int:
     """Threads for the CPU kernel: the calling thread plus the cores torch's pool leaves idle.
     Not torch's thread count: its OpenMP workers spin between ops, and a kernel thread
     competing with a spinning worker for a core made a 64-row decode step ~30% slower than
-    the kernel on one thread (2 cores, 2 torch threads; docs/benchmarks.md)."""
+    the kernel on one thread (2 cores, 2 torch threads; skills/optimize-perf, worked example)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
