@@ -157,7 +157,12 @@ def test_seeded_stream_is_the_same_alone_and_in_a_batch(config: dict[str, Any]) 
     prompt = [1, 5, 9, 13]
     alone = _drive(_engine(MlxOnlyRunner()), {"s": (prompt, SEEDED)})["s"]
     others = {
-        f"o{i}": ([i + 3, i + 4, 7], resin.SamplingParams(max_tokens=9, temperature=1.0))
+        # ignore_eos: these are unseeded, and an early EOS could end them before the pool fills
+        # (no preemption: the preempted case flaked in CI)
+        f"o{i}": (
+            [i + 3, i + 4, 7],
+            resin.SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True),
+        )
         for i in range(5)
     }
     engine = _engine(MlxOnlyRunner(), **config)
