@@ -27,6 +27,7 @@ __all__ = [
     "SamplingArrays",
     "SamplingParams",
     "StepError",
+    "openmp_team_available",
     "paged_attention",
     "__version__",
 ]
@@ -571,4 +572,10 @@ def paged_attention(
     > p - window); a compressed group (``ratio`` > 1) counts closed entries, entry e at key
     position (e + 1) * ratio - 1. ``sinks``: one logit per head joining the softmax;
     ``softcap``: tanh(s / c) * c. f32 only. Bad shapes or plan indices raise ValueError before
-    any memory is read; the GIL is released while it runs on ``threads`` threads."""
+    any memory is read; the GIL is released while it runs on ``threads`` threads: a parallel
+    region of torch's OpenMP team when :func:`openmp_team_available`, else threads of its own."""
+
+def openmp_team_available() -> bool:
+    """Whether :func:`paged_attention` runs its threads on the process's OpenMP team (torch's
+    libgomp / libiomp5 / libomp, looked up among the loaded libraries; Linux). False: on
+    threads of its own, which compete with torch's spin-waiting workers for the cores."""

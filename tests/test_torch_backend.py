@@ -11,6 +11,7 @@ one batched call per layer, with the reference backend's semantics.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,44 @@ def test_the_cpu_kernel_refuses_bad_arguments_with_value_errors() -> None:
         call(k_cache=np.zeros((3, PAGE, 1, 16), np.float32)[..., ::2])
     with pytest.raises(TypeError):
         call(q=q.astype(np.float64))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the team is found on Linux")
+def test_the_cpu_kernel_splits_its_work_over_torchs_openmp_team() -> None:
+    """With torch loaded the kernel finds torch's OpenMP runtime, and a step split over two
+    threads of its team (64 rows x 4 KV heads x 40 keys: past the size that goes parallel, and
+    rows of different lengths, so the chunks differ) gives the very floats of one thread."""
+    from resin import _core
+
+    assert _core.openmp_team_available()
+    rng = np.random.default_rng(0)
+    rows, heads, kv_heads, dim = 64, 8, 4, 32
+    seq_lens = rng.integers(20, 60, rows).astype(np.uint32)
+    pages_per_row = -(-seq_lens.astype(np.int64) // PAGE)
+    kv_indices = (rng.permutation(int(pages_per_row.sum())) + 1).astype(np.uint32)
+    cache = rng.standard_normal((len(kv_indices) + 1, PAGE, kv_heads, 2 * dim), np.float32)
+    args = dict(
+        q=rng.standard_normal((rows, heads, dim), np.float32),
+        k_cache=cache[..., :dim],  # strided views of one buffer
+        v_cache=cache[..., dim:],
+        query_indptr=np.arange(rows + 1, dtype=np.uint32),
+        seq_lens=seq_lens,
+        kv_indptr=np.concatenate([[0], np.cumsum(pages_per_row)]).astype(np.uint32),
+        kv_indices=kv_indices,
+        positions=seq_lens.astype(np.int64) - 1,
+    )
+    outs = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads in (1, 2):
+            out = np.full((rows, heads, dim), np.nan, np.float32)
+            _core.paged_attention(**args, out=out, scale=0.2, value_dim=dim, threads=threads)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(previous)
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize(

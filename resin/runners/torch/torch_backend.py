@@ -199,10 +199,13 @@ KERNEL_MIN_HEAD_DIM = 64
 
 
 def kernel_threads() -> int:
-    """Threads for the CPU kernel: the calling thread plus the cores torch's pool leaves idle.
-    Not torch's thread count: its OpenMP workers spin between ops, and a kernel thread
-    competing with a spinning worker for a core made a 64-row decode step ~30% slower than
-    the kernel on one thread (2 cores, 2 torch threads; skills/optimize-perf, worked example)."""
+    """Threads for the CPU kernel: torch's thread count when the kernel runs on torch's OpenMP
+    team (``_core.openmp_team_available()``: the team's spin-waiting workers take the work);
+    else the calling thread plus the cores torch's pool leaves idle, since a thread of the
+    kernel's own competing with a spinning worker for a core made a 64-row decode step ~30%
+    slower than the kernel on one thread (2 cores, 2 torch threads; skills/optimize-perf)."""
+    if _core.openmp_team_available():
+        return torch.get_num_threads()
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

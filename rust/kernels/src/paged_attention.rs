@@ -11,14 +11,20 @@
 //! `(e + 1) * ratio - 1`. A query at position `p` sees the written keys at positions `<= p`
 //! (and `> p - window`); keys past the row's end are never read.
 //!
-//! Per (row, KV head) work item, for each of the row's queries: the scores of the query heads
-//! sharing the KV head (each key loaded once for all of them), a two-pass softmax in f32 with
-//! an optional logit softcap (`tanh(s / c) * c`) and per-head sink logit (it joins the softmax
-//! and is dropped after it), then the values' weighted sum. Items are split over `threads`
-//! scoped threads by cost (queries times keys). f32 only; dot products and the value sums use
-//! AVX2 + FMA when the CPU has them.
+//! Per (row, KV head) work item: the row's key and value row pointers listed once, then for
+//! each of the row's queries and each query head sharing the KV head (the item's keys stay in
+//! L1/L2 across them), the scores four keys at a time, a softmax in f32 in place with an
+//! optional logit softcap (`tanh(s / c) * c`) and per-head sink logit (it joins the softmax and
+//! is dropped after it), then the values' weighted sum, four value rows at a time. Items are
+//! split over `threads` by cost (queries times keys), run on torch's OpenMP team when the
+//! process has one ([`crate::openmp_team`]), else on scoped threads. f32 only, written once
+//! over [`crate::vector::Vector`]: AVX2 + FMA (and a vectorised `exp`) when the CPU has them.
 
 use std::fmt;
+
+#[cfg(target_arch = "x86_64")]
+use crate::vector::Avx2;
+use crate::vector::{Scalar, Vector};
 
 /// One layer's attention over one cache group, for one step (module doc). Plan arrays are the
 /// `BatchPlan`'s; `positions` are the step's token positions.
@@ -81,6 +87,13 @@ impl std::error::Error for InvalidArgument {}
 
 fn invalid<T>(message: String) -> Result<T, InvalidArgument> {
     Err(InvalidArgument(message))
+}
+
+/// One unit of work: a row's queries for the KV heads `kv_heads.0..kv_heads.1`.
+#[derive(Clone, Copy)]
+struct Item {
+    row: usize,
+    kv_heads: (usize, usize),
 }
 
 /// A row's geometry in the group.
@@ -175,19 +188,22 @@ impl PagedAttention<'_> {
     pub unsafe fn run(&self, b: &Buffers, threads: usize) -> Result<(), InvalidArgument> {
         self.check(b)?;
         let rows: Vec<Row> = (0..self.num_rows()).map(|s| self.row(s)).collect();
-        let items: Vec<(usize, usize)> = (0..rows.len()).flat_map(|s| (0..self.num_kv_heads).map(move |g| (s, g))).collect();
-        let cost = |&(s, _): &(usize, usize)| {
-            let r = &rows[s];
-            ((r.queries.1 - r.queries.0) * (r.num_keys + 1)) as u64
+        let items = self.work_items(&rows, threads);
+        let cost = |item: &Item| {
+            let r = &rows[item.row];
+            ((r.queries.1 - r.queries.0) * (r.num_keys + 1) * (item.kv_heads.1 - item.kv_heads.0)) as u64
         };
         let total: u64 = items.iter().map(cost).sum();
         let threads = threads.clamp(1, items.len().max(1));
-        if threads == 1 || total < 4096 {
+        // Below this much work a parallel region costs more than it saves: starting scoped
+        // threads takes tens of microseconds, waking a spinning OpenMP team a few.
+        let min_parallel_cost = if crate::openmp_team::available() { 512 } else { 4096 };
+        if threads == 1 || total < min_parallel_cost {
             self.run_items(b, &rows, &items);
             return Ok(());
         }
         // Contiguous chunks of about equal cost.
-        let mut chunks: Vec<&[(usize, usize)]> = Vec::with_capacity(threads);
+        let mut chunks: Vec<&[Item]> = Vec::with_capacity(threads);
         let (mut start, mut acc) = (0, 0u64);
         for (i, item) in items.iter().enumerate() {
             acc += cost(item);
@@ -197,6 +213,20 @@ impl PagedAttention<'_> {
             }
         }
         chunks.push(&items[start..]);
+        // On torch's OpenMP team when there is one (crate::openmp_team: its workers spin
+        // between ops, and threads of our own would fight them for the cores).
+        let rows_ref = &rows;
+        let chunks_ref = &chunks;
+        let on_team = crate::openmp_team::run_on_team(threads, &|index, size| {
+            for chunk in chunks_ref.iter().skip(index).step_by(size) {
+                self.run_items(b, rows_ref, chunk);
+            }
+        });
+        match on_team {
+            Some(true) => return Ok(()),
+            Some(false) => return invalid("paged_attention panicked on an OpenMP thread".into()),
+            None => {}
+        }
         std::thread::scope(|scope| {
             let rows = &rows;
             for chunk in &chunks[1..] {
@@ -207,7 +237,19 @@ impl PagedAttention<'_> {
         Ok(())
     }
 
-    fn run_items(&self, b: &Buffers, rows: &[Row], items: &[(usize, usize)]) {
+    /// One item per row (all its KV heads: each key row is read whole, in page order), or, with
+    /// fewer than two rows per thread, each row's KV heads split into as many parts as spread
+    /// the work over `threads`.
+    fn work_items(&self, rows: &[Row], threads: usize) -> Vec<Item> {
+        let heads = self.num_kv_heads;
+        let parts = if rows.len() >= 2 * threads { 1 } else { (2 * threads).div_ceil(rows.len().max(1)).min(heads) };
+        let step = heads.div_ceil(parts.max(1));
+        (0..rows.len())
+            .flat_map(|row| (0..heads).step_by(step).map(move |g| Item { row, kv_heads: (g, (g + step).min(heads)) }))
+            .collect()
+    }
+
+    fn run_items(&self, b: &Buffers, rows: &[Row], items: &[Item]) {
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -217,70 +259,121 @@ impl PagedAttention<'_> {
             }
         }
         // SAFETY: `run`'s contract.
-        unsafe { self.items::<false>(b, rows, items) }
+        unsafe { self.items::<Scalar>(b, rows, items) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn items_avx2(&self, b: &Buffers, rows: &[Row], items: &[(usize, usize)]) {
-        self.items::<true>(b, rows, items)
+    unsafe fn items_avx2(&self, b: &Buffers, rows: &[Row], items: &[Item]) {
+        self.items::<Avx2>(b, rows, items)
     }
 
+    /// The portable path whatever the CPU (tests: both paths agree with the naive reference).
+    #[cfg(test)]
+    unsafe fn run_scalar(&self, b: &Buffers) -> Result<(), InvalidArgument> {
+        self.check(b)?;
+        let rows: Vec<Row> = (0..self.num_rows()).map(|s| self.row(s)).collect();
+        self.items::<Scalar>(b, &rows, &self.work_items(&rows, 1));
+        Ok(())
+    }
+
+    /// Every query of the work items (module doc). Per item the row's key and value entry
+    /// pointers are listed once (page by page: no division per key); per query, the scores of
+    /// every head of the item four keys at a time (each group of four key rows read across
+    /// all the item's heads while it is in cache), each head's softmax in place, then the value
+    /// rows four at a time into the heads' accumulators, in the same order.
     #[inline(always)]
-    unsafe fn items<const FMA: bool>(&self, b: &Buffers, rows: &[Row], items: &[(usize, usize)]) {
+    unsafe fn items<V: Vector>(&self, b: &Buffers, rows: &[Row], items: &[Item]) {
         let repeat = self.num_heads / self.num_kv_heads;
         let (d, dv, e) = (self.head_dim, self.value_dim, self.page_entries);
         let mut scores: Vec<f32> = Vec::new();
-        let mut acc: Vec<f32> = vec![0.0; repeat * dv];
-        let mut sums: Vec<f32> = Vec::with_capacity(repeat);
-        for &(s, g) in items {
-            let row = rows[s];
+        let mut acc: Vec<f32> = Vec::new();
+        let mut keys: Vec<*const f32> = Vec::new();
+        let mut values: Vec<*const f32> = Vec::new();
+        for item in items {
+            let row = rows[item.row];
+            let (g0, g1) = item.kv_heads;
+            let heads = (g1 - g0) * repeat; // the item's query heads: g0 * repeat ..
             let pages = &self.kv_indices[row.pages.0..row.pages.1];
-            scores.clear();
-            scores.resize(repeat * row.num_keys, 0.0);
-            let key = |base: *const f32, strides: &[isize; 3], page: usize, entry: usize| -> *const f32 {
-                let page = pages[page] as isize;
-                base.offset(page * strides[0] + entry as isize * strides[1] + g as isize * strides[2])
+            let list = |out: &mut Vec<*const f32>, base: *const f32, strides: &[isize; 3]| {
+                out.clear();
+                for (p, &page) in pages.iter().enumerate() {
+                    let first = base.offset(page as isize * strides[0]);
+                    let count = e.min(row.num_keys.saturating_sub(p * e));
+                    out.extend((0..count).map(|entry| first.offset(entry as isize * strides[1])));
+                }
             };
+            list(&mut keys, b.k, &b.k_strides);
+            list(&mut values, b.v, &b.v_strides);
             for t in row.queries.0..row.queries.1 {
                 let (lo, hi) = self.visible(row, self.positions[t]);
-                let q_row = |i: usize| b.q.offset(t as isize * b.q_strides[0] + (g * repeat + i) as isize * b.q_strides[1]);
-                for_keys(lo, hi, e, |j, page, entry| {
-                    let k = key(b.k, &b.k_strides, page, entry);
-                    for i in 0..repeat {
-                        let mut x = dot::<FMA>(q_row(i), k, d) * self.scale;
-                        if let Some(c) = self.softcap {
-                            x = (x / c).tanh() * c;
+                let n = hi - lo;
+                let (k, v) = (&keys[lo..hi], &values[lo..hi]);
+                let query = |h: usize| b.q.offset(t as isize * b.q_strides[0] + (g0 * repeat + h) as isize * b.q_strides[1]);
+                scores.resize(heads * n, 0.0);
+                let mut j = 0;
+                while j + 4 <= n {
+                    for g in 0..g1 - g0 {
+                        let at = |p: *const f32| p.offset((g0 + g) as isize * b.k_strides[2]);
+                        let four = [at(k[j]), at(k[j + 1]), at(k[j + 2]), at(k[j + 3])];
+                        for i in 0..repeat {
+                            let h = g * repeat + i;
+                            scores[h * n + j..h * n + j + 4].copy_from_slice(&V::dot4(query(h), four, d));
                         }
-                        scores[i * row.num_keys + j] = x;
                     }
-                });
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                sums.clear();
-                for i in 0..repeat {
-                    let row_scores = &mut scores[i * row.num_keys + lo..i * row.num_keys + hi];
-                    let sink = self.sinks.map(|sinks| sinks[g * repeat + i]);
-                    let mut max = sink.unwrap_or(f32::NEG_INFINITY);
-                    for &x in row_scores.iter() {
-                        max = max.max(x);
-                    }
-                    let mut sum = sink.map_or(0.0, |x| (x - max).exp());
-                    for x in row_scores.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x;
-                    }
-                    sums.push(sum);
+                    j += 4;
                 }
-                for_keys(lo, hi, e, |j, page, entry| {
-                    let v = key(b.v, &b.v_strides, page, entry);
-                    for i in 0..repeat {
-                        axpy::<FMA>(scores[i * row.num_keys + j], v, &mut acc[i * dv..(i + 1) * dv]);
+                for j in j..n {
+                    for h in 0..heads {
+                        scores[h * n + j] = V::dot(query(h), k[j].offset((g0 + h / repeat) as isize * b.k_strides[2]), d);
                     }
-                });
-                for (i, &sum) in sums.iter().enumerate() {
-                    let norm = if hi > lo || self.sinks.is_some() { 1.0 / sum } else { f32::NAN };
-                    let out = b.out.offset(t as isize * b.out_strides[0] + (g * repeat + i) as isize * b.out_strides[1]);
-                    for (c, &a) in acc[i * dv..(i + 1) * dv].iter().enumerate() {
+                }
+                let mut sums = [0.0f32; 64];
+                let mut sums_vec = Vec::new();
+                let sums: &mut [f32] = if heads <= 64 {
+                    &mut sums[..heads]
+                } else {
+                    sums_vec.resize(heads, 0.0);
+                    &mut sums_vec
+                };
+                for (h, sum) in sums.iter_mut().enumerate() {
+                    let x = &mut scores[h * n..(h + 1) * n];
+                    for s in x.iter_mut() {
+                        *s *= self.scale;
+                        if let Some(c) = self.softcap {
+                            *s = (*s / c).tanh() * c;
+                        }
+                    }
+                    let sink = self.sinks.map(|sinks| sinks[g0 * repeat + h]);
+                    let max = V::max(x).max(sink.unwrap_or(f32::NEG_INFINITY));
+                    *sum = V::exp_sum(x, max) + sink.map_or(0.0, |s| (s - max).exp());
+                }
+                acc.clear();
+                acc.resize(heads * dv, 0.0);
+                let mut j = 0;
+                while j + 4 <= n {
+                    for g in 0..g1 - g0 {
+                        let at = |p: *const f32| p.offset((g0 + g) as isize * b.v_strides[2]);
+                        let four = [at(v[j]), at(v[j + 1]), at(v[j + 2]), at(v[j + 3])];
+                        for i in 0..repeat {
+                            let h = g * repeat + i;
+                            let p = &scores[h * n + j..h * n + j + 4];
+                            V::axpy4([p[0], p[1], p[2], p[3]], four, &mut acc[h * dv..(h + 1) * dv]);
+                        }
+                    }
+                    j += 4;
+                }
+                for j in j..n {
+                    for h in 0..heads {
+                        let value = v[j].offset((g0 + h / repeat) as isize * b.v_strides[2]);
+                        V::axpy(scores[h * n + j], value, &mut acc[h * dv..(h + 1) * dv]);
+                    }
+                }
+                for (h, &sum) in sums.iter().enumerate() {
+                    // No visible key and no sink: an empty softmax, NaN as in torch.
+                    let norm = if n > 0 || self.sinks.is_some() { 1.0 / sum } else { f32::NAN };
+                    let out = b.out.offset(t as isize * b.out_strides[0] + (g0 * repeat + h) as isize * b.out_strides[1]);
+                    for (c, &a) in acc[h * dv..(h + 1) * dv].iter().enumerate() {
                         *out.add(c) = a * norm;
                     }
                 }
@@ -301,60 +394,6 @@ impl PagedAttention<'_> {
             None => 0,
         };
         (lo as usize, hi as usize)
-    }
-}
-
-const LANES: usize = 16;
-
-/// `sum(a[i] * b[i])` over `n` contiguous f32s, in `LANES` partial sums.
-#[inline(always)]
-unsafe fn dot<const FMA: bool>(a: *const f32, b: *const f32, n: usize) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let mut i = 0;
-    while i + LANES <= n {
-        for (l, slot) in acc.iter_mut().enumerate() {
-            let (x, y) = (*a.add(i + l), *b.add(i + l));
-            *slot = if FMA { x.mul_add(y, *slot) } else { *slot + x * y };
-        }
-        i += LANES;
-    }
-    let mut tail = 0.0f32;
-    while i < n {
-        tail += *a.add(i) * *b.add(i);
-        i += 1;
-    }
-    // A tree, not a running sum: log2(LANES) dependent adds.
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for l in 0..width {
-            acc[l] += acc[l + width];
-        }
-    }
-    acc[0] + tail
-}
-
-/// Calls `f(j, page, entry)` for the listed keys `j` in `[lo, hi)`: key `j` is entry `j % e` of
-/// listed page `j / e`, walked page by page (no division per key).
-#[inline(always)]
-fn for_keys(lo: usize, hi: usize, e: usize, mut f: impl FnMut(usize, usize, usize)) {
-    let mut j = lo;
-    while j < hi {
-        let page = j / e;
-        let end = hi.min((page + 1) * e);
-        for (entry, key) in (j - page * e..).zip(j..end) {
-            f(key, page, entry);
-        }
-        j = end;
-    }
-}
-
-/// `acc += p * v` over `acc.len()` contiguous f32s of `v`.
-#[inline(always)]
-unsafe fn axpy<const FMA: bool>(p: f32, v: *const f32, acc: &mut [f32]) {
-    for (c, slot) in acc.iter_mut().enumerate() {
-        let x = *v.add(c);
-        *slot = if FMA { x.mul_add(p, *slot) } else { *slot + x * p };
     }
 }
 
@@ -489,10 +528,18 @@ mod tests {
             num_tokens: t,
             num_pages,
         };
-        unsafe { att.run(&buffers, case.threads).unwrap() };
         let want = naive(&att, &q, &k, &v, t);
-        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "element {i}: {a} vs {b}");
+        for scalar in [false, true] {
+            out.iter_mut().for_each(|x| *x = f32::NAN);
+            let buffers = Buffers { out: out.as_mut_ptr(), ..buffers };
+            if scalar {
+                unsafe { att.run_scalar(&buffers).unwrap() };
+            } else {
+                unsafe { att.run(&buffers, case.threads).unwrap() };
+            }
+            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "scalar={scalar} element {i}: {a} vs {b}");
+            }
         }
     }
 

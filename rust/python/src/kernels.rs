@@ -1,7 +1,8 @@
 //! `paged_attention`: the `resin-kernels` CPU paged-attention kernel on numpy views of torch
 //! tensors (the torch runner passes `tensor.numpy()`: no copy). Checks dtypes, shapes and
 //! strides here and the plan's indices in the kernel, so a bad call is a `ValueError`, never a
-//! wild read. The GIL is released while it runs.
+//! wild read. The GIL is released while it runs. `openmp_team_available`: whether the kernels'
+//! threads are torch's OpenMP team (`resin-kernels`' `openmp_team`) or threads of their own.
 
 use numpy::{PyArrayMethods, PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -113,4 +114,12 @@ pub fn paged_attention(
     // SAFETY: every pointer is a live numpy array of the checked shape and strides; `out` is
     // borrowed mutably (numpy's borrow checker refuses an `out` that aliases an input).
     py.detach(|| unsafe { att.run(&buffers, threads) }).map_err(|e| PyValueError::new_err(format!("paged_attention: {e}")))
+}
+
+/// Whether `paged_attention`'s threads run as a parallel region of the process's OpenMP team
+/// (torch's, looked up among the process's loaded libraries); False: threads of its own, which compete
+/// with torch's spinning workers for the cores.
+#[pyfunction]
+pub fn openmp_team_available() -> bool {
+    resin_kernels::openmp_team::available()
 }

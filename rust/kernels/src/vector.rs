@@ -1,0 +1,354 @@
+//! The f32 vector primitives the CPU kernels are written in: dot products of one query with
+//! four keys at a time, a max, `exp(x - max)` in place with its sum, and a weighted sum of four
+//! value rows into an accumulator. Two implementations of [`Vector`]: [`Scalar`] (portable,
+//! what the compiler makes of plain loops) and, on x86-64, [`Avx2`] (8-lane AVX2 + FMA
+//! intrinsics, and a polynomial `exp` accurate to ~2 ulp over the range a softmax uses).
+//!
+//! A kernel is written once, generic over `V: Vector`, with every function `#[inline(always)]`,
+//! and entered through one `#[target_feature(enable = "avx2,fma")]` function per kernel: the
+//! intrinsics inline there (they would be calls anywhere else). Pointers are raw because key
+//! rows live in strided cache pages; each function reads `n` contiguous f32s behind each one.
+
+/// The primitives (module doc).
+///
+/// # Safety
+/// For every function: each pointer must address `n` readable f32s (`acc.len()` for the value
+/// rows), and an implementation's CPU features must be present (see [`Avx2`]).
+pub trait Vector {
+    /// `[q . k0, q . k1, q . k2, q . k3]` over `n` channels.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn dot4(q: *const f32, k: [*const f32; 4], n: usize) -> [f32; 4];
+    /// `q . k` over `n` channels.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn dot(q: *const f32, k: *const f32, n: usize) -> f32;
+    /// The largest of `x` (`-inf` when empty).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn max(x: &[f32]) -> f32;
+    /// `x[i] = exp(x[i] - max)`; returns their sum.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn exp_sum(x: &mut [f32], max: f32) -> f32;
+    /// `acc += p[0] * v0 + p[1] * v1 + p[2] * v2 + p[3] * v3` (each `v` `acc.len()` wide).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn axpy4(p: [f32; 4], v: [*const f32; 4], acc: &mut [f32]);
+    /// `acc += p * v`.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn axpy(p: f32, v: *const f32, acc: &mut [f32]);
+}
+
+/// Plain loops, for CPUs without AVX2 + FMA.
+pub struct Scalar;
+
+impl Vector for Scalar {
+    #[inline(always)]
+    unsafe fn dot4(q: *const f32, k: [*const f32; 4], n: usize) -> [f32; 4] {
+        [Self::dot(q, k[0], n), Self::dot(q, k[1], n), Self::dot(q, k[2], n), Self::dot(q, k[3], n)]
+    }
+
+    #[inline(always)]
+    unsafe fn dot(q: *const f32, k: *const f32, n: usize) -> f32 {
+        // Eight partial sums: the compiler vectorises this where it can.
+        let mut acc = [0.0f32; 8];
+        let mut c = 0;
+        while c + 8 <= n {
+            for (l, slot) in acc.iter_mut().enumerate() {
+                *slot += *q.add(c + l) * *k.add(c + l);
+            }
+            c += 8;
+        }
+        let mut sum = acc.iter().sum::<f32>();
+        while c < n {
+            sum += *q.add(c) * *k.add(c);
+            c += 1;
+        }
+        sum
+    }
+
+    #[inline(always)]
+    unsafe fn max(x: &[f32]) -> f32 {
+        x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    #[inline(always)]
+    unsafe fn exp_sum(x: &mut [f32], max: f32) -> f32 {
+        let mut sum = 0.0;
+        for v in x.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        sum
+    }
+
+    #[inline(always)]
+    unsafe fn axpy4(p: [f32; 4], v: [*const f32; 4], acc: &mut [f32]) {
+        for (c, slot) in acc.iter_mut().enumerate() {
+            *slot += p[0] * *v[0].add(c) + p[1] * *v[1].add(c) + p[2] * *v[2].add(c) + p[3] * *v[3].add(c);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn axpy(p: f32, v: *const f32, acc: &mut [f32]) {
+        for (c, slot) in acc.iter_mut().enumerate() {
+            *slot += p * *v.add(c);
+        }
+    }
+}
+
+/// AVX2 + FMA, 8 lanes. Only call from a function compiled with those features, on a CPU that
+/// has them (`is_x86_feature_detected!`).
+#[cfg(target_arch = "x86_64")]
+pub struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Avx2, Vector};
+    use std::arch::x86_64::*;
+
+    /// The four lanes-sums of `a`..`d`: `[sum(a), sum(b), sum(c), sum(d)]`.
+    #[inline(always)]
+    unsafe fn sum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+        let ab = _mm256_hadd_ps(a, b);
+        let cd = _mm256_hadd_ps(c, d);
+        let abcd = _mm256_hadd_ps(ab, cd);
+        _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
+    }
+
+    #[inline(always)]
+    unsafe fn sum(a: __m256) -> f32 {
+        let x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+        let x = _mm_add_ss(x, _mm_movehdup_ps(x));
+        _mm_cvtss_f32(x)
+    }
+
+    /// `exp(x)` per lane: Cephes' range reduction (`x = n ln2 + r`, `|r| <= ln2 / 2`) and
+    /// degree-6 polynomial, `2^n` built in the exponent bits. Inputs below -87.3 give ~0
+    /// (1e-38), NaN stays NaN.
+    #[inline(always)]
+    unsafe fn exp(x: __m256) -> __m256 {
+        // max/min return their second operand when either is NaN: x goes second.
+        let x = _mm256_min_ps(_mm256_set1_ps(88.376_26), _mm256_max_ps(_mm256_set1_ps(-87.336_55), x));
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        // ln2 split in two so `n * ln2` is exact in the first part.
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
+    }
+
+    impl Vector for Avx2 {
+        #[inline(always)]
+        unsafe fn dot4(q: *const f32, k: [*const f32; 4], n: usize) -> [f32; 4] {
+            let (mut a, mut b, mut c, mut d) =
+                (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut i = 0;
+            while i + 8 <= n {
+                let x = _mm256_loadu_ps(q.add(i));
+                a = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0].add(i)), a);
+                b = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1].add(i)), b);
+                c = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2].add(i)), c);
+                d = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3].add(i)), d);
+                i += 8;
+            }
+            let mut out = [0.0f32; 4];
+            _mm_storeu_ps(out.as_mut_ptr(), sum4(a, b, c, d));
+            while i < n {
+                let x = *q.add(i);
+                for (o, key) in out.iter_mut().zip(k) {
+                    *o += x * *key.add(i);
+                }
+                i += 1;
+            }
+            out
+        }
+
+        #[inline(always)]
+        unsafe fn dot(q: *const f32, k: *const f32, n: usize) -> f32 {
+            let mut a = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= n {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(i)), _mm256_loadu_ps(k.add(i)), a);
+                i += 8;
+            }
+            let mut out = sum(a);
+            while i < n {
+                out += *q.add(i) * *k.add(i);
+                i += 1;
+            }
+            out
+        }
+
+        #[inline(always)]
+        unsafe fn max(x: &[f32]) -> f32 {
+            let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+            let mut chunks = x.chunks_exact(8);
+            for c in &mut chunks {
+                m = _mm256_max_ps(m, _mm256_loadu_ps(c.as_ptr()));
+            }
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+            lanes.into_iter().chain(chunks.remainder().iter().copied()).fold(f32::NEG_INFINITY, f32::max)
+        }
+
+        #[inline(always)]
+        unsafe fn exp_sum(x: &mut [f32], max: f32) -> f32 {
+            let m = _mm256_set1_ps(max);
+            let mut s = _mm256_setzero_ps();
+            let mut chunks = x.chunks_exact_mut(8);
+            for c in &mut chunks {
+                let e = exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+                _mm256_storeu_ps(c.as_mut_ptr(), e);
+                s = _mm256_add_ps(s, e);
+            }
+            let mut total = sum(s);
+            for v in chunks.into_remainder() {
+                *v = (*v - max).exp();
+                total += *v;
+            }
+            total
+        }
+
+        #[inline(always)]
+        unsafe fn axpy4(p: [f32; 4], v: [*const f32; 4], acc: &mut [f32]) {
+            let (p0, p1, p2, p3) = (_mm256_set1_ps(p[0]), _mm256_set1_ps(p[1]), _mm256_set1_ps(p[2]), _mm256_set1_ps(p[3]));
+            let n = acc.len();
+            let out = acc.as_mut_ptr();
+            let mut i = 0;
+            while i + 8 <= n {
+                let mut a = _mm256_loadu_ps(out.add(i));
+                a = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v[0].add(i)), a);
+                a = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v[1].add(i)), a);
+                a = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v[2].add(i)), a);
+                a = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v[3].add(i)), a);
+                _mm256_storeu_ps(out.add(i), a);
+                i += 8;
+            }
+            while i < n {
+                *out.add(i) += p[0] * *v[0].add(i) + p[1] * *v[1].add(i) + p[2] * *v[2].add(i) + p[3] * *v[3].add(i);
+                i += 1;
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn axpy(p: f32, v: *const f32, acc: &mut [f32]) {
+            let pv = _mm256_set1_ps(p);
+            let n = acc.len();
+            let out = acc.as_mut_ptr();
+            let mut i = 0;
+            while i + 8 <= n {
+                _mm256_storeu_ps(out.add(i), _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(i)), _mm256_loadu_ps(out.add(i))));
+                i += 8;
+            }
+            while i < n {
+                *out.add(i) += p * *v.add(i);
+                i += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed;
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
+            })
+            .collect()
+    }
+
+    /// Both implementations against f64 arithmetic, at widths with and without a tail. Inlined
+    /// into its caller, so the AVX2 one compiles with the caller's target features.
+    #[inline(always)]
+    fn check<V: Vector>() {
+        for n in [1usize, 7, 8, 20, 64, 67] {
+            let q = data(n, 1);
+            let k: Vec<Vec<f32>> = (0..4).map(|i| data(n, 10 + i)).collect();
+            let exact = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>();
+            let ptrs = [k[0].as_ptr(), k[1].as_ptr(), k[2].as_ptr(), k[3].as_ptr()];
+            let got = unsafe { V::dot4(q.as_ptr(), ptrs, n) };
+            for i in 0..4 {
+                assert!((got[i] as f64 - exact(&q, &k[i])).abs() < 1e-4 * n as f64, "dot4 n={n}");
+            }
+            let one = unsafe { V::dot(q.as_ptr(), k[2].as_ptr(), n) };
+            assert!((one as f64 - exact(&q, &k[2])).abs() < 1e-4 * n as f64, "dot n={n}");
+            assert_eq!(unsafe { V::max(&q) }, q.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+
+            let mut x: Vec<f32> = q.iter().map(|v| v * 25.0).collect(); // -100..100: past the clamp
+            let max = unsafe { V::max(&x) };
+            let want: Vec<f64> = x.iter().map(|&v| ((v - max) as f64).exp()).collect();
+            let total = unsafe { V::exp_sum(&mut x, max) };
+            for (a, b) in x.iter().zip(&want) {
+                assert!((*a as f64 - b).abs() <= 4e-7 * b + 1e-37, "exp n={n}: {a} vs {b}");
+            }
+            assert!((total as f64 - want.iter().sum::<f64>()).abs() < 1e-5 * total as f64);
+
+            let mut acc = data(n, 99);
+            let mut want: Vec<f64> = acc.iter().map(|&v| v as f64).collect();
+            let p = [0.5f32, -1.25, 2.0, 0.125];
+            unsafe { V::axpy4(p, ptrs, &mut acc) };
+            unsafe { V::axpy(0.75, q.as_ptr(), &mut acc) };
+            for (c, w) in want.iter_mut().enumerate() {
+                *w += (0..4).map(|i| p[i] as f64 * k[i][c] as f64).sum::<f64>() + 0.75 * q[c] as f64;
+            }
+            for (a, b) in acc.iter().zip(&want) {
+                assert!((*a as f64 - b).abs() < 1e-5, "axpy n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_matches_f64() {
+        check::<Scalar>();
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_matches_f64() {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn run() {
+            check::<Avx2>();
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            unsafe { run() };
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_exp_keeps_nan() {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn run() -> Vec<f32> {
+            let mut x = vec![0.0f32, f32::NAN, -1.0, -200.0, 1.0, 2.0, 3.0, 4.0];
+            Avx2::exp_sum(&mut x, 0.0);
+            x
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            let x = unsafe { run() };
+            assert!(x[1].is_nan() && x[0] == 1.0 && x[3] < 1e-37 && x[3] >= 0.0, "{x:?}");
+        }
+    }
+}
