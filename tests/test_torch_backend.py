@@ -72,11 +72,9 @@ class _CountingBackend(TorchBackend):
 
 def _torch_backend(cpu_kernel: bool) -> _CountingBackend:
     """The torch backend on its padded SDPA batch, or with the CPU paged-attention kernel
-    (``resin._core.paged_attention``) for every step (float32 on CPU; these heads are narrower
-    than the kernel's default minimum)."""
+    (``resin._core.paged_attention``) wherever :func:`kernel_pays` (float32 on CPU)."""
     backend = _CountingBackend()
     backend.use_cpu_kernel = cpu_kernel
-    backend.kernel_min_head_dim = 1
     return backend
 
 
@@ -133,6 +131,7 @@ def test_is_registered() -> None:
     assert make_attention_backend("torch").name == "torch"
 
 
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["sdpa", "cpu-kernel"])
 @pytest.mark.parametrize(
     "model",
     [
@@ -143,15 +142,30 @@ def test_is_registered() -> None:
         "resin/models/deepseek_v4_flash",
     ],
 )
-def test_every_model_passes_parity_on_it(model: str) -> None:
+def test_every_model_passes_parity_on_it(
+    model: str, cpu_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both paths of the backend: the CPU kernel (the default on CPU in float32) and the padded
+    SDPA batch (``RESIN_TORCH_CPU_KERNEL=0``); a counter proves which one ran."""
     pytest.importorskip("transformers")
     from resin.evals.model_ref import resolve_model, run_model_parity
+    from resin.runners.torch import torch_backend
 
+    calls = []
+    real = torch_backend.TorchBackend._kernel_attend
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setenv("RESIN_TORCH_CPU_KERNEL", "1" if cpu_kernel else "0")
+    monkeypatch.setattr(torch_backend.TorchBackend, "_kernel_attend", counted)
     ref = resolve_model(REPO / model)
     ref.attention_backend = "torch"
     report = run_model_parity(ref)
     assert report.passed, report.summary()
     assert any(stage.name.startswith("greedy/") for stage in report.stages)
+    assert bool(calls) == cpu_kernel, f"{len(calls)} kernel calls"
 
 
 @pytest.mark.parametrize("cpu_kernel", [False, True], ids=["sdpa", "cpu-kernel"])
@@ -265,33 +279,3 @@ def test_the_cpu_kernel_splits_its_work_over_torchs_openmp_team() -> None:
         torch.set_num_threads(previous)
     assert np.isfinite(outs[0]).all()
     np.testing.assert_array_equal(outs[0], outs[1])
-
-
-@pytest.mark.parametrize(
-    "model", ["tests/fixtures/llama", "resin/models/gpt_oss", "resin/models/deepseek_v4_flash"]
-)
-def test_parity_holds_with_the_cpu_kernel_on_every_head_width(
-    model: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The kernel is opt-in and the fixtures' heads are narrower than its default minimum, so
-    parity runs it here opted in with the minimum lifted: plain GQA, sinks + sliding window (gpt-oss), a
-    shared K = V cache with sinks (DeepSeek-V4)."""
-    pytest.importorskip("transformers")
-    from resin.evals.model_ref import resolve_model, run_model_parity
-    from resin.runners.torch import torch_backend
-
-    calls = []
-    real = torch_backend.TorchBackend._kernel_attend
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setenv("RESIN_TORCH_CPU_KERNEL", "1")  # opt-in
-    monkeypatch.setattr(torch_backend, "KERNEL_MIN_HEAD_DIM", 1)
-    monkeypatch.setattr(torch_backend.TorchBackend, "_kernel_attend", counted)
-    ref = resolve_model(REPO / model)
-    ref.attention_backend = "torch"
-    report = run_model_parity(ref)
-    assert report.passed, report.summary()
-    assert calls, "the CPU kernel never ran"

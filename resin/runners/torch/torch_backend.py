@@ -24,15 +24,14 @@ Padding costs ``S * Q * P * E``: a decode batch (Q = 1) pads only keys to the lo
 mixing one long prefill chunk with many decode rows pads every decode row's queries to the
 chunk. ``gather`` (compressed / indexed attention) is the reference backend's.
 
-Opt-in (``RESIN_TORCH_CPU_KERNEL=1``), on CPU in float32 with heads of at least 64 channels, the
-backend skips the gather altogether when :func:`kernel_pays`: it calls
-``resin._core.paged_attention`` (rust/kernels), which reads each row's pages in place through
-the same page table, on numpy views of the layer's tensors (no copy) — decode steps, verify
-rows and short chunks always, and mixed steps whose padding would cost SDPA more than 4x the
-kernel's exact work. Off by default because it did not pay end to end: at 64 requests on the
-23M-parameter Llama (head_dim 64) ``benchmarks/offline_throughput.py`` measured 648 tok/s with
-it against 730 without (2 threads), and a tie on one thread, although one layer's decode
-attention alone was ~3x faster (docs/benchmarks.md).
+On CPU in float32 the backend skips the gather altogether when :func:`kernel_pays` (the
+default; ``RESIN_TORCH_CPU_KERNEL=0`` turns it off): it calls ``resin._core.paged_attention``
+(rust/kernels), which reads each row's pages in place through the same page table, on numpy
+views of the layer's tensors (no copy), its threads a parallel region of torch's own OpenMP
+team — decode steps, verify rows and short chunks always, and mixed steps whose padding would
+cost SDPA more than 4x the kernel's exact work. On the 23M-parameter Llama of
+``benchmarks/offline_throughput.py`` (2 threads) it was ~10% faster end to end than the SDPA
+path at 1, 8 and 64 requests (docs/benchmarks.md).
 
 Imports torch.
 """
@@ -192,10 +191,6 @@ def kernel_pays(query_indptr: np.ndarray, seq_lens: np.ndarray) -> bool:
 
 KERNEL_MAX_QUERIES = 16
 KERNEL_PADDING_RATIO = 4
-# Below this the kernel's per-key work (index arithmetic, the lane reduction, exp) outweighs
-# its saved gather: at head_dim 16 (the Llama fixture) a 64-row decode step took 12.1 ms
-# against SDPA's 7.2 (skills/optimize-perf, worked example).
-KERNEL_MIN_HEAD_DIM = 64
 
 
 def kernel_threads() -> int:
@@ -214,9 +209,9 @@ def kernel_threads() -> int:
 
 
 class TorchBackend(ReferenceBackend):
-    """Batched attention in plain torch (module doc); on CPU in float32 with heads of at least
-    :data:`KERNEL_MIN_HEAD_DIM` channels, the paged-attention kernel of ``resin._core`` when
-    :func:`kernel_pays` (``use_cpu_kernel``: opt-in, ``RESIN_TORCH_CPU_KERNEL=1``)."""
+    """Batched attention in plain torch (module doc); on CPU in float32, the paged-attention
+    kernel of ``resin._core`` when :func:`kernel_pays` (``use_cpu_kernel``: on unless
+    ``RESIN_TORCH_CPU_KERNEL=0``)."""
 
     name = "torch"
 
@@ -224,9 +219,7 @@ class TorchBackend(ReferenceBackend):
         super().__init__()
         self.batches: dict[int, RowBatch] = {}
         self.kernel_rows: dict[int, KernelRows | None] = {}
-        # Opt-in: a decode micro-benchmark gained, end to end it did not (module doc).
-        self.use_cpu_kernel = os.environ.get("RESIN_TORCH_CPU_KERNEL", "0") == "1"
-        self.kernel_min_head_dim = KERNEL_MIN_HEAD_DIM
+        self.use_cpu_kernel = os.environ.get("RESIN_TORCH_CPU_KERNEL", "1") != "0"
 
     def begin_step(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().begin_step(*args, **kwargs)
@@ -290,7 +283,6 @@ class TorchBackend(ReferenceBackend):
         tensors = [q, k_cache] + ([] if v_cache is None else [v_cache])
         return (
             self.use_cpu_kernel
-            and q.shape[-1] >= self.kernel_min_head_dim
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and all(t.stride(-1) == 1 for t in tensors)
         )
