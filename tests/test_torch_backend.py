@@ -243,6 +243,35 @@ def test_the_cpu_kernel_refuses_bad_arguments_with_value_errors() -> None:
         call(q=q.astype(np.float64))
 
 
+@pytest.mark.parametrize("row_floats", [2 * PAGE * 2 * 8, 2 * PAGE * 2 * 8 + 5])
+def test_writes_into_shared_page_rows_land_on_their_slots_only(row_floats: int) -> None:
+    """K and V as views into one buffer's page rows (as ``PagedRunner`` carves them; a row
+    whose size is not a multiple of an entry takes the indexed-assignment path): each token's
+    values land at its slot, a slot of -1 writes nothing, and no other byte of the row
+    changes."""
+    from resin.runners.torch.layers import slot_rows
+
+    pages, kv_heads, dim = 5, 2, 8
+    buffer = torch.arange(pages * row_floats, dtype=torch.float32).view(pages, row_floats)
+    size = PAGE * kv_heads * dim
+    k_cache = buffer[:, :size].view(pages, PAGE, kv_heads, dim)
+    v_cache = buffer[:, size : 2 * size].view(pages, PAGE, kv_heads, dim)
+    assert (slot_rows(k_cache) is None) == (row_floats % (kv_heads * dim) != 0)
+    before = buffer.clone()
+    slot_mapping = torch.tensor([6, -1, 13, 0, 19], dtype=torch.int32)
+    k_new = torch.randn(5, kv_heads, dim)
+    v_new = torch.randn(5, kv_heads, dim)
+    ReferenceBackend().write([k_cache, v_cache], [k_new, v_new], slot_mapping)
+    expected = before.clone()
+    exp_k = expected[:, :size].view(pages, PAGE, kv_heads, dim)
+    exp_v = expected[:, size : 2 * size].view(pages, PAGE, kv_heads, dim)
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            exp_k[slot // PAGE, slot % PAGE] = k_new[token]
+            exp_v[slot // PAGE, slot % PAGE] = v_new[token]
+    torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the team is found on Linux")
 def test_the_cpu_kernel_splits_its_work_over_torchs_openmp_team() -> None:
     """With torch loaded the kernel finds torch's OpenMP runtime, and a step split over two

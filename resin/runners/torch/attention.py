@@ -43,6 +43,7 @@ from resin.runners.torch.layers import (
     SequenceView,
     build_sequence_views,
     read_slots,
+    slot_rows,
     write_slots,
 )
 from resin.runners.torch.step_inputs import StepInputs
@@ -97,8 +98,12 @@ class AttentionBackend:
     """The interface. Subclasses implement :meth:`begin_step` and :meth:`attend`."""
 
     name = "base"
-    # (slot_mapping, keep mask or None when every token is written, kept slots int64): :meth:`write`
-    _write_memo: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+    # (slot_mapping, keep mask or None when every token is written, kept slots int64, row
+    # indices of those slots per (page_entries, rows_per_page) of a strided cache): :meth:`write`
+    _write_memo: (
+        tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict[tuple[int, int], torch.Tensor]]
+        | None
+    ) = None
 
     def begin_step(
         self,
@@ -133,11 +138,23 @@ class AttentionBackend:
             keep = slot_mapping >= 0
             every = bool(keep.all())
             kept = (slot_mapping if every else slot_mapping[keep]).long()
-            memo = (slot_mapping, None if every else keep, kept)
+            memo = (slot_mapping, None if every else keep, kept, {})
             self._write_memo = memo
-        _, kept_mask, slots = memo
+        _, kept_mask, slots, row_indices = memo
         for cache, tensor in zip(caches, values):
-            write_slots(cache, slots, tensor if kept_mask is None else tensor[kept_mask])
+            rows = None
+            strided = None if cache.is_contiguous() else slot_rows(cache)
+            if strided is not None:
+                # A view into shared page rows: one index_copy_ into its row view, with the
+                # row indices worked out once per step and layout (not per layer).
+                view, rows_per_page = strided
+                key = (cache.shape[1], rows_per_page)
+                index = row_indices.get(key)
+                if index is None:
+                    per_page = cache.shape[1]
+                    index = row_indices[key] = slots // per_page * rows_per_page + slots % per_page
+                rows = (view, index)
+            write_slots(cache, slots, tensor if kept_mask is None else tensor[kept_mask], rows)
 
     def attend(
         self,

@@ -177,13 +177,40 @@ def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache[slots // per_page, slots % per_page]
 
 
-def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """Store ``values`` [K, ...] at rows ``slots`` of the cache (see :func:`read_slots`)."""
+def slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """``cache`` [num_pages, page_entries, ...] as one row per entry, ``(rows, rows_per_page)``,
+    when its entries are evenly strided within and across pages (contiguous, or a view into
+    page rows shared with other buffers): slot ``page * page_entries + offset`` is row
+    ``page * rows_per_page + offset`` of ``rows`` (a strided view over the same memory; rows
+    between pages belong to the other buffers and are never addressed). None otherwise."""
+    if cache.dim() < 2 or cache.stride(1) <= 0 or cache.stride(0) % cache.stride(1):
+        return None
+    entry_stride = cache.stride(1)
+    rows_per_page = cache.stride(0) // entry_stride
+    num_rows = (cache.shape[0] - 1) * rows_per_page + cache.shape[1]
+    rows = cache.as_strided(
+        (num_rows, *cache.shape[2:]), (entry_stride, *cache.stride()[2:]), cache.storage_offset()
+    )
+    return rows, rows_per_page
+
+
+def write_slots(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    values: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Store ``values`` [K, ...] at rows ``slots`` of the cache (see :func:`read_slots`).
+    ``rows``: this cache's :func:`slot_rows` view and the slots' row indices in it, when the
+    caller has them (worked out once per step for every layer alike)."""
     values = values.to(cache.dtype)
+    # index_copy_, not ``flat[slots] = values``: on CPU the indexed assignment is hundreds of
+    # times slower (slots are distinct, so the two agree).
     if cache.is_contiguous():
-        # index_copy_, not ``flat[slots] = values``: on CPU the indexed assignment is
-        # hundreds of times slower (slots are distinct, so the two agree).
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, values)
+        return
+    if rows is not None:
+        rows[0].index_copy_(0, rows[1], values)
         return
     per_page = cache.shape[1]
     cache[slots // per_page, slots % per_page] = values
