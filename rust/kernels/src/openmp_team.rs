@@ -118,10 +118,41 @@ pub fn run_on_team(threads: usize, work: &(dyn Fn(usize, usize) + Sync)) -> Opti
     Some(!job.panicked.load(std::sync::atomic::Ordering::Relaxed))
 }
 
+/// Runs `work(thread_index, num_threads)` on up to `threads` threads: as a region of the
+/// OpenMP team when there is one ([`run_on_team`]), else on scoped threads of its own (the
+/// calling thread is index 0). Returns false if `work` panicked on a team thread (a panic on a
+/// scoped thread propagates).
+pub fn run_parallel(threads: usize, work: &(dyn Fn(usize, usize) + Sync)) -> bool {
+    if threads <= 1 {
+        work(0, 1);
+        return true;
+    }
+    if let Some(ok) = run_on_team(threads, work) {
+        return ok;
+    }
+    std::thread::scope(|scope| {
+        for index in 1..threads {
+            scope.spawn(move || work(index, threads));
+        }
+        work(0, threads);
+    });
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn run_parallel_runs_every_index_once() {
+        let seen = AtomicUsize::new(0);
+        assert!(run_parallel(3, &|index, size| {
+            assert_eq!(size, 3);
+            seen.fetch_add(1 << (4 * index), Ordering::Relaxed);
+        }));
+        assert_eq!(seen.load(Ordering::Relaxed), 0x111);
+    }
 
     #[test]
     fn every_index_runs_once_or_there_is_no_team() {

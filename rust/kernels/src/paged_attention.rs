@@ -215,25 +215,16 @@ impl PagedAttention<'_> {
         chunks.push(&items[start..]);
         // On torch's OpenMP team when there is one (crate::openmp_team: its workers spin
         // between ops, and threads of our own would fight them for the cores).
-        let rows_ref = &rows;
-        let chunks_ref = &chunks;
-        let on_team = crate::openmp_team::run_on_team(threads, &|index, size| {
-            for chunk in chunks_ref.iter().skip(index).step_by(size) {
-                self.run_items(b, rows_ref, chunk);
+        let rows = &rows;
+        let chunks = &chunks;
+        let ok = crate::openmp_team::run_parallel(threads, &|index, size| {
+            for chunk in chunks.iter().skip(index).step_by(size) {
+                self.run_items(b, rows, chunk);
             }
         });
-        match on_team {
-            Some(true) => return Ok(()),
-            Some(false) => return invalid("paged_attention panicked on an OpenMP thread".into()),
-            None => {}
+        if !ok {
+            return invalid("paged_attention panicked on an OpenMP thread".into());
         }
-        std::thread::scope(|scope| {
-            let rows = &rows;
-            for chunk in &chunks[1..] {
-                scope.spawn(move || self.run_items(b, rows, chunk));
-            }
-            self.run_items(b, rows, chunks[0]);
-        });
         Ok(())
     }
 
