@@ -19,9 +19,9 @@ once to `benchmarks/results/llama_23m/` (git-ignored) with the tiny fixture toke
 
 Throughput = generated tokens / wall seconds. Each contender is built once per concurrency and
 timed `--repeats` times, the contenders interleaved and every repeat on fresh prompts (so no
-prefix-cache hit; the warm-up prompt is one no repeat uses): the best run is reported (the
-machine is shared, and interference only ever slows a run), every run is in the JSON. Prints a
-markdown table, writes JSON.
+prefix-cache hit; the warm-up prompt is one no repeat uses). Two markdown tables, each
+contender's best run (the machine is shared, and interference only ever slows a run) and its
+median run; every run is in the JSON.
 
     .venv/bin/python benchmarks/offline_throughput.py --concurrency 1,8,64
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -183,6 +184,26 @@ def hf_contender(output_len: int, padded: bool, warmup: list[int]) -> Contender:
     return run
 
 
+def print_table(rows: list[dict[str, Any]], backends: list[str]) -> None:
+    """One markdown table: tokens/s per contender and the ratios to HF's better mode."""
+    head = " | ".join(f"resin {b} tok/s" for b in backends)
+    ratios = " | ".join(f"{b} / HF best" for b in backends)
+    print(
+        f"| concurrent requests | {head} | HF one at a time tok/s | HF padded batch tok/s | "
+        f"matmul floor tok/s | {ratios} | floor / HF best |"
+    )
+    print("|---" * (5 + 2 * len(backends)) + "|")
+    for r in rows:
+        best = max(r["hf_sequential_tok_s"], r["hf_padded_tok_s"])
+        ours = " | ".join(f"{r[f'resin_{b}_tok_s']:.0f}" for b in backends)
+        ratio = " | ".join(f"{r[f'resin_{b}_tok_s'] / best:.2f}x" for b in backends)
+        print(
+            f"| {r['concurrency']} | {ours} | {r['hf_sequential_tok_s']:.0f} | "
+            f"{r['hf_padded_tok_s']:.0f} | {r['matmul_floor_tok_s']:.0f} | {ratio} | "
+            f"{r['matmul_floor_tok_s'] / best:.2f}x |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -230,24 +251,11 @@ def main() -> None:
         print(f"C={c}: {runs}", file=sys.stderr)
     print(
         f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, CPU float32, "
-        f"23M-param Llama, best of {args.repeats} interleaved runs\n"
+        f"23M-param Llama, {args.repeats} interleaved runs each"
     )
-    head = " | ".join(f"resin {b} tok/s" for b in backends)
-    ratios = " | ".join(f"{b} / HF best" for b in backends)
-    print(
-        f"| concurrent requests | {head} | HF one at a time tok/s | HF padded batch tok/s | "
-        f"matmul floor tok/s | {ratios} | floor / HF best |"
-    )
-    print("|---" * (5 + 2 * len(backends)) + "|")
-    for r in rows:
-        best = max(r["hf_sequential_tok_s"], r["hf_padded_tok_s"])
-        ours = " | ".join(f"{r[f'resin_{b}_tok_s']:.0f}" for b in backends)
-        ratio = " | ".join(f"{r[f'resin_{b}_tok_s'] / best:.2f}x" for b in backends)
-        print(
-            f"| {r['concurrency']} | {ours} | {r['hf_sequential_tok_s']:.0f} | "
-            f"{r['hf_padded_tok_s']:.0f} | {r['matmul_floor_tok_s']:.0f} | {ratio} | "
-            f"{r['matmul_floor_tok_s'] / best:.2f}x |"
-        )
+    for stat, pick in (("best run", max), ("median run", statistics.median)):
+        print(f"\n{stat}:\n")
+        print_table([{**r, **{n: pick(v) for n, v in r["runs"].items()}} for r in rows], backends)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(
         json.dumps(
