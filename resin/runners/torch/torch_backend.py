@@ -30,7 +30,7 @@ default; ``RESIN_TORCH_CPU_KERNEL=0`` turns it off): it calls ``resin._core.page
 views of the layer's tensors (no copy), its threads a parallel region of torch's own OpenMP
 team — decode steps, verify rows and short chunks always, and mixed steps whose padding would
 cost SDPA more than 4x the kernel's exact work. On the 23M-parameter Llama of
-``benchmarks/offline_throughput.py`` (2 threads) it was ~10% faster end to end than the SDPA
+``benchmarks/offline_throughput.py`` (2 threads) it was 10-20% faster end to end than the SDPA
 path at 1, 8 and 64 requests (docs/benchmarks.md).
 
 Imports torch.
