@@ -27,6 +27,7 @@ __all__ = [
     "SamplingArrays",
     "SamplingParams",
     "StepError",
+    "kernels_vectorised",
     "openmp_team_available",
     "paged_attention",
     "__version__",
@@ -574,6 +575,11 @@ def paged_attention(
     ``softcap``: tanh(s / c) * c. f32 only. Bad shapes or plan indices raise ValueError before
     any memory is read; the GIL is released while it runs on ``threads`` threads: a parallel
     region of torch's OpenMP team when :func:`openmp_team_available`, else threads of its own."""
+
+def kernels_vectorised() -> bool:
+    """Whether the CPU kernels (:func:`paged_attention`) run their vectorised path on this CPU
+    (x86-64 with AVX2 + FMA). False: their scalar fallback, which the torch backend leaves off
+    unless ``RESIN_TORCH_CPU_KERNEL=1``."""
 
 def openmp_team_available() -> bool:
     """Whether :func:`paged_attention` runs its threads on the process's OpenMP team (torch's

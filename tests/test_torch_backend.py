@@ -272,6 +272,43 @@ def test_writes_into_shared_page_rows_land_on_their_slots_only(row_floats: int) 
     torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("setting", "vectorised", "on"),
+    [(None, True, True), (None, False, False), ("0", True, False), ("1", False, True)],
+)
+def test_the_cpu_kernel_is_on_by_default_only_where_it_is_vectorised(
+    setting: str | None, vectorised: bool, on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its scalar fallback loses to SDPA, so without AVX2 + FMA only
+    ``RESIN_TORCH_CPU_KERNEL=1`` turns it on; ``=0`` turns it off everywhere."""
+    from resin.runners.torch import torch_backend
+
+    monkeypatch.setattr(torch_backend._core, "kernels_vectorised", lambda: vectorised)
+    if setting is None:
+        monkeypatch.delenv("RESIN_TORCH_CPU_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("RESIN_TORCH_CPU_KERNEL", setting)
+    assert TorchBackend().use_cpu_kernel is on
+
+
+def test_a_slot_mapping_buffer_refilled_for_the_next_step_writes_its_new_slots() -> None:
+    """A runner may reuse one slot_mapping tensor across steps (static buffers, rewritten in
+    place): the write memo is the step's, so step 2 writes where step 2 says."""
+    pages, kv_heads, dim = 4, 1, 4
+    buffer = torch.zeros(pages, 2 * PAGE * kv_heads * dim)
+    cache = buffer[:, : PAGE * kv_heads * dim].view(pages, PAGE, kv_heads, dim)  # shared rows
+    backend = ReferenceBackend()
+    rows = [(0, 2)]
+    step = _Step(_Plan(rows, None), rows)
+    slot_mapping = torch.tensor([4, 5], dtype=torch.int32)
+    for slots, value in (([4, 5], 1.0), ([9, 10], 2.0)):
+        slot_mapping.copy_(torch.tensor(slots, dtype=torch.int32))  # same tensor, new contents
+        backend.begin_step(step, [None], [PAGE], [1])
+        backend.write([cache], [torch.full((2, kv_heads, dim), value)], slot_mapping)
+    flat = cache.reshape(pages * PAGE, -1)
+    assert flat[[4, 5]].eq(1.0).all() and flat[[9, 10]].eq(2.0).all()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the team is found on Linux")
 def test_the_cpu_kernel_splits_its_work_over_torchs_openmp_team() -> None:
     """With torch loaded the kernel finds torch's OpenMP runtime, and a step split over two

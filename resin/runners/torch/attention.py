@@ -131,7 +131,8 @@ class AttentionBackend:
 
         -1 must never be used as an index (it would address the pool's last slot). Every layer
         of a group passes the same ``slot_mapping``: the mask and the kept slots are worked out
-        for its first write and reused (no per-layer masking when every token is written).
+        for its first write in the step and reused (no per-layer masking when every token is
+        written); ``begin_step`` forgets them.
         """
         memo = self._write_memo
         if memo is None or memo[0] is not slot_mapping:
@@ -230,6 +231,8 @@ class ReferenceBackend(AttentionBackend):
         ratios = list(group_ratios or [1] * len(group_windows))
         self._step = (step, group_windows, list(group_page_entries), ratios)
         self.views = [None] * len(group_windows)
+        # A step may reuse last step's slot_mapping tensor with new contents (static buffers).
+        self._write_memo = None
 
     def group_arrays(self, group: int) -> GroupArrays:
         """This step's page table of ``group`` and how to read it."""

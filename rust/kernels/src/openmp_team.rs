@@ -7,15 +7,17 @@
 //! right after a matmul than alone. Running the kernel's parts *as* a parallel region of that
 //! team instead hands them to the spinning workers.
 //!
-//! The runtime is found, not linked: a call looks in `/proc/self/maps` for an OpenMP
-//! library already loaded into the process, reopens it with `RTLD_NOLOAD` (no second copy) and
-//! looks up `GOMP_parallel`, `omp_get_thread_num` and `omp_get_num_threads`, once found kept for
-//! the process. Linux only;
+//! The runtime is found, not linked: a call looks in `/proc/self/maps` for torch's
+//! `libtorch_cpu` (whose own OpenMP library its symbols resolve to), else any OpenMP library
+//! already loaded, reopens it with `RTLD_NOLOAD` (no second copy) and looks up `GOMP_parallel`,
+//! `omp_get_thread_num` and `omp_get_num_threads`: once found, kept for the process; a miss is
+//! looked up again at most once a second. Linux only;
 //! elsewhere, or with no OpenMP loaded, [`run_on_team`] says so and the caller uses threads of
 //! its own.
 
 use std::ffi::c_void;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 type Region = unsafe extern "C" fn(*mut c_void);
 type GompParallel = unsafe extern "C" fn(Region, *mut c_void, u32, u32);
@@ -42,32 +44,40 @@ fn find_runtime() -> Option<Runtime> {
     const RTLD_NOW: c_int = 2;
     const RTLD_NOLOAD: c_int = 4;
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    let is_openmp = |path: &str| {
-        let name = path.rsplit('/').next().unwrap_or("");
-        ["libgomp", "libiomp5", "libomp."].iter().any(|prefix| name.starts_with(prefix))
-    };
-    let path = maps.lines().filter_map(|line| line.split_whitespace().nth(5)).find(|path| is_openmp(path))?;
-    let path = CString::new(path).ok()?;
-    // SAFETY: plain libc calls on NUL-terminated strings; RTLD_NOLOAD only returns a library
-    // that is already loaded (it runs no initialisers).
-    unsafe {
-        let handle = dlopen(path.as_ptr(), RTLD_NOW | RTLD_NOLOAD);
-        if handle.is_null() {
-            return None;
+    let name = |path: &str| path.rsplit('/').next().unwrap_or("").to_owned();
+    let is_openmp = |path: &str| ["libgomp", "libiomp5", "libomp."].iter().any(|prefix| name(path).starts_with(prefix));
+    let mut paths: Vec<&str> = maps.lines().filter_map(|line| line.split_whitespace().nth(5)).collect();
+    paths.dedup();
+    // torch's own runtime first: symbols looked up through libtorch_cpu resolve to the OpenMP
+    // library it links (another package may load a second one); then any OpenMP library.
+    let candidates =
+        paths.iter().filter(|path| name(path).starts_with("libtorch_cpu.")).chain(paths.iter().filter(|path| is_openmp(path)));
+    for path in candidates {
+        let Ok(path) = CString::new(*path) else { continue };
+        // SAFETY: plain libc calls on NUL-terminated strings; RTLD_NOLOAD only returns a
+        // library that is already loaded (it runs no initialisers).
+        unsafe {
+            let handle = dlopen(path.as_ptr(), RTLD_NOW | RTLD_NOLOAD);
+            if handle.is_null() {
+                continue;
+            }
+            let symbol = |name: &str| {
+                let name = CString::new(name).expect("no NUL in a symbol name");
+                let address = dlsym(handle, name.as_ptr());
+                (!address.is_null()).then_some(address)
+            };
+            if let (Some(parallel), Some(thread_num), Some(num_threads)) =
+                (symbol("GOMP_parallel"), symbol("omp_get_thread_num"), symbol("omp_get_num_threads"))
+            {
+                return Some(Runtime {
+                    parallel: std::mem::transmute::<*mut c_void, GompParallel>(parallel),
+                    thread_num: std::mem::transmute::<*mut c_void, OmpQuery>(thread_num),
+                    num_threads: std::mem::transmute::<*mut c_void, OmpQuery>(num_threads),
+                });
+            }
         }
-        let symbol = |name: &str| {
-            let name = CString::new(name).expect("no NUL in a symbol name");
-            let address = dlsym(handle, name.as_ptr());
-            (!address.is_null()).then_some(address)
-        };
-        let (parallel, thread_num, num_threads) =
-            (symbol("GOMP_parallel")?, symbol("omp_get_thread_num")?, symbol("omp_get_num_threads")?);
-        Some(Runtime {
-            parallel: std::mem::transmute::<*mut c_void, GompParallel>(parallel),
-            thread_num: std::mem::transmute::<*mut c_void, OmpQuery>(thread_num),
-            num_threads: std::mem::transmute::<*mut c_void, OmpQuery>(num_threads),
-        })
     }
+    None
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -75,13 +85,26 @@ fn find_runtime() -> Option<Runtime> {
     None
 }
 
-/// The runtime, looked up until found (a process may load torch after its first call here).
+/// When the last lookup found nothing: a miss is looked up again at most once a second (a
+/// process may load torch after its first call here, and reading the maps costs ~0.1 ms).
+static LAST_MISS: Mutex<Option<Instant>> = Mutex::new(None);
+
+/// The runtime, kept once found.
 fn runtime() -> Option<Runtime> {
     if let Some(found) = RUNTIME.get() {
         return Some(*found);
     }
-    let found = find_runtime()?;
-    Some(*RUNTIME.get_or_init(|| found))
+    let mut last_miss = LAST_MISS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if last_miss.is_some_and(|at| at.elapsed() < Duration::from_secs(1)) {
+        return None;
+    }
+    match find_runtime() {
+        Some(found) => Some(*RUNTIME.get_or_init(|| found)),
+        None => {
+            *last_miss = Some(Instant::now());
+            None
+        }
+    }
 }
 
 /// Whether this process has an OpenMP team to run on.

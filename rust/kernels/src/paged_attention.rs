@@ -243,7 +243,7 @@ impl PagedAttention<'_> {
     fn run_items(&self, b: &Buffers, rows: &[Row], items: &[Item]) {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if crate::vector::vectorised() {
                 // SAFETY: the CPU has the features; the caller upholds `run`'s contract.
                 unsafe { self.items_avx2(b, rows, items) };
                 return;

@@ -47,6 +47,18 @@ pub trait Vector {
     unsafe fn axpy(p: f32, v: *const f32, acc: &mut [f32]);
 }
 
+/// Whether this CPU runs the kernels' vectorised path (x86-64 with AVX2 + FMA); else [`Scalar`].
+pub fn vectorised() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Plain loops, for CPUs without AVX2 + FMA.
 pub struct Scalar;
 

@@ -2,7 +2,8 @@
 //! tensors (the torch runner passes `tensor.numpy()`: no copy). Checks dtypes, shapes and
 //! strides here and the plan's indices in the kernel, so a bad call is a `ValueError`, never a
 //! wild read. The GIL is released while it runs. `openmp_team_available`: whether the kernels'
-//! threads are torch's OpenMP team (`resin-kernels`' `openmp_team`) or threads of their own.
+//! threads are torch's OpenMP team (`resin-kernels`' `openmp_team`) or threads of their own;
+//! `kernels_vectorised`: whether they run their AVX2 path.
 
 use numpy::{PyArrayMethods, PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -122,4 +123,11 @@ pub fn paged_attention(
 #[pyfunction]
 pub fn openmp_team_available() -> bool {
     resin_kernels::openmp_team::available()
+}
+
+/// Whether the kernels run vectorised on this CPU (x86-64 with AVX2 + FMA); False: their scalar
+/// fallback, which the torch backend does not use by default.
+#[pyfunction]
+pub fn kernels_vectorised() -> bool {
+    resin_kernels::vector::vectorised()
 }

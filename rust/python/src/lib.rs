@@ -4,7 +4,7 @@
 //! (SamplingParams, EngineConfig), `cache` (LayerCacheSpec, CacheGroup, CacheLayout),
 //! `plan` (BatchPlan, SamplingArrays), `output` (ForwardOutput, RequestOutput) and
 //! `engine` (Engine), `errors` (StepError, InvalidOutputError), `kernels` (`paged_attention`, the
-//! `resin-kernels` CPU kernel on numpy views, and `openmp_team_available`). The GIL is released while Rust works; plan arrays are numpy views
+//! `resin-kernels` CPU kernel on numpy views, `openmp_team_available`, `kernels_vectorised`). The GIL is released while Rust works; plan arrays are numpy views
 //! on memory the plan owns (no copy).
 
 mod cache;
@@ -32,6 +32,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::Engine>()?;
     m.add_function(wrap_pyfunction!(kernels::paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::openmp_team_available, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::kernels_vectorised, m)?)?;
     m.add("StepError", m.py().get_type::<errors::StepError>())?;
     m.add("InvalidOutputError", errors::invalid_output_error(m.py())?)?;
     Ok(())
