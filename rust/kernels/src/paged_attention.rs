@@ -281,6 +281,7 @@ impl PagedAttention<'_> {
         let mut acc: Vec<f32> = Vec::new();
         let mut keys: Vec<*const f32> = Vec::new();
         let mut values: Vec<*const f32> = Vec::new();
+        let mut sums: Vec<f32> = Vec::new(); // each head's softmax normaliser
         for item in items {
             let row = rows[item.row];
             let (g0, g1) = item.kv_heads;
@@ -319,14 +320,8 @@ impl PagedAttention<'_> {
                         scores[h * n + j] = V::dot(query(h), k[j].offset((g0 + h / repeat) as isize * b.k_strides[2]), d);
                     }
                 }
-                let mut sums = [0.0f32; 64];
-                let mut sums_vec = Vec::new();
-                let sums: &mut [f32] = if heads <= 64 {
-                    &mut sums[..heads]
-                } else {
-                    sums_vec.resize(heads, 0.0);
-                    &mut sums_vec
-                };
+                sums.clear();
+                sums.resize(heads, 0.0);
                 for (h, sum) in sums.iter_mut().enumerate() {
                     let x = &mut scores[h * n..(h + 1) * n];
                     for s in x.iter_mut() {
