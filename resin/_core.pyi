@@ -30,6 +30,7 @@ __all__ = [
     "kernels_vectorised",
     "openmp_team_available",
     "paged_attention",
+    "rotary_embedding",
     "__version__",
 ]
 
@@ -585,3 +586,14 @@ def openmp_team_available() -> bool:
     """Whether :func:`paged_attention` runs its threads on the process's OpenMP team (torch's
     libgomp / libiomp5 / libomp, looked up among the loaded libraries; Linux). False: on
     threads of its own, which compete with torch's spin-waiting workers for the cores."""
+
+def rotary_embedding(
+    x: npt.NDArray[np.float32],
+    cos: npt.NDArray[np.float32],
+    sin: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+) -> None:
+    """``out = x * cos + rotate_half(x) * sin`` (HF's half-split rotation) for ``x``
+    [T, H, D] and per-token tables ``cos`` / ``sin`` [T, D], written into ``out`` (shaped as
+    ``x``); all f32 and C-contiguous, D even. Each product rounded, then the sum, as torch
+    evaluates it: the same floats (rust/kernels/src/rotary.rs). Bad shapes raise ValueError."""

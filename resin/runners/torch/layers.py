@@ -8,7 +8,10 @@ attention itself is the attention backend's (:mod:`.attention`). Tensors are tok
 ``[T, ...]`` with T = tokens in the step.
 
 Readability beats speed here: MoE loops over experts. Faster runners are checked against
-these functions.
+these functions. Two hot paths take one call where the floats stay torch's: on CPU in fp32,
+:func:`rms_norm` is ``F.rms_norm`` (ATen's composite of the same ops) and :func:`apply_rotary`
+is ``resin._core.rotary_embedding`` (torch's expression in torch's order); tests/
+test_torch_layers.py holds both to HF bit for bit.
 """
 
 from __future__ import annotations
@@ -20,15 +23,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from resin import kernels
+from resin import _core, kernels
 from resin.page_views import readable_keys
 
 # Re-exported: it lives in resin.sampling_state (numpy, shared with the MLX runner).
 from resin.sampling_state import sampling_rows as sampling_rows
 
+# False: rms_norm and apply_rotary take their torch lines everywhere (module doc), e.g. for an
+# A/B in one process (benchmarks/layer_ops.py). Read on every call.
+one_call_paths = True
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, in fp32, as ``LlamaRMSNorm``."""
+    """RMSNorm over the last dim, in fp32, as ``LlamaRMSNorm``.
+
+    On CPU with fp32 input and weight, ``F.rms_norm``: ATen's composite of the same ops (pow,
+    mean, add eps, rsqrt, multiply, weight) in one C++ call, so the floats are the same and a
+    decode step saves ~7 Python-dispatched ops a norm (~5% of a 1-request step on the
+    benchmark Llama; docs/benchmarks.md)."""
+    cpu32 = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    if one_call_paths and cpu32 and weight.shape == x.shape[-1:]:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -87,6 +102,10 @@ def apply_rotary(
             return torch.cat((keep, apply_rotary(part, cos, sin, interleaved=interleaved)), -1)
         part, keep = x[..., :rotary_dim], x[..., rotary_dim:]
         return torch.cat((apply_rotary(part, cos, sin, interleaved=interleaved), keep), -1)
+    if not interleaved and _rust_rotary_takes(x, cos, sin):
+        out = torch.empty_like(x)
+        _core.rotary_embedding(x.numpy(), cos.numpy(), sin.numpy(), out.numpy())
+        return out
     if interleaved:
         pairs = x.unflatten(-1, (-1, 2))
         rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
@@ -94,6 +113,24 @@ def apply_rotary(
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _rust_rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``_core.rotary_embedding`` computes this rotation: CPU fp32, ``x`` [T, H, D]
+    and tables [T, D], all contiguous, D even. It evaluates torch's expression in torch's
+    order (same floats, one call instead of ~9 ops: ~5% of a 1-request decode step on the
+    benchmark Llama, docs/benchmarks.md); anything else takes the torch lines."""
+    tensors = (x, cos, sin)
+    return (
+        one_call_paths
+        and x.dim() == 3
+        and cos.shape == sin.shape == (x.shape[0], x.shape[2])
+        and x.shape[2] % 2 == 0
+        and x.numel() > 0
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and all(t.is_contiguous() for t in tensors)
+        and not any(t.requires_grad for t in tensors)
+    )
 
 
 def swiglu_mlp(

@@ -6,8 +6,10 @@
 //! - [`paged_attention`]: attention of a step's queries over the paged KV cache, read in place
 //!   through the plan's CSR page table (no gather of K and V).
 //! - [`openmp_team`]: parallel work on the process's OpenMP team (torch's), found at run time.
+//! - [`rotary`]: the half-split rotary embedding of q / k rows, torch's floats in one pass.
 //! - [`vector`]: the f32 vector primitives kernels are written in (scalar, and AVX2 + FMA).
 
 pub mod openmp_team;
 pub mod paged_attention;
+pub mod rotary;
 pub mod vector;

@@ -3,9 +3,13 @@
 //! strides here and the plan's indices in the kernel, so a bad call is a `ValueError`, never a
 //! wild read. The GIL is released while it runs. `openmp_team_available`: whether the kernels'
 //! threads are torch's OpenMP team (`resin-kernels`' `openmp_team`) or threads of their own;
-//! `kernels_vectorised`: whether they run their AVX2 path.
+//! `kernels_vectorised`: whether they run their AVX2 path. `rotary_embedding`: the half-split
+//! rotary embedding of q / k rows in one call (`resin-kernels`' `rotary`).
 
-use numpy::{PyArrayMethods, PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3, PyUntypedArrayMethods};
+use numpy::{
+    PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use resin_kernels::paged_attention::{Buffers, PagedAttention};
@@ -130,4 +134,33 @@ pub fn openmp_team_available() -> bool {
 #[pyfunction]
 pub fn kernels_vectorised() -> bool {
     resin_kernels::vector::vectorised()
+}
+
+/// `out = x * cos + rotate_half(x) * sin` for `x` [T, H, D] and per-token tables `cos` / `sin`
+/// [T, D] (all f32, C-contiguous; `out` shaped as `x`): `resin-kernels`' `rotary`, torch's
+/// floats bit for bit. Runs on the calling thread, GIL held (a step's rows are microseconds).
+#[pyfunction]
+pub fn rotary_embedding(
+    x: PyReadonlyArray3<'_, f32>,
+    cos: PyReadonlyArray2<'_, f32>,
+    sin: PyReadonlyArray2<'_, f32>,
+    mut out: PyReadwriteArray3<'_, f32>,
+) -> PyResult<()> {
+    let (xs, cs, ss, os) = (x.shape().to_vec(), cos.shape().to_vec(), sin.shape().to_vec(), out.shape().to_vec());
+    let bad = |what: String| Err(PyValueError::new_err(format!("rotary_embedding: {what}")));
+    if cs != [xs[0], xs[2]] || ss != cs || os != xs {
+        return bad(format!("x {xs:?}, cos {cs:?}, sin {ss:?} and out {os:?} do not agree (x [T, H, D], tables [T, D])"));
+    }
+    if !xs[2].is_multiple_of(2) || xs.contains(&0) {
+        return bad(format!("x {xs:?} needs an even, non-zero head_dim and no empty axis"));
+    }
+    let contiguous = |name: &str| PyValueError::new_err(format!("rotary_embedding: {name} must be C-contiguous"));
+    let (xv, cv, sv) = (
+        x.as_slice().map_err(|_| contiguous("x"))?,
+        cos.as_slice().map_err(|_| contiguous("cos"))?,
+        sin.as_slice().map_err(|_| contiguous("sin"))?,
+    );
+    let ov = out.as_slice_mut().map_err(|_| contiguous("out"))?;
+    resin_kernels::rotary::rotate_half_split(xv, cv, sv, ov, xs[2]);
+    Ok(())
 }

@@ -33,6 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::openmp_team_available, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::kernels_vectorised, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::rotary_embedding, m)?)?;
     m.add("StepError", m.py().get_type::<errors::StepError>())?;
     m.add("InvalidOutputError", errors::invalid_output_error(m.py())?)?;
     Ok(())

@@ -1,0 +1,95 @@
+"""The torch runner's layer functions against the HF modules they restate, bit for bit where
+Resin takes a faster path (``layers.rms_norm``'s one ATen call on CPU fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+
+from resin.runners.torch import layers  # noqa: E402
+
+
+@pytest.mark.parametrize("hidden", [16, 33, 512, 896])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_llama_rms_norm_bit_for_bit(hidden: int, rows: int, dtype) -> None:
+    torch.manual_seed(hidden * 100 + rows)
+    norm = llama.LlamaRMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden))
+    norm = norm.to(dtype)
+    x = (torch.randn(rows, 3, hidden) * 4).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(layers.rms_norm(x, norm.weight, 1e-6), norm(x))
+
+
+def test_rms_norm_keeps_hf_order_for_a_weight_of_another_dtype() -> None:
+    """fp32 input with a bf16 weight is not the fast path's case: HF's order (cast back, then
+    multiply by the weight) decides the dtype and the rounding."""
+    x, weight = torch.randn(4, 64), torch.randn(64).to(torch.bfloat16)
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    got = layers.rms_norm(x, weight, 1e-5)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _hf_rotated(x, cos, sin):
+    """HF's ``apply_rotary_pos_emb`` on Resin's token-major layout ([T, H, D], tables [T, D])."""
+    q, _ = llama.apply_rotary_pos_emb(
+        x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    return q[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("head_dim", [2, 16, 64, 128])
+@pytest.mark.parametrize("tokens,heads", [(1, 1), (1, 8), (7, 3), (64, 4)])
+def test_apply_rotary_is_hf_rotary_bit_for_bit(head_dim: int, tokens: int, heads: int) -> None:
+    torch.manual_seed(head_dim + tokens + heads)
+    x = torch.randn(tokens, heads, head_dim) * 3
+    angles = torch.rand(tokens, head_dim // 2) * 100
+    cos = torch.cat((angles, angles), -1).cos()
+    sin = torch.cat((angles, angles), -1).sin()
+    assert layers._rust_rotary_takes(x, cos, sin)
+    got = layers.apply_rotary(x, cos, sin)
+    assert torch.equal(got, _hf_rotated(x, cos, sin))
+    assert got.data_ptr() != x.data_ptr()  # a new tensor: the input is left as it was
+
+
+def test_apply_rotary_falls_back_to_torch_where_the_kernel_does_not_take_it() -> None:
+    x = torch.randn(5, 2, 16)
+    cos, sin = torch.randn(5, 16), torch.randn(5, 16)
+    strided = torch.randn(5, 4, 16)[:, ::2]  # non-contiguous heads
+    for args in ((strided, cos, sin), (x.double(), cos.double(), sin.double())):
+        assert not layers._rust_rotary_takes(*args)
+        assert torch.equal(layers.apply_rotary(*args), _hf_rotated(*args))
+    # Partial rotary rotates the first 8 channels (a strided slice: the torch lines), keeps the rest.
+    part = layers.apply_rotary(x, cos[:, :8], sin[:, :8])
+    assert torch.equal(part[..., 8:], x[..., 8:])
+    assert torch.equal(part[..., :8], _hf_rotated(x[..., :8].contiguous(), cos[:, :8], sin[:, :8]))
+
+
+def test_rotary_kernel_refuses_bad_shapes() -> None:
+    from resin import _core
+
+    x, out = torch.randn(3, 2, 8), torch.empty(3, 2, 8)
+    with pytest.raises(ValueError, match="do not agree"):
+        _core.rotary_embedding(
+            x.numpy(), torch.randn(2, 8).numpy(), torch.randn(2, 8).numpy(), out.numpy()
+        )
+    with pytest.raises(ValueError, match="even"):
+        odd = torch.randn(3, 2, 7)
+        t = torch.randn(3, 7).numpy()
+        _core.rotary_embedding(odd.numpy(), t, t, torch.empty(3, 2, 7).numpy())
+
+
+def test_one_call_paths_off_takes_the_torch_lines_with_the_same_floats(monkeypatch) -> None:
+    x, weight = torch.randn(6, 4, 32), torch.randn(32)
+    cos, sin = torch.randn(6, 32), torch.randn(6, 32)
+    fast = layers.rms_norm(x, weight, 1e-6), layers.apply_rotary(x, cos, sin)
+    monkeypatch.setattr(layers, "one_call_paths", False)
+    assert not layers._rust_rotary_takes(x, cos, sin)
+    calls = []
+    monkeypatch.setattr(layers.F, "rms_norm", lambda *a, **k: calls.append(a))
+    lines = layers.rms_norm(x, weight, 1e-6), layers.apply_rotary(x, cos, sin)
+    assert calls == [] and all(torch.equal(a, b) for a, b in zip(fast, lines))
