@@ -41,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     mean, add eps, rsqrt, multiply, weight) in one C++ call, so the floats are the same and a
     decode step saves ~7 Python-dispatched ops a norm (~5% of a 1-request step on the
     benchmark Llama; docs/benchmarks.md)."""
-    cpu32 = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    cpu32 = x.dtype is torch.float32 and weight.dtype is torch.float32 and x.is_cpu
     if one_call_paths and cpu32 and weight.shape == x.shape[-1:]:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.to(torch.float32)
@@ -120,16 +120,23 @@ def _rust_rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     and tables [T, D], all contiguous, D even. It evaluates torch's expression in torch's
     order (same floats, one call instead of ~9 ops: ~5% of a 1-request decode step on the
     benchmark Llama, docs/benchmarks.md); anything else takes the torch lines."""
-    tensors = (x, cos, sin)
-    return (
+    f32 = torch.float32
+    return (  # cheapest tests first: this runs twice a layer (~2 us)
         one_call_paths
+        and x.dtype is f32
+        and cos.dtype is f32
+        and sin.dtype is f32
+        and x.is_cpu
+        and cos.is_cpu
+        and sin.is_cpu
         and x.dim() == 3
         and cos.shape == sin.shape == (x.shape[0], x.shape[2])
         and x.shape[2] % 2 == 0
         and x.numel() > 0
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and all(t.is_contiguous() for t in tensors)
-        and not any(t.requires_grad for t in tensors)
+        and not (x.requires_grad or cos.requires_grad or sin.requires_grad)
+        and x.is_contiguous()
+        and cos.is_contiguous()
+        and sin.is_contiguous()
     )
 
 
