@@ -39,8 +39,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     On CPU with fp32 input and weight, ``F.rms_norm``: ATen's composite of the same ops (pow,
     mean, add eps, rsqrt, multiply, weight) in one C++ call, so the floats are the same and a
-    decode step saves ~7 Python-dispatched ops a norm (~5% of a 1-request step on the
-    benchmark Llama; docs/benchmarks.md)."""
+    decode step saves ~7 Python-dispatched ops a norm (0.72-0.87x the time a call; end to
+    end, with the rotary path, a few percent at most: docs/benchmarks.md)."""
     cpu32 = x.dtype is torch.float32 and weight.dtype is torch.float32 and x.is_cpu
     if one_call_paths and cpu32 and weight.shape == x.shape[-1:]:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -118,8 +118,8 @@ def apply_rotary(
 def _rust_rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether ``_core.rotary_embedding`` computes this rotation: CPU fp32, ``x`` [T, H, D]
     and tables [T, D], all contiguous, D even. It evaluates torch's expression in torch's
-    order (same floats, one call instead of ~9 ops: ~5% of a 1-request decode step on the
-    benchmark Llama, docs/benchmarks.md); anything else takes the torch lines."""
+    order (same floats, one call instead of ~9 ops: 0.42x the time a call, docs/
+    benchmarks.md); anything else takes the torch lines."""
     f32 = torch.float32
     return (  # cheapest tests first: this runs twice a layer (~2 us)
         one_call_paths
