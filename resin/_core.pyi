@@ -573,8 +573,8 @@ def paged_attention(
     channels. A query at position p sees the row's written keys at positions <= p (and
     > p - window); a compressed group (``ratio`` > 1) counts closed entries, entry e at key
     position (e + 1) * ratio - 1. ``sinks``: one logit per head joining the softmax;
-    ``softcap``: tanh(s / c) * c. f32 only. Bad shapes or plan indices raise ValueError before
-    any memory is read; the GIL is released while it runs on ``threads`` threads: a parallel
+    ``softcap``: tanh(s / c) * c. f32 only. Bad shapes, plan indices or an ``out`` sharing
+    bytes with an input raise ValueError before any memory is read; the GIL is released while it runs on ``threads`` threads: a parallel
     region of torch's OpenMP team when :func:`openmp_team_available`, else threads of its own."""
 
 def kernels_vectorised() -> bool:
@@ -596,4 +596,5 @@ def rotary_embedding(
     """``out = x * cos + rotate_half(x) * sin`` (HF's half-split rotation) for ``x``
     [T, H, D] and per-token tables ``cos`` / ``sin`` [T, D], written into ``out`` (shaped as
     ``x``); all f32 and C-contiguous, D even. Each product rounded, then the sum, as torch
-    evaluates it: the same floats (rust/kernels/src/rotary.rs). Bad shapes raise ValueError."""
+    evaluates it: the same floats (rust/kernels/src/rotary.rs). Bad shapes, Fortran order and an
+    ``out`` sharing bytes with an input raise ValueError."""

@@ -241,6 +241,14 @@ def test_the_cpu_kernel_refuses_bad_arguments_with_value_errors() -> None:
         call(k_cache=np.zeros((3, PAGE, 1, 16), np.float32)[..., ::2])
     with pytest.raises(TypeError):
         call(q=q.astype(np.float64))
+    # An out sharing bytes with an input: two .numpy() views of one torch tensor pass numpy's
+    # borrow checker (each has its own base), so the binding compares address ranges.
+    tq = torch.zeros(2, 2, 8)
+    with pytest.raises(ValueError, match="must not overlap"):
+        call(q=tq.numpy(), out=tq.numpy())
+    big = torch.zeros(3 * PAGE * 8 + 32)
+    with pytest.raises(ValueError, match="must not overlap"):
+        call(k_cache=big[:-32].view(3, PAGE, 1, 8).numpy(), out=big[-40:-8].view(2, 2, 8).numpy())
 
 
 @pytest.mark.parametrize("row_floats", [2 * PAGE * 2 * 8, 2 * PAGE * 2 * 8 + 5])

@@ -51,9 +51,10 @@ def test_apply_rotary_is_hf_rotary_bit_for_bit(head_dim: int, tokens: int, heads
     cos = torch.cat((angles, angles), -1).cos()
     sin = torch.cat((angles, angles), -1).sin()
     assert layers._rust_rotary_takes(x, cos, sin)
+    before = x.clone()
     got = layers.apply_rotary(x, cos, sin)
     assert torch.equal(got, _hf_rotated(x, cos, sin))
-    assert got.data_ptr() != x.data_ptr()  # a new tensor: the input is left as it was
+    assert torch.equal(x, before)  # a new tensor: the input is left as it was
 
 
 def test_apply_rotary_falls_back_to_torch_where_the_kernel_does_not_take_it() -> None:
@@ -93,3 +94,34 @@ def test_one_call_paths_off_takes_the_torch_lines_with_the_same_floats(monkeypat
     monkeypatch.setattr(layers.F, "rms_norm", lambda *a, **k: calls.append(a))
     lines = layers.rms_norm(x, weight, 1e-6), layers.apply_rotary(x, cos, sin)
     assert calls == [] and all(torch.equal(a, b) for a, b in zip(fast, lines))
+
+
+def test_rotary_kernel_refuses_fortran_order_and_an_aliased_out() -> None:
+    """numpy's ``as_slice`` takes Fortran order too (the wrong elements would be read), and two
+    ``.numpy()`` views of one tensor pass numpy's borrow checker: the binding checks both."""
+    import numpy as np
+
+    from resin import _core
+
+    x, t = torch.randn(3, 2, 8), torch.randn(3, 8)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _core.rotary_embedding(
+            np.asfortranarray(x.numpy()), t.numpy(), t.numpy(), torch.empty(3, 2, 8).numpy()
+        )
+    with pytest.raises(ValueError, match="must not overlap"):
+        _core.rotary_embedding(x.numpy(), t.numpy(), t.numpy(), x.numpy())
+    buf = torch.randn(40)  # sin is floats 0-23 of it, out floats 16-39: 8 shared
+    with pytest.raises(ValueError, match="must not overlap"):
+        _core.rotary_embedding(
+            torch.randn(3, 1, 8).numpy(),
+            t.numpy(),
+            buf[:24].view(3, 8).numpy(),
+            buf[16:].view(3, 1, 8).numpy(),
+        )
+    pair = torch.randn(48)  # sin floats 0-23, out floats 24-47: adjacent, not overlapping
+    _core.rotary_embedding(
+        torch.randn(3, 1, 8).numpy(),
+        t.numpy(),
+        pair[:24].view(3, 8).numpy(),
+        pair[24:].view(3, 1, 8).numpy(),
+    )

@@ -14,9 +14,10 @@
 /// `x.len() == out.len() == tokens * heads * head_dim`, `cos.len() == sin.len() ==
 /// tokens * head_dim`, `head_dim` even and non-zero.
 pub fn rotate_half_split(x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32], head_dim: usize) {
+    assert!(head_dim.is_multiple_of(2) && head_dim > 0, "rotary: head_dim {head_dim} must be even");
+    assert!(cos.len().is_multiple_of(head_dim), "rotary: cos is not [tokens, head_dim]");
     let half = head_dim / 2;
     let tokens = cos.len() / head_dim;
-    assert!(head_dim.is_multiple_of(2) && head_dim > 0, "rotary: head_dim {head_dim} must be even");
     assert_eq!(cos.len(), sin.len(), "rotary: cos and sin lengths differ");
     assert_eq!(x.len(), out.len(), "rotary: x and out lengths differ");
     assert!(tokens > 0 && x.len().is_multiple_of(tokens * head_dim), "rotary: x is not [tokens, heads, head_dim]");

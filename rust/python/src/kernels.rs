@@ -34,6 +34,31 @@ fn slice<'a, T: numpy::Element>(name: &str, array: &'a PyReadonlyArray1<'_, T>) 
     array.as_slice().map_err(|_| PyValueError::new_err(format!("paged_attention: {name} must be contiguous")))
 }
 
+/// The bytes `[start, end)` an f32 array of `shape` and byte `strides` at `data` spans
+/// (`None` when it holds no element).
+fn byte_extent(data: *const f32, shape: &[usize], strides: &[isize]) -> Option<(isize, isize)> {
+    if shape.contains(&0) {
+        return None;
+    }
+    let (mut low, mut high) = (data as isize, data as isize);
+    for (&n, &s) in shape.iter().zip(strides) {
+        let reach = (n as isize - 1) * s;
+        if reach < 0 {
+            low += reach
+        } else {
+            high += reach
+        }
+    }
+    Some((low, high + std::mem::size_of::<f32>() as isize))
+}
+
+/// Whether two arrays share a byte. numpy's borrow checker keys on the base object, and every
+/// `tensor.numpy()` call makes a new one, so two views of one torch tensor pass it; an `out`
+/// overlapping an input would be aliased `&` and `&mut` memory in Rust.
+fn overlaps(a: Option<(isize, isize)>, b: Option<(isize, isize)>) -> bool {
+    matches!((a, b), (Some((a0, a1)), Some((b0, b1))) if a0 < b1 && b0 < a1)
+}
+
 /// Attention of `q` [T, H, D] (f32) over the cache pages the plan lists (docs in
 /// `resin-kernels`' `paged_attention`), written into `out` [T, H, value_dim]. `k_cache` /
 /// `v_cache` are [pages, entries, kv_heads, dim] (strided views allowed, last axis
@@ -116,8 +141,17 @@ pub fn paged_attention(
         num_tokens,
         num_pages: ks[0],
     };
-    // SAFETY: every pointer is a live numpy array of the checked shape and strides; `out` is
-    // borrowed mutably (numpy's borrow checker refuses an `out` that aliases an input).
+    let out_bytes = byte_extent(buffers.out, &os, out.strides());
+    let inputs = [
+        byte_extent(q.data(), &qs, q.strides()),
+        byte_extent(k_cache.data(), &ks, k_cache.strides()),
+        v_cache.as_ref().and_then(|v| byte_extent(v.data(), &vs, v.strides())),
+    ];
+    if inputs.into_iter().any(|input| overlaps(out_bytes, input)) {
+        return bad("out must not overlap q, k_cache or v_cache".to_string());
+    }
+    // SAFETY: every pointer is a live numpy array of the checked shape and strides, and `out`
+    // shares no byte with an input (checked just above).
     py.detach(|| unsafe { att.run(&buffers, threads) }).map_err(|e| PyValueError::new_err(format!("paged_attention: {e}")))
 }
 
@@ -153,6 +187,26 @@ pub fn rotary_embedding(
     }
     if !xs[2].is_multiple_of(2) || xs.contains(&0) {
         return bad(format!("x {xs:?} needs an even, non-zero head_dim and no empty axis"));
+    }
+    // `as_slice` also takes Fortran order, which would read the wrong elements: ask for C order.
+    for (name, c_order) in [
+        ("x", x.is_c_contiguous()),
+        ("cos", cos.is_c_contiguous()),
+        ("sin", sin.is_c_contiguous()),
+        ("out", out.is_c_contiguous()),
+    ] {
+        if !c_order {
+            return bad(format!("{name} must be C-contiguous"));
+        }
+    }
+    let out_bytes = byte_extent(out.data(), &os, out.strides());
+    let inputs = [
+        byte_extent(x.data(), &xs, x.strides()),
+        byte_extent(cos.data(), &cs, cos.strides()),
+        byte_extent(sin.data(), &ss, sin.strides()),
+    ];
+    if inputs.into_iter().any(|input| overlaps(out_bytes, input)) {
+        return bad("out must not overlap x, cos or sin".to_string());
     }
     let contiguous = |name: &str| PyValueError::new_err(format!("rotary_embedding: {name} must be C-contiguous"));
     let (xv, cv, sv) = (
