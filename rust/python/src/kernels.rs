@@ -52,11 +52,12 @@ fn byte_extent(data: *const f32, shape: &[usize], strides: &[isize]) -> Option<(
     Some((low, high + std::mem::size_of::<f32>() as isize))
 }
 
-/// Whether two arrays share a byte. numpy's borrow checker keys on the base object, and every
-/// `tensor.numpy()` call makes a new one, so two views of one torch tensor pass it; an `out`
-/// overlapping an input would be aliased `&` and `&mut` memory in Rust.
-fn overlaps(a: Option<(isize, isize)>, b: Option<(isize, isize)>) -> bool {
-    matches!((a, b), (Some((a0, a1)), Some((b0, b1))) if a0 < b1 && b0 < a1)
+/// Whether `out`'s bytes (a [`byte_extent`]) meet any input's. numpy's borrow checker keys on
+/// the base object, and every `tensor.numpy()` call makes a new one, so two views of one torch
+/// tensor pass it; an `out` overlapping an input would be aliased `&` and `&mut` memory in Rust.
+fn shares_bytes(out: Option<(isize, isize)>, inputs: impl IntoIterator<Item = Option<(isize, isize)>>) -> bool {
+    let Some((o0, o1)) = out else { return false };
+    inputs.into_iter().flatten().any(|(i0, i1)| o0 < i1 && i0 < o1)
 }
 
 /// Attention of `q` [T, H, D] (f32) over the cache pages the plan lists (docs in
@@ -141,13 +142,12 @@ pub fn paged_attention(
         num_tokens,
         num_pages: ks[0],
     };
-    let out_bytes = byte_extent(buffers.out, &os, out.strides());
     let inputs = [
         byte_extent(q.data(), &qs, q.strides()),
         byte_extent(k_cache.data(), &ks, k_cache.strides()),
         v_cache.as_ref().and_then(|v| byte_extent(v.data(), &vs, v.strides())),
     ];
-    if inputs.into_iter().any(|input| overlaps(out_bytes, input)) {
+    if shares_bytes(byte_extent(buffers.out, &os, out.strides()), inputs) {
         return bad("out must not overlap q, k_cache or v_cache".to_string());
     }
     // SAFETY: every pointer is a live numpy array of the checked shape and strides, and `out`
@@ -199,22 +199,18 @@ pub fn rotary_embedding(
             return bad(format!("{name} must be C-contiguous"));
         }
     }
-    let out_bytes = byte_extent(out.data(), &os, out.strides());
     let inputs = [
         byte_extent(x.data(), &xs, x.strides()),
         byte_extent(cos.data(), &cs, cos.strides()),
         byte_extent(sin.data(), &ss, sin.strides()),
     ];
-    if inputs.into_iter().any(|input| overlaps(out_bytes, input)) {
+    if shares_bytes(byte_extent(out.data(), &os, out.strides()), inputs) {
         return bad("out must not overlap x, cos or sin".to_string());
     }
-    let contiguous = |name: &str| PyValueError::new_err(format!("rotary_embedding: {name} must be C-contiguous"));
-    let (xv, cv, sv) = (
-        x.as_slice().map_err(|_| contiguous("x"))?,
-        cos.as_slice().map_err(|_| contiguous("cos"))?,
-        sin.as_slice().map_err(|_| contiguous("sin"))?,
-    );
-    let ov = out.as_slice_mut().map_err(|_| contiguous("out"))?;
+    // C order was checked above, so these views cannot fail.
+    let not_c = |_| PyValueError::new_err("rotary_embedding: arrays must be C-contiguous");
+    let (xv, cv, sv) = (x.as_slice().map_err(not_c)?, cos.as_slice().map_err(not_c)?, sin.as_slice().map_err(not_c)?);
+    let ov = out.as_slice_mut().map_err(not_c)?;
     resin_kernels::rotary::rotate_half_split(xv, cv, sv, ov, xs[2]);
     Ok(())
 }
