@@ -13,6 +13,10 @@ the output — median of ``--repeats`` calls, each sampler on the same logits:
 - greedy: 256 rows at temperature 0, nothing else; mixed: eight settings, 32 rows each
   (greedy with penalties; temperature alone; top-k; top-p; top-k + top-p; min-p; top-p with a
   repetition penalty; top-k with frequency and presence penalties; most seeded).
+- "mixed, torch searches": the working tree's mixed step with
+  ``resin.sampling_candidates.candidates_kernel`` and ``resin.sampling_filters.nucleus_kernel``
+  off (candidates from the torch tree of block maxima, a nucleus past them from ``topk``
+  searches, not ``_core.top_candidates`` / ``_core.nucleus_cut``); same tokens, checked.
 - logits: "peaked" (LLM-like: a N(0, 2) bulk with 8 tokens 10-16 above it, the top one
   taking ~0.9 of the mass) or "flat" (the bulk alone: a top-p nucleus of thousands of tokens,
   the worst case for a candidate set).
@@ -43,6 +47,8 @@ import numpy as np
 import torch
 
 import resin
+import resin.sampling_candidates
+import resin.sampling_filters
 from resin import Engine, EngineConfig, ForwardOutput, SamplingParams
 from resin.sampling import Sampler
 
@@ -164,6 +170,24 @@ def step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
     return lambda: sampler.sample(logits, plan, rows)
 
 
+def torch_search_step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
+    """:func:`step` with the candidates and a wide nucleus found by the torch searches, not
+    ``_core.top_candidates`` / ``_core.nucleus_cut`` (``candidates_kernel`` and
+    ``nucleus_kernel`` off: the CPU path before those kernels)."""
+    call = step(sampler, logits, plan)
+
+    def run() -> Any:
+        resin.sampling_candidates.candidates_kernel = False
+        resin.sampling_filters.nucleus_kernel = False
+        try:
+            return call()
+        finally:
+            resin.sampling_candidates.candidates_kernel = True
+            resin.sampling_filters.nucleus_kernel = True
+
+    return run
+
+
 def greedy_tokens(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> np.ndarray:
     out = sampler.sample(logits, plan, np.arange(plan.num_sequences))
     greedy = np.asarray(plan.sampling.temperature) == 0
@@ -200,6 +224,11 @@ def step_rows(
             assert same, "greedy rows differ between the samplers"
             identical = same_tokens([same_as, after], logits, mixed_plan)
             assert identical, "the mixed step's tokens differ from the --same-as sampler's"
+            after.generator.manual_seed(0)
+            kernel_off = np.asarray(torch_search_step(after, logits, mixed_plan)().token_ids)
+            after.generator.manual_seed(0)
+            kernel_on = np.asarray(step(after, logits, mixed_plan)().token_ids)
+            assert np.array_equal(kernel_on, kernel_off), "a search kernel changed a token"
             row: dict[str, Any] = {"vocab_size": vocab_size, "logits": kind}
             row["tokens_identical_to_same_as"] = identical
             for name, index, n in (("after", 1, repeats), ("before", 0, before_repeats)):
@@ -207,12 +236,14 @@ def step_rows(
                     "greedy": step(greedy_samplers[index], logits, greedy_plan),
                     "mixed": step(mixed_samplers[index], logits, mixed_plan),
                 }
-                if name == "after":  # the --same-as sampler in the same rounds
+                if name == "after":  # the --same-as sampler and the torch searches too
                     calls["mixed_same_as"] = step(same_as, logits, mixed_plan)
+                    calls["mixed_torch_search"] = torch_search_step(after, logits, mixed_plan)
                 timed = median_ms(calls, n)
                 row[f"greedy_{name}_ms"], row[f"mixed_{name}_ms"] = timed["greedy"], timed["mixed"]
                 if name == "after":
                     row["mixed_same_as_ms"] = timed["mixed_same_as"]
+                    row["mixed_torch_search_ms"] = timed["mixed_torch_search"]
                 print(f"  vocab {vocab_size} {kind} {name}: {timed}", flush=True)
             row["mixed_over_greedy_after"] = row["mixed_after_ms"] / row["greedy_after_ms"]
             row["mixed_speedup"] = row["mixed_before_ms"] / row["mixed_after_ms"]
@@ -277,13 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nSampler step, ms (median); mixed tokens identical to {args.same_as}'s: checked\n")
     print(
         f"| vocab | logits | greedy before | greedy after | mixed before | mixed {args.same_as} "
-        f"| mixed after | mixed / greedy (after) | mixed speed-up vs before / vs {args.same_as} |"
+        f"| mixed, torch searches | mixed after | mixed / greedy (after) "
+        f"| mixed speed-up vs before / vs {args.same_as} |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in steps:
         print(
             f"| {r['vocab_size']:,} | {r['logits']} | {r['greedy_before_ms']:.1f} | {r['greedy_after_ms']:.1f} "
-            f"| {r['mixed_before_ms']:.1f} | {r['mixed_same_as_ms']:.1f} | {r['mixed_after_ms']:.1f} "
+            f"| {r['mixed_before_ms']:.1f} | {r['mixed_same_as_ms']:.1f} "
+            f"| {r['mixed_torch_search_ms']:.1f} | {r['mixed_after_ms']:.1f} "
             f"| {r['mixed_over_greedy_after']:.2f}x "
             f"| {r['mixed_speedup']:.1f}x / {r['mixed_speedup_vs_same_as']:.1f}x |"
         )

@@ -31,6 +31,8 @@ __all__ = [
     "openmp_team_available",
     "paged_attention",
     "rotary_embedding",
+    "nucleus_cut",
+    "top_candidates",
     "__version__",
 ]
 
@@ -598,3 +600,34 @@ def rotary_embedding(
     ``x``); all f32 and C-contiguous, D even. Each product rounded, then the sum, as torch
     evaluates it: the same floats (rust/kernels/src/rotary.rs). Bad shapes, Fortran order and an
     ``out`` sharing bytes with an input raise ValueError."""
+
+def nucleus_cut(
+    logits: npt.NDArray[np.float32],
+    probs: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.int64],
+    top_p: npt.NDArray[np.float32],
+    threshold: npt.NDArray[np.float32],
+    top_values: npt.NDArray[np.float32],
+    top_indices: npt.NDArray[np.int64],
+) -> None:
+    """For each ``rows[i]`` of ``logits`` / ``probs`` [N, V] (scaled logits and their softmax,
+    f32, C-contiguous): the logit where its top-p nucleus of mass ``top_p[i]`` ends, into
+    ``threshold[i]`` (the first token, by logit descending, whose float64-summed, float32-rounded
+    cumulative probability reaches it, as torch's sort and CPU ``cumsum`` give; the smallest
+    logit when none does), and its C largest logits, descending, and their columns into
+    ``top_values`` / ``top_indices`` [n, C] (rust/kernels/src/nucleus.rs: a histogram and a
+    sort of the nucleus's buckets, not of the row). Bad shapes, rows out of range, non-C order
+    and outputs sharing bytes with each other or an input raise ValueError; the GIL is
+    released while it runs."""
+
+def top_candidates(
+    logits: npt.NDArray[np.float32],
+    values: npt.NDArray[np.float32],
+    indices: npt.NDArray[np.int64],
+) -> None:
+    """The n = ``values.shape[1]`` largest logits of each row of ``logits`` [S, V] (f32,
+    C-contiguous), descending, into ``values`` [S, n] and their columns into ``indices``
+    [S, n]: ``topk(n)``'s values exactly, equal values from any of their columns; NaN counts as
+    the largest (rust/kernels/src/candidates.rs: one scan of the row against a rising
+    threshold). Bad shapes, non-C order and outputs sharing bytes with each other or
+    ``logits`` raise ValueError; the GIL is released while it runs."""

@@ -210,8 +210,10 @@ def _draw_filtered(
         tokens[at] = inverse_cdf(v, uniforms[at], workspace)[:, 0]
     at = again.nonzero()[:, 0]
     if len(at):
+        again_rows = workspace.get("draw.again_rows", (len(at), vocab_size), logits.dtype)
+        torch.index_select(logits, 0, at, out=again_rows)
         tokens[at] = _draw_filtered(
-            logits.index_select(0, at),  # rows divided in place come with temperature 1
+            again_rows,  # rows divided in place come with temperature 1
             None if rows.temperature is None else rows.temperature[at],
             top_k[at],
             top_p[at],

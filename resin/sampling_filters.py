@@ -22,7 +22,10 @@ is the cumulative sum of the prefix; ordered by logit, as within the candidates)
 
 Cost: the candidate search (:mod:`resin.sampling_candidates`) and, for top-p without a
 top-k, one more read of the row (its softmax: the normaliser needs every token); a nucleus of
-m tokens past the candidates costs a search of ~m log m.
+m tokens past the candidates costs a search of ~m log m in torch, or on the CPU (float32,
+:data:`nucleus_kernel`) a few reads of the row whatever m, in ``_core.nucleus_cut`` (a
+histogram says where the sums cross ``top_p``, to within a float64 rounding bound; only
+there is the row sorted; the same cut bit for bit: rust/kernels/src/nucleus.rs).
 
 Imports torch; ``import resin`` does not import this module.
 """
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from resin import _core
 from resin.sampling_candidates import top_candidates
 from resin.sampling_rows import ScaledRows, keep_from_, padded, softmax_into
 from resin.sampling_workspace import Workspace
@@ -211,7 +215,10 @@ def _wide_nucleus_thresholds(
     every 8th token), then, for the rows it does not cover, :func:`_nucleus_sizes` of what the
     search saw (at least 4x more), up to a sort of the row. The order is the logits' (the
     candidates' order), and the cumulative sums are a sort's: the first ``num`` of them are
-    the prefix's own. (The estimates decide only the cost; the search checks what it finds.)"""
+    the prefix's own. (The estimates decide only the cost; the search checks what it finds.)
+    On the CPU (float32) :data:`nucleus_kernel` gives the same answer from one Rust call."""
+    if nucleus_kernel and _kernel_takes(row, probs):
+        return _kernel_nucleus_thresholds(row, probs, beyond, mass, num_candidates)
     vocab_size = row.shape[1]
     least = max(num_candidates, 2 * cumulative.shape[1])
     nums = _sampled_nucleus_sizes(row, probs, beyond, cumulative, last, mass, least)
@@ -257,6 +264,47 @@ def _wide_nucleus_thresholds(
             )
             for i, size in zip(todo[short].tolist(), larger):
                 pending.setdefault(size, []).append(i)
+    return threshold, own_values, own_indices
+
+
+nucleus_kernel = True
+"""Whether a wide nucleus on the CPU (float32 rows) is cut by ``_core.nucleus_cut`` (a
+histogram and a sort of the nucleus's buckets, in Rust) rather than the torch search below
+(``topk`` of up to the whole row): the same thresholds and candidates. False takes the torch
+search everywhere (for A/B runs and the tests)."""
+
+
+def _kernel_takes(row: torch.Tensor, probs: torch.Tensor) -> bool:
+    return (
+        row.dtype is torch.float32
+        and probs.dtype is torch.float32
+        and row.is_cpu
+        and probs.is_cpu
+        and row.shape[1] < 1 << 32
+    )
+
+
+def _kernel_nucleus_thresholds(
+    row: torch.Tensor,
+    probs: torch.Tensor,
+    beyond: torch.Tensor,
+    mass: torch.Tensor,
+    num_candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_wide_nucleus_thresholds`'s answer from ``_core.nucleus_cut`` (its arguments)."""
+    n = len(beyond)
+    threshold = row.new_empty(n)
+    own_values = row.new_empty((n, num_candidates))
+    own_indices = torch.empty((n, num_candidates), dtype=torch.int64)
+    _core.nucleus_cut(
+        row.contiguous().numpy(),
+        probs.contiguous().numpy(),
+        beyond.to(torch.int64).contiguous().numpy(),
+        mass.to(torch.float32).contiguous().numpy(),
+        threshold.numpy(),
+        own_values.numpy(),
+        own_indices.numpy(),
+    )
     return threshold, own_values, own_indices
 
 

@@ -10,9 +10,9 @@ be invisible to the runner's memory budget.
 
 The sampler's names: ``sampler.processed`` (the step's copy of the logits), ``rows`` (whole
 rows divided by their temperature, for one stage at a time), ``probs`` / ``cdf`` (their
-softmax and cumulative sum), ``filters.wide_rows``, ``candidates.*`` (a quarter of the rows
-and less), ``sampler.logprobs``: at most about five times the largest step's logits, held
-between steps.
+softmax and cumulative sum), ``draw.again_rows`` (the rows a narrow candidate search left
+undecided), ``filters.wide_rows``, ``candidates.*`` (a quarter of the rows and less),
+``sampler.logprobs``: at most about six times the largest step's logits, held between steps.
 
 Imports torch; ``import resin`` does not import this module.
 """

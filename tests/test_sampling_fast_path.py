@@ -187,9 +187,13 @@ def batch(
     return logits, top_k.to(torch.int64), top_p.float(), min_p.float(), uniforms, temperature
 
 
+@pytest.mark.parametrize("kernel", [True, False])  # _core.top_candidates, the torch tree
 @pytest.mark.parametrize("vocab_size", [4096, 5003, 40000])
 @pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked", "plateau"])
-def test_top_candidates_are_the_topk_values(vocab_size: int, kind: str) -> None:
+def test_top_candidates_are_the_topk_values(
+    vocab_size: int, kind: str, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("resin.sampling_candidates.candidates_kernel", kernel)
     logits = torch.from_numpy(random_logits(kind, 24, vocab_size, np.random.default_rng(1)))
     for num in (64, 128, 256, 2048):
         values, indices = top_candidates(logits, num, Workspace())
@@ -244,8 +248,125 @@ def test_wide_nucleus_sizes_decide_only_the_cost(
         return [least if estimate == "too small" else vocab_size] * len(beyond)
 
     monkeypatch.setattr("resin.sampling_filters._sampled_nucleus_sizes", sizes)
+    monkeypatch.setattr("resin.sampling_filters.nucleus_kernel", False)  # the torch search
     expected, _ = reference_sample_tokens(logits, top_k, top_p, off, uniforms)
     assert torch.equal(sample_tokens(logits, top_k, top_p, off, uniforms), expected)
+
+
+def sorted_cut(row: torch.Tensor, probs: torch.Tensor, top_p: float) -> tuple[float, torch.Tensor]:
+    """The plain rule: the logit where ``row``'s nucleus of ``top_p`` ends by a sort and
+    torch's cumulative sum, and the cumulative sums."""
+    order = row.argsort(descending=True, stable=True)
+    cumulative = probs[order].cumsum(dim=-1)
+    first = min(int((cumulative < top_p).sum()), len(row) - 1)
+    return float(row[order[first]]), cumulative
+
+
+@pytest.mark.parametrize("vocab_size", [5003, 40000])
+@pytest.mark.parametrize("kind", ["flat", "ties", "masked", "plateau", "top-k"])
+def test_the_nucleus_kernel_cuts_where_the_sort_does(vocab_size: int, kind: str) -> None:
+    """``_core.nucleus_cut`` (the CPU path for a nucleus past the candidates) against a sort:
+    the same cut for masses anywhere in the row, including each one exactly equal to a
+    cumulative sum deep in the nucleus (one ulp off in any partial sum moves the cut there),
+    and the row's 256 largest logits with their columns."""
+    from resin import _core
+
+    rng = np.random.default_rng(vocab_size)
+    logits = torch.from_numpy(
+        random_logits("peaked" if kind == "top-k" else kind, 12, vocab_size, rng)
+    )
+    if kind == "top-k":  # a top-k mask past the candidates: the rest -inf
+        logits = logits.masked_fill(logits < logits.topk(3000).values[:, -1:], -torch.inf)
+    probs = logits.softmax(dim=-1)
+    masses = []
+    for r in range(len(logits)):
+        _, cumulative = sorted_cut(logits[r], probs[r], 1.0)
+        steps = ((cumulative[1:] > cumulative[:-1]) & (cumulative[1:] < 1)).nonzero()[:, 0] + 1
+        deep = steps[steps >= C]
+        edge = float(cumulative[deep[rng.integers(len(deep))]]) if len(deep) else 0.9
+        masses.append([edge, float(rng.uniform(0.5, 1.0)), 0.999999, 1.0])
+    for column in range(4):
+        top_p = torch.tensor([m[column] for m in masses], dtype=torch.float32)
+        rows = torch.arange(len(logits))
+        threshold = torch.empty(len(rows))
+        values, indices = torch.empty(len(rows), C), torch.empty(len(rows), C, dtype=torch.int64)
+        _core.nucleus_cut(
+            logits.numpy(), probs.numpy(), rows.numpy(), top_p.numpy(),
+            threshold.numpy(), values.numpy(), indices.numpy(),
+        )  # fmt: skip
+        for r in range(len(logits)):
+            expected, _ = sorted_cut(logits[r], probs[r], float(top_p[r]))
+            assert float(threshold[r]) == expected, (kind, r, column)
+        assert torch.equal(values, logits.topk(C, dim=-1).values)
+        assert torch.equal(logits.gather(1, indices), values)
+        assert all(len(set(row)) == C for row in indices.tolist())
+
+
+def test_the_nucleus_kernel_and_the_torch_search_draw_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sampler's tokens with the kernel on and off (top-p masses on the nucleus's own
+    cumulative sums, so any difference in a cut shows)."""
+    logits, top_k, top_p, min_p, uniforms, temperature = batch("flat", 48, 20000, 5)
+    scaled = logits / temperature[:, None]
+    NUCLEUS_SUMS.clear()
+    reference_sample_tokens(scaled, top_k, top_p, min_p, uniforms)
+    deep = np.random.default_rng(6)
+    for r, cumulative in NUCLEUS_SUMS.items():  # a mass deep in each wide nucleus
+        steps = ((cumulative[1:] > cumulative[:-1]) & (cumulative[1:] < 1)).nonzero()[:, 0] + 1
+        steps = steps[steps >= C]
+        if len(steps):
+            top_p[r] = cumulative[steps[deep.integers(len(steps))]]
+    expected, _ = reference_sample_tokens(scaled, top_k, top_p, min_p, uniforms)
+    tokens = {}
+    for on in (True, False):
+        monkeypatch.setattr("resin.sampling_filters.nucleus_kernel", on)
+        tokens[on] = draw_tokens(logits, temperature, top_k, top_p, min_p, uniforms, Workspace())
+    assert torch.equal(tokens[True], expected) and torch.equal(tokens[False], expected)
+
+
+def test_the_nucleus_kernel_refuses_bad_arguments() -> None:
+    from resin import _core
+
+    logits = torch.randn(4, 300)
+    probs = logits.softmax(dim=-1)
+
+    def call(**change: Any) -> None:
+        args = dict(
+            logits=logits.numpy(), probs=probs.numpy(), rows=np.arange(2, dtype=np.int64),
+            top_p=np.full(2, 0.9, np.float32), threshold=np.empty(2, np.float32),
+            top_values=np.empty((2, 8), np.float32), top_indices=np.empty((2, 8), np.int64),
+        )  # fmt: skip
+        args.update(change)
+        _core.nucleus_cut(*args.values())
+
+    call()  # the good call
+    bad = {
+        "do not agree": dict(probs=probs[:3].numpy()),
+        "not a row": dict(rows=np.array([0, 4], np.int64)),
+        "C-contiguous": dict(logits=np.asfortranarray(logits.numpy())),
+        "overlap": dict(top_values=probs.numpy().reshape(-1)[:16].reshape(2, 8)),
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            call(**change)
+    values = torch.empty(2, 8)  # two outputs over the same bytes (views numpy cannot link)
+    with pytest.raises(ValueError, match="overlap"):
+        call(top_values=values.numpy(), threshold=values.view(-1)[:2].numpy())
+    # top_candidates: [S, V] in, [S, n <= V] out, apart from each other and the input.
+    good = (np.empty((4, 8), np.float32), np.empty((4, 8), np.int64))
+    _core.top_candidates(logits.numpy(), *good)
+    for message, outputs in {
+        "do not agree": (np.empty((3, 8), np.float32), np.empty((3, 8), np.int64)),
+        "C-contiguous": (np.empty((8, 4), np.float32).T, good[1]),
+        "overlap": (logits.numpy().reshape(-1)[:32].reshape(4, 8), good[1]),
+    }.items():
+        with pytest.raises(ValueError, match=message):
+            _core.top_candidates(logits.numpy(), *outputs)
+    with pytest.raises(ValueError, match="do not agree"):
+        _core.top_candidates(
+            logits.numpy(), np.empty((4, 301), np.float32), np.empty((4, 301), np.int64)
+        )
 
 
 def test_draw_of_a_row_does_not_depend_on_the_batch() -> None:

@@ -4,11 +4,13 @@
 //! wild read. The GIL is released while it runs. `openmp_team_available`: whether the kernels'
 //! threads are torch's OpenMP team (`resin-kernels`' `openmp_team`) or threads of their own;
 //! `kernels_vectorised`: whether they run their AVX2 path. `rotary_embedding`: the half-split
-//! rotary embedding of q / k rows in one call (`resin-kernels`' `rotary`).
+//! rotary embedding of q / k rows in one call (`resin-kernels`' `rotary`). `nucleus_cut`: where
+//! rows' top-p nuclei end, the sort's cut without a sort (`resin-kernels`' `nucleus`).
+//! `top_candidates`: each row's n largest logits, `topk`'s values (`resin-kernels`' `candidates`).
 
 use numpy::{
-    PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3,
-    PyUntypedArrayMethods,
+    PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray1, PyReadwriteArray2,
+    PyReadwriteArray3, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -34,9 +36,9 @@ fn slice<'a, T: numpy::Element>(name: &str, array: &'a PyReadonlyArray1<'_, T>) 
     array.as_slice().map_err(|_| PyValueError::new_err(format!("paged_attention: {name} must be contiguous")))
 }
 
-/// The bytes `[start, end)` an f32 array of `shape` and byte `strides` at `data` spans
+/// The bytes `[start, end)` an array of `T` of `shape` and byte `strides` at `data` spans
 /// (`None` when it holds no element).
-fn byte_extent(data: *const f32, shape: &[usize], strides: &[isize]) -> Option<(isize, isize)> {
+fn byte_extent<T>(data: *const T, shape: &[usize], strides: &[isize]) -> Option<(isize, isize)> {
     if shape.contains(&0) {
         return None;
     }
@@ -49,7 +51,7 @@ fn byte_extent(data: *const f32, shape: &[usize], strides: &[isize]) -> Option<(
             high += reach
         }
     }
-    Some((low, high + std::mem::size_of::<f32>() as isize))
+    Some((low, high + std::mem::size_of::<T>() as isize))
 }
 
 /// Whether `out`'s bytes (a [`byte_extent`]) meet any input's. numpy's borrow checker keys on
@@ -212,5 +214,134 @@ pub fn rotary_embedding(
     let (xv, cv, sv) = (x.as_slice().map_err(not_c)?, cos.as_slice().map_err(not_c)?, sin.as_slice().map_err(not_c)?);
     let ov = out.as_slice_mut().map_err(not_c)?;
     resin_kernels::rotary::rotate_half_split(xv, cv, sv, ov, xs[2]);
+    Ok(())
+}
+
+/// For each row `rows[i]` of `logits` / `probs` [N, V] (f32, C-contiguous; scaled logits and
+/// their softmax): the logit where its top-p nucleus of mass `top_p[i]` ends, into `threshold[i]`,
+/// and its C largest logits (descending) and their columns into `top_values` / `top_indices`
+/// [n, C] (`resin-kernels`' `nucleus`: torch's sort-and-cumsum cut, bit for bit). GIL released.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn nucleus_cut(
+    py: Python<'_>,
+    logits: PyReadonlyArray2<'_, f32>,
+    probs: PyReadonlyArray2<'_, f32>,
+    rows: PyReadonlyArray1<'_, i64>,
+    top_p: PyReadonlyArray1<'_, f32>,
+    mut threshold: PyReadwriteArray1<'_, f32>,
+    mut top_values: PyReadwriteArray2<'_, f32>,
+    mut top_indices: PyReadwriteArray2<'_, i64>,
+) -> PyResult<()> {
+    let (ls, ps, vs, is) =
+        (logits.shape().to_vec(), probs.shape().to_vec(), top_values.shape().to_vec(), top_indices.shape().to_vec());
+    let n = rows.len();
+    let bad = |what: String| Err(PyValueError::new_err(format!("nucleus_cut: {what}")));
+    if ps != ls || ls[1] == 0 || top_p.len() != n || threshold.len() != n || vs[0] != n || is != vs || vs[1] > ls[1] {
+        return bad(format!(
+            "logits {ls:?}, probs {ps:?}, rows [{n}], top_p [{}], threshold [{}], top_values {vs:?} and \
+             top_indices {is:?} do not agree (logits / probs [N, V], rows [n], outputs [n] and [n, C <= V])",
+            top_p.len(),
+            threshold.len()
+        ));
+    }
+    for (name, c_order) in [
+        ("logits", logits.is_c_contiguous()),
+        ("probs", probs.is_c_contiguous()),
+        ("top_values", top_values.is_c_contiguous()),
+        ("top_indices", top_indices.is_c_contiguous()),
+    ] {
+        if !c_order {
+            return bad(format!("{name} must be C-contiguous"));
+        }
+    }
+    let not_c = |_| PyValueError::new_err("nucleus_cut: arrays must be contiguous");
+    let row_list = rows.as_slice().map_err(not_c)?;
+    if let Some(&row) = row_list.iter().find(|&&r| r < 0 || r as usize >= ls[0]) {
+        return bad(format!("row {row} is not a row of logits {ls:?}"));
+    }
+    let inputs = [
+        byte_extent(logits.data(), &ls, logits.strides()),
+        byte_extent(probs.data(), &ps, probs.strides()),
+        byte_extent(top_p.data(), &[n], top_p.strides()),
+    ];
+    let outputs = [
+        byte_extent(threshold.data(), &[n], threshold.strides()),
+        byte_extent(top_values.data(), &vs, top_values.strides()),
+        byte_extent(top_indices.data(), &is, top_indices.strides()),
+    ];
+    let all_but =
+        |skip: usize| inputs.iter().chain(outputs.iter().enumerate().filter(move |(i, _)| *i != skip).map(|(_, o)| o)).copied();
+    if (0..outputs.len()).any(|i| shares_bytes(outputs[i], all_but(i))) {
+        return bad("the outputs must not overlap each other or an input".to_string());
+    }
+    let (logit_rows, prob_rows) = (logits.as_slice().map_err(not_c)?, probs.as_slice().map_err(not_c)?);
+    let masses = top_p.as_slice().map_err(not_c)?;
+    let (thresholds, values, indices) = (
+        threshold.as_slice_mut().map_err(not_c)?,
+        top_values.as_slice_mut().map_err(not_c)?,
+        top_indices.as_slice_mut().map_err(not_c)?,
+    );
+    let (vocab_size, width) = (ls[1], vs[1]);
+    py.detach(|| {
+        let mut scratch = resin_kernels::nucleus::NucleusScratch::default();
+        for (i, &row) in row_list.iter().enumerate() {
+            let span = row as usize * vocab_size..(row as usize + 1) * vocab_size;
+            thresholds[i] = resin_kernels::nucleus::nucleus_cut(
+                &logit_rows[span.clone()],
+                &prob_rows[span],
+                masses[i],
+                &mut values[i * width..(i + 1) * width],
+                &mut indices[i * width..(i + 1) * width],
+                &mut scratch,
+            );
+        }
+    });
+    Ok(())
+}
+
+/// The `values.shape[1]` = n largest logits of each row of `logits` [S, V] (f32, C-contiguous),
+/// descending, into `values` [S, n] and their columns into `indices` [S, n] (`resin-kernels`'
+/// `candidates`: `topk(n)`'s values exactly). GIL released.
+#[pyfunction]
+pub fn top_candidates(
+    py: Python<'_>,
+    logits: PyReadonlyArray2<'_, f32>,
+    mut values: PyReadwriteArray2<'_, f32>,
+    mut indices: PyReadwriteArray2<'_, i64>,
+) -> PyResult<()> {
+    let (ls, vs, is) = (logits.shape().to_vec(), values.shape().to_vec(), indices.shape().to_vec());
+    let bad = |what: String| Err(PyValueError::new_err(format!("top_candidates: {what}")));
+    if vs[0] != ls[0] || is != vs || vs[1] > ls[1] || ls[1] >= 1 << 32 {
+        return bad(format!("logits {ls:?}, values {vs:?} and indices {is:?} do not agree ([S, V], [S, n <= V] each)"));
+    }
+    for (name, c_order) in
+        [("logits", logits.is_c_contiguous()), ("values", values.is_c_contiguous()), ("indices", indices.is_c_contiguous())]
+    {
+        if !c_order {
+            return bad(format!("{name} must be C-contiguous"));
+        }
+    }
+    let input = [byte_extent(logits.data(), &ls, logits.strides())];
+    let (value_bytes, index_bytes) =
+        (byte_extent(values.data(), &vs, values.strides()), byte_extent(indices.data(), &is, indices.strides()));
+    if shares_bytes(value_bytes, input) || shares_bytes(index_bytes, input) || shares_bytes(value_bytes, [index_bytes]) {
+        return bad("values and indices must not overlap each other or logits".to_string());
+    }
+    let not_c = |_| PyValueError::new_err("top_candidates: arrays must be contiguous");
+    let rows = logits.as_slice().map_err(not_c)?;
+    let (out_values, out_indices) = (values.as_slice_mut().map_err(not_c)?, indices.as_slice_mut().map_err(not_c)?);
+    let (vocab_size, n) = (ls[1], vs[1]);
+    if n == 0 {
+        return Ok(());
+    }
+    py.detach(|| {
+        let mut buffer = Vec::new();
+        for ((row, v), i) in
+            rows.chunks_exact(vocab_size).zip(out_values.chunks_exact_mut(n)).zip(out_indices.chunks_exact_mut(n))
+        {
+            resin_kernels::candidates::largest(row, v, i, &mut buffer);
+        }
+    });
     Ok(())
 }

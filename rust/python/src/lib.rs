@@ -3,9 +3,11 @@
 //! Thin by rule: no engine logic lives here. Each file wraps one noun: `params`
 //! (SamplingParams, EngineConfig), `cache` (LayerCacheSpec, CacheGroup, CacheLayout),
 //! `plan` (BatchPlan, SamplingArrays), `output` (ForwardOutput, RequestOutput) and
-//! `engine` (Engine), `errors` (StepError, InvalidOutputError), `kernels` (`paged_attention`, the
-//! `resin-kernels` CPU kernel on numpy views, `openmp_team_available`, `kernels_vectorised`). The GIL is released while Rust works; plan arrays are numpy views
-//! on memory the plan owns (no copy).
+//! `engine` (Engine), `errors` (StepError, InvalidOutputError), `kernels` (the `resin-kernels`
+//! CPU kernels on numpy views: `paged_attention`, `rotary_embedding`, `nucleus_cut`,
+//! `top_candidates`; and
+//! `openmp_team_available`, `kernels_vectorised`). The GIL is released while Rust works; plan
+//! arrays are numpy views on memory the plan owns (no copy).
 
 mod cache;
 mod engine;
@@ -34,6 +36,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::openmp_team_available, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::kernels_vectorised, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rotary_embedding, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::nucleus_cut, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::top_candidates, m)?)?;
     m.add("StepError", m.py().get_type::<errors::StepError>())?;
     m.add("InvalidOutputError", errors::invalid_output_error(m.py())?)?;
     Ok(())
