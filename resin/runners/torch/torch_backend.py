@@ -283,15 +283,13 @@ class TorchBackend(ReferenceBackend):
     def _kernel_takes(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
     ) -> bool:
-        tensors = [q, k_cache] + ([] if v_cache is None else [v_cache])
-        return (
-            self.use_cpu_kernel
-            and q.dim() == 3
-            and k_cache.dim() == 4
-            and (v_cache is None or v_cache.dim() == 4)
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and all(t.stride(-1) == 1 for t in tensors)
-        )
+        # `is` dtype tests and `is_cpu` (not `t.device.type` in a generator: ~7 us a call).
+        if not (self.use_cpu_kernel and q.dim() == 3 and k_cache.dim() == 4):
+            return False
+        for t in (q, k_cache) if v_cache is None else (q, k_cache, v_cache):
+            if t.dtype is not torch.float32 or not t.is_cpu or t.stride(-1) != 1:
+                return False
+        return v_cache is None or v_cache.dim() == 4
 
     def _batch(self, group: int) -> RowBatch:
         batch = self.batches.get(group)
