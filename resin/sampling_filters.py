@@ -217,7 +217,7 @@ def _wide_nucleus_thresholds(
     candidates' order), and the cumulative sums are a sort's: the first ``num`` of them are
     the prefix's own. (The estimates decide only the cost; the search checks what it finds.)
     On the CPU (float32) :data:`nucleus_kernel` gives the same answer from one Rust call."""
-    if nucleus_kernel and _kernel_takes(row, probs):
+    if nucleus_kernel and _kernel_takes(row, probs, mass):
         return _kernel_nucleus_thresholds(row, probs, beyond, mass, num_candidates)
     vocab_size = row.shape[1]
     least = max(num_candidates, 2 * cumulative.shape[1])
@@ -274,10 +274,12 @@ histogram and a sort of the nucleus's buckets, in Rust) rather than the torch se
 search everywhere (for A/B runs and the tests)."""
 
 
-def _kernel_takes(row: torch.Tensor, probs: torch.Tensor) -> bool:
+def _kernel_takes(row: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor) -> bool:
+    # float32 masses only: the torch search compares float32 sums with a float64 mass in float64.
     return (
         row.dtype is torch.float32
         and probs.dtype is torch.float32
+        and mass.dtype is torch.float32
         and row.is_cpu
         and probs.is_cpu
         and row.shape[1] < 1 << 32
@@ -300,7 +302,7 @@ def _kernel_nucleus_thresholds(
         row.contiguous().numpy(),
         probs.contiguous().numpy(),
         beyond.to(torch.int64).contiguous().numpy(),
-        mass.to(torch.float32).contiguous().numpy(),
+        mass.contiguous().numpy(),
         threshold.numpy(),
         own_values.numpy(),
         own_indices.numpy(),

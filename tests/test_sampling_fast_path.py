@@ -22,6 +22,7 @@ import resin
 from resin.sampling import Sampler
 from resin.sampling_candidates import top_candidates
 from resin.sampling_draw import draw_tokens, sample_tokens
+from resin.sampling_filters import apply_top_p
 from resin.sampling_penalties import TokenTally
 from resin.sampling_state import SlotState
 from resin.sampling_workspace import Workspace
@@ -323,6 +324,12 @@ def test_the_nucleus_kernel_and_the_torch_search_draw_the_same_tokens(
         monkeypatch.setattr("resin.sampling_filters.nucleus_kernel", on)
         tokens[on] = draw_tokens(logits, temperature, top_k, top_p, min_p, uniforms, Workspace())
     assert torch.equal(tokens[True], expected) and torch.equal(tokens[False], expected)
+    # A float64 top_p is compared in float64 (torch's promotion): the torch search serves it.
+    wide = top_p.double() + 1e-12
+    monkeypatch.setattr("resin.sampling_filters.nucleus_kernel", True)
+    kernel_rows = apply_top_p(scaled, wide)
+    monkeypatch.setattr("resin.sampling_filters.nucleus_kernel", False)
+    assert torch.equal(kernel_rows, apply_top_p(scaled, wide))
 
 
 def test_the_nucleus_kernel_refuses_bad_arguments() -> None:
@@ -353,6 +360,9 @@ def test_the_nucleus_kernel_refuses_bad_arguments() -> None:
     values = torch.empty(2, 8)  # two outputs over the same bytes (views numpy cannot link)
     with pytest.raises(ValueError, match="overlap"):
         call(top_values=values.numpy(), threshold=values.view(-1)[:2].numpy())
+    shared = torch.zeros(16, dtype=torch.int64)  # an output over the row indices
+    with pytest.raises(ValueError, match="overlap"):
+        call(rows=shared[:2].numpy(), top_indices=shared.view(2, 8).numpy())
     # top_candidates: [S, V] in, [S, n <= V] out, apart from each other and the input.
     good = (np.empty((4, 8), np.float32), np.empty((4, 8), np.int64))
     _core.top_candidates(logits.numpy(), *good)

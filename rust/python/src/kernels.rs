@@ -237,10 +237,18 @@ pub fn nucleus_cut(
         (logits.shape().to_vec(), probs.shape().to_vec(), top_values.shape().to_vec(), top_indices.shape().to_vec());
     let n = rows.len();
     let bad = |what: String| Err(PyValueError::new_err(format!("nucleus_cut: {what}")));
-    if ps != ls || ls[1] == 0 || top_p.len() != n || threshold.len() != n || vs[0] != n || is != vs || vs[1] > ls[1] {
+    if ps != ls
+        || ls[1] == 0
+        || ls[1] >= 1 << 32
+        || top_p.len() != n
+        || threshold.len() != n
+        || vs[0] != n
+        || is != vs
+        || vs[1] > ls[1]
+    {
         return bad(format!(
             "logits {ls:?}, probs {ps:?}, rows [{n}], top_p [{}], threshold [{}], top_values {vs:?} and \
-             top_indices {is:?} do not agree (logits / probs [N, V], rows [n], outputs [n] and [n, C <= V])",
+             top_indices {is:?} do not agree (logits / probs [N, 0 < V < 2^32], rows [n], outputs [n] and [n, C <= V])",
             top_p.len(),
             threshold.len()
         ));
@@ -264,6 +272,7 @@ pub fn nucleus_cut(
         byte_extent(logits.data(), &ls, logits.strides()),
         byte_extent(probs.data(), &ps, probs.strides()),
         byte_extent(top_p.data(), &[n], top_p.strides()),
+        byte_extent(rows.data(), &[n], rows.strides()),
     ];
     let outputs = [
         byte_extent(threshold.data(), &[n], threshold.strides()),
@@ -273,7 +282,7 @@ pub fn nucleus_cut(
     let all_but =
         |skip: usize| inputs.iter().chain(outputs.iter().enumerate().filter(move |(i, _)| *i != skip).map(|(_, o)| o)).copied();
     if (0..outputs.len()).any(|i| shares_bytes(outputs[i], all_but(i))) {
-        return bad("the outputs must not overlap each other or an input".to_string());
+        return bad("the outputs must not overlap each other or an input (rows included)".to_string());
     }
     let (logit_rows, prob_rows) = (logits.as_slice().map_err(not_c)?, probs.as_slice().map_err(not_c)?);
     let masses = top_p.as_slice().map_err(not_c)?;
