@@ -121,6 +121,13 @@ pub fn nucleus_cut(
 /// exact one, u = 2^-53, so two sums differ by under 2 j u of the total; this is 8 j u.)
 const MARGIN_PER_TERM: f64 = 1.0 / (1u64 << 50) as f64;
 
+/// Whether a running sum reaches `top_p`: torch's test, `!(float32(sum) < top_p)` (the sampler
+/// counts the sums below `top_p`), so a NaN `top_p` is reached at once, as there.
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
+fn reaches(sum: f64, top_p: f32) -> bool {
+    !((sum as f32) < top_p)
+}
+
 /// What the tests may change in [`nucleus_cut`]: the margin of the histogram's answer
 /// ([`MARGIN_PER_TERM`]; a huge one makes every row take the sort of its nucleus) and the mass
 /// the sorted path's first round places bins up to (short of `top_p`, as rounding can leave
@@ -184,7 +191,7 @@ impl Histogram<'_> {
         let (mut above, mut terms, mut first) = (0.0f64, 0usize, None);
         for (bin, (&m, &n)) in self.mass.iter().zip(self.counts).enumerate() {
             let end = above + m;
-            if n > 0 && (end + margin(terms + n as usize)) as f32 >= top_p {
+            if n > 0 && reaches(end + margin(terms + n as usize), top_p) {
                 first = Some(bin);
                 break;
             }
@@ -196,7 +203,7 @@ impl Histogram<'_> {
         for bin in first..NUM_BINS {
             end_mass += self.mass[bin];
             end_terms += self.counts[bin] as usize;
-            if (end_mass - margin(end_terms)) as f32 >= top_p {
+            if reaches(end_mass - margin(end_terms), top_p) {
                 last = Some(bin);
                 break;
             }
@@ -208,10 +215,10 @@ impl Histogram<'_> {
             sum += f64::from(f32::from_bits(entry as u32));
             terms += 1;
             let (low, high) = (sum - margin(terms), sum + margin(terms));
-            if low as f32 >= top_p {
+            if reaches(low, top_p) {
                 return Some(from_key((entry >> 32) as u32));
             }
-            if high as f32 >= top_p {
+            if reaches(high, top_p) {
                 return None; // too close to call
             }
         }
@@ -241,7 +248,7 @@ impl Histogram<'_> {
             next_bin = end;
             for &entry in &order[added..] {
                 sum += f64::from(f32::from_bits(entry as u32));
-                if sum as f32 >= top_p {
+                if reaches(sum, top_p) {
                     return from_key((entry >> 32) as u32);
                 }
             }
@@ -312,7 +319,7 @@ mod tests {
         let mut cut = columns[columns.len() - 1];
         for &c in &columns {
             sum += f64::from(probs[c]);
-            if sum as f32 >= top_p {
+            if reaches(sum, top_p) {
                 cut = c;
                 break;
             }
@@ -437,5 +444,7 @@ mod tests {
         // A mass the sums never reach (rounding): the row's smallest logit.
         let cut = nucleus_cut(&row, &probs, 2.0, &mut values, &mut indices, &mut scratch);
         assert_eq!(cut, f32::NEG_INFINITY);
+        // A NaN mass is reached at once (torch counts the sums below it: none).
+        assert_eq!(nucleus_cut(&row, &probs, f32::NAN, &mut values, &mut indices, &mut scratch), 3.0);
     }
 }
