@@ -3,7 +3,8 @@
 A ~23M-parameter random Llama checkpoint (8 layers, hidden 512, GQA 8/4 heads) is written
 once to `benchmarks/results/llama_23m/` (git-ignored) with the tiny fixture tokenizer from
 `tests/fixtures/llama`. Each run generates `--output-len` greedy tokens (EOS ignored) after
-`--prompt-len`-token random prompts, on CPU in float32:
+`--prompt-len`-token random prompts, on CPU in float32 (`--dtype bfloat16`: every contender in
+bfloat16, the checkpoint cast on load):
 
 - resin: `LLM.generate` with C concurrent requests (one engine, continuous batching), once per
   attention backend in `--attention-backends` (default: `torch`, the default backend, with its
@@ -14,8 +15,8 @@ once to `benchmarks/results/llama_23m/` (git-ignored) with the tiny fixture toke
 
 - matmul floor: only the checkpoint's projections (every layer's q/k/v/o and gate/up/down, the
   lm_head at sampled tokens) on the same token counts: the prefill's C x prompt tokens, then
-  `output_len - 1` decode steps of C rows. No implementation doing this math in float32 on
-  this CPU is faster; a ratio to HF above floor / HF is out of reach.
+  `output_len - 1` decode steps of C rows. No implementation doing this math in the same dtype
+  on this CPU is faster; a ratio to HF above floor / HF is out of reach.
 
 Throughput = generated tokens / wall seconds. Each contender is built once per concurrency and
 timed `--repeats` times, the contenders interleaved and every repeat on fresh prompts (so no
@@ -85,7 +86,7 @@ Contender = Callable[[list[list[int]]], float]
 
 
 def resin_contender(
-    concurrency: int, output_len: int, backend: str, warmup: list[int]
+    concurrency: int, output_len: int, backend: str, warmup: list[int], dtype: str = "float32"
 ) -> Contender:
     import os
 
@@ -102,6 +103,7 @@ def resin_contender(
             max_num_seqs=max(concurrency, 1),
             max_model_len=1024,
             attention_backend="torch" if sdpa else backend,
+            dtype=dtype,
         )
     finally:
         os.environ.pop("RESIN_TORCH_CPU_KERNEL", None)
@@ -118,22 +120,28 @@ def resin_contender(
     return run
 
 
-def matmul_floor_contender(output_len: int) -> Contender:
+def matmul_floor_contender(output_len: int, dtype: str = "float32") -> Contender:
     """Tokens/s if only the projections ran (module doc): the lower bound on the time."""
     import torch
     import torch.nn.functional as F
     from safetensors.torch import load_file
 
-    weights = load_file(str(CHECKPOINT / "model.safetensors"))
+    weights = {
+        name: w.to(getattr(torch, dtype))
+        for name, w in load_file(str(CHECKPOINT / "model.safetensors")).items()
+    }
     projections = [w for name, w in weights.items() if name.endswith("proj.weight")]
     lm_head = weights["lm_head.weight"]
     hidden = lm_head.shape[1]
 
+    def randn(*shape: int) -> Any:
+        return torch.randn(*shape, dtype=lm_head.dtype)
+
     def step(tokens: int, sampled: int) -> None:
-        x = torch.randn(tokens, hidden)
+        x = randn(tokens, hidden)
         for w in projections:  # input width: hidden, or the MLP width for down_proj
-            F.linear(x if w.shape[1] == hidden else torch.randn(tokens, w.shape[1]), w)
-        F.linear(torch.randn(sampled, hidden), lm_head)
+            F.linear(x if w.shape[1] == hidden else randn(tokens, w.shape[1]), w)
+        F.linear(randn(sampled, hidden), lm_head)
 
     with torch.inference_mode():
         step(1, 1)  # warm-up
@@ -151,12 +159,14 @@ def matmul_floor_contender(output_len: int) -> Contender:
     return run
 
 
-def hf_contender(output_len: int, padded: bool, warmup: list[int]) -> Contender:
+def hf_contender(
+    output_len: int, padded: bool, warmup: list[int], dtype: str = "float32"
+) -> Contender:
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        CHECKPOINT, dtype=torch.float32
+        CHECKPOINT, dtype=getattr(torch, dtype)
     ).eval()
     kwargs = dict(
         max_new_tokens=output_len,
@@ -213,6 +223,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--attention-backends", default="torch,torch-sdpa")
     parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="every contender's dtype (the checkpoint is float32; bfloat16 casts it on load)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -233,11 +249,12 @@ def main() -> None:
         warmup = random_prompts(1, args.prompt_len, vocab_size, seed=999_999)[0]
         contenders: dict[str, Contender] = {
             **{
-                f"resin_{b}_tok_s": resin_contender(c, args.output_len, b, warmup) for b in backends
+                f"resin_{b}_tok_s": resin_contender(c, args.output_len, b, warmup, args.dtype)
+                for b in backends
             },
-            "hf_sequential_tok_s": hf_contender(args.output_len, padded=False, warmup=warmup),
-            "hf_padded_tok_s": hf_contender(args.output_len, padded=True, warmup=warmup),
-            "matmul_floor_tok_s": matmul_floor_contender(args.output_len),
+            "hf_sequential_tok_s": hf_contender(args.output_len, False, warmup, args.dtype),
+            "hf_padded_tok_s": hf_contender(args.output_len, True, warmup, args.dtype),
+            "matmul_floor_tok_s": matmul_floor_contender(args.output_len, args.dtype),
         }
         runs: dict[str, list[float]] = {name: [] for name in contenders}
         for repeat in range(args.repeats):
@@ -250,7 +267,7 @@ def main() -> None:
         rows.append(row)
         print(f"C={c}: {runs}", file=sys.stderr)
     print(
-        f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, CPU float32, "
+        f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, CPU {args.dtype}, "
         f"23M-param Llama, {args.repeats} interleaved runs each"
     )
     for stat, pick in (("best run", max), ("median run", statistics.median)):
@@ -264,6 +281,7 @@ def main() -> None:
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
                 "repeats": args.repeats,
+                "dtype": args.dtype,
             },
             indent=2,
         )
