@@ -90,6 +90,7 @@ def _torch_backend(cpu_kernel: bool) -> _CountingBackend:
     ],
 )
 @pytest.mark.parametrize("cpu_kernel", [False, True], ids=["sdpa", "cpu-kernel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_matches_the_reference_backend(
     window: int | None,
     heads: int,
@@ -98,23 +99,29 @@ def test_matches_the_reference_backend(
     sinks: bool,
     softcap: float | None,
     cpu_kernel: bool,
+    dtype: str,
 ) -> None:
+    """Against the reference backend in float32 on the same values: float32 to rounding; a
+    bfloat16 step (queries and caches rounded to bfloat16) to bfloat16's precision, the
+    kernel (float32 math, the output rounded once) within its half ulp."""
     gen = torch.Generator().manual_seed(0)
     plan = _Plan(ROWS, window)
     step: Any = _Step(plan, ROWS)
     dim, dim_v = 8, 6 if shared else 8
-    k_cache = torch.randn(plan.num_pages, PAGE, kv_heads, dim, generator=gen)
+    like = getattr(torch, dtype)
+    k_cache = torch.randn(plan.num_pages, PAGE, kv_heads, dim, generator=gen).to(like)
     v_cache = None if shared else torch.randn(plan.num_pages, PAGE, kv_heads, dim, generator=gen)
-    q = torch.randn(len(step.positions), heads, dim, generator=gen)
+    v_cache = None if v_cache is None else v_cache.to(like)
+    q = torch.randn(len(step.positions), heads, dim, generator=gen).to(like)
     sink = torch.randn(heads, generator=gen) if sinks else None
     outs = []
-    for backend in (ReferenceBackend(), _torch_backend(cpu_kernel)):
+    for backend, cast in ((ReferenceBackend(), torch.float32), (_torch_backend(cpu_kernel), like)):
         backend.begin_step(step, [window], [PAGE], [1])
         outs.append(
             backend.attend(
-                q,
-                k_cache,
-                v_cache,
+                q.to(cast),
+                k_cache.to(cast),
+                None if v_cache is None else v_cache.to(cast),
                 0,
                 scale=dim**-0.5,
                 value_dim=dim_v if shared else None,
@@ -122,8 +129,9 @@ def test_matches_the_reference_backend(
                 softcap=softcap,
             )
         )
-    assert outs[1].shape == outs[0].shape
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert outs[1].shape == outs[0].shape and outs[1].dtype is like
+    tolerance = {"float32": 1e-5, "bfloat16": 2**-8 if cpu_kernel else 2e-2}[dtype]
+    torch.testing.assert_close(outs[1].float(), outs[0], rtol=tolerance, atol=tolerance)
     assert backend.kernel_calls == (1 if cpu_kernel else 0)
 
 
@@ -241,6 +249,11 @@ def test_the_cpu_kernel_refuses_bad_arguments_with_value_errors() -> None:
         call(k_cache=np.zeros((3, PAGE, 1, 16), np.float32)[..., ::2])
     with pytest.raises(TypeError):
         call(q=q.astype(np.float64))
+    with pytest.raises(ValueError, match="float32 array or int16"):
+        call(k_cache=cache.astype(np.float64))
+    with pytest.raises(ValueError, match="k_cache's dtype"):  # K as bfloat16 bits, V float32
+        call(k_cache=np.zeros((3, PAGE, 1, 8), np.int16), v_cache=cache)
+    call(k_cache=np.zeros((3, PAGE, 1, 8), np.int16))  # a bfloat16 cache, well formed
     # An out sharing bytes with an input: two .numpy() views of one torch tensor pass numpy's
     # borrow checker (each has its own base), so the binding compares address ranges.
     tq = torch.zeros(2, 2, 8)

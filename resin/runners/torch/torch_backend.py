@@ -24,7 +24,8 @@ Padding costs ``S * Q * P * E``: a decode batch (Q = 1) pads only keys to the lo
 mixing one long prefill chunk with many decode rows pads every decode row's queries to the
 chunk. ``gather`` (compressed / indexed attention) is the reference backend's.
 
-On CPU in float32 the backend skips the gather altogether when :func:`kernel_pays` (the
+On CPU in float32 or bfloat16 (:data:`KERNEL_DTYPES`; the kernel computes in float32 and a
+bfloat16 output is rounded once) the backend skips the gather altogether when :func:`kernel_pays` (the
 default where the kernel is vectorised, ``_core.kernels_vectorised()``: AVX2 + FMA;
 ``RESIN_TORCH_CPU_KERNEL=0`` turns it off, ``=1`` on even without them): it calls ``resin._core.paged_attention``
 (rust/kernels), which reads each row's pages in place through the same page table, on numpy
@@ -193,6 +194,18 @@ def kernel_pays(query_indptr: np.ndarray, seq_lens: np.ndarray) -> bool:
 KERNEL_MAX_QUERIES = 16
 KERNEL_PADDING_RATIO = 4
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""What the CPU kernel reads: float32 or bfloat16 queries (widened to float32) and caches of
+either (both K and V of one dtype; a bfloat16 one widened exactly as each row loads)."""
+
+
+def _cache_array(cache: torch.Tensor) -> np.ndarray:
+    """A cache tensor as the kernel takes it: a numpy view of float32, or of the bfloat16 bits as
+    int16 (numpy has no bfloat16; no copy either way)."""
+    if cache.dtype is torch.bfloat16:
+        return cache.view(torch.int16).numpy()
+    return cache.numpy()
+
 
 def kernel_threads() -> int:
     """Threads for the CPU kernel: torch's thread count when the kernel runs on torch's OpenMP
@@ -259,11 +272,13 @@ class TorchBackend(ReferenceBackend):
         sinks: torch.Tensor | None,
         softcap: float | None,
     ) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1], dim_v)
+        # float32 queries and output; a bfloat16 cache goes as its bits (numpy has no bfloat16)
+        # and is widened to float32 as the kernel reads it; the output is rounded once.
+        out = torch.empty(q.shape[0], q.shape[1], dim_v, dtype=torch.float32)
         _core.paged_attention(
-            q.contiguous().numpy(),
-            k_cache.numpy(),
-            None if v_cache is None else v_cache.numpy(),
+            q.to(torch.float32).contiguous().numpy(),
+            _cache_array(k_cache),
+            None if v_cache is None else _cache_array(v_cache),
             out.numpy(),
             rows.query_indptr,
             rows.seq_lens,
@@ -278,7 +293,7 @@ class TorchBackend(ReferenceBackend):
             sinks=None if sinks is None else sinks.float().contiguous().numpy(),
             threads=kernel_threads(),
         )
-        return out
+        return out if q.dtype is torch.float32 else out.to(q.dtype)
 
     def _kernel_takes(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
@@ -286,10 +301,12 @@ class TorchBackend(ReferenceBackend):
         # `is` dtype tests and `is_cpu` (not `t.device.type` in a generator: ~7 us a call).
         if not (self.use_cpu_kernel and q.dim() == 3 and k_cache.dim() == 4):
             return False
+        if q.dtype not in KERNEL_DTYPES or k_cache.dtype not in KERNEL_DTYPES:
+            return False
         for t in (q, k_cache) if v_cache is None else (q, k_cache, v_cache):
-            if t.dtype is not torch.float32 or not t.is_cpu or t.stride(-1) != 1:
+            if not t.is_cpu or t.stride(-1) != 1:
                 return False
-        return v_cache is None or v_cache.dim() == 4
+        return v_cache is None or (v_cache.dim() == 4 and v_cache.dtype is k_cache.dtype)
 
     def _batch(self, group: int) -> RowBatch:
         batch = self.batches.get(group)

@@ -17,14 +17,16 @@
 //! optional logit softcap (`tanh(s / c) * c`) and per-head sink logit (it joins the softmax and
 //! is dropped after it), then the values' weighted sum, four value rows at a time. Items are
 //! split over `threads` by cost (queries times keys), run on torch's OpenMP team when the
-//! process has one ([`crate::openmp_team`]), else on scoped threads. f32 only, written once
-//! over [`crate::vector::Vector`]: AVX2 + FMA (and a vectorised `exp`) when the CPU has them.
+//! process has one ([`crate::openmp_team`]), else on scoped threads. Queries, scores and outputs
+//! are f32; the cache is f32 or bfloat16 ([`crate::vector::Bf16`], widened to f32 exactly as
+//! each row loads). Written once over [`crate::vector::Vector`]: AVX2 + FMA (and a vectorised
+//! `exp`) when the CPU has them.
 
 use std::fmt;
 
 #[cfg(target_arch = "x86_64")]
 use crate::vector::Avx2;
-use crate::vector::{Scalar, Vector};
+use crate::vector::{Element, Scalar, Vector};
 
 /// One layer's attention over one cache group, for one step (module doc). Plan arrays are the
 /// `BatchPlan`'s; `positions` are the step's token positions.
@@ -53,14 +55,15 @@ pub struct PagedAttention<'a> {
 
 /// Where the arrays live: base pointers and element strides (the innermost stride is 1).
 /// `q` is `[num_tokens, num_heads, head_dim]`, `k` and `v` are `[num_pages, page_entries,
-/// num_kv_heads, dim]` (`v` may alias `k`), `out` is `[num_tokens, num_heads, value_dim]`.
+/// num_kv_heads, dim]` (`v` may alias `k`) of `E` (f32 or bf16), `out` is `[num_tokens,
+/// num_heads, value_dim]`.
 #[derive(Clone, Copy)]
-pub struct Buffers {
+pub struct Buffers<E: Element = f32> {
     pub q: *const f32,
     pub q_strides: [isize; 2],
-    pub k: *const f32,
+    pub k: *const E,
     pub k_strides: [isize; 3],
-    pub v: *const f32,
+    pub v: *const E,
     pub v_strides: [isize; 3],
     pub out: *mut f32,
     pub out_strides: [isize; 2],
@@ -70,8 +73,27 @@ pub struct Buffers {
 
 // The pointers are only dereferenced inside `PagedAttention::run`'s scoped threads, which write
 // disjoint output rows (one work item per row and KV head).
-unsafe impl Send for Buffers {}
-unsafe impl Sync for Buffers {}
+#[cfg(test)]
+impl<E: Element> Buffers<E> {
+    /// The same buffers with K / V pointers of another element type (the caller then sets them).
+    fn cast<F: Element>(self) -> Buffers<F> {
+        Buffers {
+            q: self.q,
+            q_strides: self.q_strides,
+            k: std::ptr::null(),
+            k_strides: self.k_strides,
+            v: std::ptr::null(),
+            v_strides: self.v_strides,
+            out: self.out,
+            out_strides: self.out_strides,
+            num_tokens: self.num_tokens,
+            num_pages: self.num_pages,
+        }
+    }
+}
+
+unsafe impl<E: Element> Send for Buffers<E> {}
+unsafe impl<E: Element> Sync for Buffers<E> {}
 
 /// A plan or shape the kernel refuses, before touching memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,7 +150,7 @@ impl PagedAttention<'_> {
     }
 
     /// Checks every index the kernel will follow (the arrays' own extents are the caller's).
-    pub fn check(&self, b: &Buffers) -> Result<(), InvalidArgument> {
+    pub fn check<E: Element>(&self, b: &Buffers<E>) -> Result<(), InvalidArgument> {
         let s = self.num_rows();
         if self.query_indptr.len() != s + 1 || self.kv_indptr.len() != s + 1 {
             return invalid(format!(
@@ -185,7 +207,7 @@ impl PagedAttention<'_> {
     /// # Safety
     /// Every pointer in `b` must address an array of the documented shape with the given
     /// strides, live and unaliased by `out` for the call.
-    pub unsafe fn run(&self, b: &Buffers, threads: usize) -> Result<(), InvalidArgument> {
+    pub unsafe fn run<E: Element>(&self, b: &Buffers<E>, threads: usize) -> Result<(), InvalidArgument> {
         self.check(b)?;
         let rows: Vec<Row> = (0..self.num_rows()).map(|s| self.row(s)).collect();
         let items = self.work_items(&rows, threads);
@@ -240,7 +262,7 @@ impl PagedAttention<'_> {
             .collect()
     }
 
-    fn run_items(&self, b: &Buffers, rows: &[Row], items: &[Item]) {
+    fn run_items<E: Element>(&self, b: &Buffers<E>, rows: &[Row], items: &[Item]) {
         #[cfg(target_arch = "x86_64")]
         {
             if crate::vector::vectorised() {
@@ -250,21 +272,21 @@ impl PagedAttention<'_> {
             }
         }
         // SAFETY: `run`'s contract.
-        unsafe { self.items::<Scalar>(b, rows, items) }
+        unsafe { self.items::<Scalar, E>(b, rows, items) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn items_avx2(&self, b: &Buffers, rows: &[Row], items: &[Item]) {
-        self.items::<Avx2>(b, rows, items)
+    unsafe fn items_avx2<E: Element>(&self, b: &Buffers<E>, rows: &[Row], items: &[Item]) {
+        self.items::<Avx2, E>(b, rows, items)
     }
 
     /// The portable path whatever the CPU (tests: both paths agree with the naive reference).
     #[cfg(test)]
-    unsafe fn run_scalar(&self, b: &Buffers) -> Result<(), InvalidArgument> {
+    unsafe fn run_scalar<E: Element>(&self, b: &Buffers<E>) -> Result<(), InvalidArgument> {
         self.check(b)?;
         let rows: Vec<Row> = (0..self.num_rows()).map(|s| self.row(s)).collect();
-        self.items::<Scalar>(b, &rows, &self.work_items(&rows, 1));
+        self.items::<Scalar, E>(b, &rows, &self.work_items(&rows, 1));
         Ok(())
     }
 
@@ -274,20 +296,20 @@ impl PagedAttention<'_> {
     /// all the item's heads while it is in cache), each head's softmax in place, then the value
     /// rows four at a time into the heads' accumulators, in the same order.
     #[inline(always)]
-    unsafe fn items<V: Vector>(&self, b: &Buffers, rows: &[Row], items: &[Item]) {
+    unsafe fn items<V: Vector, E: Element>(&self, b: &Buffers<E>, rows: &[Row], items: &[Item]) {
         let repeat = self.num_heads / self.num_kv_heads;
         let (d, dv, e) = (self.head_dim, self.value_dim, self.page_entries);
         let mut scores: Vec<f32> = Vec::new();
         let mut acc: Vec<f32> = Vec::new();
-        let mut keys: Vec<*const f32> = Vec::new();
-        let mut values: Vec<*const f32> = Vec::new();
+        let mut keys: Vec<*const E> = Vec::new();
+        let mut values: Vec<*const E> = Vec::new();
         let mut sums: Vec<f32> = Vec::new(); // each head's softmax normaliser
         for item in items {
             let row = rows[item.row];
             let (g0, g1) = item.kv_heads;
             let heads = (g1 - g0) * repeat; // the item's query heads: g0 * repeat ..
             let pages = &self.kv_indices[row.pages.0..row.pages.1];
-            let list = |out: &mut Vec<*const f32>, base: *const f32, strides: &[isize; 3]| {
+            let list = |out: &mut Vec<*const E>, base: *const E, strides: &[isize; 3]| {
                 out.clear();
                 for (p, &page) in pages.iter().enumerate() {
                     let first = base.offset(page as isize * strides[0]);
@@ -306,7 +328,7 @@ impl PagedAttention<'_> {
                 let mut j = 0;
                 while j + 4 <= n {
                     for g in 0..g1 - g0 {
-                        let at = |p: *const f32| p.offset((g0 + g) as isize * b.k_strides[2]);
+                        let at = |p: *const E| p.offset((g0 + g) as isize * b.k_strides[2]);
                         let four = [at(k[j]), at(k[j + 1]), at(k[j + 2]), at(k[j + 3])];
                         for i in 0..repeat {
                             let h = g * repeat + i;
@@ -339,7 +361,7 @@ impl PagedAttention<'_> {
                 let mut j = 0;
                 while j + 4 <= n {
                     for g in 0..g1 - g0 {
-                        let at = |p: *const f32| p.offset((g0 + g) as isize * b.v_strides[2]);
+                        let at = |p: *const E| p.offset((g0 + g) as isize * b.v_strides[2]);
                         let four = [at(v[j]), at(v[j + 1]), at(v[j + 2]), at(v[j + 3])];
                         for i in 0..repeat {
                             let h = g * repeat + i;
@@ -386,6 +408,7 @@ impl PagedAttention<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vector::Bf16;
 
     /// A naive reference: every key's position and visibility worked out directly.
     #[allow(clippy::too_many_arguments)]
@@ -525,6 +548,27 @@ mod tests {
             }
             for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                 assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "scalar={scalar} element {i}: {a} vs {b}");
+            }
+        }
+        // A bfloat16 cache: the same keys and values rounded to bfloat16 (nearest even), read
+        // as the f32s they widen to.
+        let to_bf16 = |x: &[f32]| -> Vec<Bf16> {
+            x.iter().map(|v| Bf16(((v.to_bits() + 0x7fff + ((v.to_bits() >> 16) & 1)) >> 16) as u16)).collect()
+        };
+        let (k16, v16) = (to_bf16(&k), to_bf16(&v));
+        let widen = |x: &[Bf16]| -> Vec<f32> { x.iter().map(|b| b.to_f32()).collect() };
+        let want = naive(&att, &q, &widen(&k16), &widen(&v16), t);
+        assert!(want.iter().zip(naive(&att, &q, &k, &v, t)).any(|(a, b)| *a != b), "bf16 rounding changed nothing");
+        for scalar in [false, true] {
+            out.iter_mut().for_each(|x| *x = f32::NAN);
+            let buffers = Buffers { k: k16.as_ptr(), v: v16.as_ptr(), out: out.as_mut_ptr(), ..buffers.cast::<Bf16>() };
+            if scalar {
+                unsafe { att.run_scalar(&buffers).unwrap() };
+            } else {
+                unsafe { att.run(&buffers, case.threads).unwrap() };
+            }
+            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "bf16 scalar={scalar} element {i}: {a} vs {b}");
             }
         }
     }

@@ -7,7 +7,9 @@
 //! A kernel is written once, generic over `V: Vector`, with every function `#[inline(always)]`,
 //! and entered through one `#[target_feature(enable = "avx2,fma")]` function per kernel: the
 //! intrinsics inline there (they would be calls anywhere else). Pointers are raw because key
-//! rows live in strided cache pages; each function reads `n` contiguous f32s behind each one.
+//! rows live in strided cache pages; each function reads `n` contiguous elements behind each
+//! one. Key and value rows are f32 or [`Bf16`] ([`Element`]: widened exactly as they load);
+//! queries, scores and accumulators are f32.
 
 /// The primitives (module doc).
 ///
@@ -19,12 +21,12 @@ pub trait Vector {
     ///
     /// # Safety
     /// See the trait.
-    unsafe fn dot4(q: *const f32, k: [*const f32; 4], n: usize) -> [f32; 4];
+    unsafe fn dot4<E: Element>(q: *const f32, k: [*const E; 4], n: usize) -> [f32; 4];
     /// `q . k` over `n` channels.
     ///
     /// # Safety
     /// See the trait.
-    unsafe fn dot(q: *const f32, k: *const f32, n: usize) -> f32;
+    unsafe fn dot<E: Element>(q: *const f32, k: *const E, n: usize) -> f32;
     /// The largest of `x` (`-inf` when empty).
     ///
     /// # Safety
@@ -39,12 +41,58 @@ pub trait Vector {
     ///
     /// # Safety
     /// See the trait.
-    unsafe fn axpy4(p: [f32; 4], v: [*const f32; 4], acc: &mut [f32]);
+    unsafe fn axpy4<E: Element>(p: [f32; 4], v: [*const E; 4], acc: &mut [f32]);
     /// `acc += p * v`.
     ///
     /// # Safety
     /// See the trait.
-    unsafe fn axpy(p: f32, v: *const f32, acc: &mut [f32]);
+    unsafe fn axpy<E: Element>(p: f32, v: *const E, acc: &mut [f32]);
+}
+
+/// An element of a cache row the kernels read: `f32`, or [`Bf16`] (widened to f32 as it loads,
+/// exactly: a bfloat16 is the top half of a float32).
+pub trait Element: Copy {
+    /// The value as f32.
+    fn to_f32(self) -> f32;
+    /// Eight elements from `p`, widened to f32 lanes.
+    ///
+    /// # Safety
+    /// `p` must address 8 readable elements; AVX2 must be present.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+/// A bfloat16, as its bits (numpy has no bfloat16: torch passes them as int16).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+impl Element for Bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let halves = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
+    }
 }
 
 /// Whether this CPU runs the kernels' vectorised path (x86-64 with AVX2 + FMA); else [`Scalar`].
@@ -64,24 +112,24 @@ pub struct Scalar;
 
 impl Vector for Scalar {
     #[inline(always)]
-    unsafe fn dot4(q: *const f32, k: [*const f32; 4], n: usize) -> [f32; 4] {
+    unsafe fn dot4<E: Element>(q: *const f32, k: [*const E; 4], n: usize) -> [f32; 4] {
         [Self::dot(q, k[0], n), Self::dot(q, k[1], n), Self::dot(q, k[2], n), Self::dot(q, k[3], n)]
     }
 
     #[inline(always)]
-    unsafe fn dot(q: *const f32, k: *const f32, n: usize) -> f32 {
+    unsafe fn dot<E: Element>(q: *const f32, k: *const E, n: usize) -> f32 {
         // Eight partial sums: the compiler vectorises this where it can.
         let mut acc = [0.0f32; 8];
         let mut c = 0;
         while c + 8 <= n {
             for (l, slot) in acc.iter_mut().enumerate() {
-                *slot += *q.add(c + l) * *k.add(c + l);
+                *slot += *q.add(c + l) * (*k.add(c + l)).to_f32();
             }
             c += 8;
         }
         let mut sum = acc.iter().sum::<f32>();
         while c < n {
-            sum += *q.add(c) * *k.add(c);
+            sum += *q.add(c) * (*k.add(c)).to_f32();
             c += 1;
         }
         sum
@@ -103,16 +151,17 @@ impl Vector for Scalar {
     }
 
     #[inline(always)]
-    unsafe fn axpy4(p: [f32; 4], v: [*const f32; 4], acc: &mut [f32]) {
+    unsafe fn axpy4<E: Element>(p: [f32; 4], v: [*const E; 4], acc: &mut [f32]) {
         for (c, slot) in acc.iter_mut().enumerate() {
-            *slot += p[0] * *v[0].add(c) + p[1] * *v[1].add(c) + p[2] * *v[2].add(c) + p[3] * *v[3].add(c);
+            let at = |i: usize| (*v[i].add(c)).to_f32();
+            *slot += p[0] * at(0) + p[1] * at(1) + p[2] * at(2) + p[3] * at(3);
         }
     }
 
     #[inline(always)]
-    unsafe fn axpy(p: f32, v: *const f32, acc: &mut [f32]) {
+    unsafe fn axpy<E: Element>(p: f32, v: *const E, acc: &mut [f32]) {
         for (c, slot) in acc.iter_mut().enumerate() {
-            *slot += p * *v.add(c);
+            *slot += p * (*v.add(c)).to_f32();
         }
     }
 }
@@ -124,7 +173,7 @@ pub struct Avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Avx2, Vector};
+    use super::{Avx2, Element, Vector};
     use std::arch::x86_64::*;
 
     /// The four lanes-sums of `a`..`d`: `[sum(a), sum(b), sum(c), sum(d)]`.
@@ -169,16 +218,16 @@ mod avx2 {
 
     impl Vector for Avx2 {
         #[inline(always)]
-        unsafe fn dot4(q: *const f32, k: [*const f32; 4], n: usize) -> [f32; 4] {
+        unsafe fn dot4<E: Element>(q: *const f32, k: [*const E; 4], n: usize) -> [f32; 4] {
             let (mut a, mut b, mut c, mut d) =
                 (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
             let mut i = 0;
             while i + 8 <= n {
                 let x = _mm256_loadu_ps(q.add(i));
-                a = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0].add(i)), a);
-                b = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1].add(i)), b);
-                c = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2].add(i)), c);
-                d = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3].add(i)), d);
+                a = _mm256_fmadd_ps(x, E::load8(k[0].add(i)), a);
+                b = _mm256_fmadd_ps(x, E::load8(k[1].add(i)), b);
+                c = _mm256_fmadd_ps(x, E::load8(k[2].add(i)), c);
+                d = _mm256_fmadd_ps(x, E::load8(k[3].add(i)), d);
                 i += 8;
             }
             let mut out = [0.0f32; 4];
@@ -186,7 +235,7 @@ mod avx2 {
             while i < n {
                 let x = *q.add(i);
                 for (o, key) in out.iter_mut().zip(k) {
-                    *o += x * *key.add(i);
+                    *o += x * (*key.add(i)).to_f32();
                 }
                 i += 1;
             }
@@ -194,16 +243,16 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn dot(q: *const f32, k: *const f32, n: usize) -> f32 {
+        unsafe fn dot<E: Element>(q: *const f32, k: *const E, n: usize) -> f32 {
             let mut a = _mm256_setzero_ps();
             let mut i = 0;
             while i + 8 <= n {
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(i)), _mm256_loadu_ps(k.add(i)), a);
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(i)), E::load8(k.add(i)), a);
                 i += 8;
             }
             let mut out = sum(a);
             while i < n {
-                out += *q.add(i) * *k.add(i);
+                out += *q.add(i) * (*k.add(i)).to_f32();
                 i += 1;
             }
             out
@@ -240,38 +289,39 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn axpy4(p: [f32; 4], v: [*const f32; 4], acc: &mut [f32]) {
+        unsafe fn axpy4<E: Element>(p: [f32; 4], v: [*const E; 4], acc: &mut [f32]) {
             let (p0, p1, p2, p3) = (_mm256_set1_ps(p[0]), _mm256_set1_ps(p[1]), _mm256_set1_ps(p[2]), _mm256_set1_ps(p[3]));
             let n = acc.len();
             let out = acc.as_mut_ptr();
             let mut i = 0;
             while i + 8 <= n {
                 let mut a = _mm256_loadu_ps(out.add(i));
-                a = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v[0].add(i)), a);
-                a = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v[1].add(i)), a);
-                a = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v[2].add(i)), a);
-                a = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v[3].add(i)), a);
+                a = _mm256_fmadd_ps(p0, E::load8(v[0].add(i)), a);
+                a = _mm256_fmadd_ps(p1, E::load8(v[1].add(i)), a);
+                a = _mm256_fmadd_ps(p2, E::load8(v[2].add(i)), a);
+                a = _mm256_fmadd_ps(p3, E::load8(v[3].add(i)), a);
                 _mm256_storeu_ps(out.add(i), a);
                 i += 8;
             }
             while i < n {
-                *out.add(i) += p[0] * *v[0].add(i) + p[1] * *v[1].add(i) + p[2] * *v[2].add(i) + p[3] * *v[3].add(i);
+                let at = |j: usize| (*v[j].add(i)).to_f32();
+                *out.add(i) += p[0] * at(0) + p[1] * at(1) + p[2] * at(2) + p[3] * at(3);
                 i += 1;
             }
         }
 
         #[inline(always)]
-        unsafe fn axpy(p: f32, v: *const f32, acc: &mut [f32]) {
+        unsafe fn axpy<E: Element>(p: f32, v: *const E, acc: &mut [f32]) {
             let pv = _mm256_set1_ps(p);
             let n = acc.len();
             let out = acc.as_mut_ptr();
             let mut i = 0;
             while i + 8 <= n {
-                _mm256_storeu_ps(out.add(i), _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(i)), _mm256_loadu_ps(out.add(i))));
+                _mm256_storeu_ps(out.add(i), _mm256_fmadd_ps(pv, E::load8(v.add(i)), _mm256_loadu_ps(out.add(i))));
                 i += 8;
             }
             while i < n {
-                *out.add(i) += p * *v.add(i);
+                *out.add(i) += p * (*v.add(i)).to_f32();
                 i += 1;
             }
         }

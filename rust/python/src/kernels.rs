@@ -15,10 +15,11 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use resin_kernels::paged_attention::{Buffers, PagedAttention};
+use resin_kernels::vector::{Bf16, Element};
 
 /// Element strides of `array`'s leading `N` axes; its last axis must be contiguous.
-fn strides<const N: usize>(name: &str, byte_strides: &[isize]) -> PyResult<[isize; N]> {
-    let item = std::mem::size_of::<f32>() as isize;
+fn strides<const N: usize>(name: &str, byte_strides: &[isize], item: usize) -> PyResult<[isize; N]> {
+    let item = item as isize;
     let last = byte_strides[byte_strides.len() - 1];
     if last != item || byte_strides.iter().any(|s| s % item != 0) {
         return Err(PyValueError::new_err(format!(
@@ -65,7 +66,9 @@ fn shares_bytes(out: Option<(isize, isize)>, inputs: impl IntoIterator<Item = Op
 /// Attention of `q` [T, H, D] (f32) over the cache pages the plan lists (docs in
 /// `resin-kernels`' `paged_attention`), written into `out` [T, H, value_dim]. `k_cache` /
 /// `v_cache` are [pages, entries, kv_heads, dim] (strided views allowed, last axis
-/// contiguous); `v_cache=None`: values are the key rows' first `value_dim` channels.
+/// contiguous), both f32 or both int16 holding bfloat16 bits (numpy has no bfloat16: torch
+/// passes `cache.view(torch.int16)`); `v_cache=None`: values are the key rows' first
+/// `value_dim` channels.
 #[pyfunction]
 #[pyo3(signature = (
     q, k_cache, v_cache, out, query_indptr, seq_lens, kv_indptr, kv_indices, positions,
@@ -75,9 +78,9 @@ fn shares_bytes(out: Option<(isize, isize)>, inputs: impl IntoIterator<Item = Op
 pub fn paged_attention(
     py: Python<'_>,
     q: PyReadonlyArray3<'_, f32>,
-    k_cache: PyReadonlyArray4<'_, f32>,
-    v_cache: Option<PyReadonlyArray4<'_, f32>>,
-    mut out: PyReadwriteArray3<'_, f32>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: Option<&Bound<'_, PyAny>>,
+    out: PyReadwriteArray3<'_, f32>,
     query_indptr: PyReadonlyArray1<'_, u32>,
     seq_lens: PyReadonlyArray1<'_, u32>,
     kv_indptr: PyReadonlyArray1<'_, u32>,
@@ -91,8 +94,67 @@ pub fn paged_attention(
     sinks: Option<PyReadonlyArray1<'_, f32>>,
     threads: usize,
 ) -> PyResult<()> {
+    let plan = Plan {
+        query_indptr: &query_indptr,
+        seq_lens: &seq_lens,
+        kv_indptr: &kv_indptr,
+        kv_indices: &kv_indices,
+        positions: &positions,
+        scale,
+        value_dim,
+        window,
+        ratio,
+        softcap,
+        sinks: sinks.as_ref(),
+        threads,
+    };
+    if let Ok(k) = k_cache.extract::<PyReadonlyArray4<'_, f32>>() {
+        let v = v_cache
+            .map(|v| v.extract::<PyReadonlyArray4<'_, f32>>())
+            .transpose()
+            .map_err(|_| PyValueError::new_err("paged_attention: v_cache must have k_cache's dtype (float32)"))?;
+        return attend::<f32, f32>(py, &q, &k, v.as_ref(), out, &plan);
+    }
+    if let Ok(k) = k_cache.extract::<PyReadonlyArray4<'_, i16>>() {
+        let v = v_cache
+            .map(|v| v.extract::<PyReadonlyArray4<'_, i16>>())
+            .transpose()
+            .map_err(|_| PyValueError::new_err("paged_attention: v_cache must have k_cache's dtype (int16: bfloat16 bits)"))?;
+        return attend::<Bf16, i16>(py, &q, &k, v.as_ref(), out, &plan);
+    }
+    Err(PyValueError::new_err("paged_attention: k_cache must be a 4-d float32 array or int16 (bfloat16 bits)"))
+}
+
+/// `paged_attention`'s plan arrays and settings, whatever the cache's element type.
+struct Plan<'a, 'py> {
+    query_indptr: &'a PyReadonlyArray1<'py, u32>,
+    seq_lens: &'a PyReadonlyArray1<'py, u32>,
+    kv_indptr: &'a PyReadonlyArray1<'py, u32>,
+    kv_indices: &'a PyReadonlyArray1<'py, u32>,
+    positions: &'a PyReadonlyArray1<'py, i64>,
+    scale: f32,
+    value_dim: usize,
+    window: Option<i64>,
+    ratio: i64,
+    softcap: Option<f32>,
+    sinks: Option<&'a PyReadonlyArray1<'py, f32>>,
+    threads: usize,
+}
+
+/// `paged_attention` over a cache of `E` elements, stored as numpy `T` (the same size).
+fn attend<E: Element, T: numpy::Element>(
+    py: Python<'_>,
+    q: &PyReadonlyArray3<'_, f32>,
+    k_cache: &PyReadonlyArray4<'_, T>,
+    v_cache: Option<&PyReadonlyArray4<'_, T>>,
+    mut out: PyReadwriteArray3<'_, f32>,
+    plan: &Plan<'_, '_>,
+) -> PyResult<()> {
+    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
+    let item = std::mem::size_of::<E>();
+    let value_dim = plan.value_dim;
     let (qs, ks, os) = (q.shape().to_vec(), k_cache.shape().to_vec(), out.shape().to_vec());
-    let vs = v_cache.as_ref().map_or(ks.clone(), |v| v.shape().to_vec());
+    let vs = v_cache.map_or(ks.clone(), |v| v.shape().to_vec());
     let (num_tokens, num_heads, head_dim) = (qs[0], qs[1], qs[2]);
     let bad = |what: String| Err(PyValueError::new_err(format!("paged_attention: {what}")));
     if ks[3] != head_dim {
@@ -104,40 +166,41 @@ pub fn paged_attention(
     if os != [num_tokens, num_heads, value_dim] {
         return bad(format!("out is {os:?}, expected [{num_tokens}, {num_heads}, {value_dim}]"));
     }
-    let q_strides = strides::<2>("q", q.strides())?;
-    let k_strides = strides::<3>("k_cache", k_cache.strides())?;
-    let v_strides = match &v_cache {
-        Some(v) => strides::<3>("v_cache", v.strides())?,
+    let q_strides = strides::<2>("q", q.strides(), 4)?;
+    let k_strides = strides::<3>("k_cache", k_cache.strides(), item)?;
+    let v_strides = match v_cache {
+        Some(v) => strides::<3>("v_cache", v.strides(), item)?,
         None => k_strides,
     };
-    let out_strides = strides::<2>("out", out.strides())?;
-    let sink_values = match &sinks {
+    let out_strides = strides::<2>("out", out.strides(), 4)?;
+    let sink_values = match plan.sinks {
         Some(s) => Some(slice("sinks", s)?),
         None => None,
     };
     let att = PagedAttention {
-        query_indptr: slice("query_indptr", &query_indptr)?,
-        seq_lens: slice("seq_lens", &seq_lens)?,
-        kv_indptr: slice("kv_indptr", &kv_indptr)?,
-        kv_indices: slice("kv_indices", &kv_indices)?,
-        positions: slice("positions", &positions)?,
+        query_indptr: slice("query_indptr", plan.query_indptr)?,
+        seq_lens: slice("seq_lens", plan.seq_lens)?,
+        kv_indptr: slice("kv_indptr", plan.kv_indptr)?,
+        kv_indices: slice("kv_indices", plan.kv_indices)?,
+        positions: slice("positions", plan.positions)?,
         page_entries: ks[1],
-        window,
-        ratio,
+        window: plan.window,
+        ratio: plan.ratio,
         num_heads,
         num_kv_heads: ks[2],
         head_dim,
         value_dim,
-        scale,
-        softcap,
+        scale: plan.scale,
+        softcap: plan.softcap,
         sinks: sink_values,
     };
-    let buffers = Buffers {
+    let k_data = k_cache.data() as *const E;
+    let buffers = Buffers::<E> {
         q: q.data(),
         q_strides,
-        k: k_cache.data(),
+        k: k_data,
         k_strides,
-        v: v_cache.as_ref().map_or(k_cache.data(), |v| v.data()),
+        v: v_cache.map_or(k_data, |v| v.data() as *const E),
         v_strides,
         out: out.as_array_mut().as_mut_ptr(),
         out_strides,
@@ -147,13 +210,14 @@ pub fn paged_attention(
     let inputs = [
         byte_extent(q.data(), &qs, q.strides()),
         byte_extent(k_cache.data(), &ks, k_cache.strides()),
-        v_cache.as_ref().and_then(|v| byte_extent(v.data(), &vs, v.strides())),
+        v_cache.and_then(|v| byte_extent(v.data(), &vs, v.strides())),
     ];
     if shares_bytes(byte_extent(buffers.out, &os, out.strides()), inputs) {
         return bad("out must not overlap q, k_cache or v_cache".to_string());
     }
-    // SAFETY: every pointer is a live numpy array of the checked shape and strides, and `out`
-    // shares no byte with an input (checked just above).
+    let threads = plan.threads;
+    // SAFETY: every pointer is a live numpy array of the checked shape and strides (`E` and
+    // `T` of one size), and `out` shares no byte with an input (checked just above).
     py.detach(|| unsafe { att.run(&buffers, threads) }).map_err(|e| PyValueError::new_err(format!("paged_attention: {e}")))
 }
 
