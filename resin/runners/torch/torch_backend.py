@@ -223,7 +223,7 @@ def kernel_threads() -> int:
 
 
 class TorchBackend(ReferenceBackend):
-    """Batched attention in plain torch (module doc); on CPU in float32, the paged-attention
+    """Batched attention in plain torch (module doc); on CPU in float32 or bfloat16, the paged-attention
     kernel of ``resin._core`` when :func:`kernel_pays` (``use_cpu_kernel``: module doc)."""
 
     name = "torch"
