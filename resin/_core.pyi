@@ -551,8 +551,8 @@ class Engine:
 
 def paged_attention(
     q: npt.NDArray[np.float32],
-    k_cache: npt.NDArray[np.float32],
-    v_cache: npt.NDArray[np.float32] | None,
+    k_cache: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    v_cache: npt.NDArray[np.float32] | npt.NDArray[np.int16] | None,
     out: npt.NDArray[np.float32],
     query_indptr: npt.NDArray[np.uint32],
     seq_lens: npt.NDArray[np.uint32],
@@ -575,8 +575,11 @@ def paged_attention(
     channels. A query at position p sees the row's written keys at positions <= p (and
     > p - window); a compressed group (``ratio`` > 1) counts closed entries, entry e at key
     position (e + 1) * ratio - 1. ``sinks``: one logit per head joining the softmax;
-    ``softcap``: tanh(s / c) * c. f32 only. Bad shapes, plan indices or an ``out`` sharing
-    bytes with an input raise ValueError before any memory is read; the GIL is released while it runs on ``threads`` threads: a parallel
+    ``softcap``: tanh(s / c) * c. ``q``, ``out`` and ``sinks`` f32; the caches both f32, or
+    both int16 holding bfloat16 bits (``cache.view(torch.int16).numpy()``: numpy has no
+    bfloat16), each row widened to f32 exactly as it loads. Bad shapes, dtypes, misaligned
+    arrays, plan indices or an ``out`` sharing bytes with an input raise ValueError before any
+    memory is read; the GIL is released while it runs on ``threads`` threads: a parallel
     region of torch's OpenMP team when :func:`openmp_team_available`, else threads of its own."""
 
 def kernels_vectorised() -> bool:

@@ -153,7 +153,7 @@ def test_is_registered() -> None:
 def test_every_model_passes_parity_on_it(
     model: str, cpu_kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both paths of the backend: the CPU kernel (the default on CPU in float32) and the padded
+    """Both paths of the backend: the CPU kernel (the default on CPU in float32 and bfloat16) and the padded
     SDPA batch (``RESIN_TORCH_CPU_KERNEL=0``); a counter proves which one ran."""
     pytest.importorskip("transformers")
     from resin.evals.model_ref import resolve_model, run_model_parity
@@ -254,6 +254,10 @@ def test_the_cpu_kernel_refuses_bad_arguments_with_value_errors() -> None:
     with pytest.raises(ValueError, match="k_cache's dtype"):  # K as bfloat16 bits, V float32
         call(k_cache=np.zeros((3, PAGE, 1, 8), np.int16), v_cache=cache)
     call(k_cache=np.zeros((3, PAGE, 1, 8), np.int16))  # a bfloat16 cache, well formed
+    raw = bytearray(2 * 3 * PAGE * 8 + 2)
+    unaligned = np.frombuffer(raw, np.int16, count=3 * PAGE * 8, offset=1)  # an odd address
+    with pytest.raises(ValueError, match="aligned"):
+        call(k_cache=unaligned.reshape(3, PAGE, 1, 8))
     # An out sharing bytes with an input: two .numpy() views of one torch tensor pass numpy's
     # borrow checker (each has its own base), so the binding compares address ranges.
     tq = torch.zeros(2, 2, 8)

@@ -166,6 +166,17 @@ fn attend<E: Element, T: numpy::Element>(
     if os != [num_tokens, num_heads, value_dim] {
         return bad(format!("out is {os:?}, expected [{num_tokens}, {num_heads}, {value_dim}]"));
     }
+    // A misaligned view (np.frombuffer at an odd offset) would be misaligned reads in Rust.
+    for (name, address, align) in [
+        ("q", q.data() as usize, std::mem::align_of::<f32>()),
+        ("k_cache", k_cache.data() as usize, std::mem::align_of::<E>()),
+        ("v_cache", v_cache.map_or(0, |v| v.data() as usize), std::mem::align_of::<E>()),
+        ("out", out.data() as usize, std::mem::align_of::<f32>()),
+    ] {
+        if !address.is_multiple_of(align) {
+            return bad(format!("{name} must be aligned to its element ({align} bytes)"));
+        }
+    }
     let q_strides = strides::<2>("q", q.strides(), 4)?;
     let k_strides = strides::<3>("k_cache", k_cache.strides(), item)?;
     let v_strides = match v_cache {
