@@ -567,6 +567,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: npt.NDArray[np.float32] | None = None,
     threads: int = 1,
+    bf16_rounding: bool = False,
 ) -> None:
     """Attention of ``q`` [T, H, D] over the cache pages the plan's CSR page table lists, read
     in place (rust/kernels/src/paged_attention.rs), written into ``out`` [T, H, value_dim].
@@ -577,7 +578,9 @@ def paged_attention(
     position (e + 1) * ratio - 1. ``sinks``: one logit per head joining the softmax;
     ``softcap``: tanh(s / c) * c. ``q``, ``out`` and ``sinks`` f32; the caches both f32, or
     both int16 holding bfloat16 bits (``cache.view(torch.int16).numpy()``: numpy has no
-    bfloat16), each row widened to f32 exactly as it loads. Bad shapes, dtypes, misaligned
+    bfloat16), each row widened to f32 exactly as it loads. ``bf16_rounding``: round as a
+    bfloat16 model's eager attention does (``q @ k.T`` and its product with the scale rounded to
+    bfloat16, the softmax in f32, its probabilities rounded before ``@ v``). Bad shapes, dtypes, misaligned
     arrays, plan indices or an ``out`` sharing bytes with an input raise ValueError before any
     memory is read; the GIL is released while it runs on ``threads`` threads: a parallel
     region of torch's OpenMP team when :func:`openmp_team_available`, else threads of its own."""

@@ -293,6 +293,9 @@ class TorchBackend(ReferenceBackend):
             softcap=softcap,
             sinks=None if sinks is None else sinks.float().contiguous().numpy(),
             threads=kernel_threads(),
+            # A bfloat16 model: HF's roundings (scores, probabilities), so greedy tokens depart
+            # from HF's no more than the bfloat16 SDPA path's do.
+            bf16_rounding=q.dtype is torch.bfloat16,
         )
         return out if q.dtype is torch.float32 else out.to(q.dtype)
 

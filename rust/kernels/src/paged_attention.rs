@@ -51,6 +51,19 @@ pub struct PagedAttention<'a> {
     pub softcap: Option<f32>,
     /// One logit per query head, or `None`.
     pub sinks: Option<&'a [f32]>,
+    /// Round as a bfloat16 model's eager attention does (HF: `q @ k.T` rounded, times the scale
+    /// rounded, softmax in f32, the probabilities rounded before `@ v`), so a bfloat16 runner
+    /// departs from HF's greedy tokens no more than its SDPA path did; false: f32 throughout.
+    pub bf16_rounding: bool,
+}
+
+/// `x` rounded to the nearest bfloat16 (ties to even), as an f32.
+fn round_bf16(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let bits = x.to_bits();
+    f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
 }
 
 /// Where the arrays live: base pointers and element strides (the innermost stride is 1).
@@ -346,15 +359,32 @@ impl PagedAttention<'_> {
                 sums.resize(heads, 0.0);
                 for (h, sum) in sums.iter_mut().enumerate() {
                     let x = &mut scores[h * n..(h + 1) * n];
-                    for s in x.iter_mut() {
-                        *s *= self.scale;
-                        if let Some(c) = self.softcap {
-                            *s = (*s / c).tanh() * c;
+                    if self.bf16_rounding {
+                        let r = round_bf16;
+                        for s in x.iter_mut() {
+                            *s = r(r(*s) * self.scale);
+                            if let Some(c) = self.softcap {
+                                *s = r(r(r(*s / c).tanh()) * c);
+                            }
+                        }
+                    } else {
+                        for s in x.iter_mut() {
+                            *s *= self.scale;
+                            if let Some(c) = self.softcap {
+                                *s = (*s / c).tanh() * c;
+                            }
                         }
                     }
                     let sink = self.sinks.map(|sinks| sinks[g0 * repeat + h]);
                     let max = V::max(x).max(sink.unwrap_or(f32::NEG_INFINITY));
                     *sum = V::exp_sum(x, max) + sink.map_or(0.0, |s| (s - max).exp());
+                    if self.bf16_rounding {
+                        // The probabilities themselves, rounded; nothing left to divide by.
+                        for p in x.iter_mut() {
+                            *p = round_bf16(*p / *sum);
+                        }
+                        *sum = 1.0;
+                    }
                 }
                 acc.clear();
                 acc.resize(heads * dv, 0.0);
@@ -522,6 +552,7 @@ mod tests {
             scale: 0.3,
             softcap: case.softcap,
             sinks: case.sinks.then_some(&sinks[..]),
+            bf16_rounding: false,
         };
         let dv = d - 4;
         let mut out = vec![f32::NAN; t * h * dv];
@@ -538,18 +569,7 @@ mod tests {
             num_pages,
         };
         let want = naive(&att, &q, &k, &v, t);
-        for scalar in [false, true] {
-            out.iter_mut().for_each(|x| *x = f32::NAN);
-            let buffers = Buffers { out: out.as_mut_ptr(), ..buffers };
-            if scalar {
-                unsafe { att.run_scalar(&buffers).unwrap() };
-            } else {
-                unsafe { att.run(&buffers, case.threads).unwrap() };
-            }
-            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "scalar={scalar} element {i}: {a} vs {b}");
-            }
-        }
+        agrees(&att, buffers, case.threads, &mut out, &want, "f32");
         // A bfloat16 cache: the same keys and values rounded to bfloat16 (nearest even), read
         // as the f32s they widen to.
         let to_bf16 = |x: &[f32]| -> Vec<Bf16> {
@@ -557,18 +577,24 @@ mod tests {
         };
         let (k16, v16) = (to_bf16(&k), to_bf16(&v));
         let widen = |x: &[Bf16]| -> Vec<f32> { x.iter().map(|b| b.to_f32()).collect() };
-        let want = naive(&att, &q, &widen(&k16), &widen(&v16), t);
-        assert!(want.iter().zip(naive(&att, &q, &k, &v, t)).any(|(a, b)| *a != b), "bf16 rounding changed nothing");
+        let want16 = naive(&att, &q, &widen(&k16), &widen(&v16), t);
+        assert!(want16.iter().zip(&want).any(|(a, b)| a != b), "bf16 rounding changed nothing");
+        let buffers = Buffers { k: k16.as_ptr(), v: v16.as_ptr(), ..buffers.cast::<Bf16>() };
+        agrees(&att, buffers, case.threads, &mut out, &want16, "bf16");
+    }
+
+    /// Both paths (the vectorised one on `threads`, the scalar one) write `want` into `out`.
+    fn agrees<E: Element>(att: &PagedAttention, buffers: Buffers<E>, threads: usize, out: &mut [f32], want: &[f32], label: &str) {
         for scalar in [false, true] {
             out.iter_mut().for_each(|x| *x = f32::NAN);
-            let buffers = Buffers { k: k16.as_ptr(), v: v16.as_ptr(), out: out.as_mut_ptr(), ..buffers.cast::<Bf16>() };
+            let buffers = Buffers { out: out.as_mut_ptr(), ..buffers };
             if scalar {
                 unsafe { att.run_scalar(&buffers).unwrap() };
             } else {
-                unsafe { att.run(&buffers, case.threads).unwrap() };
+                unsafe { att.run(&buffers, threads).unwrap() };
             }
-            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "bf16 scalar={scalar} element {i}: {a} vs {b}");
+            for (i, (a, b)) in out.iter().zip(want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{label} scalar={scalar} element {i}: {a} vs {b}");
             }
         }
     }
@@ -646,6 +672,7 @@ mod tests {
             scale: 1.0,
             softcap: None,
             sinks: None,
+            bf16_rounding: false,
         };
         let err = unsafe { att.run(&buffers, 1) }.unwrap_err();
         assert!(err.0.contains("page 5"), "{err}");

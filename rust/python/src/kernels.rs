@@ -55,6 +55,15 @@ fn byte_extent<T>(data: *const T, shape: &[usize], strides: &[isize]) -> Option<
     Some((low, high + std::mem::size_of::<T>() as isize))
 }
 
+/// A ValueError naming the first array that is not C-contiguous (`as_slice` also takes Fortran
+/// order, which a kernel reading rows would misread).
+fn c_order<const N: usize>(kernel: &str, arrays: [(&str, bool); N]) -> PyResult<()> {
+    match arrays.iter().find(|(_, c_order)| !c_order) {
+        Some((name, _)) => Err(PyValueError::new_err(format!("{kernel}: {name} must be C-contiguous"))),
+        None => Ok(()),
+    }
+}
+
 /// Whether `out`'s bytes (a [`byte_extent`]) meet any input's. numpy's borrow checker keys on
 /// the base object, and every `tensor.numpy()` call makes a new one, so two views of one torch
 /// tensor pass it; an `out` overlapping an input would be aliased `&` and `&mut` memory in Rust.
@@ -68,11 +77,12 @@ fn shares_bytes(out: Option<(isize, isize)>, inputs: impl IntoIterator<Item = Op
 /// `v_cache` are [pages, entries, kv_heads, dim] (strided views allowed, last axis
 /// contiguous), both f32 or both int16 holding bfloat16 bits (numpy has no bfloat16: torch
 /// passes `cache.view(torch.int16)`); `v_cache=None`: values are the key rows' first
-/// `value_dim` channels.
+/// `value_dim` channels. `bf16_rounding`: round scores and probabilities as a bfloat16 model's
+/// eager attention does.
 #[pyfunction]
 #[pyo3(signature = (
     q, k_cache, v_cache, out, query_indptr, seq_lens, kv_indptr, kv_indices, positions,
-    *, scale, value_dim, window=None, ratio=1, softcap=None, sinks=None, threads=1
+    *, scale, value_dim, window=None, ratio=1, softcap=None, sinks=None, threads=1, bf16_rounding=false
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
@@ -93,6 +103,7 @@ pub fn paged_attention(
     softcap: Option<f32>,
     sinks: Option<PyReadonlyArray1<'_, f32>>,
     threads: usize,
+    bf16_rounding: bool,
 ) -> PyResult<()> {
     let plan = Plan {
         query_indptr: &query_indptr,
@@ -107,6 +118,7 @@ pub fn paged_attention(
         softcap,
         sinks: sinks.as_ref(),
         threads,
+        bf16_rounding,
     };
     if let Ok(k) = k_cache.extract::<PyReadonlyArray4<'_, f32>>() {
         let v = v_cache
@@ -139,6 +151,7 @@ struct Plan<'a, 'py> {
     softcap: Option<f32>,
     sinks: Option<&'a PyReadonlyArray1<'py, f32>>,
     threads: usize,
+    bf16_rounding: bool,
 }
 
 /// `paged_attention` over a cache of `E` elements, stored as numpy `T` (the same size).
@@ -204,6 +217,7 @@ fn attend<E: Element, T: numpy::Element>(
         scale: plan.scale,
         softcap: plan.softcap,
         sinks: sink_values,
+        bf16_rounding: plan.bf16_rounding,
     };
     let k_data = k_cache.data() as *const E;
     let buffers = Buffers::<E> {
@@ -265,17 +279,15 @@ pub fn rotary_embedding(
     if !xs[2].is_multiple_of(2) || xs.contains(&0) {
         return bad(format!("x {xs:?} needs an even, non-zero head_dim and no empty axis"));
     }
-    // `as_slice` also takes Fortran order, which would read the wrong elements: ask for C order.
-    for (name, c_order) in [
-        ("x", x.is_c_contiguous()),
-        ("cos", cos.is_c_contiguous()),
-        ("sin", sin.is_c_contiguous()),
-        ("out", out.is_c_contiguous()),
-    ] {
-        if !c_order {
-            return bad(format!("{name} must be C-contiguous"));
-        }
-    }
+    c_order(
+        "rotary_embedding",
+        [
+            ("x", x.is_c_contiguous()),
+            ("cos", cos.is_c_contiguous()),
+            ("sin", sin.is_c_contiguous()),
+            ("out", out.is_c_contiguous()),
+        ],
+    )?;
     let inputs = [
         byte_extent(x.data(), &xs, x.strides()),
         byte_extent(cos.data(), &cs, cos.strides()),
@@ -328,16 +340,15 @@ pub fn nucleus_cut(
             threshold.len()
         ));
     }
-    for (name, c_order) in [
-        ("logits", logits.is_c_contiguous()),
-        ("probs", probs.is_c_contiguous()),
-        ("top_values", top_values.is_c_contiguous()),
-        ("top_indices", top_indices.is_c_contiguous()),
-    ] {
-        if !c_order {
-            return bad(format!("{name} must be C-contiguous"));
-        }
-    }
+    c_order(
+        "nucleus_cut",
+        [
+            ("logits", logits.is_c_contiguous()),
+            ("probs", probs.is_c_contiguous()),
+            ("top_values", top_values.is_c_contiguous()),
+            ("top_indices", top_indices.is_c_contiguous()),
+        ],
+    )?;
     let not_c = |_| PyValueError::new_err("nucleus_cut: arrays must be contiguous");
     let row_list = rows.as_slice().map_err(not_c)?;
     if let Some(&row) = row_list.iter().find(|&&r| r < 0 || r as usize >= ls[0]) {
@@ -399,13 +410,10 @@ pub fn top_candidates(
     if vs[0] != ls[0] || is != vs || vs[1] > ls[1] || ls[1] >= 1 << 32 {
         return bad(format!("logits {ls:?}, values {vs:?} and indices {is:?} do not agree ([S, V], [S, n <= V] each)"));
     }
-    for (name, c_order) in
-        [("logits", logits.is_c_contiguous()), ("values", values.is_c_contiguous()), ("indices", indices.is_c_contiguous())]
-    {
-        if !c_order {
-            return bad(format!("{name} must be C-contiguous"));
-        }
-    }
+    c_order(
+        "top_candidates",
+        [("logits", logits.is_c_contiguous()), ("values", values.is_c_contiguous()), ("indices", indices.is_c_contiguous())],
+    )?;
     let input = [byte_extent(logits.data(), &ls, logits.strides())];
     let (value_bytes, index_bytes) =
         (byte_extent(values.data(), &vs, values.strides()), byte_extent(indices.data(), &is, indices.strides()));
