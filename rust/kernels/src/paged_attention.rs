@@ -58,12 +58,16 @@ pub struct PagedAttention<'a> {
 }
 
 /// `x` rounded to the nearest bfloat16 (ties to even), as an f32.
+#[inline(always)]
 fn round_bf16(x: f32) -> f32 {
-    if x.is_nan() {
-        return x;
-    }
     let bits = x.to_bits();
-    f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+    let rounded = f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000);
+    // A select, not an early return: the loops over scores stay vectorised.
+    if x.is_nan() {
+        x
+    } else {
+        rounded
+    }
 }
 
 /// Where the arrays live: base pointers and element strides (the innermost stride is 1).
@@ -380,8 +384,9 @@ impl PagedAttention<'_> {
                     *sum = V::exp_sum(x, max) + sink.map_or(0.0, |s| (s - max).exp());
                     if self.bf16_rounding {
                         // The probabilities themselves, rounded; nothing left to divide by.
+                        let inverse = 1.0 / *sum; // torch's softmax multiplies by it too
                         for p in x.iter_mut() {
-                            *p = round_bf16(*p / *sum);
+                            *p = round_bf16(*p * inverse);
                         }
                         *sum = 1.0;
                     }
