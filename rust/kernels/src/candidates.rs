@@ -11,10 +11,11 @@
 //! rest of the row is a compare each.
 //!
 //! Order: by an order-preserving key of the float bits (`-inf` lowest); NaN counts as larger
-//! than everything, as torch's `topk` takes it.
+//! than everything, as torch's `topk` takes it. [`key`] / [`from_key`] are the crate's one
+//! float order (the `nucleus` kernel sorts by them too).
 
 /// A `u32` whose unsigned order is the float order of `x`, NaN above `+inf` (either sign).
-fn key(x: f32) -> u32 {
+pub(crate) fn key(x: f32) -> u32 {
     let bits = x.to_bits();
     let ordered = if bits >> 31 == 1 { !bits } else { bits | 0x8000_0000 };
     // A select on the bits, not `is_nan()`'s branch (which made the scan ~6x slower).
@@ -35,7 +36,7 @@ fn passes(x: f32, below: f32) -> bool {
 }
 
 /// The float whose [`key`] is `k` (NaN for `u32::MAX`).
-fn from_key(k: u32) -> f32 {
+pub(crate) fn from_key(k: u32) -> f32 {
     f32::from_bits(if k >> 31 == 1 { k & 0x7fff_ffff } else { !k })
 }
 

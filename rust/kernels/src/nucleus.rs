@@ -24,6 +24,8 @@
 //! size (~0.5 ms at 152k tokens, where a `topk` of the nucleus took 7-15 ms), plus a sort of
 //! the nucleus on the rare fallback.
 
+use crate::candidates::{from_key, key, largest};
+
 /// Bins of the histogram, each [`BINS_PER_LOGIT`]-th of a logit wide, from the row's largest
 /// logit down; the last also holds everything deeper (a token 32 logits below the largest has
 /// probability under 1e-13).
@@ -61,22 +63,6 @@ fn row_max(logits: &[f32]) -> f32 {
     }
     let tail = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
     lanes.iter().copied().fold(tail, f32::max)
-}
-
-/// A `u32` whose unsigned order is the float order of `x` (negative floats have their bits
-/// flipped, positive ones their sign bit set): the order within a bin.
-fn order_key(x: f32) -> u32 {
-    let bits = x.to_bits();
-    if bits >> 31 == 1 {
-        !bits
-    } else {
-        bits | 0x8000_0000
-    }
-}
-
-/// The float whose [`order_key`] is `key`.
-fn from_key(key: u32) -> f32 {
-    f32::from_bits(if key >> 31 == 1 { key & 0x7fff_ffff } else { !key })
 }
 
 /// The reusable buffers of [`nucleus_cut`] (one per batch of rows).
@@ -160,7 +146,7 @@ fn cut_with(
         counts[at as usize] += 1;
         mass[at as usize] += f64::from(p);
     }
-    largest(logits, bins, counts, top, top_values, top_indices);
+    largest(logits, top_values, top_indices, top);
     let histogram = Histogram { logits, probs, bins, counts, mass };
     if let Some(cut) = histogram.bounded_cut(top_p, tuning.margin_per_term, order) {
         return cut;
@@ -258,28 +244,6 @@ impl Histogram<'_> {
     }
 }
 
-/// The row's `top_values.len()` largest logits, descending, and their columns: the tokens of
-/// the first bins holding that many, sorted.
-fn largest(logits: &[f32], bins: &[u16], counts: &[u32], top: &mut Vec<u64>, top_values: &mut [f32], top_indices: &mut [i64]) {
-    let num_top = top_values.len();
-    if num_top == 0 {
-        return;
-    }
-    let (mut end, mut held) = (0usize, 0usize);
-    while held < num_top {
-        held += counts[end] as usize;
-        end += 1;
-    }
-    top.clear();
-    let above = logits.iter().zip(bins).enumerate().filter(|(_, (_, &bin))| (bin as usize) < end);
-    top.extend(above.map(|(column, (&logit, _))| (u64::from(order_key(logit)) << 32) | column as u64));
-    top.sort_unstable_by(|a, b| b.cmp(a));
-    for ((value, index), &entry) in top_values.iter_mut().zip(top_indices.iter_mut()).zip(top.iter()) {
-        *value = from_key((entry >> 32) as u32);
-        *index = (entry & 0xffff_ffff) as i64;
-    }
-}
-
 /// Appends the tokens of bins `first..end` to `order`, bin by bin, each bin sorted by key,
 /// descending (a counting sort by bin, then a sort within each).
 fn place(logits: &[f32], probs: &[f32], bins: &[u16], first: usize, end: usize, counts: &[u32], order: &mut Vec<u64>) {
@@ -295,7 +259,7 @@ fn place(logits: &[f32], probs: &[f32], bins: &[u16], first: usize, end: usize, 
         let b = b as usize;
         if b >= first && b < end {
             let slot = &mut offsets[b - first];
-            order[*slot] = (u64::from(order_key(logit)) << 32) | u64::from(p.to_bits());
+            order[*slot] = (u64::from(key(logit)) << 32) | u64::from(p.to_bits());
             *slot += 1;
         }
     }

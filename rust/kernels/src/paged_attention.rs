@@ -26,7 +26,7 @@ use std::fmt;
 
 #[cfg(target_arch = "x86_64")]
 use crate::vector::Avx2;
-use crate::vector::{Element, Scalar, Vector};
+use crate::vector::{Bf16, Element, Scalar, Vector};
 
 /// One layer's attention over one cache group, for one step (module doc). Plan arrays are the
 /// `BatchPlan`'s; `positions` are the step's token positions.
@@ -57,17 +57,10 @@ pub struct PagedAttention<'a> {
     pub bf16_rounding: bool,
 }
 
-/// `x` rounded to the nearest bfloat16 (ties to even), as an f32.
+/// `x` rounded to the nearest bfloat16, as an f32.
 #[inline(always)]
 fn round_bf16(x: f32) -> f32 {
-    let bits = x.to_bits();
-    let rounded = f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000);
-    // A select, not an early return: the loops over scores stay vectorised.
-    if x.is_nan() {
-        x
-    } else {
-        rounded
-    }
+    Bf16::round(x).to_f32()
 }
 
 /// Where the arrays live: base pointers and element strides (the innermost stride is 1).
@@ -443,7 +436,6 @@ impl PagedAttention<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vector::Bf16;
 
     /// A naive reference: every key's position and visibility worked out directly.
     #[allow(clippy::too_many_arguments)]
@@ -577,9 +569,7 @@ mod tests {
         agrees(&att, buffers, case.threads, &mut out, &want, "f32");
         // A bfloat16 cache: the same keys and values rounded to bfloat16 (nearest even), read
         // as the f32s they widen to.
-        let to_bf16 = |x: &[f32]| -> Vec<Bf16> {
-            x.iter().map(|v| Bf16(((v.to_bits() + 0x7fff + ((v.to_bits() >> 16) & 1)) >> 16) as u16)).collect()
-        };
+        let to_bf16 = |x: &[f32]| -> Vec<Bf16> { x.iter().map(|&v| Bf16::round(v)).collect() };
         let (k16, v16) = (to_bf16(&k), to_bf16(&v));
         let widen = |x: &[Bf16]| -> Vec<f32> { x.iter().map(|b| b.to_f32()).collect() };
         let want16 = naive(&att, &q, &widen(&k16), &widen(&v16), t);

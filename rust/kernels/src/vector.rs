@@ -80,6 +80,17 @@ impl Element for f32 {
     }
 }
 
+impl Bf16 {
+    /// `x` rounded to the nearest bfloat16, ties to even (NaN stays NaN), as torch's `.to(bfloat16)`.
+    #[inline(always)]
+    pub fn round(x: f32) -> Bf16 {
+        let bits = x.to_bits();
+        let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+        // A select, not an early return: loops over it stay vectorised.
+        Bf16(if x.is_nan() { (bits >> 16) as u16 | 0x40 } else { rounded })
+    }
+}
+
 impl Element for Bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -380,6 +391,18 @@ mod tests {
                 assert!((*a as f64 - b).abs() < 1e-5, "axpy n={n}");
             }
         }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(Bf16::round(1.0), Bf16(0x3f80));
+        assert_eq!(Bf16::round(1.0 + 1.0 / 256.0), Bf16(0x3f80)); // a tie: to the even 1.0
+        assert_eq!(Bf16::round(1.0 + 3.0 / 256.0), Bf16(0x3f82)); // a tie: to the even 1.015625
+        assert_eq!(Bf16::round(1.0 + 1.5 / 256.0), Bf16(0x3f81)); // above the tie: up
+        assert_eq!(Bf16::round(-2.5), Bf16(0xc020));
+        assert_eq!(Bf16::round(f32::MAX).to_f32(), f32::INFINITY); // past bfloat16's largest
+        assert!(Bf16::round(f32::NAN).to_f32().is_nan());
+        assert!(Bf16::round(f32::from_bits(0x7f80_0001)).to_f32().is_nan()); // a NaN near inf
     }
 
     #[test]
