@@ -71,10 +71,18 @@ def test_the_real_runner_answers_openai_and_anthropic() -> None:
         assert chat.usage.completion_tokens == len(expected.token_ids)
         assert chat.choices[0].message.content == expected.text
         claude = anthropic.Anthropic(base_url=live.base_url, api_key="x", max_retries=0)
+        # Greedy, as the OpenAI request: Anthropic's default temperature is 1, and an unseeded
+        # draw that hit EOS within 6 tokens made this test flaky (this SDK has no temperature
+        # argument).
         message = claude.messages.create(
-            model=MODEL, max_tokens=6, messages=MESSAGES, thinking={"type": "disabled"}
+            model=MODEL,
+            max_tokens=6,
+            messages=MESSAGES,
+            thinking={"type": "disabled"},
+            extra_body={"temperature": 0},
         )
         assert message.usage.output_tokens == len(expected.token_ids)
+        assert message.content[0].text == expected.text  # type: ignore[union-attr]
         assert message.stop_reason in ("max_tokens", "end_turn")
 
 
