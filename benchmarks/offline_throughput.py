@@ -9,14 +9,16 @@ bfloat16, the checkpoint cast on load):
 - resin: `LLM.generate` with C concurrent requests (one engine, continuous batching), once per
   attention backend in `--attention-backends` (default: `torch`, the default backend, with its
   CPU paged-attention kernel, and `torch-sdpa`, the same backend with the kernel off,
-  `RESIN_TORCH_CPU_KERNEL=0`; `reference` is the parity backend);
+  `RESIN_TORCH_CPU_KERNEL=0`; `torch-gemm` is the torch backend with the CPU decode linear off,
+  every projection torch's GEMM; `reference` is the parity backend);
 - HF sequential: `model.generate` one request at a time (C requests);
 - HF padded: one `model.generate` call on a left-padded batch of C prompts.
 
 - matmul floor: only the checkpoint's projections (every layer's q/k/v/o and gate/up/down, the
   lm_head at sampled tokens) on the same token counts: the prefill's C x prompt tokens, then
-  `output_len - 1` decode steps of C rows. No implementation doing this math in the same dtype
-  on this CPU is faster; a ratio to HF above floor / HF is out of reach.
+  `output_len - 1` decode steps of C rows, through `resin.kernels.linear` (the Rust decode
+  linear for a few rows, torch's GEMM past them): what Resin's own projections cost, so Resin's
+  ratio to HF stays under floor / HF.
 
 Throughput = generated tokens / wall seconds. Each contender is built once per concurrency and
 timed `--repeats` times, the contenders interleaved and every repeat on fresh prompts (so no
@@ -91,10 +93,13 @@ def resin_contender(
     import os
 
     import resin
+    from resin.kernels import cpu_linear
     from resin.llm import LLM
 
-    # torch-sdpa: the torch backend with its CPU kernel off (the padded SDPA batch).
+    # torch-sdpa: the torch backend with its CPU kernel off (the padded SDPA batch); torch-gemm:
+    # with the CPU decode linear off (every projection torch's GEMM), switched per run.
     sdpa = backend == "torch-sdpa"
+    gemm = backend == "torch-gemm"
     if sdpa:
         os.environ["RESIN_TORCH_CPU_KERNEL"] = "0"  # read when the backend is built
     try:
@@ -102,7 +107,7 @@ def resin_contender(
             CHECKPOINT,
             max_num_seqs=max(concurrency, 1),
             max_model_len=1024,
-            attention_backend="torch" if sdpa else backend,
+            attention_backend="torch" if sdpa or gemm else backend,
             dtype=dtype,
         )
     finally:
@@ -111,9 +116,14 @@ def resin_contender(
     llm.generate([warmup], params)  # allocator, first-call costs (a prompt no repeat uses)
 
     def run(prompts: list[list[int]]) -> float:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
+        enabled = cpu_linear.enabled
+        cpu_linear.enabled = enabled and not gemm
+        try:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
+        finally:
+            cpu_linear.enabled = enabled
         assert all(len(o.token_ids) == output_len for o in outputs)
         return len(prompts) * output_len / seconds
 
@@ -123,8 +133,9 @@ def resin_contender(
 def matmul_floor_contender(output_len: int, dtype: str = "float32") -> Contender:
     """Tokens/s if only the projections ran (module doc): the lower bound on the time."""
     import torch
-    import torch.nn.functional as F
     from safetensors.torch import load_file
+
+    from resin.kernels import linear  # what Resin's projections run on (module doc)
 
     weights = {
         name: w.to(getattr(torch, dtype))
@@ -140,8 +151,8 @@ def matmul_floor_contender(output_len: int, dtype: str = "float32") -> Contender
     def step(tokens: int, sampled: int) -> None:
         x = randn(tokens, hidden)
         for w in projections:  # input width: hidden, or the MLP width for down_proj
-            F.linear(x if w.shape[1] == hidden else randn(tokens, w.shape[1]), w)
-        F.linear(randn(sampled, hidden), lm_head)
+            linear(x if w.shape[1] == hidden else randn(tokens, w.shape[1]), w)
+        linear(randn(sampled, hidden), lm_head)
 
     with torch.inference_mode():
         step(1, 1)  # warm-up

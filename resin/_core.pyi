@@ -28,6 +28,7 @@ __all__ = [
     "SamplingParams",
     "StepError",
     "kernels_vectorised",
+    "linear",
     "openmp_team_available",
     "paged_attention",
     "rotary_embedding",
@@ -637,3 +638,19 @@ def top_candidates(
     the largest (rust/kernels/src/candidates.rs: one scan of the row against a rising
     threshold). Bad shapes, non-C order and outputs sharing bytes with each other or
     ``logits`` raise ValueError; the GIL is released while it runs."""
+
+def linear(
+    x: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    w: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    bias: npt.NDArray[np.float32] | npt.NDArray[np.int16] | None,
+    out: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    *,
+    threads: int = 1,
+) -> None:
+    """``out = x @ w.T (+ bias)`` for ``x`` [rows, in], ``w`` [out_features, in], ``bias``
+    [out_features], ``out`` [rows, out_features]: all C-contiguous and of one dtype, float32 or
+    int16 holding bfloat16 bits. Each output is one float32 dot product plus the bias, rounded
+    once (rust/kernels/src/linear.rs: torch's math in another summation order; each weight row
+    read once, for a decode step's few rows). Bad shapes, mixed dtypes, non-C order, misaligned
+    arrays and an ``out`` sharing bytes with an input raise ValueError; the GIL is released
+    while it runs, on up to ``threads`` threads of torch's OpenMP team."""

@@ -2,7 +2,8 @@
 
 Anywhere:
 
-- :data:`resin.kernels.linear` is ``F.linear`` itself unless ``RESIN_CUTLASS_GEMM=1``; opting
+- :data:`resin.kernels.linear` is not the CUTLASS GEMM unless ``RESIN_CUTLASS_GEMM=1`` (the CPU
+  decode linear, or ``F.linear`` itself with ``RESIN_CPU_LINEAR=0``); opting
   in without CUDA or the package is a RuntimeError naming what is missing (what
   ``resin.kernels`` raises at import then);
 - :func:`cutlass_linear` off CUDA is ``F.linear`` exactly, with the reason counted;
@@ -29,18 +30,22 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from resin import kernels  # noqa: E402
-from resin.kernels import cutlass_gemm  # noqa: E402
+from resin.kernels import cpu_linear, cutlass_gemm  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_linear_is_torch_unless_opted_in() -> None:
-    assert kernels.select_linear({}) is F.linear
-    assert kernels.select_linear({"RESIN_CUTLASS_GEMM": "0"}) is F.linear
+def test_linear_is_not_cutlass_unless_opted_in() -> None:
+    # Without the opt-in: the CPU decode linear where it is on, else F.linear itself (not even
+    # a wrapper call); never the CUTLASS GEMM.
+    default = cpu_linear.cpu_linear if cpu_linear.enabled else F.linear
+    assert kernels.select_linear({}) is default
+    assert kernels.select_linear({"RESIN_CUTLASS_GEMM": "0"}) is default
+    assert kernels.select_linear({"RESIN_CPU_LINEAR": "0"}) is F.linear
     if not cutlass_gemm.enabled():
-        assert kernels.linear is F.linear  # the default: not even a wrapper call
+        assert kernels.linear is default
 
 
 @pytest.mark.skipif(CUDA and HAS_CUTLASS, reason="the kernel can run here")

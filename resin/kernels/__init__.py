@@ -1,31 +1,40 @@
-"""Hand-written GPU kernels behind torch-shaped functions, each opt-in and off by default.
+"""Hand-written kernels behind torch-shaped functions: a CUTLASS GEMM for CUDA (opt-in) and
+the CPU decode projections (on where the CPU kernels vectorise).
 
-Owns :data:`linear` — the function the shared blocks' MLP projections call
-(:func:`resin.runners.torch.layers.swiglu_mlp`: the shared SwiGLU block and the MoE experts): ``torch.nn.functional.linear`` itself,
-or, with ``RESIN_CUTLASS_GEMM=1`` in the environment when this package is first imported,
+Owns :data:`linear` — the function the shared blocks' projections call (the attention
+projections and the SwiGLU MLP of :mod:`resin.runners.torch.blocks` and
+:func:`resin.runners.torch.layers.swiglu_mlp`, the MoE experts, the LM head): with
+``RESIN_CUTLASS_GEMM=1`` in the environment when this package is first imported,
 :func:`.cutlass_gemm.cutlass_linear` (a CUTLASS DSL tensor-core GEMM, falling back to
-``F.linear`` for what it does not take). Opting in where the kernel cannot run (no CUDA, no
-``nvidia-cutlass-dsl``) is a RuntimeError at import naming what is missing, not a silent
-fallback. Imports torch; ``cutlass`` only when a kernel is compiled (docs/architecture.md,
-"Kernels").
+``F.linear`` for what it does not take); otherwise :func:`.cpu_linear.cpu_linear` (the Rust
+kernel for a decode step's few rows on CPU, ``F.linear`` for everything else), or
+``F.linear`` itself where that kernel is off (``RESIN_CPU_LINEAR=0``, or a CPU without AVX2 +
+FMA). Opting in to CUTLASS where it cannot run (no CUDA, no ``nvidia-cutlass-dsl``) is a
+RuntimeError at import naming what is missing, not a silent fallback. Imports torch;
+``cutlass`` only when a kernel is compiled (docs/architecture.md, "Kernels").
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from resin.kernels import cutlass_gemm
+from resin.kernels import cpu_linear, cutlass_gemm
 
 Linear = Callable[..., torch.Tensor]
 
 
 def select_linear(environ: dict[str, str] | None = None) -> Linear:
-    """``F.linear``, or the CUTLASS one when ``RESIN_CUTLASS_GEMM`` opts in (module doc)."""
+    """The CUTLASS linear when ``RESIN_CUTLASS_GEMM`` opts in; else the CPU decode linear, or
+    ``F.linear`` itself where that is off (module doc)."""
     if not cutlass_gemm.enabled(environ):
-        return F.linear
+        env = os.environ if environ is None else environ
+        if env.get(cpu_linear.ENV_VAR, "") == "0" or not cpu_linear.enabled:
+            return F.linear
+        return cpu_linear.cpu_linear
     reason = cutlass_gemm.cutlass_unavailable()
     if reason is not None:
         raise RuntimeError(f"{cutlass_gemm.ENV_VAR}=1: {reason}; unset it to use torch's GEMM")

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from resin import kernels
 from resin.loading.rope import parse_rope_config, parse_rope_tables, rope_inv_freq
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import (
@@ -50,16 +50,17 @@ def gqa_attention_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
     RoPE, K/V written and attended through ``ctx.attention`` (the window is the layer's cache
     group's), o projection."""
     num_tokens, head_dim = x.shape[0], ctx.head_dim
-    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(num_tokens, -1, head_dim)
-    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(num_tokens, -1, head_dim)
-    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(num_tokens, -1, head_dim)
+    linear = kernels.linear  # F.linear, or the CPU decode kernel (resin.kernels)
+    q = linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(num_tokens, -1, head_dim)
+    k = linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(num_tokens, -1, head_dim)
+    v = linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(num_tokens, -1, head_dim)
     if "q_norm.weight" in w:
         eps = float(config_value(ctx.config, "rms_norm_eps"))
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
     cos, sin = ctx.require_rotary()
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     out = ctx.require_attention()(q, k, v, scale=head_dim**-0.5)
-    return F.linear(out.reshape(num_tokens, -1), w["o_proj.weight"], w.get("o_proj.bias"))
+    return linear(out.reshape(num_tokens, -1), w["o_proj.weight"], w.get("o_proj.bias"))
 
 
 def swiglu_mlp_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:

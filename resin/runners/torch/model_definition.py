@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from resin import kernels
 from resin._core import LayerCacheSpec
 
 Weights = dict[str, torch.Tensor]
@@ -122,7 +123,7 @@ def default_embed(input_ids: torch.Tensor, w: Weights, ctx: Any) -> torch.Tensor
 
 def default_logits(hidden: torch.Tensor, w: Weights, ctx: Any) -> torch.Tensor:
     """``lm_head`` (tied to ``embed_tokens`` when the checkpoint has no ``lm_head.weight``)."""
-    return F.linear(hidden, w.get("lm_head.weight", w["embed_tokens.weight"]))
+    return kernels.linear(hidden, w.get("lm_head.weight", w["embed_tokens.weight"]))
 
 
 @dataclass

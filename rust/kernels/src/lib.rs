@@ -6,12 +6,14 @@
 //! - [`paged_attention`]: attention of a step's queries over the paged KV cache, read in place
 //!   through the plan's CSR page table (no gather of K and V).
 //! - [`candidates`]: a row's n largest logits and their columns in one read of the row.
+//! - [`linear`]: `x @ w.T (+ bias)` for a decode step's few rows, each weight row read once.
 //! - [`nucleus`]: where a row's top-p nucleus ends (the sort's cut) without sorting the row.
 //! - [`openmp_team`]: parallel work on the process's OpenMP team (torch's), found at run time.
 //! - [`rotary`]: the half-split rotary embedding of q / k rows, torch's floats in one pass.
 //! - [`vector`]: the f32 vector primitives kernels are written in (scalar, and AVX2 + FMA).
 
 pub mod candidates;
+pub mod linear;
 pub mod nucleus;
 pub mod openmp_team;
 pub mod paged_attention;

@@ -22,6 +22,12 @@ pub trait Vector {
     /// # Safety
     /// See the trait.
     unsafe fn dot4<E: Element>(q: *const f32, k: [*const E; 4], n: usize) -> [f32; 4];
+    /// [`Vector::dot4`] of two queries with the same four keys, each key element loaded (and
+    /// widened) once: `[dot4(q[0], k), dot4(q[1], k)]`, bit for bit.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn dot4x2<E: Element>(q: [*const f32; 2], k: [*const E; 4], n: usize) -> [[f32; 4]; 2];
     /// `q . k` over `n` channels.
     ///
     /// # Safety
@@ -54,6 +60,8 @@ pub trait Vector {
 pub trait Element: Copy {
     /// The value as f32.
     fn to_f32(self) -> f32;
+    /// `x` as this element: itself for f32, rounded to nearest even for [`Bf16`].
+    fn from_f32(x: f32) -> Self;
     /// Eight elements from `p`, widened to f32 lanes.
     ///
     /// # Safety
@@ -71,6 +79,11 @@ impl Element for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -95,6 +108,11 @@ impl Element for Bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits(u32::from(self.0) << 16)
+    }
+
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        Bf16::round(x)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -125,6 +143,11 @@ impl Vector for Scalar {
     #[inline(always)]
     unsafe fn dot4<E: Element>(q: *const f32, k: [*const E; 4], n: usize) -> [f32; 4] {
         [Self::dot(q, k[0], n), Self::dot(q, k[1], n), Self::dot(q, k[2], n), Self::dot(q, k[3], n)]
+    }
+
+    #[inline(always)]
+    unsafe fn dot4x2<E: Element>(q: [*const f32; 2], k: [*const E; 4], n: usize) -> [[f32; 4]; 2] {
+        [Self::dot4(q[0], k, n), Self::dot4(q[1], k, n)]
     }
 
     #[inline(always)]
@@ -254,6 +277,36 @@ mod avx2 {
         }
 
         #[inline(always)]
+        unsafe fn dot4x2<E: Element>(q: [*const f32; 2], k: [*const E; 4], n: usize) -> [[f32; 4]; 2] {
+            // dot4's operations for each query, in its order: the same lanes, sums and tail.
+            let zero = _mm256_setzero_ps();
+            let (mut acc0, mut acc1) = ([zero; 4], [zero; 4]);
+            let mut i = 0;
+            while i + 8 <= n {
+                let (x0, x1) = (_mm256_loadu_ps(q[0].add(i)), _mm256_loadu_ps(q[1].add(i)));
+                for j in 0..4 {
+                    let key = E::load8(k[j].add(i));
+                    acc0[j] = _mm256_fmadd_ps(x0, key, acc0[j]);
+                    acc1[j] = _mm256_fmadd_ps(x1, key, acc1[j]);
+                }
+                i += 8;
+            }
+            let mut out = [[0.0f32; 4]; 2];
+            _mm_storeu_ps(out[0].as_mut_ptr(), sum4(acc0[0], acc0[1], acc0[2], acc0[3]));
+            _mm_storeu_ps(out[1].as_mut_ptr(), sum4(acc1[0], acc1[1], acc1[2], acc1[3]));
+            while i < n {
+                for (row, query) in out.iter_mut().zip(q) {
+                    let x = *query.add(i);
+                    for (o, key) in row.iter_mut().zip(k) {
+                        *o += x * (*key.add(i)).to_f32();
+                    }
+                }
+                i += 1;
+            }
+            out
+        }
+
+        #[inline(always)]
         unsafe fn dot<E: Element>(q: *const f32, k: *const E, n: usize) -> f32 {
             let mut a = _mm256_setzero_ps();
             let mut i = 0;
@@ -366,6 +419,9 @@ mod tests {
             for i in 0..4 {
                 assert!((got[i] as f64 - exact(&q, &k[i])).abs() < 1e-4 * n as f64, "dot4 n={n}");
             }
+            let q2 = data(n, 2);
+            let pair = unsafe { V::dot4x2([q.as_ptr(), q2.as_ptr()], ptrs, n) };
+            assert_eq!(pair, [got, unsafe { V::dot4(q2.as_ptr(), ptrs, n) }], "dot4x2 n={n}: dot4's bits");
             let one = unsafe { V::dot(q.as_ptr(), k[2].as_ptr(), n) };
             assert!((one as f64 - exact(&q, &k[2])).abs() < 1e-4 * n as f64, "dot n={n}");
             assert_eq!(unsafe { V::max(&q) }, q.iter().copied().fold(f32::NEG_INFINITY, f32::max));

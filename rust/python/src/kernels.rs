@@ -7,6 +7,7 @@
 //! rotary embedding of q / k rows in one call (`resin-kernels`' `rotary`). `nucleus_cut`: where
 //! rows' top-p nuclei end, the sort's cut without a sort (`resin-kernels`' `nucleus`).
 //! `top_candidates`: each row's n largest logits, `topk`'s values (`resin-kernels`' `candidates`).
+//! `linear`: `x @ w.T (+ bias)` for a decode step's few rows (`resin-kernels`' `linear`).
 
 use numpy::{
     PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray1, PyReadwriteArray2,
@@ -435,5 +436,101 @@ pub fn top_candidates(
             resin_kernels::candidates::largest(row, v, i, &mut buffer);
         }
     });
+    Ok(())
+}
+
+/// `out = x @ w.T (+ bias)` for a few rows: `x` [rows, in], `w` [out_features, in], `bias`
+/// [out_features] or None, `out` [rows, out_features], all C-contiguous and of one dtype:
+/// float32, or int16 holding bfloat16 bits (torch passes `t.view(torch.int16)`). Each output
+/// is one float32 dot product plus the bias, rounded once (`resin-kernels`' `linear`: torch's
+/// math in another summation order). GIL released; `threads` on torch's OpenMP team.
+#[pyfunction]
+#[pyo3(signature = (x, w, bias, out, *, threads=1))]
+pub fn linear(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    w: &Bound<'_, PyAny>,
+    bias: Option<&Bound<'_, PyAny>>,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<()> {
+    if let Ok(x) = x.extract::<PyReadonlyArray2<'_, f32>>() {
+        return project::<f32, f32>(py, x, w, bias, out, threads, "float32");
+    }
+    if let Ok(x) = x.extract::<PyReadonlyArray2<'_, i16>>() {
+        return project::<Bf16, i16>(py, x, w, bias, out, threads, "int16 (bfloat16 bits)");
+    }
+    Err(PyValueError::new_err("linear: x must be a 2-d float32 array or int16 (bfloat16 bits)"))
+}
+
+/// `linear` with every operand of numpy type `T`, read as kernel element `E` (the same size).
+fn project<E: Element + Send + Sync, T: numpy::Element>(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, T>,
+    w: &Bound<'_, PyAny>,
+    bias: Option<&Bound<'_, PyAny>>,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+    dtype: &str,
+) -> PyResult<()> {
+    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
+    let bad = |what: String| PyValueError::new_err(format!("linear: {what}"));
+    let same = |name: &str| {
+        bad(format!("{name} must be a {dtype} array of its documented rank, like x (and out writable, borrowed nowhere else)"))
+    };
+    let w = w.extract::<PyReadonlyArray2<'_, T>>().map_err(|_| same("w"))?;
+    let bias = bias.map(|b| b.extract::<PyReadonlyArray1<'_, T>>()).transpose().map_err(|_| same("bias"))?;
+    let mut out = out.extract::<PyReadwriteArray2<'_, T>>().map_err(|_| same("out"))?;
+    let (xs, ws, os) = (x.shape().to_vec(), w.shape().to_vec(), out.shape().to_vec());
+    if xs[1] == 0 || ws[1] != xs[1] || os != [xs[0], ws[0]] {
+        return Err(bad(format!("x {xs:?}, w {ws:?} and out {os:?} do not agree (x [rows, in], w [out, in], out [rows, out])")));
+    }
+    if let Some(b) = &bias {
+        if b.shape() != [ws[0]] {
+            return Err(bad(format!("bias is {:?}, expected [{}]", b.shape(), ws[0])));
+        }
+    }
+    c_order(
+        "linear",
+        [
+            ("x", x.is_c_contiguous()),
+            ("w", w.is_c_contiguous()),
+            ("bias", bias.as_ref().is_none_or(|b| b.is_c_contiguous())),
+            ("out", out.is_c_contiguous()),
+        ],
+    )?;
+    let align = std::mem::align_of::<E>();
+    for (name, address) in [
+        ("x", x.data() as usize),
+        ("w", w.data() as usize),
+        ("bias", bias.as_ref().map_or(0, |b| b.data() as usize)),
+        ("out", out.data() as usize),
+    ] {
+        if !address.is_multiple_of(align) {
+            return Err(bad(format!("{name} must be aligned to its element ({align} bytes)")));
+        }
+    }
+    let inputs = [
+        byte_extent(x.data(), &xs, x.strides()),
+        byte_extent(w.data(), &ws, w.strides()),
+        bias.as_ref().and_then(|b| byte_extent(b.data(), b.shape(), b.strides())),
+    ];
+    if shares_bytes(byte_extent(out.data(), &os, out.strides()), inputs) {
+        return Err(bad("out must not overlap x, w or bias".to_string()));
+    }
+    let in_features = xs[1];
+    // C order and alignment were checked above; `E` and `T` have one size, and `T` is the
+    // numpy type whose bits `E` reads.
+    let as_e = |s: &[T]| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const E, s.len()) };
+    let not_c = |_| bad("arrays must be C-contiguous".to_string());
+    let (x_slice, w_slice) = (as_e(x.as_slice().map_err(not_c)?), as_e(w.as_slice().map_err(not_c)?));
+    let bias_slice = match &bias {
+        Some(b) => Some(as_e(b.as_slice().map_err(not_c)?)),
+        None => None,
+    };
+    let out_slice = out.as_slice_mut().map_err(not_c)?;
+    // SAFETY: as for `as_e`; `out` is exclusively borrowed and shares no byte with an input.
+    let out_e = unsafe { std::slice::from_raw_parts_mut(out_slice.as_mut_ptr() as *mut E, out_slice.len()) };
+    py.detach(|| resin_kernels::linear::linear(x_slice, w_slice, bias_slice, out_e, in_features, threads));
     Ok(())
 }

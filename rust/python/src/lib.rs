@@ -5,7 +5,7 @@
 //! `plan` (BatchPlan, SamplingArrays), `output` (ForwardOutput, RequestOutput) and
 //! `engine` (Engine), `errors` (StepError, InvalidOutputError), `kernels` (the `resin-kernels`
 //! CPU kernels on numpy views: `paged_attention`, `rotary_embedding`, `nucleus_cut`,
-//! `top_candidates`; and
+//! `top_candidates`, `linear`; and
 //! `openmp_team_available`, `kernels_vectorised`). The GIL is released while Rust works; plan
 //! arrays are numpy views on memory the plan owns (no copy).
 
@@ -38,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::nucleus_cut, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::top_candidates, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::linear, m)?)?;
     m.add("StepError", m.py().get_type::<errors::StepError>())?;
     m.add("InvalidOutputError", errors::invalid_output_error(m.py())?)?;
     Ok(())

@@ -1,0 +1,88 @@
+"""The decode projections on CPU: ``F.linear`` of a few rows through ``resin._core.linear``.
+
+Owns :func:`cpu_linear` (a drop-in for ``F.linear``) and when it takes a call
+(:func:`takes`). At one to a few rows a projection reads every weight once to make a few
+outputs, so it is bound by memory; torch's CPU GEMM reads cold weights at a third to a half of
+the machine's streaming rate there, the Rust kernel (``rust/kernels/src/linear.rs``) at most of
+it (docs/benchmarks.md, "The decode projections in Rust"). The floats: one float32 dot product
+per output plus the bias, rounded once to the dtype, as torch's GEMM computes them but in
+another summation order, so they agree to float32 rounding, not bit for bit (parity holds
+within its tolerances: tests/test_cpu_linear.py, the parity suite).
+
+Taken: CPU tensors of float32 or bfloat16 with up to :data:`MAX_ROWS` rows (fewer in
+bfloat16: the kernel widens each weight once per two rows, which past four costs more than
+oneDNN's bfloat16 GEMM),
+``x`` [rows, in] and ``weight`` [out, in] contiguous, a bias of the same dtype, no autograd,
+on a CPU the kernels vectorise for (``_core.kernels_vectorised()``). Anything else, and
+everything with ``RESIN_CPU_LINEAR=0`` in the environment at import or :data:`enabled` False,
+is ``F.linear`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from resin import _core
+
+ENV_VAR = "RESIN_CPU_LINEAR"
+
+MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.bfloat16: 4}
+"""Rows up to which the kernel beats torch's CPU GEMM on cold weights, per dtype (measured on
+a decode step's projections: docs/benchmarks.md; float32 2.3-2.9x at 1-4 rows, 1.2x at 24-32;
+bfloat16 1.2-1.6x at 1-4, 0.75x at 6)."""
+
+# False: every call is F.linear (an A/B in one process: benchmarks/offline_throughput.py).
+enabled = os.environ.get(ENV_VAR, "") != "0" and _core.kernels_vectorised()
+
+# Torch's OpenMP team takes the kernel's threads where there is one; threads of its own would
+# cost tens of microseconds to start, more than a small projection takes.
+_TEAM = _core.openmp_team_available()
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`cpu_linear` runs the kernel for these operands (module doc)."""
+    dtype = x.dtype
+    limit = MAX_ROWS.get(dtype)
+    return (  # cheapest tests first: this runs for every projection of a step
+        enabled
+        and limit is not None
+        and weight.dtype is dtype
+        and x.dim() == 2
+        and 0 < x.shape[0] <= limit
+        and weight.dim() == 2
+        and x.is_cpu
+        and weight.is_cpu
+        and (bias is None or (bias.dtype is dtype and bias.is_cpu and bias.is_contiguous()))
+        and not (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        )
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.shape[1] == weight.shape[1]
+        and weight.shape[1] > 0
+    )
+
+
+def _array(t: torch.Tensor):  # type: ignore[no-untyped-def]
+    """A numpy view (no copy): float32, or a bfloat16 tensor's bits as int16."""
+    return t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
+
+
+def cpu_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: the Rust kernel where :func:`takes`, else torch's."""
+    if not takes(x, weight, bias):
+        return F.linear(x, weight, bias)
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    _core.linear(
+        _array(x),
+        _array(weight),
+        None if bias is None else _array(bias),
+        _array(out),
+        threads=torch.get_num_threads() if _TEAM else 1,
+    )
+    return out
