@@ -653,4 +653,5 @@ def linear(
     once (rust/kernels/src/linear.rs: torch's math in another summation order; each weight row
     read once, for a decode step's few rows). Bad shapes, mixed dtypes, non-C order, misaligned
     arrays and an ``out`` sharing bytes with an input raise ValueError; the GIL is released
-    while it runs, on up to ``threads`` threads of torch's OpenMP team."""
+    while it runs, on up to ``threads`` threads (at most the cores): torch's OpenMP team when
+    the process has one, else threads of its own."""

@@ -41,9 +41,14 @@ def test_float32_agrees_with_torch_to_rounding(
     torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_bfloat16_rounds_the_float32_product_once(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_bfloat16_rounds_the_float32_product_once(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bfloat16 is not taken by default (MAX_ROWS: level with oneDNN); the kernel still is one.
+    monkeypatch.setitem(cl.MAX_ROWS, torch.bfloat16, 4)
     x, w, b = _operands(rows, 512, 1024, torch.bfloat16)
+    assert cl.takes(x, w, b)
     got = cl.cpu_linear(x, w, b)
     assert got.dtype is torch.bfloat16
     exact = x.double() @ w.double().T + b.double()
@@ -66,7 +71,18 @@ def test_a_rows_outputs_do_not_depend_on_the_rest_of_the_call() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["too_many_rows", "strided_x", "transposed_weight", "float16", "grad", "mixed_dtypes", "off"],
+    [
+        "too_many_rows",
+        "strided_x",
+        "transposed_weight",
+        "float16",
+        "grad",
+        "mixed_dtypes",
+        "broadcast_bias",
+        "misaligned_x",
+        "sparse_weight",
+        "off",
+    ],
 )
 def test_what_it_does_not_take_is_f_linear_itself(
     case: str, monkeypatch: pytest.MonkeyPatch
@@ -84,11 +100,20 @@ def test_what_it_does_not_take_is_f_linear_itself(
         w.requires_grad_(True)
     elif case == "mixed_dtypes":
         b = b.double()
+    elif case == "broadcast_bias":  # F.linear broadcasts it; the kernel adds [out] only
+        b = b[:1].clone()
+    elif case == "misaligned_x":  # float32 elements two bytes into a buffer
+        x = torch.frombuffer(bytearray(4 * 64 * 4 + 2), dtype=torch.float32, offset=2, count=256)
+        x = x.view(4, 64).copy_(torch.randn(4, 64))
+    elif case == "sparse_weight":
+        w = w.to_sparse()
     elif case == "off":
         monkeypatch.setattr(cl, "enabled", False)
     assert not cl.takes(x, w, b)
-    if case == "mixed_dtypes":
+    if case in ("mixed_dtypes", "sparse_weight"):  # F.linear refuses these itself
         with pytest.raises(RuntimeError):  # torch's own error, not a silent cast
+            F.linear(x, w, b)
+        with pytest.raises(RuntimeError):
             cl.cpu_linear(x, w, b)
         return
     got = cl.cpu_linear(x, w, b)
@@ -98,8 +123,8 @@ def test_what_it_does_not_take_is_f_linear_itself(
         assert w.grad is not None
 
 
-def test_bfloat16_past_its_rows_is_torchs() -> None:
-    x, w, b = _operands(cl.MAX_ROWS[torch.bfloat16] + 1, 64, 48, torch.bfloat16)
+def test_bfloat16_is_torchs_by_default() -> None:
+    x, w, b = _operands(1, 64, 48, torch.bfloat16)
     assert not cl.takes(x, w, b)
     assert torch.equal(cl.cpu_linear(x, w, b), F.linear(x, w, b))
 

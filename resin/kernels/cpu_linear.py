@@ -2,20 +2,19 @@
 
 Owns :func:`cpu_linear` (a drop-in for ``F.linear``) and when it takes a call
 (:func:`takes`). At one to a few rows a projection reads every weight once to make a few
-outputs, so it is bound by memory; torch's CPU GEMM reads cold weights at a third to a half of
-the machine's streaming rate there, the Rust kernel (``rust/kernels/src/linear.rs``) at most of
-it (docs/benchmarks.md, "The decode projections in Rust"). The floats: one float32 dot product
-per output plus the bias, rounded once to the dtype, as torch's GEMM computes them but in
-another summation order, so they agree to float32 rounding, not bit for bit (parity holds
+outputs, so it is bound by memory; torch's float32 CPU GEMM reads cold weights at a third of
+the machine's streaming rate there, the Rust kernel (``rust/kernels/src/linear.rs``) at over
+half of it (docs/benchmarks.md, "The decode projections in Rust"). The floats: one float32 dot
+product per output plus the bias, rounded once to the dtype, as torch's GEMM computes them but
+in another summation order, so they agree to float32 rounding, not bit for bit (parity holds
 within its tolerances: tests/test_cpu_linear.py, the parity suite).
 
-Taken: CPU tensors of float32 or bfloat16 with up to :data:`MAX_ROWS` rows (fewer in
-bfloat16: the kernel widens each weight once per two rows, which past four costs more than
-oneDNN's bfloat16 GEMM),
-``x`` [rows, in] and ``weight`` [out, in] contiguous, a bias of the same dtype, no autograd,
-on a CPU the kernels vectorise for (``_core.kernels_vectorised()``). Anything else, and
-everything with ``RESIN_CPU_LINEAR=0`` in the environment at import or :data:`enabled` False,
-is ``F.linear`` itself.
+Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32) with up to its rows, ``x``
+[rows, in] and ``weight`` [out, in] dense, contiguous and aligned, a bias [out] of the same dtype, no autograd, on a CPU the kernels vectorise for
+(``_core.kernels_vectorised()``). Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in
+the environment at import or :data:`enabled` False, is ``F.linear`` (on a GPU too:
+:data:`resin.kernels.linear` is :func:`cpu_linear` wherever the CUTLASS GEMM is not opted in,
+and a CUDA tensor fails :func:`takes` at its first device test).
 """
 
 from __future__ import annotations
@@ -29,10 +28,12 @@ from resin import _core
 
 ENV_VAR = "RESIN_CPU_LINEAR"
 
-MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.bfloat16: 4}
-"""Rows up to which the kernel beats torch's CPU GEMM on cold weights, per dtype (measured on
-a decode step's projections: docs/benchmarks.md; float32 2.3-2.9x at 1-4 rows, 1.2x at 24-32;
-bfloat16 1.2-1.6x at 1-4, 0.75x at 6)."""
+MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32}
+"""Rows up to which the kernel takes a dtype: where it beat torch's CPU GEMM on a decode step's
+cold weights (docs/benchmarks.md: float32 1.8-2.9x at 1-4 rows, 1.2x at 24-32). bfloat16 is
+not in it: oneDNN's bfloat16 GEMM reads 12-15 GB/s at one row, and the kernel's 10-18 GB/s
+came out level end to end (0.8-1.1x, noise), so bfloat16 keeps torch's GEMM and its bits. The
+kernel itself takes bfloat16 (``benchmarks/decode_linear.py`` forces it on)."""
 
 # False: every call is F.linear (an A/B in one process: benchmarks/offline_throughput.py).
 enabled = os.environ.get(ENV_VAR, "") != "0" and _core.kernels_vectorised()
@@ -49,13 +50,15 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return (  # cheapest tests first: this runs for every projection of a step
         enabled
         and limit is not None
+        and x.is_cpu
         and weight.dtype is dtype
         and x.dim() == 2
         and 0 < x.shape[0] <= limit
         and weight.dim() == 2
-        and x.is_cpu
         and weight.is_cpu
-        and (bias is None or (bias.dtype is dtype and bias.is_cpu and bias.is_contiguous()))
+        and x.layout is torch.strided
+        and weight.layout is torch.strided
+        and (bias is None or _bias_takes(bias, weight))
         and not (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
@@ -63,6 +66,23 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         and weight.is_contiguous()
         and x.shape[1] == weight.shape[1]
         and weight.shape[1] > 0
+        # Rust slices need aligned elements (a tensor at an odd byte offset of a buffer).
+        and x.data_ptr() % x.element_size() == 0
+        and weight.data_ptr() % weight.element_size() == 0
+    )
+
+
+def _bias_takes(bias: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A bias the kernel adds as given: [out_features] of the weight's dtype (``F.linear``
+    broadcasts other shapes, which :func:`cpu_linear` leaves to it)."""
+    return (
+        bias.dtype is weight.dtype
+        and bias.is_cpu
+        and bias.layout is torch.strided
+        and bias.dim() == 1
+        and bias.shape[0] == weight.shape[0]
+        and bias.is_contiguous()
+        and bias.data_ptr() % bias.element_size() == 0
     )
 
 

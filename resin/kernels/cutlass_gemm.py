@@ -12,7 +12,8 @@ counting why in :data:`FALLBACKS`:
 - one compiled kernel per (dtype, N, K, tile): compiled on first use with fake tensors (M
   dynamic), kept for the process.
 
-Off by default and off CUDA: :func:`resin.kernels.linear` is ``F.linear`` itself unless
+Off by default and off CUDA: :func:`resin.kernels.linear` is not this kernel (it is the CPU
+decode linear, :mod:`.cpu_linear`, which is ``F.linear`` on a GPU) unless
 ``RESIN_CUTLASS_GEMM=1`` was set when :mod:`resin.kernels` was first imported, and then fails
 at once, with the reason, if the package or a GPU is missing (:func:`cutlass_unavailable`).
 :func:`gemm_reference` is the torch reference the GPU test compares with.

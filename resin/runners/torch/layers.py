@@ -150,7 +150,8 @@ def swiglu_mlp(
     down_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))``, each projection through :data:`resin.kernels.linear`
-    (``F.linear`` itself unless ``RESIN_CUTLASS_GEMM=1`` opts in to the CUTLASS GEMM)."""
+    (on CPU the Rust decode linear for a few rows, else ``F.linear``; the CUTLASS GEMM when
+    ``RESIN_CUTLASS_GEMM=1`` opts in)."""
     linear = kernels.linear
     return linear(F.silu(linear(x, gate_w, gate_b)) * linear(x, up_w, up_b), down_w, down_b)
 
