@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from resin import _core, kernels
+from resin import _core
 from resin.kernels import cpu_linear as cl
 
 pytestmark = pytest.mark.skipif(not cl.enabled, reason="the CPU linear is off on this machine")
@@ -127,12 +127,6 @@ def test_bfloat16_is_torchs_by_default() -> None:
     x, w, b = _operands(1, 64, 48, torch.bfloat16)
     assert not cl.takes(x, w, b)
     assert torch.equal(cl.cpu_linear(x, w, b), F.linear(x, w, b))
-
-
-def test_select_linear_follows_the_environment() -> None:
-    assert kernels.select_linear({}) is cl.cpu_linear
-    assert kernels.select_linear({"RESIN_CPU_LINEAR": "0"}) is F.linear
-    assert kernels.linear is cl.cpu_linear or kernels.linear is F.linear
 
 
 def test_the_binding_refuses_bad_arrays() -> None:

@@ -10,8 +10,8 @@ in another summation order, so they agree to float32 rounding, not bit for bit (
 within its tolerances: tests/test_cpu_linear.py, the parity suite).
 
 Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32) with up to its rows, ``x``
-[rows, in] and ``weight`` [out, in] dense, contiguous and aligned, a bias [out] of the same dtype, no autograd, on a CPU the kernels vectorise for
-(``_core.kernels_vectorised()``). Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in
+[rows, in] and ``weight`` [out, in] dense, contiguous and aligned, a bias [out] of the same
+dtype, no autograd, on a CPU the kernels vectorise for (``_core.kernels_vectorised()``). Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in
 the environment at import or :data:`enabled` False, is ``F.linear`` (on a GPU too:
 :data:`resin.kernels.linear` is :func:`cpu_linear` wherever the CUTLASS GEMM is not opted in,
 and a CUDA tensor fails :func:`takes` at its first device test).
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from resin import _core
+from resin.kernels.cpu_threads import kernel_threads
 
 ENV_VAR = "RESIN_CPU_LINEAR"
 
@@ -37,10 +38,6 @@ kernel itself takes bfloat16 (``benchmarks/decode_linear.py`` forces it on)."""
 
 # False: every call is F.linear (an A/B in one process: benchmarks/offline_throughput.py).
 enabled = os.environ.get(ENV_VAR, "") != "0" and _core.kernels_vectorised()
-
-# Torch's OpenMP team takes the kernel's threads where there is one; threads of its own would
-# cost tens of microseconds to start, more than a small projection takes.
-_TEAM = _core.openmp_team_available()
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -103,6 +100,6 @@ def cpu_linear(
         _array(weight),
         None if bias is None else _array(bias),
         _array(out),
-        threads=torch.get_num_threads() if _TEAM else 1,
+        threads=kernel_threads(),
     )
     return out

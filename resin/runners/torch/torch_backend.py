@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from resin import _core
+from resin.kernels.cpu_threads import kernel_threads
 from resin.runners.torch.attention import ReferenceBackend, head_layout, masked_softmax
 
 
@@ -206,21 +207,6 @@ def _cache_array(cache: torch.Tensor) -> np.ndarray:
     if cache.dtype is torch.bfloat16:
         return cache.view(torch.int16).numpy()
     return cache.numpy()
-
-
-def kernel_threads() -> int:
-    """Threads for the CPU kernel: torch's thread count when the kernel runs on torch's OpenMP
-    team (``_core.openmp_team_available()``: the team's spin-waiting workers take the work);
-    else the calling thread plus the cores torch's pool leaves idle, since a thread of the
-    kernel's own competing with a spinning worker for a core made a 64-row decode step ~30%
-    slower than the kernel on one thread (2 cores, 2 torch threads; skills/optimize-perf)."""
-    if _core.openmp_team_available():
-        return torch.get_num_threads()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - torch.get_num_threads() + 1)
 
 
 class TorchBackend(ReferenceBackend):

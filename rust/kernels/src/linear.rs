@@ -53,11 +53,9 @@ fn cores() -> usize {
 }
 
 /// A raw output pointer the threads share; each writes its own columns only.
-#[derive(Clone, Copy)]
 struct Out<E>(*mut E);
 // SAFETY: each thread writes only its own columns (`linear` splits the blocks of four weight
 // rows into disjoint runs), and the caller's `&mut` keeps the buffer alive and unaliased.
-unsafe impl<E> Send for Out<E> {}
 unsafe impl<E> Sync for Out<E> {}
 
 /// `out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n])`: `x` [rows, in_features], `w`
@@ -102,9 +100,6 @@ struct Product<'a, E> {
     in_features: usize,
     out_features: usize,
 }
-
-// SAFETY: `out` is written at disjoint columns by each thread; the rest is read-only.
-unsafe impl<E: Sync> Sync for Product<'_, E> {}
 
 impl<E: Element> Product<'_, E> {
     /// Every row's outputs `start..end`.

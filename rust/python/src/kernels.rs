@@ -65,6 +65,18 @@ fn c_order<const N: usize>(kernel: &str, arrays: [(&str, bool); N]) -> PyResult<
     }
 }
 
+/// A ValueError naming the first array whose address is not a multiple of its element's
+/// alignment (a view at an odd offset, e.g. `np.frombuffer`, would be misaligned reads in Rust);
+/// entries are (name, address, alignment), address 0 for an absent array.
+fn aligned<const N: usize>(kernel: &str, arrays: [(&str, usize, usize); N]) -> PyResult<()> {
+    match arrays.iter().find(|(_, address, align)| !address.is_multiple_of(*align)) {
+        Some((name, _, align)) => {
+            Err(PyValueError::new_err(format!("{kernel}: {name} must be aligned to its element ({align} bytes)")))
+        }
+        None => Ok(()),
+    }
+}
+
 /// Whether `out`'s bytes (a [`byte_extent`]) meet any input's. numpy's borrow checker keys on
 /// the base object, and every `tensor.numpy()` call makes a new one, so two views of one torch
 /// tensor pass it; an `out` overlapping an input would be aliased `&` and `&mut` memory in Rust.
@@ -180,17 +192,15 @@ fn attend<E: Element, T: numpy::Element>(
     if os != [num_tokens, num_heads, value_dim] {
         return bad(format!("out is {os:?}, expected [{num_tokens}, {num_heads}, {value_dim}]"));
     }
-    // A misaligned view (np.frombuffer at an odd offset) would be misaligned reads in Rust.
-    for (name, address, align) in [
-        ("q", q.data() as usize, std::mem::align_of::<f32>()),
-        ("k_cache", k_cache.data() as usize, std::mem::align_of::<E>()),
-        ("v_cache", v_cache.map_or(0, |v| v.data() as usize), std::mem::align_of::<E>()),
-        ("out", out.data() as usize, std::mem::align_of::<f32>()),
-    ] {
-        if !address.is_multiple_of(align) {
-            return bad(format!("{name} must be aligned to its element ({align} bytes)"));
-        }
-    }
+    aligned(
+        "paged_attention",
+        [
+            ("q", q.data() as usize, std::mem::align_of::<f32>()),
+            ("k_cache", k_cache.data() as usize, std::mem::align_of::<E>()),
+            ("v_cache", v_cache.map_or(0, |v| v.data() as usize), std::mem::align_of::<E>()),
+            ("out", out.data() as usize, std::mem::align_of::<f32>()),
+        ],
+    )?;
     let q_strides = strides::<2>("q", q.strides(), 4)?;
     let k_strides = strides::<3>("k_cache", k_cache.strides(), item)?;
     let v_strides = match v_cache {
@@ -500,16 +510,15 @@ fn project<E: Element + Send + Sync, T: numpy::Element>(
         ],
     )?;
     let align = std::mem::align_of::<E>();
-    for (name, address) in [
-        ("x", x.data() as usize),
-        ("w", w.data() as usize),
-        ("bias", bias.as_ref().map_or(0, |b| b.data() as usize)),
-        ("out", out.data() as usize),
-    ] {
-        if !address.is_multiple_of(align) {
-            return Err(bad(format!("{name} must be aligned to its element ({align} bytes)")));
-        }
-    }
+    aligned(
+        "linear",
+        [
+            ("x", x.data() as usize, align),
+            ("w", w.data() as usize, align),
+            ("bias", bias.as_ref().map_or(0, |b| b.data() as usize), align),
+            ("out", out.data() as usize, align),
+        ],
+    )?;
     let inputs = [
         byte_extent(x.data(), &xs, x.strides()),
         byte_extent(w.data(), &ws, w.strides()),
