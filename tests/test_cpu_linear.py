@@ -41,12 +41,8 @@ def test_float32_agrees_with_torch_to_rounding(
     torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
-def test_bfloat16_rounds_the_float32_product_once(
-    rows: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # bfloat16 is not taken by default (MAX_ROWS: level with oneDNN); the kernel still is one.
-    monkeypatch.setitem(cl.MAX_ROWS, torch.bfloat16, 4)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_bfloat16_rounds_the_float32_product_once(rows: int) -> None:
     x, w, b = _operands(rows, 512, 1024, torch.bfloat16)
     assert cl.takes(x, w, b)
     got = cl.cpu_linear(x, w, b)
@@ -60,12 +56,15 @@ def test_bfloat16_rounds_the_float32_product_once(
     assert (got == F.linear(x, w, b)).float().mean() > 0.99
 
 
-def test_a_rows_outputs_do_not_depend_on_the_rest_of_the_call() -> None:
-    x, w, _ = _operands(5, 96, 4099, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_outputs_do_not_depend_on_the_rest_of_the_call(dtype: torch.dtype) -> None:
+    # 4,099 weight rows of 96: several blocks' prefetch distance, a tail of three rows.
+    x, w, _ = _operands(5, 96, 4099, dtype)
     alone = cl.cpu_linear(x[3:4].contiguous(), w)
     assert torch.equal(cl.cpu_linear(x, w)[3:4], alone)
     with_one_thread = torch.empty_like(alone)
-    _core.linear(x[3:4].contiguous().numpy(), w.numpy(), None, with_one_thread.numpy(), threads=1)
+    row = x[3:4].contiguous()
+    _core.linear(cl._array(row), cl._array(w), None, cl._array(with_one_thread), threads=1)
     assert torch.equal(with_one_thread, alone)
 
 
@@ -123,8 +122,8 @@ def test_what_it_does_not_take_is_f_linear_itself(
         assert w.grad is not None
 
 
-def test_bfloat16_is_torchs_by_default() -> None:
-    x, w, b = _operands(1, 64, 48, torch.bfloat16)
+def test_bfloat16_past_its_rows_is_torchs() -> None:
+    x, w, b = _operands(cl.MAX_ROWS[torch.bfloat16] + 1, 64, 48, torch.bfloat16)
     assert not cl.takes(x, w, b)
     assert torch.equal(cl.cpu_linear(x, w, b), F.linear(x, w, b))
 

@@ -2,19 +2,21 @@
 
 Owns :func:`cpu_linear` (a drop-in for ``F.linear``) and when it takes a call
 (:func:`takes`). At one to a few rows a projection reads every weight once to make a few
-outputs, so it is bound by memory; torch's float32 CPU GEMM reads cold weights at a third of
-the machine's streaming rate there, the Rust kernel (``rust/kernels/src/linear.rs``) at over
-half of it (docs/benchmarks.md, "The decode projections in Rust"). The floats: one float32 dot
-product per output plus the bias, rounded once to the dtype, as torch's GEMM computes them but
-in another summation order, so they agree to float32 rounding, not bit for bit (parity holds
-within its tolerances: tests/test_cpu_linear.py, the parity suite).
+outputs, so it is bound by memory; torch's CPU GEMM reads cold weights at a third (float32) to
+a half (oneDNN's bfloat16) of the machine's streaming rate there, the Rust kernel
+(``rust/kernels/src/linear.rs``) at 60-80% of it (docs/benchmarks.md, "The decode projections
+in Rust"). The floats: one float32 dot product per output plus the bias, rounded once to the
+dtype, as torch's GEMM computes them but in another summation order, so they agree to float32
+rounding, not bit for bit (parity holds within its tolerances: tests/test_cpu_linear.py, the
+parity suite).
 
-Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32) with up to its rows, ``x``
-[rows, in] and ``weight`` [out, in] dense, contiguous and aligned, a bias [out] of the same
-dtype, no autograd, on a CPU the kernels vectorise for (``_core.kernels_vectorised()``). Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in
-the environment at import or :data:`enabled` False, is ``F.linear`` (on a GPU too:
-:data:`resin.kernels.linear` is :func:`cpu_linear` wherever the CUTLASS GEMM is not opted in,
-and a CUDA tensor fails :func:`takes` at its first device test).
+Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32, bfloat16) with up to its rows,
+``x`` [rows, in] and ``weight`` [out, in] dense, contiguous and aligned, a bias [out] of the
+same dtype, no autograd, on a CPU the kernels vectorise for (``_core.kernels_vectorised()``).
+Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in the environment at import or
+:data:`enabled` False, is ``F.linear`` (on a GPU too: :data:`resin.kernels.linear` is
+:func:`cpu_linear` wherever the CUTLASS GEMM is not opted in, and a CUDA tensor fails
+:func:`takes` at its first device test).
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ from resin.kernels.cpu_threads import kernel_threads
 
 ENV_VAR = "RESIN_CPU_LINEAR"
 
-MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32}
+MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.bfloat16: 8}
 """Rows up to which the kernel takes a dtype: where it beat torch's CPU GEMM on a decode step's
-cold weights (docs/benchmarks.md: float32 1.8-2.9x at 1-4 rows, 1.2x at 24-32). bfloat16 is
-not in it: oneDNN's bfloat16 GEMM reads 12-15 GB/s at one row, and the kernel's 10-18 GB/s
-came out level end to end (0.8-1.1x, noise), so bfloat16 keeps torch's GEMM and its bits. The
-kernel itself takes bfloat16 (``benchmarks/decode_linear.py`` forces it on)."""
+cold weights (docs/benchmarks.md, "The decode projections in Rust": float32 2.3-5x torch at
+1-4 rows, 1.2-1.5x at 32; bfloat16 1.5-1.7x oneDNN at 1 row, 2.3-2.7x at 2, level at 8 and
+behind from 16, where each pass over a block widens its bfloat16 weights again)."""
 
 # False: every call is F.linear (an A/B in one process: benchmarks/offline_throughput.py).
 enabled = os.environ.get(ENV_VAR, "") != "0" and _core.kernels_vectorised()

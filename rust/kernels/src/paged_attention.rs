@@ -26,7 +26,7 @@ use std::fmt;
 
 #[cfg(target_arch = "x86_64")]
 use crate::vector::Avx2;
-use crate::vector::{Bf16, Element, Scalar, Vector};
+use crate::vector::{Ahead, Bf16, Element, Scalar, Vector};
 
 /// One layer's attention over one cache group, for one step (module doc). Plan arrays are the
 /// `BatchPlan`'s; `positions` are the step's token positions.
@@ -342,7 +342,7 @@ impl PagedAttention<'_> {
                         let four = [at(k[j]), at(k[j + 1]), at(k[j + 2]), at(k[j + 3])];
                         for i in 0..repeat {
                             let h = g * repeat + i;
-                            scores[h * n + j..h * n + j + 4].copy_from_slice(&V::dot4(query(h), four, d));
+                            scores[h * n + j..h * n + j + 4].copy_from_slice(&V::dot4(query(h), four, d, &mut Ahead::none()));
                         }
                     }
                     j += 4;
