@@ -8,7 +8,10 @@
 //! to its n largest and the threshold rises to the n-th. A logit equal to the threshold is not
 //! needed (n logits at least as large are held), so the kept values are the n largest exactly.
 //! On LLM-like or random logits the threshold settles within the first few thousand, and the
-//! rest of the row is a compare each.
+//! rest of the row is a compare each: 16 at a time ([`Vector::above_mask16`]), only the set
+//! bits of a block's mask looked at one by one. The buffer holds 2n: a larger one refills
+//! less often but takes in more logits the raised threshold would have dropped (on a
+//! 32,000-token row of N(0, 2) logits, n = 64: 4n ~15 µs, 2n ~13, the scan alone ~5).
 //!
 //! Order: by an order-preserving key of the float bits (`-inf` lowest); NaN counts as larger
 //! than everything, as torch's `topk` takes it. [`key`] / [`from_key`] are the crate's one
@@ -26,14 +29,10 @@ pub(crate) fn key(x: f32) -> u32 {
     }
 }
 
-/// Logits per block of the scan.
-const BLOCK: usize = 16;
+use crate::vector::{Scalar, Vector};
 
-/// Whether `x` is above `below` or NaN: one compare (`!(x <= below)`), which vectorises.
-#[allow(clippy::neg_cmp_op_on_partial_ord)]
-fn passes(x: f32, below: f32) -> bool {
-    !(x <= below)
-}
+/// Logits per block of the scan ([`Vector::above_mask16`]).
+const BLOCK: usize = 16;
 
 /// The float whose [`key`] is `k` (NaN for `u32::MAX`).
 pub(crate) fn from_key(k: u32) -> f32 {
@@ -45,34 +44,62 @@ pub(crate) fn from_key(k: u32) -> f32 {
 /// `buffer` is scratch, reused across rows. The caller checks `n <= row.len() < 2^32` and
 /// `indices.len() == n`.
 pub fn largest(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vector::vectorised() {
+        // SAFETY: the CPU has AVX2 + FMA.
+        return unsafe { largest_avx2(row, values, indices, buffer) };
+    }
+    largest_with::<Scalar>(row, values, indices, buffer)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn largest_avx2(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>) {
+    largest_with::<crate::vector::Avx2>(row, values, indices, buffer)
+}
+
+/// [`largest`] with the scan's compares done by `V`.
+#[inline(always)]
+fn largest_with<V: Vector>(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>) {
     let n = values.len();
     assert!(n <= row.len() && indices.len() == n && row.len() < (1 << 32), "candidates: {n} of a {}-token row", row.len());
     if n == 0 {
         return;
     }
-    let capacity = 4 * n.max(16);
+    let capacity = 2 * n.max(16);
     buffer.clear();
     let entry = |column: usize, k: u32| (u64::from(k) << 32) | column as u64;
     buffer.extend(row[..n].iter().enumerate().map(|(column, &x)| entry(column, key(x))));
     let mut threshold = buffer.iter().map(|e| (e >> 32) as u32).min().unwrap_or(0);
     let mut below = from_key(threshold);
-    // Blocks of 16 logits: one vectorised "any above the threshold (or NaN)?" a block; the
-    // few blocks that have one are looked at logit by logit.
-    let mut start = n;
-    for block in row[n..].chunks(BLOCK) {
-        if block.iter().fold(false, |any, &x| any | passes(x, below)) {
-            for (offset, &x) in block.iter().enumerate() {
-                let k = key(x);
-                if passes(x, below) && k > threshold {
-                    buffer.push(entry(start + offset, k));
-                    if buffer.len() == capacity {
-                        threshold = keep_largest(buffer, n);
-                        below = from_key(threshold);
-                    }
-                }
+    // The mask passes every logit above `below` and NaN; one of those whose key is above the
+    // threshold is taken (the tail, unmasked, by its key alone).
+    let mut take = |column: usize, x: f32, threshold: &mut u32, below: &mut f32| {
+        let k = key(x);
+        if k > *threshold {
+            buffer.push(entry(column, k));
+            if buffer.len() == capacity {
+                *threshold = keep_largest(buffer, n);
+                *below = from_key(*threshold);
             }
         }
-        start += block.len();
+    };
+    let blocks = row[n..].chunks_exact(BLOCK);
+    let tail = blocks.remainder();
+    let mut start = n;
+    for block in blocks {
+        let block: &[f32; BLOCK] = block.try_into().expect("a whole block");
+        // SAFETY: `V`'s features are present (`largest`).
+        let mut mask = unsafe { V::above_mask16(block, below) };
+        while mask != 0 {
+            let offset = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            take(start + offset, block[offset], &mut threshold, &mut below);
+        }
+        start += BLOCK;
+    }
+    for (offset, &x) in tail.iter().enumerate() {
+        take(start + offset, x, &mut threshold, &mut below);
     }
     if buffer.len() > n {
         keep_largest(buffer, n);
@@ -115,8 +142,11 @@ mod tests {
                 })
                 .collect();
             let (mut values, mut indices) = (vec![0.0; n], vec![0i64; n]);
+            let (mut scalar_values, mut scalar_indices) = (vec![0.0; n], vec![0i64; n]);
+            largest_with::<Scalar>(&row, &mut scalar_values, &mut scalar_indices, &mut buffer);
             largest(&row, &mut values, &mut indices, &mut buffer);
             assert_eq!(values, by_sort(&row, n), "len {len} n {n}");
+            assert_eq!(scalar_values, values, "len {len} n {n}: the portable path");
             let mut seen = indices.clone();
             seen.sort();
             seen.dedup();
@@ -138,5 +168,16 @@ mod tests {
         largest(&row, &mut values, &mut indices, &mut Vec::new());
         assert!(values[0].is_nan() && values[1] == f32::INFINITY && values[2] == 2999.0);
         assert_eq!(indices, [11, 9, 2999]);
+        // A NaN inside a masked block, past the first n, and in the unmasked tail.
+        row[100] = f32::NAN;
+        row[2995] = f32::NAN;
+        for n in [4, 40] {
+            let (mut values, mut indices) = (vec![0.0; n], vec![0i64; n]);
+            largest(&row, &mut values, &mut indices, &mut Vec::new());
+            let mut nan_columns: Vec<i64> = indices[..3].to_vec();
+            nan_columns.sort();
+            assert_eq!(nan_columns, [11, 100, 2995], "n {n}");
+            assert!(values[..3].iter().all(|v| v.is_nan()) && values[3] == f32::INFINITY, "n {n}");
+        }
     }
 }

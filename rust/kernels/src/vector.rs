@@ -1,6 +1,7 @@
 //! The f32 vector primitives the CPU kernels are written in: dot products of one query with
-//! four keys at a time, a max, `exp(x - max)` in place with its sum, and a weighted sum of four
-//! value rows into an accumulator. Two implementations of [`Vector`]: [`Scalar`] (portable,
+//! four keys at a time, a max, `exp(x - max)` in place with its sum, a weighted sum of four
+//! value rows into an accumulator, and which of 16 logits pass a threshold; and [`Ahead`], the
+//! prefetches a kernel asks for in step with its reads. Two implementations of [`Vector`]: [`Scalar`] (portable,
 //! what the compiler makes of plain loops) and, on x86-64, [`Avx2`] (8-lane AVX2 + FMA
 //! intrinsics, and a polynomial `exp` accurate to ~2 ulp over the range a softmax uses).
 //!
@@ -54,6 +55,12 @@ pub trait Vector {
     /// # Safety
     /// See the trait.
     unsafe fn axpy<E: Element>(p: f32, v: *const E, acc: &mut [f32]);
+    /// Bit `j` set where `x[j]` is above `below` or NaN (`!(x[j] <= below)`), for the 16
+    /// values of `x`: which logits of a block pass a running threshold.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn above_mask16(x: &[f32; 16], below: f32) -> u32;
 }
 
 /// An element of a cache row the kernels read: `f32`, or [`Bf16`] (widened to f32 as it loads,
@@ -240,6 +247,12 @@ impl Vector for Scalar {
         for (c, slot) in acc.iter_mut().enumerate() {
             *slot += p * (*v.add(c)).to_f32();
         }
+    }
+
+    #[inline(always)]
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+    unsafe fn above_mask16(x: &[f32; 16], below: f32) -> u32 {
+        x.iter().enumerate().fold(0, |mask, (j, &v)| mask | (u32::from(!(v <= below)) << j))
     }
 }
 
@@ -434,6 +447,15 @@ mod avx2 {
                 i += 1;
             }
         }
+
+        #[inline(always)]
+        unsafe fn above_mask16(x: &[f32; 16], below: f32) -> u32 {
+            // Not-less-or-equal, unordered: true for NaN, as the scalar `!(v <= below)`.
+            let b = _mm256_set1_ps(below);
+            let low = _mm256_cmp_ps::<_CMP_NLE_UQ>(_mm256_loadu_ps(x.as_ptr()), b);
+            let high = _mm256_cmp_ps::<_CMP_NLE_UQ>(_mm256_loadu_ps(x.as_ptr().add(8)), b);
+            (_mm256_movemask_ps(low) as u32) | ((_mm256_movemask_ps(high) as u32) << 8)
+        }
     }
 }
 
@@ -494,6 +516,15 @@ mod tests {
             for (a, b) in acc.iter().zip(&want) {
                 assert!((*a as f64 - b).abs() < 1e-5, "axpy n={n}");
             }
+        }
+        let mut x: [f32; 16] = data(16, 5).try_into().unwrap();
+        x[3] = f32::NAN;
+        x[7] = f32::NEG_INFINITY;
+        x[12] = f32::INFINITY;
+        for below in [f32::NEG_INFINITY, -1.0, 0.0, x[0], 3.9, f32::INFINITY] {
+            #[allow(clippy::neg_cmp_op_on_partial_ord)]
+            let want = (0..16).filter(|&j| !(x[j] <= below)).fold(0u32, |m, j| m | 1 << j);
+            assert_eq!(unsafe { V::above_mask16(&x, below) }, want, "above_mask16 below {below}");
         }
     }
 
