@@ -4,8 +4,8 @@ Owns :func:`cpu_linear` (a drop-in for ``F.linear``) and when it takes a call
 (:func:`takes`). At one to a few rows a projection reads every weight once to make a few
 outputs, so it is bound by memory; torch's CPU GEMM reads cold weights at a third (float32) to
 a half (oneDNN's bfloat16) of the machine's streaming rate there, the Rust kernel
-(``rust/kernels/src/linear.rs``) at 60-80% of it (docs/benchmarks.md, "The decode projections
-in Rust"). The floats: one float32 dot product per output plus the bias, rounded once to the
+(``rust/kernels/src/linear.rs``) at 80-90% of it at one row (docs/benchmarks.md, "The weights
+asked for in step with the reads"). The floats: one float32 dot product per output plus the bias, rounded once to the
 dtype, as torch's GEMM computes them but in another summation order, so they agree to float32
 rounding, not bit for bit (parity holds within its tolerances: tests/test_cpu_linear.py, the
 parity suite).
@@ -33,9 +33,11 @@ ENV_VAR = "RESIN_CPU_LINEAR"
 
 MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.bfloat16: 8}
 """Rows up to which the kernel takes a dtype: where it beat torch's CPU GEMM on a decode step's
-cold weights (docs/benchmarks.md, "The decode projections in Rust": float32 2.3-5x torch at
-1-4 rows, 1.2-1.5x at 32; bfloat16 1.5-1.7x oneDNN at 1 row, 2.3-2.7x at 2, level at 8 and
-behind from 16, where each pass over a block widens its bfloat16 weights again)."""
+cold weights (docs/benchmarks.md, "The weights asked for in step with the reads": float32
+2.3-5x torch at 1-4 rows, 1.4x at 32; bfloat16 1.5-1.8x oneDNN at 1 row, 1.8-2.7x at 2,
+0.93-1.08x at 8 and behind from 16, where each pass over a block widens its bfloat16 weights
+again; at 8 rows it is kept for its end-to-end gain at 8 requests, measured against the
+kernel off, not against a limit of 4)."""
 
 # False: every call is F.linear (an A/B in one process: benchmarks/offline_throughput.py).
 enabled = os.environ.get(ENV_VAR, "") != "0" and _core.kernels_vectorised()

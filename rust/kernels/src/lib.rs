@@ -10,7 +10,8 @@
 //! - [`nucleus`]: where a row's top-p nucleus ends (the sort's cut) without sorting the row.
 //! - [`openmp_team`]: parallel work on the process's OpenMP team (torch's), found at run time.
 //! - [`rotary`]: the half-split rotary embedding of q / k rows, torch's floats in one pass.
-//! - [`vector`]: the f32 vector primitives kernels are written in (scalar, and AVX2 + FMA).
+//! - [`vector`]: the f32 vector primitives kernels are written in (scalar, and AVX2 + FMA), and
+//!   the prefetches a kernel asks for in step with its reads.
 
 pub mod candidates;
 pub mod linear;

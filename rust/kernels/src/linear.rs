@@ -8,9 +8,10 @@
 //! decode projections in Rust"); here the weight rows are split over the threads in contiguous
 //! blocks, and each block of four weight rows is dotted with every input row while it is in L1,
 //! two input rows a pass ([`Vector::dot4x2`]: each weight vector loaded, and widened, once).
-//! The weights [`PREFETCH_BYTES`] on are asked for in step with the reads ([`Ahead`]): that
-//! doubled the rate at one row (bfloat16 ~10 -> ~20 GB/s, float32 ~19 -> ~25) over a prefetch
-//! of a whole block at once.
+//! The weights `PREFETCH_DISTANCE_BYTES` on are asked for in step with the reads ([`Ahead`]):
+//! over a prefetch of a whole block at once, that took one bfloat16 row from ~10 to ~24 GB/s,
+//! and a float32 one from 82% to 91% of the machine's stream (docs/benchmarks.md, "The weights
+//! asked for in step with the reads").
 //!
 //! Floats: each output is one float32 dot product over `in_features` (8-lane fused
 //! multiply-adds, the lanes summed in a fixed order: [`Vector::dot4`], or [`Vector::dot`] for
@@ -27,10 +28,10 @@ use crate::vector::{Ahead, Element, Scalar, Vector};
 /// few microseconds, about what reading 64 KB takes.
 const MIN_PARALLEL_BYTES: usize = 64 * 1024;
 
-/// How far past the block it sums `columns` asks for the weights, in bytes (rounded to whole
-/// blocks of four rows, at least one): measured on bfloat16 and float32 rows of 512 and 1,376,
-/// 8-44 KB all read at ~23 GB/s a core, one block (4 KB in bfloat16) ~17-20.
-const PREFETCH_BYTES: usize = 16 * 1024;
+/// How far past the block it sums `columns` asks for the weights, in bytes (rounded up to whole
+/// blocks of four rows, at least one: 22 KB for bfloat16 rows of 1,376): measured on bfloat16
+/// rows of 512 and 1,376, 8-44 KB all read at ~23 GB/s a core, one block (4 KB) ~17-20.
+const PREFETCH_DISTANCE_BYTES: usize = 16 * 1024;
 
 /// The cores this process may run on, looked up once: `available_parallelism` reads the
 /// cgroup's quota files on Linux, tens of microseconds a call, which on every projection made
@@ -115,15 +116,15 @@ impl<E: Element> Product<'_, E> {
         let w_row = |n: usize| self.w[n * k..].as_ptr();
         let bias = |n: usize| self.bias.map_or(0.0, |b| b[n].to_f32());
         let block_bytes = 4 * k * std::mem::size_of::<E>();
-        let distance = PREFETCH_BYTES.div_ceil(block_bytes).max(1) * 4; // in weight rows
+        let distance_rows = PREFETCH_DISTANCE_BYTES.div_ceil(block_bytes).max(1) * 4;
         let mut n = start;
         while n < end {
             let width = (end - n).min(4);
             // The hardware prefetcher trains on each row's stream too late for rows of a few
-            // cache lines (half the bandwidth without this): the block `distance` rows on is
+            // cache lines (half the bandwidth without this): the block `distance_rows` on is
             // asked for while this one is summed, in step with its reads ([`Ahead`]).
-            let mut ahead = match n + distance {
-                at if at < end => Ahead::new(w_row(at) as *const u8, block_bytes.min((end - at) * block_bytes / 4)),
+            let mut ahead = match n + distance_rows {
+                at if at < end => Ahead::new(w_row(at) as *const u8, (end - at).min(4) * k * std::mem::size_of::<E>()),
                 _ => Ahead::none(),
             };
             let x = |r: usize| self.x[r * k..(r + 1) * k].as_ptr();

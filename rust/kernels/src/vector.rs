@@ -133,42 +133,46 @@ impl Element for Bf16 {
 }
 
 /// Memory a loop asks for ahead of its reads, into L2, as fast as it reads: each
-/// [`Ahead::step`] of `bytes` prefetches the next `bytes` of `start..start + len`, a cache line
-/// at a time, and nothing past its end. A kernel streaming a matrix much larger than the
+/// [`Ahead::step`] of `bytes` prefetches the next `bytes` of `start..start + len` (whole 64-byte
+/// cache lines: a step of a multiple of 64 keeps pace, a smaller one still asks for a line),
+/// and nothing past its end. A kernel streaming a matrix much larger than the
 /// caches (the decode projections' weights) points it a fixed distance past what it reads:
 /// spread over the loop, the requests keep the memory busy without the burst of a whole block's
 /// prefetches at once, which stalls on the core's few outstanding-miss slots (measured: ~12 GB/s
 /// a core in bursts, ~23 in step with the reads, on a 24 GB/s stream). Never faults; a no-op
 /// off x86-64 and for [`Ahead::none`].
-#[derive(Clone, Copy, Debug)]
+/// Not `Copy`: a copy would ask for the same lines twice.
+#[derive(Debug)]
 pub struct Ahead {
-    next: usize,
-    end: usize,
+    /// The address of the next cache line to ask for.
+    next_addr: usize,
+    /// One past the last byte to ask for.
+    end_addr: usize,
 }
 
 impl Ahead {
     /// Asks for nothing.
     pub fn none() -> Ahead {
-        Ahead { next: 0, end: 0 }
+        Ahead { next_addr: 0, end_addr: 0 }
     }
 
-    /// The `len` bytes from `start`, in order.
+    /// The `len` bytes from `start`, in order, from the cache line holding `start`.
     pub fn new(start: *const u8, len: usize) -> Ahead {
-        let next = start as usize;
-        Ahead { next, end: next.saturating_add(len) }
+        let start = start as usize;
+        Ahead { next_addr: start & !63, end_addr: start.saturating_add(len) }
     }
 
     /// Prefetches the next `bytes` (those left, at the end).
     #[inline(always)]
     pub fn step(&mut self, bytes: usize) {
-        let stop = self.next.saturating_add(bytes).min(self.end);
-        while self.next < stop {
+        let stop = self.next_addr.saturating_add(bytes).min(self.end_addr);
+        while self.next_addr < stop {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: a prefetch never faults, whatever the address.
             unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.next as *const i8)
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.next_addr as *const i8)
             };
-            self.next += 64;
+            self.next_addr += 64;
         }
     }
 }
@@ -489,7 +493,7 @@ mod tests {
             let q2 = data(n, 2);
             // Asking for memory ahead changes no bits.
             let far = data(4 * n + 64, 3);
-            let mut ahead = Ahead::new(far.as_ptr() as *const u8, far.len() * 4);
+            let mut ahead = Ahead::new(far.as_ptr() as *const u8, std::mem::size_of_val(&far[..]));
             let pair = unsafe { V::dot4x2([q.as_ptr(), q2.as_ptr()], ptrs, n, &mut ahead) };
             assert_eq!(pair, [got, unsafe { V::dot4(q2.as_ptr(), ptrs, n, &mut Ahead::none()) }], "dot4x2 n={n}: dot4's bits");
             let one = unsafe { V::dot(q.as_ptr(), k[2].as_ptr(), n) };
