@@ -34,6 +34,7 @@ __all__ = [
     "rotary_embedding",
     "nucleus_cut",
     "top_candidates",
+    "argmax",
     "__version__",
 ]
 
@@ -626,6 +627,13 @@ def nucleus_cut(
     sort of the nucleus's buckets, not of the row). Bad shapes, rows out of range, non-C order
     and outputs sharing bytes with each other or an input raise ValueError; the GIL is
     released while it runs."""
+
+def argmax(logits: npt.NDArray[np.float32], tokens: npt.NDArray[np.int64]) -> None:
+    """Each row's greedy token into ``tokens`` [S]: the first column of the largest logit of
+    ``logits`` [S, V] (f32, C-contiguous), a NaN the largest, 0 for a row of ``-inf``:
+    ``torch.argmax``'s columns exactly (rust/kernels/src/argmax.rs: one vectorised scan against
+    the running maximum). Bad shapes, non-C order and ``tokens`` sharing bytes with ``logits``
+    raise ValueError; the GIL is released while it runs."""
 
 def top_candidates(
     logits: npt.NDArray[np.float32],

@@ -6,10 +6,11 @@ Owns the per-request sampler state (the token history penalties need, keyed by
 1. penalties on the raw logits, then ``banned_token_ids`` (:mod:`resin.sampling_penalties`:
    repetition, frequency, presence; the per-slot counts kept across steps);
 2. grammar masks (structured outputs, below);
-3. temperature 0 = greedy (argmax of the penalised logits; a step whose rows are all greedy
-   does nothing else); otherwise divide by the temperature, keep the tokens top-k, top-p and
-   min-p leave (:mod:`resin.sampling_filters`, transformers' order) and draw
-   (:mod:`resin.sampling_draw`: inverse-CDF sampling from the sample's uniform number).
+3. temperature 0 = greedy (argmax of the penalised logits, :mod:`resin.sampling_greedy`; a
+   step whose rows are all greedy does nothing else); otherwise divide by the temperature,
+   keep the tokens top-k, top-p and min-p leave (:mod:`resin.sampling_filters`,
+   transformers' order) and draw (:mod:`resin.sampling_draw`: inverse-CDF sampling from the
+   sample's uniform number).
 
 The greedy rows and the drawn rows are each copied once into a reused buffer
 (:mod:`resin.sampling_workspace`), the drawn ones in the blocks the draw reads in place
@@ -70,6 +71,7 @@ from resin.sampling_filters import (
     apply_top_p,
     filter_thresholds,
 )
+from resin.sampling_greedy import greedy_tokens
 from resin.sampling_penalties import Penalties
 from resin.sampling_state import (
     SlotHistory,
@@ -184,7 +186,7 @@ class Sampler(SlotHistory):
             whole = len(part) == len(rows) and bool((part[1:] > part[:-1]).all())
             processed, owned = self._processed(logits, plan, rows, slots, None if whole else part)
             if group == 0:  # the greedy fast path: no filters, no softmax, no sort
-                group_tokens = processed.argmax(dim=-1)
+                group_tokens = greedy_tokens(processed)
             else:
                 group_tokens = self._draw(processed, owned, plan, rows, offsets, part)
             if whole:

@@ -23,6 +23,7 @@ from resin.sampling import Sampler
 from resin.sampling_candidates import top_candidates
 from resin.sampling_draw import draw_tokens, sample_tokens
 from resin.sampling_filters import apply_top_p
+from resin.sampling_greedy import greedy_tokens
 from resin.sampling_penalties import TokenTally
 from resin.sampling_state import SlotState
 from resin.sampling_workspace import Workspace
@@ -377,6 +378,46 @@ def test_the_nucleus_kernel_refuses_bad_arguments() -> None:
         _core.top_candidates(
             logits.numpy(), np.empty((4, 301), np.float32), np.empty((4, 301), np.int64)
         )
+
+
+@pytest.mark.parametrize("vocab_size", [1, 15, 16, 17, 5003, 32000])
+def test_greedy_tokens_are_torchs_argmax(vocab_size: int) -> None:
+    """``_core.argmax`` (the CPU greedy pick) gives torch's column on every row: ties of the
+    largest (the first wins), NaN anywhere (the first NaN), -inf rows, +inf, -0.0 / 0.0."""
+    gen = torch.Generator().manual_seed(vocab_size)
+    rows = (torch.randint(0, 24, (12, vocab_size), generator=gen) * 0.5).float()  # ties
+    rows[1] = -torch.inf
+    rows[2] = torch.where(torch.arange(vocab_size) % 2 == 0, -0.0, 0.0)
+    rows[3, vocab_size // 2] = torch.inf
+    rows[4, vocab_size - 1] = torch.nan  # in the tail past the last block of 16
+    rows[5, vocab_size // 3] = torch.nan
+    rows[5, (2 * vocab_size) // 3] = torch.nan
+    rows[6] = torch.arange(vocab_size, dtype=torch.float32)  # a new maximum each logit
+    rows[7, 0] = torch.nan
+    got = greedy_tokens(rows)
+    assert got.dtype == torch.int64
+    assert got.tolist() == rows.argmax(dim=-1).tolist()
+    # Strided rows and other dtypes take torch's argmax; the answer is the same.
+    assert greedy_tokens(rows.t().contiguous().t()).tolist() == rows.argmax(dim=-1).tolist()
+    if vocab_size > 1:
+        assert greedy_tokens(rows[:, 1:]).tolist() == rows[:, 1:].argmax(dim=-1).tolist()
+
+
+def test_argmax_kernel_refuses_bad_arrays() -> None:
+    from resin import _core
+
+    logits = np.zeros((4, 8), np.float32)
+    _core.argmax(logits, np.empty(4, np.int64))
+    for message, (rows, tokens) in {
+        "do not agree": (logits, np.empty(3, np.int64)),
+        "do not agree ": (np.zeros((4, 0), np.float32), np.empty(4, np.int64)),
+        "C-contiguous": (np.zeros((8, 4), np.float32).T, np.empty(4, np.int64)),
+    }.items():
+        with pytest.raises(ValueError, match=message.strip()):
+            _core.argmax(rows, tokens)
+    shared = torch.zeros(4, 8)  # tokens over the logits' bytes (views numpy cannot link)
+    with pytest.raises(ValueError, match="overlap"):
+        _core.argmax(shared.numpy(), shared.view(-1)[:8].view(torch.int64).numpy())
 
 
 def test_draw_of_a_row_does_not_depend_on_the_batch() -> None:

@@ -41,6 +41,7 @@ from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import read_slots
 from resin.runners.torch.model_definition import LayerCache, MtpDefinition
 from resin.runners.torch.step_inputs import StepInputs
+from resin.sampling_greedy import greedy_tokens
 
 if TYPE_CHECKING:
     from resin.runners.torch.paged_runner import PagedRunner
@@ -192,7 +193,7 @@ class MtpDrafter:
             )
             normed = definition.output(hidden, w, ctx)
             logits = runner.model.logits(normed, runner.weights.globals, ctx)
-            tokens = logits.float().argmax(dim=-1)
+            tokens = greedy_tokens(logits.float())
             out[:, i] = tokens.cpu().numpy()
             for view in (attention, *extra.values()):
                 view.next_step()

@@ -3,6 +3,7 @@
 //! and index before a kernel touches memory.
 //!
 //! Modules, one noun each:
+//! - [`argmax`]: a row's greedy token, torch's `argmax` in one vectorised scan.
 //! - [`paged_attention`]: attention of a step's queries over the paged KV cache, read in place
 //!   through the plan's CSR page table (no gather of K and V).
 //! - [`candidates`]: a row's n largest logits and their columns in one read of the row.
@@ -13,6 +14,7 @@
 //! - [`vector`]: the f32 vector primitives kernels are written in (scalar, and AVX2 + FMA), and
 //!   the prefetches a kernel asks for in step with its reads.
 
+pub mod argmax;
 pub mod candidates;
 pub mod linear;
 pub mod nucleus;

@@ -406,6 +406,31 @@ pub fn nucleus_cut(
     Ok(())
 }
 
+/// Each row's greedy token into `tokens` [S] (int64): the first column of the row's largest
+/// logit of `logits` [S, V] (f32, C-contiguous), a NaN the largest (`resin-kernels`' `argmax`:
+/// torch's `argmax`, column for column). GIL released.
+#[pyfunction]
+pub fn argmax(py: Python<'_>, logits: PyReadonlyArray2<'_, f32>, mut tokens: PyReadwriteArray1<'_, i64>) -> PyResult<()> {
+    let (ls, ts) = (logits.shape().to_vec(), tokens.shape().to_vec());
+    if ts[0] != ls[0] || ls[1] == 0 {
+        return Err(PyValueError::new_err(format!("argmax: logits {ls:?} and tokens {ts:?} do not agree ([S, V > 0], [S])")));
+    }
+    c_order("argmax", [("logits", logits.is_c_contiguous()), ("tokens", tokens.is_c_contiguous())])?;
+    let input = [byte_extent(logits.data(), &ls, logits.strides())];
+    if shares_bytes(byte_extent(tokens.data(), &ts, tokens.strides()), input) {
+        return Err(PyValueError::new_err("argmax: tokens must not overlap logits"));
+    }
+    let not_c = |_| PyValueError::new_err("argmax: arrays must be contiguous");
+    let rows = logits.as_slice().map_err(not_c)?;
+    let out = tokens.as_slice_mut().map_err(not_c)?;
+    py.detach(|| {
+        for (row, token) in rows.chunks_exact(ls[1]).zip(out.iter_mut()) {
+            *token = resin_kernels::argmax::argmax(row) as i64;
+        }
+    });
+    Ok(())
+}
+
 /// The `values.shape[1]` = n largest logits of each row of `logits` [S, V] (f32, C-contiguous),
 /// descending, into `values` [S, n] and their columns into `indices` [S, n] (`resin-kernels`'
 /// `candidates`: `topk(n)`'s values exactly). GIL released.

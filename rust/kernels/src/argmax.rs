@@ -1,0 +1,136 @@
+//! `argmax`: a row's greedy token, the first column of its largest logit (torch's `argmax`).
+//!
+//! torch's CPU `argmax` of float32 tracks an index with every compare and is not vectorised:
+//! ~35 µs a 32,000-token row, about seven times a vectorised max over the same row, so at 64
+//! decode rows 1.7-2.4 ms of a step. Here one scan compares 16 logits at a time with the
+//! running maximum ([`Vector::above_mask16`]); only a block holding a larger logit or a NaN is
+//! looked at one by one, and on LLM-like or random logits the maximum settles early.
+//!
+//! The answer is torch's, column for column: the first column of the largest value (a later
+//! equal value, `-0.0` and `0.0` included, does not replace it), a NaN counting as larger than
+//! everything (the first NaN's column), and 0 for a row of `-inf`.
+
+use crate::vector::{Scalar, Vector};
+
+/// The column of the first largest logit of `row`, a NaN the largest (module doc); 0 when
+/// `row` is empty.
+pub fn argmax(row: &[f32]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vector::vectorised() {
+        // SAFETY: the CPU has AVX2 + FMA.
+        return unsafe { argmax_avx2(row) };
+    }
+    argmax_with::<Scalar>(row)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn argmax_avx2(row: &[f32]) -> usize {
+    argmax_with::<crate::vector::Avx2>(row)
+}
+
+/// [`argmax`] with the block compares done by `V`.
+#[inline(always)]
+fn argmax_with<V: Vector>(row: &[f32]) -> usize {
+    let mut best = Best { value: f32::NEG_INFINITY, column: 0 };
+    let blocks = row.chunks_exact(16);
+    let tail = blocks.remainder();
+    let mut start = 0;
+    for block in blocks {
+        let block: &[f32; 16] = block.try_into().expect("a whole block");
+        // SAFETY: `V`'s features are present (`argmax`).
+        let mut mask = unsafe { V::above_mask16(block, best.value) };
+        while mask != 0 {
+            let offset = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            if best.look(start + offset, block[offset]) {
+                return best.column;
+            }
+        }
+        start += 16;
+    }
+    for (offset, &x) in tail.iter().enumerate() {
+        if best.look(start + offset, x) {
+            break;
+        }
+    }
+    best.column
+}
+
+/// The largest logit so far and its column.
+struct Best {
+    value: f32,
+    column: usize,
+}
+
+impl Best {
+    /// Takes `x` at `column` if it wins; true for a NaN, which ends the scan (nothing can
+    /// replace it). An equal value does not win: the first column stays.
+    #[inline(always)]
+    fn look(&mut self, column: usize, x: f32) -> bool {
+        if x.is_nan() {
+            self.column = column;
+            return true;
+        }
+        if x > self.value {
+            (self.value, self.column) = (x, column);
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// torch's rule, one logit at a time.
+    fn first_largest(row: &[f32]) -> usize {
+        if let Some(nan) = row.iter().position(|x| x.is_nan()) {
+            return nan;
+        }
+        let mut best = 0;
+        for (i, &x) in row.iter().enumerate() {
+            if x > row[best] {
+                best = i;
+            }
+        }
+        best
+    }
+
+    #[test]
+    fn the_first_largest_column_nan_first() {
+        let mut state = 11u64;
+        let mut rows: Vec<Vec<f32>> = [1usize, 15, 16, 17, 100, 5000]
+            .iter()
+            .map(|&len| {
+                (0..len)
+                    .map(|_| {
+                        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        ((state >> 40) % 64) as f32 * 0.5 - 16.0 // many ties of the largest
+                    })
+                    .collect()
+            })
+            .collect();
+        let ascending: Vec<f32> = (0..300).map(|i| i as f32).collect();
+        rows.push(ascending.clone()); // a new maximum in every block
+        rows.push(vec![f32::NEG_INFINITY; 40]);
+        rows.push(vec![-0.0, 0.0, -0.0, 0.0]); // equal: the first
+        let mut with_nan = ascending.clone();
+        with_nan[37] = f32::NAN;
+        with_nan[200] = f32::NAN;
+        rows.push(with_nan);
+        let mut nan_in_tail = ascending.clone();
+        nan_in_tail[298] = f32::NAN;
+        rows.push(nan_in_tail);
+        let mut with_inf = ascending;
+        with_inf[5] = f32::INFINITY;
+        with_inf[250] = f32::INFINITY;
+        rows.push(with_inf);
+        for row in &rows {
+            let want = first_largest(row);
+            assert_eq!(argmax(row), want, "a row of {}", row.len());
+            assert_eq!(argmax_with::<Scalar>(row), want, "a row of {}: the portable path", row.len());
+        }
+        assert_eq!(argmax(&[]), 0);
+    }
+}
