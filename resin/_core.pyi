@@ -35,6 +35,7 @@ __all__ = [
     "nucleus_cut",
     "top_candidates",
     "argmax",
+    "inverse_cdf",
     "__version__",
 ]
 
@@ -634,6 +635,19 @@ def argmax(logits: npt.NDArray[np.float32], tokens: npt.NDArray[np.int64]) -> No
     ``torch.argmax``'s columns exactly (rust/kernels/src/argmax.rs: one vectorised scan against
     the running maximum). Bad shapes, non-C order and ``tokens`` sharing bytes with ``logits``
     raise ValueError; the GIL is released while it runs."""
+
+def inverse_cdf(
+    probs: npt.NDArray[np.float32],
+    uniforms: npt.NDArray[np.float32],
+    tokens: npt.NDArray[np.int64],
+) -> None:
+    """Each row's inverse-CDF token into ``tokens`` [S]: the first column of ``probs`` [S, V]
+    (f32, C-contiguous) whose float32 cumulative sum (float64 additions, in column order)
+    exceeds ``min(uniforms[r] * total, nextafter(total, 0))``, the last column when none does:
+    torch's ``cumsum`` + ``searchsorted(right=True)``, bit for bit (rust/kernels/src/draw.rs);
+    -1 for a row whose total is not positive and finite. Bad shapes, non-C order and
+    ``tokens`` sharing bytes with an input raise ValueError; the GIL is released while it
+    runs."""
 
 def top_candidates(
     logits: npt.NDArray[np.float32],

@@ -20,7 +20,9 @@ Guarantee: a row's token depends only on its logits, its settings and its unifor
 the rest of the batch; and every path computes the same float32 values in the same order as
 the draw before the tree search, the narrow first search and the reused buffers (9c242cf:
 ``topk(256)`` over the whole row, the softmax and cumulative sum of the same vectors, a sort
-for a nucleus past the candidates), so a seeded request keeps its tokens. Rows are divided by
+for a nucleus past the candidates; on the CPU the whole-row cumulative sum is formed in Rust,
+torch's additions in torch's order: rust/kernels/src/draw.rs), so a seeded request keeps its
+tokens. Rows are divided by
 their temperature only where the whole row is read; elsewhere only the candidates are (a
 division is elementwise: the same bits).
 
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from resin import _core
 from resin.sampling_candidates import top_candidates
 from resin.sampling_filters import CANDIDATES, filter_thresholds, is_filtered
 from resin.sampling_rows import ScaledRows, keep_from_, padded, row_span, softmax_into
@@ -250,13 +253,47 @@ def inverse_cdf(
 ) -> torch.Tensor:
     """int64 [n, 1]: per row of ``logits`` [n, m], the first column whose cumulative softmax
     exceeds ``uniforms`` [n] times the total (never a column of probability 0). With a
-    ``workspace``, the softmax and the cumulative sum are written into its buffers."""
+    ``workspace``, the softmax and the cumulative sum are written into its buffers, or, for
+    float32 CPU rows (:data:`draw_kernel`), the sums are formed in ``_core.inverse_cdf`` and
+    not written: the same tokens."""
     if workspace is None:
-        cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+        probs = logits.softmax(dim=-1)
     else:
         probs = softmax_into(logits, workspace, "probs")
-        cdf = workspace.get("cdf", tuple(logits.shape), logits.dtype)
+        if draw_kernel and probs.dtype is torch.float32 and probs.is_cpu:
+            return _kernel_inverse_cdf(probs, uniforms)
+    return _search_cdf(probs, uniforms, workspace)
+
+
+draw_kernel = True
+"""Whether :func:`inverse_cdf` with a workspace draws float32 CPU rows in ``_core.inverse_cdf``
+(the cumulative sums of four rows at once, in Rust, none written out) rather than torch's
+``cumsum`` and ``searchsorted``: the same tokens, bit for bit (rust/kernels/src/draw.rs).
+False takes torch's everywhere (for A/B runs and the tests)."""
+
+
+def _search_cdf(
+    probs: torch.Tensor, uniforms: torch.Tensor, workspace: Workspace | None
+) -> torch.Tensor:
+    """int64 [n, 1]: :func:`inverse_cdf` of the probabilities ``probs`` [n, m], in torch."""
+    if workspace is None:
+        cdf = probs.cumsum(dim=-1)
+    else:
+        cdf = workspace.get("cdf", tuple(probs.shape), probs.dtype)
         torch.cumsum(probs, dim=-1, out=cdf)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, cdf.new_zeros(())))
     return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+
+
+def _kernel_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """:func:`_search_cdf`'s tokens from ``_core.inverse_cdf``; rows it leaves (a total that is
+    not positive and finite: NaN or infinite logits) go to torch."""
+    tokens = torch.empty((len(probs), 1), dtype=torch.int64)
+    _core.inverse_cdf(
+        probs.numpy(), uniforms.to(torch.float32).contiguous().numpy(), tokens[:, 0].numpy()
+    )
+    left = (tokens[:, 0] < 0).nonzero()[:, 0]
+    if len(left):
+        tokens[left] = _search_cdf(probs[left], uniforms[left], None)
+    return tokens

@@ -21,7 +21,7 @@ import torch
 import resin
 from resin.sampling import Sampler
 from resin.sampling_candidates import top_candidates
-from resin.sampling_draw import draw_tokens, sample_tokens
+from resin.sampling_draw import draw_tokens, inverse_cdf, sample_tokens
 from resin.sampling_filters import apply_top_p
 from resin.sampling_greedy import greedy_tokens
 from resin.sampling_penalties import TokenTally
@@ -378,6 +378,63 @@ def test_the_nucleus_kernel_refuses_bad_arguments() -> None:
         _core.top_candidates(
             logits.numpy(), np.empty((4, 301), np.float32), np.empty((4, 301), np.int64)
         )
+
+
+@pytest.mark.parametrize("vocab_size", [450, 5003])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked", "plateau"])
+def test_inverse_cdf_kernel_is_torchs_cumsum_and_search(
+    kind: str, vocab_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_core.inverse_cdf`` (the CPU whole-row draw) gives the token of torch's cumsum and
+    searchsorted on every row, with uniforms right at the cumulative sums' edges, and leaves
+    the rows of NaN or infinite logits to torch."""
+    rng = np.random.default_rng(vocab_size)
+    logits = torch.from_numpy(random_logits(kind, 23, vocab_size, rng))
+    logits[3] = torch.nan
+    logits[4] = -torch.inf  # softmax of NaN
+    logits[5, vocab_size // 2] = torch.inf
+    probs = logits.softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1]
+    at = torch.from_numpy(rng.integers(0, vocab_size, len(logits)))
+    edge = (cdf.gather(1, at[:, None])[:, 0] / total).clamp(0, 1 - 2**-24)
+    up, down = torch.full_like(edge, 1.0), torch.zeros_like(edge)
+    for uniforms in (
+        torch.from_numpy(rng.random(len(logits)).astype(np.float32)),
+        torch.zeros(len(logits)),
+        torch.full((len(logits),), 1 - 2**-24),
+        edge,
+        torch.nextafter(edge, up).clamp(max=1 - 2**-24),
+        torch.nextafter(edge, down),
+    ):
+        monkeypatch.setattr("resin.sampling_draw.draw_kernel", False)
+        expected = inverse_cdf(logits, uniforms, Workspace())
+        monkeypatch.setattr("resin.sampling_draw.draw_kernel", True)
+        assert torch.equal(inverse_cdf(logits, uniforms, Workspace()), expected)
+        assert torch.equal(inverse_cdf(logits, uniforms), expected)  # no workspace: torch's
+
+
+def test_inverse_cdf_kernel_refuses_bad_arrays() -> None:
+    from resin import _core
+
+    probs, uniforms = np.full((4, 8), 0.125, np.float32), np.full(4, 0.5, np.float32)
+    tokens = np.empty(4, np.int64)
+    _core.inverse_cdf(probs, uniforms, tokens)
+    assert tokens.tolist() == [4, 4, 4, 4]
+    _core.inverse_cdf(np.ones((4, 1), np.float32), uniforms, tokens)  # one column: always it
+    assert tokens.tolist() == [0, 0, 0, 0]
+    for message, args in {
+        "do not agree": (probs, uniforms[:3], tokens),
+        "do not agree ": (probs, uniforms, tokens[:3]),
+        "do not agree  ": (np.zeros((4, 0), np.float32), uniforms, tokens),
+        "C-contiguous": (np.zeros((8, 4), np.float32).T, uniforms, tokens),
+        "C-contiguous ": (probs, np.zeros(8, np.float32)[::2], tokens),
+    }.items():
+        with pytest.raises(ValueError, match=message.strip()):
+            _core.inverse_cdf(*args)
+    shared = torch.zeros(4, 8)  # tokens over the probabilities' bytes
+    with pytest.raises(ValueError, match="overlap"):
+        _core.inverse_cdf(shared.numpy(), uniforms, shared.view(-1)[:8].view(torch.int64).numpy())
 
 
 @pytest.mark.parametrize("vocab_size", [1, 15, 16, 17, 5003, 32000])

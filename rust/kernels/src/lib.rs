@@ -7,6 +7,7 @@
 //! - [`paged_attention`]: attention of a step's queries over the paged KV cache, read in place
 //!   through the plan's CSR page table (no gather of K and V).
 //! - [`candidates`]: a row's n largest logits and their columns in one read of the row.
+//! - [`draw`]: a row's inverse-CDF token from its probabilities (torch's cumsum's bits).
 //! - [`linear`]: `x @ w.T (+ bias)` for a decode step's few rows, each weight row read once.
 //! - [`nucleus`]: where a row's top-p nucleus ends (the sort's cut) without sorting the row.
 //! - [`openmp_team`]: parallel work on the process's OpenMP team (torch's), found at run time.
@@ -16,6 +17,7 @@
 
 pub mod argmax;
 pub mod candidates;
+pub mod draw;
 pub mod linear;
 pub mod nucleus;
 pub mod openmp_team;

@@ -406,6 +406,41 @@ pub fn nucleus_cut(
     Ok(())
 }
 
+/// Each row's inverse-CDF token into `tokens` [S] (int64): the first column of `probs` [S, V]
+/// (f32, C-contiguous) whose float32 cumulative sum exceeds `uniforms[r]` (f32 [S]) times the
+/// row's total (`resin-kernels`' `draw`: torch's `cumsum` + `searchsorted`, bit for bit); -1
+/// for a row whose total is not positive and finite (the caller draws it). GIL released.
+#[pyfunction]
+pub fn inverse_cdf(
+    py: Python<'_>,
+    probs: PyReadonlyArray2<'_, f32>,
+    uniforms: PyReadonlyArray1<'_, f32>,
+    mut tokens: PyReadwriteArray1<'_, i64>,
+) -> PyResult<()> {
+    let (ps, us, ts) = (probs.shape().to_vec(), uniforms.shape().to_vec(), tokens.shape().to_vec());
+    if us[0] != ps[0] || ts[0] != ps[0] || ps[1] == 0 {
+        return Err(PyValueError::new_err(format!(
+            "inverse_cdf: probs {ps:?}, uniforms {us:?} and tokens {ts:?} do not agree ([S, V > 0], [S], [S])"
+        )));
+    }
+    c_order(
+        "inverse_cdf",
+        [("probs", probs.is_c_contiguous()), ("uniforms", uniforms.is_c_contiguous()), ("tokens", tokens.is_c_contiguous())],
+    )?;
+    let inputs = [byte_extent(probs.data(), &ps, probs.strides()), byte_extent(uniforms.data(), &us, uniforms.strides())];
+    if shares_bytes(byte_extent(tokens.data(), &ts, tokens.strides()), inputs) {
+        return Err(PyValueError::new_err("inverse_cdf: tokens must not overlap probs or uniforms"));
+    }
+    let not_c = |_| PyValueError::new_err("inverse_cdf: arrays must be contiguous");
+    let (rows, us) = (probs.as_slice().map_err(not_c)?, uniforms.as_slice().map_err(not_c)?);
+    let out = tokens.as_slice_mut().map_err(not_c)?;
+    let drawn = py.detach(|| resin_kernels::draw::draw_rows(rows, ps[1], us, &mut Vec::new()));
+    for (token, d) in out.iter_mut().zip(drawn) {
+        *token = d.map_or(-1, |t| t as i64);
+    }
+    Ok(())
+}
+
 /// Each row's greedy token into `tokens` [S] (int64): the first column of the row's largest
 /// logit of `logits` [S, V] (f32, C-contiguous), a NaN the largest (`resin-kernels`' `argmax`:
 /// torch's `argmax`, column for column). GIL released.

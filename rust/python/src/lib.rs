@@ -39,6 +39,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::nucleus_cut, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::top_candidates, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::argmax, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::inverse_cdf, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::linear, m)?)?;
     m.add("StepError", m.py().get_type::<errors::StepError>())?;
     m.add("InvalidOutputError", errors::invalid_output_error(m.py())?)?;
