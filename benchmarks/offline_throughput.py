@@ -10,7 +10,8 @@ bfloat16, the checkpoint cast on load):
   attention backend in `--attention-backends` (default: `torch`, the default backend, with its
   CPU paged-attention kernel, and `torch-sdpa`, the same backend with the kernel off,
   `RESIN_TORCH_CPU_KERNEL=0`; `torch-gemm` is the torch backend with the CPU decode linear off,
-  every projection torch's GEMM; `reference` is the parity backend);
+  every projection torch's GEMM; `torch-argmax` the torch backend with the greedy pick
+  torch's `argmax`, not `_core.argmax`; `reference` is the parity backend);
 - HF sequential: `model.generate` one request at a time (C requests);
 - HF padded: one `model.generate` call on a left-padded batch of C prompts.
 
@@ -93,13 +94,16 @@ def resin_contender(
     import os
 
     import resin
+    import resin.sampling_greedy
     from resin.kernels import cpu_linear
     from resin.llm import LLM
 
     # torch-sdpa: the torch backend with its CPU kernel off (the padded SDPA batch); torch-gemm:
-    # with the CPU decode linear off (every projection torch's GEMM), switched per run.
+    # with the CPU decode linear off (every projection torch's GEMM); torch-argmax: with the
+    # greedy pick torch's argmax; switched per run.
     sdpa = backend == "torch-sdpa"
     gemm = backend == "torch-gemm"
+    torch_argmax = backend == "torch-argmax"
     if sdpa:
         os.environ["RESIN_TORCH_CPU_KERNEL"] = "0"  # read when the backend is built
     try:
@@ -107,7 +111,7 @@ def resin_contender(
             CHECKPOINT,
             max_num_seqs=max(concurrency, 1),
             max_model_len=1024,
-            attention_backend="torch" if sdpa or gemm else backend,
+            attention_backend="torch" if sdpa or gemm or torch_argmax else backend,
             dtype=dtype,
         )
     finally:
@@ -116,14 +120,15 @@ def resin_contender(
     llm.generate([warmup], params)  # allocator, first-call costs (a prompt no repeat uses)
 
     def run(prompts: list[list[int]]) -> float:
-        enabled = cpu_linear.enabled
+        enabled, argmax_kernel = cpu_linear.enabled, resin.sampling_greedy.argmax_kernel
         cpu_linear.enabled = enabled and not gemm
+        resin.sampling_greedy.argmax_kernel = argmax_kernel and not torch_argmax
         try:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params)
             seconds = time.perf_counter() - start
         finally:
-            cpu_linear.enabled = enabled
+            cpu_linear.enabled, resin.sampling_greedy.argmax_kernel = enabled, argmax_kernel
         assert all(len(o.token_ids) == output_len for o in outputs)
         return len(prompts) * output_len / seconds
 
