@@ -17,6 +17,10 @@ the output — median of ``--repeats`` calls, each sampler on the same logits:
   ``resin.sampling_candidates.candidates_kernel`` and ``resin.sampling_filters.nucleus_kernel``
   off (candidates from the torch tree of block maxima, a nucleus past them from ``topk``
   searches, not ``_core.top_candidates`` / ``_core.nucleus_cut``); same tokens, checked.
+- "torch only": the working tree's greedy and mixed steps with every Rust kernel off (those
+  two, ``resin.sampling_greedy.argmax_kernel`` and ``resin.sampling_draw.draw_kernel``: the
+  greedy pick torch's ``argmax``, the whole-row draw torch's ``cumsum`` + ``searchsorted``),
+  the path a device without the kernels takes; same tokens, checked.
 - logits: "peaked" (LLM-like: a N(0, 2) bulk with 8 tokens 10-16 above it, the top one
   taking ~0.9 of the mass) or "flat" (the bulk alone: a top-p nucleus of thousands of tokens,
   the worst case for a candidate set).
@@ -48,7 +52,9 @@ import torch
 
 import resin
 import resin.sampling_candidates
+import resin.sampling_draw
 import resin.sampling_filters
+import resin.sampling_greedy
 from resin import Engine, EngineConfig, ForwardOutput, SamplingParams
 from resin.sampling import Sampler
 
@@ -170,22 +176,39 @@ def step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
     return lambda: sampler.sample(logits, plan, rows)
 
 
-def torch_search_step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
-    """:func:`step` with the candidates and a wide nucleus found by the torch searches, not
-    ``_core.top_candidates`` / ``_core.nucleus_cut`` (``candidates_kernel`` and
-    ``nucleus_kernel`` off: the CPU path before those kernels)."""
-    call = step(sampler, logits, plan)
+SEARCH_KERNELS = [
+    (resin.sampling_candidates, "candidates_kernel"),
+    (resin.sampling_filters, "nucleus_kernel"),
+]
+"""The switches of the two search kernels (``_core.top_candidates``, ``_core.nucleus_cut``)."""
+
+ALL_KERNELS = [
+    *SEARCH_KERNELS,
+    (resin.sampling_greedy, "argmax_kernel"),
+    (resin.sampling_draw, "draw_kernel"),
+]
+"""Every Rust kernel's switch in the sampler (and ``_core.argmax``, ``_core.inverse_cdf``)."""
+
+
+def kernels_off(call: Any, switches: list[tuple[Any, str]]) -> Any:
+    """``call`` with the kernels of ``switches`` off (their torch paths), on again after."""
 
     def run() -> Any:
-        resin.sampling_candidates.candidates_kernel = False
-        resin.sampling_filters.nucleus_kernel = False
+        for module, name in switches:
+            setattr(module, name, False)
         try:
             return call()
         finally:
-            resin.sampling_candidates.candidates_kernel = True
-            resin.sampling_filters.nucleus_kernel = True
+            for module, name in switches:
+                setattr(module, name, True)
 
     return run
+
+
+def torch_search_step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
+    """:func:`step` with the candidates and a wide nucleus found by the torch searches, not
+    ``_core.top_candidates`` / ``_core.nucleus_cut`` (the CPU path before those kernels)."""
+    return kernels_off(step(sampler, logits, plan), SEARCH_KERNELS)
 
 
 def greedy_tokens(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> np.ndarray:
@@ -227,8 +250,17 @@ def step_rows(
             after.generator.manual_seed(0)
             kernel_off = np.asarray(torch_search_step(after, logits, mixed_plan)().token_ids)
             after.generator.manual_seed(0)
+            torch_only = kernels_off(step(after, logits, mixed_plan), ALL_KERNELS)
+            torch_tokens = np.asarray(torch_only().token_ids)
+            after.generator.manual_seed(0)
             kernel_on = np.asarray(step(after, logits, mixed_plan)().token_ids)
             assert np.array_equal(kernel_on, kernel_off), "a search kernel changed a token"
+            assert np.array_equal(kernel_on, torch_tokens), "a kernel changed a token"
+            greedy_torch = kernels_off(step(greedy_samplers[1], logits, greedy_plan), ALL_KERNELS)
+            assert np.array_equal(
+                np.asarray(greedy_torch().token_ids),
+                np.asarray(step(greedy_samplers[1], logits, greedy_plan)().token_ids),
+            ), "the argmax kernel changed a token"
             row: dict[str, Any] = {"vocab_size": vocab_size, "logits": kind}
             row["tokens_identical_to_same_as"] = identical
             for name, index, n in (("after", 1, repeats), ("before", 0, before_repeats)):
@@ -236,16 +268,23 @@ def step_rows(
                     "greedy": step(greedy_samplers[index], logits, greedy_plan),
                     "mixed": step(mixed_samplers[index], logits, mixed_plan),
                 }
-                if name == "after":  # the --same-as sampler and the torch searches too
+                if name == "after":  # the --same-as sampler and the torch paths too
                     calls["mixed_same_as"] = step(same_as, logits, mixed_plan)
                     calls["mixed_torch_search"] = torch_search_step(after, logits, mixed_plan)
+                    calls["greedy_torch_only"] = greedy_torch
+                    calls["mixed_torch_only"] = torch_only
                 timed = median_ms(calls, n)
                 row[f"greedy_{name}_ms"], row[f"mixed_{name}_ms"] = timed["greedy"], timed["mixed"]
                 if name == "after":
-                    row["mixed_same_as_ms"] = timed["mixed_same_as"]
-                    row["mixed_torch_search_ms"] = timed["mixed_torch_search"]
+                    for key in ("mixed_same_as", "mixed_torch_search"):
+                        row[f"{key}_ms"] = timed[key]
+                    for key in ("greedy_torch_only", "mixed_torch_only"):
+                        row[f"{key}_ms"] = timed[key]
                 print(f"  vocab {vocab_size} {kind} {name}: {timed}", flush=True)
             row["mixed_over_greedy_after"] = row["mixed_after_ms"] / row["greedy_after_ms"]
+            row["mixed_over_greedy_torch_only"] = (
+                row["mixed_torch_only_ms"] / row["greedy_torch_only_ms"]
+            )
             row["mixed_speedup"] = row["mixed_before_ms"] / row["mixed_after_ms"]
             row["mixed_speedup_vs_same_as"] = row["mixed_same_as_ms"] / row["mixed_after_ms"]
             rows.append(row)
@@ -319,6 +358,22 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['mixed_torch_search_ms']:.1f} | {r['mixed_after_ms']:.1f} "
             f"| {r['mixed_over_greedy_after']:.2f}x "
             f"| {r['mixed_speedup']:.1f}x / {r['mixed_speedup_vs_same_as']:.1f}x |"
+        )
+    print(
+        "\nThe same steps with every sampler kernel on (after) and off (torch only), ms (median)\n"
+    )
+    print(
+        "| vocab | logits | greedy, torch only | greedy after | mixed, torch only | mixed after "
+        "| greedy speed-up | mixed speed-up | mixed / greedy, torch only | mixed / greedy, after |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in steps:
+        print(
+            f"| {r['vocab_size']:,} | {r['logits']} | {r['greedy_torch_only_ms']:.1f} "
+            f"| {r['greedy_after_ms']:.1f} | {r['mixed_torch_only_ms']:.1f} | {r['mixed_after_ms']:.1f} "
+            f"| {r['greedy_torch_only_ms'] / r['greedy_after_ms']:.2f}x "
+            f"| {r['mixed_torch_only_ms'] / r['mixed_after_ms']:.2f}x "
+            f"| {r['mixed_over_greedy_torch_only']:.2f}x | {r['mixed_over_greedy_after']:.2f}x |"
         )
     print(
         f"\nMixed step with and without logprobs=5 (vocab {args.logprobs_vocab:,}, peaked), ms (median)\n"
