@@ -14,7 +14,7 @@
 //! 32,000-token row of N(0, 2) logits, n = 64: 4n ~15 µs, 2n ~13, the scan alone ~5).
 //!
 //! Order: by an order-preserving key of the float bits (`-inf` lowest); NaN counts as larger
-//! than everything, as torch's `topk` takes it. [`key`] / [`from_key`] are the crate's one
+//! than everything, as torch's `topk` takes it. `key` / `from_key` are the crate's one
 //! float order (the `nucleus` kernel sorts by them too).
 
 /// A `u32` whose unsigned order is the float order of `x`, NaN above `+inf` (either sign).

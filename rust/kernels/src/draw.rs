@@ -7,7 +7,7 @@
 //! `cumsum` of float32 adds in float64, one value after another, and rounds each partial sum
 //! to float32; that chain of dependent additions (~4 cycles each) is what a 32,000-token row
 //! costs there (~50 µs). Here the same additions run for four rows at once, interleaved, so
-//! the chains overlap; the partial sum at the end of every [`BLOCK`] columns is kept, and the
+//! the chains overlap; the partial sum at the end of every `BLOCK` columns is kept, and the
 //! crossing is found by re-adding one block from its start. Every sum is the one torch forms,
 //! in the same order, so the token is the same bit for bit. Measured on 32,000-token rows, one
 //! thread: ~12 µs a row (about its read from memory), against ~38 for `cumsum` + `searchsorted`;

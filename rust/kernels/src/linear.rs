@@ -48,7 +48,7 @@ struct Out<E>(*mut E);
 unsafe impl<E> Sync for Out<E> {}
 
 /// `out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n])`: `x` [rows, in_features], `w`
-/// [out_features, in_features], `bias` [out_features], `out` [rows, out_features], all
+/// [out_features, in_features], `bias` `[out_features]`, `out` [rows, out_features], all
 /// row-major and contiguous, on up to `threads` threads (torch's OpenMP team when there is
 /// one). Panics unless the lengths agree: `x.len()` and `w.len()` multiples of a non-zero
 /// `in_features`, `out.len() == rows * out_features`.
