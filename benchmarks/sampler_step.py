@@ -194,13 +194,14 @@ def kernels_off(call: Any, switches: list[tuple[Any, str]]) -> Any:
     """``call`` with the kernels of ``switches`` off (their torch paths), on again after."""
 
     def run() -> Any:
+        before = [getattr(module, name) for module, name in switches]
         for module, name in switches:
             setattr(module, name, False)
         try:
             return call()
         finally:
-            for module, name in switches:
-                setattr(module, name, True)
+            for (module, name), value in zip(switches, before):
+                setattr(module, name, value)
 
     return run
 

@@ -39,9 +39,9 @@ not yet: it keys ``mx.random`` with ``sample_seed``).
 
 Logprobs (``num_logprobs >= 0``) are ``log_softmax`` of the raw model logits (before penalties,
 bans and temperature; vLLM's default "raw" mode), in float32, computed for the samples that
-ask only; the top ones are ``topk``'s values (:func:`~resin.sampling_candidates.top_candidates`:
-one scan in Rust on the CPU, ~8x torch's ``topk`` there), tokens of equal logprobs in any
-order. ``top_logprob_ids`` has ``k = max num_logprobs`` of the batch columns; rows asking
+ask only; the top ones are ``topk``'s values (on the CPU from
+:func:`~resin.sampling_candidates.top_candidates`, one scan in Rust, ~8x torch's ``topk``
+there; tokens of equal logprobs in any order). ``top_logprob_ids`` has ``k = max num_logprobs`` of the batch columns; rows asking
 fewer just carry extra columns, rows not asking zeros (the engine reads neither).
 
 Structured outputs (:mod:`resin.structured_output`): ``sampler.grammars`` is a
@@ -316,8 +316,12 @@ class Sampler(SlotHistory):
         # log_softmax's own kernel (the same bits), written into a reused buffer.
         logprobs = self.workspace.get("sampler.logprobs", tuple(raw.shape), raw.dtype)
         torch.ops.aten._log_softmax.out(raw, -1, False, out=logprobs)
-        # topk's values; equal ones may come from other columns (top_candidates' kernel).
-        top_values, top_ids = top_candidates(logprobs, k, self.workspace)
+        # topk's values; on the CPU from top_candidates' kernel (equal ones may come from
+        # other columns), elsewhere one topk call (the tree there is several launches).
+        if logprobs.is_cpu:
+            top_values, top_ids = top_candidates(logprobs, k, self.workspace)
+        else:
+            top_values, top_ids = torch.topk(logprobs, k, dim=-1)
         sampled = np.zeros(len(rows), dtype=np.float32)
         all_top_ids = np.zeros((len(rows), k), dtype=np.int64)
         all_top_values = np.zeros((len(rows), k), dtype=np.float32)

@@ -60,7 +60,7 @@ def top_candidates(
     kept). So the leaves reached hold every logit above t and enough equal to t.
     """
     num_rows, vocab_size = logits.shape
-    if vocab_size < 16 * num:  # a small row: one topk is as cheap
+    if num == 0 or vocab_size < 16 * num:  # none asked, or a small row: one topk is as cheap
         values, indices = logits.topk(min(num, vocab_size), dim=-1)
         return values, indices
     if candidates_kernel and logits.dtype is torch.float32 and logits.is_cpu:

@@ -202,6 +202,8 @@ def test_top_candidates_are_the_topk_values(
         assert torch.equal(values, logits.topk(num, dim=-1).values), num
         assert torch.equal(logits.gather(1, indices), values)
         assert all(len(set(row)) == num for row in indices.tolist())  # no column twice
+    values, indices = top_candidates(logits, 0, Workspace())  # none asked (logprobs=0)
+    assert values.shape == indices.shape == (24, 0)
 
 
 @pytest.mark.parametrize("max_top_k", [63, 127, 1000])  # a first search of 64, 128, 256

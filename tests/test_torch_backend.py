@@ -373,6 +373,42 @@ def test_the_cpu_kernel_splits_its_work_over_torchs_openmp_team() -> None:
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_the_cpu_kernel_reads_caches_with_reversed_heads_and_prefill_rows() -> None:
+    """Cache views whose KV heads run backwards (a negative head stride: the kernel's
+    prefetches span the heads from the lowest address) and rows of many queries (prefill, the
+    later queries seeing more keys) give the floats of the same cache laid out forwards."""
+    from resin import _core
+
+    rng = np.random.default_rng(1)
+    rows, heads, kv_heads, dim = 6, 8, 4, 16
+    seq_lens = rng.integers(30, 90, rows).astype(np.uint32)
+    new = np.array([1, 17, 1, 40, 3, 1], np.uint32)  # queries per row
+    pages_per_row = -(-seq_lens.astype(np.int64) // PAGE)
+    kv_indices = (rng.permutation(int(pages_per_row.sum())) + 1).astype(np.uint32)
+    forward = rng.standard_normal((len(kv_indices) + 1, PAGE, kv_heads, 2 * dim), np.float32)
+    reversed_heads = np.ascontiguousarray(forward[:, :, ::-1])[:, :, ::-1]  # same values
+    assert reversed_heads.strides[2] < 0
+    positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, new)])
+    args = dict(
+        q=rng.standard_normal((int(new.sum()), heads, dim), np.float32),
+        query_indptr=np.concatenate([[0], np.cumsum(new)]).astype(np.uint32),
+        seq_lens=seq_lens,
+        kv_indptr=np.concatenate([[0], np.cumsum(pages_per_row)]).astype(np.uint32),
+        kv_indices=kv_indices,
+        positions=positions.astype(np.int64),
+    )
+    outs = []
+    for cache in (forward, reversed_heads):
+        out = np.full((int(new.sum()), heads, dim), np.nan, np.float32)
+        _core.paged_attention(
+            **args, k_cache=cache[..., :dim], v_cache=cache[..., dim:], out=out, scale=0.25,
+            value_dim=dim, threads=1,
+        )  # fmt: skip
+        outs.append(out)
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_the_bfloat16_kernel_rounds_as_eager_bfloat16_attention() -> None:
     """A bfloat16 model's eager attention (HF: ``q @ k.T`` rounded, times the scale rounded, the
     softmax in float32, its probabilities rounded before ``@ v``): the kernel's roundings are

@@ -6,11 +6,11 @@
 //! `cdf` exceeds `target` (`searchsorted(right=True)`, clamped to the last column). torch's CPU
 //! `cumsum` of float32 adds in float64, one value after another, and rounds each partial sum
 //! to float32; that chain of dependent additions (~4 cycles each) is what a 32,000-token row
-//! costs there (~50 µs). Here the same additions run for four rows at once, interleaved, so
+//! costs there (~40-50 µs). Here the same additions run for four rows at once, interleaved, so
 //! the chains overlap; the partial sum at the end of every `BLOCK` columns is kept, and the
 //! crossing is found by re-adding one block from its start. Every sum is the one torch forms,
 //! in the same order, so the token is the same bit for bit. Measured on 32,000-token rows, one
-//! thread: ~12 µs a row (about its read from memory), against ~38 for `cumsum` + `searchsorted`;
+//! thread: ~12 µs a row (about its read from memory), against ~38-50 for `cumsum` + `searchsorted`;
 //! a whole-row draw with its softmax, 63 -> 40 µs.
 //!
 //! A row whose total is not a positive finite number (NaN or infinite probabilities, an
@@ -84,12 +84,13 @@ fn crossing(row: &[f32], ends: &[f64], total: f32, uniform: f32) -> Option<usize
     if !(total.is_finite() && total > 0.0) {
         return None;
     }
-    // torch: min(u * total, nextafter(total, 0)); total > 0, so one ulp down is its bits - 1.
-    let target = (uniform * total).min(f32::from_bits(total.to_bits() - 1));
-    // A NaN target (a NaN uniform) exceeds nothing: searchsorted puts it past the end.
-    if target.is_nan() {
+    // A NaN uniform: torch's `minimum` keeps the NaN, which `searchsorted` puts past the end
+    // (Rust's `min` would drop it).
+    if uniform.is_nan() {
         return Some(row.len() - 1);
     }
+    // torch: min(u * total, nextafter(total, 0)); total > 0, so one ulp down is its bits - 1.
+    let target = (uniform * total).min(f32::from_bits(total.to_bits() - 1));
     // The first block whose end exceeds the target holds the crossing (the rounded sums never
     // fall: each partial sum is at least the one before, and rounding keeps the order).
     let Some(block) = ends.iter().position(|&end| end as f32 > target) else {
@@ -160,5 +161,8 @@ mod tests {
         let probs = [0.0, 0.0, f32::NAN, 0.5, f32::INFINITY, 0.0, 0.25, 0.75];
         let got = draw_rows(&probs, 2, &[0.5, 0.5, 0.5, 0.5], &mut Vec::new());
         assert_eq!(got, [None, None, None, Some(1)]);
+        // A NaN uniform lands past the end, as torch's minimum + searchsorted put it.
+        let got = draw_rows(&[0.75, 0.25, 0.0], 3, &[f32::NAN], &mut Vec::new());
+        assert_eq!(got, [Some(2)]);
     }
 }

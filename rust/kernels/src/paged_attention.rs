@@ -325,11 +325,14 @@ impl PagedAttention<'_> {
             let row = rows[item.row];
             let (g0, g1) = item.kv_heads;
             // Asks for KV heads `heads` of the key or value entry at `p` (their `dim` channels
-            // each). Addresses only: `wrapping_offset`, nothing is read.
+            // each; a negative head stride puts the last head lowest). Addresses only
+            // (`wrapping_offset`): nothing is read.
             let ask = |p: *const E, heads: (usize, usize), strides: &[isize; 3], dim: usize| {
-                let at = p.wrapping_offset(heads.0 as isize * strides[2]) as *const u8;
-                let bytes = ((heads.1 - heads.0 - 1) * strides[2] as usize + dim) * element;
-                Ahead::new(at, bytes).step(bytes);
+                let first = p.wrapping_offset(heads.0 as isize * strides[2]);
+                let across = (heads.1 - heads.0 - 1) as isize * strides[2]; // first to last head
+                let low = if across < 0 { first.wrapping_offset(across) } else { first };
+                let bytes = (across.unsigned_abs() + dim) * element;
+                Ahead::new(low as *const u8, bytes).step(bytes);
             };
             let heads = (g1 - g0) * repeat; // the item's query heads: g0 * repeat ..
             let pages = &self.kv_indices[row.pages.0..row.pages.1];
@@ -354,6 +357,8 @@ impl PagedAttention<'_> {
                     }
                 }
             }
+            // Listed keys (values) below these were asked for already.
+            let (mut asked_keys, mut asked_values) = (0usize, 0usize);
             for t in row.queries.0..row.queries.1 {
                 let (lo, hi) = self.visible(row, self.positions[t]);
                 let n = hi - lo;
@@ -362,13 +367,17 @@ impl PagedAttention<'_> {
                 scores.resize(heads * n, 0.0);
                 let mut j = 0;
                 while j + 4 <= n {
-                    // Keys AHEAD_KEYS on, and these keys' values (read after the softmax).
-                    for &key in &k[(j + AHEAD_KEYS).min(n)..(j + 4 + AHEAD_KEYS).min(n)] {
+                    // Keys AHEAD_KEYS on, and these keys' values (read after the softmax), each
+                    // once an item: a row's later queries find what its first ones asked for.
+                    let key_end = lo + (j + 4 + AHEAD_KEYS).min(n);
+                    for &key in &keys[asked_keys.max(lo + j + AHEAD_KEYS).min(key_end)..key_end] {
                         ask(key, (g0, g1), &b.k_strides, d);
                     }
-                    for &value in &v[j..j + 4] {
+                    asked_keys = asked_keys.max(key_end);
+                    for &value in &values[asked_values.max(lo + j).min(lo + j + 4)..lo + j + 4] {
                         ask(value, (g0, g1), &b.v_strides, dv);
                     }
+                    asked_values = asked_values.max(lo + j + 4);
                     for g in 0..g1 - g0 {
                         let at = |p: *const E| p.offset((g0 + g) as isize * b.k_strides[2]);
                         let four = [at(k[j]), at(k[j + 1]), at(k[j + 2]), at(k[j + 3])];

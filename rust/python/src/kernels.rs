@@ -431,7 +431,7 @@ pub fn inverse_cdf(
     if shares_bytes(byte_extent(tokens.data(), &ts, tokens.strides()), inputs) {
         return Err(PyValueError::new_err("inverse_cdf: tokens must not overlap probs or uniforms"));
     }
-    let not_c = |_| PyValueError::new_err("inverse_cdf: arrays must be contiguous");
+    let not_c = |_| PyValueError::new_err("inverse_cdf: arrays must be contiguous and aligned");
     let (rows, us) = (probs.as_slice().map_err(not_c)?, uniforms.as_slice().map_err(not_c)?);
     let out = tokens.as_slice_mut().map_err(not_c)?;
     let drawn = py.detach(|| resin_kernels::draw::draw_rows(rows, ps[1], us, &mut Vec::new()));
@@ -455,7 +455,7 @@ pub fn argmax(py: Python<'_>, logits: PyReadonlyArray2<'_, f32>, mut tokens: PyR
     if shares_bytes(byte_extent(tokens.data(), &ts, tokens.strides()), input) {
         return Err(PyValueError::new_err("argmax: tokens must not overlap logits"));
     }
-    let not_c = |_| PyValueError::new_err("argmax: arrays must be contiguous");
+    let not_c = |_| PyValueError::new_err("argmax: arrays must be contiguous and aligned");
     let rows = logits.as_slice().map_err(not_c)?;
     let out = tokens.as_slice_mut().map_err(not_c)?;
     py.detach(|| {
