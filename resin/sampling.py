@@ -41,8 +41,9 @@ Logprobs (``num_logprobs >= 0``) are ``log_softmax`` of the raw model logits (be
 bans and temperature; vLLM's default "raw" mode), in float32, computed for the samples that
 ask only; the top ones are ``topk``'s values (on the CPU from
 :func:`~resin.sampling_candidates.top_candidates`, one scan in Rust, ~8x torch's ``topk``
-there; tokens of equal logprobs in any order). ``top_logprob_ids`` has ``k = max num_logprobs`` of the batch columns; rows asking
-fewer just carry extra columns, rows not asking zeros (the engine reads neither).
+there; tokens of equal logprobs in any order). ``top_logprob_ids`` has ``k = max
+num_logprobs`` of the batch columns; rows asking fewer just carry extra columns, rows not
+asking zeros (the engine reads neither).
 
 Structured outputs (:mod:`resin.structured_output`): ``sampler.grammars`` is a
 :class:`~resin.structured_output.GrammarRegistry` the server fills (request id -> compiled

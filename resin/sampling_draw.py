@@ -22,9 +22,8 @@ the draw before the tree search, the narrow first search and the reused buffers 
 ``topk(256)`` over the whole row, the softmax and cumulative sum of the same vectors, a sort
 for a nucleus past the candidates; on the CPU the whole-row cumulative sum is formed in Rust,
 torch's additions in torch's order: rust/kernels/src/draw.rs), so a seeded request keeps its
-tokens. Rows are divided by
-their temperature only where the whole row is read; elsewhere only the candidates are (a
-division is elementwise: the same bits).
+tokens. Rows are divided by their temperature only where the whole row is read; elsewhere
+only the candidates are (a division is elementwise: the same bits).
 
 Imports torch; ``import resin`` does not import this module.
 """

@@ -5,8 +5,8 @@ value, a NaN counting as the largest. On the CPU, float32 rows go to ``_core.arg
 (:data:`argmax_kernel`): one vectorised scan against the running maximum, in Rust
 (rust/kernels/src/argmax.rs), the same columns. torch's CPU ``argmax`` tracks an index with
 every compare and is not vectorised: ~35 µs a 32,000-token row, 1.7-2.4 ms of a 64-row decode
-step, against a few µs here (docs/benchmarks.md, "The greedy pick in Rust"). Other devices and
-dtypes, and strided rows, take ``argmax``.
+step, against a few µs here (docs/benchmarks.md, "The greedy pick, the draw's sums and the
+top logprobs in Rust"). Other devices and dtypes, and strided rows, take ``argmax``.
 
 Imports torch; ``import resin`` does not import this module.
 """

@@ -5,10 +5,10 @@ Owns :func:`cpu_linear` (a drop-in for ``F.linear``) and when it takes a call
 outputs, so it is bound by memory; torch's CPU GEMM reads cold weights at a third (float32) to
 a half (oneDNN's bfloat16) of the machine's streaming rate there, the Rust kernel
 (``rust/kernels/src/linear.rs``) at 80-90% of it at one row (docs/benchmarks.md, "The weights
-asked for in step with the reads"). The floats: one float32 dot product per output plus the bias, rounded once to the
-dtype, as torch's GEMM computes them but in another summation order, so they agree to float32
-rounding, not bit for bit (parity holds within its tolerances: tests/test_cpu_linear.py, the
-parity suite).
+asked for in step with the reads"). The floats: one float32 dot product per output plus the
+bias, rounded once to the dtype, as torch's GEMM computes them but in another summation order,
+so they agree to float32 rounding, not bit for bit (parity holds within its tolerances:
+tests/test_cpu_linear.py, the parity suite).
 
 Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32, bfloat16) with up to its rows,
 ``x`` [rows, in] and ``weight`` [out, in] dense, contiguous and aligned, a bias [out] of the

@@ -10,7 +10,7 @@
 //! equal value, `-0.0` and `0.0` included, does not replace it), a NaN counting as larger than
 //! everything (the first NaN's column), and 0 for a row of `-inf`.
 
-use crate::vector::{Scalar, Vector};
+use crate::vector::{scan_above, Scalar, Vector};
 
 /// The column of the first largest logit of `row`, a NaN the largest (module doc); 0 when
 /// `row` is empty.
@@ -29,54 +29,17 @@ unsafe fn argmax_avx2(row: &[f32]) -> usize {
     argmax_with::<crate::vector::Avx2>(row)
 }
 
-/// [`argmax`] with the block compares done by `V`.
+/// [`argmax`] with the block compares done by `V` (`V`'s features compiled in and present).
 #[inline(always)]
 fn argmax_with<V: Vector>(row: &[f32]) -> usize {
-    let mut best = Best { value: f32::NEG_INFINITY, column: 0 };
-    let blocks = row.chunks_exact(16);
-    let tail = blocks.remainder();
-    let mut start = 0;
-    for block in blocks {
-        let block: &[f32; 16] = block.try_into().expect("a whole block");
-        // SAFETY: `V`'s features are present (`argmax`).
-        let mut mask = unsafe { V::above_mask16(block, best.value) };
-        while mask != 0 {
-            let offset = mask.trailing_zeros() as usize;
-            mask &= mask - 1;
-            if best.look(start + offset, block[offset]) {
-                return best.column;
-            }
-        }
-        start += 16;
-    }
-    for (offset, &x) in tail.iter().enumerate() {
-        if best.look(start + offset, x) {
-            break;
-        }
-    }
-    best.column
-}
-
-/// The largest logit so far and its column.
-struct Best {
-    value: f32,
-    column: usize,
-}
-
-impl Best {
-    /// Takes `x` at `column` if it wins; true for a NaN, which ends the scan (nothing can
-    /// replace it). An equal value does not win: the first column stays.
-    #[inline(always)]
-    fn look(&mut self, column: usize, x: f32) -> bool {
-        if x.is_nan() {
-            self.column = column;
-            return true;
-        }
-        if x > self.value {
-            (self.value, self.column) = (x, column);
-        }
-        false
-    }
+    // The scan passes only a logit above the largest so far (an equal one stays behind the
+    // first) or a NaN, which wins and ends it.
+    let mut best_column = 0;
+    scan_above::<V>(row, 0, f32::NEG_INFINITY, |column, x| {
+        best_column = column;
+        (!x.is_nan()).then_some(x)
+    });
+    best_column
 }
 
 #[cfg(test)]

@@ -30,10 +30,7 @@ pub(crate) fn key(x: f32) -> u32 {
     }
 }
 
-use crate::vector::{Scalar, Vector};
-
-/// Logits per block of the scan ([`Vector::above_mask16`]).
-const BLOCK: usize = 16;
+use crate::vector::{scan_above, Scalar, Vector};
 
 /// The float whose [`key`] is `k` (NaN for `u32::MAX`).
 pub(crate) fn from_key(k: u32) -> f32 {
@@ -59,7 +56,7 @@ unsafe fn largest_avx2(row: &[f32], values: &mut [f32], indices: &mut [i64], buf
     largest_with::<crate::vector::Avx2>(row, values, indices, buffer)
 }
 
-/// [`largest`] with the scan's compares done by `V`.
+/// [`largest`] with the scan's compares done by `V` (`V`'s features compiled in and present).
 #[inline(always)]
 fn largest_with<V: Vector>(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>) {
     let n = values.len();
@@ -72,36 +69,18 @@ fn largest_with<V: Vector>(row: &[f32], values: &mut [f32], indices: &mut [i64],
     let entry = |column: usize, k: u32| (u64::from(k) << 32) | column as u64;
     buffer.extend(row[..n].iter().enumerate().map(|(column, &x)| entry(column, key(x))));
     let mut threshold = buffer.iter().map(|e| (e >> 32) as u32).min().unwrap_or(0);
-    let mut below = from_key(threshold);
-    // The mask passes every logit above `below` and NaN; one of those whose key is above the
-    // threshold is taken (the tail, unmasked, by its key alone).
-    let mut take = |column: usize, x: f32, threshold: &mut u32, below: &mut f32| {
+    // The scan passes every logit above the threshold's float and NaN; one whose key is above
+    // the threshold is taken (-0.0 and 0.0 compare equal; their keys differ).
+    scan_above::<V>(&row[n..], n, from_key(threshold), |column, x| {
         let k = key(x);
-        if k > *threshold {
+        if k > threshold {
             buffer.push(entry(column, k));
             if buffer.len() == capacity {
-                *threshold = keep_largest(buffer, n);
-                *below = from_key(*threshold);
+                threshold = keep_largest(buffer, n);
             }
         }
-    };
-    let blocks = row[n..].chunks_exact(BLOCK);
-    let tail = blocks.remainder();
-    let mut start = n;
-    for block in blocks {
-        let block: &[f32; BLOCK] = block.try_into().expect("a whole block");
-        // SAFETY: `V`'s features are present (`largest`).
-        let mut mask = unsafe { V::above_mask16(block, below) };
-        while mask != 0 {
-            let offset = mask.trailing_zeros() as usize;
-            mask &= mask - 1;
-            take(start + offset, block[offset], &mut threshold, &mut below);
-        }
-        start += BLOCK;
-    }
-    for (offset, &x) in tail.iter().enumerate() {
-        take(start + offset, x, &mut threshold, &mut below);
-    }
+        Some(from_key(threshold))
+    });
     if buffer.len() > n {
         keep_largest(buffer, n);
     }

@@ -14,11 +14,11 @@
 //! Per (row, KV head) work item: the row's key and value row pointers listed once (and the next
 //! item's first keys asked for: `AHEAD_KEYS`), then for each of the row's queries and each
 //! query head sharing the KV head (the item's keys stay in L1/L2 across them), the scores four
-//! keys at a time (the keys `AHEAD_KEYS` on and these four's values asked for), a softmax in f32 in place with an
-//! optional logit softcap (`tanh(s / c) * c`) and per-head sink logit (it joins the softmax and
-//! is dropped after it), then the values' weighted sum, four value rows at a time. Items are
-//! split over `threads` by cost (queries times keys), run on torch's OpenMP team when the
-//! process has one ([`crate::openmp_team`]), else on scoped threads. Queries, scores and outputs
+//! keys at a time (the keys `AHEAD_KEYS` on and these four's values asked for), a softmax in
+//! f32 in place with an optional logit softcap (`tanh(s / c) * c`) and per-head sink logit (it
+//! joins the softmax and is dropped after it), then the values' weighted sum, four value rows
+//! at a time. Items are split over `threads` by cost (queries times keys), run on torch's
+//! OpenMP team when the process has one ([`crate::openmp_team`]), else on scoped threads. Queries, scores and outputs
 //! are f32; the cache is f32 or bfloat16 ([`crate::vector::Bf16`], widened to f32 exactly as
 //! each row loads). Written once over [`crate::vector::Vector`]: AVX2 + FMA (and a vectorised
 //! `exp`) when the CPU has them.

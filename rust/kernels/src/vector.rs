@@ -1,8 +1,9 @@
 //! The f32 vector primitives the CPU kernels are written in: dot products of one query with
 //! four keys at a time, a max, `exp(x - max)` in place with its sum, a weighted sum of four
-//! value rows into an accumulator, and which of 16 logits pass a threshold; and [`Ahead`], the
-//! prefetches a kernel asks for in step with its reads. Two implementations of [`Vector`]: [`Scalar`] (portable,
-//! what the compiler makes of plain loops) and, on x86-64, [`Avx2`] (8-lane AVX2 + FMA
+//! value rows into an accumulator, and which of 16 logits pass a threshold (with `scan_above`,
+//! the scan of a running threshold over a row); and [`Ahead`], the prefetches a kernel asks for
+//! in step with its reads. Two implementations of [`Vector`]: [`Scalar`] (portable, what the
+//! compiler makes of plain loops) and, on x86-64, [`Avx2`] (8-lane AVX2 + FMA
 //! intrinsics, and a polynomial `exp` accurate to ~2 ulp over the range a softmax uses).
 //!
 //! A kernel is written once, generic over `V: Vector`, with every function `#[inline(always)]`,
@@ -173,6 +174,43 @@ impl Ahead {
                 std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.next_addr as *const i8)
             };
             self.next_addr += 64;
+        }
+    }
+}
+
+/// Calls `visit(column, x)`, in column order, for each logit `x` of `row` above `below` or NaN
+/// (`row[i]` is column `start + i`), 16 compared at a time ([`Vector::above_mask16`], the tail
+/// one by one): the scan of a running threshold. `visit` returns the threshold from then on
+/// (it only rises), or `None` to stop. The candidate search and the greedy pick share it.
+#[inline(always)]
+pub(crate) fn scan_above<V: Vector>(row: &[f32], start: usize, mut below: f32, mut visit: impl FnMut(usize, f32) -> Option<f32>) {
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+    let passes = |x: f32, below: f32| !(x <= below);
+    let blocks = row.chunks_exact(16);
+    let tail = blocks.remainder();
+    let mut column = start;
+    for block in blocks {
+        let block: &[f32; 16] = block.try_into().expect("a whole block");
+        // SAFETY: the caller compiled `V`'s features in and checked the CPU has them.
+        let mut mask = unsafe { V::above_mask16(block, below) };
+        while mask != 0 {
+            let offset = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            if passes(block[offset], below) {
+                match visit(column + offset, block[offset]) {
+                    Some(raised) => below = raised,
+                    None => return,
+                }
+            }
+        }
+        column += 16;
+    }
+    for (offset, &x) in tail.iter().enumerate() {
+        if passes(x, below) {
+            match visit(column + offset, x) {
+                Some(raised) => below = raised,
+                None => return,
+            }
         }
     }
 }
