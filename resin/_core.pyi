@@ -32,6 +32,7 @@ __all__ = [
     "openmp_team_available",
     "paged_attention",
     "rotary_embedding",
+    "rms_norm",
     "nucleus_cut",
     "top_candidates",
     "argmax",
@@ -599,16 +600,31 @@ def openmp_team_available() -> bool:
     threads of its own, which compete with torch's spin-waiting workers for the cores."""
 
 def rotary_embedding(
-    x: npt.NDArray[np.float32],
-    cos: npt.NDArray[np.float32],
-    sin: npt.NDArray[np.float32],
-    out: npt.NDArray[np.float32],
+    x: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    cos: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    sin: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    out: npt.NDArray[np.float32] | npt.NDArray[np.int16],
 ) -> None:
     """``out = x * cos + rotate_half(x) * sin`` (HF's half-split rotation) for ``x``
     [T, H, D] and per-token tables ``cos`` / ``sin`` [T, D], written into ``out`` (shaped as
-    ``x``); all f32 and C-contiguous, D even. Each product rounded, then the sum, as torch
-    evaluates it: the same floats (rust/kernels/src/rotary.rs). Bad shapes, Fortran order and an
-    ``out`` sharing bytes with an input raise ValueError."""
+    ``x``); C-contiguous, all float32 or all int16 holding bfloat16 bits (torch passes
+    ``t.view(torch.int16)``), D even. Each product rounded, then the sum (in bfloat16: each
+    rounded to bfloat16), as torch evaluates it: the same floats (rust/kernels/src/rotary.rs).
+    Bad shapes, mixed dtypes, Fortran order and an ``out`` sharing bytes with an input raise
+    ValueError."""
+
+def rms_norm(
+    x: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    weight: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+    eps: float,
+    out: npt.NDArray[np.float32] | npt.NDArray[np.int16],
+) -> None:
+    """``out = weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)`` for each row of ``x``
+    [rows, D] (HF's ``LlamaRMSNorm``), ``weight`` [D], ``out`` shaped as ``x``; C-contiguous,
+    all float32 or all int16 holding bfloat16 bits, D >= 8, eps finite and >= 0. The mean sums
+    in the order torch's CPU ``sum`` adds a row (eight lanes, four interleaved groups, levels of
+    16): torch's floats bit for bit (rust/kernels/src/rms_norm.rs). Bad shapes, mixed dtypes,
+    Fortran order and an ``out`` sharing bytes with an input raise ValueError."""
 
 def nucleus_cut(
     logits: npt.NDArray[np.float32],

@@ -1,5 +1,6 @@
 """The torch runner's layer functions against the HF modules they restate, bit for bit where
-Resin takes a faster path (``layers.rms_norm``'s one ATen call on CPU fp32)."""
+Resin takes a faster path (``_core.rms_norm`` and ``_core.rotary_embedding`` on CPU in fp32 and
+bf16)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 from resin.runners.torch import layers  # noqa: E402
 
 
-@pytest.mark.parametrize("hidden", [16, 33, 512, 896])
+@pytest.mark.parametrize("hidden", [8, 16, 33, 100, 512, 896, 2056, 5120])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_llama_rms_norm_bit_for_bit(hidden: int, rows: int, dtype) -> None:
@@ -23,6 +24,105 @@ def test_rms_norm_is_llama_rms_norm_bit_for_bit(hidden: int, rows: int, dtype) -
     x = (torch.randn(rows, 3, hidden) * 4).to(dtype)
     with torch.no_grad():
         assert torch.equal(layers.rms_norm(x, norm.weight, 1e-6), norm(x))
+
+
+def test_rms_norm_kernel_takes_the_cpu_rows_it_computes() -> None:
+    x, w = torch.randn(3, 64), torch.randn(64)
+    assert layers._rust_norm_takes(x, w)
+    assert layers._rust_norm_takes(x.bfloat16(), w.bfloat16())
+    assert not layers._rust_norm_takes(x, w.bfloat16())  # mixed dtypes: HF's promotion
+    assert not layers._rust_norm_takes(x.double(), w.double())
+    assert not layers._rust_norm_takes(
+        torch.randn(3, 4), torch.randn(4)
+    )  # torch sums these another way
+    assert not layers._rust_norm_takes(torch.randn(64, 3).t(), torch.randn(64).bfloat16())
+    assert not layers._rust_norm_takes(torch.randn(64, 3).t(), torch.randn(3))  # not contiguous
+    assert not layers._rust_norm_takes(x.requires_grad_(), w)
+
+
+def test_rms_norm_width_that_disagrees_with_torch_falls_back(monkeypatch) -> None:
+    """A torch whose sum adds in another order: the first call at that width sees the kernel's
+    floats differ, warns, returns the torch lines' floats and keeps them for the width."""
+    from resin import _core
+
+    width = 72  # a width no other test uses, so its first call is this test's
+    monkeypatch.setattr(layers, "_norm_width_agrees", {})
+    real = _core.rms_norm
+
+    def off_by_an_ulp(x, weight, eps, out):
+        real(x, weight, eps, out)
+        out.view(np.int32)[0, 0] += 1
+
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(_core, "rms_norm", off_by_an_ulp)
+    x, w = torch.randn(4, width), torch.randn(width)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    with pytest.warns(RuntimeWarning, match="width 72"):
+        assert torch.equal(layers.rms_norm(x, w, 1e-6), want)
+    assert layers._norm_width_agrees == {width: False}
+    assert not layers._rust_norm_takes(x, w)
+    assert torch.equal(layers.rms_norm(x, w, 1e-6), want)
+
+
+def test_rms_norm_kernel_sums_as_torch_under_every_cpu_capability() -> None:
+    """torch picks its kernels by CPU capability (AVX512, AVX2, plain); its float sum uses
+    eight lanes under each, which the kernel restates. Checked with the plain one forced."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch; from resin.runners.torch import layers\n"
+        "assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'\n"
+        "torch.manual_seed(0)\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    for width in (8, 33, 512, 2056, 5120):\n"
+        "        x = (torch.randn(9, width) * 4).to(dtype); w = torch.randn(width).to(dtype)\n"
+        "        x32 = x.float(); want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)\n"
+        "        assert torch.equal(layers._kernel_rms_norm(x, w, 1e-6), want), (dtype, width)\n"
+        "        assert layers._norm_width_agrees[width]\n"
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_rms_norm_kernel_reads_a_weight_replaced_in_place() -> None:
+    """The kernel keeps a view of each weight's memory: an in-place update shows in it, and new
+    memory behind the tensor (``.data =``) is seen too."""
+    x, w = torch.randn(3, 64).bfloat16(), torch.randn(64).bfloat16()
+
+    def hf(weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+
+    assert torch.equal(layers.rms_norm(x, w, 1e-6), hf(w))
+    w.mul_(2)
+    assert torch.equal(layers.rms_norm(x, w, 1e-6), hf(w))
+    w.data = torch.randn(64).bfloat16()
+    assert torch.equal(layers.rms_norm(x, w, 1e-6), hf(w))
+
+
+def test_rms_norm_kernel_refuses_bad_arrays() -> None:
+    from resin import _core
+
+    x, w, out = torch.randn(3, 16), torch.randn(16), torch.empty(3, 16)
+    with pytest.raises(ValueError, match="do not agree"):
+        _core.rms_norm(x.numpy(), torch.randn(8).numpy(), 1e-6, out.numpy())
+    with pytest.raises(ValueError, match="at least 8"):
+        _core.rms_norm(
+            x[:, :4].contiguous().numpy(), w[:4].numpy(), 1e-6, out[:, :4].contiguous().numpy()
+        )
+    with pytest.raises(ValueError, match="weight must be a float32"):
+        _core.rms_norm(x.numpy(), w.bfloat16().view(torch.int16).numpy(), 1e-6, out.numpy())
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _core.rms_norm(torch.randn(16, 3).t().numpy(), w.numpy(), 1e-6, out.numpy())
+    with pytest.raises(ValueError, match="overlap"):
+        _core.rms_norm(x.numpy(), w.numpy(), 1e-6, x.numpy())
+    with pytest.raises(ValueError, match="eps"):
+        _core.rms_norm(x.numpy(), w.numpy(), float("nan"), out.numpy())
+    with pytest.raises(ValueError, match="2-d float32"):
+        _core.rms_norm(x.double().numpy(), w.double().numpy(), 1e-6, out.double().numpy())
 
 
 def test_rms_norm_keeps_hf_order_for_a_weight_of_another_dtype() -> None:
@@ -42,14 +142,17 @@ def _hf_rotated(x, cos, sin):
     return q[0].transpose(0, 1)
 
 
-@pytest.mark.parametrize("head_dim", [2, 16, 64, 128])
+@pytest.mark.parametrize("head_dim", [2, 16, 24, 64, 128])
 @pytest.mark.parametrize("tokens,heads", [(1, 1), (1, 8), (7, 3), (64, 4)])
-def test_apply_rotary_is_hf_rotary_bit_for_bit(head_dim: int, tokens: int, heads: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rotary_is_hf_rotary_bit_for_bit(
+    head_dim: int, tokens: int, heads: int, dtype
+) -> None:
     torch.manual_seed(head_dim + tokens + heads)
-    x = torch.randn(tokens, heads, head_dim) * 3
+    x = (torch.randn(tokens, heads, head_dim) * 3).to(dtype)
     angles = torch.rand(tokens, head_dim // 2) * 100
-    cos = torch.cat((angles, angles), -1).cos()
-    sin = torch.cat((angles, angles), -1).sin()
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((angles, angles), -1).sin().to(dtype)
     assert layers._rust_rotary_takes(x, cos, sin)
     before = x.clone()
     got = layers.apply_rotary(x, cos, sin)

@@ -8,10 +8,12 @@ attention itself is the attention backend's (:mod:`.attention`). Tensors are tok
 ``[T, ...]`` with T = tokens in the step.
 
 Readability beats speed here: MoE loops over experts. Faster runners are checked against
-these functions. Two hot paths take one call where the floats stay torch's: on CPU in fp32,
-:func:`rms_norm` is ``F.rms_norm`` (ATen's composite of the same ops) and :func:`apply_rotary`
-is ``resin._core.rotary_embedding`` (torch's expression in torch's order); tests/
-test_torch_layers.py holds both to HF bit for bit.
+these functions. Two hot paths take one call where the floats stay torch's: on CPU in fp32 or
+bf16, :func:`rms_norm` is ``resin._core.rms_norm`` (the torch lines in one pass, the mean
+summed in the order torch's CPU ``sum`` adds a row) and :func:`apply_rotary` is
+``resin._core.rotary_embedding`` (torch's expression in torch's order, rounding where torch's
+ops round); tests/test_torch_layers.py holds both to HF bit for bit, and each row width's
+first norm is checked against the torch lines in the process itself.
 """
 
 from __future__ import annotations
@@ -35,18 +37,88 @@ one_call_paths = True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, in fp32, as ``LlamaRMSNorm``.
+    """RMSNorm over the last dim, in fp32, as ``LlamaRMSNorm``: ``weight * (x32 *
+    rsqrt(mean(x32²) + eps)).to(x.dtype)``.
 
-    On CPU with fp32 input and weight, ``F.rms_norm``: ATen's composite of the same ops (pow,
-    mean, add eps, rsqrt, multiply, weight) in one C++ call, so the floats are the same and a
-    decode step saves ~7 Python-dispatched ops a norm (0.72-0.87x the time a call; end to
-    end, with the rotary path, a few percent at most: docs/benchmarks.md)."""
-    cpu32 = x.dtype is torch.float32 and weight.dtype is torch.float32 and x.is_cpu
-    if one_call_paths and cpu32 and weight.shape == x.shape[-1:]:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    On CPU with input and weight both fp32 or both bf16, ``_core.rms_norm``: the same floats in
+    one call instead of ~9 ops (docs/benchmarks.md). Its mean restates the order in which
+    torch's CPU ``sum`` adds a row (float addition does not associate), so the first call at
+    each row width is also run through the torch lines and the kernel is kept for that width
+    only if the two agree bit for bit (a torch that sums another way falls back, with a
+    warning)."""
+    if one_call_paths and _rust_norm_takes(x, weight):
+        return _kernel_rms_norm(x, weight, eps)
+    return _torch_rms_norm(x, weight, eps)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+# The dtypes the one-call paths (_core.rms_norm, _core.rotary_embedding) compute in.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# Row width -> whether ``_core.rms_norm`` gave the torch lines' floats on its first call.
+_norm_width_agrees: dict[int, bool] = {}
+
+
+def _rust_norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """CPU, x and weight one dtype (fp32 or bf16), weight [D] with D >= 8 (shorter rows take
+    another path in torch's sum), x contiguous and not empty, nothing needing grad, and the
+    width not found to disagree with torch."""
+    dtype = x.dtype
+    return (  # cheapest tests first: this runs twice a layer
+        weight.dtype is dtype
+        and dtype in _KERNEL_DTYPES
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.dim() == 1
+        and x.dim() >= 1
+        and weight.shape[0] == x.shape[-1] >= 8
+        and x.numel() > 0
+        and _norm_width_agrees.get(weight.shape[0], True)
+        and not (x.requires_grad or weight.requires_grad)
+        and x.is_contiguous()
+        and weight.is_contiguous()
+    )
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """``t``'s memory as numpy: itself for fp32, its bits as int16 for bf16 (numpy has none)."""
+    return t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
+
+
+def _weight_array(weight: torch.Tensor) -> np.ndarray:
+    """:func:`_array` of a weight, kept on the tensor with its address (a view of its memory:
+    in-place updates show, and new memory behind the tensor, ``weight.data = ...``, makes a
+    new view); a norm's weight is read twice a layer every step."""
+    cached = getattr(weight, "_resin_array", None)
+    address = weight.data_ptr()
+    if cached is None or cached[0] != address:
+        cached = (address, _array(weight))
+        weight._resin_array = cached  # type: ignore[attr-defined]
+    return cached[1]  # type: ignore[no-any-return]
+
+
+def _kernel_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    width = weight.shape[0]
+    out = torch.empty_like(x)
+    rows, out_rows = (x, out) if x.dim() == 2 else (x.view(-1, width), out.view(-1, width))
+    _core.rms_norm(_array(rows), _weight_array(weight), eps, _array(out_rows))
+    if width not in _norm_width_agrees:
+        want = _torch_rms_norm(x, weight, eps)  # NaN where torch has NaN counts as agreeing
+        agrees = torch.allclose(out, want, rtol=0.0, atol=0.0, equal_nan=True)
+        _norm_width_agrees[width] = agrees
+        if not agrees:
+            warnings.warn(
+                f"resin._core.rms_norm differs from torch {torch.__version__}'s RMSNorm at "
+                f"width {width} (its sum adds in another order); using the torch lines",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return _torch_rms_norm(x, weight, eps)
+    return out
 
 
 class RotaryEmbedding:
@@ -104,7 +176,7 @@ def apply_rotary(
         return torch.cat((apply_rotary(part, cos, sin, interleaved=interleaved), keep), -1)
     if not interleaved and _rust_rotary_takes(x, cos, sin):
         out = torch.empty_like(x)
-        _core.rotary_embedding(x.numpy(), cos.numpy(), sin.numpy(), out.numpy())
+        _core.rotary_embedding(_array(x), _array(cos), _array(sin), _array(out))
         return out
     if interleaved:
         pairs = x.unflatten(-1, (-1, 2))
@@ -116,16 +188,16 @@ def apply_rotary(
 
 
 def _rust_rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether ``_core.rotary_embedding`` computes this rotation: CPU fp32, ``x`` [T, H, D]
-    and tables [T, D], all contiguous, D even. It evaluates torch's expression in torch's
-    order (same floats, one call instead of ~9 ops: 0.42x the time a call, docs/
-    benchmarks.md); anything else takes the torch lines."""
-    f32 = torch.float32
+    """Whether ``_core.rotary_embedding`` computes this rotation: CPU, all fp32 or all bf16,
+    ``x`` [T, H, D] and tables [T, D], all contiguous, D even. It evaluates torch's expression
+    in torch's order, rounding where torch's ops round (same floats, one call instead of ~9
+    ops: docs/benchmarks.md); anything else takes the torch lines."""
+    dtype = x.dtype
     return (  # cheapest tests first: this runs twice a layer (~2 us)
         one_call_paths
-        and x.dtype is f32
-        and cos.dtype is f32
-        and sin.dtype is f32
+        and cos.dtype is dtype
+        and sin.dtype is dtype
+        and dtype in _KERNEL_DTYPES
         and x.is_cpu
         and cos.is_cpu
         and sin.is_cpu

@@ -11,6 +11,7 @@
 //! - [`linear`]: `x @ w.T (+ bias)` for a decode step's few rows, each weight row read once.
 //! - [`nucleus`]: where a row's top-p nucleus ends (the sort's cut) without sorting the row.
 //! - [`openmp_team`]: parallel work on the process's OpenMP team (torch's), found at run time.
+//! - [`rms_norm`]: HF's RMSNorm of a step's rows, torch's floats (its sum's order) in one pass.
 //! - [`rotary`]: the half-split rotary embedding of q / k rows, torch's floats in one pass.
 //! - [`vector`]: the f32 vector primitives kernels are written in (scalar, and AVX2 + FMA), and
 //!   the prefetches a kernel asks for in step with its reads.
@@ -22,5 +23,6 @@ pub mod linear;
 pub mod nucleus;
 pub mod openmp_team;
 pub mod paged_attention;
+pub mod rms_norm;
 pub mod rotary;
 pub mod vector;

@@ -77,6 +77,19 @@ pub trait Element: Copy {
     /// `p` must address 8 readable elements; AVX2 must be present.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Eight f32 lanes rounded to this element and widened back (`to_f32(from_f32(x))` a lane:
+    /// itself for f32).
+    ///
+    /// # Safety
+    /// AVX2 must be present.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn round8(v: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256;
+    /// Eight f32 lanes stored at `p` as this element (`from_f32` a lane).
+    ///
+    /// # Safety
+    /// `p` must address 8 writable elements; AVX2 must be present.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256);
 }
 
 /// A bfloat16, as its bits (numpy has no bfloat16: torch passes them as int16).
@@ -99,6 +112,18 @@ impl Element for f32 {
     #[inline(always)]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn round8(v: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+        v
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256) {
+        std::arch::x86_64::_mm256_storeu_ps(p, v)
     }
 }
 
@@ -130,6 +155,31 @@ impl Element for Bf16 {
         use std::arch::x86_64::*;
         let halves = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
+    }
+
+    /// [`Bf16::round`] a lane: add 0x7fff plus the kept part's lowest bit, keep the top half;
+    /// a NaN keeps its top half, made quiet.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn round8(v: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let bits = _mm256_castps_si256(v);
+        let lowest_kept = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        let rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lowest_kept));
+        let quiet_nan = _mm256_or_si256(bits, _mm256_set1_epi32(0x0040_0000));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        let chosen = _mm256_blendv_epi8(rounded, quiet_nan, nan);
+        _mm256_castsi256_ps(_mm256_and_si256(chosen, _mm256_set1_epi32(0xffff_0000_u32 as i32)))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        let top = _mm256_srli_epi32(_mm256_castps_si256(Self::round8(v)), 16);
+        // Each lane is below 2^16, so the unsigned saturating pack only narrows.
+        let packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+        _mm_storeu_si128(p as *mut __m128i, packed);
     }
 }
 
@@ -580,6 +630,37 @@ mod tests {
         assert_eq!(Bf16::round(f32::MAX).to_f32(), f32::INFINITY); // past bfloat16's largest
         assert!(Bf16::round(f32::NAN).to_f32().is_nan());
         assert!(Bf16::round(f32::from_bits(0x7f80_0001)).to_f32().is_nan()); // a NaN near inf
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn bf16_round8_and_store8_round_as_round_does() {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn run(lanes: &[f32; 8]) -> ([f32; 8], [Bf16; 8]) {
+            use std::arch::x86_64::*;
+            let v = _mm256_loadu_ps(lanes.as_ptr());
+            let mut widened = [0.0f32; 8];
+            _mm256_storeu_ps(widened.as_mut_ptr(), Bf16::round8(v));
+            let mut stored = [Bf16(0); 8];
+            Bf16::store8(stored.as_mut_ptr(), v);
+            (widened, stored)
+        }
+        if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")) {
+            return;
+        }
+        let specials = [1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, -2.5, f32::MAX, f32::NAN, f32::from_bits(0x7f80_0001), -0.0, 1e-40];
+        let mut blocks = vec![specials];
+        for b in 0..64u32 {
+            blocks.push(std::array::from_fn(|i| f32::from_bits((b * 8 + i as u32).wrapping_mul(0x9e37_79b9))));
+        }
+        for lanes in blocks {
+            let (widened, stored) = unsafe { run(&lanes) };
+            for i in 0..8 {
+                let want = Bf16::round(lanes[i]);
+                assert_eq!(stored[i], want, "store8 of {:e}", lanes[i]);
+                assert_eq!(widened[i].to_bits(), want.to_f32().to_bits(), "round8 of {:e}", lanes[i]);
+            }
+        }
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! wild read. The GIL is released while it runs. `openmp_team_available`: whether the kernels'
 //! threads are torch's OpenMP team (`resin-kernels`' `openmp_team`) or threads of their own;
 //! `kernels_vectorised`: whether they run their AVX2 path. `rotary_embedding`: the half-split
-//! rotary embedding of q / k rows in one call (`resin-kernels`' `rotary`). `nucleus_cut`: where
+//! rotary embedding of q / k rows in one call (`resin-kernels`' `rotary`). `rms_norm`: HF's
+//! RMSNorm of rows in one call (`resin-kernels`' `rms_norm`). `nucleus_cut`: where
 //! rows' top-p nuclei end, the sort's cut without a sort (`resin-kernels`' `nucleus`).
 //! `top_candidates`: each row's n largest logits, `topk`'s values (`resin-kernels`' `candidates`).
 //! `linear`: `x @ w.T (+ bias)` for a decode step's few rows (`resin-kernels`' `linear`).
@@ -273,22 +274,45 @@ pub fn kernels_vectorised() -> bool {
 }
 
 /// `out = x * cos + rotate_half(x) * sin` for `x` [T, H, D] and per-token tables `cos` / `sin`
-/// [T, D] (all f32, C-contiguous; `out` shaped as `x`): `resin-kernels`' `rotary`, torch's
-/// floats bit for bit. Runs on the calling thread, GIL held (a step's rows are microseconds).
+/// [T, D] (C-contiguous, all float32 or all int16 holding bfloat16 bits; `out` shaped as `x`):
+/// `resin-kernels`' `rotary`, torch's floats bit for bit. Runs on the calling thread, GIL held
+/// (a step's rows are microseconds).
 #[pyfunction]
 pub fn rotary_embedding(
-    x: PyReadonlyArray3<'_, f32>,
-    cos: PyReadonlyArray2<'_, f32>,
-    sin: PyReadonlyArray2<'_, f32>,
-    mut out: PyReadwriteArray3<'_, f32>,
+    x: &Bound<'_, PyAny>,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
+    if let Ok(x) = x.extract::<PyReadonlyArray3<'_, f32>>() {
+        return rotate::<f32, f32>(x, cos, sin, out, "float32");
+    }
+    if let Ok(x) = x.extract::<PyReadonlyArray3<'_, i16>>() {
+        return rotate::<Bf16, i16>(x, cos, sin, out, "int16 (bfloat16 bits)");
+    }
+    Err(PyValueError::new_err("rotary_embedding: x must be a 3-d float32 array or int16 (bfloat16 bits)"))
+}
+
+/// `rotary_embedding` with every operand of numpy type `T`, read as kernel element `E`.
+fn rotate<E: Element, T: numpy::Element>(
+    x: PyReadonlyArray3<'_, T>,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    dtype: &str,
+) -> PyResult<()> {
+    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
+    let bad = |what: String| PyValueError::new_err(format!("rotary_embedding: {what}"));
+    let same = |name: &str| bad(format!("{name} must be a {dtype} array of its documented rank, like x (out writable)"));
+    let cos = cos.extract::<PyReadonlyArray2<'_, T>>().map_err(|_| same("cos"))?;
+    let sin = sin.extract::<PyReadonlyArray2<'_, T>>().map_err(|_| same("sin"))?;
+    let mut out = out.extract::<PyReadwriteArray3<'_, T>>().map_err(|_| same("out"))?;
     let (xs, cs, ss, os) = (x.shape().to_vec(), cos.shape().to_vec(), sin.shape().to_vec(), out.shape().to_vec());
-    let bad = |what: String| Err(PyValueError::new_err(format!("rotary_embedding: {what}")));
     if cs != [xs[0], xs[2]] || ss != cs || os != xs {
-        return bad(format!("x {xs:?}, cos {cs:?}, sin {ss:?} and out {os:?} do not agree (x [T, H, D], tables [T, D])"));
+        return Err(bad(format!("x {xs:?}, cos {cs:?}, sin {ss:?} and out {os:?} do not agree (x [T, H, D], tables [T, D])")));
     }
     if !xs[2].is_multiple_of(2) || xs.contains(&0) {
-        return bad(format!("x {xs:?} needs an even, non-zero head_dim and no empty axis"));
+        return Err(bad(format!("x {xs:?} needs an even, non-zero head_dim and no empty axis")));
     }
     c_order(
         "rotary_embedding",
@@ -299,19 +323,91 @@ pub fn rotary_embedding(
             ("out", out.is_c_contiguous()),
         ],
     )?;
+    let align = std::mem::align_of::<E>();
+    aligned(
+        "rotary_embedding",
+        [
+            ("x", x.data() as usize, align),
+            ("cos", cos.data() as usize, align),
+            ("sin", sin.data() as usize, align),
+            ("out", out.data() as usize, align),
+        ],
+    )?;
     let inputs = [
         byte_extent(x.data(), &xs, x.strides()),
         byte_extent(cos.data(), &cs, cos.strides()),
         byte_extent(sin.data(), &ss, sin.strides()),
     ];
     if shares_bytes(byte_extent(out.data(), &os, out.strides()), inputs) {
-        return bad("out must not overlap x, cos or sin".to_string());
+        return Err(bad("out must not overlap x, cos or sin".to_string()));
     }
-    // C order was checked above, so these views cannot fail.
-    let not_c = |_| PyValueError::new_err("rotary_embedding: arrays must be C-contiguous");
-    let (xv, cv, sv) = (x.as_slice().map_err(not_c)?, cos.as_slice().map_err(not_c)?, sin.as_slice().map_err(not_c)?);
+    // C order and alignment were checked above; `E` and `T` have one size, and `T` is the
+    // numpy type whose bits `E` reads.
+    let as_e = |s: &[T]| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const E, s.len()) };
+    let not_c = |_| bad("arrays must be C-contiguous".to_string());
+    let (xv, cv, sv) =
+        (as_e(x.as_slice().map_err(not_c)?), as_e(cos.as_slice().map_err(not_c)?), as_e(sin.as_slice().map_err(not_c)?));
     let ov = out.as_slice_mut().map_err(not_c)?;
+    let ov = unsafe { std::slice::from_raw_parts_mut(ov.as_mut_ptr() as *mut E, ov.len()) };
     resin_kernels::rotary::rotate_half_split(xv, cv, sv, ov, xs[2]);
+    Ok(())
+}
+
+/// `out = weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)` over each row of `x` [rows, D]
+/// (HF's `LlamaRMSNorm`), `weight` [D], `out` shaped as `x`; C-contiguous, all float32 or all
+/// int16 holding bfloat16 bits; D >= 8. `resin-kernels`' `rms_norm`: torch's floats bit for bit,
+/// the mean summed in torch's order. Runs on the calling thread, GIL held.
+#[pyfunction]
+pub fn rms_norm(x: &Bound<'_, PyAny>, weight: &Bound<'_, PyAny>, eps: f32, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    if let Ok(x) = x.extract::<PyReadonlyArray2<'_, f32>>() {
+        return normalise::<f32, f32>(x, weight, eps, out, "float32");
+    }
+    if let Ok(x) = x.extract::<PyReadonlyArray2<'_, i16>>() {
+        return normalise::<Bf16, i16>(x, weight, eps, out, "int16 (bfloat16 bits)");
+    }
+    Err(PyValueError::new_err("rms_norm: x must be a 2-d float32 array or int16 (bfloat16 bits)"))
+}
+
+/// `rms_norm` with every operand of numpy type `T`, read as kernel element `E`.
+fn normalise<E: Element, T: numpy::Element>(
+    x: PyReadonlyArray2<'_, T>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    out: &Bound<'_, PyAny>,
+    dtype: &str,
+) -> PyResult<()> {
+    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
+    let bad = |what: String| PyValueError::new_err(format!("rms_norm: {what}"));
+    let same = |name: &str| bad(format!("{name} must be a {dtype} array of its documented rank, like x (out writable)"));
+    let weight = weight.extract::<PyReadonlyArray1<'_, T>>().map_err(|_| same("weight"))?;
+    let mut out = out.extract::<PyReadwriteArray2<'_, T>>().map_err(|_| same("out"))?;
+    let (xs, ws, os) = (x.shape().to_vec(), weight.shape().to_vec(), out.shape().to_vec());
+    if ws != [xs[1]] || os != xs {
+        return Err(bad(format!("x {xs:?}, weight {ws:?} and out {os:?} do not agree (x [rows, D], weight [D])")));
+    }
+    if xs[1] < 8 || xs[0] == 0 {
+        return Err(bad(format!("x {xs:?} needs rows of at least 8 elements and at least one row")));
+    }
+    if !eps.is_finite() || eps < 0.0 {
+        return Err(bad(format!("eps {eps} must be finite and not negative")));
+    }
+    c_order("rms_norm", [("x", x.is_c_contiguous()), ("weight", weight.is_c_contiguous()), ("out", out.is_c_contiguous())])?;
+    let align = std::mem::align_of::<E>();
+    aligned(
+        "rms_norm",
+        [("x", x.data() as usize, align), ("weight", weight.data() as usize, align), ("out", out.data() as usize, align)],
+    )?;
+    let inputs = [byte_extent(x.data(), &xs, x.strides()), byte_extent(weight.data(), &ws, weight.strides())];
+    if shares_bytes(byte_extent(out.data(), &os, out.strides()), inputs) {
+        return Err(bad("out must not overlap x or weight".to_string()));
+    }
+    // C order and alignment were checked above; `E` and `T` have one size.
+    let as_e = |s: &[T]| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const E, s.len()) };
+    let not_c = |_| bad("arrays must be C-contiguous".to_string());
+    let (xv, wv) = (as_e(x.as_slice().map_err(not_c)?), as_e(weight.as_slice().map_err(not_c)?));
+    let ov = out.as_slice_mut().map_err(not_c)?;
+    let ov = unsafe { std::slice::from_raw_parts_mut(ov.as_mut_ptr() as *mut E, ov.len()) };
+    resin_kernels::rms_norm::rms_norm(xv, wv, eps, ov);
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 //! (SamplingParams, EngineConfig), `cache` (LayerCacheSpec, CacheGroup, CacheLayout),
 //! `plan` (BatchPlan, SamplingArrays), `output` (ForwardOutput, RequestOutput) and
 //! `engine` (Engine), `errors` (StepError, InvalidOutputError), `kernels` (the `resin-kernels`
-//! CPU kernels on numpy views: `paged_attention`, `rotary_embedding`, `nucleus_cut`,
+//! CPU kernels on numpy views: `paged_attention`, `rotary_embedding`, `rms_norm`, `nucleus_cut`,
 //! `top_candidates`, `linear`; and
 //! `openmp_team_available`, `kernels_vectorised`). The GIL is released while Rust works; plan
 //! arrays are numpy views on memory the plan owns (no copy).
@@ -36,6 +36,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::openmp_team_available, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::kernels_vectorised, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rotary_embedding, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::nucleus_cut, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::top_candidates, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::argmax, m)?)?;
