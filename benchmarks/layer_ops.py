@@ -1,5 +1,6 @@
-"""The one-call layer paths (``layers.rms_norm`` as ``F.rms_norm``, ``layers.apply_rotary`` as
-``resin._core.rotary_embedding``) against the torch lines they replace, on CPU in float32.
+"""The one-call layer paths (``layers.rms_norm`` as ``resin._core.rms_norm``,
+``layers.apply_rotary`` as ``resin._core.rotary_embedding``) against the torch lines they
+replace, on CPU in float32 or (``--dtype bfloat16``) bfloat16.
 
 Two measurements, both in one process with ``layers.one_call_paths`` switched between runs:
 
@@ -12,6 +13,7 @@ Two measurements, both in one process with ``layers.one_call_paths`` switched be
 The floats are the same either way (tests/test_torch_layers.py), so only time differs::
 
     .venv/bin/python benchmarks/layer_ops.py --concurrency 1,8,64 --repeats 6
+    .venv/bin/python benchmarks/layer_ops.py --dtype bfloat16 --concurrency 1,8,64 --repeats 6
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ from offline_throughput import CHECKPOINT, REPO, make_checkpoint, random_prompts
 SETTINGS = {"one call": True, "torch lines": False}
 
 
-def per_call_us(repeats: int) -> list[dict[str, float | int | str]]:
+def per_call_us(repeats: int, dtype: str) -> list[dict[str, float | int | str]]:
     import torch
 
     from resin.runners.torch import layers
 
     rows = []
     for tokens in (1, 64):
-        x, weight = torch.randn(tokens, 512), torch.randn(512)
-        q, cos, sin = torch.randn(tokens, 8, 64), torch.randn(tokens, 64), torch.randn(tokens, 64)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape).to(getattr(torch, dtype))
+
+        x, weight = randn(tokens, 512), randn(512)
+        q, cos, sin = randn(tokens, 8, 64), randn(tokens, 64), randn(tokens, 64)
         ops: dict[str, Callable[[], object]] = {
             "rms_norm": lambda x=x, w=weight: layers.rms_norm(x, w, 1e-6),
             "apply_rotary": lambda q=q, c=cos, s=sin: layers.apply_rotary(q, c, s),
@@ -59,12 +65,20 @@ def per_call_us(repeats: int) -> list[dict[str, float | int | str]]:
     return rows
 
 
-def end_to_end(concurrency: int, repeats: int, vocab_size: int) -> dict[str, list[float]]:
+def end_to_end(
+    concurrency: int, repeats: int, vocab_size: int, dtype: str
+) -> dict[str, list[float]]:
     import resin
     from resin.llm import LLM
     from resin.runners.torch import layers
 
-    llm = LLM(CHECKPOINT, max_num_seqs=concurrency, max_model_len=1024, attention_backend="torch")
+    llm = LLM(
+        CHECKPOINT,
+        max_num_seqs=concurrency,
+        max_model_len=1024,
+        attention_backend="torch",
+        dtype=dtype,
+    )
     params = resin.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     llm.generate(random_prompts(1, 64, vocab_size, seed=999_999), params)  # first-call costs
     runs: dict[str, list[float]] = {label: [] for label in SETTINGS}
@@ -85,6 +99,7 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", default="1,8,64")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "layer_ops.json"))
     args = parser.parse_args()
     import torch
@@ -93,7 +108,8 @@ def main() -> None:
     make_checkpoint()
     vocab_size = json.loads((CHECKPOINT / "config.json").read_text())["vocab_size"]
 
-    calls = per_call_us(args.repeats)
+    print(f"torch {torch.__version__}, {args.dtype}, 2 threads")
+    calls = per_call_us(args.repeats, args.dtype)
     print("| op | tokens | one call us | torch lines us | ratio |\n|---|---|---|---|---|")
     for r in calls:
         one, lines = float(r["one call"]), float(r["torch lines"])
@@ -103,7 +119,7 @@ def main() -> None:
     print("\n| requests | one call tok/s best / median | torch lines best / median | ratio |")
     print("|---|---|---|---|")
     for c in (int(v) for v in args.concurrency.split(",")):
-        runs = end_to_end(c, args.repeats, vocab_size)
+        runs = end_to_end(c, args.repeats, vocab_size, args.dtype)
         e2e.append({"concurrency": c, "runs": runs})
         one, lines = runs["one call"], runs["torch lines"]
         print(
@@ -115,7 +131,13 @@ def main() -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(
         json.dumps(
-            {"per_call_us": calls, "end_to_end_tok_s": e2e, "repeats": args.repeats}, indent=2
+            {
+                "dtype": args.dtype,
+                "per_call_us": calls,
+                "end_to_end_tok_s": e2e,
+                "repeats": args.repeats,
+            },
+            indent=2,
         )
     )
     print(f"\nJSON: {args.output}")
