@@ -28,40 +28,75 @@ def test_rms_norm_is_llama_rms_norm_bit_for_bit(hidden: int, rows: int, dtype) -
 
 def test_rms_norm_kernel_takes_the_cpu_rows_it_computes() -> None:
     x, w = torch.randn(3, 64), torch.randn(64)
-    assert layers._rust_norm_takes(x, w)
-    assert layers._rust_norm_takes(x.bfloat16(), w.bfloat16())
-    assert not layers._rust_norm_takes(x, w.bfloat16())  # mixed dtypes: HF's promotion
-    assert not layers._rust_norm_takes(x.double(), w.double())
-    assert not layers._rust_norm_takes(
-        torch.randn(3, 4), torch.randn(4)
-    )  # torch sums these another way
-    assert not layers._rust_norm_takes(torch.randn(64, 3).t(), torch.randn(64).bfloat16())
-    assert not layers._rust_norm_takes(torch.randn(64, 3).t(), torch.randn(3))  # not contiguous
-    assert not layers._rust_norm_takes(x.requires_grad_(), w)
+    takes = layers._rust_norm_takes
+    assert takes(x, w, 1e-6)
+    assert takes(x.bfloat16(), w.bfloat16(), 1e-6)
+    assert takes(torch.randn(64), w, 0.0)  # one row, 1-d
+    assert not takes(x, w.bfloat16(), 1e-6)  # mixed dtypes: HF's promotion
+    assert not takes(x.double(), w.double(), 1e-6)
+    assert not takes(torch.randn(3, 4), torch.randn(4), 1e-6)  # torch sums these another way
+    # One row this wide: torch splits its sum over threads (another order).
+    assert not takes(torch.randn(1, 40000), torch.randn(40000), 1e-6)
+    assert not takes(torch.randn(64, 3).t(), torch.randn(64), 1e-6)  # x not contiguous
+    assert not takes(x, torch.randn(128)[::2], 1e-6)  # weight not contiguous
+    for eps in (-1e-6, 1e300, float("nan"), float("inf")):  # not a float32 >= 0: torch's lines
+        assert not takes(x, w, eps)
+    assert not takes(x.requires_grad_(), w, 1e-6)
+
+
+def _left_to_right_kernel(x, weight, eps, out) -> None:
+    """``_core.rms_norm``'s floats but for the mean, summed left to right (another order)."""
+    import numpy as np
+
+    squares = x * x
+    mean = np.cumsum(squares, axis=1, dtype=np.float32)[:, -1] / np.float32(x.shape[1])
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps), dtype=np.float32)
+    out[:] = weight * (x * scale[:, None])
+
+
+@pytest.mark.parametrize("width", [64, 512, 4096])
+def test_rms_norm_probe_tells_a_sum_in_another_order(monkeypatch, width: int) -> None:
+    """The probe is what stands between a torch that sums another way and wrong floats: it
+    must reject a kernel whose only difference is the order of the mean's additions."""
+    from resin import _core
+
+    assert layers._probe_agrees(width)
+    monkeypatch.setattr(_core, "rms_norm", _left_to_right_kernel)
+    assert not layers._probe_agrees(width)
 
 
 def test_rms_norm_width_that_disagrees_with_torch_falls_back(monkeypatch) -> None:
-    """A torch whose sum adds in another order: the first call at that width sees the kernel's
-    floats differ, warns, returns the torch lines' floats and keeps them for the width."""
+    """A torch whose sum adds in another order: the width's probe sees the kernel's floats
+    differ, warns, and the width keeps the torch lines' floats from then on."""
     from resin import _core
 
-    width = 72  # a width no other test uses, so its first call is this test's
+    width = 72
     monkeypatch.setattr(layers, "_norm_width_agrees", {})
-    real = _core.rms_norm
-
-    def off_by_an_ulp(x, weight, eps, out):
-        real(x, weight, eps, out)
-        out.view(np.int32)[0, 0] += 1
-
-    np = pytest.importorskip("numpy")
-    monkeypatch.setattr(_core, "rms_norm", off_by_an_ulp)
+    monkeypatch.setattr(_core, "rms_norm", _left_to_right_kernel)
     x, w = torch.randn(4, width), torch.randn(width)
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     with pytest.warns(RuntimeWarning, match="width 72"):
         assert torch.equal(layers.rms_norm(x, w, 1e-6), want)
     assert layers._norm_width_agrees == {width: False}
-    assert not layers._rust_norm_takes(x, w)
+    assert not layers._rust_norm_takes(x, w, 1e-6)
     assert torch.equal(layers.rms_norm(x, w, 1e-6), want)
+
+
+def test_rms_norm_weight_cache_adds_nothing_to_the_tensor() -> None:
+    """The weights' numpy views are kept beside the tensors, not on them: a weight saved after
+    a norm still loads with ``weights_only``."""
+    import io
+
+    w = torch.randn(64)
+    layers.rms_norm(torch.randn(2, 64), w, 1e-6)
+    assert not w.__dict__
+    buffer = io.BytesIO()
+    torch.save(w, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=True), w)
+    entries = len(layers._weight_arrays)
+    del w  # its entry goes with it
+    assert len(layers._weight_arrays) == entries - 1
 
 
 def test_rms_norm_kernel_sums_as_torch_under_every_cpu_capability() -> None:
@@ -79,8 +114,8 @@ def test_rms_norm_kernel_sums_as_torch_under_every_cpu_capability() -> None:
         "    for width in (8, 33, 512, 2056, 5120):\n"
         "        x = (torch.randn(9, width) * 4).to(dtype); w = torch.randn(width).to(dtype)\n"
         "        x32 = x.float(); want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)\n"
+        "        assert layers._probe_agrees(width), width\n"
         "        assert torch.equal(layers._kernel_rms_norm(x, w, 1e-6), want), (dtype, width)\n"
-        "        assert layers._norm_width_agrees[width]\n"
     )
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
@@ -100,6 +135,8 @@ def test_rms_norm_kernel_reads_a_weight_replaced_in_place() -> None:
     w.mul_(2)
     assert torch.equal(layers.rms_norm(x, w, 1e-6), hf(w))
     w.data = torch.randn(64).bfloat16()
+    assert torch.equal(layers.rms_norm(x, w, 1e-6), hf(w))
+    w.data = torch.randn(128).bfloat16()[:64]  # a view into a larger tensor
     assert torch.equal(layers.rms_norm(x, w, 1e-6), hf(w))
 
 

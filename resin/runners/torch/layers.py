@@ -12,13 +12,14 @@ these functions. Two hot paths take one call where the floats stay torch's: on C
 bf16, :func:`rms_norm` is ``resin._core.rms_norm`` (the torch lines in one pass, the mean
 summed in the order torch's CPU ``sum`` adds a row) and :func:`apply_rotary` is
 ``resin._core.rotary_embedding`` (torch's expression in torch's order, rounding where torch's
-ops round); tests/test_torch_layers.py holds both to HF bit for bit, and each row width's
-first norm is checked against the torch lines in the process itself.
+ops round); tests/test_torch_layers.py holds both to HF bit for bit (NaN payloads aside), and
+the norm checks each row width on a fixed probe against the torch lines in the process itself.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,12 +42,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rsqrt(mean(x32²) + eps)).to(x.dtype)``.
 
     On CPU with input and weight both fp32 or both bf16, ``_core.rms_norm``: the same floats in
-    one call instead of ~9 ops (docs/benchmarks.md). Its mean restates the order in which
-    torch's CPU ``sum`` adds a row (float addition does not associate), so the first call at
-    each row width is also run through the torch lines and the kernel is kept for that width
-    only if the two agree bit for bit (a torch that sums another way falls back, with a
-    warning)."""
-    if one_call_paths and _rust_norm_takes(x, weight):
+    one call instead of ~9 ops (docs/benchmarks.md; NaN payloads aside). Its mean restates the
+    order in which torch's CPU ``sum`` adds a row (float addition does not associate), so
+    before the kernel's first use at a row width a fixed probe (:func:`_probe_agrees`) is
+    normalised both ways; a width where the floats differ (a torch that sums another way)
+    keeps the torch lines, with a warning."""
+    if one_call_paths and _rust_norm_takes(x, weight, eps):
         return _kernel_rms_norm(x, weight, eps)
     return _torch_rms_norm(x, weight, eps)
 
@@ -59,14 +60,20 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 # The dtypes the one-call paths (_core.rms_norm, _core.rotary_embedding) compute in.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# Row width -> whether ``_core.rms_norm`` gave the torch lines' floats on its first call.
+# torch's reductions split one output's elements over threads from this many on (ATen's
+# GRAIN_SIZE: `two_pass_reduction`), which sums in another order; a row this wide, alone in
+# its call, would differ, so rows this wide take the torch lines.
+_TORCH_SPLIT_REDUCTION_ELEMENTS = 32768
+_LARGEST_F32 = 3.4028234663852886e38
+# Row width -> whether ``_core.rms_norm`` gave the torch lines' floats on the probe.
 _norm_width_agrees: dict[int, bool] = {}
 
 
-def _rust_norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """CPU, x and weight one dtype (fp32 or bf16), weight [D] with D >= 8 (shorter rows take
-    another path in torch's sum), x contiguous and not empty, nothing needing grad, and the
-    width not found to disagree with torch."""
+def _rust_norm_takes(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """CPU, x and weight one dtype (fp32 or bf16), weight [D] with 8 <= D < 32768 (shorter
+    rows take another path in torch's sum, longer ones may be split over threads), eps a
+    finite float32 >= 0, x contiguous and not empty, nothing needing grad, and the width's
+    probe agreeing with torch."""
     dtype = x.dtype
     return (  # cheapest tests first: this runs twice a layer
         weight.dtype is dtype
@@ -75,13 +82,45 @@ def _rust_norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_cpu
         and weight.dim() == 1
         and x.dim() >= 1
-        and weight.shape[0] == x.shape[-1] >= 8
+        and 8 <= weight.shape[0] == x.shape[-1] < _TORCH_SPLIT_REDUCTION_ELEMENTS
+        and 0.0 <= eps <= _LARGEST_F32
         and x.numel() > 0
-        and _norm_width_agrees.get(weight.shape[0], True)
         and not (x.requires_grad or weight.requires_grad)
         and x.is_contiguous()
         and weight.is_contiguous()
+        and _width_agrees(weight.shape[0])
     )
+
+
+def _width_agrees(width: int) -> bool:
+    agrees = _norm_width_agrees.get(width)
+    if agrees is None:
+        agrees = _norm_width_agrees[width] = _probe_agrees(width)
+        if not agrees:
+            warnings.warn(
+                f"resin._core.rms_norm differs from torch {torch.__version__}'s RMSNorm at "
+                f"width {width} (its sum adds in another order); using the torch lines",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return agrees
+
+
+def _probe_agrees(width: int) -> bool:
+    """Whether the kernel and the torch lines give the same floats on a fixed fp32 probe of
+    256 rows at ``width``: mixed magnitudes (a few large values among small ones, so that
+    another order of additions rounds the mean differently in most rows), weight 1, eps 0.
+    One ulp of a row's mean moves about half its outputs' roundings out of reach, so a sum in
+    another order changes some output of 256 rows all but surely. The bf16 roundings around
+    the sum are the unit tests' (tests/test_torch_layers.py); the sum is the same code."""
+    gen = torch.Generator().manual_seed(width)
+    rows = torch.randn(256, width, generator=gen)
+    scales = torch.tensor([1e-3, 1.0, 30.0])[torch.randint(0, 3, (256, width), generator=gen)]
+    probe = (rows * scales).contiguous()
+    weight = torch.ones(width)
+    out = torch.empty_like(probe)
+    _core.rms_norm(probe.numpy(), weight.numpy(), 0.0, out.numpy())
+    return torch.equal(out, _torch_rms_norm(probe, weight, 0.0))
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -89,16 +128,24 @@ def _array(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
 
 
+# id(weight) -> (a weak reference to it, (address, elements, dtype), its numpy view): a norm's
+# weight is read twice a layer every step. Kept beside the tensors, not on them (pickles,
+# deepcopies); an entry goes when its tensor does.
+_weight_arrays: dict[
+    int, tuple[weakref.ref[torch.Tensor], tuple[int, int, torch.dtype], np.ndarray]
+] = {}
+
+
 def _weight_array(weight: torch.Tensor) -> np.ndarray:
-    """:func:`_array` of a weight, kept on the tensor with its address (a view of its memory:
-    in-place updates show, and new memory behind the tensor, ``weight.data = ...``, makes a
-    new view); a norm's weight is read twice a layer every step."""
-    cached = getattr(weight, "_resin_array", None)
-    address = weight.data_ptr()
-    if cached is None or cached[0] != address:
-        cached = (address, _array(weight))
-        weight._resin_array = cached  # type: ignore[attr-defined]
-    return cached[1]  # type: ignore[no-any-return]
+    """:func:`_array` of a weight, kept while the tensor lives. A view of its memory: in-place
+    updates show; new memory behind the tensor (``weight.data = ...``) makes a new view."""
+    key = (weight.data_ptr(), weight.numel(), weight.dtype)
+    entry = _weight_arrays.get(id(weight))
+    if entry is None or entry[0]() is not weight or entry[1] != key:
+        wid = id(weight)
+        ref = weakref.ref(weight, lambda _, wid=wid: _weight_arrays.pop(wid, None))  # type: ignore[misc]
+        entry = _weight_arrays[wid] = (ref, key, _array(weight))
+    return entry[2]
 
 
 def _kernel_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,18 +153,6 @@ def _kernel_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     out = torch.empty_like(x)
     rows, out_rows = (x, out) if x.dim() == 2 else (x.view(-1, width), out.view(-1, width))
     _core.rms_norm(_array(rows), _weight_array(weight), eps, _array(out_rows))
-    if width not in _norm_width_agrees:
-        want = _torch_rms_norm(x, weight, eps)  # NaN where torch has NaN counts as agreeing
-        agrees = torch.allclose(out, want, rtol=0.0, atol=0.0, equal_nan=True)
-        _norm_width_agrees[width] = agrees
-        if not agrees:
-            warnings.warn(
-                f"resin._core.rms_norm differs from torch {torch.__version__}'s RMSNorm at "
-                f"width {width} (its sum adds in another order); using the torch lines",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return _torch_rms_norm(x, weight, eps)
     return out
 
 

@@ -9,11 +9,14 @@
 //! The mean is the one subtle part: torch's `sum` on a CPU (ATen's `cascade_sum`, which `mean`
 //! calls before dividing by `dim`) adds a contiguous row in a fixed order that is not left to
 //! right, and float addition does not associate. [`torch_row_sum`] restates that order: eight
-//! lanes (ATen's 256-bit `Vectorized<float>`, which its sum kernel uses under every CPU
-//! capability), four lane groups interleaved (its `ilp_factor`), the groups' partial sums
-//! carried up levels of 16 (or more) additions, then the tail one by one and the lanes in
-//! order. The Python side checks a new width against torch once before trusting the kernel.
-//! One thread: a decode step's rows are a few thousand floats.
+//! lanes (ATen's 256-bit `Vectorized<float>`, which its sum kernel uses under every x86 CPU
+//! capability: measured under AVX-512 and the plain one), four lane groups interleaved (its
+//! `ilp_factor`), the groups' partial sums carried up levels of 16 (or more) additions, then
+//! the tail one by one and the lanes in order. That is torch's order for a row of 8 to 32,767
+//! elements; torch splits one wider row alone in its call over threads. The Python side
+//! checks each width on a fixed probe against torch before trusting the kernel. NaN outputs
+//! are NaN where torch's are, perhaps with another payload. One thread: a decode step's rows
+//! are a few thousand floats.
 
 use crate::vector::Element;
 
@@ -38,6 +41,7 @@ fn add(a: &mut Lanes, b: &Lanes) {
 /// carried into the next when the step count crosses its boundary.
 #[inline(always)]
 fn multi_group_sum(size: usize, load: impl Fn(usize) -> Lanes) -> [Lanes; GROUPS] {
+    // (ATen's CeilLog2 gives 1 at size <= 2; the max with 4 below makes the two agree.)
     let ceil_log2 = if size <= 1 { 0 } else { usize::BITS - (size - 1).leading_zeros() } as usize;
     let level_power = (ceil_log2 / LEVELS).max(4);
     let level_step = 1usize << level_power;

@@ -8,7 +8,7 @@
 //! multiply-add: Rust never contracts `a * b + c`), so the floats are torch's bit for bit. In
 //! bfloat16 each of the three results rounds to bfloat16 as torch's three ops do (a product
 //! of two bfloat16 is exact in f32, so it rounds once; the sum rounds in f32, then to
-//! bfloat16, as torch's add does).
+//! bfloat16, as torch's add does; a NaN may carry another payload than torch's).
 //! Replaces ~9 torch ops a call (two slices, a negation, a cat, two broadcasts, two multiplies
 //! and an add). One thread: a decode step's rows are a few thousand floats.
 
@@ -68,7 +68,8 @@ fn rotate_rows<E: Element>(x: &[E], cos: &[E], sin: &[E], out: &mut [E], head_di
     let half = head_dim / 2;
     let tokens = cos.len() / head_dim;
     let row_len = x.len() / tokens; // heads * head_dim
-                                    // E(a * b) for the products, E(a + b) for the sum: identities in f32.
+
+    // E(a * b) for the products, E(a + b) for the sum: identities in f32.
     #[inline(always)]
     fn mul<E: Element>(a: E, b: E) -> f32 {
         E::from_f32(a.to_f32() * b.to_f32()).to_f32()
