@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from resin import _core
 from resin.kernels import cpu_linear as cl
+from resin.kernels.numpy_view import numpy_view
 
 pytestmark = pytest.mark.skipif(not cl.enabled, reason="the CPU linear is off on this machine")
 
@@ -64,7 +65,7 @@ def test_a_rows_outputs_do_not_depend_on_the_rest_of_the_call(dtype: torch.dtype
     assert torch.equal(cl.cpu_linear(x, w)[3:4], alone)
     with_one_thread = torch.empty_like(alone)
     row = x[3:4].contiguous()
-    _core.linear(cl._array(row), cl._array(w), None, cl._array(with_one_thread), threads=1)
+    _core.linear(numpy_view(row), numpy_view(w), None, numpy_view(with_one_thread), threads=1)
     assert torch.equal(with_one_thread, alone)
 
 

@@ -12,6 +12,7 @@ kernel for a decode step's few rows on CPU, ``F.linear`` for everything else), o
 FMA). Opting in to CUTLASS where it cannot run (no CUDA, no ``nvidia-cutlass-dsl``) is a
 RuntimeError at import naming what is missing, not a silent fallback. Imports torch;
 ``cutlass`` only when a kernel is compiled (docs/architecture.md, "Kernels").
+:mod:`.numpy_view` is the tensor-to-array conversion every CPU kernel caller uses.
 """
 
 from __future__ import annotations

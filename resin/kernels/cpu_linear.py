@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from resin import _core
 from resin.kernels.cpu_threads import kernel_threads
+from resin.kernels.numpy_view import numpy_view
 
 ENV_VAR = "RESIN_CPU_LINEAR"
 
@@ -86,11 +87,6 @@ def _bias_takes(bias: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _array(t: torch.Tensor):  # type: ignore[no-untyped-def]
-    """A numpy view (no copy): float32, or a bfloat16 tensor's bits as int16."""
-    return t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
-
-
 def cpu_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -99,10 +95,10 @@ def cpu_linear(
         return F.linear(x, weight, bias)
     out = x.new_empty((x.shape[0], weight.shape[0]))
     _core.linear(
-        _array(x),
-        _array(weight),
-        None if bias is None else _array(bias),
-        _array(out),
+        numpy_view(x),
+        numpy_view(weight),
+        None if bias is None else numpy_view(bias),
+        numpy_view(out),
         threads=kernel_threads(),
     )
     return out

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from resin import _core, kernels
+from resin.kernels.numpy_view import numpy_view
 from resin.page_views import readable_keys
 
 # Re-exported: it lives in resin.sampling_state (numpy, shared with the MLX runner).
@@ -123,11 +124,6 @@ def _probe_agrees(width: int) -> bool:
     return torch.equal(out, _torch_rms_norm(probe, weight, 0.0))
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    """``t``'s memory as numpy: itself for fp32, its bits as int16 for bf16 (numpy has none)."""
-    return t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
-
-
 # id(weight) -> (a weak reference to it, (address, elements, dtype), its numpy view): a norm's
 # weight is read twice a layer every step. Kept beside the tensors, not on them (pickles,
 # deepcopies); an entry goes when its tensor does.
@@ -137,14 +133,14 @@ _weight_arrays: dict[
 
 
 def _weight_array(weight: torch.Tensor) -> np.ndarray:
-    """:func:`_array` of a weight, kept while the tensor lives. A view of its memory: in-place
+    """:func:`numpy_view` of a weight, kept while the tensor lives. A view of its memory: in-place
     updates show; new memory behind the tensor (``weight.data = ...``) makes a new view."""
     key = (weight.data_ptr(), weight.numel(), weight.dtype)
     entry = _weight_arrays.get(id(weight))
     if entry is None or entry[0]() is not weight or entry[1] != key:
         wid = id(weight)
         ref = weakref.ref(weight, lambda _, wid=wid: _weight_arrays.pop(wid, None))  # type: ignore[misc]
-        entry = _weight_arrays[wid] = (ref, key, _array(weight))
+        entry = _weight_arrays[wid] = (ref, key, numpy_view(weight))
     return entry[2]
 
 
@@ -152,7 +148,7 @@ def _kernel_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     width = weight.shape[0]
     out = torch.empty_like(x)
     rows, out_rows = (x, out) if x.dim() == 2 else (x.view(-1, width), out.view(-1, width))
-    _core.rms_norm(_array(rows), _weight_array(weight), eps, _array(out_rows))
+    _core.rms_norm(numpy_view(rows), _weight_array(weight), eps, numpy_view(out_rows))
     return out
 
 
@@ -211,7 +207,7 @@ def apply_rotary(
         return torch.cat((apply_rotary(part, cos, sin, interleaved=interleaved), keep), -1)
     if not interleaved and _rust_rotary_takes(x, cos, sin):
         out = torch.empty_like(x)
-        _core.rotary_embedding(_array(x), _array(cos), _array(sin), _array(out))
+        _core.rotary_embedding(numpy_view(x), numpy_view(cos), numpy_view(sin), numpy_view(out))
         return out
     if interleaved:
         pairs = x.unflatten(-1, (-1, 2))

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from resin import _core
 from resin.kernels.cpu_threads import kernel_threads
+from resin.kernels.numpy_view import numpy_view
 from resin.runners.torch.attention import ReferenceBackend, head_layout, masked_softmax
 
 
@@ -201,14 +202,6 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 either (both K and V of one dtype; a bfloat16 one widened exactly as each row loads)."""
 
 
-def _cache_array(cache: torch.Tensor) -> np.ndarray:
-    """A cache tensor as the kernel takes it: a numpy view of float32, or of the bfloat16 bits as
-    int16 (numpy has no bfloat16; no copy either way)."""
-    if cache.dtype is torch.bfloat16:
-        return cache.view(torch.int16).numpy()
-    return cache.numpy()
-
-
 class TorchBackend(ReferenceBackend):
     """Batched attention in plain torch (module doc); on CPU in float32 or bfloat16, the paged-attention
     kernel of ``resin._core`` when :func:`kernel_pays` (``use_cpu_kernel``: module doc)."""
@@ -264,8 +257,8 @@ class TorchBackend(ReferenceBackend):
         out = q.new_empty(q.shape[0], q.shape[1], dim_v, dtype=torch.float32)
         _core.paged_attention(
             q.to(torch.float32).contiguous().numpy(),
-            _cache_array(k_cache),
-            None if v_cache is None else _cache_array(v_cache),
+            numpy_view(k_cache),
+            None if v_cache is None else numpy_view(v_cache),
             out.numpy(),
             rows.query_indptr,
             rows.seq_lens,

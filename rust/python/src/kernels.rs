@@ -86,6 +86,22 @@ fn shares_bytes(out: Option<(isize, isize)>, inputs: impl IntoIterator<Item = Op
     inputs.into_iter().flatten().any(|(i0, i1)| o0 < i1 && i0 < o1)
 }
 
+/// A numpy slice of `T` read as kernel elements `E` of the same size (`f32` as itself, `i16`
+/// as [`Bf16`] bits). The callers checked the array's C order and `E`'s alignment.
+fn elements<E: Element, T: numpy::Element>(s: &[T]) -> &[E] {
+    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
+    // SAFETY: same size, alignment checked by the caller, and `T` is the type whose bits `E` reads.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const E, s.len()) }
+}
+
+/// [`elements`] of an output slice (exclusively borrowed; the callers checked it shares no byte
+/// with an input).
+fn elements_mut<E: Element, T: numpy::Element>(s: &mut [T]) -> &mut [E] {
+    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
+    // SAFETY: as for `elements`.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut E, s.len()) }
+}
+
 /// Attention of `q` [T, H, D] (f32) over the cache pages the plan lists (docs in
 /// `resin-kernels`' `paged_attention`), written into `out` [T, H, value_dim]. `k_cache` /
 /// `v_cache` are [pages, entries, kv_heads, dim] (strided views allowed, last axis
@@ -301,7 +317,6 @@ fn rotate<E: Element, T: numpy::Element>(
     out: &Bound<'_, PyAny>,
     dtype: &str,
 ) -> PyResult<()> {
-    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
     let bad = |what: String| PyValueError::new_err(format!("rotary_embedding: {what}"));
     let same = |name: &str| bad(format!("{name} must be a {dtype} array of its documented rank, like x (out writable)"));
     let cos = cos.extract::<PyReadonlyArray2<'_, T>>().map_err(|_| same("cos"))?;
@@ -341,15 +356,11 @@ fn rotate<E: Element, T: numpy::Element>(
     if shares_bytes(byte_extent(out.data(), &os, out.strides()), inputs) {
         return Err(bad("out must not overlap x, cos or sin".to_string()));
     }
-    // C order and alignment were checked above; `E` and `T` have one size, and `T` is the
-    // numpy type whose bits `E` reads.
-    let as_e = |s: &[T]| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const E, s.len()) };
+    // C order and alignment were checked above.
     let not_c = |_| bad("arrays must be C-contiguous".to_string());
-    let (xv, cv, sv) =
-        (as_e(x.as_slice().map_err(not_c)?), as_e(cos.as_slice().map_err(not_c)?), as_e(sin.as_slice().map_err(not_c)?));
-    let ov = out.as_slice_mut().map_err(not_c)?;
-    let ov = unsafe { std::slice::from_raw_parts_mut(ov.as_mut_ptr() as *mut E, ov.len()) };
-    resin_kernels::rotary::rotate_half_split(xv, cv, sv, ov, xs[2]);
+    let (xv, cv, sv) = (x.as_slice().map_err(not_c)?, cos.as_slice().map_err(not_c)?, sin.as_slice().map_err(not_c)?);
+    let ov = elements_mut::<E, T>(out.as_slice_mut().map_err(not_c)?);
+    resin_kernels::rotary::rotate_half_split(elements(xv), elements(cv), elements(sv), ov, xs[2]);
     Ok(())
 }
 
@@ -376,7 +387,6 @@ fn normalise<E: Element, T: numpy::Element>(
     out: &Bound<'_, PyAny>,
     dtype: &str,
 ) -> PyResult<()> {
-    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
     let bad = |what: String| PyValueError::new_err(format!("rms_norm: {what}"));
     let same = |name: &str| bad(format!("{name} must be a {dtype} array of its documented rank, like x (out writable)"));
     let weight = weight.extract::<PyReadonlyArray1<'_, T>>().map_err(|_| same("weight"))?;
@@ -401,13 +411,11 @@ fn normalise<E: Element, T: numpy::Element>(
     if shares_bytes(byte_extent(out.data(), &os, out.strides()), inputs) {
         return Err(bad("out must not overlap x or weight".to_string()));
     }
-    // C order and alignment were checked above; `E` and `T` have one size.
-    let as_e = |s: &[T]| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const E, s.len()) };
+    // C order and alignment were checked above.
     let not_c = |_| bad("arrays must be C-contiguous".to_string());
-    let (xv, wv) = (as_e(x.as_slice().map_err(not_c)?), as_e(weight.as_slice().map_err(not_c)?));
-    let ov = out.as_slice_mut().map_err(not_c)?;
-    let ov = unsafe { std::slice::from_raw_parts_mut(ov.as_mut_ptr() as *mut E, ov.len()) };
-    resin_kernels::rms_norm::rms_norm(xv, wv, eps, ov);
+    let (xv, wv) = (x.as_slice().map_err(not_c)?, weight.as_slice().map_err(not_c)?);
+    let ov = elements_mut::<E, T>(out.as_slice_mut().map_err(not_c)?);
+    resin_kernels::rms_norm::rms_norm(elements(xv), elements(wv), eps, ov);
     Ok(())
 }
 
@@ -639,7 +647,6 @@ fn project<E: Element + Send + Sync, T: numpy::Element>(
     threads: usize,
     dtype: &str,
 ) -> PyResult<()> {
-    const { assert!(std::mem::size_of::<E>() == std::mem::size_of::<T>()) };
     let bad = |what: String| PyValueError::new_err(format!("linear: {what}"));
     let same = |name: &str| {
         bad(format!("{name} must be a {dtype} array of its documented rank, like x (and out writable, borrowed nowhere else)"))
@@ -684,18 +691,14 @@ fn project<E: Element + Send + Sync, T: numpy::Element>(
         return Err(bad("out must not overlap x, w or bias".to_string()));
     }
     let in_features = xs[1];
-    // C order and alignment were checked above; `E` and `T` have one size, and `T` is the
-    // numpy type whose bits `E` reads.
-    let as_e = |s: &[T]| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const E, s.len()) };
+    // C order and alignment were checked above.
     let not_c = |_| bad("arrays must be C-contiguous".to_string());
-    let (x_slice, w_slice) = (as_e(x.as_slice().map_err(not_c)?), as_e(w.as_slice().map_err(not_c)?));
+    let (x_slice, w_slice) = (elements::<E, T>(x.as_slice().map_err(not_c)?), elements::<E, T>(w.as_slice().map_err(not_c)?));
     let bias_slice = match &bias {
-        Some(b) => Some(as_e(b.as_slice().map_err(not_c)?)),
+        Some(b) => Some(elements::<E, T>(b.as_slice().map_err(not_c)?)),
         None => None,
     };
-    let out_slice = out.as_slice_mut().map_err(not_c)?;
-    // SAFETY: as for `as_e`; `out` is exclusively borrowed and shares no byte with an input.
-    let out_e = unsafe { std::slice::from_raw_parts_mut(out_slice.as_mut_ptr() as *mut E, out_slice.len()) };
+    let out_e = elements_mut::<E, T>(out.as_slice_mut().map_err(not_c)?);
     py.detach(|| resin_kernels::linear::linear(x_slice, w_slice, bias_slice, out_e, in_features, threads));
     Ok(())
 }
