@@ -16,9 +16,13 @@ the output — median of ``--repeats`` calls, each sampler on the same logits:
 - "mixed, torch searches": the working tree's mixed step with
   ``resin.sampling_candidates.candidates_kernel`` and ``resin.sampling_filters.nucleus_kernel``
   off (candidates from the torch tree of block maxima, a nucleus past them from ``topk``
-  searches, not ``_core.top_candidates`` / ``_core.nucleus_cut``); same tokens, checked.
+  searches, not ``_core.top_candidates`` / ``_core.nucleus_cut``, nor ``_core.sample_rows``);
+  same tokens, checked.
+- "rows kernel off": the working tree's mixed step with ``resin.sampling_kernel.rows_kernel``
+  off (the drawn rows through the torch path and its Rust searches, not one
+  ``_core.sample_rows`` call); same tokens, checked.
 - "torch only": the working tree's greedy and mixed steps with every Rust kernel off (those
-  two, ``resin.sampling_greedy.argmax_kernel`` and ``resin.sampling_draw.draw_kernel``: the
+  three, ``resin.sampling_greedy.argmax_kernel`` and ``resin.sampling_draw.draw_kernel``: the
   greedy pick torch's ``argmax``, the whole-row draw torch's ``cumsum`` + ``searchsorted``),
   the path a device without the kernels takes; same tokens, checked.
 - logits: "peaked" (LLM-like: a N(0, 2) bulk with 8 tokens 10-16 above it, the top one
@@ -55,6 +59,7 @@ import resin.sampling_candidates
 import resin.sampling_draw
 import resin.sampling_filters
 import resin.sampling_greedy
+import resin.sampling_kernel
 from resin import Engine, EngineConfig, ForwardOutput, SamplingParams
 from resin.sampling import Sampler
 
@@ -176,11 +181,17 @@ def step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
     return lambda: sampler.sample(logits, plan, rows)
 
 
+ROWS_KERNEL = [(resin.sampling_kernel, "rows_kernel")]
+"""The switch of the draw in one Rust call (``_core.sample_rows``); off, the drawn rows take the
+torch path with its Rust searches (the sampler before that kernel)."""
+
 SEARCH_KERNELS = [
+    *ROWS_KERNEL,
     (resin.sampling_candidates, "candidates_kernel"),
     (resin.sampling_filters, "nucleus_kernel"),
 ]
-"""The switches of the two search kernels (``_core.top_candidates``, ``_core.nucleus_cut``)."""
+"""The switches of the two search kernels (``_core.top_candidates``, ``_core.nucleus_cut``),
+and of the draw in one call that would pass them by."""
 
 ALL_KERNELS = [
     *SEARCH_KERNELS,
@@ -254,7 +265,11 @@ def step_rows(
             torch_only = kernels_off(step(after, logits, mixed_plan), ALL_KERNELS)
             torch_tokens = np.asarray(torch_only().token_ids)
             after.generator.manual_seed(0)
+            no_rows_kernel = kernels_off(step(after, logits, mixed_plan), ROWS_KERNEL)
+            rows_kernel_off = np.asarray(no_rows_kernel().token_ids)
+            after.generator.manual_seed(0)
             kernel_on = np.asarray(step(after, logits, mixed_plan)().token_ids)
+            assert np.array_equal(kernel_on, rows_kernel_off), "the rows kernel changed a token"
             assert np.array_equal(kernel_on, kernel_off), "a search kernel changed a token"
             assert np.array_equal(kernel_on, torch_tokens), "a kernel changed a token"
             greedy_torch = kernels_off(step(greedy_samplers[1], logits, greedy_plan), ALL_KERNELS)
@@ -272,12 +287,13 @@ def step_rows(
                 if name == "after":  # the --same-as sampler and the torch paths too
                     calls["mixed_same_as"] = step(same_as, logits, mixed_plan)
                     calls["mixed_torch_search"] = torch_search_step(after, logits, mixed_plan)
+                    calls["mixed_no_rows_kernel"] = no_rows_kernel
                     calls["greedy_torch_only"] = greedy_torch
                     calls["mixed_torch_only"] = torch_only
                 timed = median_ms(calls, n)
                 row[f"greedy_{name}_ms"], row[f"mixed_{name}_ms"] = timed["greedy"], timed["mixed"]
                 if name == "after":
-                    for key in ("mixed_same_as", "mixed_torch_search"):
+                    for key in ("mixed_same_as", "mixed_torch_search", "mixed_no_rows_kernel"):
                         row[f"{key}_ms"] = timed[key]
                     for key in ("greedy_torch_only", "mixed_torch_only"):
                         row[f"{key}_ms"] = timed[key]
@@ -375,6 +391,19 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['greedy_torch_only_ms'] / r['greedy_after_ms']:.2f}x "
             f"| {r['mixed_torch_only_ms'] / r['mixed_after_ms']:.2f}x "
             f"| {r['mixed_over_greedy_torch_only']:.2f}x | {r['mixed_over_greedy_after']:.2f}x |"
+        )
+    print("\nThe draw in one Rust call (_core.sample_rows) on and off, ms (median)\n")
+    print(
+        "| vocab | logits | greedy | mixed, rows kernel off | mixed | rows kernel speed-up "
+        "| mixed / greedy, rows kernel off | mixed / greedy |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in steps:
+        off = r["mixed_no_rows_kernel_ms"]
+        print(
+            f"| {r['vocab_size']:,} | {r['logits']} | {r['greedy_after_ms']:.1f} | {off:.1f} "
+            f"| {r['mixed_after_ms']:.1f} | {off / r['mixed_after_ms']:.2f}x "
+            f"| {off / r['greedy_after_ms']:.2f}x | {r['mixed_over_greedy_after']:.2f}x |"
         )
     print(
         f"\nMixed step with and without logprobs=5 (vocab {args.logprobs_vocab:,}, peaked), ms (median)\n"

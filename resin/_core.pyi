@@ -665,6 +665,34 @@ def inverse_cdf(
     ``tokens`` sharing bytes with an input raise ValueError; the GIL is released while it
     runs."""
 
+def softmax(x: npt.NDArray[np.float32], lanes: int, out: npt.NDArray[np.float32]) -> None:
+    """torch's ``softmax(dim=-1)`` of each row of ``x`` [S, V] (f32, C-contiguous) into ``out``
+    [S, V]: SLEEF's ``expf`` and ATen's order of additions over ``lanes`` (8: AVX2, 16:
+    AVX-512) lanes, bit for bit where that is torch's float vector (rust/kernels/src/softmax.rs;
+    :func:`resin.sampling_kernel.softmax_lanes` checks). Bad shapes or lanes, non-C order and
+    ``out`` sharing bytes with ``x`` raise ValueError; the GIL is released while it runs."""
+
+def sample_rows(
+    logits: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.int64],
+    temperature: npt.NDArray[np.float32],
+    top_k: npt.NDArray[np.int64],
+    top_p: npt.NDArray[np.float32],
+    min_p: npt.NDArray[np.float32],
+    log_min_p: npt.NDArray[np.float32],
+    uniforms: npt.NDArray[np.float32],
+    lanes: int,
+    tokens: npt.NDArray[np.int64],
+) -> None:
+    """The token of each sample i drawn from row ``rows[i]`` of ``logits`` [R, V] (f32,
+    C-contiguous, read in place) with its temperature, top-k, top-p, min-p, ``log_min_p``
+    (torch's ``log(clamp(min_p, 0))``) and uniform (each [n]) into ``tokens`` [n]: the tokens
+    of :func:`resin.sampling_draw.draw_tokens`, bit for bit where ``lanes`` is torch's float
+    vector width (rust/kernels/src/sampling.rs); -1 for a sample left to the caller (a
+    temperature not positive and finite, a NaN top-p or min-p, a top-k past 256, a row with
+    NaN or an infinity). Bad shapes, rows or lanes, non-C order and ``tokens`` sharing bytes
+    with an input raise ValueError; the GIL is released while it runs."""
+
 def top_candidates(
     logits: npt.NDArray[np.float32],
     values: npt.NDArray[np.float32],

@@ -65,6 +65,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from resin import sampling_kernel
 from resin._core import BatchPlan, ForwardOutput
 from resin.sampling_candidates import top_candidates
 from resin.sampling_draw import draw_groups, draw_tokens, sample_tokens
@@ -188,11 +189,16 @@ class Sampler(SlotHistory):
             if len(part) == 0:
                 continue
             whole = len(part) == len(rows) and bool((part[1:] > part[:-1]).all())
-            processed, owned = self._processed(logits, plan, rows, slots, None if whole else part)
-            if group == 0:  # the greedy fast path: no filters, no softmax, no sort
-                group_tokens = greedy_tokens(processed)
+            if group == 1 and not self.grammar_slots and sampling_kernel.takes(logits):
+                group_tokens = self._draw_in_kernel(logits, plan, rows, slots, offsets, part)
             else:
-                group_tokens = self._draw(processed, owned, plan, rows, offsets, part)
+                processed, owned = self._processed(
+                    logits, plan, rows, slots, None if whole else part
+                )
+                if group == 0:  # the greedy fast path: no filters, no softmax, no sort
+                    group_tokens = greedy_tokens(processed)
+                else:
+                    group_tokens = self._draw(processed, owned, plan, rows, offsets, part)
             if whole:
                 tokens = group_tokens
             else:
@@ -224,6 +230,73 @@ class Sampler(SlotHistory):
             self.workspace,
             owned=owned,
         )
+
+    def _draw_in_kernel(
+        self,
+        logits: torch.Tensor,
+        plan: BatchPlan,
+        rows: np.ndarray,
+        slots: list[int],
+        offsets: np.ndarray,
+        part: np.ndarray,
+    ) -> torch.Tensor:
+        """:meth:`_draw`'s tokens for the samples ``part`` from ``_core.sample_rows``
+        (:mod:`resin.sampling_kernel`): the rows no penalty or ban changes read where they lie in
+        ``logits``, the others from one copy with their penalties; the uniforms drawn once, in
+        ``part``'s order, as :meth:`_draw` draws them; a sample the kernel leaves goes to
+        :func:`~resin.sampling_draw.draw_tokens`."""
+        chosen = rows[part]
+        sampling = plan.sampling
+        output_indices = plan.num_output_tokens[chosen].astype(np.int64) + offsets[part]
+        seeds = np.asarray(sampling.seed[chosen], dtype=np.int64)
+        uniforms = self._uniforms(seeds, output_indices).numpy()
+        step = self.penalties.plan(plan, chosen)
+        changed = step.num_banned > 0
+        changed[step.repeating] = True
+        changed[step.counting] = True
+        temperature = np.asarray(sampling.temperature[chosen], dtype=np.float32)
+        top_k = np.asarray(sampling.top_k[chosen], dtype=np.int64)
+        top_p = np.asarray(sampling.top_p[chosen], dtype=np.float32)
+        min_p = np.asarray(sampling.min_p[chosen], dtype=np.float32)
+        tokens = np.empty(len(part), dtype=np.int64)
+        # (samples, the tensor holding their rows, their rows in it)
+        sources: list[tuple[np.ndarray, torch.Tensor, np.ndarray]] = []
+        unchanged, penalised = np.flatnonzero(~changed), np.flatnonzero(changed)
+        if len(unchanged):
+            sources.append((unchanged, logits, part[unchanged]))
+        if len(penalised):
+            processed, _ = self._processed(logits, plan, rows, slots, part[penalised])
+            sources.append((penalised, processed, np.arange(len(penalised), dtype=np.int64)))
+        for samples, source, at in sources:
+            tokens[samples] = sampling_kernel.kernel_tokens(
+                source,
+                at,
+                temperature[samples],
+                top_k[samples],
+                top_p[samples],
+                min_p[samples],
+                uniforms[samples],
+            )
+        if (tokens < 0).any():  # the torch path for what the kernel leaves, rows copied once
+            left_rows = [
+                (samples[tokens[samples] < 0], source, at[tokens[samples] < 0])
+                for samples, source, at in sources
+            ]
+            sub = torch.cat(
+                [source.index_select(0, torch.as_tensor(at)) for _, source, at in left_rows]
+            )
+            left = np.concatenate([samples for samples, _, _ in left_rows])
+            tokens[left] = draw_tokens(
+                sub,
+                torch.as_tensor(temperature[left]),
+                torch.as_tensor(top_k[left]),
+                torch.as_tensor(top_p[left]),
+                torch.as_tensor(min_p[left]),
+                torch.as_tensor(uniforms[left]),
+                self.workspace,
+                owned=True,
+            ).numpy()
+        return torch.as_tensor(tokens, device=self.device)
 
     def _tensor(self, values: np.ndarray, dtype: type[np.generic]) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=dtype), device=self.device)

@@ -13,6 +13,8 @@
 //! - [`openmp_team`]: parallel work on the process's OpenMP team (torch's), found at run time.
 //! - [`rms_norm`]: HF's RMSNorm of a step's rows, torch's floats (its sum's order) in one pass.
 //! - [`rotary`]: the half-split rotary embedding of q / k rows, torch's floats in one pass.
+//! - [`sampling`]: the torch sampler's filters and draw of whole rows in one call, its tokens bit for bit.
+//! - [`softmax`]: torch's CPU softmax of a float32 row bit for bit (SLEEF's `expf`, its sum order).
 //! - [`vector`]: the f32 vector primitives kernels are written in (scalar, and AVX2 + FMA), and
 //!   the prefetches a kernel asks for in step with its reads.
 
@@ -25,4 +27,6 @@ pub mod openmp_team;
 pub mod paged_attention;
 pub mod rms_norm;
 pub mod rotary;
+pub mod sampling;
+pub mod softmax;
 pub mod vector;

@@ -702,3 +702,111 @@ fn project<E: Element + Send + Sync, T: numpy::Element>(
     py.detach(|| resin_kernels::linear::linear(x_slice, w_slice, bias_slice, out_e, in_features, threads));
     Ok(())
 }
+
+/// torch's `softmax(dim=-1)` of each row of `x` [S, V] (f32, C-contiguous) into `out` [S, V],
+/// bit for bit where `lanes` (8 or 16) is torch's float vector width (`resin-kernels`'
+/// `softmax`); the sampler's probe compares the two. GIL released.
+#[pyfunction]
+pub fn softmax(py: Python<'_>, x: PyReadonlyArray2<'_, f32>, lanes: usize, mut out: PyReadwriteArray2<'_, f32>) -> PyResult<()> {
+    let (xs, os) = (x.shape().to_vec(), out.shape().to_vec());
+    let Some(lanes) = resin_kernels::softmax::Lanes::new(lanes) else {
+        return Err(PyValueError::new_err(format!("softmax: lanes must be 8 or 16, not {lanes}")));
+    };
+    if xs != os || xs[1] == 0 {
+        return Err(PyValueError::new_err(format!("softmax: x {xs:?} and out {os:?} do not agree ([S, V > 0] both)")));
+    }
+    c_order("softmax", [("x", x.is_c_contiguous()), ("out", out.is_c_contiguous())])?;
+    if shares_bytes(byte_extent(out.data(), &os, out.strides()), [byte_extent(x.data(), &xs, x.strides())]) {
+        return Err(PyValueError::new_err("softmax: out must not overlap x"));
+    }
+    let not_c = |_| PyValueError::new_err("softmax: arrays must be contiguous and aligned");
+    let (rows, outs) = (x.as_slice().map_err(not_c)?, out.as_slice_mut().map_err(not_c)?);
+    py.detach(|| {
+        for (row, o) in rows.chunks_exact(xs[1]).zip(outs.chunks_exact_mut(xs[1])) {
+            resin_kernels::softmax::softmax(row, lanes, o);
+        }
+    });
+    Ok(())
+}
+
+/// The token of each sample `i` drawn from row `rows[i]` of `logits` [R, V] (f32,
+/// C-contiguous, read in place) with its `temperature`, `top_k`, `top_p`, `min_p`,
+/// `log_min_p` (torch's `log(clamp(min_p, 0))`) and `uniforms` (each [n]), into `tokens` [n]
+/// (int64): the tokens of `resin/sampling_draw.py`'s `draw_tokens`, bit for bit where `lanes`
+/// is torch's float vector width (`resin-kernels`' `sampling`); -1 for a sample left to the
+/// caller (a setting or row the kernel does not take). GIL released.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn sample_rows(
+    py: Python<'_>,
+    logits: PyReadonlyArray2<'_, f32>,
+    rows: PyReadonlyArray1<'_, i64>,
+    temperature: PyReadonlyArray1<'_, f32>,
+    top_k: PyReadonlyArray1<'_, i64>,
+    top_p: PyReadonlyArray1<'_, f32>,
+    min_p: PyReadonlyArray1<'_, f32>,
+    log_min_p: PyReadonlyArray1<'_, f32>,
+    uniforms: PyReadonlyArray1<'_, f32>,
+    lanes: usize,
+    mut tokens: PyReadwriteArray1<'_, i64>,
+) -> PyResult<()> {
+    let bad = |what: String| Err(PyValueError::new_err(format!("sample_rows: {what}")));
+    let Some(lanes) = resin_kernels::softmax::Lanes::new(lanes) else {
+        return bad(format!("lanes must be 8 or 16, not {lanes}"));
+    };
+    let ls = logits.shape().to_vec();
+    let n = rows.len();
+    let lengths = [temperature.len(), top_k.len(), top_p.len(), min_p.len(), log_min_p.len(), uniforms.len(), tokens.len()];
+    if ls[1] == 0 || ls[1] >= 1 << 32 || lengths.iter().any(|&len| len != n) {
+        return bad(format!(
+            "logits {ls:?} and rows [{n}], temperature, top_k, top_p, min_p, log_min_p, uniforms, tokens {lengths:?} \
+             do not agree ([R, 0 < V < 2^32], each [n])"
+        ));
+    }
+    c_order("sample_rows", [("logits", logits.is_c_contiguous()), ("tokens", tokens.is_c_contiguous())])?;
+    let not_c = |_| PyValueError::new_err("sample_rows: arrays must be contiguous and aligned");
+    let row_list = rows.as_slice().map_err(not_c)?;
+    if let Some(&row) = row_list.iter().find(|&&r| r < 0 || r as usize >= ls[0]) {
+        return bad(format!("row {row} is not a row of logits {ls:?}"));
+    }
+    let inputs = [
+        byte_extent(logits.data(), &ls, logits.strides()),
+        byte_extent(rows.data(), &[n], rows.strides()),
+        byte_extent(temperature.data(), &[n], temperature.strides()),
+        byte_extent(top_k.data(), &[n], top_k.strides()),
+        byte_extent(top_p.data(), &[n], top_p.strides()),
+        byte_extent(min_p.data(), &[n], min_p.strides()),
+        byte_extent(log_min_p.data(), &[n], log_min_p.strides()),
+        byte_extent(uniforms.data(), &[n], uniforms.strides()),
+    ];
+    if shares_bytes(byte_extent(tokens.data(), &[n], tokens.strides()), inputs) {
+        return bad("tokens must not overlap an input".to_string());
+    }
+    let settings: Vec<resin_kernels::sampling::Settings> = {
+        let (t, k, p) =
+            (temperature.as_slice().map_err(not_c)?, top_k.as_slice().map_err(not_c)?, top_p.as_slice().map_err(not_c)?);
+        let (m, lm, u) =
+            (min_p.as_slice().map_err(not_c)?, log_min_p.as_slice().map_err(not_c)?, uniforms.as_slice().map_err(not_c)?);
+        (0..n)
+            .map(|i| resin_kernels::sampling::Settings {
+                temperature: t[i],
+                top_k: k[i],
+                top_p: p[i],
+                min_p: m[i],
+                log_min_p: lm[i],
+                uniform: u[i],
+            })
+            .collect()
+    };
+    let all = logits.as_slice().map_err(not_c)?;
+    let out = tokens.as_slice_mut().map_err(not_c)?;
+    let vocab_size = ls[1];
+    let drawn = py.detach(|| {
+        let row = |i: usize| &all[row_list[i] as usize * vocab_size..(row_list[i] as usize + 1) * vocab_size];
+        resin_kernels::sampling::sample_rows(row, &settings, lanes, &mut Default::default())
+    });
+    for (token, d) in out.iter_mut().zip(drawn) {
+        *token = d.map_or(-1, |t| t as i64);
+    }
+    Ok(())
+}

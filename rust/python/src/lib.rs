@@ -5,7 +5,7 @@
 //! `plan` (BatchPlan, SamplingArrays), `output` (ForwardOutput, RequestOutput) and
 //! `engine` (Engine), `errors` (StepError, InvalidOutputError), `kernels` (the `resin-kernels`
 //! CPU kernels on numpy views: `paged_attention`, `rotary_embedding`, `rms_norm`, `nucleus_cut`,
-//! `top_candidates`, `linear`; and
+//! `top_candidates`, `linear`, `softmax`, `sample_rows`; and
 //! `openmp_team_available`, `kernels_vectorised`). The GIL is released while Rust works; plan
 //! arrays are numpy views on memory the plan owns (no copy).
 
@@ -42,6 +42,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::argmax, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::inverse_cdf, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::linear, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::softmax, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::sample_rows, m)?)?;
     m.add("StepError", m.py().get_type::<errors::StepError>())?;
     m.add("InvalidOutputError", errors::invalid_output_error(m.py())?)?;
     Ok(())
