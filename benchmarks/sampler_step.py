@@ -33,7 +33,8 @@ Greedy rows must agree between the two samplers (same penalties, same argmax); t
 checks it. Every row of the mixed step must also give the very token the batched sampler gave
 before its fast path (``--same-as``, default 408029d: ``topk(256)`` over the whole row, fresh
 tensors, a sort for a wide nucleus; unseeded rows from the same generator state); checked for
-each vocabulary and kind of logits. The logprobs rows: the mixed step with ``logprobs=5`` on
+each vocabulary and kind of logits. The rows kernel's parts: ``_core.sample_rows`` alone on 32
+rows held in cache, per drawn setting, against ``_core.argmax`` on them. The logprobs rows: the mixed step with ``logprobs=5`` on
 every row at 64 and 1,024 generated tokens, and the same step without logprobs.
 
     .venv/bin/python benchmarks/sampler_step.py   # prints tables, writes results/sampler_step.json
@@ -308,6 +309,45 @@ def step_rows(
     return rows
 
 
+def kernel_part_rows(vocabs: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Per drawn setting of MIXED: ``_core.sample_rows`` on 32 rows of peaked logits (8 MB at
+    32k: they stay in the cache, so this is the kernel's arithmetic, not the memory's), in
+    us a row, next to ``_core.argmax`` on the same rows (greedy's cost a row)."""
+    from resin import _core
+    from resin.sampling_kernel import kernel_tokens, softmax_lanes
+
+    if softmax_lanes() is None:
+        return []
+    out = []
+    for vocab_size in vocabs:
+        logits = make_logits("peaked", vocab_size)[:32].contiguous()
+        rows = np.arange(32, dtype=np.int64)
+        tokens = np.empty(32, dtype=np.int64)
+        x = logits.numpy()
+        calls: dict[str, Any] = {"argmax": lambda x=x, t=tokens: _core.argmax(x, t)}
+        for i, settings in enumerate(MIXED):
+            if settings.get("temperature", 1.0) == 0:
+                continue
+            columns = [
+                np.full(32, settings.get(key, default), dtype=dtype)
+                for key, default, dtype in (
+                    ("temperature", 1.0, np.float32),
+                    ("top_k", 0, np.int64),
+                    ("top_p", 1.0, np.float32),
+                    ("min_p", 0.0, np.float32),
+                )
+            ]
+            uniforms = np.linspace(0.01, 0.99, 32, dtype=np.float32)
+            calls[str(i)] = lambda lg=logits, r=rows, c=columns, u=uniforms: kernel_tokens(
+                lg, r, *c, u
+            )
+        timed = median_ms(calls, repeats)
+        for key, ms in timed.items():
+            label = "argmax (greedy)" if key == "argmax" else json.dumps(MIXED[int(key)])
+            out.append({"vocab_size": vocab_size, "setting": label, "us_per_row": ms * 1e3 / 32})
+    return out
+
+
 def logprob_rows(
     vocab_size: int, repeats: int, before_repeats: int, before_cls: type
 ) -> list[dict[str, Any]]:
@@ -360,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     steps = step_rows(args.vocab, args.repeats, args.before_repeats, before_cls, same_cls)
     logprobs = logprob_rows(args.logprobs_vocab, args.repeats, args.before_repeats, before_cls)
+    parts = kernel_part_rows(args.vocab, args.repeats)
 
     print(f"\nSampler step, ms (median); mixed tokens identical to {args.same_as}'s: checked\n")
     print(
@@ -405,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['mixed_after_ms']:.1f} | {off / r['mixed_after_ms']:.2f}x "
             f"| {off / r['greedy_after_ms']:.2f}x | {r['mixed_over_greedy_after']:.2f}x |"
         )
+    print("\nThe rows kernel a row, by setting (32 rows in cache; penalties aside), us\n")
+    print("| vocab | setting | us a row |")
+    print("|---|---|---|")
+    for r in parts:
+        print(f"| {r['vocab_size']:,} | {r['setting']} | {r['us_per_row']:.1f} |")
     print(
         f"\nMixed step with and without logprobs=5 (vocab {args.logprobs_vocab:,}, peaked), ms (median)\n"
     )
@@ -432,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         "mixed_settings": MIXED,
         "steps": steps,
         "logprobs": logprobs,
+        "rows_kernel_parts": parts,
     }
     out_path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nJSON: {out_path}")

@@ -690,7 +690,7 @@ def sample_rows(
     of :func:`resin.sampling_draw.draw_tokens`, bit for bit where ``lanes`` is torch's float
     vector width (rust/kernels/src/sampling.rs); -1 for a sample left to the caller (a
     temperature not positive and finite, a NaN top-p or min-p, a top-k past 256, a row with
-    NaN or an infinity). Bad shapes, rows or lanes, non-C order and ``tokens`` sharing bytes
+    NaN or ``+inf`` or only ``-inf``, overflowing scaled logits, an empty kept set). Bad shapes, rows or lanes, non-C order and ``tokens`` sharing bytes
     with an input raise ValueError; the GIL is released while it runs."""
 
 def top_candidates(

@@ -12,7 +12,12 @@ Owns the per-request sampler state (the token history penalties need, keyed by
    transformers' order) and draw (:mod:`resin.sampling_draw`: inverse-CDF sampling from the
    sample's uniform number).
 
-The greedy rows and the drawn rows are each copied once into a reused buffer
+On a CPU with float32 logits, and no grammar matcher in the sampler, the drawn rows go
+through one Rust call instead
+(:mod:`resin.sampling_kernel`: the same filters and draw, the same tokens bit for bit), which
+reads each row where it lies; only the rows a penalty or ban changes are copied first, and a
+row it leaves (e.g. a top-k past 256) takes the torch path below. Otherwise,
+the greedy rows and the drawn rows are each copied once into a reused buffer
 (:mod:`resin.sampling_workspace`), the drawn ones in the blocks the draw reads in place
 (:func:`~resin.sampling_draw.draw_groups`: without a filter, then by the width of their
 candidate search), and each block is one batched call; a step of one kind copies nothing
@@ -189,7 +194,12 @@ class Sampler(SlotHistory):
             if len(part) == 0:
                 continue
             whole = len(part) == len(rows) and bool((part[1:] > part[:-1]).all())
-            if group == 1 and not self.grammar_slots and sampling_kernel.takes(logits):
+            if (
+                group == 1
+                and not self.grammar_slots
+                and self.device.type == "cpu"
+                and sampling_kernel.takes(logits)
+            ):
                 group_tokens = self._draw_in_kernel(logits, plan, rows, slots, offsets, part)
             else:
                 processed, owned = self._processed(

@@ -13,9 +13,10 @@ up to hundreds of logits, ``-inf`` entries) for 8 and then 16 lanes, and keeps t
 agrees bit for bit; if neither does (another capability, another torch), it warns once and the
 sampler keeps the torch path. Cost: ``benchmarks/sampler_step.py`` (docs/benchmarks.md).
 
-A sample the kernel does not take (a temperature that is not a positive finite number, a NaN
-top-p or min-p, a top-k past the 256 candidates, a row holding NaN or an infinity) comes back
--1 and is drawn by the torch path.
+A sample the kernel does not take comes back -1 and is drawn by the torch path: a temperature
+that is not a positive finite number, a NaN top-p or min-p, a top-k past the 256 candidates, a
+row holding NaN or ``+inf`` or nothing but ``-inf``, scaled logits that overflow, a kept set
+that is empty (a min-p above 1). ``-inf`` entries (bans, masks) are fine.
 
 Imports torch; ``import resin`` does not import this module.
 """
@@ -53,22 +54,25 @@ def softmax_lanes() -> int | None:
     """torch's float vector width here (8 or 16) if ``_core.softmax`` gives torch's softmax bit
     for bit with it on the probe, else None (after one warning)."""
     probe = _probe()
-    for lanes in (8, 16):
-        agrees = True
-        for row in probe:
-            x = np.ascontiguousarray(row[None, :], dtype=np.float32)
-            want = torch.from_numpy(x).softmax(dim=-1).numpy()
-            got = np.empty_like(x)
-            _core.softmax(x, lanes, got)
-            if not np.array_equal(want.view(np.int32), got.view(np.int32)):
-                agrees = False
-                break
-        if agrees:
-            return lanes
+    try:
+        for lanes in (8, 16):
+            agrees = True
+            for row in probe:
+                x = np.ascontiguousarray(row[None, :], dtype=np.float32)
+                want = torch.from_numpy(x).softmax(dim=-1).numpy()
+                got = np.empty_like(x)
+                _core.softmax(x, lanes, got)
+                if not np.array_equal(want.view(np.int32), got.view(np.int32)):
+                    agrees = False
+                    break
+            if agrees:
+                return lanes
+        why = f"torch's CPU softmax here (capability {torch.backends.cpu.get_cpu_capability()})"
+        why += " is not the one the sampling kernel restates"
+    except (AttributeError, ValueError, TypeError) as error:  # a build without the kernel
+        why = f"the sampling kernel did not run ({error})"
     warnings.warn(
-        "resin: torch's CPU softmax here is not the one the sampling kernel restates "
-        f"(capability {torch.backends.cpu.get_cpu_capability()}); the sampler keeps the torch "
-        "path (same tokens, slower)",
+        f"resin: {why}; the sampler keeps the torch path (same tokens, slower)",
         RuntimeWarning,
         stacklevel=2,
     )

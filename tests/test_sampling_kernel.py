@@ -104,7 +104,6 @@ def test_the_kernel_draws_the_torch_paths_tokens(
 @needs_bits
 def test_the_kernel_reads_rows_in_place_and_leaves_what_it_does_not_take() -> None:
     logits = torch.from_numpy(random_logits("peaked", 12, 5003, np.random.default_rng(7)))
-    before = logits.clone()
     n = 12
     temperature = torch.full((n,), 0.8)
     top_k = torch.zeros(n, dtype=torch.int64)
@@ -120,6 +119,7 @@ def test_the_kernel_reads_rows_in_place_and_leaves_what_it_does_not_take() -> No
     min_p[6] = float("nan")
     top_k[7] = 1000  # past the candidates
     temperature[8] = 1e-38  # the scaled logits overflow
+    before = logits.clone()
     got = kernel(logits, temperature, top_k, top_p, min_p, uniforms)
     assert (got[:9] == -1).all() and (got[9:] >= 0).all()
     # Rows in any order, some twice, from a larger tensor: each row's own token.
@@ -128,25 +128,48 @@ def test_the_kernel_reads_rows_in_place_and_leaves_what_it_does_not_take() -> No
         logits, rows, *(a.numpy()[rows] for a in (temperature, top_k, top_p, min_p, uniforms))
     )
     assert tokens.tolist() == [got[11], got[9], got[9], got[10]]
-    assert torch.equal(logits[3:], before[3:])  # read, never written
+    assert torch.equal(logits.isnan(), before.isnan())  # read, never written
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num())
 
 
 @needs_bits
 def test_the_sampler_with_the_kernel_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mixed settings with penalties, seeds and unseeded rows through the engine: the same
-    tokens with the kernel on and off (unseeded rows from one generator state each run)."""
+    tokens with the kernel on and off, unseeded rows included (every sampler's generator starts
+    from one state, so the uniforms must be drawn in the same order, one call a step); rows the
+    kernel leaves (a top-k past 256, with and without a penalty) take the torch path from both
+    the logits and the penalised copy."""
+    init = Sampler.__init__
+
+    def seeded_init(self: Sampler, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        self.generator.manual_seed(0)
+
+    monkeypatch.setattr(Sampler, "__init__", seeded_init)
+    drawn, left = [0], [0]
+    kernel_tokens = sampling_kernel.kernel_tokens
+
+    def counting(*args: object) -> np.ndarray:
+        tokens = kernel_tokens(*args)  # type: ignore[arg-type]
+        drawn[0] += int((tokens >= 0).sum())
+        left[0] += int((tokens < 0).sum())
+        return tokens
+
+    monkeypatch.setattr(sampling_kernel, "kernel_tokens", counting)
     requests = {
         f"r{i}": (
             [i % 7, 3 + i % 5, i % 64],
             dict(MIXED_SETTINGS[i % len(MIXED_SETTINGS)], seed=i if i % 3 else None),
         )
-        for i in range(40)
+        for i in range(48)
     }
     on = generate(requests)
+    assert drawn[0] > 200 and left[0] > 20  # the kernel drew most rows and left some
     monkeypatch.setattr(sampling_kernel, "rows_kernel", False)
+    drawn[0] = 0
     off = generate(requests)
-    seeded = [r for r, (_, s) in requests.items() if s["seed"] is not None]
-    assert {r: on[r] for r in seeded} == {r: off[r] for r in seeded}
+    assert drawn[0] == 0
+    assert on == off
 
 
 MIXED_SETTINGS = [
@@ -157,6 +180,7 @@ MIXED_SETTINGS = [
     dict(temperature=1.0, min_p=0.05),
     dict(temperature=0.0, repetition_penalty=1.3),
     dict(temperature=0.9, top_k=1000),  # past the candidates: the torch path's
+    dict(temperature=1.1, top_k=2000, repetition_penalty=1.1),  # the same, from the copy
 ]
 
 
@@ -170,10 +194,23 @@ def test_a_softmax_that_disagrees_keeps_the_torch_path(monkeypatch: pytest.Monke
         with pytest.warns(RuntimeWarning, match="keeps the torch path"):
             assert sampling_kernel.softmax_lanes() is None
         assert not sampling_kernel.takes(torch.zeros(2, 8))
-        sampler = Sampler(5003)
-        assert sampler.vocab_size == 5003  # and sampling goes on, through the torch path:
+        # Sampling goes on through the torch path, with its tokens.
         requests = {"a": ([1, 2, 3], dict(temperature=0.8, top_p=0.9, seed=1))}
-        assert len(generate(requests)["a"]) == 12
+        monkeypatch.setattr(sampling_kernel, "rows_kernel", False)
+        want = generate(requests)["a"]
+        monkeypatch.setattr(sampling_kernel, "rows_kernel", True)
+        assert generate(requests)["a"] == want
+    finally:
+        monkeypatch.undo()
+        sampling_kernel.softmax_lanes.cache_clear()
+
+
+def test_a_build_without_the_kernel_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(sampling_kernel._core, "softmax")
+    sampling_kernel.softmax_lanes.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="keeps the torch path"):
+            assert sampling_kernel.softmax_lanes() is None
     finally:
         monkeypatch.undo()
         sampling_kernel.softmax_lanes.cache_clear()

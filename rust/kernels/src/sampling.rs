@@ -8,7 +8,8 @@
 //!
 //! - a row without a filter is drawn over the whole row: `softmax(x / T)`, the cumulative sum;
 //! - a filtered row's kept set is decided from its n largest logits (n = 64, or 128 / 256 for a
-//!   top-k past 63 / 127; [`candidates::largest`], scaled after): the k-th for top-k; for
+//!   top-k past 63 / 127; all C when the vocabulary is under 16 C; [`candidates::largest`],
+//!   scaled after): the k-th for top-k; for
 //!   top-p either the softmax of its C = 256 candidates (a top-k inside them) or the whole
 //!   row's softmax read at the candidates ([`softmax::exp_sum`]: the sum without writing the
 //!   row), a nucleus past them cut by [`nucleus::nucleus_cut`]; `max + log(min_p)` for min-p;
@@ -19,7 +20,8 @@
 //! Whole-row draws go four rows at a time through [`draw::draw_rows`] (their chains of
 //! additions overlap). A row this does not take is left to the caller (`None`): a temperature
 //! that is not a positive finite number, a NaN top-p or min-p, a top-k past C, a row holding
-//! NaN or an infinity (or nothing but `-inf`), a total that is not positive and finite.
+//! NaN or `+inf` (or nothing but `-inf`), scaled logits that overflow, an empty kept set (a
+//! min-p above 1), a total that is not positive and finite.
 
 use crate::candidates;
 use crate::draw;

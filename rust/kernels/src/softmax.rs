@@ -134,7 +134,9 @@ pub fn row_max(values: &[f32]) -> f32 {
 }
 
 /// How a row is read: `x / temperature` (no division at 1), and below `keep_from` (the
-/// threshold, `-inf` for none) `-inf`, as `ScaledRows` and `keep_from_` make it in torch.
+/// threshold, `-inf` for none) `-inf`, as `ScaledRows` and `keep_from_` make it in torch for a
+/// row without NaN (with a threshold, a NaN becomes `-inf` here; the sampler leaves such rows
+/// before, and without one a NaN stays, for the caller's max to see).
 #[derive(Clone, Copy, Debug)]
 pub struct Scaling {
     pub temperature: f32,
