@@ -123,10 +123,29 @@ def test_what_it_does_not_take_is_f_linear_itself(
         assert w.grad is not None
 
 
-def test_bfloat16_past_its_rows_is_torchs() -> None:
-    x, w, b = _operands(cl.MAX_ROWS[torch.bfloat16] + 1, 64, 48, torch.bfloat16)
+def test_bfloat16_past_its_rows_is_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cl.MAX_ROWS, torch.bfloat16, 8)  # the limit where oneDNN has bfloat16
+    x, w, b = _operands(9, 64, 48, torch.bfloat16)
     assert not cl.takes(x, w, b)
     assert torch.equal(cl.cpu_linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("supported,limit", [(True, 8), (False, 1 << 30)])
+def test_the_bfloat16_limit_follows_onednns_bfloat16_gemm(
+    supported: bool, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
+    assert cl._bfloat16_rows() == limit
+
+
+def test_a_torch_without_the_query_keeps_the_tuned_bfloat16_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def missing() -> bool:
+        raise RuntimeError("No such operator mkldnn::_is_mkldnn_bf16_supported")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
+    assert cl._bfloat16_rows() == 8
 
 
 def test_the_binding_refuses_bad_arrays() -> None:

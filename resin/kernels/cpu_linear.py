@@ -10,7 +10,8 @@ bias, rounded once to the dtype, as torch's GEMM computes them but in another su
 so they agree to float32 rounding, not bit for bit (parity holds within its tolerances:
 tests/test_cpu_linear.py, the parity suite).
 
-Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32, bfloat16) with up to its rows,
+Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32, bfloat16) with up to its rows
+(bfloat16: every row count on a CPU where oneDNN has no bfloat16 GEMM, where torch's is slow),
 ``x`` [rows, in] and ``weight`` [out, in] dense, contiguous and aligned, a bias [out] of the
 same dtype, no autograd, on a CPU the kernels vectorise for (``_core.kernels_vectorised()``).
 Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in the environment at import or
@@ -32,13 +33,27 @@ from resin.kernels.numpy_view import numpy_view
 
 ENV_VAR = "RESIN_CPU_LINEAR"
 
-MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.bfloat16: 8}
+
+def _bfloat16_rows() -> int:
+    """The kernel's bfloat16 row limit: 8 where torch's oneDNN has a bfloat16 GEMM for this CPU
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 and up), else every row count:
+    without it (an AVX2-only CPU) torch's bfloat16 ``mm`` costs about a GEMV a row, 4.9-6.8x
+    the kernel from 8 to 256 rows (docs/benchmarks.md, "bfloat16 without oneDNN's GEMM")."""
+    try:
+        supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the query: keep the tuned limit
+        supported = True
+    return 8 if supported else 1 << 30
+
+
+MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.bfloat16: _bfloat16_rows()}
 """Rows up to which the kernel takes a dtype: where it beat torch's CPU GEMM on a decode step's
 cold weights (docs/benchmarks.md, "The weights asked for in step with the reads": float32
 2.3-5x torch at 1-4 rows, 1.4x at 32; bfloat16 1.5-1.8x oneDNN at 1 row, 1.8-2.7x at 2,
 0.93-1.08x at 8 and behind from 16, where each pass over a block widens its bfloat16 weights
 again; at 8 rows it is kept for its end-to-end gain at 8 requests, measured against the
-kernel off, not against a limit of 4)."""
+kernel off, not against a limit of 4). bfloat16 has no limit on a CPU where oneDNN has no
+bfloat16 GEMM (:func:`_bfloat16_rows`)."""
 
 # False: every call is F.linear (an A/B in one process: benchmarks/offline_throughput.py).
 enabled = os.environ.get(ENV_VAR, "") != "0" and _core.kernels_vectorised()
