@@ -645,12 +645,15 @@ def nucleus_cut(
     and outputs sharing bytes with each other or an input raise ValueError; the GIL is
     released while it runs."""
 
-def argmax(logits: npt.NDArray[np.float32], tokens: npt.NDArray[np.int64]) -> None:
+def argmax(
+    logits: npt.NDArray[np.float32], tokens: npt.NDArray[np.int64], *, threads: int = 1
+) -> None:
     """Each row's greedy token into ``tokens`` [S]: the first column of the largest logit of
     ``logits`` [S, V] (f32, C-contiguous), a NaN the largest, 0 for a row of ``-inf``:
     ``torch.argmax``'s columns exactly (rust/kernels/src/argmax.rs: one vectorised scan against
     the running maximum). Bad shapes, non-C order and ``tokens`` sharing bytes with ``logits``
-    raise ValueError; the GIL is released while it runs."""
+    raise ValueError; the GIL is released while it runs, the rows split over ``threads``
+    (torch's OpenMP team)."""
 
 def inverse_cdf(
     probs: npt.NDArray[np.float32],
@@ -683,6 +686,8 @@ def sample_rows(
     uniforms: npt.NDArray[np.float32],
     lanes: int,
     tokens: npt.NDArray[np.int64],
+    *,
+    threads: int = 1,
 ) -> None:
     """The token of each sample i drawn from row ``rows[i]`` of ``logits`` [R, V] (f32,
     C-contiguous, read in place) with its temperature, top-k, top-p, min-p, ``log_min_p``
@@ -690,8 +695,10 @@ def sample_rows(
     of :func:`resin.sampling_draw.draw_tokens`, bit for bit where ``lanes`` is torch's float
     vector width (rust/kernels/src/sampling.rs); -1 for a sample left to the caller (a
     temperature not positive and finite, a NaN top-p or min-p, a top-k past 256, a row with
-    NaN or ``+inf`` or only ``-inf``, overflowing scaled logits, an empty kept set). Bad shapes, rows or lanes, non-C order and ``tokens`` sharing bytes
-    with an input raise ValueError; the GIL is released while it runs."""
+    NaN or ``+inf`` or only ``-inf``, overflowing scaled logits, an empty kept set). Bad
+    shapes, rows or lanes, non-C order and ``tokens`` sharing bytes with an input raise
+    ValueError; the GIL is released while it runs, the samples split over ``threads`` (torch's
+    OpenMP team; no token depends on the split)."""
 
 def top_candidates(
     logits: npt.NDArray[np.float32],

@@ -6,7 +6,8 @@ value, a NaN counting as the largest. On the CPU, float32 rows go to ``_core.arg
 (rust/kernels/src/argmax.rs), the same columns. torch's CPU ``argmax`` tracks an index with
 every compare and is not vectorised: ~35 µs a 32,000-token row, 1.7-2.4 ms of a 64-row decode
 step, against a few µs here (docs/benchmarks.md, "The greedy pick, the draw's sums and the
-top logprobs in Rust"). Other devices and dtypes, and strided rows, take ``argmax``.
+top logprobs in Rust"), the rows split over torch's threads. Other devices and dtypes, and
+strided rows, take ``argmax``.
 
 Imports torch; ``import resin`` does not import this module.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from resin import _core
+from resin.kernels.cpu_threads import kernel_threads
 
 argmax_kernel = True
 """Whether float32 CPU rows are picked by ``_core.argmax`` rather than ``torch.argmax`` (the
@@ -33,6 +35,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         and logits.is_contiguous()
     ):
         tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-        _core.argmax(logits.detach().numpy(), tokens.numpy())
+        _core.argmax(logits.detach().numpy(), tokens.numpy(), threads=kernel_threads())
         return tokens
     return logits.argmax(dim=-1)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from resin import _core
+from resin.kernels.cpu_threads import kernel_threads
 
 rows_kernel = True
 """Whether the Sampler draws float32 CPU rows through ``_core.sample_rows`` (when
@@ -123,5 +124,6 @@ def kernel_tokens(
         np.ascontiguousarray(uniforms, dtype=np.float32),
         lanes,
         tokens,
+        threads=kernel_threads(),
     )
     return tokens

@@ -133,6 +133,42 @@ def test_the_kernel_reads_rows_in_place_and_leaves_what_it_does_not_take() -> No
 
 
 @needs_bits
+def test_the_thread_split_changes_no_token() -> None:
+    """``sample_rows`` and ``argmax`` split their rows over threads: the same tokens."""
+    logits, top_k, top_p, min_p, uniforms, temperature = batch("peaked", 40, 5003, 8)
+    args = [
+        logits.numpy(),
+        np.arange(40, dtype=np.int64),
+        temperature.numpy(),
+        top_k.numpy(),
+        top_p.numpy(),
+        min_p.numpy(),
+        torch.log(min_p.clamp(min=0)).numpy(),
+        uniforms.numpy(),
+        LANES,
+    ]
+    runs = []
+    for threads in (1, 2, 3, 7, 64):
+        tokens = np.empty(40, dtype=np.int64)
+        _core.sample_rows(*args, tokens, threads=threads)
+        runs.append(tokens)
+    assert all(np.array_equal(runs[0], r) for r in runs[1:])
+    assert (runs[0] >= 0).sum() > 30
+    picks = []
+    for threads in (1, 2, 5, 64):
+        tokens = np.empty(40, dtype=np.int64)
+        _core.argmax(args[0], tokens, threads=threads)
+        picks.append(tokens)
+    assert all(np.array_equal(picks[0], p) for p in picks[1:])
+    assert np.array_equal(picks[0], logits.argmax(dim=-1).numpy())
+    empty = np.empty(0, dtype=np.int64)
+    f32 = np.empty(0, dtype=np.float32)
+    _core.sample_rows(
+        args[0], empty, f32, empty, f32, f32, f32, f32, LANES, empty.copy(), threads=4
+    )
+
+
+@needs_bits
 def test_the_sampler_with_the_kernel_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mixed settings with penalties, seeds and unseeded rows through the engine: the same
     tokens with the kernel on and off, unseeded rows included (every sampler's generator starts

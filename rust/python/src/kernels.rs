@@ -547,9 +547,16 @@ pub fn inverse_cdf(
 
 /// Each row's greedy token into `tokens` [S] (int64): the first column of the row's largest
 /// logit of `logits` [S, V] (f32, C-contiguous), a NaN the largest (`resin-kernels`' `argmax`:
-/// torch's `argmax`, column for column). GIL released.
+/// torch's `argmax`, column for column). GIL released; the rows split into `threads`
+/// contiguous parts on torch's OpenMP team.
 #[pyfunction]
-pub fn argmax(py: Python<'_>, logits: PyReadonlyArray2<'_, f32>, mut tokens: PyReadwriteArray1<'_, i64>) -> PyResult<()> {
+#[pyo3(signature = (logits, tokens, *, threads=1))]
+pub fn argmax(
+    py: Python<'_>,
+    logits: PyReadonlyArray2<'_, f32>,
+    mut tokens: PyReadwriteArray1<'_, i64>,
+    threads: usize,
+) -> PyResult<()> {
     let (ls, ts) = (logits.shape().to_vec(), tokens.shape().to_vec());
     if ts[0] != ls[0] || ls[1] == 0 {
         return Err(PyValueError::new_err(format!("argmax: logits {ls:?} and tokens {ts:?} do not agree ([S, V > 0], [S])")));
@@ -562,11 +569,24 @@ pub fn argmax(py: Python<'_>, logits: PyReadonlyArray2<'_, f32>, mut tokens: PyR
     let not_c = |_| PyValueError::new_err("argmax: arrays must be contiguous and aligned");
     let rows = logits.as_slice().map_err(not_c)?;
     let out = tokens.as_slice_mut().map_err(not_c)?;
-    py.detach(|| {
-        for (row, token) in rows.chunks_exact(ls[1]).zip(out.iter_mut()) {
-            *token = resin_kernels::argmax::argmax(row) as i64;
-        }
+    let (n, width) = (ls[0], ls[1]);
+    let parts = std::sync::Mutex::new(Vec::new());
+    let ok = py.detach(|| {
+        resin_kernels::openmp_team::run_parallel(threads.clamp(1, n.max(1)), &|index, count| {
+            let (start, end) = (n * index / count, n * (index + 1) / count);
+            let picked: Vec<i64> = rows[start * width..end * width]
+                .chunks_exact(width)
+                .map(|row| resin_kernels::argmax::argmax(row) as i64)
+                .collect();
+            parts.lock().unwrap_or_else(|e| e.into_inner()).push((start, picked));
+        })
     });
+    if !ok {
+        return Err(PyValueError::new_err("argmax: the kernel panicked on a thread"));
+    }
+    for (start, picked) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        out[start..start + picked.len()].copy_from_slice(&picked);
+    }
     Ok(())
 }
 
@@ -734,8 +754,11 @@ pub fn softmax(py: Python<'_>, x: PyReadonlyArray2<'_, f32>, lanes: usize, mut o
 /// `log_min_p` (torch's `log(clamp(min_p, 0))`) and `uniforms` (each [n]), into `tokens` [n]
 /// (int64): the tokens of `resin/sampling_draw.py`'s `draw_tokens`, bit for bit where `lanes`
 /// is torch's float vector width (`resin-kernels`' `sampling`); -1 for a sample left to the
-/// caller (a setting or row the kernel does not take). GIL released.
+/// caller (a setting or row the kernel does not take). GIL released; the samples split into
+/// `threads` contiguous parts on torch's OpenMP team (each sample's token is its own: the
+/// split changes no token).
 #[pyfunction]
+#[pyo3(signature = (logits, rows, temperature, top_k, top_p, min_p, log_min_p, uniforms, lanes, tokens, *, threads=1))]
 #[allow(clippy::too_many_arguments)]
 pub fn sample_rows(
     py: Python<'_>,
@@ -749,6 +772,7 @@ pub fn sample_rows(
     uniforms: PyReadonlyArray1<'_, f32>,
     lanes: usize,
     mut tokens: PyReadwriteArray1<'_, i64>,
+    threads: usize,
 ) -> PyResult<()> {
     let bad = |what: String| Err(PyValueError::new_err(format!("sample_rows: {what}")));
     let Some(lanes) = resin_kernels::softmax::Lanes::new(lanes) else {
@@ -801,12 +825,25 @@ pub fn sample_rows(
     let all = logits.as_slice().map_err(not_c)?;
     let out = tokens.as_slice_mut().map_err(not_c)?;
     let vocab_size = ls[1];
-    let drawn = py.detach(|| {
-        let row = |i: usize| &all[row_list[i] as usize * vocab_size..(row_list[i] as usize + 1) * vocab_size];
-        resin_kernels::sampling::sample_rows(row, &settings, lanes, &mut Default::default())
+    let parts = std::sync::Mutex::new(Vec::new());
+    let ok = py.detach(|| {
+        resin_kernels::openmp_team::run_parallel(threads.clamp(1, n.max(1)), &|index, count| {
+            let (start, end) = (n * index / count, n * (index + 1) / count);
+            let row = |i: usize| {
+                let r = row_list[start + i] as usize;
+                &all[r * vocab_size..(r + 1) * vocab_size]
+            };
+            let drawn = resin_kernels::sampling::sample_rows(row, &settings[start..end], lanes, &mut Default::default());
+            parts.lock().unwrap_or_else(|e| e.into_inner()).push((start, drawn));
+        })
     });
-    for (token, d) in out.iter_mut().zip(drawn) {
-        *token = d.map_or(-1, |t| t as i64);
+    if !ok {
+        return bad("the kernel panicked on a thread".to_string());
+    }
+    for (start, drawn) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        for (token, d) in out[start..].iter_mut().zip(drawn) {
+            *token = d.map_or(-1, |t| t as i64);
+        }
     }
     Ok(())
 }
