@@ -37,6 +37,8 @@ __all__ = [
     "top_candidates",
     "argmax",
     "inverse_cdf",
+    "softmax",
+    "sample_rows",
     "__version__",
 ]
 
