@@ -754,9 +754,9 @@ pub fn softmax(py: Python<'_>, x: PyReadonlyArray2<'_, f32>, lanes: usize, mut o
 /// `log_min_p` (torch's `log(clamp(min_p, 0))`) and `uniforms` (each [n]), into `tokens` [n]
 /// (int64): the tokens of `resin/sampling_draw.py`'s `draw_tokens`, bit for bit where `lanes`
 /// is torch's float vector width (`resin-kernels`' `sampling`); -1 for a sample left to the
-/// caller (a setting or row the kernel does not take). GIL released; the samples split into
-/// `threads` contiguous parts on torch's OpenMP team (each sample's token is its own: the
-/// split changes no token).
+/// caller (a setting or row the kernel does not take). GIL released; the samples dealt out
+/// over `threads` threads of torch's OpenMP team, every `threads`-th to one (each sample's
+/// token is its own: the split changes no token).
 #[pyfunction]
 #[pyo3(signature = (logits, rows, temperature, top_k, top_p, min_p, log_min_p, uniforms, lanes, tokens, *, threads=1))]
 #[allow(clippy::too_many_arguments)]
@@ -828,21 +828,24 @@ pub fn sample_rows(
     let parts = std::sync::Mutex::new(Vec::new());
     let ok = py.detach(|| {
         resin_kernels::openmp_team::run_parallel(threads.clamp(1, n.max(1)), &|index, count| {
-            let (start, end) = (n * index / count, n * (index + 1) / count);
+            // Every count-th sample from `index`: the caller groups samples by kind (a whole-row
+            // draw costs several filtered ones), so contiguous parts would not balance.
+            let mine: Vec<usize> = (index..n).step_by(count).collect();
             let row = |i: usize| {
-                let r = row_list[start + i] as usize;
+                let r = row_list[mine[i]] as usize;
                 &all[r * vocab_size..(r + 1) * vocab_size]
             };
-            let drawn = resin_kernels::sampling::sample_rows(row, &settings[start..end], lanes, &mut Default::default());
-            parts.lock().unwrap_or_else(|e| e.into_inner()).push((start, drawn));
+            let own: Vec<_> = mine.iter().map(|&i| settings[i]).collect();
+            let drawn = resin_kernels::sampling::sample_rows(row, &own, lanes, &mut Default::default());
+            parts.lock().unwrap_or_else(|e| e.into_inner()).push((mine, drawn));
         })
     });
     if !ok {
         return bad("the kernel panicked on a thread".to_string());
     }
-    for (start, drawn) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        for (token, d) in out[start..].iter_mut().zip(drawn) {
-            *token = d.map_or(-1, |t| t as i64);
+    for (mine, drawn) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        for (i, d) in mine.into_iter().zip(drawn) {
+            out[i] = d.map_or(-1, |t| t as i64);
         }
     }
     Ok(())
