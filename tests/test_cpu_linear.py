@@ -130,12 +130,23 @@ def test_bfloat16_past_its_rows_is_torchs(monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(cl.cpu_linear(x, w, b), F.linear(x, w, b))
 
 
+def test_long_inputs_go_in_slices_with_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cl.MAX_ROWS, torch.bfloat16, 1 << 30)
+    x, w, b = _operands(11, 64, 48, torch.bfloat16)
+    whole = cl.cpu_linear(x, w, b)
+    monkeypatch.setattr(cl, "ROWS_PER_CALL", 3)
+    assert torch.equal(cl.cpu_linear(x, w, b), whole)
+    torch.testing.assert_close(whole.float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("supported,limit", [(True, 8), (False, 1 << 30)])
 def test_the_bfloat16_limit_follows_onednns_bfloat16_gemm(
     supported: bool, limit: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
     assert cl._bfloat16_rows() == limit
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert cl._bfloat16_rows() == 1 << 30  # a torch without oneDNN: no such GEMM either
 
 
 def test_a_torch_without_the_query_keeps_the_tuned_bfloat16_limit(

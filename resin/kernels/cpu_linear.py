@@ -36,9 +36,14 @@ ENV_VAR = "RESIN_CPU_LINEAR"
 
 def _bfloat16_rows() -> int:
     """The kernel's bfloat16 row limit: 8 where torch's oneDNN has a bfloat16 GEMM for this CPU
-    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 and up), else every row count:
-    without it (an AVX2-only CPU) torch's bfloat16 ``mm`` costs about a GEMV a row, 4.9-6.8x
-    the kernel from 8 to 256 rows (docs/benchmarks.md, "bfloat16 without oneDNN's GEMM")."""
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: a CPU with bfloat16 instructions or
+    conversions, AVX-512 BF16, AMX, AVX-NE-CONVERT), else every row count, in slices of
+    :data:`ROWS_PER_CALL`: without it (e.g. an AVX2-only AMD EPYC) torch's bfloat16 ``mm``
+    costs about a GEMV a row, 4.9-6.8x the kernel from 8 to 256 rows (docs/benchmarks.md, "An
+    AVX2-only machine, and bfloat16 where oneDNN has no GEMM"). A torch without oneDNN has no
+    such GEMM either; one without the query keeps the tuned limit."""
+    if not torch.backends.mkldnn.is_available():
+        return 1 << 30
     try:
         supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch without the query: keep the tuned limit
@@ -109,11 +114,16 @@ def cpu_linear(
     if not takes(x, weight, bias):
         return F.linear(x, weight, bias)
     out = x.new_empty((x.shape[0], weight.shape[0]))
-    _core.linear(
-        numpy_view(x),
-        numpy_view(weight),
-        None if bias is None else numpy_view(bias),
-        numpy_view(out),
-        threads=kernel_threads(),
-    )
+    w, b, threads = numpy_view(weight), None if bias is None else numpy_view(bias), kernel_threads()
+    xs, outs = numpy_view(x), numpy_view(out)
+    # A long prefill chunk in slices: the kernel widens its rows to float32 once a call and
+    # rereads them for every block of weight rows, so each slice's rows stay in the cache.
+    for start in range(0, x.shape[0], ROWS_PER_CALL):
+        end = start + ROWS_PER_CALL
+        _core.linear(xs[start:end], w, b, outs[start:end], threads=threads)
     return out
+
+
+ROWS_PER_CALL = 256
+"""Rows of ``x`` per kernel call: the widest measured (docs/benchmarks.md, "An AVX2-only
+machine, and bfloat16 where oneDNN has no GEMM"); only the bfloat16 limit reaches past it."""

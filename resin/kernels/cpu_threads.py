@@ -1,6 +1,7 @@
-"""Threads for ``resin._core``'s CPU kernels (paged attention, the decode linear).
+"""Threads for ``resin._core``'s CPU kernels (paged attention, the decode linear, the
+sampler's ``sample_rows`` and ``argmax``).
 
-Owns :func:`kernel_threads`, the one rule both kernels' callers pass as ``threads``.
+Owns :func:`kernel_threads`, the one rule every kernel caller passes as ``threads``.
 """
 
 from __future__ import annotations

@@ -86,6 +86,12 @@ fn shares_bytes(out: Option<(isize, isize)>, inputs: impl IntoIterator<Item = Op
     inputs.into_iter().flatten().any(|(i0, i1)| o0 < i1 && i0 < o1)
 }
 
+/// Threads for `n` independent rows: at least one, at most one a row and one a core.
+fn row_threads(threads: usize, n: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    threads.min(n).min(cores).max(1)
+}
+
 /// A numpy slice of `T` read as kernel elements `E` of the same size (`f32` as itself, `i16`
 /// as [`Bf16`] bits). The callers checked the array's C order and `E`'s alignment.
 fn elements<E: Element, T: numpy::Element>(s: &[T]) -> &[E] {
@@ -572,7 +578,7 @@ pub fn argmax(
     let (n, width) = (ls[0], ls[1]);
     let parts = std::sync::Mutex::new(Vec::new());
     let ok = py.detach(|| {
-        resin_kernels::openmp_team::run_parallel(threads.clamp(1, n.max(1)), &|index, count| {
+        resin_kernels::openmp_team::run_parallel(row_threads(threads, n), &|index, count| {
             let (start, end) = (n * index / count, n * (index + 1) / count);
             let picked: Vec<i64> = rows[start * width..end * width]
                 .chunks_exact(width)
@@ -827,7 +833,7 @@ pub fn sample_rows(
     let vocab_size = ls[1];
     let parts = std::sync::Mutex::new(Vec::new());
     let ok = py.detach(|| {
-        resin_kernels::openmp_team::run_parallel(threads.clamp(1, n.max(1)), &|index, count| {
+        resin_kernels::openmp_team::run_parallel(row_threads(threads, n), &|index, count| {
             // Every count-th sample from `index`: the caller groups samples by kind (a whole-row
             // draw costs several filtered ones), so contiguous parts would not balance.
             let mine: Vec<usize> = (index..n).step_by(count).collect();
