@@ -293,7 +293,7 @@ fn place(logits: &[f32], probs: &[f32], bins: &[u16], first: usize, end: usize, 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -340,8 +340,9 @@ mod tests {
         e.iter().map(|&x| x / total).collect()
     }
 
-    /// A deterministic spread of logits (a linear congruential generator's).
-    fn logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    /// A deterministic spread of logits (a linear congruential generator's); the crate's
+    /// other tests use it too.
+    pub(crate) fn logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         let mut state = seed;
         (0..n)
             .map(|_| {

@@ -377,16 +377,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-        let mut state = seed;
-        (0..n)
-            .map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-            })
-            .collect()
-    }
+    use crate::nucleus::tests::logits as data;
 
     #[test]
     fn the_vector_exp_is_the_scalar_one_bit_for_bit() {
