@@ -228,7 +228,6 @@ class Sampler(SlotHistory):
         logits are ``processed`` [n, V] (divided by the temperature in place when ``owned``):
         one :func:`~resin.sampling_draw.draw_tokens` call."""
         chosen = rows[part]
-        output_indices = plan.num_output_tokens[chosen].astype(np.int64) + offsets[part]
         sampling = plan.sampling
         return draw_tokens(
             processed,
@@ -236,9 +235,21 @@ class Sampler(SlotHistory):
             self._tensor(sampling.top_k[chosen], np.int64),
             self._tensor(sampling.top_p[chosen], np.float32),
             self._tensor(sampling.min_p[chosen], np.float32),
-            self._uniforms(np.asarray(sampling.seed[chosen], dtype=np.int64), output_indices),
+            self._part_uniforms(plan, rows, offsets, part),
             self.workspace,
             owned=owned,
+        )
+
+    def _part_uniforms(
+        self, plan: BatchPlan, rows: np.ndarray, offsets: np.ndarray, part: np.ndarray
+    ) -> torch.Tensor:
+        """float32 [n]: the uniforms of the samples ``part`` (indices into ``rows``), one
+        :meth:`_uniforms` call in ``part``'s order (the j-th sample of a row at output index
+        ``num_output_tokens + j``)."""
+        chosen = rows[part]
+        output_indices = plan.num_output_tokens[chosen].astype(np.int64) + offsets[part]
+        return self._uniforms(
+            np.asarray(plan.sampling.seed[chosen], dtype=np.int64), output_indices
         )
 
     def _draw_in_kernel(
@@ -257,11 +268,9 @@ class Sampler(SlotHistory):
         :func:`~resin.sampling_draw.draw_tokens`."""
         chosen = rows[part]
         sampling = plan.sampling
-        output_indices = plan.num_output_tokens[chosen].astype(np.int64) + offsets[part]
-        seeds = np.asarray(sampling.seed[chosen], dtype=np.int64)
-        uniforms = self._uniforms(seeds, output_indices).numpy()
+        uniforms = self._part_uniforms(plan, rows, offsets, part).numpy()
         step = self.penalties.plan(plan, chosen)
-        changed = step.num_banned > 0
+        changed = step.num_banned > 0  # the samples whose logits a penalty or ban changes
         changed[step.repeating] = True
         changed[step.counting] = True
         temperature = np.asarray(sampling.temperature[chosen], dtype=np.float32)

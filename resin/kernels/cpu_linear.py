@@ -60,6 +60,10 @@ again; at 8 rows it is kept for its end-to-end gain at 8 requests, measured agai
 kernel off, not against a limit of 4). bfloat16 has no limit on a CPU where oneDNN has no
 bfloat16 GEMM (:func:`_bfloat16_rows`)."""
 
+ROWS_PER_CALL = 256
+"""Rows of ``x`` per kernel call: the widest measured (docs/benchmarks.md, "An AVX2-only
+machine, and bfloat16 where oneDNN has no GEMM"); only the bfloat16 limit reaches past it."""
+
 # False: every call is F.linear (an A/B in one process: benchmarks/offline_throughput.py).
 enabled = os.environ.get(ENV_VAR, "") != "0" and _core.kernels_vectorised()
 
@@ -122,8 +126,3 @@ def cpu_linear(
         end = start + ROWS_PER_CALL
         _core.linear(xs[start:end], w, b, outs[start:end], threads=threads)
     return out
-
-
-ROWS_PER_CALL = 256
-"""Rows of ``x`` per kernel call: the widest measured (docs/benchmarks.md, "An AVX2-only
-machine, and bfloat16 where oneDNN has no GEMM"); only the bfloat16 limit reaches past it."""

@@ -26,7 +26,7 @@
 use crate::candidates;
 use crate::draw;
 use crate::nucleus::{self, NucleusScratch};
-use crate::softmax::{self, Lanes, Scaling};
+use crate::softmax::{self, maximum, Lanes, Scaling};
 
 /// How many of a row's largest logits decide its kept set (the Python `CANDIDATES`).
 pub const CANDIDATES: usize = 256;
@@ -41,6 +41,13 @@ pub struct Settings {
     pub min_p: f32,
     pub log_min_p: f32,
     pub uniform: f32,
+}
+
+impl Settings {
+    /// Whether top-k is on for a row of `vocab_size` tokens (0 and k >= V: off).
+    fn top_k_on(&self, vocab_size: usize) -> bool {
+        self.top_k > 0 && (self.top_k as u64) < vocab_size as u64
+    }
 }
 
 /// The buffers one batch reuses across its rows.
@@ -102,31 +109,27 @@ pub fn sample_rows<'a>(
     for group in whole.chunks(4) {
         let width = row(group[0].0).len();
         scratch.block.resize(group.len() * width, 0.0);
-        let mut uniforms = Vec::with_capacity(group.len());
-        let mut drawable = true;
+        let uniforms: Vec<f32> = group.iter().map(|&(i, _)| settings[i].uniform).collect();
+        // A lane whose scaled row's largest value is NaN or infinite is left (None).
+        let mut finite = [false; 4];
         for (lane, &(i, scaling)) in group.iter().enumerate() {
             let out = &mut scratch.block[lane * width..(lane + 1) * width];
             let max = softmax::scale_into(row(i), scaling, out);
-            drawable &= max.is_finite();
-            if max.is_finite() {
+            finite[lane] = max.is_finite();
+            if finite[lane] {
                 softmax::softmax_in_place(out, max, lanes);
             }
-            uniforms.push(settings[i].uniform);
         }
-        if !drawable {
-            // A row whose scaled logits hold NaN or an infinity: left, with its group's others
-            // drawn one at a time.
-            for (lane, &(i, _)) in group.iter().enumerate() {
-                let probs = &scratch.block[lane * width..(lane + 1) * width];
-                if probs.iter().all(|p| p.is_finite()) {
-                    tokens[i] = draw::draw_rows(probs, width, &uniforms[lane..lane + 1], &mut scratch.sums)[0];
-                }
+        if finite[..group.len()].iter().all(|&f| f) {
+            let drawn = draw::draw_rows(&scratch.block, width, &uniforms, &mut scratch.sums);
+            for (&(i, _), token) in group.iter().zip(drawn) {
+                tokens[i] = token;
             }
             continue;
         }
-        let drawn = draw::draw_rows(&scratch.block, width, &uniforms, &mut scratch.sums);
-        for (&(i, _), token) in group.iter().zip(drawn) {
-            tokens[i] = token;
+        for (lane, &(i, _)) in group.iter().enumerate().filter(|&(lane, _)| finite[lane]) {
+            let probs = &scratch.block[lane * width..(lane + 1) * width];
+            tokens[i] = draw::draw_rows(probs, width, &uniforms[lane..lane + 1], &mut scratch.sums)[0];
         }
     }
     tokens
@@ -138,7 +141,7 @@ fn decide(row: &[f32], s: &Settings, lanes: Lanes, scratch: &mut SamplingScratch
     if !(temperature > 0.0 && temperature.is_finite()) || s.top_p.is_nan() || s.min_p.is_nan() || vocab_size == 0 {
         return Decision::Left;
     }
-    let top_k_on = s.top_k > 0 && (s.top_k as u64) < vocab_size as u64;
+    let top_k_on = s.top_k_on(vocab_size);
     if !(top_k_on || s.top_p < 1.0 || s.min_p > 0.0) {
         return Decision::WholeRow(Scaling { temperature, keep_from: f32::NEG_INFINITY });
     }
@@ -179,7 +182,7 @@ fn filtered(row: &[f32], s: &Settings, num: usize, num_candidates: usize, lanes:
         return Decision::Left; // a tiny temperature overflowed
     }
     let whole_vocabulary = num_candidates == vocab_size;
-    let top_k_on = s.top_k > 0 && (s.top_k as u64) < vocab_size as u64;
+    let top_k_on = s.top_k_on(vocab_size);
     // top-k: the k-th largest; past our `num` (and inside C): ask C.
     let kth = if !top_k_on {
         f32::NEG_INFINITY
@@ -253,15 +256,6 @@ fn filtered(row: &[f32], s: &Settings, num: usize, num_candidates: usize, lanes:
         return Decision::Again;
     }
     Decision::WholeRow(kept)
-}
-
-/// torch's `maximum` of two thresholds (NaN wins).
-fn maximum(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.max(b)
-    }
 }
 
 /// The first of `width` cumulative sums of `probs` (float64 running sums rounded to float32,

@@ -81,7 +81,7 @@ fn pow2(e: i32) -> f32 {
 }
 
 /// torch's `maximum`: NaN when either is NaN.
-fn maximum(a: f32, b: f32) -> f32 {
+pub(crate) fn maximum(a: f32, b: f32) -> f32 {
     if a.is_nan() || b.is_nan() {
         f32::NAN
     } else {

@@ -86,10 +86,26 @@ fn shares_bytes(out: Option<(isize, isize)>, inputs: impl IntoIterator<Item = Op
     inputs.into_iter().flatten().any(|(i0, i1)| o0 < i1 && i0 < o1)
 }
 
-/// Threads for `n` independent rows: at least one, at most one a row and one a core.
-fn row_threads(threads: usize, n: usize) -> usize {
+/// `row(i)` for every `i` in `0..n`, the rows dealt out over up to `threads` threads of torch's
+/// OpenMP team (at most one a row and one a core), every count-th row to one thread: callers'
+/// rows come grouped by cost (the sampler's by kind), so contiguous parts would not balance.
+/// `chunk(indices)` answers a thread's rows in order. `None` if a thread panicked.
+fn on_row_threads(n: usize, threads: usize, chunk: &(dyn Fn(&[usize]) -> Vec<i64> + Sync)) -> Option<Vec<i64>> {
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    threads.min(n).min(cores).max(1)
+    let threads = threads.min(n).min(cores).max(1);
+    let parts = std::sync::Mutex::new(Vec::new());
+    let ok = resin_kernels::openmp_team::run_parallel(threads, &|index, count| {
+        let mine: Vec<usize> = (index..n).step_by(count).collect();
+        let answers = chunk(&mine);
+        parts.lock().unwrap_or_else(|e| e.into_inner()).push((mine, answers));
+    });
+    let mut out = vec![0i64; n];
+    for (mine, answers) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        for (i, a) in mine.into_iter().zip(answers) {
+            out[i] = a;
+        }
+    }
+    ok.then_some(out)
 }
 
 /// A numpy slice of `T` read as kernel elements `E` of the same size (`f32` as itself, `i16`
@@ -553,8 +569,8 @@ pub fn inverse_cdf(
 
 /// Each row's greedy token into `tokens` [S] (int64): the first column of the row's largest
 /// logit of `logits` [S, V] (f32, C-contiguous), a NaN the largest (`resin-kernels`' `argmax`:
-/// torch's `argmax`, column for column). GIL released; the rows split into `threads`
-/// contiguous parts on torch's OpenMP team.
+/// torch's `argmax`, column for column). GIL released; the rows dealt out over `threads`
+/// threads of torch's OpenMP team.
 #[pyfunction]
 #[pyo3(signature = (logits, tokens, *, threads=1))]
 pub fn argmax(
@@ -575,24 +591,16 @@ pub fn argmax(
     let not_c = |_| PyValueError::new_err("argmax: arrays must be contiguous and aligned");
     let rows = logits.as_slice().map_err(not_c)?;
     let out = tokens.as_slice_mut().map_err(not_c)?;
-    let (n, width) = (ls[0], ls[1]);
-    let parts = std::sync::Mutex::new(Vec::new());
-    let ok = py.detach(|| {
-        resin_kernels::openmp_team::run_parallel(row_threads(threads, n), &|index, count| {
-            let (start, end) = (n * index / count, n * (index + 1) / count);
-            let picked: Vec<i64> = rows[start * width..end * width]
-                .chunks_exact(width)
-                .map(|row| resin_kernels::argmax::argmax(row) as i64)
-                .collect();
-            parts.lock().unwrap_or_else(|e| e.into_inner()).push((start, picked));
+    let width = ls[1];
+    let picked = py.detach(|| {
+        on_row_threads(ls[0], threads, &|mine| {
+            mine.iter().map(|&r| resin_kernels::argmax::argmax(&rows[r * width..(r + 1) * width]) as i64).collect()
         })
     });
-    if !ok {
+    let Some(picked) = picked else {
         return Err(PyValueError::new_err("argmax: the kernel panicked on a thread"));
-    }
-    for (start, picked) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        out[start..start + picked.len()].copy_from_slice(&picked);
-    }
+    };
+    out.copy_from_slice(&picked);
     Ok(())
 }
 
@@ -831,28 +839,20 @@ pub fn sample_rows(
     let all = logits.as_slice().map_err(not_c)?;
     let out = tokens.as_slice_mut().map_err(not_c)?;
     let vocab_size = ls[1];
-    let parts = std::sync::Mutex::new(Vec::new());
-    let ok = py.detach(|| {
-        resin_kernels::openmp_team::run_parallel(row_threads(threads, n), &|index, count| {
-            // Every count-th sample from `index`: the caller groups samples by kind (a whole-row
-            // draw costs several filtered ones), so contiguous parts would not balance.
-            let mine: Vec<usize> = (index..n).step_by(count).collect();
+    let drawn = py.detach(|| {
+        on_row_threads(n, threads, &|mine| {
             let row = |i: usize| {
                 let r = row_list[mine[i]] as usize;
                 &all[r * vocab_size..(r + 1) * vocab_size]
             };
             let own: Vec<_> = mine.iter().map(|&i| settings[i]).collect();
             let drawn = resin_kernels::sampling::sample_rows(row, &own, lanes, &mut Default::default());
-            parts.lock().unwrap_or_else(|e| e.into_inner()).push((mine, drawn));
+            drawn.into_iter().map(|d| d.map_or(-1, |t| t as i64)).collect()
         })
     });
-    if !ok {
+    let Some(drawn) = drawn else {
         return bad("the kernel panicked on a thread".to_string());
-    }
-    for (mine, drawn) in parts.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        for (i, d) in mine.into_iter().zip(drawn) {
-            out[i] = d.map_or(-1, |t| t as i64);
-        }
-    }
+    };
+    out.copy_from_slice(&drawn);
     Ok(())
 }
