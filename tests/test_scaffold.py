@@ -195,6 +195,28 @@ def test_tiny_checkpoint_of_a_supported_architecture_passes(tmp_path: Path) -> N
     assert report.passed, report.summary()
 
 
+def test_a_gelu_gated_llama_is_generated_whole_and_passes(tmp_path: Path) -> None:
+    """A ``hidden_act`` the shared gated MLP computes is wired, not stubbed."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_bytes((FIXTURES / "llama" / name).read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu_pytorch_tanh"}))
+    out = tmp_path / "gelu_llama"
+    summary = new_model(source, "gelu_llama", out=out, tiny=True)
+    assert summary["stubs"] == [] and summary["assumed"] == []
+    assert "gated MLP (gelu_pytorch_tanh)" in (out / "blocks.py").read_text()
+    ref = resolve_model(out)
+    report = run_parity(
+        ref.checkpoint_dir,
+        runner_factory=ref.runner_factory(),
+        runner_name=ref.runner_name,
+        checks=("layers",),
+    )
+    assert report.passed, report.summary()
+
+
 def test_unknown_architecture_gets_marked_stubs(gpt_oss_dir: Path) -> None:
     assert sorted(p.name for p in gpt_oss_dir.iterdir() if p.is_file()) == sorted(GENERATED)
     blocks = import_model_module(gpt_oss_dir, "blocks", "gpt_oss")

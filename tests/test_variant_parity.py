@@ -1,7 +1,10 @@
 """Config variants end to end through the parity harness (every layer and the logits against
 transformers): RoPE scaling — a tiny Llama with llama3 scaling and a tiny Qwen2 with YaRN, with
-prompts past `original_max_position_embeddings` — and Qwen3-MoE routing without
-renormalisation (`norm_topk_prob=False`; the fixtures cover the renormalised case)."""
+prompts past `original_max_position_embeddings` — Qwen3-MoE routing without
+renormalisation (`norm_topk_prob=False`; the fixtures cover the renormalised case), the gated
+MLP's `hidden_act` (GELU variants in a dense and a MoE model; one the MLP does not compute is
+refused at load, never run as SiLU), and a sliding window smaller than the prompts through
+every greedy stage (the preemption stage must still force a preemption)."""
 
 from pathlib import Path
 
@@ -25,7 +28,26 @@ def save_tiny(tmp_path: Path, kind: str) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    if kind == "moe_unnormalised":
+    if kind == "moe_gelu":
+        model = transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                **common,
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                hidden_act="gelu",
+            )
+        )
+    elif kind.startswith("act_"):
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**common, hidden_act=kind.removeprefix("act_"))
+        )
+    elif kind == "sliding8":
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, sliding_window=8, head_dim=16)
+        )
+    elif kind == "moe_unnormalised":
         model = transformers.Qwen3MoeForCausalLM(
             transformers.Qwen3MoeConfig(
                 **common,
@@ -79,3 +101,27 @@ def test_moe_without_renormalisation_matches_transformers(tmp_path: Path) -> Non
     assert transformers.AutoConfig.from_pretrained(model_dir).norm_topk_prob is False
     report = run_parity(model_dir, prompts=PROMPTS, checks=("layers",))
     assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("kind", ["act_gelu_pytorch_tanh", "act_gelu_new", "moe_gelu"])
+def test_the_gated_mlp_computes_the_configs_hidden_act(tmp_path: Path, kind: str) -> None:
+    model_dir = save_tiny(tmp_path, kind)
+    assert transformers.AutoConfig.from_pretrained(model_dir).hidden_act != "silu"
+    report = run_parity(model_dir, prompts=PROMPTS, checks=("layers",))
+    assert report.passed, report.summary()
+
+
+def test_a_hidden_act_the_mlp_does_not_compute_is_refused_at_load(tmp_path: Path) -> None:
+    from resin.runners.torch import TorchRunner
+
+    model_dir = save_tiny(tmp_path, "act_mish")
+    with pytest.raises(ValueError, match="hidden_act 'mish' is not supported.*gelu"):
+        TorchRunner.from_pretrained(model_dir)
+
+
+def test_a_window_smaller_than_the_prompts_passes_every_greedy_stage(tmp_path: Path) -> None:
+    model_dir = save_tiny(tmp_path, "sliding8")
+    report = run_parity(model_dir, prompts=PROMPTS, max_new_tokens=8)
+    assert report.passed, report.summary()
+    stage = next(s for s in report.stages if s.name == "greedy/preemption")
+    assert stage.metrics["num_preemptions"] > 0

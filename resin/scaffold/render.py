@@ -383,13 +383,17 @@ def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
         block.kind = kind
         block.kind_doc = "GQA paged attention" + "".join(f", {t}" for t in traits)
     elif kind == "swiglu_mlp":
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            return _as_stub(block, f"hidden_act {act!r}: Resin's swiglu_mlp is silu only")
-        block.kind, block.kind_doc = kind, "SwiGLU MLP"
+        act = getattr(config, "hidden_act", None) or "silu"
+        if act not in _gate_activations():
+            return _as_stub(block, f"hidden_act {act!r}: not one Resin's gated MLP computes")
+        block.kind = kind
+        block.kind_doc = "SwiGLU MLP" if act in ("silu", "swish") else f"gated MLP ({act})"
     elif kind == "topk_moe":
         names = moe_expert_names(info.cls_name)
-        if names is None or getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        if (
+            names is None
+            or (getattr(config, "hidden_act", None) or "silu") not in _gate_activations()
+        ):
             return _as_stub(block, "expert layout or activation Resin's moe_mlp does not cover")
         renorm = moe_renormalises(info.cls_name, config)
         block.kind, block.expert_names = kind, names
@@ -474,6 +478,14 @@ def _runner_shapes(info: BlockInfo, default: str) -> str:
         return "[" + ", ".join(["T", *(str(d) for d in shape[2:])]) + "]"
 
     return f"{label} {runner(info.inputs[0])} -> {runner(info.output)}"
+
+
+def _gate_activations() -> tuple[str, ...]:
+    """The ``hidden_act`` values the shared gated MLP computes (imported when a block asks:
+    the runner's layers import torch)."""
+    from resin.runners.torch.layers import GATE_ACTIVATIONS
+
+    return tuple(GATE_ACTIVATIONS)
 
 
 def _as_stub(block: Block, reason: str = "") -> Block:

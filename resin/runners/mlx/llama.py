@@ -78,7 +78,14 @@ def topk_moe_block(x: mx.array, w: Weights, ctx: LayerStep) -> mx.array:
 
 
 def llama_family_model(model_dir: str | Path, config: ModelConfig, dtype: mx.Dtype) -> MlxModel:
-    """Load a built-in-family checkpoint as an :class:`MlxModel` in ``dtype``."""
+    """Load a built-in-family checkpoint as an :class:`MlxModel` in ``dtype``. Its MLP is
+    SiLU-gated only: another ``hidden_act`` is refused here, at load (the torch runner
+    computes the others)."""
+    if config.hidden_act not in ("silu", "swish"):
+        raise NotImplementedError(
+            f"the MLX runner's MLP is SiLU-gated only; hidden_act {config.hidden_act!r} "
+            "runs on the torch runner"
+        )
     expected = expected_tensor_shapes(config)
     flat = load_tensors(
         model_dir,

@@ -22,6 +22,7 @@ from resin.runners.torch.layers import (
     MoeWeights,
     RotaryEmbedding,
     apply_rotary,
+    gate_activation,
     moe_mlp,
     rms_norm,
     swiglu_mlp,
@@ -64,7 +65,8 @@ def gqa_attention_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
 
 
 def swiglu_mlp_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` with optional biases."""
+    """``down(act(gate(x)) * up(x))`` with optional biases; ``act`` from the config's
+    ``hidden_act`` (default SiLU)."""
     return swiglu_mlp(
         x,
         w["gate_proj.weight"],
@@ -73,6 +75,7 @@ def swiglu_mlp_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
         w.get("gate_proj.bias"),
         w.get("up_proj.bias"),
         w.get("down_proj.bias"),
+        activation=gate_activation(config_value(ctx.config, "hidden_act", "silu")),
     )
 
 
@@ -105,6 +108,7 @@ def topk_moe_block(
             num_experts_per_tok=num_experts_per_tok
             or int(config_value(ctx.config, "num_experts_per_tok")),
             norm_topk_prob=norm,
+            activation=gate_activation(config_value(ctx.config, "hidden_act", "silu")),
         )
         return moe_mlp(x, moe)
 

@@ -2,7 +2,7 @@
 
 Owns the math of the supported decoder layers, written to match transformers' modeling code
 op for op (so fp32 results agree to rounding): RMSNorm, rotary embeddings at arbitrary
-positions, the SwiGLU MLP, top-k MoE routing (Qwen3-MoE with and without ``norm_topk_prob``,
+positions, the gated (SwiGLU) MLP with the config's ``hidden_act``, top-k MoE routing (Qwen3-MoE with and without ``norm_topk_prob``,
 Mixtral), and each row's readable cache slots and mask (:func:`build_sequence_views`); paged
 attention itself is the attention backend's (:mod:`.attention`). Tensors are token-major:
 ``[T, ...]`` with T = tokens in the step.
@@ -18,8 +18,10 @@ the norm checks each row width on a fixed probe against the torch lines in the p
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,6 +245,43 @@ def _rust_rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     )
 
 
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``NewGELUActivation`` (GPT-2's tanh approximation), its ops in its order."""
+    return (
+        0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    )
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``QuickGELUActivation``: ``x * sigmoid(1.702 x)``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+# ``hidden_act`` values (transformers' ``ACT2FN`` names) the gated MLP computes, each as
+# transformers does; any other is refused by name (:func:`gate_activation`).
+GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_new,
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+}
+
+
+def gate_activation(hidden_act: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gated MLP's activation for a config's ``hidden_act``; ``ValueError`` naming the
+    value and the supported ones for any other (never a silent SiLU)."""
+    try:
+        return GATE_ACTIVATIONS[hidden_act]
+    except KeyError:
+        raise ValueError(
+            f"hidden_act {hidden_act!r} is not supported by the gated MLP; "
+            f"supported: {', '.join(GATE_ACTIVATIONS)}"
+        ) from None
+
+
 def swiglu_mlp(
     x: torch.Tensor,
     gate_w: torch.Tensor,
@@ -251,12 +290,14 @@ def swiglu_mlp(
     gate_b: torch.Tensor | None = None,
     up_b: torch.Tensor | None = None,
     down_b: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``, each projection through :data:`resin.kernels.linear`
+    """``down(act(gate(x)) * up(x))`` (``act`` SiLU unless the config's ``hidden_act`` says
+    otherwise: :func:`gate_activation`), each projection through :data:`resin.kernels.linear`
     (on CPU the Rust decode linear for a few rows, else ``F.linear``; the CUTLASS GEMM when
     ``RESIN_CUTLASS_GEMM=1`` opts in)."""
     linear = kernels.linear
-    return linear(F.silu(linear(x, gate_w, gate_b)) * linear(x, up_w, up_b), down_w, down_b)
+    return linear(activation(linear(x, gate_w, gate_b)) * linear(x, up_w, up_b), down_w, down_b)
 
 
 @dataclass
@@ -269,6 +310,7 @@ class MoeWeights:
     down: list[torch.Tensor]
     num_experts_per_tok: int
     norm_topk_prob: bool
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.silu
 
 
 def moe_mlp(x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
@@ -288,7 +330,13 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
         token_index, slot = torch.where(top_experts == expert)
         if token_index.numel() == 0:
             continue
-        y = swiglu_mlp(x[token_index], moe.gate[expert], moe.up[expert], moe.down[expert])
+        y = swiglu_mlp(
+            x[token_index],
+            moe.gate[expert],
+            moe.up[expert],
+            moe.down[expert],
+            activation=moe.activation,
+        )
         out.index_add_(0, token_index, y * top_weights[token_index, slot, None])
     return out
 

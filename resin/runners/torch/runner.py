@@ -25,7 +25,7 @@ from resin.runners.torch.blocks import (
     swiglu_mlp_block,
     topk_moe_block,
 )
-from resin.runners.torch.layers import RotaryEmbedding
+from resin.runners.torch.layers import RotaryEmbedding, gate_activation
 from resin.runners.torch.model_definition import (
     LayerDefinition,
     ModelDefinition,
@@ -73,7 +73,9 @@ class TorchRunner(PagedRunner):
 
 def llama_family_definition(config: ModelConfig, device: torch.device) -> ModelDefinition:
     """The built-in families as a :class:`ModelDefinition`: pre-norm layers of RMSNorm, GQA
-    attention (window per layer) and a SwiGLU or top-k MoE MLP; one rotary table."""
+    attention (window per layer) and a gated or top-k MoE MLP; one rotary table. A
+    ``hidden_act`` the MLP does not compute is refused here, at load."""
+    gate_activation(config.hidden_act)
     moe = None
     if config.moe is not None:
         mixtral = config.architecture == "MixtralForCausalLM"
