@@ -8,7 +8,10 @@
 - weights: keep-in-fp32 patterns match runner names too; integer tensors are never cast;
   names the weight map renames are loaded, not dropped as unknown;
 - parity.toml: ``[tolerances.bfloat16]`` tightens one dtype only;
-- the attention backend's sinks: an fp32 sink makes the softmax fp32 (torch promotion, as HF).
+- the attention backend's sinks: an fp32 sink makes the softmax fp32 (torch promotion, as HF);
+- layer kinds: a checkpoint pairing a layer type and an MLP type its model directory's source
+  never paired (DeepSeek-V4 with other ``layer_types`` / ``mlp_layer_types``) runs, composed
+  from the recorded kinds, and passes parity; an MLP type the record has nowhere is refused.
 """
 
 from __future__ import annotations
@@ -261,4 +264,59 @@ def test_model_directory_checkpoints_are_checked_whole(
         assert runner.weights.unused == ["model.layers.9.self_attn.q_proj.weight"]
         return
     with pytest.raises(WeightsError, match=error):
+        entry.load_runner(changed)
+
+
+def _repaired_checkpoint(tmp_path: Path, model: str, changes: dict[str, object]) -> Path:
+    """A random-weight checkpoint of ``model``'s tiny config with ``changes``, made by
+    transformers."""
+    import transformers
+
+    tiny = Path(__file__).resolve().parents[1] / "resin" / "models" / model / "tiny"
+    raw = {**json.loads((tiny / "config.json").read_text()), **changes}
+    out = tmp_path / model
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    torch.manual_seed(0)
+    hf_class = getattr(transformers, raw["architectures"][0])
+    hf_class(transformers.AutoConfig.from_pretrained(out)).save_pretrained(out)
+    return out
+
+
+def test_a_layer_kind_the_record_lacks_is_composed_from_its_parts(tmp_path: Path) -> None:
+    from resin.evals.parity import run_parity
+    from resin.registry import ModelRegistry
+    from resin.runners.torch.model_dir import ModelRecord, layer_kinds, load_model_args
+
+    changed = _repaired_checkpoint(
+        tmp_path,
+        "deepseek_v4_flash",
+        {
+            "layer_types": [
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "sliding_attention",
+                "heavily_compressed_attention",
+            ],
+            "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        },
+    )
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
+    record = ModelRecord.load(entry.model_dir)
+    kinds = [kind for _, _, kind in layer_kinds(load_model_args(changed, record), record)]
+    assert "sliding_attention/moe" in kinds and "sliding_attention/moe" not in record.layer_kinds
+    report = run_parity(
+        changed, runner_factory=lambda path: entry.load_runner(path), checks=("layers",)
+    )
+    assert report.passed, report.summary()
+
+
+def test_an_mlp_type_the_record_has_nowhere_is_refused_by_name(tmp_path: Path) -> None:
+    from resin.registry import ModelRegistry
+
+    changed = _repaired_checkpoint(tmp_path, "qwen3_next", {"decoder_sparse_step": 2})
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
+    with pytest.raises(
+        ValueError, match=r"layer 0 is of kind 'linear_attention/dense' and needs a 'dense' MLP"
+    ):
         entry.load_runner(changed)

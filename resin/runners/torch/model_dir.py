@@ -21,7 +21,10 @@ model-specific:
 
 A layer's *kind* is ``"{layer_type}/{mlp_type}"``, computed from the checkpoint's own config
 by :mod:`resin.scaffold.layer_map` (pure Python), so a tiny checkpoint and the real one both
-find their layers' classes. Imports torch.
+find their layers' classes. A kind the record lacks is composed from the kinds it has (its
+layer type from one, its MLP type from another: :func:`kind_classes`, :func:`kind_tensors`),
+so a checkpoint may pair them as its source model did not; a layer type or MLP type the record
+has nowhere is refused by name. Imports torch.
 """
 
 from __future__ import annotations
@@ -293,43 +296,72 @@ def mtp_kind(blocks: Any, args: Any) -> str | None:
     return f"{blocks.mtp_layer_type(args)}/{blocks.mtp_mlp_type(args)}"
 
 
-def mtp_layer_tensors(record: ModelRecord, kind: str, own: tuple[str, ...] = ()) -> list[str]:
-    """Tensor patterns (relative to the layer) an MTP layer of ``kind`` must have. The kind is
-    usually not a decoder layer of the record (DeepSeek-V4's MTP layer is sliding-window with
-    a top-k MoE; no decoder layer is both), so it is composed from the record: what every
+def _kind_parts(
+    record: ModelRecord, kind: str, what: str = "a layer"
+) -> tuple[list[str], list[str]]:
+    """The recorded kinds sharing ``kind``'s layer type, and those sharing its MLP type;
+    ``ValueError`` naming ``what`` has the kind when either is empty (no layer to take that
+    part from)."""
+    layer_type, mlp_type = kind.split("/", 1)
+    of_type = [k for k in record.layer_kinds if k.split("/", 1)[0] == layer_type]
+    of_mlp = [k for k in record.layer_kinds if k.split("/", 1)[1] == mlp_type]
+    if not of_type or not of_mlp:
+        missing = f"layer type {layer_type!r}" if not of_type else f"{mlp_type!r} MLP"
+        raise ValueError(
+            f"{record.name}: {what} is of kind {kind!r} and needs a {missing}, which "
+            f"{ARCHITECTURE_FILE} does not know (known kinds: {', '.join(record.layer_kinds)}); "
+            "regenerate with resin new-model from a config that has this layer kind"
+        )
+    return of_type, of_mlp
+
+
+def kind_tensors(record: ModelRecord, kind: str, own: tuple[str, ...] = ()) -> list[str]:
+    """Tensor patterns (relative to the layer) a layer of ``kind`` must have. A kind the record
+    has lists its own. Another is composed from the record (a checkpoint that pairs a layer
+    type and an MLP type its source model never paired, as DeepSeek-V4's MTP layer does —
+    sliding-window with a top-k MoE — or a config with other ``mlp_layer_types``): what every
     kind of its layer type and every kind of its MLP type have, plus what only kinds of its
-    layer type (or only of its MLP type) have; and the MTP layer's ``own`` tensors."""
+    layer type (or only of its MLP type) have; and the layer's ``own`` tensors."""
     if kind in record.layer_kinds:
         return sorted(set(record.layer_kinds[kind].get("tensors", [])) | set(own))
-    layer_type, mlp_type = kind.split("/", 1)
+    of_type, of_mlp = _kind_parts(record, kind)
     tensors = {k: set(v.get("tensors", [])) for k, v in record.layer_kinds.items()}
-    of_type = [t for k, t in tensors.items() if k.split("/", 1)[0] == layer_type]
-    of_mlp = [t for k, t in tensors.items() if k.split("/", 1)[1] == mlp_type]
-    if not of_type or not of_mlp:
-        raise ValueError(
-            f"{record.name}: the MTP layer is {kind!r}, but {ARCHITECTURE_FILE} has no layer "
-            f"of type {layer_type!r} or no {mlp_type!r} MLP to take its tensors from"
-        )
-    others_type = set().union(*[t for k, t in tensors.items() if k.split("/", 1)[0] != layer_type])
-    others_mlp = set().union(*[t for k, t in tensors.items() if k.split("/", 1)[1] != mlp_type])
-    type_all, mlp_all = set.intersection(*of_type), set.intersection(*of_mlp)
+    others_type = set().union(*[t for k, t in tensors.items() if k not in of_type])
+    others_mlp = set().union(*[t for k, t in tensors.items() if k not in of_mlp])
+    type_all = set.intersection(*[tensors[k] for k in of_type])
+    mlp_all = set.intersection(*[tensors[k] for k in of_mlp])
     required = (type_all & mlp_all) | (type_all - others_type) | (mlp_all - others_mlp)
     return sorted(required | set(own))
 
 
-def _mtp_classes(record: ModelRecord, kind: str) -> dict[str, Any]:
-    """Decoder and child classes of an MTP layer of ``kind``: its own record entry, else those
-    of a decoder layer of the same layer type (the MLP child from one of the same MLP type)."""
+MLP_CHILDREN = ("mlp", "block_sparse_moe", "ffn", "feed_forward")
+
+
+def kind_classes(record: ModelRecord, kind: str, what: str = "a layer") -> dict[str, Any]:
+    """Decoder and child classes of a layer of ``kind``: its own record entry, else composed
+    (:func:`kind_tensors`): those of a layer of the same layer type, the MLP child from one of
+    the same MLP type."""
     if kind in record.layer_kinds:
         return record.layer_kinds[kind]
-    layer_type, mlp_type = kind.split("/", 1)
-    base = next(v for k, v in record.layer_kinds.items() if k.split("/", 1)[0] == layer_type)
-    mlp = next(v for k, v in record.layer_kinds.items() if k.split("/", 1)[1] == mlp_type)
+    of_type, of_mlp = _kind_parts(record, kind, what)
+    base, mlp = record.layer_kinds[of_type[0]], record.layer_kinds[of_mlp[0]]
     children = dict(base["children"])
     for child, cls in mlp["children"].items():
-        if child in ("mlp", "block_sparse_moe", "ffn", "feed_forward"):
+        if child in MLP_CHILDREN:
             children[child] = cls
     return {"decoder": base["decoder"], "children": children}
+
+
+def _kind_shape_rule(record: ModelRecord, kind: str, relative: str) -> Any:
+    """The shape rule of tensor ``relative`` in a layer of ``kind``: its own kind's, else (a
+    composed kind) that of a recorded kind sharing the part the tensor belongs to (its MLP
+    type for an MLP child's tensor, else its layer type)."""
+    rules = record.shape_rules.get("kinds", {})
+    if kind in record.layer_kinds:
+        return rules.get(kind, {}).get(relative)
+    of_type, of_mlp = _kind_parts(record, kind)
+    sources = of_mlp if relative.split(".", 1)[0] in MLP_CHILDREN else of_type
+    return next((rules[k][relative] for k in sources if relative in rules.get(k, {})), None)
 
 
 def model_definition(
@@ -347,14 +379,7 @@ def model_definition(
     layer_cache = getattr(blocks, "layer_cache", default_layer_cache)
     layers = []
     for index, (layer_type, window, kind) in enumerate(layer_kinds(args, record)):
-        classes = record.layer_kinds.get(kind)
-        if classes is None:
-            raise ValueError(
-                f"{name}: layer {index} is of kind {kind!r}, which "
-                f"{ARCHITECTURE_FILE} does not know (known: "
-                f"{', '.join(record.layer_kinds)}); regenerate with resin new-model "
-                "from a config that has this layer kind"
-            )
+        classes = kind_classes(record, kind, f"layer {index}")
         cache, extra = _split_layer_cache(
             declare_layer_cache(
                 layer_cache, index, layer_type, window, args, head_dim, num_kv_heads
@@ -386,7 +411,7 @@ def model_definition(
     mtp = None
     next_n_kind = mtp_kind(blocks, args) if num_mtp_layers else None
     if next_n_kind is not None:
-        classes = _mtp_classes(record, next_n_kind)
+        classes = kind_classes(record, next_n_kind, "the MTP layer")
         layer_type = next_n_kind.split("/", 1)[0]
         window = getattr(args, "sliding_window", None)
         window = window if layer_type in record.windowed_layer_types else None
@@ -550,13 +575,13 @@ class ModelDirRunner(PagedRunner):
                 definition, shard, parallel[2], moe, data_parallel=parallel[5]
             )
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
-        required = [record.layer_kinds[k].get("tensors", []) for k in kinds]
+        required = [kind_tensors(record, k) for k in kinds]
         if num_mtp:
             kind = mtp_kind(blocks, args)
             assert kind is not None
             own = tuple(getattr(blocks, "MTP_TENSORS", ()))
             absent = tuple(getattr(blocks, "MTP_ABSENT_TENSORS", ()))
-            tensors = [t for t in mtp_layer_tensors(record, kind, own) if t not in absent]
+            tensors = [t for t in kind_tensors(record, kind, own) if t not in absent]
             required += [tensors] * num_mtp
             kinds += [kind] * num_mtp
         dtype_name = str(dtype).removeprefix("torch.")
@@ -672,7 +697,7 @@ def _shape_checker(record: ModelRecord, args: ModelArgs, kinds: list[str]) -> An
             rule = rules.get("global", {}).get(pattern)
         else:
             relative = pattern.split("layers.{layer}.", 1)[-1]
-            rule = rules.get("kinds", {}).get(kinds[layer], {}).get(relative)
+            rule = _kind_shape_rule(record, kinds[layer], relative)
         return None if rule is None else evaluate(rule, config)
 
     return expected
