@@ -11,7 +11,9 @@
 - the attention backend's sinks: an fp32 sink makes the softmax fp32 (torch promotion, as HF);
 - layer kinds: a checkpoint pairing a layer type and an MLP type its model directory's source
   never paired (DeepSeek-V4 with other ``layer_types`` / ``mlp_layer_types``) runs, composed
-  from the recorded kinds, and passes parity; an MLP type the record has nowhere is refused.
+  from the recorded kinds, and passes parity; an MLP type the record has nowhere is refused;
+  a sub-module present by config, not by kind (GLM-5.3-Flash's indexer, absent where
+  ``indexer_types`` says ``shared``), is required exactly where the config has it.
 """
 
 from __future__ import annotations
@@ -320,3 +322,27 @@ def test_an_mlp_type_the_record_has_nowhere_is_refused_by_name(tmp_path: Path) -
         ValueError, match=r"layer 0 is of kind 'linear_attention/dense' and needs a 'dense' MLP"
     ):
         entry.load_runner(changed)
+
+
+def test_a_layers_indexer_is_required_where_its_config_has_one(tmp_path: Path) -> None:
+    """GLM-5.3-Flash with its indexed layers' ``indexer_types`` re-dealt: the dense indexed
+    layer now runs its own indexer (its recorded kind had none) and a sparse one shares (its
+    kind had one); the checkpoint loads and every layer matches HF."""
+    from resin.evals.parity import run_parity
+    from resin.registry import ModelRegistry
+
+    changed = _repaired_checkpoint(
+        tmp_path,
+        "glm5_flash",
+        {
+            "layer_types": ["indexed_attention", "indexed_attention", "linear_attention"]
+            + ["indexed_attention", "indexed_attention"],
+            "indexer_types": ["full", "shared", "full", "full", "shared"],
+            "mlp_layer_types": ["dense", "sparse", "sparse", "dense", "sparse"],
+        },
+    )
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
+    report = run_parity(
+        changed, runner_factory=lambda path: entry.load_runner(path), checks=("layers",)
+    )
+    assert report.passed, report.summary()

@@ -337,6 +337,32 @@ def kind_tensors(record: ModelRecord, kind: str, own: tuple[str, ...] = ()) -> l
 MLP_CHILDREN = ("mlp", "block_sparse_moe", "ffn", "feed_forward")
 
 
+# Sub-modules a layer has or lacks by its config rather than by its kind: prefix (relative to
+# the layer) -> whether layer ``index`` of ``config`` has it. GLM-5.3-Flash's indexer: a
+# ``shared`` entry of ``indexer_types`` reuses the previous layer's selection and has none.
+CONFIG_SUBMODULES: dict[str, Callable[[Any, int], bool]] = {
+    "self_attn.indexer.": lambda config, index: layer_caches.runs_own_indexer(config, index),
+}
+
+
+def layer_tensors(record: ModelRecord, args: Any, index: int, kind: str) -> list[str]:
+    """Tensor patterns layer ``index`` (of ``kind``) of checkpoint ``args`` must have: its kind's
+    (:func:`kind_tensors`), less a :data:`CONFIG_SUBMODULES` sub-module its config says it
+    lacks, plus one it says it has that its kind lacks (taken from the recorded kinds of its
+    layer type: a checkpoint may give a layer an indexer where the source model's layer of that
+    kind had none)."""
+    tensors = set(kind_tensors(record, kind))
+    layer_type = kind.split("/", 1)[0]
+    for prefix, has in CONFIG_SUBMODULES.items():
+        if not has(args, index):
+            tensors = {t for t in tensors if not t.startswith(prefix)}
+        elif not any(t.startswith(prefix) for t in tensors):
+            for other, entry in record.layer_kinds.items():
+                if other.split("/", 1)[0] == layer_type:
+                    tensors |= {t for t in entry.get("tensors", []) if t.startswith(prefix)}
+    return sorted(tensors)
+
+
 def kind_classes(record: ModelRecord, kind: str, what: str = "a layer") -> dict[str, Any]:
     """Decoder and child classes of a layer of ``kind``: its own record entry, else composed
     (:func:`kind_tensors`): those of a layer of the same layer type, the MLP child from one of
@@ -575,7 +601,7 @@ class ModelDirRunner(PagedRunner):
                 definition, shard, parallel[2], moe, data_parallel=parallel[5]
             )
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
-        required = [kind_tensors(record, k) for k in kinds]
+        required = [layer_tensors(record, args, i, k) for i, k in enumerate(kinds)]
         if num_mtp:
             kind = mtp_kind(blocks, args)
             assert kind is not None
