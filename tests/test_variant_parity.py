@@ -2,8 +2,8 @@
 transformers): RoPE scaling — a tiny Llama with llama3 scaling and a tiny Qwen2 with YaRN, with
 prompts past `original_max_position_embeddings` — Qwen3-MoE routing without
 renormalisation (`norm_topk_prob=False`; the fixtures cover the renormalised case), the gated
-MLP's `hidden_act` (GELU variants in a dense and a MoE model; one the MLP does not compute is
-refused at load, never run as SiLU), and a sliding window smaller than the prompts through
+MLP's `hidden_act` (GELU variants in a dense and a MoE model, on the torch and the MLX runner;
+one the MLP does not compute is refused at load, never run as SiLU), and a sliding window smaller than the prompts through
 every greedy stage (the preemption stage must still force a preemption)."""
 
 from pathlib import Path
@@ -125,3 +125,21 @@ def test_a_window_smaller_than_the_prompts_passes_every_greedy_stage(tmp_path: P
     assert report.passed, report.summary()
     stage = next(s for s in report.stages if s.name == "greedy/preemption")
     assert stage.metrics["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("kind", ["act_gelu_pytorch_tanh", "moe_gelu"])
+def test_the_mlx_runners_gated_mlp_computes_the_configs_hidden_act(
+    tmp_path: Path, kind: str
+) -> None:
+    pytest.importorskip("mlx.core")
+    from resin.runners.mlx.runner import MlxRunner
+
+    model_dir = save_tiny(tmp_path, kind)
+    report = run_parity(
+        model_dir,
+        runner_factory=MlxRunner.from_pretrained,
+        runner_name="mlx",
+        prompts=PROMPTS,
+        checks=("layers",),
+    )
+    assert report.passed, report.summary()

@@ -5,7 +5,7 @@ runner (:mod:`resin.runners.torch.layers`) and transformers' modeling code, so f
 rounding: RMSNorm (fp32 normalisation, cast back, then the weight), rotary tables at arbitrary
 positions from :func:`resin.loading.rope_inv_freq`'s inverse frequencies (every RoPE variant
 ``resin.loading`` parses: default, linear, llama3, yarn; no second copy of that parsing), the
-half-split rotation, the SwiGLU MLP and top-k softmax-routed MoE (Qwen3-MoE with and without
+half-split rotation, the gated MLP (the config's ``hidden_act``) and top-k softmax-routed MoE (Qwen3-MoE with and without
 ``norm_topk_prob``, Mixtral). Arrays are token-major: ``[T, ...]`` with T = tokens in the step.
 
 MoE experts run with :func:`mlx.core.gather_mm` on the experts' stacked weights: each token
@@ -14,6 +14,8 @@ loops over experts on the host instead; the sums are the same).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -58,6 +60,31 @@ def silu(x: mx.array) -> mx.array:
     bf16 / fp16 (MLX's half-precision sigmoid rounds differently)."""
     x32 = x.astype(mx.float32)
     return (x32 * mx.sigmoid(x32)).astype(x.dtype)
+
+
+Activation = Callable[[mx.array], mx.array]
+
+
+def _in_fp32(fn: Activation) -> Activation:
+    """``fn`` computed in fp32 and rounded once to the input's dtype (as torch's activations)."""
+    return lambda x: fn(x.astype(mx.float32)).astype(x.dtype)
+
+
+# ``hidden_act`` values the gated MLP computes (the torch runner's ``GATE_ACTIVATIONS``), each
+# in fp32, rounded once.
+GATE_ACTIVATIONS: dict[str, Activation] = {
+    "silu": silu,
+    "swish": silu,
+    "gelu": _in_fp32(lambda x: 0.5 * x * (1.0 + mx.erf(x * (2.0**-0.5)))),
+    "gelu_pytorch_tanh": _in_fp32(
+        lambda x: 0.5 * x * (1.0 + mx.tanh((2.0 / np.pi) ** 0.5 * (x + 0.044715 * x**3)))
+    ),
+    "gelu_new": _in_fp32(
+        lambda x: 0.5 * x * (1.0 + mx.tanh((2.0 / np.pi) ** 0.5 * (x + 0.044715 * x**3)))
+    ),
+    "quick_gelu": _in_fp32(lambda x: x * mx.sigmoid(1.702 * x)),
+    "relu": lambda x: mx.maximum(x, 0),
+}
 
 
 def sigmoid(x: mx.array) -> mx.array:
@@ -114,9 +141,10 @@ def swiglu_mlp(
     gate_b: mx.array | None = None,
     up_b: mx.array | None = None,
     down_b: mx.array | None = None,
+    activation: Activation = silu,
 ) -> mx.array:
-    """``down(silu(gate(x)) * up(x))``."""
-    return linear(silu(linear(x, gate_w, gate_b)) * linear(x, up_w, up_b), down_w, down_b)
+    """``down(act(gate(x)) * up(x))``, ``act`` SiLU unless given (:data:`GATE_ACTIVATIONS`)."""
+    return linear(activation(linear(x, gate_w, gate_b)) * linear(x, up_w, up_b), down_w, down_b)
 
 
 def top_k_indices(scores: mx.array, k: int) -> mx.array:
@@ -165,8 +193,9 @@ def moe_mlp(
     down: mx.array,
     num_experts_per_tok: int,
     norm_topk_prob: bool,
+    activation: Activation = silu,
 ) -> mx.array:
-    """Top-k routed SwiGLU experts, as ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``:
+    """Top-k routed gated experts (``activation`` SiLU unless given), as ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``:
     softmax over all router logits in fp32, keep the top k, renormalise iff
     ``norm_topk_prob``, cast the weights to ``x``'s dtype, weight each chosen expert's output
     and sum. ``router`` [E, hidden]; ``gate_up`` [E, hidden, 2 * width] (each expert's gate
@@ -179,5 +208,5 @@ def moe_mlp(
     weights = weights.astype(x.dtype)
     h = gathered_matmul(x[:, None, None, :], gate_up, experts)  # [T, k, 1, 2 * width]
     gate, up = mx.split(h, 2, axis=-1)
-    y = gathered_matmul(silu(gate) * up, down, experts)[:, :, 0, :]  # [T, k, hidden]
+    y = gathered_matmul(activation(gate) * up, down, experts)[:, :, 0, :]  # [T, k, hidden]
     return mx.sum(y * weights[..., None], axis=1)

@@ -18,6 +18,8 @@ import mlx.core as mx
 from resin.loading import ModelConfig, rope_inv_freq
 from resin.loading.weights import expected_tensor_shapes, moe_expert_names, moe_router_name
 from resin.runners.mlx.layers import (
+    GATE_ACTIVATIONS,
+    Activation,
     RotaryTable,
     apply_rotary,
     linear,
@@ -55,8 +57,20 @@ def gqa_attention_block(x: mx.array, w: Weights, ctx: LayerStep) -> mx.array:
     return linear(out.reshape(num_tokens, -1), w["o_proj.weight"], w.get("o_proj.bias"))
 
 
+def gate_activation(hidden_act: str) -> Activation:
+    """The gated MLP's activation for ``hidden_act``; ``ValueError`` naming the supported ones
+    for any other."""
+    try:
+        return GATE_ACTIVATIONS[hidden_act]
+    except KeyError:
+        raise ValueError(
+            f"hidden_act {hidden_act!r} is not supported by the gated MLP; "
+            f"supported: {', '.join(GATE_ACTIVATIONS)}"
+        ) from None
+
+
 def swiglu_mlp_block(x: mx.array, w: Weights, ctx: LayerStep) -> mx.array:
-    """``down(silu(gate(x)) * up(x))`` with optional biases."""
+    """``down(act(gate(x)) * up(x))`` with optional biases; ``act`` the config's ``hidden_act``."""
     return swiglu_mlp(
         x,
         w["gate_proj.weight"],
@@ -65,6 +79,7 @@ def swiglu_mlp_block(x: mx.array, w: Weights, ctx: LayerStep) -> mx.array:
         w.get("gate_proj.bias"),
         w.get("up_proj.bias"),
         w.get("down_proj.bias"),
+        activation=gate_activation(ctx.config.hidden_act),
     )
 
 
@@ -73,19 +88,20 @@ def topk_moe_block(x: mx.array, w: Weights, ctx: LayerStep) -> mx.array:
     ``gate_up`` [E, hidden, 2 * width], ``down`` [E, width, hidden])."""
     moe = ctx.config.moe
     return moe_mlp(
-        x, w["router"], w["gate_up"], w["down"], moe.num_experts_per_tok, moe.norm_topk_prob
+        x,
+        w["router"],
+        w["gate_up"],
+        w["down"],
+        moe.num_experts_per_tok,
+        moe.norm_topk_prob,
+        activation=gate_activation(ctx.config.hidden_act),
     )
 
 
 def llama_family_model(model_dir: str | Path, config: ModelConfig, dtype: mx.Dtype) -> MlxModel:
-    """Load a built-in-family checkpoint as an :class:`MlxModel` in ``dtype``. Its MLP is
-    SiLU-gated only: another ``hidden_act`` is refused here, at load (the torch runner
-    computes the others)."""
-    if config.hidden_act not in ("silu", "swish"):
-        raise NotImplementedError(
-            f"the MLX runner's MLP is SiLU-gated only; hidden_act {config.hidden_act!r} "
-            "runs on the torch runner"
-        )
+    """Load a built-in-family checkpoint as an :class:`MlxModel` in ``dtype``. A
+    ``hidden_act`` the gated MLP does not compute is refused here, at load."""
+    gate_activation(config.hidden_act)
     expected = expected_tensor_shapes(config)
     flat = load_tensors(
         model_dir,
