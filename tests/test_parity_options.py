@@ -213,3 +213,12 @@ def test_parity_toml_greedy_reference_is_validated(tmp_path: Path) -> None:
     (model_dir / "parity.toml").write_text(text)
     with pytest.raises(ModelRefError, match="greedy"):
         parity_settings(resolve_model(model_dir))
+
+
+def test_the_python_default_runner_is_the_one_the_cli_checks() -> None:
+    """``run_parity`` without a factory runs the built-in runner on the parity attention backend,
+    as ``resin eval parity`` does (not a server's faster default)."""
+    from resin.evals.parity import default_runner_factory
+    from resin.runners.torch.attention import PARITY_BACKEND
+
+    assert default_runner_factory(FIXTURES / "llama").attention_backend.name == PARITY_BACKEND

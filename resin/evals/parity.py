@@ -187,12 +187,17 @@ def _encode_prompts(model_dir: Path, prompts: Sequence[str | Sequence[int]]) -> 
 
 
 def default_runner_factory(model_dir: str | Path, dtype: str = "float32") -> Any:
-    """The torch reference runner on CPU, in ``dtype``."""
+    """The torch reference runner on CPU, in ``dtype``, on the parity attention backend
+    (``PARITY_BACKEND``, as ``resin eval parity`` runs it; a server's default backend is
+    another)."""
     import torch
 
     from resin.runners.torch import TorchRunner
+    from resin.runners.torch.attention import PARITY_BACKEND
 
-    return TorchRunner.from_pretrained(model_dir, device="cpu", dtype=getattr(torch, dtype))
+    return TorchRunner.from_pretrained(
+        model_dir, device="cpu", dtype=getattr(torch, dtype), attention_backend=PARITY_BACKEND
+    )
 
 
 def load_hf_model(model_dir: str | Path, dtype: str = "float32") -> Any:
