@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,7 +85,8 @@ def test_swiglu_block_through_the_hook_is_swiglu_mlp() -> None:
         None,
         w["up_proj.bias"],
     )
-    assert torch.equal(swiglu_mlp_block(x, w, None), expected)  # type: ignore[arg-type]
+    ctx = SimpleNamespace(config={})  # no hidden_act: SiLU, as swiglu_mlp's default
+    assert torch.equal(swiglu_mlp_block(x, w, ctx), expected)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not HAS_CUTLASS, reason="needs nvidia-cutlass-dsl")
