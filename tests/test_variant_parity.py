@@ -3,10 +3,14 @@ transformers): RoPE scaling — a tiny Llama with llama3 scaling and a tiny Qwen
 prompts past `original_max_position_embeddings` — Qwen3-MoE routing without
 renormalisation (`norm_topk_prob=False`; the fixtures cover the renormalised case), the gated
 MLP's `hidden_act` (GELU variants in a dense and a MoE model, on the torch and the MLX runner;
-one the MLP does not compute is refused at load, never run as SiLU), and a sliding window smaller than the prompts through
-every greedy stage (the preemption stage must still force a preemption)."""
+one the MLP does not compute is refused at load, never run as SiLU), a sliding window smaller than the prompts through
+every greedy stage (the preemption stage must still force a preemption), and the fast
+attention backend in bf16 checked against HF's SDPA attention, which computes like it (against
+HF's eager attention, whose bf16 roundings it does not make, it departs past the tolerance)."""
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -143,3 +147,35 @@ def test_the_mlx_runners_gated_mlp_computes_the_configs_hidden_act(
         checks=("layers",),
     )
     assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("kind", ["llama3", "act_gelu_new"])
+def test_the_torch_backend_in_bf16_is_checked_against_hfs_sdpa(tmp_path: Path, kind: str) -> None:
+    from resin.runners.torch import TorchRunner
+
+    model_dir = save_tiny(tmp_path, kind)
+
+    def runner(backend: str) -> Callable[[str], Any]:
+        return lambda path: TorchRunner.from_pretrained(
+            path, attention_backend=backend, dtype=torch.bfloat16
+        )
+
+    fast = run_parity(
+        model_dir, runner("torch"), prompts=PROMPTS, dtype="bfloat16", checks=("layers",)
+    )
+    assert fast.hf_attention == "sdpa" and fast.passed, fast.summary()
+    against_eager = run_parity(
+        model_dir,
+        runner("torch"),
+        prompts=PROMPTS,
+        dtype="bfloat16",
+        checks=("layers",),
+        hf_attention="eager",
+    )
+    assert against_eager.hf_attention == "eager"
+    reference = run_parity(
+        model_dir, runner("reference"), prompts=PROMPTS, dtype="bfloat16", checks=("layers",)
+    )
+    assert reference.hf_attention == "eager" and reference.passed, reference.summary()
+    # The reference backend rounds where HF's eager attention does: bit for bit.
+    assert max(row["scaled_diff"] for row in reference.layers) == 0.0

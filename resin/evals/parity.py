@@ -98,6 +98,8 @@ class ParityReport:
     # What the harness found about the reference itself (HF's cached decode departing from its
     # full forward): notes for the HF maintainers, not failures of the runner.
     reference_findings: list[dict[str, Any]] = field(default_factory=list)
+    # HF's attention implementation the reference ran (:func:`hf_attention_for`).
+    hf_attention: str = "eager"
 
     @property
     def passed(self) -> bool:
@@ -127,6 +129,7 @@ class ParityReport:
             "stages": [asdict(s) for s in self.stages],
             "reference_error": self.reference_error,
             "reference_findings": self.reference_findings,
+            "hf_attention": self.hf_attention,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -135,7 +138,7 @@ class ParityReport:
     def summary(self) -> str:
         lines = [
             f"parity {'PASS' if self.passed else 'FAIL'}: {self.model_dir} "
-            f"(runner {self.runner}, {self.dtype})"
+            f"(runner {self.runner}, {self.dtype}, HF {self.hf_attention} attention)"
         ]
         for s in self.stages:
             line = f"  [{'pass' if s.passed else 'FAIL'}] {s.name}: {s.detail}"
@@ -200,16 +203,39 @@ def default_runner_factory(model_dir: str | Path, dtype: str = "float32") -> Any
     )
 
 
-def load_hf_model(model_dir: str | Path, dtype: str = "float32") -> Any:
-    """The HF reference: eager attention, CPU, eval mode, in ``dtype`` (the runner's). The
-    causal-LM class, else a wrapper's image-text-to-text class
-    (:func:`resin.scaffold.hf_model.from_pretrained`)."""
+def load_hf_model(model_dir: str | Path, dtype: str = "float32", attention: str = "eager") -> Any:
+    """The HF reference: CPU, eval mode, in ``dtype`` (the runner's), with HF's ``attention``
+    implementation (``eager`` or ``sdpa``: :func:`hf_attention_for`). The causal-LM class, else
+    a wrapper's image-text-to-text class (:func:`resin.scaffold.hf_model.from_pretrained`)."""
     import torch
 
     from resin.scaffold.hf_model import from_pretrained
 
-    model = from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="eager")
+    model = from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation=attention)
     return model.eval()
+
+
+HF_ATTENTION = ("auto", "eager", "sdpa")
+
+
+def hf_attention_for(runner: Any, requested: str = "auto") -> str:
+    """Which of HF's attention implementations the reference runs for ``runner``: ``requested``
+    unless ``auto``. ``auto``: ``sdpa`` for a built-in-family torch runner on a backend other
+    than the parity one (``torch``, ``triton``, ``flashinfer``: each computes the softmax and
+    both products with float32 accumulation, rounding once, as torch's SDPA, HF's default,
+    does; HF's ``eager`` rounds the scores and the probabilities to the runner's dtype on
+    the way, which in bf16 is a different answer, not a more exact one); ``eager`` otherwise
+    (the reference backend mirrors eager op for op, and model directories and MLX are checked
+    against eager, whose masks carry every model's features: sinks, softcapping)."""
+    if requested not in HF_ATTENTION:
+        raise ValueError(f"hf_attention {requested!r}: expected one of {HF_ATTENTION}")
+    if requested != "auto":
+        return requested
+    from resin.runners.torch import TorchRunner
+    from resin.runners.torch.attention import PARITY_BACKEND
+
+    backend = getattr(getattr(runner, "attention_backend", None), "name", PARITY_BACKEND)
+    return "sdpa" if type(runner) is TorchRunner and backend != PARITY_BACKEND else "eager"
 
 
 def hf_vocab_size(model: Any) -> int:
@@ -446,18 +472,19 @@ def compare_logits(
     )
 
 
-_HF_CACHE: dict[tuple[str, float, str], Any] = {}
+_HF_CACHE: dict[tuple[str, float, str, str], Any] = {}
 _REFERENCE_CACHE: dict[tuple[Any, ...], GreedyReference] = {}
 
 
-def _cached_hf_model(model_dir: Path, dtype: str) -> Any:
+def _cached_hf_model(model_dir: Path, dtype: str, attention: str = "eager") -> Any:
     """HF models are read-only here, so one load per checkpoint (path + mtime) per process."""
     stamp = max(f.stat().st_mtime for f in model_dir.iterdir())
-    key = (str(model_dir.resolve()), stamp, dtype)
+    key = (str(model_dir.resolve()), stamp, dtype, attention)
     if key not in _HF_CACHE:
         _HF_CACHE.clear()
         _REFERENCE_CACHE.clear()
-        _HF_CACHE[key] = load_hf_model(model_dir, dtype)
+        extra = {} if attention == "eager" else {"attention": attention}
+        _HF_CACHE[key] = load_hf_model(model_dir, dtype, **extra)
     return _HF_CACHE[key]
 
 
@@ -471,6 +498,7 @@ def run_parity(
     dtype: str = "float32",
     checks: Sequence[str] = CHECKS,
     greedy_reference: str = "cached",
+    hf_attention: str = "auto",
 ) -> ParityReport:
     """Run the selected ``checks`` (``layers`` includes ``logits``; ``greedy`` = every stress
     stage) and return the report. ``dtype`` is the runner's: the HF reference runs in it and
@@ -483,7 +511,11 @@ def run_parity(
 
     ``greedy_reference``: ``cached`` (HF's incremental decode) or ``full_forward`` (a no-cache
     forward per step: the model's definition). With ``full_forward`` the harness also checks
-    HF's cached decode against it and records any departure in ``reference_findings``."""
+    HF's cached decode against it and records any departure in ``reference_findings``.
+
+    ``hf_attention``: HF's attention implementation for the reference, ``auto`` (the one the
+    runner's attention computes like: :func:`hf_attention_for`), ``eager`` or ``sdpa``; where
+    HF's model has no ``sdpa``, ``eager`` (``report.hf_attention`` says which ran)."""
     import torch
 
     model_dir = Path(model_dir)
@@ -508,6 +540,13 @@ def run_parity(
     vocab_size = hf_vocab_size(hf)
     token_prompts = _encode_prompts(model_dir, prompts) if prompts else default_prompts(vocab_size)
     runner = factory(str(model_dir))
+    attention = hf_attention_for(runner, hf_attention)
+    if attention != "eager":
+        try:
+            hf = _cached_hf_model(model_dir, dtype, attention)
+            report.hf_attention = attention
+        except (ValueError, ImportError):  # HF's model has no such implementation: eager
+            hf = _cached_hf_model(model_dir, dtype)
 
     hf_acts: dict[str, Any] | None = None
     probe = max(token_prompts, key=len)
