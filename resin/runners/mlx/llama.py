@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from resin.loading import ModelConfig, rope_inv_freq
 from resin.loading.weights import expected_tensor_shapes, moe_expert_names, moe_router_name
+from resin.runners import gate_activations
 from resin.runners.mlx.layers import (
     GATE_ACTIVATIONS,
     Activation,
@@ -60,13 +61,7 @@ def gqa_attention_block(x: mx.array, w: Weights, ctx: LayerStep) -> mx.array:
 def gate_activation(hidden_act: str) -> Activation:
     """The gated MLP's activation for ``hidden_act``; ``ValueError`` naming the supported ones
     for any other."""
-    try:
-        return GATE_ACTIVATIONS[hidden_act]
-    except KeyError:
-        raise ValueError(
-            f"hidden_act {hidden_act!r} is not supported by the gated MLP; "
-            f"supported: {', '.join(GATE_ACTIVATIONS)}"
-        ) from None
+    return gate_activations.gate_activation(hidden_act, GATE_ACTIVATIONS)
 
 
 def swiglu_mlp_block(x: mx.array, w: Weights, ctx: LayerStep) -> mx.array:

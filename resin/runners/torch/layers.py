@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from resin import _core, kernels
 from resin.kernels.numpy_view import numpy_view
 from resin.page_views import readable_keys
+from resin.runners import gate_activations
 
 # Re-exported: it lives in resin.sampling_state (numpy, shared with the MLX runner).
 from resin.sampling_state import sampling_rows as sampling_rows
@@ -273,13 +274,7 @@ GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def gate_activation(hidden_act: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The gated MLP's activation for a config's ``hidden_act``; ``ValueError`` naming the
     value and the supported ones for any other (never a silent SiLU)."""
-    try:
-        return GATE_ACTIVATIONS[hidden_act]
-    except KeyError:
-        raise ValueError(
-            f"hidden_act {hidden_act!r} is not supported by the gated MLP; "
-            f"supported: {', '.join(GATE_ACTIVATIONS)}"
-        ) from None
+    return gate_activations.gate_activation(hidden_act, GATE_ACTIVATIONS)
 
 
 def swiglu_mlp(
