@@ -13,7 +13,10 @@
   never paired (DeepSeek-V4 with other ``layer_types`` / ``mlp_layer_types``) runs, composed
   from the recorded kinds, and passes parity; an MLP type the record has nowhere is refused;
   a sub-module present by config, not by kind (GLM-5.3-Flash's indexer, absent where
-  ``indexer_types`` says ``shared``), is required exactly where the config has it.
+  ``indexer_types`` says ``shared``), is required exactly where the config has it;
+- ``hidden_act`` in model directories: Qwen3-Next (experts, shared expert, the linear
+  attention's conv), DeepSeek-V4 and GLM-5.3-Flash (clamped SwiGLU; GLM's routed experts stay
+  SiLU, as HF's) compute the config's activation, as HF's ``ACT2FN[hidden_act]`` does.
 """
 
 from __future__ import annotations
@@ -341,6 +344,28 @@ def test_a_layers_indexer_is_required_where_its_config_has_one(tmp_path: Path) -
             "mlp_layer_types": ["dense", "sparse", "sparse", "dense", "sparse"],
         },
     )
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
+    report = run_parity(
+        changed, runner_factory=lambda path: entry.load_runner(path), checks=("layers",)
+    )
+    assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize(
+    ("model", "hidden_act"),
+    [
+        ("qwen3_next", "gelu_new"),
+        ("deepseek_v4_flash", "gelu_pytorch_tanh"),
+        ("glm5_flash", "gelu"),
+    ],
+)
+def test_model_directories_compute_the_configs_hidden_act(
+    tmp_path: Path, model: str, hidden_act: str
+) -> None:
+    from resin.evals.parity import run_parity
+    from resin.registry import ModelRegistry
+
+    changed = _repaired_checkpoint(tmp_path, model, {"hidden_act": hidden_act})
     entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
     report = run_parity(
         changed, runner_factory=lambda path: entry.load_runner(path), checks=("layers",)

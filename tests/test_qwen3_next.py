@@ -111,7 +111,7 @@ def test_conv_state_not_carried_fails_only_the_engine_stages(
 ) -> None:
     right = blocks.causal_conv
     monkeypatch.setattr(
-        blocks, "causal_conv", lambda x, state, w: right(x, torch.zeros_like(state), w)
+        blocks, "causal_conv", lambda x, state, *rest: right(x, torch.zeros_like(state), *rest)
     )
     report = run_model_parity(resolve_model(MODEL_DIR), dtype="float32")
     assert report.stage("layers").passed  # one prefill from a fresh state cannot see it

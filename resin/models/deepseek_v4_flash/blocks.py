@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from resin.loading.rope import RopeConfig, rope_inv_freq
 from resin.runners.torch.attention import RowHistory
-from resin.runners.torch.blocks import config_value
+from resin.runners.torch.blocks import config_activation, config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.hyper_connections import (
     expand_streams,
@@ -585,6 +585,7 @@ def deepseek_v4_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext)
     scores, renormalised, times ``routed_scaling_factor``."""
     cfg = ctx.config
     top_k, limit = int(cfg.num_experts_per_tok), float(cfg.swiglu_limit)
+    act = config_activation(cfg)  # HF's ACT2FN[hidden_act], SiLU in every released config
     scores = _score(F.linear(x, w["gate.weight"]), str(cfg.scoring_func))
     if "gate.tid2eid" in w:
         experts = w["gate.tid2eid"][ctx.input_ids].long()
@@ -601,14 +602,17 @@ def deepseek_v4_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext)
         token, slot = torch.where(experts == expert)
         e = f"experts.{expert}."
         h = clamped_swiglu(
-            F.linear(x[token], w[e + "w1.weight"]), F.linear(x[token], w[e + "w3.weight"]), limit
+            F.linear(x[token], w[e + "w1.weight"]),
+            F.linear(x[token], w[e + "w3.weight"]),
+            limit,
+            act,
         )
         y = F.linear(h, w[e + "w2.weight"]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     s = "shared_experts."
     shared = F.linear(
         clamped_swiglu(
-            F.linear(x, w[s + "gate_proj.weight"]), F.linear(x, w[s + "up_proj.weight"]), limit
+            F.linear(x, w[s + "gate_proj.weight"]), F.linear(x, w[s + "up_proj.weight"]), limit, act
         ),
         w[s + "down_proj.weight"],
     )

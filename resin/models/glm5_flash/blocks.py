@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from resin.runners.torch.attention import RowHistory
-from resin.runners.torch.blocks import config_value
+from resin.runners.torch.blocks import config_activation, config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.hyper_connections import (
     expand_streams,
@@ -333,15 +333,18 @@ def kda_rule(
 
 
 def causal_conv(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + SiLU for one row (``causal_conv1d_fn`` / ``_update``,
+    """Depthwise causal conv1d + ``activation`` (HF's ``ACT2FN[hidden_act]``) for one row (``causal_conv1d_fn`` / ``_update``,
     M:408-447): ``x`` [L, C], ``conv_state`` [C, K - 1] (zeros for a fresh row = HF's left
     padding), ``weight`` [C, K] (fp32: HF keeps ``conv1d`` fp32). The conv runs in the weight
     dtype; returns (out [L, C] in x's dtype, new state [C, K - 1])."""
     window = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)
     out = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]
-    return F.silu(out).t().to(x.dtype), window[:, -conv_state.shape[-1] :]
+    return activation(out).t().to(x.dtype), window[:, -conv_state.shape[-1] :]
 
 
 def forget_gate(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
@@ -377,6 +380,7 @@ def glm5_next_text_linear_attention(x: torch.Tensor, w: Weights, ctx: LayerConte
         conv_w = w["conv1d.weight"].squeeze(1)
     else:
         conv_w = torch.cat([w[f"{p}_conv1d.weight"].squeeze(1) for p in ("q", "k", "v")], dim=0)
+    act = config_activation(ctx.config)  # the conv's activation: HF's ACT2FN[hidden_act]
     g = forget_gate(x, w, ctx)
     beta = torch.sigmoid(F.linear(x, w["b_proj.weight"]))
     state = ctx.require_state()
@@ -389,7 +393,9 @@ def glm5_next_text_linear_attention(x: torch.Tensor, w: Weights, ctx: LayerConte
         start, end = bounds[row], bounds[row + 1]
         if end == start:
             continue
-        conv_out, states["conv"][row] = causal_conv(mixed[start:end], states["conv"][row], conv_w)
+        conv_out, states["conv"][row] = causal_conv(
+            mixed[start:end], states["conv"][row], conv_w, act
+        )
         q, k, v = (t.reshape(-1, heads, dim) for t in conv_out.split(heads * dim, dim=-1))
         out, states["ssm"][row] = kda_rule(
             q, k, v, g[start:end], beta[start:end], states["ssm"][row]
@@ -592,12 +598,19 @@ def glm5_next_text_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> 
 # -- MLPs -------------------------------------------------------------------------------------
 
 
-def _mlp(x: torch.Tensor, w: Weights, prefix: str, limit: float) -> torch.Tensor:
+def _mlp(
+    x: torch.Tensor,
+    w: Weights,
+    prefix: str,
+    limit: float,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     return F.linear(
         clamped_swiglu(
             F.linear(x, w[f"{prefix}gate_proj.weight"]),
             F.linear(x, w[f"{prefix}up_proj.weight"]),
             limit,
+            act,
         ),
         w[f"{prefix}down_proj.weight"],
     )
@@ -605,7 +618,7 @@ def _mlp(x: torch.Tensor, w: Weights, prefix: str, limit: float) -> torch.Tensor
 
 def glm5_next_text_mlp(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """Glm5NextTextMLP (M:87-106): SwiGLU with ``gate <= swiglu_limit``, ``|up| <= limit``."""
-    return _mlp(x, w, "", float(ctx.config.swiglu_limit))
+    return _mlp(x, w, "", float(ctx.config.swiglu_limit), config_activation(ctx.config))
 
 
 def _expert(w: Weights, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -626,6 +639,7 @@ def glm5_next_text_mo_e(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
     clamped SwiGLU, accumulated in expert order) + the shared experts (clamped SwiGLU MLP)."""
     cfg = ctx.config
     top_k, limit = int(cfg.num_experts_per_tok), float(cfg.swiglu_limit)
+    act = config_activation(cfg)  # the shared experts' (HF's ACT2FN[hidden_act])
     num_experts = w["gate.weight"].shape[0]
     groups, topk_group = (
         int(config_value(cfg, "n_group", 1)),
@@ -653,10 +667,10 @@ def glm5_next_text_mo_e(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
         slot, token = torch.where(experts.t() == e)
         gate_w, up_w, down_w = _expert(w, e)
         gate, up = F.linear(x[token], torch.cat([gate_w, up_w], dim=0)).chunk(2, dim=-1)
-        h = clamped_swiglu(gate, up, limit)
+        h = clamped_swiglu(gate, up, limit)  # SiLU whatever hidden_act says: HF's M:143
         y = F.linear(h, down_w) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
-    return out + _mlp(x, w, "shared_experts.", limit)
+    return out + _mlp(x, w, "shared_experts.", limit, act)
 
 
 # HF class -> block function; the shared runner picks each layer's functions from here.

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from resin.runners.torch.blocks import config_value
+from resin.runners.torch.blocks import config_activation, config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layer_caches import gated_delta_net_dims
 from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
@@ -158,16 +158,19 @@ def gated_delta_rule(
 
 
 def causal_conv(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + SiLU for one row (``causal_conv1d_fn`` / ``_update``,
+    """Depthwise causal conv1d + ``activation`` (HF's ``ACT2FN[hidden_act]``) for one row (``causal_conv1d_fn`` / ``_update``,
     modeling_qwen3_next.py:340-386): ``x`` [L, C] new inputs, ``conv_state`` [C, K - 1] the
     previous inputs (zeros for a fresh row = HF's left padding), ``weight`` [C, K]. The conv
     runs in the weight dtype; returns (out [L, C] in x's dtype, new state [C, K - 1])."""
     window = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)  # [C, K-1+L]
     out = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, L]
     new_state = window[:, -conv_state.shape[-1] :]
-    return F.silu(out).t().to(x.dtype), new_state
+    return activation(out).t().to(x.dtype), new_state
 
 
 def qwen3_next_gated_delta_net(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
@@ -202,6 +205,7 @@ def qwen3_next_gated_delta_net(x: torch.Tensor, w: Weights, ctx: LayerContext) -
     state = ctx.require_state()
     states = state.load()
     conv_w = w["conv1d.weight"].squeeze(1)  # [C, K]
+    act = config_activation(ctx.config)  # the conv's activation: HF's ACT2FN[hidden_act]
     core = x.new_empty(num_tokens, nv, dv)
     if ctx.query_indptr is None:
         raise RuntimeError("qwen3_next: linear_attention needs ctx.query_indptr (rows)")
@@ -210,7 +214,9 @@ def qwen3_next_gated_delta_net(x: torch.Tensor, w: Weights, ctx: LayerContext) -
         start, end = bounds[row], bounds[row + 1]
         if end == start:
             continue
-        conv_out, states["conv"][row] = causal_conv(mixed[start:end], states["conv"][row], conv_w)
+        conv_out, states["conv"][row] = causal_conv(
+            mixed[start:end], states["conv"][row], conv_w, act
+        )
         rq, rk, rv = torch.split(conv_out, [d["key_dim"], d["key_dim"], d["value_dim"]], dim=-1)
         rq = rq.reshape(-1, nk, dk).repeat_interleave(r, dim=1)
         rk = rk.reshape(-1, nk, dk).repeat_interleave(r, dim=1)
@@ -255,6 +261,7 @@ def qwen3_next_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext) 
     if bool(config_value(ctx.config, "norm_topk_prob", True)):
         top_values = top_values / top_values.sum(dim=-1, keepdim=True)
     top_values = top_values.to(router_logits.dtype)
+    act = config_activation(ctx.config)  # HF's ACT2FN[hidden_act]
     out = torch.zeros_like(x)
     for e in range(w["gate.weight"].shape[0]):
         token, slot = torch.where(top_experts == e)
@@ -262,10 +269,10 @@ def qwen3_next_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext) 
             continue
         gate_up, down = _expert(w, e)
         gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down) * top_values[token, slot, None]
+        y = F.linear(act(gate) * up, down) * top_values[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     shared = F.linear(
-        F.silu(F.linear(x, w["shared_expert.gate_proj.weight"]))
+        act(F.linear(x, w["shared_expert.gate_proj.weight"]))
         * F.linear(x, w["shared_expert.up_proj.weight"]),
         w["shared_expert.down_proj.weight"],
     )

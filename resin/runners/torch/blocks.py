@@ -41,6 +41,12 @@ def config_value(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def config_activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gated MLP's activation for ``config``'s ``hidden_act`` (SiLU when it has none);
+    ``ValueError`` for one Resin does not compute (:func:`.layers.gate_activation`)."""
+    return gate_activation(config_value(config, "hidden_act", "silu"))
+
+
 def rms_norm_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """``LlamaRMSNorm``: fp32 normalisation, cast back, then the weight."""
     return rms_norm(x, w["weight"], float(config_value(ctx.config, "rms_norm_eps")))
@@ -75,7 +81,7 @@ def swiglu_mlp_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
         w.get("gate_proj.bias"),
         w.get("up_proj.bias"),
         w.get("down_proj.bias"),
-        activation=gate_activation(config_value(ctx.config, "hidden_act", "silu")),
+        activation=config_activation(ctx.config),
     )
 
 
@@ -108,7 +114,7 @@ def topk_moe_block(
             num_experts_per_tok=num_experts_per_tok
             or int(config_value(ctx.config, "num_experts_per_tok")),
             norm_topk_prob=norm,
-            activation=gate_activation(config_value(ctx.config, "hidden_act", "silu")),
+            activation=config_activation(ctx.config),
         )
         return moe_mlp(x, moe)
 

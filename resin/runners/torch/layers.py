@@ -352,10 +352,16 @@ class SequenceView:
     key_positions: torch.Tensor | None = None
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def clamped_swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    limit: float,
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
     """SwiGLU with the gate clamped from above and the up projection to ``[-limit, limit]``
-    (DeepSeek-V4, GLM-5.3-Flash)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    (DeepSeek-V4, GLM-5.3-Flash); ``activation`` the config's ``hidden_act``
+    (:func:`gate_activation`), SiLU by default."""
+    return activation(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
