@@ -138,7 +138,9 @@ class ParityReport:
     def summary(self) -> str:
         lines = [
             f"parity {'PASS' if self.passed else 'FAIL'}: {self.model_dir} "
-            f"(runner {self.runner}, {self.dtype}, HF {self.hf_attention} attention)"
+            f"(runner {self.runner}, {self.dtype}"
+            + ("" if self.hf_attention == "eager" else f", HF {self.hf_attention} attention")
+            + ")"
         ]
         for s in self.stages:
             line = f"  [{'pass' if s.passed else 'FAIL'}] {s.name}: {s.detail}"
@@ -488,6 +490,18 @@ def _cached_hf_model(model_dir: Path, dtype: str, attention: str = "eager") -> A
     return _HF_CACHE[key]
 
 
+def _reference_model(model_dir: Path, dtype: str, attention: str) -> tuple[Any, str]:
+    """(the HF reference, its attention): with ``attention``, or with ``eager`` where HF's model
+    cannot load with it (no sdpa for its attention); one model held at a time
+    (:func:`_cached_hf_model`)."""
+    if attention != "eager":
+        try:
+            return _cached_hf_model(model_dir, dtype, attention), attention
+        except Exception:  # noqa: BLE001 - no such implementation for this model: eager
+            pass
+    return _cached_hf_model(model_dir, dtype), "eager"
+
+
 def run_parity(
     model_dir: str | Path,
     runner_factory: Callable[[str], Any] | None = None,
@@ -539,14 +553,12 @@ def run_parity(
         return report
     vocab_size = hf_vocab_size(hf)
     token_prompts = _encode_prompts(model_dir, prompts) if prompts else default_prompts(vocab_size)
-    runner = factory(str(model_dir))
+    runner = factory(str(model_dir))  # (after the reference loads: never for an unusable one)
     attention = hf_attention_for(runner, hf_attention)
     if attention != "eager":
-        try:
-            hf = _cached_hf_model(model_dir, dtype, attention)
-            report.hf_attention = attention
-        except (ValueError, ImportError):  # HF's model has no such implementation: eager
-            hf = _cached_hf_model(model_dir, dtype)
+        hf = None  # one HF model held at a time: the eager one goes before the other loads
+        _HF_CACHE.clear()
+        hf, report.hf_attention = _reference_model(model_dir, dtype, attention)
 
     hf_acts: dict[str, Any] | None = None
     probe = max(token_prompts, key=len)
