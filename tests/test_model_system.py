@@ -349,6 +349,20 @@ def test_a_layers_indexer_is_required_where_its_config_has_one(tmp_path: Path) -
         changed, runner_factory=lambda path: entry.load_runner(path), checks=("layers",)
     )
     assert report.passed, report.summary()
+    # Layer 0 (dense, indexer "full") without its indexer: refused, naming the tensors.
+    from safetensors.torch import load_file, save_file
+
+    from resin.loading.weights import WeightsError
+
+    tensors = load_file(str(changed / "model.safetensors"))
+    prefix = "model.language_model.layers.0.self_attn.indexer."
+    if not any(k.startswith(prefix) for k in tensors):
+        prefix = "model.layers.0.self_attn.indexer."
+    stripped = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
+    assert len(stripped) < len(tensors)
+    save_file(stripped, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightsError, match=r"layer 0 is missing tensor\(s\) .*indexer"):
+        entry.load_runner(changed)
 
 
 @pytest.mark.parametrize(

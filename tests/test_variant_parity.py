@@ -172,10 +172,36 @@ def test_the_torch_backend_in_bf16_is_checked_against_hfs_sdpa(tmp_path: Path, k
         checks=("layers",),
         hf_attention="eager",
     )
-    assert against_eager.hf_attention == "eager"
+    assert against_eager.hf_attention == "eager" and not against_eager.passed
     reference = run_parity(
         model_dir, runner("reference"), prompts=PROMPTS, dtype="bfloat16", checks=("layers",)
     )
     assert reference.hf_attention == "eager" and reference.passed, reference.summary()
     # The reference backend rounds where HF's eager attention does: bit for bit.
     assert max(row["scaled_diff"] for row in reference.layers) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_gate_activation_is_transformers_own_bit_for_bit(dtype: torch.dtype) -> None:
+    from transformers.activations import ACT2FN
+
+    from resin.runners.torch.layers import GATE_ACTIVATIONS
+
+    x = torch.linspace(-8.0, 8.0, 4001).to(dtype)
+    for name, fn in GATE_ACTIVATIONS.items():
+        assert torch.equal(fn(x), ACT2FN[name](x)), name
+
+
+def test_the_mlx_runner_computes_the_same_activations() -> None:
+    pytest.importorskip("mlx.core")
+    import mlx.core as mx
+    import numpy as np
+
+    from resin.runners.mlx.layers import GATE_ACTIVATIONS as MLX_ACTIVATIONS
+    from resin.runners.torch.layers import GATE_ACTIVATIONS
+
+    assert list(MLX_ACTIVATIONS) == list(GATE_ACTIVATIONS)
+    x = np.linspace(-8.0, 8.0, 4001, dtype=np.float32)
+    for name, fn in MLX_ACTIVATIONS.items():
+        want = GATE_ACTIVATIONS[name](torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(np.array(fn(mx.array(x))), want, rtol=2e-6, atol=2e-6, err_msg=name)

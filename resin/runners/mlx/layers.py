@@ -66,22 +66,25 @@ Activation = Callable[[mx.array], mx.array]
 
 
 def _in_fp32(fn: Activation) -> Activation:
-    """``fn`` computed in fp32 and rounded once to the input's dtype (as torch's activations)."""
+    """``fn`` computed in fp32 and rounded once to the input's dtype (as torch's ``F.gelu`` and
+    ``F.silu`` do for half precision)."""
     return lambda x: fn(x.astype(mx.float32)).astype(x.dtype)
 
 
-# ``hidden_act`` values the gated MLP computes (the torch runner's ``GATE_ACTIVATIONS``), each
-# in fp32, rounded once.
+_gelu_tanh = _in_fp32(
+    lambda x: 0.5 * x * (1.0 + mx.tanh((2.0 / np.pi) ** 0.5 * (x + 0.044715 * x**3)))
+)
+
+# ``hidden_act`` values the gated MLP computes (the torch runner's ``GATE_ACTIVATIONS``, the
+# same names), each in fp32 and rounded once. In bf16 / fp16 that is torch's rounding for
+# ``gelu``, ``gelu_pytorch_tanh`` and ``silu``; transformers' ``gelu_new`` and ``quick_gelu``
+# round after each op in the input dtype instead, so there they can differ by an ulp.
 GATE_ACTIVATIONS: dict[str, Activation] = {
     "silu": silu,
     "swish": silu,
     "gelu": _in_fp32(lambda x: 0.5 * x * (1.0 + mx.erf(x * (2.0**-0.5)))),
-    "gelu_pytorch_tanh": _in_fp32(
-        lambda x: 0.5 * x * (1.0 + mx.tanh((2.0 / np.pi) ** 0.5 * (x + 0.044715 * x**3)))
-    ),
-    "gelu_new": _in_fp32(
-        lambda x: 0.5 * x * (1.0 + mx.tanh((2.0 / np.pi) ** 0.5 * (x + 0.044715 * x**3)))
-    ),
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
     "quick_gelu": _in_fp32(lambda x: x * mx.sigmoid(1.702 * x)),
     "relu": lambda x: mx.maximum(x, 0),
 }

@@ -303,7 +303,7 @@ def _kind_parts(
     ``ValueError`` naming ``what`` has the kind when either is empty (no layer to take that
     part from)."""
     layer_type, mlp_type = kind.split("/", 1)
-    of_type = [k for k in record.layer_kinds if k.split("/", 1)[0] == layer_type]
+    of_type = _same_layer_type(record, kind)
     of_mlp = [k for k in record.layer_kinds if k.split("/", 1)[1] == mlp_type]
     if not of_type or not of_mlp:
         missing = f"layer type {layer_type!r}" if not of_type else f"{mlp_type!r} MLP"
@@ -315,26 +315,34 @@ def _kind_parts(
     return of_type, of_mlp
 
 
+# A layer's MLP sub-module, by its first name component (HF child or checkpoint prefix):
+# a tensor under one of these belongs to the layer's MLP type, any other to its layer type.
+MLP_CHILDREN = ("mlp", "block_sparse_moe", "ffn", "feed_forward")
+
+
+def _is_mlp_tensor(relative: str) -> bool:
+    return relative.split(".", 1)[0] in MLP_CHILDREN
+
+
 def kind_tensors(record: ModelRecord, kind: str, own: tuple[str, ...] = ()) -> list[str]:
     """Tensor patterns (relative to the layer) a layer of ``kind`` must have. A kind the record
     has lists its own. Another is composed from the record (a checkpoint that pairs a layer
     type and an MLP type its source model never paired, as DeepSeek-V4's MTP layer does —
-    sliding-window with a top-k MoE — or a config with other ``mlp_layer_types``): what every
-    kind of its layer type and every kind of its MLP type have, plus what only kinds of its
-    layer type (or only of its MLP type) have; and the layer's ``own`` tensors."""
+    sliding-window with a top-k MoE — or a config with other ``mlp_layer_types``): the
+    tensors outside the MLP that every kind of its layer type has, and the MLP's that every
+    kind of its MLP type has; and the layer's ``own`` tensors."""
     if kind in record.layer_kinds:
         return sorted(set(record.layer_kinds[kind].get("tensors", [])) | set(own))
     of_type, of_mlp = _kind_parts(record, kind)
-    tensors = {k: set(v.get("tensors", [])) for k, v in record.layer_kinds.items()}
-    others_type = set().union(*[t for k, t in tensors.items() if k not in of_type])
-    others_mlp = set().union(*[t for k, t in tensors.items() if k not in of_mlp])
-    type_all = set.intersection(*[tensors[k] for k in of_type])
-    mlp_all = set.intersection(*[tensors[k] for k in of_mlp])
-    required = (type_all & mlp_all) | (type_all - others_type) | (mlp_all - others_mlp)
-    return sorted(required | set(own))
 
+    def common(kinds: list[str], mlp: bool) -> set[str]:
+        parts = [
+            {t for t in record.layer_kinds[k].get("tensors", []) if _is_mlp_tensor(t) == mlp}
+            for k in kinds
+        ]
+        return set.intersection(*parts)
 
-MLP_CHILDREN = ("mlp", "block_sparse_moe", "ffn", "feed_forward")
+    return sorted(common(of_type, mlp=False) | common(of_mlp, mlp=True) | set(own))
 
 
 # Sub-modules a layer has or lacks by its config rather than by its kind: prefix (relative to
@@ -345,22 +353,29 @@ CONFIG_SUBMODULES: dict[str, Callable[[Any, int], bool]] = {
 }
 
 
-def layer_tensors(record: ModelRecord, args: Any, index: int, kind: str) -> list[str]:
-    """Tensor patterns layer ``index`` (of ``kind``) of checkpoint ``args`` must have: its kind's
-    (:func:`kind_tensors`), less a :data:`CONFIG_SUBMODULES` sub-module its config says it
-    lacks, plus one it says it has that its kind lacks (taken from the recorded kinds of its
-    layer type: a checkpoint may give a layer an indexer where the source model's layer of that
-    kind had none)."""
-    tensors = set(kind_tensors(record, kind))
-    layer_type = kind.split("/", 1)[0]
+def layer_tensors(
+    record: ModelRecord, args: Any, index: int, kind: str, own: tuple[str, ...] = ()
+) -> list[str]:
+    """Tensor patterns layer ``index`` (of ``kind``; an MTP layer's index is past the stack) of
+    checkpoint ``args`` must have: its kind's (:func:`kind_tensors`, with ``own``), less a
+    :data:`CONFIG_SUBMODULES` sub-module its config says it lacks, plus one it says it has that
+    its kind lacks (taken from the recorded kinds of its layer type: a checkpoint may give a
+    layer an indexer where the source model's layer of that kind had none)."""
+    tensors = set(kind_tensors(record, kind, own))
     for prefix, has in CONFIG_SUBMODULES.items():
         if not has(args, index):
             tensors = {t for t in tensors if not t.startswith(prefix)}
         elif not any(t.startswith(prefix) for t in tensors):
-            for other, entry in record.layer_kinds.items():
-                if other.split("/", 1)[0] == layer_type:
-                    tensors |= {t for t in entry.get("tensors", []) if t.startswith(prefix)}
+            for other in _same_layer_type(record, kind):
+                entry = record.layer_kinds[other]
+                tensors |= {t for t in entry.get("tensors", []) if t.startswith(prefix)}
     return sorted(tensors)
+
+
+def _same_layer_type(record: ModelRecord, kind: str) -> list[str]:
+    """The recorded kinds of ``kind``'s layer type (none when the record has that type nowhere)."""
+    layer_type = kind.split("/", 1)[0]
+    return [k for k in record.layer_kinds if k.split("/", 1)[0] == layer_type]
 
 
 def kind_classes(record: ModelRecord, kind: str, what: str = "a layer") -> dict[str, Any]:
@@ -371,22 +386,29 @@ def kind_classes(record: ModelRecord, kind: str, what: str = "a layer") -> dict[
         return record.layer_kinds[kind]
     of_type, of_mlp = _kind_parts(record, kind, what)
     base, mlp = record.layer_kinds[of_type[0]], record.layer_kinds[of_mlp[0]]
-    children = dict(base["children"])
-    for child, cls in mlp["children"].items():
-        if child in MLP_CHILDREN:
-            children[child] = cls
+    children = {c: cls for c, cls in base["children"].items() if c not in MLP_CHILDREN}
+    children.update({c: cls for c, cls in mlp["children"].items() if c in MLP_CHILDREN})
     return {"decoder": base["decoder"], "children": children}
 
 
 def _kind_shape_rule(record: ModelRecord, kind: str, relative: str) -> Any:
-    """The shape rule of tensor ``relative`` in a layer of ``kind``: its own kind's, else (a
-    composed kind) that of a recorded kind sharing the part the tensor belongs to (its MLP
-    type for an MLP child's tensor, else its layer type)."""
+    """The shape rule of tensor ``relative`` in a layer of ``kind``: its own kind's, else that of
+    a recorded kind sharing the part the tensor belongs to (its MLP type for an MLP tensor,
+    else its layer type): for a composed kind, and for a sub-module the config gives a layer
+    whose kind lacks it (:data:`CONFIG_SUBMODULES`)."""
     rules = record.shape_rules.get("kinds", {})
-    if kind in record.layer_kinds:
-        return rules.get(kind, {}).get(relative)
-    of_type, of_mlp = _kind_parts(record, kind)
-    sources = of_mlp if relative.split(".", 1)[0] in MLP_CHILDREN else of_type
+    if relative in rules.get(kind, {}):
+        return rules[kind][relative]
+    layer_type, mlp_type = kind.split("/", 1)
+    sources = [
+        k
+        for k in record.layer_kinds
+        if (
+            k.split("/", 1)[1] == mlp_type
+            if _is_mlp_tensor(relative)
+            else k.split("/", 1)[0] == layer_type
+        )
+    ]
     return next((rules[k][relative] for k in sources if relative in rules.get(k, {})), None)
 
 
@@ -607,8 +629,11 @@ class ModelDirRunner(PagedRunner):
             assert kind is not None
             own = tuple(getattr(blocks, "MTP_TENSORS", ()))
             absent = tuple(getattr(blocks, "MTP_ABSENT_TENSORS", ()))
-            tensors = [t for t in kind_tensors(record, kind, own) if t not in absent]
-            required += [tensors] * num_mtp
+            first = len(required)  # the MTP layers' indices, past the stack's
+            required += [
+                [t for t in layer_tensors(record, args, first + i, kind, own) if t not in absent]
+                for i in range(num_mtp)
+            ]
             kinds += [kind] * num_mtp
         dtype_name = str(dtype).removeprefix("torch.")
         weights = load_model_weights(
