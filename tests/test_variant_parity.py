@@ -204,4 +204,6 @@ def test_the_mlx_runner_computes_the_same_activations() -> None:
     x = np.linspace(-8.0, 8.0, 4001, dtype=np.float32)
     for name, fn in MLX_ACTIVATIONS.items():
         want = GATE_ACTIVATIONS[name](torch.from_numpy(x)).numpy()
-        np.testing.assert_allclose(np.array(fn(mx.array(x))), want, rtol=2e-6, atol=2e-6, err_msg=name)
+        np.testing.assert_allclose(
+            np.array(fn(mx.array(x))), want, rtol=2e-6, atol=2e-6, err_msg=name
+        )
