@@ -1,12 +1,18 @@
 """Config variants end to end through the parity harness (every layer and the logits against
-transformers): RoPE scaling — a tiny Llama with llama3 scaling and a tiny Qwen2 with YaRN, with
-prompts past `original_max_position_embeddings` — Qwen3-MoE routing without
-renormalisation (`norm_topk_prob=False`; the fixtures cover the renormalised case), the gated
-MLP's `hidden_act` (GELU variants in a dense and a MoE model, on the torch and the MLX runner;
-one the MLP does not compute is refused at load, never run as SiLU), a sliding window smaller than the prompts through
-every greedy stage (the preemption stage must still force a preemption), and the fast
-attention backend in bf16 checked against HF's SDPA attention, which computes like it (against
-HF's eager attention, whose bf16 roundings it does not make, it departs past the tolerance)."""
+transformers):
+
+- RoPE scaling: a tiny Llama with llama3 scaling and a tiny Qwen2 with YaRN, with prompts past
+  `original_max_position_embeddings`;
+- Qwen3-MoE routing without renormalisation (`norm_topk_prob=False`; the fixtures cover the
+  renormalised case);
+- the gated MLP's `hidden_act`: GELU variants in a dense and a MoE model, on the torch and the
+  MLX runner, every activation transformers' own bit for bit; one the MLP does not compute is
+  refused at load, never run as SiLU;
+- a sliding window smaller than the prompts through every greedy stage (the preemption stage
+  must still force a preemption);
+- the fast attention backend in bf16, checked against HF's SDPA attention, which computes like
+  it (against HF's eager attention, whose bf16 roundings it does not make, it departs past the
+  tolerance)."""
 
 from collections.abc import Callable
 from pathlib import Path

@@ -556,8 +556,7 @@ def run_parity(
     runner = factory(str(model_dir))  # (after the reference loads: never for an unusable one)
     attention = hf_attention_for(runner, hf_attention)
     if attention != "eager":
-        hf = None  # one HF model held at a time: the eager one goes before the other loads
-        _HF_CACHE.clear()
+        hf = None  # one HF model held at a time: the cache drops the eager one before loading
         hf, report.hf_attention = _reference_model(model_dir, dtype, attention)
 
     hf_acts: dict[str, Any] | None = None

@@ -23,8 +23,8 @@ so prompts split across steps and page boundaries); ``greedy/prefix_cache`` (the
 the second pass must hit the prefix cache); ``greedy/preemption`` (4-token pages and a pool
 that holds one max-length request, so the scheduler must preempt and recompute; a budget of
 64 tokens, else of four pages or one where 64 forced no preemption, as in a layout of
-sliding windows;
-the stage fails if no preemption happened, since the setting was then not exercised).
+sliding windows; the stage fails if no budget preempted, since the setting was then not
+exercised).
 """
 
 from __future__ import annotations

@@ -383,17 +383,14 @@ def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
         block.kind = kind
         block.kind_doc = "GQA paged attention" + "".join(f", {t}" for t in traits)
     elif kind == "swiglu_mlp":
-        act = getattr(config, "hidden_act", None) or "silu"
+        act = _hidden_act(config)
         if act not in _gate_activations():
             return _as_stub(block, f"hidden_act {act!r}: not one Resin's gated MLP computes")
         block.kind = kind
         block.kind_doc = "SwiGLU MLP" if act in ("silu", "swish") else f"gated MLP ({act})"
     elif kind == "topk_moe":
         names = moe_expert_names(info.cls_name)
-        if (
-            names is None
-            or (getattr(config, "hidden_act", None) or "silu") not in _gate_activations()
-        ):
+        if names is None or _hidden_act(config) not in _gate_activations():
             return _as_stub(block, "expert layout or activation Resin's moe_mlp does not cover")
         renorm = moe_renormalises(info.cls_name, config)
         block.kind, block.expert_names = kind, names
@@ -478,6 +475,11 @@ def _runner_shapes(info: BlockInfo, default: str) -> str:
         return "[" + ", ".join(["T", *(str(d) for d in shape[2:])]) + "]"
 
     return f"{label} {runner(info.inputs[0])} -> {runner(info.output)}"
+
+
+def _hidden_act(config: Any) -> str:
+    """The config's ``hidden_act`` (SiLU when it has none, as the shared blocks read it)."""
+    return getattr(config, "hidden_act", None) or "silu"
 
 
 def _gate_activations() -> tuple[str, ...]:

@@ -338,8 +338,8 @@ def causal_conv(
     weight: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + ``activation`` (HF's ``ACT2FN[hidden_act]``) for one row (``causal_conv1d_fn`` / ``_update``,
-    M:408-447): ``x`` [L, C], ``conv_state`` [C, K - 1] (zeros for a fresh row = HF's left
+    """Depthwise causal conv1d + ``activation`` (HF's ``ACT2FN[hidden_act]``) for one row
+    (``causal_conv1d_fn`` / ``_update``, M:408-447): ``x`` [L, C], ``conv_state`` [C, K - 1] (zeros for a fresh row = HF's left
     padding), ``weight`` [C, K] (fp32: HF keeps ``conv1d`` fp32). The conv runs in the weight
     dtype; returns (out [L, C] in x's dtype, new state [C, K - 1])."""
     window = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)

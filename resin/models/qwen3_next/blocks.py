@@ -163,8 +163,8 @@ def causal_conv(
     weight: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + ``activation`` (HF's ``ACT2FN[hidden_act]``) for one row (``causal_conv1d_fn`` / ``_update``,
-    modeling_qwen3_next.py:340-386): ``x`` [L, C] new inputs, ``conv_state`` [C, K - 1] the
+    """Depthwise causal conv1d + ``activation`` (HF's ``ACT2FN[hidden_act]``) for one row
+    (``causal_conv1d_fn`` / ``_update``, modeling_qwen3_next.py:340-386): ``x`` [L, C] new inputs, ``conv_state`` [C, K - 1] the
     previous inputs (zeros for a fresh row = HF's left padding), ``weight`` [C, K]. The conv
     runs in the weight dtype; returns (out [L, C] in x's dtype, new state [C, K - 1])."""
     window = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)  # [C, K-1+L]

@@ -5,8 +5,8 @@ runner (:mod:`resin.runners.torch.layers`) and transformers' modeling code, so f
 rounding: RMSNorm (fp32 normalisation, cast back, then the weight), rotary tables at arbitrary
 positions from :func:`resin.loading.rope_inv_freq`'s inverse frequencies (every RoPE variant
 ``resin.loading`` parses: default, linear, llama3, yarn; no second copy of that parsing), the
-half-split rotation, the gated MLP (the config's ``hidden_act``) and top-k softmax-routed MoE (Qwen3-MoE with and without
-``norm_topk_prob``, Mixtral). Arrays are token-major: ``[T, ...]`` with T = tokens in the step.
+half-split rotation, the gated MLP (the config's ``hidden_act``) and top-k softmax-routed MoE
+(Qwen3-MoE with and without ``norm_topk_prob``, Mixtral). Arrays are token-major: ``[T, ...]`` with T = tokens in the step.
 
 MoE experts run with :func:`mlx.core.gather_mm` on the experts' stacked weights: each token
 multiplies only its k chosen experts' matrices, with no host round trip (the torch reference
@@ -198,8 +198,8 @@ def moe_mlp(
     norm_topk_prob: bool,
     activation: Activation = silu,
 ) -> mx.array:
-    """Top-k routed gated experts (``activation`` SiLU unless given), as ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``:
-    softmax over all router logits in fp32, keep the top k, renormalise iff
+    """Top-k routed gated experts (``activation`` SiLU unless given), as
+    ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``: softmax over all router logits in fp32, keep the top k, renormalise iff
     ``norm_topk_prob``, cast the weights to ``x``'s dtype, weight each chosen expert's output
     and sum. ``router`` [E, hidden]; ``gate_up`` [E, hidden, 2 * width] (each expert's gate
     then up, transposed to ``x @ w``); ``down`` [E, width, hidden]."""

@@ -303,8 +303,10 @@ def _kind_parts(
     ``ValueError`` naming ``what`` has the kind when either is empty (no layer to take that
     part from)."""
     layer_type, mlp_type = kind.split("/", 1)
-    of_type = _same_layer_type(record, kind)
-    of_mlp = [k for k in record.layer_kinds if k.split("/", 1)[1] == mlp_type]
+    of_type, of_mlp = (
+        _kinds_sharing(record, kind, mlp=False),
+        _kinds_sharing(record, kind, mlp=True),
+    )
     if not of_type or not of_mlp:
         missing = f"layer type {layer_type!r}" if not of_type else f"{mlp_type!r} MLP"
         raise ValueError(
@@ -366,16 +368,17 @@ def layer_tensors(
         if not has(args, index):
             tensors = {t for t in tensors if not t.startswith(prefix)}
         elif not any(t.startswith(prefix) for t in tensors):
-            for other in _same_layer_type(record, kind):
+            for other in _kinds_sharing(record, kind, mlp=False):
                 entry = record.layer_kinds[other]
                 tensors |= {t for t in entry.get("tensors", []) if t.startswith(prefix)}
     return sorted(tensors)
 
 
-def _same_layer_type(record: ModelRecord, kind: str) -> list[str]:
-    """The recorded kinds of ``kind``'s layer type (none when the record has that type nowhere)."""
-    layer_type = kind.split("/", 1)[0]
-    return [k for k in record.layer_kinds if k.split("/", 1)[0] == layer_type]
+def _kinds_sharing(record: ModelRecord, kind: str, mlp: bool) -> list[str]:
+    """The recorded kinds with ``kind``'s MLP type (``mlp``) or its layer type (none when the
+    record has that part nowhere)."""
+    part = int(mlp)
+    return [k for k in record.layer_kinds if k.split("/", 1)[part] == kind.split("/", 1)[part]]
 
 
 def kind_classes(record: ModelRecord, kind: str, what: str = "a layer") -> dict[str, Any]:
@@ -399,16 +402,7 @@ def _kind_shape_rule(record: ModelRecord, kind: str, relative: str) -> Any:
     rules = record.shape_rules.get("kinds", {})
     if relative in rules.get(kind, {}):
         return rules[kind][relative]
-    layer_type, mlp_type = kind.split("/", 1)
-    sources = [
-        k
-        for k in record.layer_kinds
-        if (
-            k.split("/", 1)[1] == mlp_type
-            if _is_mlp_tensor(relative)
-            else k.split("/", 1)[0] == layer_type
-        )
-    ]
+    sources = _kinds_sharing(record, kind, mlp=_is_mlp_tensor(relative))
     return next((rules[k][relative] for k in sources if relative in rules.get(k, {})), None)
 
 
