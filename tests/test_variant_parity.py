@@ -38,16 +38,10 @@ def save_tiny(tmp_path: Path, kind: str) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
+    moe = dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     if kind == "moe_gelu":
         model = transformers.Qwen3MoeForCausalLM(
-            transformers.Qwen3MoeConfig(
-                **common,
-                head_dim=8,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                hidden_act="gelu",
-            )
+            transformers.Qwen3MoeConfig(**common, **moe, hidden_act="gelu")
         )
     elif kind.startswith("act_"):
         model = transformers.LlamaForCausalLM(
@@ -59,14 +53,7 @@ def save_tiny(tmp_path: Path, kind: str) -> Path:
         )
     elif kind == "moe_unnormalised":
         model = transformers.Qwen3MoeForCausalLM(
-            transformers.Qwen3MoeConfig(
-                **common,
-                head_dim=8,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                norm_topk_prob=False,
-            )
+            transformers.Qwen3MoeConfig(**common, **moe, norm_topk_prob=False)
         )
     elif kind == "llama3":
         rope = {
