@@ -385,3 +385,33 @@ def test_model_directories_compute_the_configs_hidden_act(
         changed, runner_factory=lambda path: entry.load_runner(path), checks=("layers",)
     )
     assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize(
+    ("model", "field", "value"),
+    [
+        ("qwen3_next", "hidden_act", "mish"),
+        ("deepseek_v4_flash", "hidden_act", "mish"),
+        ("glm5_flash", "hidden_act", "relu2"),
+        ("gemma3", "hidden_activation", "gelu"),
+    ],
+)
+def test_a_model_directory_refuses_an_activation_it_does_not_compute_at_load(
+    tmp_path: Path, model: str, field: str, value: str
+) -> None:
+    """The tiny checkpoint with only its config's activation changed: refused when the runner
+    is built, naming the model and the field — not at the first forward."""
+    import shutil
+
+    from resin.registry import ModelRegistry
+
+    tiny = Path(__file__).resolve().parents[1] / "resin" / "models" / model / "tiny"
+    changed = tmp_path / model
+    shutil.copytree(tiny, changed)
+    config = json.loads((changed / "config.json").read_text())
+    text = config.get("text_config", config)  # a wrapper keeps the text model's fields inside
+    text[field] = value
+    (changed / "config.json").write_text(json.dumps(config))
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
+    with pytest.raises(ValueError, match=rf"{model}: {field} '{value}' is not supported"):
+        entry.load_runner(changed)

@@ -156,13 +156,21 @@ def gemma3_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
     return F.linear(out.reshape(num_tokens, -1), w["o_proj.weight"])
 
 
+def check_config(config: Any) -> None:
+    """Refuse at load what these blocks do not compute: a ``hidden_activation`` other than
+    ``gelu_pytorch_tanh`` (every released Gemma 3's; :func:`gemma3_mlp` hard-codes it)."""
+    activation = config_value(config, "hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"hidden_activation {activation!r} is not supported (gemma3_mlp computes "
+            "gelu_pytorch_tanh only)"
+        )
+
+
 def gemma3_mlp(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """Gemma3MLP (modeling_gemma3.py:103): ``down(act(gate(x)) * up(x))`` with
     ``hidden_activation`` = ``gelu_pytorch_tanh`` (GELUTanh: ``F.gelu(approximate="tanh")``).
     Weights: ``{gate,up,down}_proj.weight``."""
-    activation = config_value(ctx.config, "hidden_activation", "gelu_pytorch_tanh")
-    if activation != "gelu_pytorch_tanh":
-        raise NotImplementedError(f"gemma3: hidden_activation {activation!r}")
     gate = F.gelu(F.linear(x, w["gate_proj.weight"]), approximate="tanh")
     return F.linear(gate * F.linear(x, w["up_proj.weight"]), w["down_proj.weight"])
 

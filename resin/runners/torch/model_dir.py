@@ -506,6 +506,21 @@ def model_definition(
     )
 
 
+def check_config(blocks: Any, args: ModelArgs, name: str) -> None:
+    """Refuse at load, with a ``ValueError`` naming the field, a checkpoint config the model's
+    blocks would refuse at their first forward: the ``hidden_act`` when the blocks compute it
+    with the shared lookup (``config_activation``), then the blocks' own ``check_config(config)``
+    hook (raising ``ValueError`` or ``NotImplementedError``), if they define one."""
+    try:
+        if hasattr(blocks, "config_activation"):
+            blocks.config_activation(args)
+        own = getattr(blocks, "check_config", None)
+        if own is not None:
+            own(args)
+    except (ValueError, NotImplementedError) as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
 def checkpoint_mtp_layers(
     blocks: Any,
     args: Any,
@@ -584,6 +599,7 @@ class ModelDirRunner(PagedRunner):
                 f"{checkpoint_dir} is a {architecture or args.model_type} "
                 f"checkpoint; {model_dir} runs {', '.join(record.architectures)}"
             )
+        check_config(blocks, args, name)
         weight_map: dict[str, str] = {}
         ignored: tuple[str, ...] = ()
         mtp_prefixes: tuple[str, ...] | None = None
