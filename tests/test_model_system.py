@@ -415,3 +415,35 @@ def test_a_model_directory_refuses_an_activation_it_does_not_compute_at_load(
     entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
     with pytest.raises(ValueError, match=rf"{model}: {field} '{value}' is not supported"):
         entry.load_runner(changed)
+
+
+def test_glm_indexer_ties_do_not_depend_on_later_tokens(tmp_path: Path) -> None:
+    """GLM-5.3-Flash with ``index_topk`` 4 (one pool a query): its ReLU index scores tie
+    exactly, and torch's ``topk`` orders ties by the call's size, so HF's one-shot forward
+    picked other pools for a query when the sequence ran on past it (position 55 of a 70-token
+    prompt), and so did the runner. Ties now go to the earlier pool in the runner and in the
+    adjusted HF reference (``glm5_flash/reference.py``): a prefix's logits are the longer
+    prefill's, and every greedy stage passes against HF's full forward."""
+    from resin.evals.parity import default_prompts, run_parity
+    from resin.evals.parity_engine import runner_capture_prefill
+    from resin.registry import ModelRegistry
+
+    changed = _repaired_checkpoint(tmp_path, "glm5_flash", {"index_topk": 4})
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
+    runner = entry.load_runner(changed)
+    sequence = default_prompts(384)[5] + default_prompts(384, seed=1)[1]  # 70 + 7 tokens
+    whole, _, _ = runner_capture_prefill(runner, sequence, 384)
+    assert whole is not None
+    for length in (56, 70):
+        prefix, _, _ = runner_capture_prefill(runner, sequence[:length], 384)
+        assert prefix is not None
+        torch.testing.assert_close(prefix["logits"], whole["logits"][:length])
+    report = run_parity(
+        changed,
+        runner_factory=lambda path: runner,
+        greedy_reference="full_forward",
+        max_new_tokens=8,
+    )
+    assert report.passed, report.summary()
+    assert report.reference_adjustments and "ties" in report.reference_adjustments[0]
+    assert not report.reference_findings[0]["departs"]

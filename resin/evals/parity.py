@@ -100,6 +100,9 @@ class ParityReport:
     reference_findings: list[dict[str, Any]] = field(default_factory=list)
     # HF's attention implementation the reference ran (:func:`hf_attention_for`).
     hf_attention: str = "eager"
+    # What the model directory's ``reference.py`` changed in the HF reference
+    # (:func:`adjust_reference`), as text.
+    reference_adjustments: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -130,6 +133,7 @@ class ParityReport:
             "reference_error": self.reference_error,
             "reference_findings": self.reference_findings,
             "hf_attention": self.hf_attention,
+            "reference_adjustments": self.reference_adjustments,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -151,6 +155,8 @@ class ParityReport:
             lines.append(line)
         for finding in self.reference_findings:
             lines.append(f"  [note] reference: {finding['finding']}")
+        for adjustment in self.reference_adjustments:
+            lines.append(f"  [note] reference adjusted: {adjustment}")
         return "\n".join(lines)
 
 
@@ -238,6 +244,21 @@ def hf_attention_for(runner: Any, requested: str = "auto") -> str:
 
     backend = getattr(getattr(runner, "attention_backend", None), "name", PARITY_BACKEND)
     return "sdpa" if type(runner) is TorchRunner and backend != PARITY_BACKEND else "eager"
+
+
+def adjust_reference(runner: Any, model: Any) -> list[str]:
+    """Apply the runner's model directory's ``reference.py`` (``adjust_reference(model) ->
+    list[str]``) to the HF reference ``model``, in place, and return what it changed; ``[]``
+    without one. For a rule HF leaves to chance that the runner must fix (GLM-5.3-Flash: the
+    indexer's top-k ties, which torch orders by the call's size), so both compute the same
+    thing; every adjustment is named in the report."""
+    model_dir = getattr(runner, "model_dir", None)
+    if model_dir is None or not (Path(model_dir) / "reference.py").is_file():
+        return []
+    from resin.evals.model_ref import import_model_module
+
+    module = import_model_module(Path(model_dir), "reference")
+    return list(module.adjust_reference(model))
 
 
 def hf_vocab_size(model: Any) -> int:
@@ -558,6 +579,7 @@ def run_parity(
     if attention != "eager":
         hf = None  # one HF model held at a time: the cache drops the eager one before loading
         hf, report.hf_attention = _reference_model(model_dir, dtype, attention)
+    report.reference_adjustments = adjust_reference(runner, hf)
 
     hf_acts: dict[str, Any] | None = None
     probe = max(token_prompts, key=len)

@@ -501,7 +501,11 @@ def _select(
         index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [Tq, n]
         index_scores = index_scores.masked_fill(~pool_visible, torch.finfo(index_scores.dtype).min)
         select_k = min(int(cfg.index_topk) // kpool, num_pools)
-        top = index_scores.topk(select_k, dim=-1).indices  # [Tq, k]
+        # Ties (ReLU scores make exact ones common: all heads <= 0 gives 0) go to the earlier
+        # pool. HF's ``topk`` breaks them by torch's CPU order, which depends on how many pools
+        # the call holds, so its one-shot forward of a longer sequence can pick another pool
+        # for the same query: an answer that depends on the future tokens and the chunking.
+        top = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :select_k]
         chosen = pool_visible.gather(1, top)
         pool_sel = torch.zeros_like(pool_visible).scatter_(1, top, chosen)  # [Tq, n]
         token_pool = torch.arange(num_keys, device=x.device) // kpool
