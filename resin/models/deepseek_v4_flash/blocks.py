@@ -560,7 +560,10 @@ def _indexer_selection(
     weights = F.linear(x, w[f"{p}scorer.weights_proj.weight"]).float() * heads**-0.5
     score = (scores * weights[..., None]).sum(dim=1)  # [Tq, n]
     score = score.masked_fill(~visible, float("-inf"))
-    top = score.topk(min(int(cfg.index_topk), score.shape[1]), dim=-1).indices
+    # Ties (exact with ReLU scores) go to the earlier entry: torch's ``topk`` orders them by
+    # the call's size, which would make a query's picks depend on the entries after it.
+    k = min(int(cfg.index_topk), score.shape[1])
+    top = score.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     selected = torch.zeros_like(visible).scatter_(1, top, True)
     return selected & visible
 

@@ -502,9 +502,8 @@ def _select(
         index_scores = index_scores.masked_fill(~pool_visible, torch.finfo(index_scores.dtype).min)
         select_k = min(int(cfg.index_topk) // kpool, num_pools)
         # Ties (ReLU scores make exact ones common: all heads <= 0 gives 0) go to the earlier
-        # pool. HF's ``topk`` breaks them by torch's CPU order, which depends on how many pools
-        # the call holds, so its one-shot forward of a longer sequence can pick another pool
-        # for the same query: an answer that depends on the future tokens and the chunking.
+        # pool. torch's ``topk`` orders them by how many pools the call holds, so the same
+        # query would pick another pool in a longer forward (resin/evals/reference_ties.py).
         top = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :select_k]
         chosen = pool_visible.gather(1, top)
         pool_sel = torch.zeros_like(pool_visible).scatter_(1, top, chosen)  # [Tq, n]
