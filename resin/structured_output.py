@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -351,6 +352,7 @@ class GrammarCompiler:
         arguments_key = "parameters" if self.tool_parser in LLAMA3_JSON_PARSERS else "arguments"
         options: list[dict[str, Any]] = []
         chosen: list[tuple[str, Mapping[str, Any]]] = []
+        definitions: dict[str, Any] = {}  # every tool's $defs, moved to the combined root
         for index, tool in enumerate(tools):
             function = tool.get("function") or {}
             if name is not None and function.get("name") != name:
@@ -361,12 +363,14 @@ class GrammarCompiler:
             param = params[index] if index < len(params) else f"tools[{index}]"
             self._check_schema(parameters, param)
             chosen.append((str(function.get("name")), parameters))
+            arguments, tool_definitions = _nested_schema(parameters, f"tool{index}")
+            definitions.update(tool_definitions)
             options.append(
                 {
                     "type": "object",
                     "properties": {
                         "name": {"const": function.get("name")},
-                        arguments_key: dict(parameters),
+                        arguments_key: arguments,
                     },
                     "required": ["name", arguments_key],
                     "additionalProperties": False,
@@ -379,6 +383,8 @@ class GrammarCompiler:
                 return self._deepseek_tool_call(chosen)
             return self._builtin_tool_call(tools, name)
         schema = options[0] if len(options) == 1 else {"anyOf": options}
+        if definitions:
+            schema = {**schema, "$defs": definitions}
         try:
             if self.engine == "llguidance":
                 body = _lark_json(json.dumps(schema))
@@ -531,6 +537,55 @@ _LLG_JSON_STYLE: dict[str, Any] = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
+
+
+_DEFINITION_KEYS = ("$defs", "definitions")
+
+
+def _nested_schema(schema: Mapping[str, Any], tag: str) -> tuple[Any, dict[str, Any]]:
+    """``schema`` (a tool's parameters) made fit to sit inside another schema: (its body, the
+    definitions to put in the outer root's ``$defs``). A ``$ref`` is a JSON pointer from the
+    schema's own root, which nesting moves, so its ``$defs`` / ``definitions`` go to the root
+    as ``{tag}_{name}`` and every local ``$ref`` is rewritten to them: ``#/$defs/X`` and
+    ``#/definitions/X`` (and pointers below them) to ``#/$defs/{tag}_X``; ``#`` itself (a
+    recursive schema) and any other local pointer to a copy of the body at ``{tag}__root``.
+    Refs to other documents are left as they are."""
+    defined = {
+        f"{tag}_{name}": value
+        for key in _DEFINITION_KEYS
+        if isinstance(schema.get(key), Mapping)
+        for name, value in schema[key].items()
+    }
+    uses_root = False
+
+    def pointer(ref: str) -> str:
+        nonlocal uses_root
+        if ref == "#" or not ref.startswith("#/"):
+            if ref == "#":
+                uses_root = True
+                return f"#/$defs/{tag}__root"
+            return ref
+        head, _, rest = ref[2:].partition("/")
+        if head in _DEFINITION_KEYS and rest:
+            return f"#/$defs/{tag}_{rest}"
+        uses_root = True
+        return f"#/$defs/{tag}__root/{ref[2:]}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            return {
+                k: pointer(v) if k == "$ref" and isinstance(v, str) else rewrite(v)
+                for k, v in node.items()
+            }
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    body = rewrite({k: v for k, v in schema.items() if k not in _DEFINITION_KEYS})
+    definitions = {name: rewrite(value) for name, value in defined.items()}
+    if uses_root:
+        definitions[f"{tag}__root"] = body
+    return body, definitions
 
 
 def _strict(schema: Any) -> Any:
@@ -813,8 +868,10 @@ def apply_bitmask(
     logits: Any, bitmask: Any, vocab_size: int, indices: Sequence[int] | None = None
 ) -> None:
     """``-inf`` where ``bitmask`` disallows, on ``logits`` rows ``indices`` (all when None);
-    xgrammar's kernels when it is installed, else plain torch."""
-    if xgrammar_available():
+    xgrammar's kernels when the xgrammar engine has imported it, else plain torch (importing
+    xgrammar takes seconds, and this runs in the engine's step: under llguidance the first
+    constrained request would stall every stream while it loads)."""
+    if "xgrammar" in sys.modules:
         import xgrammar as xgr
 
         xgr.apply_token_bitmask_inplace(

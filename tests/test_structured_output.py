@@ -647,3 +647,92 @@ def test_sampler_grammar_wins_over_bans() -> None:
             tokens = out.token_ids
     end = tokens.index(0)
     check(json.loads("".join(VOCAB[t] for t in tokens[:end])), TINY_SCHEMA)
+
+
+DEFS_SCHEMA = {
+    "type": "object",
+    "$defs": {"Mode": {"type": "string", "enum": ["fast", "slow"]}},
+    "definitions": {"Digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "properties": {"mode": {"$ref": "#/$defs/Mode"}, "n": {"$ref": "#/definitions/Digit"}},
+    "required": ["mode", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("engine", ["llguidance", "xgrammar"])
+def test_a_forced_call_resolves_the_tools_own_definitions(engine: str) -> None:
+    """A tool whose parameters use ``$defs`` / ``definitions`` (pydantic's and MCP's schemas
+    do): nesting them under the call's ``arguments`` moved their root, and the forced call
+    failed to compile ("Pointer '/$defs/Mode' does not exist"). Every sampled call is now
+    schema-valid; a recursive one (``$ref: "#"``) compiles too."""
+    import torch
+    import xgrammar as xgr
+
+    from resin.server.parsers import OutputParser
+    from resin.structured_output import GrammarCompiler, GrammarSlot, _nested_schema
+    from resin.tokenizer import Tokenizer
+
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": DEFS_SCHEMA}}]
+    tools += CHAT_TOOLS
+    tokenizer = Tokenizer.from_pretrained(FIXTURE)
+    compiler = GrammarCompiler(tokenizer, 384, tokenizer.eos_token_ids, "hermes", engine=engine)
+    bitmask = xgr.allocate_token_bitmask(1, 384)
+    for seed in range(3):
+        slot = GrammarSlot(compiler.tool_call(tools, "pick", ["a", "b", "c"]))
+        generator = torch.Generator().manual_seed(seed)
+        tokens: list[int] = []
+        while not slot.matcher.is_terminated() and len(tokens) < 400:
+            slot.matcher.fill_next_token_bitmask(bitmask, 0)
+            logits = torch.randn(1, 384, generator=generator) * 3
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+            tokens.append(token)
+            slot.sync(tokens)
+        parser = OutputParser("hermes", None, tools=tools)
+        parser.feed(tokenizer.decode(tokens[:-1]))
+        parser.finish()
+        [call] = parser.tool_calls
+        assert call.name == "pick"
+        arguments = json.loads(call.arguments)
+        assert set(arguments) == {"mode", "n"} and arguments["mode"] in ("fast", "slow")
+        assert arguments["n"] in range(10), arguments
+    tree = {
+        "type": "object",
+        "properties": {"child": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+        "required": ["child"],
+    }
+    recursive = [{"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    compiler.tool_call(recursive, None, ["a"])
+    body, definitions = _nested_schema(tree, "tool0")
+    assert body["properties"]["child"]["anyOf"][1] == {"$ref": "#/$defs/tool0__root"}
+    assert definitions == {"tool0__root": body}
+    body, definitions = _nested_schema(DEFS_SCHEMA, "tool3")
+    assert body["properties"]["mode"] == {"$ref": "#/$defs/tool3_Mode"}
+    assert set(definitions) == {"tool3_Mode", "tool3_Digit"} and "$defs" not in body
+
+
+def test_the_llguidance_path_never_imports_xgrammar() -> None:
+    """Importing xgrammar takes seconds, and masks are applied in the engine's step: under
+    llguidance the first constrained request used to import it (its bitmask kernel) and stall
+    every stream meanwhile. A fresh process compiles, fills and applies a forced call's mask
+    without it."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, torch
+from resin.structured_output import GrammarCompiler, GrammarSlot, allocate_bitmask, apply_bitmask
+from resin.tokenizer import Tokenizer
+tokenizer = Tokenizer.from_pretrained({str(FIXTURE)!r})
+compiler = GrammarCompiler(tokenizer, 384, tokenizer.eos_token_ids, "hermes", engine="llguidance")
+tools = [{{"type": "function", "function": {{"name": "f", "parameters": {{"type": "object"}}}}}}]
+slot = GrammarSlot(compiler.tool_call(tools, None, ["tools[0]"]))
+bitmask = allocate_bitmask(1, 384)
+slot.matcher.fill_next_token_bitmask(bitmask, 0)
+logits = torch.zeros(1, 384)
+apply_bitmask(logits, bitmask, 384)
+assert torch.isinf(logits).any() and not torch.isinf(logits).all()
+assert "xgrammar" not in sys.modules, "xgrammar was imported"
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
