@@ -442,6 +442,30 @@ def test_incremental_json_is_the_same_json():
     assert max(len(p) for p in pieces) < len(dumps(value)) / 10
 
 
+def test_a_large_answers_logprobs_are_built_as_the_very_json_of_their_dicts() -> None:
+    """A non-streamed chat answer's logprobs are built as JSON text (a million small dicts
+    stalled every client: their build, and the cyclic GC's passes over them), which
+    ``json_pieces`` writes as is; the bytes are those of the dicts a stream chunk carries."""
+    from resin.server.generation import TokenLogprob
+    from resin.server.openai.chat import LogprobFragments, logprobs_content
+    from resin.server.sse import RawJSON
+
+    entries = [
+        TokenLogprob(5, 'q"uo\\te\n', -1.5, [(1, "é", -0.0), (2, "\u2028", -1e-07)]),
+        TokenLogprob(6, "", -9999.0, []),
+        TokenLogprob(7, "\U0001f600", -3.0, [(3, " x", -12.375)] * 3),
+    ]
+    fragments = LogprobFragments()
+    text = "[" + fragments.content(entries[:2]) + "," + fragments.content(entries[2:]) + "]"
+    assert text == dumps(logprobs_content(entries))
+    body = {"choices": [{"logprobs": {"content": RawJSON(text)}}]}
+    assert json.loads("".join(json_pieces(body))) == {
+        "choices": [{"logprobs": {"content": logprobs_content(entries)}}]
+    }
+    with pytest.raises(TypeError):
+        dumps(body)  # only the incremental writer knows it
+
+
 # -- 4. connection limits ----------------------------------------------------------------------
 
 

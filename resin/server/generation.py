@@ -129,6 +129,7 @@ class Generation:
         self.request = request
         self.request_id = request_id
         self.usage = Usage(prompt_tokens=len(request.prompt_token_ids))
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs)
         ids = [request_id if request.n == 1 else f"{request_id}.{i}" for i in range(request.n)]
         base = request.params
         if request.grammar is not None and (base.min_tokens or base.ignore_eos):
@@ -231,16 +232,23 @@ class Generation:
     ) -> list[TokenLogprob]:
         # Only the new tokens' entries: the per-step cost does not grow with the generation.
         entries = output.logprobs_from(output.num_output_tokens - len(new_ids)) or []
-        decode = self.tokenizer.decode
+        texts = self._token_texts  # one decode per token id a request meets
+
+        def decode(token_id: int) -> str:
+            text = texts.get(token_id)
+            if text is None:
+                text = texts[token_id] = self.tokenizer.decode([token_id])
+            return text
+
         result = []
         for token_id, entry in zip(new_ids, entries):
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
             result.append(
                 TokenLogprob(
                     token_id,
-                    decode([token_id]),
+                    decode(token_id),
                     _finite(entry.get(token_id, MIN_LOGPROB)),
-                    [(int(t), decode([int(t)]), _finite(lp)) for t, lp in top],
+                    [(int(t), decode(int(t)), _finite(lp)) for t, lp in top],
                 )
             )
         return result

@@ -40,10 +40,24 @@ SPLIT_LIST_DEPTH = 4  # arrays this shallow item by item; deeper ones ...
 LIST_SLICE = 32  # ... in slices of this many items, one dumps call each
 
 
+class RawJSON:
+    """JSON text already encoded, written as is by :func:`json_pieces` (plain ``dumps``
+    refuses it: only :class:`IncrementalJSONResponse` bodies may hold one). A large answer's
+    logprobs are built as text: a million small dicts would cost as much again to encode, and
+    their number makes the cyclic GC's full passes pause every client for up to a second."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
 def json_pieces(value: Any, depth: int = 0) -> Iterator[str]:
     """``dumps(value)`` as a sequence of strings (their concatenation), none of them the
     encoding of a whole big container: a response's logprob lists sit 4-5 levels deep."""
-    if isinstance(value, dict) and value and depth < SPLIT_DICT_DEPTH:
+    if isinstance(value, RawJSON):
+        yield value.text
+    elif isinstance(value, dict) and value and depth < SPLIT_DICT_DEPTH:
         separator = "{"
         for key, item in value.items():
             yield separator + dumps(str(key)) + ":"

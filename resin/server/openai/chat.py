@@ -16,6 +16,7 @@ huge (n × max_tokens × (1 + top_logprobs) over ``--max-logprob-entries``) is a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,7 +44,7 @@ from resin.server.sampling_request import (
     max_tokens_for,
     sampling_params,
 )
-from resin.server.sse import DONE, data_event, dumps
+from resin.server.sse import DONE, RawJSON, data_event, dumps
 from resin.server.structured import parse_format, request_grammar, tool_param_paths
 
 MAX_N = 128
@@ -72,7 +73,11 @@ def check_stream_fields(body: dict[str, Any]) -> None:
         get_bool(options, "include_usage", False)
 
 
+LOGPROBS_SLICE = 32  # tokens' logprob entries built between two yields to the event loop
+
+
 def logprobs_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """``logprobs.content`` of a chat choice (a stream's chunk: a few tokens)."""
     return [
         {
             "token": e.token,
@@ -84,6 +89,35 @@ def logprobs_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
         }
         for e in entries
     ]
+
+
+class LogprobFragments:
+    """:func:`logprobs_content` as JSON text (the same bytes ``dumps`` gives: compact, floats by
+    ``repr``), each token text's ``"token":...`` and ``"bytes":[...]`` encoded once."""
+
+    def __init__(self) -> None:
+        self._token: dict[str, tuple[str, str]] = {}
+
+    def _encoded(self, text: str) -> tuple[str, str]:
+        pair = self._token.get(text)
+        if pair is None:
+            pair = self._token[text] = (
+                '{"token":' + dumps(text) + ',"logprob":',
+                ',"bytes":' + dumps(list(text.encode())),
+            )
+        return pair
+
+    def content(self, entries: list[TokenLogprob]) -> str:
+        """The entries of ``logprobs_content(entries)``, comma-separated (no brackets)."""
+        out = []
+        for e in entries:
+            head, tail = self._encoded(e.token)
+            top = []
+            for _, text, logprob in e.top:
+                h, t = self._encoded(text)
+                top.append(f"{h}{logprob!r}{t}}}")
+            out.append(f'{head}{e.logprob!r}{tail},"top_logprobs":[{",".join(top)}]}}')
+        return ",".join(out)
 
 
 def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
@@ -301,6 +335,33 @@ async def complete_chat(
             choices[delta.index].events(delta)
             if return_token_ids:
                 token_ids[delta.index].extend(delta.token_ids)
+    result_choices = await _choice_bodies(ctx, generation, choices, token_ids, return_token_ids)
+    reasoning_tokens = sum(_count_tokens(ctx, c.reasoning) for c in choices)
+    result = {
+        "id": random_id("chatcmpl-", 32),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": result_choices,
+        "usage": usage_body(generation.usage, reasoning_tokens),
+    }
+    if return_token_ids:
+        result["prompt_token_ids"] = prompt.token_ids
+    return result
+
+
+async def _choice_bodies(
+    ctx: ServerContext,
+    generation: Generation,
+    choices: list[ChatChoice],
+    token_ids: list[list[int]],
+    return_token_ids: bool,
+) -> list[dict[str, Any]]:
+    """The ``choices`` of a finished chat completion. Their logprobs are built here as JSON
+    text (:class:`~resin.server.sse.RawJSON`: 128 choices of 300 tokens with 20 top entries
+    each are 800k entries), and the loop yields after every ``LOGPROBS_SLICE`` tokens', so
+    other clients are served meanwhile. (A thread would not help: it holds the GIL.)"""
     result_choices = []
     for index, choice in enumerate(choices):
         calls = [
@@ -331,20 +392,13 @@ async def complete_chat(
         if choice.stop_string is not None:
             entry["stop_reason"] = choice.stop_string
         if generation.request.num_top_logprobs is not None:
-            entry["logprobs"] = {"content": logprobs_content(choice.logprobs), "refusal": None}
+            parts, fragments = [], LogprobFragments()
+            for start in range(0, len(choice.logprobs), LOGPROBS_SLICE):
+                parts.append(fragments.content(choice.logprobs[start : start + LOGPROBS_SLICE]))
+                await asyncio.sleep(0)
+            text = "[" + ",".join(p for p in parts if p) + "]"
+            entry["logprobs"] = {"content": RawJSON(text), "refusal": None}
         if return_token_ids:
             entry["token_ids"] = token_ids[index]
         result_choices.append(entry)
-    reasoning_tokens = sum(_count_tokens(ctx, c.reasoning) for c in choices)
-    result = {
-        "id": random_id("chatcmpl-", 32),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": None,
-        "choices": result_choices,
-        "usage": usage_body(generation.usage, reasoning_tokens),
-    }
-    if return_token_ids:
-        result["prompt_token_ids"] = prompt.token_ids
-    return result
+    return result_choices
