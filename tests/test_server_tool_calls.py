@@ -255,3 +255,59 @@ def test_thinking_switched_off_by_the_template_disables_reasoning_parsing(script
     )
     assert off.choices[0].message.content == "Plain answer."
     assert "reasoning" not in (off.choices[0].message.model_extra or {})
+
+
+def test_a_call_cut_by_the_end_of_the_generation_is_not_a_finished_call(scripted):
+    """A call the generation ends inside (max tokens, EOS mid-call, a stop string) is closed by
+    the parser with what it had, but never presented as one the model finished: Responses marks
+    its function_call item ``incomplete`` (Codex runs ``completed`` ones), chat does not say
+    ``tool_calls``, Anthropic does not say ``tool_use`` (a stop string wins)."""
+    import httpx
+
+    ctx, runner, tokenizer, client = scripted
+    base = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Reykjavik", "days": 3}}'
+    _script(ctx, runner, tokenizer, "hermes", None, call + "\n</tool_call>")
+    messages = [{"role": "user", "content": "Weather?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    budget = len(tokenizer.encode(call, add_special_tokens=False)) - 3  # inside "Reykjavik"
+    cut = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=budget
+    )
+    assert cut.choices[0].finish_reason == "length"
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    body = {"model": MODEL, "input": "Weather?", "tools": tools}
+    full = httpx.post(f"{base}/v1/responses", json=body, timeout=30).json()
+    assert full["status"] == "completed"
+    assert [o["status"] for o in full["output"] if o["type"] == "function_call"] == ["completed"]
+    body["max_output_tokens"] = budget
+    partial = httpx.post(f"{base}/v1/responses", json=body, timeout=30).json()
+    assert partial["status"] == "incomplete"
+    items = [o for o in partial["output"] if o["type"] == "function_call"]
+    assert [o["status"] for o in items] == ["incomplete"]
+    # The model's own EOS inside the call: not "tool_calls" either.
+    _script(ctx, runner, tokenizer, "hermes", None, call[:-12])
+    eos = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    assert eos.choices[0].finish_reason == "stop"
+    # Anthropic: a stop sequence met inside the call is the stop reason, with the sequence.
+    _script(ctx, runner, tokenizer, "hermes", None, call + "\n</tool_call>")
+    anthropic_tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    message = httpx.post(
+        f"{base}/v1/messages",
+        json={
+            "model": MODEL,
+            "max_tokens": 200,
+            "messages": messages,
+            "tools": anthropic_tools,
+            "stop_sequences": ['"days"'],
+        },
+        timeout=30,
+    ).json()
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", '"days"')
+    whole_message = httpx.post(
+        f"{base}/v1/messages",
+        json={"model": MODEL, "max_tokens": 200, "messages": messages, "tools": anthropic_tools},
+        timeout=30,
+    ).json()
+    assert whole_message["stop_reason"] == "tool_use"

@@ -14,6 +14,7 @@ function are also forced with a grammar where the runner can (:mod:`resin.server
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from resin.server.chat_prompt import ChatPrompt
@@ -66,18 +67,29 @@ class ChatChoice:
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
         self.logprobs: list[TokenLogprob] = []
-        self.num_tool_calls = 0
+        self.num_tool_calls = 0  # calls the model finished
+        self.num_cut_tool_calls = 0  # calls the end of the generation cut (closed by the parser)
 
     def events(self, delta: ChoiceDelta) -> list[OutputEvent]:
         events = self.parser.feed(delta.text) if delta.text else []
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
-            events.extend(self.parser.finish())
+            # A call still open at the end was cut (the parser closes what it had).
+            events.extend(
+                replace(e, cut=True) if isinstance(e, ToolCallEnd) else e
+                for e in self.parser.finish()
+            )
             self.stop_string = delta.stop_string
             self.finish_reason = delta.finish_reason
-        self.num_tool_calls += sum(1 for e in events if isinstance(e, ToolCallEnd))
-        if delta.finish_reason == "stop" and self.num_tool_calls:
+        self.num_tool_calls += sum(1 for e in events if isinstance(e, ToolCallEnd) and not e.cut)
+        self.num_cut_tool_calls += sum(1 for e in events if isinstance(e, ToolCallEnd) and e.cut)
+        if (
+            delta.finish_reason == "stop"
+            and self.num_tool_calls
+            and not self.num_cut_tool_calls
+            and delta.stop_string is None
+        ):
             self.finish_reason = "tool_calls"
         return events
 

@@ -210,10 +210,10 @@ def stop_reason(
     response exceeded the N output token maximum")."""
     if finish_reason == "length":
         return ("model_context_window_exceeded" if clamped else "max_tokens"), None
+    if stop_string is not None:  # before tool_use: a stop string can cut a call
+        return "stop_sequence", stop_string
     if num_tool_calls:
         return "tool_use", None
-    if stop_string is not None:
-        return "stop_sequence", stop_string
     return "end_turn", None
 
 

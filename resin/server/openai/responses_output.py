@@ -121,7 +121,8 @@ class OutputBuilder:
             elif isinstance(event, ToolCallArgumentsDelta):
                 self._arguments_delta(out, event.text)
             elif isinstance(event, ToolCallEnd):
-                self._end_call(out, event.arguments)
+                # a cut call is not one to run (Codex runs a completed function_call item)
+                self._end_call(out, event.arguments, "incomplete" if event.cut else "completed")
         return out
 
     def finish(self, status: str = "completed") -> list[WireEvent]:

@@ -44,6 +44,9 @@ class ToolCallArgumentsDelta:
 class ToolCallEnd:
     index: int
     arguments: str  # the whole JSON-encoded arguments object
+    # The generation ended inside the call (max tokens, a stop string, EOS) and the parser closed
+    # what it had: not a call the model finished (set by ``ChatChoice``, not by the parsers).
+    cut: bool = False
 
 
 OutputEvent = ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
