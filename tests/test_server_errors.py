@@ -323,3 +323,7 @@ def test_queue_full_is_429_with_retry_after():
         assert (
             httpx.post(f"{live.base_url}{CHAT}", json={**body, "max_tokens": 2}).status_code == 200
         )
+        # More sequences than the server ever holds: a 400 not to retry (the SDKs retry 429s).
+        never = httpx.post(f"{live.base_url}{CHAT}", json={**body, "n": 2})
+        assert never.status_code == 400 and never.headers["x-should-retry"] == "false"
+        assert "needs 2 sequences" in never.json()["error"]["message"]

@@ -166,6 +166,14 @@ class ServerContext:
         if not self.loop.alive:
             raise APIError(503, "The engine is not running.", headers={"x-should-retry": "false"})
         limit = self.max_num_seqs + self.options.max_queued_requests
+        if num_new > limit:  # could never be admitted: not a reason to retry
+            raise APIError(
+                400,
+                f"This request needs {num_new} sequences (prompts x n); the server holds at "
+                f"most {limit} (--max-num-seqs + --max-queued-requests).",
+                param="n",
+                headers={"x-should-retry": "false"},
+            )
         if self.loop.num_active_requests + num_new > limit:
             raise APIError(
                 429,
