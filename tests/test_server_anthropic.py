@@ -902,3 +902,28 @@ def test_block_writer_whitespace_only_output_and_thinking() -> None:
     wire = writer.feed([ReasoningDelta("\n\n"), ContentDelta("\n\nHi")]) + writer.finish()
     assert writer.content() == [{"type": "text", "text": "\n\nHi"}]
     assert _replay(wire) == writer.content()
+
+
+def test_a_final_assistant_message_is_a_prefill_the_answer_continues(scripted: Server) -> None:
+    """Anthropic's prefill: the final assistant message is rendered open (no end of turn, no
+    new generation prompt), as transformers' ``continue_final_message`` renders it; the chat
+    endpoint takes vLLM's ``continue_final_message`` field for the same."""
+    from resin.server.openai.chat import prepare_chat
+
+    user = {"role": "user", "content": "hi"}
+    body = {"model": MODEL, "max_tokens": 8, "messages": [user]}
+    plain, _ = build_prompt(scripted.ctx, body)
+    prefill = {"role": "assistant", "content": 'Sure: {"a":'}
+    continued, _ = build_prompt(scripted.ctx, {**body, "messages": [user, prefill]})
+    assert continued.text.endswith('Sure: {"a":')  # (Qwen3's template adds an empty think)
+    assert continued.text.startswith(plain.text) and continued.text.count("<|im_end|>") == 1
+    # a tool-use turn last is history, not a prefill
+    tool_turn = {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}],
+    }
+    closed, _ = build_prompt(scripted.ctx, {**body, "messages": [user, tool_turn]})
+    assert closed.text.endswith("<|im_start|>assistant\n")
+    chat = {"model": MODEL, "messages": [user, prefill], "continue_final_message": True}
+    _, _, prompt, _ = prepare_chat(scripted.ctx, chat)
+    assert prompt.text == continued.text

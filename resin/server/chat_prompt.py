@@ -194,19 +194,23 @@ def build_chat_prompt(
     check_length: bool = True,
     anthropic: bool = False,
     param: str = "messages",
+    continue_final_message: bool = False,
 ) -> ChatPrompt:
     """Render normalised messages (see :func:`normalize_chat_messages`) and tokenize. With
     ``check_length`` (every generating endpoint; not ``count_tokens``), a rendered text that
     cannot fit the context is refused before it is tokenized (:meth:`ServerContext.
-    check_prompt_text`)."""
+    check_prompt_text`). ``continue_final_message``: the last message is an assistant's to
+    continue (an Anthropic prefill, vLLM's chat field of that name): rendered open, as
+    transformers' ``apply_chat_template`` does, with no new generation prompt."""
     kwargs = dict(chat_template_kwargs or {})
-    for reserved in ("messages", "tools", "add_generation_prompt"):
+    for reserved in ("messages", "tools", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(reserved, None)
     try:
         text = ctx.chat_template.render(
             messages,
             tools=tools,
-            add_generation_prompt=True,
+            add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message,
             chat_template=chat_template or ctx.options.chat_template,
             **kwargs,
         )

@@ -338,7 +338,21 @@ def build_prompt(
     messages = normalize_chat_messages(convert_messages(body.get("system"), body.get("messages")))
     tools = convert_tools(body.get("tools"))
     tool_choice = convert_tool_choice(body.get("tool_choice"), tools)
+    # A final assistant message is a prefill: the answer continues its text.
+    last = messages[-1] if messages else {}
+    prefill = (
+        last.get("role") == "assistant"
+        and isinstance(last.get("content"), str)
+        and bool(last["content"].strip())
+        and not last.get("tool_calls")
+    )
     prompt = build_chat_prompt(
-        ctx, messages, tools, template_kwargs(body), check_length=check_length, anthropic=True
+        ctx,
+        messages,
+        tools,
+        template_kwargs(body),
+        check_length=check_length,
+        anthropic=True,
+        continue_final_message=prefill,
     )
     return prompt, tool_choice

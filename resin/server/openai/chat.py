@@ -161,6 +161,7 @@ def prepare_chat(
         tools,
         chat_template_kwargs(body),
         request_chat_template(ctx, body),
+        continue_final_message=get_bool(body, "continue_final_message", False),
     )
     n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
     num_logprobs = None
