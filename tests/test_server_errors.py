@@ -85,6 +85,23 @@ BAD_REQUESTS = [
         None,
     ),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": "all"}, 400, "tools", None),
+    # refused, not silently ignored / wrongly accepted (vLLM refuses them too)
+    (
+        CHAT,
+        {"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": -100}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs", None),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MESSAGES, "tool_choice": "required"},
+        400,
+        "tool_choice",
+        None,
+    ),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "top_k": 10**12}, 400, "top_k", None),
     (
         CHAT,
         {"model": MODEL, "messages": MESSAGES, "tool_choice": "sometimes"},
@@ -107,7 +124,6 @@ BAD_REQUESTS = [
         "context_length_exceeded",
     ),
     (CHAT, {"model": "gpt-9", "messages": MESSAGES}, 404, "model", "model_not_found"),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "seed": -1}, 400, "seed", None),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "seed": 2**64}, 400, "seed", None),
     (
         CHAT,
@@ -153,6 +169,18 @@ def test_largest_seed_with_n_choices(server):
         json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "seed": 2**63 - 1, "n": 3},
     )
     assert response.status_code == 200 and len(response.json()["choices"]) == 3
+
+
+def test_a_negative_seed_is_an_int64_seed_like_any_other(server):
+    """OpenAI and vLLM take any int64 seed; -1 is mapped to a non-negative one, deterministically."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "seed": -1, "temperature": 1}
+    first = httpx.post(f"{server.base_url}{CHAT}", json=body)
+    again = httpx.post(f"{server.base_url}{CHAT}", json=body)
+    assert first.status_code == 200
+    text = first.json()["choices"][0]["message"]["content"]
+    assert text == again.json()["choices"][0]["message"]["content"]
+    too_small = httpx.post(f"{server.base_url}{CHAT}", json={**body, "seed": -(2**63) - 1})
+    assert too_small.status_code == 400 and too_small.json()["error"]["param"] == "seed"
 
 
 @pytest.mark.parametrize(

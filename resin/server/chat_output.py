@@ -28,6 +28,8 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | d
     """``none`` / ``auto`` / ``required`` or ``{"type": "function", "name": ...}``."""
     if value is None:
         return "auto" if tools else "none"
+    if value == "required" and not tools:
+        raise APIError(400, "tool_choice 'required' needs at least one tool", param="tool_choice")
     if value in ("none", "auto", "required"):
         return str(value)
     if isinstance(value, dict):

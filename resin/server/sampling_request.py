@@ -21,7 +21,8 @@ from resin.server.errors import APIError, context_length_exceeded
 from resin.server.request_fields import get_bool, get_float, get_int, get_int_list
 
 MAX_TOP_LOGPROBS = 20
-MAX_SEED = 2**63 - 1  # the engine's seeds are non-negative int64
+MAX_SEED = 2**63 - 1  # the engine's seeds are non-negative int64 (negative ones are mapped)
+MAX_TOP_K = 2**31 - 1  # any k past the vocabulary means "off"
 
 
 def max_tokens_for(
@@ -61,6 +62,8 @@ def sampling_params(
     """SamplingParams from the request's fields over the checkpoint ``defaults``."""
     settings: dict[str, Any] = dict(defaults)
     settings["max_tokens"] = max_tokens
+    if body.get("logit_bias"):  # refused, not silently ignored
+        raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
     temperature = get_float(body, "temperature", minimum=0.0, maximum=temperature_max)
     if temperature is not None:
         settings["temperature"] = temperature
@@ -70,15 +73,15 @@ def sampling_params(
             settings["temperature"] = 0.0
         else:
             settings["top_p"] = top_p
-    top_k = get_int(body, "top_k", minimum=-1)
+    top_k = get_int(body, "top_k", minimum=-1, maximum=MAX_TOP_K)
     if top_k is not None:
         settings["top_k"] = max(top_k, 0)  # -1 (vLLM) and 0 both mean "off"
     min_p = get_float(body, "min_p", minimum=0.0, maximum=1.0)
     if min_p is not None:
         settings["min_p"] = min_p
-    seed = get_int(body, "seed", minimum=0, maximum=MAX_SEED)
+    seed = get_int(body, "seed", minimum=-(2**63), maximum=MAX_SEED)
     if seed is not None:
-        settings["seed"] = seed
+        settings["seed"] = seed % 2**63  # any int64, as OpenAI and vLLM take (-1 -> 2^63 - 1)
     for name in ("presence_penalty", "frequency_penalty"):
         value = get_float(body, name, minimum=-2.0, maximum=2.0)
         if value is not None:

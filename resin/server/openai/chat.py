@@ -165,6 +165,8 @@ def prepare_chat(
     )
     n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
     num_logprobs = None
+    if body.get("top_logprobs") is not None and not get_bool(body, "logprobs", False):
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if get_bool(body, "logprobs", False):
         num_logprobs = get_int(body, "top_logprobs", 0, minimum=0, maximum=MAX_TOP_LOGPROBS)
     requested = get_int(body, "max_completion_tokens", minimum=1)
