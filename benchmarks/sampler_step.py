@@ -183,6 +183,8 @@ def step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
 
 
 ROWS_KERNEL = [(resin.sampling_kernel, "rows_kernel")]
+BOUNDED_DRAW = [(resin.sampling_kernel, "bounded_draw")]
+"""The switch of the bounded whole-row draw inside ``_core.sample_rows``."""
 """The switch of the draw in one Rust call (``_core.sample_rows``); off, the drawn rows take the
 torch path with its Rust searches (the sampler before that kernel)."""
 
@@ -269,8 +271,12 @@ def step_rows(
             no_rows_kernel = kernels_off(step(after, logits, mixed_plan), ROWS_KERNEL)
             rows_kernel_off = np.asarray(no_rows_kernel().token_ids)
             after.generator.manual_seed(0)
+            no_bounded = kernels_off(step(after, logits, mixed_plan), BOUNDED_DRAW)
+            bounded_off = np.asarray(no_bounded().token_ids)
+            after.generator.manual_seed(0)
             kernel_on = np.asarray(step(after, logits, mixed_plan)().token_ids)
             assert np.array_equal(kernel_on, rows_kernel_off), "the rows kernel changed a token"
+            assert np.array_equal(kernel_on, bounded_off), "the bounded draw changed a token"
             assert np.array_equal(kernel_on, kernel_off), "a search kernel changed a token"
             assert np.array_equal(kernel_on, torch_tokens), "a kernel changed a token"
             greedy_torch = kernels_off(step(greedy_samplers[1], logits, greedy_plan), ALL_KERNELS)
@@ -289,12 +295,18 @@ def step_rows(
                     calls["mixed_same_as"] = step(same_as, logits, mixed_plan)
                     calls["mixed_torch_search"] = torch_search_step(after, logits, mixed_plan)
                     calls["mixed_no_rows_kernel"] = no_rows_kernel
+                    calls["mixed_no_bounded_draw"] = no_bounded
                     calls["greedy_torch_only"] = greedy_torch
                     calls["mixed_torch_only"] = torch_only
                 timed = median_ms(calls, n)
                 row[f"greedy_{name}_ms"], row[f"mixed_{name}_ms"] = timed["greedy"], timed["mixed"]
                 if name == "after":
-                    for key in ("mixed_same_as", "mixed_torch_search", "mixed_no_rows_kernel"):
+                    for key in (
+                        "mixed_same_as",
+                        "mixed_torch_search",
+                        "mixed_no_rows_kernel",
+                        "mixed_no_bounded_draw",
+                    ):
                         row[f"{key}_ms"] = timed[key]
                     for key in ("greedy_torch_only", "mixed_torch_only"):
                         row[f"{key}_ms"] = timed[key]
@@ -445,6 +457,16 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['vocab_size']:,} | {r['logits']} | {r['greedy_after_ms']:.1f} | {off:.1f} "
             f"| {r['mixed_after_ms']:.1f} | {off / r['mixed_after_ms']:.2f}x "
             f"| {off / r['greedy_after_ms']:.2f}x | {r['mixed_over_greedy_after']:.2f}x |"
+        )
+    print("\nThe bounded whole-row draw on and off, ms (median)\n")
+    print("| vocab | logits | greedy | mixed, exact draw | mixed | speed-up | mixed / greedy |")
+    print("|---|---|---|---|---|---|---|")
+    for r in steps:
+        off = r["mixed_no_bounded_draw_ms"]
+        print(
+            f"| {r['vocab_size']:,} | {r['logits']} | {r['greedy_after_ms']:.1f} | {off:.1f} "
+            f"| {r['mixed_after_ms']:.1f} | {off / r['mixed_after_ms']:.2f}x "
+            f"| {r['mixed_over_greedy_after']:.2f}x |"
         )
     print("\nThe rows kernel a row, by setting (32 rows in cache; penalties aside), us\n")
     print("| vocab | setting | us a row |")

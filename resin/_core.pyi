@@ -690,6 +690,7 @@ def sample_rows(
     tokens: npt.NDArray[np.int64],
     *,
     threads: int = 1,
+    bounded: bool = True,
 ) -> None:
     """The token of each sample i drawn from row ``rows[i]`` of ``logits`` [R, V] (f32,
     C-contiguous, read in place) with its temperature, top-k, top-p, min-p, ``log_min_p``
@@ -700,7 +701,9 @@ def sample_rows(
     NaN or ``+inf`` or only ``-inf``, overflowing scaled logits, an empty kept set). Bad
     shapes, rows or lanes, non-C order and ``tokens`` sharing bytes with an input raise
     ValueError; the GIL is released while it runs, the samples split over ``threads`` (torch's
-    OpenMP team; no token depends on the split)."""
+    OpenMP team; no token depends on the split). ``bounded=False``: every whole-row draw
+    exact, none first decided from cheap exponentials and an error bound
+    (rust/kernels/src/bounded_draw.rs; the same tokens, for A/B runs)."""
 
 def top_candidates(
     logits: npt.NDArray[np.float32],

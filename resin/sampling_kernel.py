@@ -36,6 +36,11 @@ rows_kernel = True
 """Whether the Sampler draws float32 CPU rows through ``_core.sample_rows`` (when
 :func:`softmax_lanes` found the bits). False takes the torch path everywhere (A/B runs, tests)."""
 
+bounded_draw = True
+"""Whether ``_core.sample_rows`` first tries a whole-row draw from cheap exponentials and an
+error bound (rust/kernels/src/bounded_draw.rs: torch's token when it decides, the exact draw
+when it cannot). False: the exact draw for every whole row (A/B runs, tests; same tokens)."""
+
 
 def _probe() -> list[np.ndarray]:
     """Fixed rows: widths around the vector widths and a vocabulary's, mixed spreads, ``-inf``."""
@@ -125,5 +130,6 @@ def kernel_tokens(
         lanes,
         tokens,
         threads=kernel_threads(),
+        bounded=bounded_draw,
     )
     return tokens

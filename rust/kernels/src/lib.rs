@@ -4,6 +4,7 @@
 //!
 //! Modules, one noun each:
 //! - [`argmax`]: a row's greedy token, torch's `argmax` in one vectorised scan.
+//! - [`bounded_draw`]: a whole-row draw decided from cheap exponentials and an error bound.
 //! - [`paged_attention`]: attention of a step's queries over the paged KV cache, read in place
 //!   through the plan's CSR page table (no gather of K and V).
 //! - [`candidates`]: a row's n largest logits and their columns in one read of the row.
@@ -19,6 +20,7 @@
 //!   the prefetches a kernel asks for in step with its reads.
 
 pub mod argmax;
+pub mod bounded_draw;
 pub mod candidates;
 pub mod draw;
 pub mod linear;

@@ -23,6 +23,7 @@
 //! NaN or `+inf` (or nothing but `-inf`), scaled logits that overflow, an empty kept set (a
 //! min-p above 1), a total that is not positive and finite.
 
+use crate::bounded_draw::{self, BoundedScratch, Outcome};
 use crate::candidates;
 use crate::draw;
 use crate::nucleus::{self, NucleusScratch};
@@ -68,6 +69,7 @@ pub struct SamplingScratch {
     /// The C-wide vector of a top-p over the candidates.
     vector: Vec<f32>,
     among: Among,
+    bounded: BoundedScratch,
 }
 
 /// The buffers of [`draw_among`].
@@ -90,19 +92,29 @@ enum Decision {
 
 /// The token of each row: `row(i)` is row i's logits (all of one width V), `settings[i]` its
 /// settings; `None` for a row left to the caller (module doc). `lanes`: torch's float vector
-/// width, for its softmax's sums.
+/// width, for its softmax's sums. `bounded`: a whole-row draw is first tried by
+/// [`bounded_draw`] (the same token when it decides; off for A/B runs).
 pub fn sample_rows<'a>(
     row: impl Fn(usize) -> &'a [f32],
     settings: &[Settings],
     lanes: Lanes,
     scratch: &mut SamplingScratch,
+    bounded: bool,
 ) -> Vec<Option<usize>> {
     let mut tokens = vec![None; settings.len()];
     let mut whole: Vec<(usize, Scaling)> = Vec::new();
     for (i, s) in settings.iter().enumerate() {
         match decide(row(i), s, lanes, scratch) {
             Decision::Token(t) => tokens[i] = Some(t),
-            Decision::WholeRow(scaling) => whole.push((i, scaling)),
+            Decision::WholeRow(scaling) => {
+                if bounded {
+                    if let Outcome::Token(t) = bounded_draw::draw(row(i), scaling, s.uniform, &mut scratch.bounded) {
+                        tokens[i] = Some(t);
+                        continue;
+                    }
+                }
+                whole.push((i, scaling))
+            }
             Decision::Again | Decision::Left => {}
         }
     }
@@ -334,7 +346,7 @@ mod tests {
                 settings(1.3, 1, 0.5, 0.0, uniform),  // top-k 1 and top-p
             ];
             for (r, row) in rows.iter().enumerate() {
-                let got = sample_rows(|_| row, &cases, lanes, &mut scratch);
+                let got = sample_rows(|_| row, &cases, lanes, &mut scratch, true);
                 assert!(got.iter().all(|&t| t == Some(best(r))), "row {r}, u {uniform}: {got:?}");
             }
         }
@@ -344,10 +356,10 @@ mod tests {
             settings(1.0, 0, f32::NAN, 0.0, 0.5),
             settings(1.0, 300, 1.0, 0.0, 0.5),
         ];
-        assert_eq!(sample_rows(|_| &rows[0], &left, lanes, &mut scratch), vec![None; 4]);
+        assert_eq!(sample_rows(|_| &rows[0], &left, lanes, &mut scratch, true), vec![None; 4]);
         // A row without a filter draws over the whole row: with a uniform of 0, the first
         // token of positive probability (token 0 here).
-        let whole = sample_rows(|_| &rows[1], &[settings(1.0, 0, 1.0, 0.0, 0.0)], lanes, &mut scratch);
+        let whole = sample_rows(|_| &rows[1], &[settings(1.0, 0, 1.0, 0.0, 0.0)], lanes, &mut scratch, true);
         assert_eq!(whole, vec![Some(0)]);
     }
 }

@@ -770,9 +770,10 @@ pub fn softmax(py: Python<'_>, x: PyReadonlyArray2<'_, f32>, lanes: usize, mut o
 /// is torch's float vector width (`resin-kernels`' `sampling`); -1 for a sample left to the
 /// caller (a setting or row the kernel does not take). GIL released; the samples dealt out
 /// over `threads` threads of torch's OpenMP team, every `threads`-th to one (each sample's
-/// token is its own: the split changes no token).
+/// token is its own: the split changes no token). `bounded=False` turns off the bounded
+/// whole-row draw (`resin-kernels`' `bounded_draw`; the same tokens, for A/B runs).
 #[pyfunction]
-#[pyo3(signature = (logits, rows, temperature, top_k, top_p, min_p, log_min_p, uniforms, lanes, tokens, *, threads=1))]
+#[pyo3(signature = (logits, rows, temperature, top_k, top_p, min_p, log_min_p, uniforms, lanes, tokens, *, threads=1, bounded=true))]
 #[allow(clippy::too_many_arguments)]
 pub fn sample_rows(
     py: Python<'_>,
@@ -787,6 +788,7 @@ pub fn sample_rows(
     lanes: usize,
     mut tokens: PyReadwriteArray1<'_, i64>,
     threads: usize,
+    bounded: bool,
 ) -> PyResult<()> {
     let bad = |what: String| Err(PyValueError::new_err(format!("sample_rows: {what}")));
     let Some(lanes) = resin_kernels::softmax::Lanes::new(lanes) else {
@@ -846,7 +848,7 @@ pub fn sample_rows(
                 &all[r * vocab_size..(r + 1) * vocab_size]
             };
             let own: Vec<_> = mine.iter().map(|&i| settings[i]).collect();
-            let drawn = resin_kernels::sampling::sample_rows(row, &own, lanes, &mut Default::default());
+            let drawn = resin_kernels::sampling::sample_rows(row, &own, lanes, &mut Default::default(), bounded);
             drawn.into_iter().map(|d| d.map_or(-1, |t| t as i64)).collect()
         })
     });
