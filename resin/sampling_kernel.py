@@ -13,6 +13,10 @@ up to hundreds of logits, ``-inf`` entries) for 8 and then 16 lanes, and keeps t
 agrees bit for bit; if neither does (another capability, another torch), it warns once and the
 sampler keeps the torch path. Cost: ``benchmarks/sampler_step.py`` (docs/benchmarks.md).
 
+A whole-row draw (temperature alone, or a kept set past the candidates) is first tried from
+cheap exponentials and a rigorous error bound (:data:`bounded_draw`): the bound decides torch's
+token for certain, or the exact draw runs; LLM-like rows nearly always decide.
+
 A sample the kernel does not take comes back -1 and is drawn by the torch path: a temperature
 that is not a positive finite number, a NaN top-p or min-p, a top-k past the 256 candidates, a
 row holding NaN or ``+inf`` or nothing but ``-inf``, scaled logits that overflow, a kept set
