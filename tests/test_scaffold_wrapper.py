@@ -169,13 +169,15 @@ def test_glm_wrapper_tiny_is_a_text_serving_wrapper_checkpoint(glm: dict[str, An
 
 
 def _glm_run_dir(glm: dict[str, Any], name: str) -> Path:
-    """The generated record and weight map with glm5_flash's hand-written blocks, on the
-    scaffold's tiny wrapper checkpoint (layers stage only)."""
+    """The generated record and weight map with glm5_flash's hand-written blocks (and the
+    reference adjustment that goes with them: the indexer's tie-break), on the scaffold's tiny
+    wrapper checkpoint (layers stage only)."""
     run = glm["root"] / name
     run.mkdir()
     for file in ("architecture.json", "weights.py", "parity.toml"):
         shutil.copy(glm["out"] / file, run / file)
-    shutil.copy(GLM_DIR / "blocks.py", run / "blocks.py")
+    for file in ("blocks.py", "reference.py"):
+        shutil.copy(GLM_DIR / file, run / file)
     (run / "tiny").symlink_to(glm["out"] / "tiny")
     return run
 
