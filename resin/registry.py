@@ -18,7 +18,10 @@ A checkpoint resolves by ``architectures[0]``, else by ``model_type``; the first
 claims it wins (two user directories claiming one architecture at the same level: the earlier
 one, with a warning naming both). An unknown architecture raises
 :class:`UnknownArchitectureError` listing what is registered and how to add a model
-(``resin new-model``). An explicit runner (``--runner NAME``) overrides the lookup: ``torch``,
+(``resin new-model``). A checkpoint whose ``architectures[0]`` and ``model_type`` name two
+different registered families (transformers builds it from ``model_type``), or whose
+``generation_config.json`` has a malformed sampling field, raises ``ConfigError`` naming the
+field. An explicit runner (``--runner NAME``) overrides the lookup: ``torch``,
 ``mlx`` (the MLX runner, :mod:`resin.runners.mlx`: the built-in families and gpt-oss on Apple's
 MLX; without MLX installed, an error naming the package to install), ``null`` (no model: cycles
 ordinary tokens, for measuring the server), a registered model name, a model directory path, or
@@ -41,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from resin.loading.checkpoint_info import CheckpointInfo, read_checkpoint_info
+from resin.loading.fields import ConfigError
+from resin.loading.generation_config import check_generation_config
 
 RECORD_FILE = "architecture.json"
 MODELS_PATH_ENV = "RESIN_MODELS_PATH"
@@ -165,12 +170,18 @@ class ModelRegistry:
         return next((e for e in self.entries if e.name == name), None)
 
     def for_checkpoint(self, checkpoint_dir: str | Path) -> ModelEntry:
-        """The entry that runs ``checkpoint_dir`` (UnknownArchitectureError when none)."""
+        """The entry that runs ``checkpoint_dir`` (UnknownArchitectureError when none);
+        ConfigError when its ``architectures`` and ``model_type`` name two different families
+        or its ``generation_config.json`` is malformed."""
         info = read_checkpoint_info(checkpoint_dir)
         claiming = [e for e in self.entries if e.claims(info)]
         if not claiming:
             raise UnknownArchitectureError(self.unknown_message(info))
         first = claiming[0]
+        self._check_family_agrees(info, first)
+        # Its sampling fields become every request's defaults: refuse a malformed one at load
+        # rather than fail each request (resin.loading.generation_config).
+        check_generation_config(info.path)
         rivals = [e for e in claiming[1:] if e.origin == first.origin]
         if rivals:
             warnings.warn(
@@ -180,6 +191,34 @@ class ModelRegistry:
                 stacklevel=2,
             )
         return first
+
+    def _check_family_agrees(self, info: CheckpointInfo, entry: ModelEntry) -> None:
+        """ConfigError when ``architectures[0]`` and ``model_type`` name two different known
+        families (transformers builds the model from ``model_type``, Resin would run the
+        ``architectures`` one). A checkpoint with only one of them, or a ``model_type`` no
+        entry knows (a wrapper's own), resolves as before."""
+        if not info.architecture or not info.model_type:
+            return
+        if entry.model_dir is None:  # the built-in families: one model_type per architecture
+            own = BUILTIN_ARCHITECTURES.get(info.architecture)
+            agrees = own is None or own == info.model_type
+        else:
+            agrees = info.model_type in entry.model_types
+        if agrees:
+            return
+        others = [
+            e
+            for e in self.entries
+            if e is not entry and info.model_type in e.model_types and e.model_dir is not None
+        ]
+        named_builtin = info.model_type in BUILTIN_ARCHITECTURES.values()
+        if others or named_builtin:
+            family = others[0].name if others else info.model_type
+            raise ConfigError(
+                f"{info.path}/config.json: 'architectures' names {info.architecture} but "
+                f"'model_type' is {info.model_type!r} (the {family} family); transformers "
+                "builds the model from model_type, so they must name the same family"
+            )
 
     def unknown_message(self, info: CheckpointInfo) -> str:
         what = (
@@ -218,6 +257,8 @@ def resolve_runner(
         return registry.for_checkpoint(checkpoint_dir).load_runner(
             checkpoint_dir, device=device, dtype=dtype, attention_backend=attention_backend
         )
+    # An explicit runner skips the lookup (for_checkpoint), not the generation-config check.
+    check_generation_config(checkpoint_dir)
     if runner == NULL_RUNNER:
         return _null_runner(checkpoint_dir)
     if runner == MLX_RUNNER:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resin.loading.fields import ConfigError
+from resin.loading.fields import ConfigError, read_dtype_field
 
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 
@@ -32,7 +32,8 @@ class CheckpointInfo:
 
 def read_checkpoint_info(checkpoint_dir: str | Path) -> CheckpointInfo:
     """Read ``checkpoint_dir/config.json`` (or a ``config.json`` path); ConfigError naming the
-    file and the field when it is unreadable or lacks ``model_type`` / ``vocab_size``."""
+    file and the field when it is unreadable, lacks ``model_type`` / ``vocab_size``, or names a
+    ``dtype`` / ``torch_dtype`` that is not a dtype."""
     path = Path(checkpoint_dir)
     if path.is_dir():
         path = path / "config.json"
@@ -57,6 +58,9 @@ def read_checkpoint_info(checkpoint_dir: str | Path) -> CheckpointInfo:
     vocab_size = pick("vocab_size")
     if not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ConfigError(f"{path}: 'vocab_size' must be a positive integer, got {vocab_size!r}")
+    read_dtype_field(raw, where=str(path))  # an unknown dtype name: refused by name
+    if isinstance(nested, dict):
+        read_dtype_field(nested, where=f"{path} text_config")
     max_positions = pick("max_position_embeddings")
     if not isinstance(max_positions, int) or max_positions <= 0:
         max_positions = DEFAULT_MAX_POSITION_EMBEDDINGS

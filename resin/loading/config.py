@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from resin._core import LayerCacheSpec
-from resin.loading.fields import ConfigError, read_field, read_positive
+from resin.loading.fields import ConfigError, read_dtype_field, read_field, read_positive
 from resin.loading.rope import RopeConfig, parse_rope_config
 
 FULL_ATTENTION = "full_attention"
@@ -239,6 +239,15 @@ def _architecture(raw: Mapping[str, Any]) -> str:
                 f"unsupported architecture {arch!r}; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        model_type = raw.get("model_type")
+        named = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+        if named is not None and named != arch:
+            # HF builds the model from model_type, Resin would run architectures[0]: refuse
+            # rather than run one family's weights as the other's.
+            raise ConfigError(
+                f"config: 'architectures' names {arch} but 'model_type' is {model_type!r} "
+                f"({named}); they must name the same family"
+            )
         return arch
     model_type = raw.get("model_type")
     if model_type is None:
@@ -317,6 +326,14 @@ def _parse_moe(
             f"({raw[names[1]]}) disagree"
         )
     top_k = read_positive(raw, "num_experts_per_tok")
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        # Every layer is sparse: the router needs at least top_k experts to choose from.
+        if num_experts <= 0:
+            raise ConfigError(f"config: field {names[0]!r} must be positive, got {num_experts}")
+        if top_k > num_experts:
+            raise ConfigError(
+                f"config: num_experts_per_tok ({top_k}) exceeds {names[0]} ({num_experts})"
+            )
     if arch == "MixtralForCausalLM":
         # MixtralTopKRouter always renormalises the top-k; experts use intermediate_size.
         return MoeConfig(num_experts, top_k, intermediate_size, True, tuple(range(num_layers)))
@@ -417,8 +434,5 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=read_field(raw, "bos_token_id", (int, type(None)), defaults["bos_token_id"]),
         eos_token_ids=eos_ids,
         pad_token_id=read_field(raw, "pad_token_id", (int, type(None)), None),
-        dtype=(
-            read_field(raw, "dtype", (str, type(None)), None)
-            or read_field(raw, "torch_dtype", (str, type(None)), None)
-        ),
+        dtype=read_dtype_field(raw),
     )

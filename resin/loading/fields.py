@@ -44,3 +44,35 @@ def read_positive(raw: Mapping[str, Any], name: str, default: Any = ...) -> int:
     if value <= 0:
         raise ConfigError(f"config: field {name!r} must be positive, got {value}")
     return value
+
+
+# config.json ``dtype`` / ``torch_dtype`` values transformers maps to a torch dtype
+# (``getattr(torch, name)``; "auto" means the checkpoint's own): the floating ones, which a
+# checkpoint's weights are saved in.
+KNOWN_DTYPE_NAMES = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "half",
+    "float",
+    "double",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "auto",
+)
+
+
+def read_dtype_field(raw: Mapping[str, Any], where: str = "config") -> str | None:
+    """``dtype`` (transformers 5) or else ``torch_dtype``: None when absent, ConfigError naming
+    the field when it is not a string or not a dtype name transformers knows."""
+    value = None
+    for name in ("dtype", "torch_dtype"):
+        found = read_field(raw, name, (str, type(None)), None, where)
+        if found is not None and found not in KNOWN_DTYPE_NAMES:
+            raise ConfigError(
+                f"{where}: field {name!r} is {found!r}, not a dtype name; expected one of "
+                f"{', '.join(KNOWN_DTYPE_NAMES)}"
+            )
+        value = value or found
+    return value

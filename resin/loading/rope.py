@@ -122,7 +122,7 @@ def parse_rope_config(
         return RopeConfig(
             "linear",
             theta,
-            factor=read_field(params, "factor", float, where=where),
+            factor=_positive(read_field(params, "factor", float, where=where), "factor", rope_type),
             partial_rotary_factor=partial,
         )
     # llama3 / yarn read the pretraining length; a top-level original_max_position_embeddings
@@ -131,19 +131,34 @@ def parse_rope_config(
         params, "original_max_position_embeddings", int, max_position_embeddings, where
     )
     orig_len = read_field(raw, "original_max_position_embeddings", int, orig_len)
+    _positive(orig_len, "original_max_position_embeddings", rope_type)
     if rope_type == "llama3":
+        low = _positive(
+            read_field(params, "low_freq_factor", float, where=where), "low_freq_factor", rope_type
+        )
+        high = _positive(
+            read_field(params, "high_freq_factor", float, where=where),
+            "high_freq_factor",
+            rope_type,
+        )
+        if low == high:  # the smoothing between the band edges divides by their difference
+            raise ConfigError(
+                f"{where}: llama3 fields 'low_freq_factor' and 'high_freq_factor' are both "
+                f"{low}; they must differ (high_freq_factor > low_freq_factor)"
+            )
         return RopeConfig(
             "llama3",
             theta,
-            factor=read_field(params, "factor", float, where=where),
+            factor=_positive(read_field(params, "factor", float, where=where), "factor", rope_type),
             original_max_position_embeddings=orig_len,
-            low_freq_factor=read_field(params, "low_freq_factor", float, where=where),
-            high_freq_factor=read_field(params, "high_freq_factor", float, where=where),
+            low_freq_factor=low,
+            high_freq_factor=high,
             partial_rotary_factor=partial,
         )
     factor = read_field(params, "factor", (float, type(None)), None, where)
     if factor is None:  # DeepSeek-V3 style: the extension ratio is implied by the lengths
         factor = max_position_embeddings / orig_len
+    _positive(factor, "factor", rope_type)
     optional = {
         name: read_field(params, name, (float, type(None)), None, where)
         for name in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -243,6 +258,16 @@ def _yarn_inv_freq(
     interpolated = inv_freq / factor
     blended = interpolated * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
     return blended, float(attention_factor)
+
+
+def _positive(value: Any, name: str, rope_type: str) -> Any:
+    """``value`` when it is > 0; ConfigError naming the field otherwise (a zero or negative
+    scaling factor or length divides by zero or flips the frequencies)."""
+    if value is not None and value <= 0:
+        raise ConfigError(
+            f"rope parameters: {rope_type} field {name!r} must be positive, got {value!r}"
+        )
+    return value
 
 
 def _need(value: Any, name: str) -> Any:

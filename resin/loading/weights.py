@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# safetensors header dtypes of floating tensors, cast to the runner's dtype on load. Anything
+# else (int8 / fp8 codes, bool) is a quantised or foreign tensor: refused, never cast.
+CASTABLE_HEADER_DTYPES = ("F16", "BF16", "F32", "F64")
 # Architectures resin.loading parses (for the engine and `resin bench`) whose weights the torch
 # reference runner cannot use: their own runner lives under models/.
 CONFIG_ONLY_ARCHITECTURES = {"GptOssForCausalLM": "models/gpt_oss (resin eval parity gpt_oss)"}
@@ -153,14 +156,55 @@ def load_weights(
         by_file.setdefault(file_of_tensor[name], []).append(name)
     weights: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        with _open(path, device) as handle:
-            for name in names:  # check every shape before copying anything from this file
-                _check_shape(
-                    name, list(handle.get_slice(name).get_shape()), expected[name], path, config
-                )
+        with open_safetensors(path, device) as handle:
+            for name in names:  # check every tensor before copying anything from this file
+                header = tensor_header(handle, name, path, directory)
+                _check_shape(name, list(header.get_shape()), expected[name], path, config)
+                check_float_dtype(name, header.get_dtype(), path)
             for name in names:
-                weights[name] = handle.get_tensor(name).to(dtype=dtype)
+                weights[name] = read_tensor(handle, name, path).to(dtype=dtype)
     return weights
+
+
+def check_float_dtype(
+    name: str, header_dtype: str, path: Path, allowed: tuple[str, ...] = ()
+) -> None:
+    """WeightsError unless tensor ``name``'s safetensors dtype is a float the loader may cast
+    (:data:`CASTABLE_HEADER_DTYPES`) or one of ``allowed``: an int8 / fp8 / bool tensor in an
+    unquantised checkpoint would otherwise be cast to float as if it held real values."""
+    if header_dtype in CASTABLE_HEADER_DTYPES or header_dtype in allowed:
+        return
+    kinds = f"a float tensor ({', '.join(CASTABLE_HEADER_DTYPES)})"
+    if allowed:
+        kinds += f" or an index table ({', '.join(allowed)})"
+    raise WeightsError(
+        f"{path.name}: tensor {name} has dtype {header_dtype}; expected {kinds}. A quantised "
+        "checkpoint needs a quantization_config in config.json (and a model directory whose "
+        "loader dequantises it); otherwise dequantise it first"
+    )
+
+
+def read_tensor(handle: Any, name: str, path: Path) -> torch.Tensor:
+    """``handle.get_tensor(name)``; WeightsError naming the file and the tensor when its bytes
+    cannot be read (a truncated shard)."""
+    try:
+        return handle.get_tensor(name)
+    except Exception as exc:  # safetensors raises its own error types
+        raise WeightsError(f"{path}: cannot read tensor {name} ({exc})") from exc
+
+
+def tensor_header(handle: Any, name: str, path: Path, directory: Path) -> Any:
+    """The safetensors slice (dtype, shape) of ``name`` in ``path``; WeightsError naming the
+    index, the shard and the tensor when the index points the tensor at a shard without it."""
+    try:
+        return handle.get_slice(name)
+    except Exception as exc:  # safetensors raises its own error types
+        if (directory / INDEX_FILE).is_file():
+            raise WeightsError(
+                f"{directory / INDEX_FILE}: its weight_map puts tensor {name} in shard "
+                f"{path.name}, which does not hold it"
+            ) from exc
+        raise WeightsError(f"{path}: cannot read tensor {name} ({exc})") from exc
 
 
 def locate_tensors(directory: Path) -> dict[str, Path]:
@@ -174,7 +218,9 @@ def locate_tensors(directory: Path) -> dict[str, Path]:
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise WeightsError(f"{index_path}: cannot read its 'weight_map' ({exc})") from exc
-        files = {name: directory / shard for name, shard in weight_map.items()}
+        files = {
+            name: directory / shard for name, shard in _checked_weight_map(weight_map, index_path)
+        }
         for shard in sorted(set(files.values())):
             if not shard.is_file():
                 raise WeightsError(
@@ -184,8 +230,28 @@ def locate_tensors(directory: Path) -> dict[str, Path]:
     single = directory / SINGLE_FILE
     if not single.is_file():
         raise WeightsError(f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE}")
-    with _open(single, "cpu", framework="numpy") as handle:  # names only: no torch needed
+    with open_safetensors(
+        single, "cpu", framework="numpy"
+    ) as handle:  # names only: no torch needed
         return {name: single for name in handle.keys()}
+
+
+def _checked_weight_map(weight_map: Any, index_path: Path) -> list[tuple[str, str]]:
+    """The index's ``weight_map`` as (tensor name, shard file name) pairs; WeightsError naming
+    the index and the bad entry unless it maps names to plain file names in the directory."""
+    if not isinstance(weight_map, dict):
+        raise WeightsError(
+            f"{index_path}: 'weight_map' must be an object mapping tensor names to shard "
+            f"files, got {type(weight_map).__name__}"
+        )
+    pairs = []
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise WeightsError(
+                f"{index_path}: weight_map entry {name!r} must name a shard file, got {shard!r}"
+            )
+        pairs.append((name, shard))
+    return pairs
 
 
 def __getattr__(name: str) -> Any:
@@ -198,11 +264,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _open(path: Path, device: str | torch.device, framework: str = "pt"):  # type: ignore[no-untyped-def]
+def open_safetensors(path: Path, device: str | torch.device = "cpu", framework: str = "pt"):  # type: ignore[no-untyped-def]
+    """``safe_open`` with WeightsError naming the file when it is not a readable safetensors
+    file (truncated header, not safetensors at all)."""
     try:
         return safe_open(str(path), framework=framework, device=str(device))
     except Exception as exc:  # safetensors raises its own error types
-        raise WeightsError(f"cannot open {path}: {exc}") from exc
+        raise WeightsError(
+            f"cannot open {path}: {exc} (truncated, or not a safetensors file)"
+        ) from exc
 
 
 def _check_present(

@@ -142,15 +142,13 @@ def check_source_shapes(record: ModelRecord, checkpoint_dir: str | Path) -> list
     """Problems (empty if none) between a checkpoint's safetensors headers and the shapes of the
     model the record was generated from — e.g. to check a downloaded real checkpoint before
     loading it. Reads headers only."""
-    from safetensors import safe_open
-
-    from resin.loading.weights import locate_tensors
+    from resin.loading.weights import locate_tensors, open_safetensors
     from resin.scaffold.layer_map import name_pattern
 
     problems: list[str] = []
     files = locate_tensors(Path(checkpoint_dir))
     for path in sorted(set(files.values())):
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for tensor_name in handle.keys():
                 pattern, layer, _ = name_pattern(tensor_name)
                 shape = list(handle.get_slice(tensor_name).get_shape())
@@ -510,7 +508,20 @@ def check_config(blocks: Any, args: ModelArgs, name: str) -> None:
     """Refuse at load, with a ``ValueError`` naming the field, a checkpoint config the model's
     blocks would refuse at their first forward: the ``hidden_act`` when the blocks compute it
     with the shared lookup (``config_activation``), then the blocks' own ``check_config(config)``
-    hook (raising ``ValueError`` or ``NotImplementedError``), if they define one."""
+    hook (raising ``ValueError`` or ``NotImplementedError``), if they define one. Before
+    those, what every attention model needs: ``num_attention_heads`` a multiple of
+    ``num_key_value_heads`` when the config gives both (:class:`ConfigError`)."""
+    from resin.loading.fields import ConfigError
+
+    heads = getattr(args, "num_attention_heads", None)
+    kv_heads = getattr(args, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads > 0:
+        if kv_heads <= 0 or heads % kv_heads:
+            raise ConfigError(
+                f"{name}: config.json num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads}): each KV head serves a whole group of query "
+                "heads"
+            )
     try:
         if hasattr(blocks, "config_activation"):
             blocks.config_activation(args)
@@ -653,7 +664,14 @@ class ModelDirRunner(PagedRunner):
             known_patterns=record.checkpoint_patterns,
             required=lambda i: required[i],
             required_globals=_required_globals(record, args, weight_map),
-            expected_shape=_shape_checker(record, full_args, kinds),
+            expected_shape=_shape_checker(
+                record,
+                full_args,
+                kinds,
+                confirmed_standard_rules(model_dir, record, blocks),
+                standard_shape_fields(blocks, full_args),
+                int(full_args.num_hidden_layers),
+            ),
             keep_in_fp32=record.keep_in_fp32.get(dtype_name, []),
             ignored_prefixes=ignored,
             num_mtp_layers=num_mtp,
@@ -743,24 +761,153 @@ def _tensor_parallel_args(
     return ModelArgs(**local), shard, part
 
 
-def _shape_checker(record: ModelRecord, args: ModelArgs, kinds: list[str]) -> Any:
+# Standard tensor names whose shape follows from the config the same way wherever a model has
+# them (Llama-style attention and MLP, token embedding and head), over the fields of
+# :func:`standard_shape_fields`. They fill the dimensions a record's own rules leave unchecked
+# (the scaffold leaves a dimension unchecked when two config expressions explain it, as
+# q_proj's rows in a model whose heads * head_dim equals another width), but only those the
+# model directory's own tiny checkpoint confirms: a model that reuses a standard name for
+# something else (a gated q_proj twice as wide, another head count) keeps its record's rules.
+STANDARD_LAYER_SHAPES: dict[str, list[str]] = {
+    "self_attn.q_proj.weight": ["num_attention_heads*head_dim", "hidden_size"],
+    "self_attn.k_proj.weight": ["num_key_value_heads*head_dim", "hidden_size"],
+    "self_attn.v_proj.weight": ["num_key_value_heads*head_dim", "hidden_size"],
+    "self_attn.o_proj.weight": ["hidden_size", "num_attention_heads*head_dim"],
+    "self_attn.q_norm.weight": ["head_dim"],
+    "self_attn.k_norm.weight": ["head_dim"],
+    "mlp.gate_proj.weight": ["intermediate_size", "hidden_size"],
+    "mlp.up_proj.weight": ["intermediate_size", "hidden_size"],
+    "mlp.down_proj.weight": ["hidden_size", "intermediate_size"],
+}
+STANDARD_GLOBAL_SHAPES: dict[str, list[str]] = {
+    "model.embed_tokens.weight": ["vocab_size", "hidden_size"],
+    "lm_head.weight": ["vocab_size", "hidden_size"],
+}
+# Where a model directory keeps the checkpoint its standard shapes are confirmed on.
+TINY_CHECKPOINT = "tiny"
+GLOBAL = ""  # the "kind" of a non-layer tensor in the confirmed standard rules
+
+
+def standard_shape_fields(blocks: Any, args: Any) -> dict[str, int]:
+    """The config fields the standard shapes use, as the runner derives them: head_dim from
+    ``blocks.head_dim`` or the config (:func:`head_dim_of`), the KV head count defaulting to
+    the head count. A field the config lacks (or that is not an int) is left out, and the
+    dimensions using it go unchecked."""
+    fields = {
+        name: getattr(args, name, None)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
+    }
+    try:
+        fields["num_key_value_heads"] = num_kv_heads_of(args)
+        fields["head_dim"] = (
+            int(blocks.head_dim(args)) if hasattr(blocks, "head_dim") else head_dim_of(args)
+        )
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        pass
+    return {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def confirmed_standard_rules(
+    model_dir: Path, record: ModelRecord, blocks: Any
+) -> dict[str, dict[str, list[str | None]]]:
+    """``{kind: {relative pattern: rule}}`` (kind ``""``: non-layer tensors) of the standard
+    shapes that hold on the model directory's tiny checkpoint, dimension by dimension (a
+    dimension that does not hold on every layer of that kind is None). Empty without one."""
+    from resin.loading.weights import locate_tensors, open_safetensors
+    from resin.scaffold.layer_map import name_pattern
+    from resin.scaffold.shape_rules import evaluate
+
+    tiny = model_dir / TINY_CHECKPOINT
+    if not (tiny / "config.json").is_file():
+        return {}
+    try:
+        args = load_model_args(tiny, record)
+        if hasattr(blocks, "normalise_config"):
+            args = ModelArgs(**blocks.normalise_config(args.to_dict()))
+        kinds = [kind for _, _, kind in layer_kinds(args, record)]
+        fields = standard_shape_fields(blocks, args)
+        files = locate_tensors(tiny)
+        confirmed: dict[str, dict[str, list[str | None]]] = {}
+        for path in sorted(set(files.values())):
+            with open_safetensors(path) as handle:
+                for tensor_name in handle.keys():
+                    pattern, layer, _ = name_pattern(tensor_name)
+                    if layer is None:
+                        kind, relative, table = GLOBAL, pattern, STANDARD_GLOBAL_SHAPES
+                    elif layer < len(kinds):
+                        kind = kinds[layer]
+                        relative = pattern.split("layers.{layer}.", 1)[-1]
+                        table = STANDARD_LAYER_SHAPES
+                    else:
+                        continue  # a next-n (MTP) layer: checked by the record's rules only
+                    if relative not in table:
+                        continue
+                    shape = handle.get_slice(tensor_name).get_shape()
+                    want = evaluate(list(table[relative]), fields)
+                    rule = confirmed.setdefault(kind, {}).setdefault(
+                        relative, list(table[relative])
+                    )
+                    for dim in range(len(rule)):  # once refuted on one layer, None for all
+                        if len(shape) != len(want) or want[dim] != shape[dim]:
+                            rule[dim] = None
+        return confirmed
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
+        return {}  # an unreadable tiny checkpoint confirms nothing (WeightsError: a ValueError)
+
+
+def _shape_checker(
+    record: ModelRecord,
+    args: ModelArgs,
+    kinds: list[str],
+    standard: dict[str, dict[str, list[str | None]]] | None = None,
+    fields: dict[str, int] | None = None,
+    num_layers: int | None = None,
+) -> Any:
     """``expected(pattern, layer) -> dims or None`` from the record's shape rules evaluated on
-    the checkpoint's config (None entries: unchecked dims)."""
+    the checkpoint's config (None entries: unchecked dims), with the ``standard`` rules
+    (:func:`confirmed_standard_rules`, evaluated on ``fields``) filling dimensions the record
+    leaves unchecked, for the stack's ``num_layers`` layers and the non-layer tensors.
+    ``expected.rule_of(pattern, layer)`` gives the expressions, for error messages."""
     from resin.scaffold.shape_rules import evaluate
 
     rules = record.shape_rules
-    if not rules:
+    standard = standard or {}
+    if not rules and not standard:
         return None
     config = args.to_dict()
+    fields = fields or {}
 
-    def expected(pattern: str, layer: int | None) -> list[int | None] | None:
+    def rules_of(pattern: str, layer: int | None) -> tuple[Any, Any]:
+        """(the record's rule, the confirmed standard one) of a tensor; either may be None."""
         if layer is None:
-            rule = rules.get("global", {}).get(pattern)
+            own = rules.get("global", {}).get(pattern)
+            extra = standard.get(GLOBAL, {}).get(pattern)
         else:
             relative = pattern.split("layers.{layer}.", 1)[-1]
-            rule = _kind_shape_rule(record, kinds[layer], relative)
-        return None if rule is None else evaluate(rule, config)
+            own = _kind_shape_rule(record, kinds[layer], relative) if rules else None
+            in_stack = num_layers is None or layer < num_layers
+            extra = standard.get(kinds[layer], {}).get(relative) if in_stack else None
+        if extra is not None and own is not None and len(own) != len(extra):
+            extra = None
+        return own, extra
 
+    def rule_of(pattern: str, layer: int | None) -> list[str | None] | None:
+        own, extra = rules_of(pattern, layer)
+        if own is None or extra is None:
+            return own or extra
+        return [o if o is not None else e for o, e in zip(own, extra)]
+
+    def expected(pattern: str, layer: int | None) -> list[int | None] | None:
+        # The record's expressions read the config as written, the standard ones the fields
+        # as the runner derives them (standard_shape_fields): each dimension by its own.
+        own, extra = rules_of(pattern, layer)
+        own_dims = None if own is None else evaluate(own, config)
+        extra_dims = None if extra is None else evaluate(extra, fields)
+        if own_dims is None or extra_dims is None:
+            return own_dims or extra_dims
+        return [o if r is not None else e for o, e, r in zip(own_dims, extra_dims, own)]
+
+    expected.rule_of = rule_of  # type: ignore[attr-defined]
     return expected
 
 

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from resin.loading.quantized_weights import (
     DequantPlan,
@@ -41,11 +40,22 @@ from resin.loading.quantized_weights import (
     plan_dequantisation,
     read_quant_scheme,
 )
-from resin.loading.weights import SUPPORTED_DTYPES, WeightsError, locate_tensors
+from resin.loading.weights import (
+    SUPPORTED_DTYPES,
+    WeightsError,
+    check_float_dtype,
+    locate_tensors,
+    open_safetensors,
+    read_tensor,
+    tensor_header,
+)
 from resin.scaffold.layer_map import name_pattern
 
 # Checkpoint tensors that are leftovers, not weights (older checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = (".inv_freq", "._float_tensor")
+# Integer tensors a model keeps as they are (hash-routing tables, index buffers). Narrower
+# integers, bool and fp8 are quantised or foreign data: refused without a quantization_config.
+INDEX_HEADER_DTYPES = ("I32", "I64")
 # Where a checkpoint keeps its next-n (MTP) layers: prefixes with ``{i}`` (the MTP layer's own
 # index, renamed to a layer past the stack: DeepSeek's ``mtp.{i}.``) or ``{layer}`` (already a
 # layer past the stack, ``num_hidden_layers + i``: DeepSeek-V3 / GLM's ``model.layers.{layer}.``).
@@ -275,16 +285,15 @@ def load_model_weights(
     by_file: dict[Path, list[str]] = {}
     for name in chosen:
         by_file.setdefault(files[name], []).append(name)
-    if expected_shape is not None:
-        logical = {} if plan is None else {n: q.shape for n, q in plan.tensors.items()}
-        _check_shapes(directory, by_file, expected_shape, logical, pattern_of)
+    logical = {} if plan is None else {n: q.shape for n, q in plan.tensors.items()}
+    _check_headers(directory, by_file, expected_shape, logical, pattern_of)
     with _CpuReader(files) as cpu:
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt", device=str(device)) as handle:
+            with open_safetensors(path, device) as handle:
                 for name in names:
                     part = None
                     if shard is not None:
-                        shape = tuple(handle.get_slice(name).get_shape())
+                        shape = tuple(tensor_header(handle, name, path, directory).get_shape())
                         part = shard(chosen[name], shape)
                     if plan is not None and name in plan.tensors:
                         if part is not None:
@@ -297,11 +306,16 @@ def load_model_weights(
                         tensor = tensor.to(device)
                     elif part is not None:  # a rank's slice, read as such (never whole)
                         slices, zero = part
-                        tensor = handle.get_slice(name)[slices]
+                        try:
+                            tensor = handle.get_slice(name)[slices]
+                        except Exception as exc:  # safetensors raises its own error types
+                            raise WeightsError(
+                                f"{path}: cannot read tensor {name} ({exc})"
+                            ) from exc
                         if zero:  # a row-parallel bias: added once, by rank 0
                             tensor = torch.zeros_like(tensor)
                     else:
-                        tensor = handle.get_tensor(name)
+                        tensor = read_tensor(handle, name, path)
                     if tensor.is_floating_point():
                         # HF matches its patterns on in-memory names: try the runner name too.
                         keep = any(p in name or p in chosen[name] for p in fp32_patterns)
@@ -326,9 +340,9 @@ def _dequant_plan(
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for name in names:
-                piece = handle.get_slice(name)
+                piece = tensor_header(handle, name, path, directory)
                 headers[name] = (piece.get_dtype(), tuple(piece.get_shape()))
     try:
         return plan_dequantisation(
@@ -360,35 +374,48 @@ class _CpuReader:
     def get(self, name: str) -> torch.Tensor:
         path = self.files[name]
         if path not in self.handles:
-            self.handles[path] = self.stack.enter_context(
-                safe_open(str(path), framework="pt", device="cpu")
-            )
-        return self.handles[path].get_tensor(name)
+            self.handles[path] = self.stack.enter_context(open_safetensors(path, "cpu"))
+        return read_tensor(self.handles[path], name, path)
 
 
-def _check_shapes(
+def _check_headers(
     directory: Path,
     by_file: Mapping[Path, list[str]],
-    expected_shape: Callable[[str, int | None], list[int | None] | None],
-    logical: Mapping[str, tuple[int, ...]] | None = None,
+    expected_shape: Callable[[str, int | None], list[int | None] | None] | None,
+    logical: Mapping[str, tuple[int, ...]],
     pattern_of: Callable[[str], tuple[str, int | None, int | None]] = name_pattern,
 ) -> None:
-    """Every tensor's header shape (``logical``: the dequantised shape of a quantised one)
-    against what the checkpoint's config implies, before any tensor is copied; WeightsError
-    naming the tensor, the file and both shapes."""
+    """Every tensor to load, from its safetensors header, before any tensor is copied: its
+    dtype (a float, cast on load; an int32 / int64 index table, kept — a quantised tensor of
+    the dequantisation plan, in ``logical``, is read with its scale instead), and its shape
+    (``logical``: the dequantised shape of a quantised one) against what the checkpoint's
+    config implies, when ``expected_shape`` is given; WeightsError naming the tensor, the file
+    and what was expected."""
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for name in names:
+                header = tensor_header(handle, name, path, directory)
+                if name not in logical:
+                    check_float_dtype(name, header.get_dtype(), path, INDEX_HEADER_DTYPES)
+                if expected_shape is None:
+                    continue
                 pattern, layer, _ = pattern_of(name)
                 want = expected_shape(pattern, layer)
                 if want is None:
                     continue
-                got = (logical or {}).get(name) or tuple(handle.get_slice(name).get_shape())
+                got = logical.get(name) or tuple(header.get_shape())
                 if len(got) != len(want) or any(
                     w is not None and w != g for w, g in zip(want, got)
                 ):
                     shown = tuple("?" if w is None else w for w in want)
+                    rule_of = getattr(expected_shape, "rule_of", None)
+                    rule = rule_of(pattern, layer) if rule_of is not None else None
+                    why = (
+                        "config fields (" + ", ".join(e or "?" for e in rule) + ")"
+                        if rule
+                        else "the model record's shape rules"
+                    )
                     raise WeightsError(
                         f"{path.name}: tensor {name} has shape {got}, but {directory}/config.json "
-                        f"implies {shown} (from the model record's shape rules)"
+                        f"implies {shown} (from {why})"
                     )
