@@ -522,12 +522,29 @@ def test_sampler_grammar_survives_failed_plans_and_preemption(config: dict[str, 
     assert run_engine(flaky, **config) == expected
 
 
+def _sample_under_mask(slot: Any, seed: int, vocab_size: int = 384) -> list[int]:
+    """Tokens drawn from random logits under ``slot``'s grammar mask until it terminates (at
+    most 400)."""
+    import torch
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    tokens: list[int] = []
+    while not slot.matcher.is_terminated() and len(tokens) < 400:
+        slot.matcher.fill_next_token_bitmask(bitmask, 0)
+        logits = torch.randn(1, vocab_size, generator=generator) * 3
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        tokens.append(token)
+        slot.sync(tokens)
+    return tokens
+
+
 @pytest.mark.parametrize("tool_parser", ["hermes", "llama3_json", "deepseek_v3", "deepseek_v31"])
 def test_forced_call_formats_parse_back(tool_parser: str) -> None:
     """Every call format a forced call can take is read back by its own tool parser as one
     schema-valid call (random logits under the mask, several seeds, required and named)."""
-    import torch
-    import xgrammar as xgr
 
     from resin.server.parsers import OutputParser
     from resin.structured_output import GrammarCompiler, GrammarSlot
@@ -536,19 +553,10 @@ def test_forced_call_formats_parse_back(tool_parser: str) -> None:
     tokenizer = Tokenizer.from_pretrained(FIXTURE)
     compiler = GrammarCompiler(tokenizer, 384, tokenizer.eos_token_ids, tool_parser)
     assert compiler.supports_tool_calls
-    bitmask = xgr.allocate_token_bitmask(1, 384)
     for seed in range(4):
         name = None if seed % 2 else "get_weather"
         slot = GrammarSlot(compiler.tool_call(CHAT_TOOLS, name, ["a", "b"]))
-        generator = torch.Generator().manual_seed(seed)
-        tokens: list[int] = []
-        while not slot.matcher.is_terminated() and len(tokens) < 400:
-            slot.matcher.fill_next_token_bitmask(bitmask, 0)
-            logits = torch.randn(1, 384, generator=generator) * 3
-            xgr.apply_token_bitmask_inplace(logits, bitmask)
-            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-            tokens.append(token)
-            slot.sync(tokens)
+        tokens = _sample_under_mask(slot, seed)
         assert slot.matcher.is_terminated() and tokens[-1] in tokenizer.eos_token_ids
         parser = OutputParser(tool_parser, None, tools=CHAT_TOOLS)
         parser.feed(tokenizer.decode(tokens[:-1]))
@@ -665,8 +673,6 @@ def test_a_forced_call_resolves_the_tools_own_definitions(engine: str) -> None:
     do): nesting them under the call's ``arguments`` moved their root, and the forced call
     failed to compile ("Pointer '/$defs/Mode' does not exist"). Every sampled call is now
     schema-valid; a recursive one (``$ref: "#"``) compiles too."""
-    import torch
-    import xgrammar as xgr
 
     from resin.server.parsers import OutputParser
     from resin.structured_output import GrammarCompiler, GrammarSlot, _nested_schema
@@ -676,18 +682,9 @@ def test_a_forced_call_resolves_the_tools_own_definitions(engine: str) -> None:
     tools += CHAT_TOOLS
     tokenizer = Tokenizer.from_pretrained(FIXTURE)
     compiler = GrammarCompiler(tokenizer, 384, tokenizer.eos_token_ids, "hermes", engine=engine)
-    bitmask = xgr.allocate_token_bitmask(1, 384)
     for seed in range(3):
         slot = GrammarSlot(compiler.tool_call(tools, "pick", ["a", "b", "c"]))
-        generator = torch.Generator().manual_seed(seed)
-        tokens: list[int] = []
-        while not slot.matcher.is_terminated() and len(tokens) < 400:
-            slot.matcher.fill_next_token_bitmask(bitmask, 0)
-            logits = torch.randn(1, 384, generator=generator) * 3
-            xgr.apply_token_bitmask_inplace(logits, bitmask)
-            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-            tokens.append(token)
-            slot.sync(tokens)
+        tokens = _sample_under_mask(slot, seed)
         parser = OutputParser("hermes", None, tools=tools)
         parser.feed(tokenizer.decode(tokens[:-1]))
         parser.finish()

@@ -22,7 +22,6 @@ has one entry per layer, every sliding layer has a window); anything else raises
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,7 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from resin._core import LayerCacheSpec
-from resin.loading.fields import ConfigError, read_dtype_field, read_field, read_positive
+from resin.loading.fields import (
+    ConfigError,
+    read_dtype_field,
+    read_field,
+    read_json_object,
+    read_positive,
+)
 from resin.loading.rope import RopeConfig, parse_rope_config
 
 FULL_ATTENTION = "full_attention"
@@ -203,13 +208,7 @@ def load_model_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Mod
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"config.json not found: {path}")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return _parse(raw)
+    return _parse(read_json_object(path))
 
 
 def layer_cache_specs(config: ModelConfig, kv_dtype_bytes: int) -> list[LayerCacheSpec]:

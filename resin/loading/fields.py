@@ -76,3 +76,17 @@ def read_dtype_field(raw: Mapping[str, Any], where: str = "config") -> str | Non
             )
         value = value or found
     return value
+
+
+def read_json_object(path: Any) -> dict[str, Any]:
+    """The JSON object in ``path``; ConfigError naming the file when it cannot be read, is not
+    JSON, or is not an object."""
+    import json
+
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw

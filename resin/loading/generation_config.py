@@ -18,11 +18,10 @@ Other fields are not read by Resin and not checked. Imports ``resin._core`` only
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from resin.loading.fields import ConfigError
+from resin.loading.fields import ConfigError, read_json_object
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json field -> the resin.SamplingParams argument it is the default of.
@@ -41,12 +40,7 @@ def check_generation_config(checkpoint_dir: str | Path) -> None:
     path = Path(checkpoint_dir) / GENERATION_CONFIG_FILE
     if not path.is_file():
         return
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(path)
     for name, target in {**NUMBER_FIELDS, **INT_FIELDS}.items():
         value = raw.get(name)
         if value is None:
