@@ -183,10 +183,11 @@ def step(sampler: Any, logits: torch.Tensor, plan: resin.BatchPlan) -> Any:
 
 
 ROWS_KERNEL = [(resin.sampling_kernel, "rows_kernel")]
-BOUNDED_DRAW = [(resin.sampling_kernel, "bounded_draw")]
-"""The switch of the bounded whole-row draw inside ``_core.sample_rows``."""
 """The switch of the draw in one Rust call (``_core.sample_rows``); off, the drawn rows take the
 torch path with its Rust searches (the sampler before that kernel)."""
+
+BOUNDED_DRAW = [(resin.sampling_kernel, "bounded_draw")]
+"""The switch of the bounded whole-row draw inside ``_core.sample_rows``."""
 
 SEARCH_KERNELS = [
     *ROWS_KERNEL,

@@ -540,18 +540,21 @@ _LLG_JSON_STYLE: dict[str, Any] = {
 
 
 _DEFINITION_KEYS = ("$defs", "definitions")
+_DATA_KEYWORDS = frozenset(("const", "default", "enum", "examples"))  # values, not schemas
 
 
 def _nested_schema(schema: Mapping[str, Any], tag: str) -> tuple[Any, dict[str, Any]]:
     """``schema`` (a tool's parameters) made fit to sit inside another schema: (its body, the
     definitions to put in the outer root's ``$defs``). A ``$ref`` is a JSON pointer from the
     schema's own root, which nesting moves, so its ``$defs`` / ``definitions`` go to the root
-    as ``{tag}_{name}`` and every local ``$ref`` is rewritten to them: ``#/$defs/X`` and
-    ``#/definitions/X`` (and pointers below them) to ``#/$defs/{tag}_X``; ``#`` itself (a
-    recursive schema) and any other local pointer to a copy of the body at ``{tag}__root``.
-    Refs to other documents are left as they are."""
+    and every local ``$ref`` is rewritten to them: ``#/$defs/X`` (and pointers below it) to
+    ``#/$defs/{tag}_X``, ``#/definitions/X`` to ``#/$defs/{tag}_definitions_X`` (a name in
+    both stays two); ``#`` itself (a recursive schema) and any other local pointer to a copy of
+    the body at ``{tag}__root``. Refs to other documents, and ``$ref`` keys inside data
+    (``const``, ``enum``, ...), are left as they are."""
+    prefixes = {"$defs": f"{tag}_", "definitions": f"{tag}_definitions_"}
     defined = {
-        f"{tag}_{name}": value
+        f"{prefixes[key]}{name}": value
         for key in _DEFINITION_KEYS
         if isinstance(schema.get(key), Mapping)
         for name, value in schema[key].items()
@@ -567,14 +570,16 @@ def _nested_schema(schema: Mapping[str, Any], tag: str) -> tuple[Any, dict[str, 
             return ref
         head, _, rest = ref[2:].partition("/")
         if head in _DEFINITION_KEYS and rest:
-            return f"#/$defs/{tag}_{rest}"
+            return f"#/$defs/{prefixes[head]}{rest}"
         uses_root = True
         return f"#/$defs/{tag}__root/{ref[2:]}"
 
     def rewrite(node: Any) -> Any:
         if isinstance(node, Mapping):
             return {
-                k: pointer(v) if k == "$ref" and isinstance(v, str) else rewrite(v)
+                k: pointer(v)
+                if k == "$ref" and isinstance(v, str)
+                else (v if k in _DATA_KEYWORDS else rewrite(v))
                 for k, v in node.items()
             }
         if isinstance(node, list):

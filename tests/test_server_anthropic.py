@@ -917,6 +917,7 @@ def test_a_final_assistant_message_is_a_prefill_the_answer_continues(scripted: S
     continued, _ = build_prompt(scripted.ctx, {**body, "messages": [user, prefill]})
     assert continued.text.endswith('Sure: {"a":')  # (Qwen3's template adds an empty think)
     assert continued.text.startswith(plain.text) and continued.text.count("<|im_end|>") == 1
+    assert continued.reasoning_closed  # the continuation is content, not reasoning
     # a tool-use turn last is history, not a prefill
     tool_turn = {
         "role": "assistant",

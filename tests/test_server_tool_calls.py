@@ -311,3 +311,20 @@ def test_a_call_cut_by_the_end_of_the_generation_is_not_a_finished_call(scripted
         timeout=30,
     ).json()
     assert whole_message["stop_reason"] == "tool_use"
+
+
+def test_a_call_released_whole_at_the_end_is_a_finished_call(scripted):
+    """A call the reasoning parser holds back until the end (it starts inside a ``<think>``
+    that never closes: Qwen3.5 and GLM do this) comes out of the parser's finish() complete;
+    it is a finished call, not a cut one."""
+    ctx, runner, tokenizer, client = scripted
+    text = (
+        "<think>need the weather\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "SF"}}\n</tool_call>'
+    )
+    _script(ctx, runner, tokenizer, "hermes", "qwen3", text)
+    messages = [{"role": "user", "content": "Weather?"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    choice = response.choices[0]
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert choice.finish_reason == "tool_calls"

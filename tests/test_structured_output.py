@@ -705,7 +705,10 @@ def test_a_forced_call_resolves_the_tools_own_definitions(engine: str) -> None:
     assert definitions == {"tool0__root": body}
     body, definitions = _nested_schema(DEFS_SCHEMA, "tool3")
     assert body["properties"]["mode"] == {"$ref": "#/$defs/tool3_Mode"}
-    assert set(definitions) == {"tool3_Mode", "tool3_Digit"} and "$defs" not in body
+    assert set(definitions) == {"tool3_Mode", "tool3_definitions_Digit"} and "$defs" not in body
+    assert body["properties"]["n"] == {"$ref": "#/$defs/tool3_definitions_Digit"}
+    data = {"type": "object", "properties": {"a": {"const": {"$ref": "#/$defs/x"}}}}
+    assert _nested_schema(data, "tool0") == (data, {})  # a value, not a reference
 
 
 def test_the_llguidance_path_never_imports_xgrammar() -> None:

@@ -252,7 +252,10 @@ def adjust_reference(runner: Any, model: Any) -> list[str]:
     without one. For a rule HF leaves to chance that the runner must fix (GLM-5.3-Flash: the
     indexer's top-k ties, which torch orders by the call's size), so both compute the same
     thing; every adjustment is named in the report."""
-    model_dir = getattr(runner, "model_dir", None)
+    # (a tensor-parallel launcher keeps the model directory's runner as ``local``)
+    model_dir = getattr(runner, "model_dir", None) or getattr(
+        getattr(runner, "local", None), "model_dir", None
+    )
     if model_dir is None or not (Path(model_dir) / "reference.py").is_file():
         return []
     from resin.evals.model_ref import import_model_module
@@ -579,7 +582,12 @@ def run_parity(
     if attention != "eager":
         hf = None  # one HF model held at a time: the cache drops the eager one before loading
         hf, report.hf_attention = _reference_model(model_dir, dtype, attention)
-    report.reference_adjustments = adjust_reference(runner, hf)
+    try:
+        report.reference_adjustments = adjust_reference(runner, hf)
+    except Exception as exc:  # noqa: BLE001 - the reference failing is reported, not raised
+        report.reference_error = f"the model's reference.py failed: {exception_text(exc)}"
+        report.stages.append(StageResult("reference", False, report.reference_error))
+        return report
 
     hf_acts: dict[str, Any] | None = None
     probe = max(token_prompts, key=len)

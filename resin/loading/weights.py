@@ -246,9 +246,10 @@ def _checked_weight_map(weight_map: Any, index_path: Path) -> list[tuple[str, st
         )
     pairs = []
     for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard:
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard == "..":
             raise WeightsError(
-                f"{index_path}: weight_map entry {name!r} must name a shard file, got {shard!r}"
+                f"{index_path}: weight_map entry {name!r} must name a shard file in the "
+                f"checkpoint directory, got {shard!r}"
             )
         pairs.append((name, shard))
     return pairs

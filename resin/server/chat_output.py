@@ -21,7 +21,7 @@ from resin.server.chat_prompt import ChatPrompt
 from resin.server.context import ServerContext
 from resin.server.errors import APIError
 from resin.server.generation import ChoiceDelta, TokenLogprob
-from resin.server.parsers import OutputEvent, OutputParser, ToolCallEnd
+from resin.server.parsers import OutputEvent, OutputParser, ToolCallEnd, ToolCallStart
 
 
 def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
@@ -71,15 +71,25 @@ class ChatChoice:
         self.logprobs: list[TokenLogprob] = []
         self.num_tool_calls = 0  # calls the model finished
         self.num_cut_tool_calls = 0  # calls the end of the generation cut (closed by the parser)
+        self._open_calls: set[int] = set()  # calls started and not yet ended, by index
 
     def events(self, delta: ChoiceDelta) -> list[OutputEvent]:
         events = self.parser.feed(delta.text) if delta.text else []
+        for event in events:
+            if isinstance(event, ToolCallStart):
+                self._open_calls.add(event.index)
+            elif isinstance(event, ToolCallEnd):
+                self._open_calls.discard(event.index)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
-            # A call still open at the end was cut (the parser closes what it had).
+            # A call that was streaming when the generation ended was cut: the parser closes
+            # what it had. (A call held back whole until the end, as text inside an unclosed
+            # reasoning block is, comes out of finish() complete: not marked.)
             events.extend(
-                replace(e, cut=True) if isinstance(e, ToolCallEnd) else e
+                replace(e, cut=True)
+                if isinstance(e, ToolCallEnd) and e.index in self._open_calls
+                else e
                 for e in self.parser.finish()
             )
             self.stop_string = delta.stop_string

@@ -227,12 +227,15 @@ def build_chat_prompt(
     if not token_ids:
         raise APIError(400, "the rendered prompt is empty", param="messages")
     tail = text.rstrip()
+    # A continued assistant message is content unless it left a <think> block open.
+    inside_think = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
     return ChatPrompt(
         text,
         token_ids,
         tools,
-        reasoning_started=tail.endswith(THINK_OPEN),
-        reasoning_closed=tail.endswith(THINK_CLOSE),
+        reasoning_started=tail.endswith(THINK_OPEN) or (continue_final_message and inside_think),
+        reasoning_closed=tail.endswith(THINK_CLOSE)
+        or (continue_final_message and not inside_think),
     )
 
 

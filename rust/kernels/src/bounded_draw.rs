@@ -16,7 +16,8 @@
 //! `cdf[j] / cdf[V-1] = (E_j / E_{V-1}) (1 ± ρ)`, `ρ` a few float32 roundings (`p_i`, the
 //! rounded sums, the target) plus float64 additions: taken here as `6 · 2^-24 + V · 2^-52`.
 //!
-//! This computes `Ê_j`, the sums of a cheaper `exp` (a degree-5 polynomial, no range checks:
+//! This computes `Ê_j`, the sums of a cheaper `exp` (a degree-6 polynomial, a cutoff and no
+//! other range checks:
 //! relative error under [`EXP_ERROR`] against the true exponential, so under
 //! `EXP_ERROR + 2^-23` against SLEEF's), in float32 lanes over blocks of [`BLOCK`] columns
 //! (each block sum within `10 · 2^-24` of its terms' sum) and float64 across them, finds the
@@ -26,10 +27,11 @@
 //! up to `e^-87`; that and float32 underflow are an absolute slack of `V · 2^-120` against
 //! `E_{V-1} >= 1` (the largest value's own term is 1). A uniform within `2^-20` of 1 (where
 //! the target's one-ulp clamp could bind) is left to the exact draw, as is a row whose largest
-//! scaled value is not finite. The bound (~4e-6 of the row's mass) is far below a token's
-//! share on LLM-like (peaked) rows, which nearly always decide; on a flat row of 32,000
-//! tokens (shares ~3e-5) a tenth or so of the draws are left to the exact draw. The tests
-//! place uniforms on the exact sums' edges, where a decided token must still be torch's.
+//! scaled value is not finite. The undecided band at each edge is ~2e-5 · u of the row's
+//! mass, far below a token's share on LLM-like (peaked) rows, which nearly always decide; on a
+//! flat row of 32,000 tokens (shares ~3e-5) about half the draws are left to the exact draw.
+//! The tests place uniforms on the exact sums' edges, where a decided token must still be
+//! torch's.
 
 use crate::softmax::{scale_into, Scaling};
 
