@@ -54,6 +54,8 @@ class SamplingParams:
     ``top_k`` 0 or -1 disables top-k (stored as 0). ``seed`` None = non-deterministic.
     ``logprobs`` None = none; 0 = the sampled token's logprob only; k = also the top k.
     ``priority``: lower value is served first under ``policy="priority"``.
+    ``logit_bias``: token id -> bias in [-100, 100] added to that token's logit before the
+    penalties (OpenAI's ``logit_bias``); each token below ``EngineConfig.vocab_size``.
     """
 
     max_tokens: int
@@ -69,6 +71,7 @@ class SamplingParams:
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
+    logit_bias: dict[int, float]
     priority: int
     def __new__(
         cls,
@@ -86,6 +89,7 @@ class SamplingParams:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         priority: int = 0,
+        logit_bias: dict[int, float] | None = None,
     ) -> SamplingParams: ...
 
 @final
@@ -348,6 +352,15 @@ class BatchPlan:
     @property
     def banned_token_ids(self) -> npt.NDArray[np.uint32]:
         """uint32[nnz]: tokens row i must not sample this step (stop tokens before min_tokens)."""
+    @property
+    def logit_bias_indptr(self) -> npt.NDArray[np.uint32]:
+        """uint32[S+1]: CSR offsets into logit_bias_token_ids / logit_bias_values."""
+    @property
+    def logit_bias_token_ids(self) -> npt.NDArray[np.uint32]:
+        """uint32[nnz]: row i's request's logit_bias tokens, ascending (rows that sample only)."""
+    @property
+    def logit_bias_values(self) -> npt.NDArray[np.float32]:
+        """float32[nnz]: the bias added to each of those tokens' logits, before the penalties."""
     @property
     def kv_indptr(self) -> tuple[npt.NDArray[np.uint32], ...]:
         """Per cache group: uint32[S+1] CSR offsets into kv_indices[g]."""

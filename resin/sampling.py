@@ -3,8 +3,9 @@
 Owns the per-request sampler state (the token history penalties need, keyed by
 ``plan.request_slots``; grammar matchers) and one step's order of work:
 
-1. penalties on the raw logits, then ``banned_token_ids`` (:mod:`resin.sampling_penalties`:
-   repetition, frequency, presence; the per-slot counts kept across steps);
+1. ``logit_bias``, penalties on the raw logits, then ``banned_token_ids``
+   (:mod:`resin.sampling_penalties`: repetition, frequency, presence; the per-slot counts
+   kept across steps);
 2. grammar masks (structured outputs, below);
 3. temperature 0 = greedy (argmax of the penalised logits, :mod:`resin.sampling_greedy`; a
    step whose rows are all greedy does nothing else); otherwise divide by the temperature,
@@ -270,9 +271,7 @@ class Sampler(SlotHistory):
         sampling = plan.sampling
         uniforms = self._part_uniforms(plan, rows, offsets, part).numpy()
         step = self.penalties.plan(plan, chosen)
-        changed = step.num_banned > 0  # the samples whose logits a penalty or ban changes
-        changed[step.repeating] = True
-        changed[step.counting] = True
+        changed = step.changed  # the samples whose logits a bias, penalty or ban changes
         temperature = np.asarray(sampling.temperature[chosen], dtype=np.float32)
         top_k = np.asarray(sampling.top_k[chosen], dtype=np.int64)
         top_p = np.asarray(sampling.top_p[chosen], dtype=np.float32)

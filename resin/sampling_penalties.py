@@ -3,11 +3,16 @@
 Owns the rules, applied in this order, each at the entries it touches only (one
 ``index_select`` + ``index_copy_`` / ``index_fill_`` for the batch each):
 
+0. ``logit_bias`` (the plan's ``logit_bias_token_ids`` / ``logit_bias_values``, OpenAI's): the
+   bias added to the token's logit, before the penalties, as vLLM orders them;
 1. repetition (prompt + output tokens, HF/vLLM): a positive logit is divided by the penalty, a
    negative one multiplied;
 2. frequency and presence (output tokens only, OpenAI/vLLM):
    ``logit -= frequency * count + presence * (count > 0)``;
 3. ``banned_token_ids`` (stop tokens before ``min_tokens``) set to ``-inf``.
+
+A bias or ban on a token id past the logits' width (possible only for an engine without
+``vocab_size``) touches nothing: there is no such logit to change.
 
 And the counts they read: :class:`Penalties` keeps, per request slot, a :class:`TokenTally` of
 its history (the distinct tokens and how often each occurs; one over prompt + outputs, one
@@ -92,11 +97,26 @@ class PenaltyPlan:
     counting: np.ndarray
     banned_indptr: np.ndarray  # int64 [num plan rows + 1]
     num_banned: np.ndarray  # int64 [n]
+    bias_indptr: np.ndarray  # int64 [num plan rows + 1]
+    num_biased: np.ndarray  # int64 [n]
     rows: np.ndarray  # the samples' plan rows
 
     @property
+    def changed(self) -> np.ndarray:
+        """bool [n]: the samples whose logits a bias, penalty or ban changes."""
+        changed = (self.num_banned > 0) | (self.num_biased > 0)
+        changed[self.repeating] = True
+        changed[self.counting] = True
+        return changed
+
+    @property
     def changes_logits(self) -> bool:
-        return bool(len(self.repeating) or len(self.counting) or self.num_banned.any())
+        return bool(
+            len(self.repeating)
+            or len(self.counting)
+            or self.num_banned.any()
+            or self.num_biased.any()
+        )
 
 
 class Penalties:
@@ -113,6 +133,7 @@ class Penalties:
         frequency = np.asarray(sampling.frequency_penalty[rows], dtype=np.float32)
         presence = np.asarray(sampling.presence_penalty[rows], dtype=np.float32)
         indptr = plan.banned_token_indptr.astype(np.int64)
+        bias_indptr = plan.logit_bias_indptr.astype(np.int64)
         return PenaltyPlan(
             repetition,
             frequency,
@@ -121,6 +142,8 @@ class Penalties:
             np.flatnonzero((frequency != 0.0) | (presence != 0.0)),
             indptr,
             indptr[rows + 1] - indptr[rows],
+            bias_indptr,
+            bias_indptr[rows + 1] - bias_indptr[rows],
             rows,
         )
 
@@ -135,6 +158,13 @@ class Penalties:
         """Apply ``step`` to ``processed`` [n, V] in place (row r is sample r of the group;
         ``slots[r]`` its request slot). Returns the samples with banned tokens."""
         flat = processed.view(-1)  # entry (r, t) at r * vocab_size + t
+        if step.num_biased.any():  # logit_bias: logit += bias
+            ids, keys = self._row_entries(
+                step.bias_indptr, step.num_biased, step.rows, plan.logit_bias_token_ids
+            )
+            at = torch.as_tensor(keys, device=self.device)
+            bias = torch.as_tensor(plan.logit_bias_values[ids], device=self.device)
+            flat.index_copy_(0, at, flat.index_select(0, at) + bias.to(processed.dtype))
         if len(step.repeating):  # prompt + output tokens: positive / penalty, negative * penalty
             at, r, _ = self._entries(step.repeating, slots, states, outputs_only=False)
             values = flat.index_select(0, at)
@@ -147,16 +177,27 @@ class Penalties:
             counts = counts.to(processed.dtype)
             penalty = f * counts + p * (counts > 0).to(counts.dtype)
             flat.index_copy_(0, at, flat.index_select(0, at) - penalty)
-        num_banned = step.num_banned
-        banned_rows = np.flatnonzero(num_banned)
+        banned_rows = np.flatnonzero(step.num_banned)
         if len(banned_rows):
-            first = np.repeat(np.cumsum(num_banned) - num_banned, num_banned)
-            ids = np.repeat(step.banned_indptr[step.rows], num_banned)
-            ids += np.arange(int(num_banned.sum())) - first
-            sample = np.repeat(np.arange(len(step.rows), dtype=np.int64), num_banned)
-            banned = sample * self.vocab_size + plan.banned_token_ids[ids].astype(np.int64)
+            _, banned = self._row_entries(
+                step.banned_indptr, step.num_banned, step.rows, plan.banned_token_ids
+            )
             flat.index_fill_(0, torch.as_tensor(banned, device=self.device), -torch.inf)
         return banned_rows
+
+    def _row_entries(
+        self, indptr: np.ndarray, counts: np.ndarray, rows: np.ndarray, token_ids: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The entries of a per-row CSR list of tokens (``indptr`` over plan rows, ``counts``
+        [n] the samples' lengths) for the samples of plan ``rows``: their indices into
+        ``token_ids`` and their flat indices ``sample * vocab_size + token``, both int64,
+        tokens past the vocabulary dropped."""
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        ids = np.repeat(indptr[rows], counts) + np.arange(int(counts.sum())) - first
+        sample = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
+        tokens = token_ids[ids].astype(np.int64)
+        inside = tokens < self.vocab_size
+        return ids[inside], (sample * self.vocab_size + tokens)[inside]
 
     def _entries(
         self,

@@ -66,7 +66,7 @@ class MlxOnlyRunner:
 
 
 def _engine(runner: Any, **config: Any) -> resin.Engine:
-    settings = {"page_size": 4, "num_pages": 64, "max_model_len": 64, "eos_token_ids": [EOS]}
+    settings = {"page_size": 4, "num_pages": 128, "max_model_len": 64, "eos_token_ids": [EOS]}
     return resin.Engine(resin.EngineConfig(**{**settings, **config}), runner)
 
 
@@ -106,6 +106,13 @@ GREEDY_LIKE = {
         max_tokens=8, temperature=1.3, top_p=1e-4, seed=6, repetition_penalty=1.4
     ),
     "min_p_1": resin.SamplingParams(max_tokens=8, temperature=1.0, min_p=1.0, seed=7),
+    "logit_bias": resin.SamplingParams(
+        max_tokens=8,
+        temperature=0.0,
+        repetition_penalty=1.3,
+        logit_bias={3: 2.5, 5: -100.0, 11: 1.5, 23: 3.0},
+        logprobs=2,
+    ),
 }
 
 

@@ -217,6 +217,7 @@ MIXED_SETTINGS = [
     dict(temperature=0.0, repetition_penalty=1.3),
     dict(temperature=0.9, top_k=1000),  # past the candidates: the torch path's
     dict(temperature=1.1, top_k=2000, repetition_penalty=1.1),  # the same, from the copy
+    dict(temperature=0.8, top_p=0.95, logit_bias={5: 3.0, 9: -100.0, 17: 1.5}),  # copied
 ]
 
 

@@ -86,13 +86,21 @@ BAD_REQUESTS = [
     ),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": "all"}, 400, "tools", None),
     # refused, not silently ignored / wrongly accepted (vLLM refuses them too)
-    (
-        CHAT,
-        {"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": -100}},
-        400,
-        "logit_bias",
-        None,
-    ),
+    *[
+        (path, {"model": MODEL, key: value, "logit_bias": bias}, 400, "logit_bias", None)
+        for path, key, value in ((CHAT, "messages", MESSAGES), (COMPLETIONS, "prompt", "hi"))
+        for bias in (
+            [5],
+            {"five": 1},
+            {"-1": 1},
+            {"5": "1"},
+            {"5": True},
+            {"5": 100.5},
+            {"5": -(10**400)},
+            {"5": 1, "05": 2},
+            {"99999999": 1},  # past the vocabulary: refused by the engine, the field named
+        )
+    ],
     (CHAT, {"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs", None),
     (
         CHAT,

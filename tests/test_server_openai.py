@@ -191,6 +191,63 @@ def test_stop_string_truncates_and_seeded_sampling_repeats(client):
     assert one.choices[0].message.content == two.choices[0].message.content
 
 
+def test_logit_bias_forces_and_bans_tokens(client):
+    """OpenAI's ``logit_bias`` through the SDK, chat and completions, streamed and not: +100
+    forces a token the model would not pick; -100 bans the greedy choice. Logprobs stay the
+    model's (of the raw logits: vLLM's default)."""
+    plain = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=4, temperature=0, logprobs=1
+    ).choices[0]
+    forced_token = 42  # an ordinary token id in the tiny vocabulary
+    forced = client.completions.create(
+        model=MODEL,
+        prompt="hi",
+        max_tokens=4,
+        temperature=0.7,
+        logit_bias={str(forced_token): 100},
+        logprobs=1,
+        extra_body={"return_token_ids": True},
+    ).choices[0]
+    assert forced.token_ids == [forced_token] * 4
+    assert forced.logprobs.token_logprobs[0] < plain.logprobs.token_logprobs[0]
+    banned_first = (
+        client.completions.create(
+            model=MODEL,
+            prompt="hi",
+            max_tokens=1,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        .choices[0]
+        .token_ids[0]
+    )
+    chat_plain = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, prompt="hi", max_tokens=3, temperature=0, stream=stream)
+        got = client.completions.create(
+            **kwargs, logit_bias={str(banned_first): -100}, extra_body={"return_token_ids": True}
+        )
+        chunks = list(got) if stream else [got]
+        ids = [t for c in chunks for choice in c.choices for t in (choice.token_ids or [])]
+        assert ids and ids[0] != banned_first
+        chat = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=0,
+            stream=stream,
+            logit_bias={str(forced_token): 100},
+        )
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+            if stream
+            else chat.choices[0].message.content
+        )
+        assert text != chat_plain.choices[0].message.content
+
+
 def test_logprobs_shape_and_greedy_top1(client):
     response = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3

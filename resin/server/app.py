@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -206,7 +207,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.exception_handler(RequestRejected)
     async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
-        return error_response(request.url.path, APIError(400, str(exc)))
+        field = re.match(r"SamplingParams\.(\w+):", str(exc))  # the engine names the field
+        return error_response(
+            request.url.path, APIError(400, str(exc), param=field and field.group(1))
+        )
 
     @app.exception_handler(RunnerFailure)
     async def _runner_failure(request: Request, exc: RunnerFailure) -> JSONResponse:

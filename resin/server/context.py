@@ -104,6 +104,11 @@ class ServerContext:
         raise model_not_found(model)
 
     @property
+    def vocab_size(self) -> int | None:
+        """The engine's vocabulary size (token ids in a request must be below it), if set."""
+        return self.loop.engine.config.vocab_size
+
+    @property
     def max_request_body_bytes(self) -> int:
         if self.options.max_request_body_bytes is not None:
             return self.options.max_request_body_bytes

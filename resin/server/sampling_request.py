@@ -1,8 +1,8 @@
 """Sampling fields shared by every endpoint → :class:`resin.SamplingParams`, and the token budget.
 
 ``sampling_params(ctx, body, ...)`` reads ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``seed``, the three penalties, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and the
-logprob count from a request body, on top of the checkpoint's ``generation_config.json``
+``seed``, the three penalties, ``logit_bias``, ``ignore_eos``, ``min_tokens``,
+``stop_token_ids`` and the logprob count from a request body, on top of the checkpoint's ``generation_config.json``
 defaults (vLLM's rule), and checks their ranges (400 naming the field).
 
 ``max_tokens_for(...)`` turns a requested completion length into the engine's ``max_tokens``:
@@ -13,7 +13,7 @@ by that room); too large → ``context_length_exceeded`` (OpenAI) or clamped to 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from resin._core import SamplingParams
@@ -51,6 +51,56 @@ def max_tokens_for(
     return requested
 
 
+def check_token_ids(param: str, token_ids: Iterable[int], vocab_size: int | None) -> None:
+    """400 naming ``param`` for a token id outside ``[0, vocab_size)`` (no check without one)."""
+    if vocab_size is None:
+        return
+    for token in token_ids:
+        if not 0 <= token < vocab_size:
+            raise APIError(
+                400, f"'{param}': token {token} is not below vocab_size {vocab_size}", param=param
+            )
+
+
+def get_logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: an object of token id (a string of digits, as JSON keys are, or
+    an int) -> bias, a number in [-100, 100]; absent or null -> {}. 400 naming the field
+    otherwise."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise APIError(
+            400, "'logit_bias' must be an object of token id -> bias", param="logit_bias"
+        )
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        text = key if isinstance(key, str) else None
+        if isinstance(key, int) and not isinstance(key, bool):
+            text = str(key)
+        if text is None or not text.isdigit() or not text.isascii() or len(text) > 10:
+            raise APIError(
+                400,
+                f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}",
+                param="logit_bias",
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(
+                400, f"'logit_bias[{text}]' must be a number, got {value!r}", param="logit_bias"
+            )
+        if not -100.0 <= value <= 100.0:  # NaN fails too (and a huge int, unconverted)
+            raise APIError(
+                400,
+                f"'logit_bias[{text}]' must be in [-100, 100], got {value!r}",
+                param="logit_bias",
+            )
+        token = int(text)
+        if token in bias:  # "5" and "05"
+            raise APIError(400, f"'logit_bias' gives token {token} twice", param="logit_bias")
+        bias[token] = float(value)
+    return bias
+
+
 def sampling_params(
     defaults: Mapping[str, Any],
     body: Mapping[str, Any],
@@ -58,12 +108,16 @@ def sampling_params(
     max_tokens: int,
     num_logprobs: int | None,
     temperature_max: float = 2.0,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
-    """SamplingParams from the request's fields over the checkpoint ``defaults``."""
+    """SamplingParams from the request's fields over the checkpoint ``defaults``; token ids
+    (``logit_bias``, ``stop_token_ids``) checked below ``vocab_size`` when it is given."""
     settings: dict[str, Any] = dict(defaults)
     settings["max_tokens"] = max_tokens
-    if body.get("logit_bias"):  # refused, not silently ignored
-        raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
+    logit_bias = get_logit_bias(body)
+    if logit_bias:
+        check_token_ids("logit_bias", logit_bias, vocab_size)
+        settings["logit_bias"] = logit_bias
     temperature = get_float(body, "temperature", minimum=0.0, maximum=temperature_max)
     if temperature is not None:
         settings["temperature"] = temperature
@@ -99,6 +153,7 @@ def sampling_params(
         settings["min_tokens"] = min(min_tokens, max_tokens)
     stop_token_ids = get_int_list(body, "stop_token_ids")
     if stop_token_ids:
+        check_token_ids("stop_token_ids", stop_token_ids, vocab_size)
         settings["stop_token_ids"] = stop_token_ids
     if num_logprobs is not None:
         settings["logprobs"] = num_logprobs

@@ -4,7 +4,9 @@ The per-request token history (from the engine's lifecycle diff), which rows sam
 per-sample seeds and the output layout are :mod:`resin.sampling_state`'s, shared with the torch
 sampler (:mod:`resin.sampling`). The order is the torch sampler's:
 
-1. penalties on the raw logits — repetition (prompt + output tokens: a positive logit divided
+0. ``logit_bias`` (the plan's ``logit_bias_token_ids`` / ``logit_bias_values``) added to the
+   raw logits;
+1. penalties on the biased logits — repetition (prompt + output tokens: a positive logit divided
    by the penalty, a negative one multiplied), then frequency and presence (output tokens
    only: ``logit -= frequency * count + presence * (count > 0)``);
 2. ``banned_token_ids`` set to ``-inf`` (stop tokens before ``min_tokens``);
@@ -84,7 +86,7 @@ class MlxSampler(SlotHistory):
             return pack_output(plan, rows, offsets, np.zeros(0, dtype=np.uint32))
         slots = plan.request_slots[rows].tolist()
         self.grammar_state.check_no_verify_rows(slots, offsets)
-        processed = self._penalise(logits, plan, rows)
+        processed = self._penalise(_biased(logits, plan, rows, self.vocab_size), plan, rows)
         banned = _banned_mask(plan, rows, self.vocab_size)
         if banned is not None:
             processed = mx.where(mx.array(banned), -mx.inf, processed)
@@ -210,6 +212,21 @@ class MlxSampler(SlotHistory):
 def _counts(token_ids: list[int], vocab_size: int) -> np.ndarray:
     ids = np.asarray(token_ids, dtype=np.int64)
     return np.bincount(ids[ids < vocab_size], minlength=vocab_size)[:vocab_size]
+
+
+def _biased(logits: mx.array, plan: BatchPlan, rows: np.ndarray, vocab_size: int) -> mx.array:
+    """``logits`` with each sample's ``logit_bias`` added (``logits`` itself when none has one;
+    a token past the vocabulary has no logit to change)."""
+    indptr = plan.logit_bias_indptr
+    if len(rows) == 0 or indptr[-1] == 0:
+        return logits
+    bias = np.zeros((len(rows), vocab_size), dtype=np.float32)
+    for r, row in enumerate(rows.tolist()):
+        tokens = plan.logit_bias_token_ids[indptr[row] : indptr[row + 1]].astype(np.int64)
+        values = plan.logit_bias_values[indptr[row] : indptr[row + 1]]
+        inside = tokens < vocab_size
+        bias[r, tokens[inside]] = values[inside]
+    return logits + mx.array(bias)
 
 
 def _banned_mask(plan: BatchPlan, rows: np.ndarray, vocab_size: int) -> np.ndarray | None:

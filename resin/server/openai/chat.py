@@ -176,7 +176,11 @@ def prepare_chat(
     ctx.check_logprob_entries(n or 1, max_tokens, num_logprobs)
     get_bool(body, "return_token_ids", False)
     params = sampling_params(
-        ctx.sampling_defaults, body, max_tokens=max_tokens, num_logprobs=num_logprobs
+        ctx.sampling_defaults,
+        body,
+        max_tokens=max_tokens,
+        num_logprobs=num_logprobs,
+        vocab_size=ctx.vocab_size,
     )
     output_format = parse_format(body.get("response_format"), "response_format", nested=True)
     paths = tool_param_paths(tools, body.get("tools"), _chat_tool_path)

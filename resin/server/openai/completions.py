@@ -126,7 +126,11 @@ class CompletionRequest:
                 param="prompt",
             )
             params = sampling_params(
-                ctx.sampling_defaults, body, max_tokens=max_tokens, num_logprobs=logprobs
+                ctx.sampling_defaults,
+                body,
+                max_tokens=max_tokens,
+                num_logprobs=logprobs,
+                vocab_size=ctx.vocab_size,
             )
             self.requests.append(
                 GenerationRequest(

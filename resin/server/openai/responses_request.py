@@ -147,7 +147,11 @@ def prepare_response(ctx: ServerContext, body: dict[str, Any]) -> ResponsesReque
         num_logprobs = 0
     ctx.check_logprob_entries(1, max_tokens, num_logprobs)
     params = sampling_params(
-        ctx.sampling_defaults, body, max_tokens=max_tokens, num_logprobs=num_logprobs
+        ctx.sampling_defaults,
+        body,
+        max_tokens=max_tokens,
+        num_logprobs=num_logprobs,
+        vocab_size=ctx.vocab_size,
     )
     text = get_dict(body, "text") or {}
     output_format = parse_format(text.get("format"), "text.format", nested=False)

@@ -149,6 +149,9 @@ impl Engine {
             if let Some(&t) = params.stop_token_ids.iter().find(|&&t| t >= vocab) {
                 return Err(CoreError::invalid(format!("SamplingParams.stop_token_ids: {t} is not below vocab_size {vocab}")));
             }
+            if let Some(&(t, _)) = params.logit_bias.iter().find(|&&(t, _)| t >= vocab) {
+                return Err(CoreError::invalid(format!("SamplingParams.logit_bias: token {t} is not below vocab_size {vocab}")));
+            }
         }
         let params = params.validated()?;
         let max_num_tokens = (len + params.max_tokens as usize).min(self.config.max_model_len as usize);

@@ -181,6 +181,12 @@ pub struct BatchPlan {
     pub banned_token_indptr: Vec<u32>,
     /// u32[nnz]: tokens row i must not sample this step (stop tokens before `min_tokens`).
     pub banned_token_ids: Vec<u32>,
+    /// u32[S+1]: CSR offsets into `logit_bias_token_ids` / `logit_bias_values`.
+    pub logit_bias_indptr: Vec<u32>,
+    /// u32[nnz]: row i's request's `logit_bias` tokens, ascending (rows that sample only).
+    pub logit_bias_token_ids: Vec<u32>,
+    /// f32[nnz]: the bias added to each of those tokens' logits, before the penalties.
+    pub logit_bias_values: Vec<f32>,
     /// One per cache group.
     pub groups: Vec<GroupPlan>,
     /// u32[n]: slots that serve a new request from this plan on (apply after `finished_request_slots`).
@@ -249,9 +255,13 @@ impl BatchPlan {
         ] {
             v.reserve(s);
         }
-        for v in
-            [&mut plan.query_indptr, &mut plan.sample_indptr, &mut plan.banned_token_indptr, &mut plan.committed_token_indptr]
-        {
+        for v in [
+            &mut plan.query_indptr,
+            &mut plan.sample_indptr,
+            &mut plan.banned_token_indptr,
+            &mut plan.logit_bias_indptr,
+            &mut plan.committed_token_indptr,
+        ] {
             v.reserve(s + 1);
         }
         plan.input_ids.reserve(t);
@@ -274,6 +284,7 @@ impl BatchPlan {
         plan.query_indptr.push(0);
         plan.sample_indptr.push(0);
         plan.banned_token_indptr.push(0);
+        plan.logit_bias_indptr.push(0);
         plan.committed_token_indptr.push(0);
         for g in &mut plan.groups {
             g.kv_indptr.push(0);
@@ -308,6 +319,11 @@ impl BatchPlan {
                 plan.banned_token_ids.extend_from_slice(&req.params.stop_token_ids);
             }
             plan.banned_token_indptr.push(plan.banned_token_ids.len() as u32);
+            if samples {
+                plan.logit_bias_token_ids.extend(req.params.logit_bias.iter().map(|&(t, _)| t));
+                plan.logit_bias_values.extend(req.params.logit_bias.iter().map(|&(_, b)| b));
+            }
+            plan.logit_bias_indptr.push(plan.logit_bias_token_ids.len() as u32);
             for (g, gp) in plan.groups.iter_mut().enumerate() {
                 let (_, listed) = kv.listed_pages(req, g, start, seq_len);
                 gp.kv_indices.extend_from_slice(listed);
@@ -372,6 +388,8 @@ impl BatchPlan {
             &mut self.committed_token_ids,
             &mut self.banned_token_indptr,
             &mut self.banned_token_ids,
+            &mut self.logit_bias_indptr,
+            &mut self.logit_bias_token_ids,
             &mut self.new_request_slots,
             &mut self.new_request_token_indptr,
             &mut self.new_request_token_ids,
@@ -383,6 +401,7 @@ impl BatchPlan {
             v.clear();
         }
         self.positions.clear();
+        self.logit_bias_values.clear();
         self.sampling.clear();
         self.groups.resize_with(num_groups, GroupPlan::default);
         for g in &mut self.groups {

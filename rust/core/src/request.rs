@@ -52,6 +52,10 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
     pub repetition_penalty: f32,
+    /// (token id, bias) pairs, sorted by token, one per token: the bias is added to the
+    /// token's logit before the penalties (OpenAI's `logit_bias`; vLLM's order). Each bias
+    /// is finite and in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
     /// Lower is served first under the priority policy.
     pub priority: i32,
 }
@@ -72,6 +76,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
             priority: 0,
         }
     }
@@ -79,6 +84,9 @@ impl Default for SamplingParams {
 
 /// Largest `logprobs` value accepted (as vLLM's default cap).
 pub const MAX_LOGPROBS: u32 = 20;
+
+/// Largest `|logit_bias|` accepted (OpenAI's range: -100 bans a token, 100 all but forces it).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 impl SamplingParams {
     /// Checks every field's range; the error names the field. `top_k == -1` is
@@ -123,6 +131,13 @@ impl SamplingParams {
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return bad("repetition_penalty", format!("must be finite and > 0, got {}", self.repetition_penalty));
+        }
+        if let Some(&(token, bias)) = self.logit_bias.iter().find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b)) {
+            return bad("logit_bias", format!("token {token}: must be in [-100, 100], got {bias}"));
+        }
+        self.logit_bias.sort_by_key(|&(token, _)| token);
+        if let Some(pair) = self.logit_bias.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+            return bad("logit_bias", format!("token {} is given twice", pair[0].0));
         }
         Ok(self)
     }

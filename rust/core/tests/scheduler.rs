@@ -192,6 +192,23 @@ fn stop_tokens_min_tokens_and_max_model_len() {
 }
 
 #[test]
+fn logit_bias_rides_the_rows_that_sample_sorted_by_token() {
+    let mut e = engine(EngineConfig { vocab_size: Some(50), max_num_batched_tokens: 4, ..config(4, 32) });
+    let biased = SamplingParams { logit_bias: vec![(9, -100.0), (2, 3.5)], ..params(2) };
+    e.add_request("chunked", tokens(0..6), biased).unwrap();
+    e.add_request("plain", tokens(10..12), params(2)).unwrap();
+    // A 4-token budget: the first chunk of "chunked" does not sample, so carries no bias.
+    let (plan, _) = step(&mut e, 1);
+    assert_eq!(plan.sample_indptr, vec![0, 0]);
+    assert_eq!((plan.logit_bias_indptr, plan.logit_bias_token_ids), (vec![0, 0], vec![]));
+    let (plan, _) = step(&mut e, 1);
+    assert_eq!(plan.request_id(0), "chunked");
+    assert_eq!(plan.logit_bias_indptr, vec![0, 2, 2]);
+    assert_eq!(plan.logit_bias_token_ids, vec![2, 9]);
+    assert_eq!(plan.logit_bias_values, vec![3.5, -100.0]);
+}
+
+#[test]
 fn bad_requests_are_rejected_and_nothing_is_queued() {
     let mut e = engine(EngineConfig { vocab_size: Some(50), ..config(4, 32) });
     let cases: Vec<(&str, Vec<u32>, SamplingParams, &str)> = vec![
@@ -204,6 +221,10 @@ fn bad_requests_are_rejected_and_nothing_is_queued() {
         ("n", vec![1], SamplingParams { min_tokens: 5, ..params(2) }, "min_tokens"),
         ("r", vec![1], SamplingParams { repetition_penalty: 0.0, ..params(1) }, "repetition_penalty"),
         ("s", vec![1], SamplingParams { stop_token_ids: vec![99], ..params(1) }, "stop_token_ids"),
+        ("b", vec![1], SamplingParams { logit_bias: vec![(60, 1.0)], ..params(1) }, "logit_bias: token 60"),
+        ("c", vec![1], SamplingParams { logit_bias: vec![(3, 100.5)], ..params(1) }, "must be in [-100, 100]"),
+        ("d", vec![1], SamplingParams { logit_bias: vec![(3, f32::NAN)], ..params(1) }, "must be in [-100, 100]"),
+        ("f", vec![1], SamplingParams { logit_bias: vec![(3, 1.0), (4, 2.0), (3, -1.0)], ..params(1) }, "token 3 is given twice"),
     ];
     for (id, prompt, p, field) in cases {
         let err = e.add_request(id, prompt, p).unwrap_err();

@@ -1,5 +1,7 @@
 //! `SamplingParams` and `EngineConfig`: plain settings objects, validated on construction.
 
+use std::collections::BTreeMap;
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use resin_core::{engine_config, request};
@@ -37,6 +39,9 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     #[pyo3(get, set)]
     pub repetition_penalty: f32,
+    /// token id -> bias added to its logit (OpenAI's `logit_bias`).
+    #[pyo3(get, set)]
+    pub logit_bias: BTreeMap<i64, f32>,
     #[pyo3(get, set)]
     pub priority: i32,
 }
@@ -68,6 +73,11 @@ impl SamplingParams {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             repetition_penalty: self.repetition_penalty,
+            logit_bias: self
+                .logit_bias
+                .iter()
+                .map(|(&token, &bias)| Ok((to_u32("SamplingParams", "logit_bias", token)?, bias)))
+                .collect::<PyResult<_>>()?,
             priority: self.priority,
         }
         .validated()
@@ -80,7 +90,7 @@ impl SamplingParams {
     #[new]
     #[pyo3(signature = (max_tokens=16, min_tokens=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
         stop_token_ids=None, ignore_eos=false, logprobs=None, presence_penalty=0.0, frequency_penalty=0.0,
-        repetition_penalty=1.0, priority=0))]
+        repetition_penalty=1.0, priority=0, logit_bias=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_tokens: i64,
@@ -97,6 +107,7 @@ impl SamplingParams {
         frequency_penalty: f32,
         repetition_penalty: f32,
         priority: i32,
+        logit_bias: Option<BTreeMap<i64, f32>>,
     ) -> PyResult<Self> {
         let params = SamplingParams {
             max_tokens,
@@ -112,6 +123,7 @@ impl SamplingParams {
             presence_penalty,
             frequency_penalty,
             repetition_penalty,
+            logit_bias: logit_bias.unwrap_or_default(),
             priority,
         };
         let checked = params.to_core()?;
@@ -122,7 +134,7 @@ impl SamplingParams {
         format!(
             "SamplingParams(max_tokens={}, min_tokens={}, temperature={}, top_p={}, top_k={}, min_p={}, seed={:?}, \
              stop_token_ids={:?}, ignore_eos={}, logprobs={:?}, presence_penalty={}, frequency_penalty={}, \
-             repetition_penalty={}, priority={})",
+             repetition_penalty={}, priority={}, logit_bias={:?})",
             self.max_tokens,
             self.min_tokens,
             self.temperature,
@@ -136,7 +148,8 @@ impl SamplingParams {
             self.presence_penalty,
             self.frequency_penalty,
             self.repetition_penalty,
-            self.priority
+            self.priority,
+            self.logit_bias
         )
     }
 }

@@ -123,6 +123,9 @@ views_struct!(Views {
     committed_token_ids,
     banned_token_indptr,
     banned_token_ids,
+    logit_bias_indptr,
+    logit_bias_token_ids,
+    logit_bias_values,
     new_request_slots,
     new_request_token_indptr,
     new_request_token_ids,
@@ -277,6 +280,18 @@ impl BatchPlan {
     #[getter]
     fn banned_token_ids<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
         array_view(slf, |v| &v.banned_token_ids, |p| &p.banned_token_ids)
+    }
+    #[getter]
+    fn logit_bias_indptr<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.logit_bias_indptr, |p| &p.logit_bias_indptr)
+    }
+    #[getter]
+    fn logit_bias_token_ids<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.logit_bias_token_ids, |p| &p.logit_bias_token_ids)
+    }
+    #[getter]
+    fn logit_bias_values<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.logit_bias_values, |p| &p.logit_bias_values)
     }
     #[getter]
     fn new_request_slots<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
