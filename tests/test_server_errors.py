@@ -363,3 +363,24 @@ def test_queue_full_is_429_with_retry_after():
         never = httpx.post(f"{live.base_url}{CHAT}", json={**body, "n": 2})
         assert never.status_code == 400 and never.headers["x-should-retry"] == "false"
         assert "needs 2 sequences" in never.json()["error"]["message"]
+
+
+def test_a_refusal_after_the_stream_started_is_still_a_400_in_stream():
+    """A stream's headers go out before the engine sees the request; should the engine refuse
+    it then, the in-stream error is the 400 the request would have got (its field named), not
+    a server error; a runner failure stays a server_error."""
+    from resin.server.engine_loop import RequestRejected
+    from resin.server.errors import openai_stream_error
+
+    refused = openai_stream_error(
+        RequestRejected("SamplingParams.logit_bias: token 9 is not below")
+    )
+    assert refused["error"]["type"] == "invalid_request_error"
+    assert refused["error"]["param"] == "logit_bias"
+    failed = openai_stream_error(RuntimeError("the runner failed"))
+    assert failed["error"] == {
+        "message": "the runner failed",
+        "type": "server_error",
+        "param": None,
+        "code": 500,
+    }

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import resin
 from resin.server.context import ServerContext
 from resin.server.engine_loop import RequestRejected, RunnerFailure
-from resin.server.errors import APIError
+from resin.server.errors import APIError, rejected
 from resin.server.http_metrics import HttpMetrics
 from resin.server.request_body import parse_json, read_body
 from resin.server.sse import generation_response
@@ -207,10 +206,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.exception_handler(RequestRejected)
     async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
-        field = re.match(r"SamplingParams\.(\w+):", str(exc))  # the engine names the field
-        return error_response(
-            request.url.path, APIError(400, str(exc), param=field and field.group(1))
-        )
+        return error_response(request.url.path, rejected(str(exc)))
 
     @app.exception_handler(RunnerFailure)
     async def _runner_failure(request: Request, exc: RunnerFailure) -> JSONResponse:

@@ -12,6 +12,7 @@ The helpers build the errors clients grep for: ``context_length_exceeded`` with 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from resin.server.ids import random_id
@@ -85,6 +86,24 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def rejected(message: str) -> APIError:
+    """The 400 for a request the engine refused; its message names the field
+    (``SamplingParams.<field>: ...``) when a setting was the reason."""
+    field = re.match(r"SamplingParams\.(\w+):", message)
+    return APIError(400, message, param=field.group(1) if field else None)
+
+
+def openai_stream_error(exc: Exception) -> dict[str, Any]:
+    """The in-stream error event of an OpenAI stream that failed after its headers went out:
+    a request the engine refused is the 400 it would have been; anything else (the runner
+    failed) a ``server_error``, code 500."""
+    from resin.server.engine_loop import RequestRejected
+
+    if isinstance(exc, RequestRejected):
+        return rejected(str(exc)).openai_body()
+    return {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}}
 
 
 def context_length_exceeded(

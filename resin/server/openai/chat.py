@@ -28,7 +28,7 @@ from resin.server.chat_prompt import (
     normalize_tools,
 )
 from resin.server.context import ServerContext
-from resin.server.errors import APIError
+from resin.server.errors import APIError, openai_stream_error
 from resin.server.generation import Generation, GenerationRequest, TokenLogprob, Usage
 from resin.server.ids import random_id
 from resin.server.parsers import (
@@ -305,9 +305,7 @@ async def stream_chat(
                         final["token_ids"] = []
                     yield f'data: {head},"choices":[{dumps(final)}]{tail}'
     except Exception as exc:  # noqa: BLE001 - the runner failed: report it in-stream
-        yield data_event(
-            {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}}
-        )
+        yield data_event(openai_stream_error(exc))
         return
     if include_usage:
         reasoning_tokens = sum(_count_tokens(ctx, c.reasoning) for c in choices)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from resin.server.context import ServerContext
-from resin.server.errors import APIError, context_length_exceeded
+from resin.server.errors import APIError, context_length_exceeded, openai_stream_error
 from resin.server.generation import (
     ChoiceDelta,
     Generation,
@@ -258,9 +258,7 @@ async def stream_completion(request: CompletionRequest, body: dict[str, Any]) ->
                     offsets[index] += sum(len(e.token) for e in delta.logprobs)
                 yield f'data: {head},"choices":[{dumps(entry)}]{tail}'
     except Exception as exc:  # noqa: BLE001 - the runner failed: report it in-stream
-        yield data_event(
-            {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}}
-        )
+        yield data_event(openai_stream_error(exc))
         return
     if include_usage:
         yield f'data: {head},"choices":[],"usage":{dumps(usage_body(request.usage()))}}}\n\n'
