@@ -81,6 +81,27 @@ def test_sampling_params_out_of_range(field: str, value: Any) -> None:
     assert (engine.num_waiting, engine.has_unfinished()) == (0, False)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 2**64),
+        ("min_tokens", -(2**70)),
+        ("top_k", 2**31),
+        ("priority", -(2**40)),
+        ("seed", 2**63),
+        ("logprobs", 2**100),
+        ("stop_token_ids", [1, 2**64]),
+        ("logit_bias", {2**64: 1.0}),
+    ],
+)
+def test_sampling_params_ints_past_their_width_name_the_field(field: str, value: Any) -> None:
+    """An int too wide for its field is a ValueError naming the field, not an OverflowError."""
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}: .* is out of range"):
+        SamplingParams(**{field: value})
+    with pytest.raises(TypeError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: "x" if field not in ("stop_token_ids", "logit_bias") else 3})
+
+
 def test_sampling_params_edges_and_defaults() -> None:
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)

@@ -2,8 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use resin_core::{engine_config, request};
 
 use crate::errors::to_py;
@@ -51,6 +52,75 @@ pub fn to_u32(owner: &str, field: &str, value: i64) -> PyResult<u32> {
     u32::try_from(value).map_err(|_| PyValueError::new_err(format!("{owner}.{field}: must be in [0, 2**32), got {value}")))
 }
 
+/// A constructor argument as an i64: a ValueError naming `SamplingParams.field` for an int
+/// past 64 bits (not an unnamed OverflowError), a TypeError naming it for a non-int.
+fn int_arg(field: &str, value: &Bound<'_, PyAny>) -> PyResult<i64> {
+    value.extract::<i64>().map_err(|err| {
+        if err.is_instance_of::<PyOverflowError>(value.py()) {
+            PyValueError::new_err(format!("SamplingParams.{field}: {value} is out of range"))
+        } else {
+            PyTypeError::new_err(format!("SamplingParams.{field}: {}", err.value(value.py())))
+        }
+    })
+}
+
+/// [`int_arg`] narrowed to an i32 field.
+fn i32_arg(field: &str, value: &Bound<'_, PyAny>) -> PyResult<i32> {
+    let wide = int_arg(field, value)?;
+    i32::try_from(wide).map_err(|_| PyValueError::new_err(format!("SamplingParams.{field}: {wide} is out of range")))
+}
+
+/// The integer arguments of `SamplingParams(...)`, read by [`int_arg`] (so an int past 64
+/// bits is a ValueError naming its field).
+mod args {
+    use super::*;
+
+    pub fn max_tokens(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        int_arg("max_tokens", v)
+    }
+    pub fn min_tokens(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        int_arg("min_tokens", v)
+    }
+    pub fn top_k(v: &Bound<'_, PyAny>) -> PyResult<i32> {
+        i32_arg("top_k", v)
+    }
+    pub fn priority(v: &Bound<'_, PyAny>) -> PyResult<i32> {
+        i32_arg("priority", v)
+    }
+    pub fn seed(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+        optional(v, |v| int_arg("seed", v))
+    }
+    pub fn logprobs(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+        optional(v, |v| int_arg("logprobs", v))
+    }
+    pub fn stop_token_ids(v: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
+        optional(v, |v| {
+            let items: Vec<Bound<'_, PyAny>> = v
+                .extract()
+                .map_err(|err: PyErr| PyTypeError::new_err(format!("SamplingParams.stop_token_ids: {}", err.value(v.py()))))?;
+            items.iter().map(|t| int_arg("stop_token_ids", t)).collect()
+        })
+    }
+    pub fn logit_bias(v: &Bound<'_, PyAny>) -> PyResult<Option<BTreeMap<i64, f32>>> {
+        optional(v, |v| {
+            let bad = |err: PyErr| PyTypeError::new_err(format!("SamplingParams.logit_bias: {}", err.value(v.py())));
+            let dict = v.cast::<PyDict>().map_err(|err| bad(err.into()))?;
+            let mut bias = BTreeMap::new();
+            for (token, value) in dict.iter() {
+                bias.insert(int_arg("logit_bias", &token)?, value.extract::<f32>().map_err(bad)?);
+            }
+            Ok(bias)
+        })
+    }
+    fn optional<T>(v: &Bound<'_, PyAny>, read: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>) -> PyResult<Option<T>> {
+        if v.is_none() {
+            Ok(None)
+        } else {
+            read(v).map(Some)
+        }
+    }
+}
+
 impl SamplingParams {
     /// The core params, range-checked (errors name the field).
     pub fn to_core(&self) -> PyResult<request::SamplingParams> {
@@ -93,21 +163,21 @@ impl SamplingParams {
         repetition_penalty=1.0, priority=0, logit_bias=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        max_tokens: i64,
-        min_tokens: i64,
+        #[pyo3(from_py_with = args::max_tokens)] max_tokens: i64,
+        #[pyo3(from_py_with = args::min_tokens)] min_tokens: i64,
         temperature: f32,
         top_p: f32,
-        top_k: i32,
+        #[pyo3(from_py_with = args::top_k)] top_k: i32,
         min_p: f32,
-        seed: Option<i64>,
-        stop_token_ids: Option<Vec<i64>>,
+        #[pyo3(from_py_with = args::seed)] seed: Option<i64>,
+        #[pyo3(from_py_with = args::stop_token_ids)] stop_token_ids: Option<Vec<i64>>,
         ignore_eos: bool,
-        logprobs: Option<i64>,
+        #[pyo3(from_py_with = args::logprobs)] logprobs: Option<i64>,
         presence_penalty: f32,
         frequency_penalty: f32,
         repetition_penalty: f32,
-        priority: i32,
-        logit_bias: Option<BTreeMap<i64, f32>>,
+        #[pyo3(from_py_with = args::priority)] priority: i32,
+        #[pyo3(from_py_with = args::logit_bias)] logit_bias: Option<BTreeMap<i64, f32>>,
     ) -> PyResult<Self> {
         let params = SamplingParams {
             max_tokens,
