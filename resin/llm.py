@@ -47,6 +47,7 @@ from typing import Any
 from resin._core import CacheLayout, Engine, EngineConfig, RequestOutput, SamplingParams
 from resin.chat_template import ChatTemplate
 from resin.loading.checkpoint_info import CheckpointInfo, read_checkpoint_info
+from resin.loading.rope import RopeConfig, check_rope_length
 from resin.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -216,6 +217,9 @@ class LLM:
         settings.setdefault(
             "max_model_len", min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         )
+        rope = getattr(getattr(runner, "config", None), "rope", None)  # a built-in family's
+        if isinstance(rope, RopeConfig):
+            check_rope_length(rope, int(settings["max_model_len"]))
         settings.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         settings.setdefault("page_size", 16)
         settings.setdefault(

@@ -315,3 +315,26 @@ def test_generation_config_nulls_mean_unset(tmp_path: Path) -> None:
     (ckpt / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(ConfigError, match=r"'temperature' must be a number"):
         resolve_runner(ckpt, registry=ModelRegistry(use_cwd=False, use_env=False))
+
+
+def test_dynamic_rope_serves_inside_its_pretrained_length_and_refuses_past_it(
+    tmp_path: Path,
+) -> None:
+    """A dynamic-NTK checkpoint generates what the same weights with the default rope do
+    (transformers' dynamic rope inside ``max_position_embeddings``); a ``max_model_len`` past
+    it is refused at load, naming both lengths."""
+    from resin import LLM, SamplingParams
+    from resin.loading import ConfigError
+
+    dynamic = copy_of(LLAMA, tmp_path)
+    edit_config(
+        dynamic,
+        lambda c: c.update(
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 4.0}
+        ),
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    want = LLM(LLAMA, max_model_len=64).generate([[5, 9, 17, 3]], params)[0].token_ids
+    assert LLM(dynamic, max_model_len=64).generate([[5, 9, 17, 3]], params)[0].token_ids == want
+    with pytest.raises(ConfigError, match="max_model_len 1024 is past max_position_embeddings 512"):
+        LLM(dynamic, max_model_len=1024)

@@ -179,6 +179,14 @@ def _fake_torch() -> types.SimpleNamespace:
 
 
 HF_ROPE_CASES = [
+    (
+        "dynamic",
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {"type": "dynamic", "factor": 4.0},
+            "max_position_embeddings": 4096,
+        },
+    ),
     ("linear", {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}),
     (
         "llama3",
@@ -258,3 +266,29 @@ def test_rope_matches_transformers_with_torch(rope_type: str, extra: dict[str, A
     # float32 pow on CPU may differ from the float64 result rounded to float32 by an ulp or two.
     np.testing.assert_allclose(ours.astype(np.float32), theirs.numpy(), rtol=1e-6, atol=0)
     assert our_scale == their_scale
+
+
+def test_dynamic_rope_is_refused_past_the_pretrained_length() -> None:
+    """Inside ``max_position_embeddings`` transformers' dynamic NTK rope is the default one;
+    past it transformers re-rotates every position at each step, which a KV cache cannot:
+    such a ``max_model_len`` is refused, naming the limit."""
+    from resin.loading import ConfigError
+    from resin.loading.rope import check_rope_length
+
+    base = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_scaling", "rope_theta")}
+    rope = load_model_config(
+        {**base, "max_position_embeddings": 2048, "rope_scaling": {"type": "dynamic", "factor": 2}}
+    ).rope
+    assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == (
+        "dynamic",
+        2.0,
+        2048,
+    )
+    default = RopeConfig(theta=rope.theta)
+    np.testing.assert_array_equal(rope_inv_freq(rope, 128)[0], rope_inv_freq(default, 128)[0])
+    check_rope_length(rope, 2048)
+    with pytest.raises(
+        ConfigError, match="max_model_len 2049 is past max_position_embeddings 2048"
+    ):
+        check_rope_length(rope, 2049)
+    check_rope_length(default, 10**6)  # the others are not limited here

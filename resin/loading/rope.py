@@ -3,7 +3,14 @@
 
 Owns the RoPE semantics of ``transformers/modeling_rope_utils.py`` (``ROPE_INIT_FUNCTIONS``,
 ``RotaryEmbeddingConfigMixin.standardize_rope_params``) for the rope types Resin supports:
-``default``, ``linear``, ``llama3`` and ``yarn``. numpy only; computed in float64.
+``default``, ``linear``, ``llama3``, ``yarn`` and ``dynamic``. numpy only; computed in float64.
+
+``dynamic`` (NTK): transformers keeps the default frequencies while a forward's largest
+position is inside ``max_position_embeddings``, and past it recomputes them from that length
+for every position of the sequence at once (``dynamic_rope_update``), so a key cached at
+position p would be rotated again at each longer step. A KV cache cannot follow that, so
+Resin runs ``dynamic`` exactly as transformers does inside the pretrained length and refuses
+a ``max_model_len`` past it (:func:`check_rope_length`).
 Both spellings — top-level ``rope_theta`` + ``rope_scaling`` (legacy key ``type`` allowed)
 and transformers 5's ``rope_parameters`` — normalise to the same :class:`RopeConfig`.
 """
@@ -19,7 +26,7 @@ import numpy as np
 
 from resin.loading.fields import ConfigError, read_field
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
 
 
@@ -118,6 +125,14 @@ def parse_rope_config(
         )
     if rope_type == "default":
         return RopeConfig(theta=theta, partial_rotary_factor=partial)
+    if rope_type == "dynamic":
+        return RopeConfig(
+            "dynamic",
+            theta,
+            factor=_positive(read_field(params, "factor", float, where=where), "factor", rope_type),
+            original_max_position_embeddings=max_position_embeddings,
+            partial_rotary_factor=partial,
+        )
     if rope_type == "linear":
         return RopeConfig(
             "linear",
@@ -191,7 +206,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
         raise ConfigError(_unsupported_rope(rope.rope_type))
     dim = int(head_dim * rope.partial_rotary_factor)
     inv_freq = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    if rope.rope_type == "default":
+    if rope.rope_type in ("default", "dynamic"):  # dynamic: inside the pretrained length
         return inv_freq, 1.0
     factor = float(_need(rope.factor, "factor"))
     if rope.rope_type == "linear":
@@ -258,6 +273,20 @@ def _yarn_inv_freq(
     interpolated = inv_freq / factor
     blended = interpolated * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
     return blended, float(attention_factor)
+
+
+def check_rope_length(rope: RopeConfig, max_model_len: int) -> None:
+    """ConfigError when sequences of ``max_model_len`` tokens would take ``rope`` where Resin
+    cannot give transformers' frequencies: ``dynamic`` past ``max_position_embeddings``
+    (module doc)."""
+    limit = rope.original_max_position_embeddings
+    if rope.rope_type == "dynamic" and limit is not None and max_model_len > limit:
+        raise ConfigError(
+            f"rope type 'dynamic': max_model_len {max_model_len} is past "
+            f"max_position_embeddings {limit}; past it transformers recomputes the rotary "
+            "frequencies of every position from the sequence's length at each step, which a "
+            f"KV cache cannot follow. Serve with max_model_len <= {limit}"
+        )
 
 
 def _positive(value: Any, name: str, rope_type: str) -> Any:
