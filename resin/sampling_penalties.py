@@ -111,12 +111,7 @@ class PenaltyPlan:
 
     @property
     def changes_logits(self) -> bool:
-        return bool(
-            len(self.repeating)
-            or len(self.counting)
-            or self.num_banned.any()
-            or self.num_biased.any()
-        )
+        return bool(self.changed.any())
 
 
 class Penalties:

@@ -125,19 +125,14 @@ def parse_rope_config(
         )
     if rope_type == "default":
         return RopeConfig(theta=theta, partial_rotary_factor=partial)
-    if rope_type == "dynamic":
+    if rope_type in ("linear", "dynamic"):  # dynamic's limit: the pretrained length
         return RopeConfig(
-            "dynamic",
+            rope_type,
             theta,
             factor=_positive(read_field(params, "factor", float, where=where), "factor", rope_type),
-            original_max_position_embeddings=max_position_embeddings,
-            partial_rotary_factor=partial,
-        )
-    if rope_type == "linear":
-        return RopeConfig(
-            "linear",
-            theta,
-            factor=_positive(read_field(params, "factor", float, where=where), "factor", rope_type),
+            original_max_position_embeddings=(
+                max_position_embeddings if rope_type == "dynamic" else None
+            ),
             partial_rotary_factor=partial,
         )
     # llama3 / yarn read the pretraining length; a top-level original_max_position_embeddings

@@ -2,8 +2,10 @@
 
 ``sampling_params(ctx, body, ...)`` reads ``temperature``, ``top_p``, ``top_k``, ``min_p``,
 ``seed``, the three penalties, ``logit_bias``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids`` and the logprob count from a request body, on top of the checkpoint's ``generation_config.json``
-defaults (vLLM's rule), and checks their ranges (400 naming the field).
+``stop_token_ids`` and the logprob count from a request body, on top of the checkpoint's
+``generation_config.json`` defaults (vLLM's rule), and checks their ranges (400 naming the
+field). Token ids are checked against the vocabulary here as well as in the engine, because a
+stream's headers go out before the engine sees the request.
 
 ``max_tokens_for(...)`` turns a requested completion length into the engine's ``max_tokens``:
 absent → the room left in the context (or an endpoint default such as completions' 16, capped
