@@ -252,8 +252,8 @@ def test_error_missing_moe_fields() -> None:
 
 def test_error_unsupported_rope_type() -> None:
     for spelling in ("rope_scaling", "rope_parameters"):
-        with pytest.raises(ConfigError, match="unsupported rope type 'dynamic'.*llama3, yarn"):
-            load_model_config({**MISTRAL_7B, spelling: {"type": "dynamic", "factor": 2.0}})
+        with pytest.raises(ConfigError, match="unsupported rope type 'su'.*llama3, yarn"):
+            load_model_config({**MISTRAL_7B, spelling: {"type": "su", "factor": 2.0}})
     with pytest.raises(ConfigError, match="'longrope'"):
         rope_inv_freq(RopeConfig("longrope", 10000.0, factor=2.0), 64)
     llama3 = {k: v for k, v in LLAMA31_8B["rope_scaling"].items() if k != "low_freq_factor"}
