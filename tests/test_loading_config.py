@@ -77,6 +77,25 @@ def test_mistral_7b_v01_slides_every_layer() -> None:
     assert full.sliding_window_tokens is None and full.layer_types == ("full_attention",) * 32
 
 
+def test_mistral_listing_layer_types_alternates_as_transformers_auto_config(
+    tmp_path: Path,
+) -> None:
+    # transformers' AutoConfig reads a "mistral" config with `layer_types` as Ministral
+    # (Ministral-8B's checkpoints are written this way), which honours the list per layer.
+    raw = {**MISTRAL_7B, "num_hidden_layers": 4}
+    raw["layer_types"] = ["full_attention", "sliding_attention"] * 2
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    cfg = load_model_config(raw)
+    assert type(hf).__name__ == "MinistralConfig"
+    assert cfg.layer_types == tuple(hf.layer_types) == tuple(raw["layer_types"])
+    assert cfg.layer_window_tokens(0) is None and cfg.layer_window_tokens(1) == 4096
+    # A null list is Ministral's default: the window on every layer, as plain Mistral.
+    assert load_model_config({**raw, "layer_types": None}).layer_types == (
+        "sliding_attention",
+    ) * 4
+
+
 def test_qwen25_7b_yarn_and_qkv_bias() -> None:
     cfg = load_model_config(QWEN25_7B)
     assert cfg.head_dim == 3584 // 28 == 128 and cfg.num_key_value_heads == 4

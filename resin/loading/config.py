@@ -276,9 +276,14 @@ def _parse_layer_types(
         return tuple(
             SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
         ), window
-    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM"):
-        # Mistral, Mixtral and Qwen3Moe apply the window (if any) to every layer; Mistral's
-        # config ignores `layer_types` (configuration_mistral.py warns and moves on).
+    # transformers' AutoConfig reads a mistral config that lists `layer_types` as Ministral,
+    # which honours the list per layer (configuration_auto.py); MistralConfig itself ignores it.
+    mistral_as_ministral = arch == "MistralForCausalLM" and raw.get("layer_types") is not None
+    if (
+        arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM")
+        and not mistral_as_ministral
+    ):
+        # Mistral, Mixtral and Qwen3Moe apply the window (if any) to every layer.
         kind = FULL_ATTENTION if window is None else SLIDING_ATTENTION
         return (kind,) * num_layers, window
     layer_types = raw.get("layer_types")
