@@ -91,9 +91,7 @@ def test_mistral_listing_layer_types_alternates_as_transformers_auto_config(
     assert cfg.layer_types == tuple(hf.layer_types) == tuple(raw["layer_types"])
     assert cfg.layer_window_tokens(0) is None and cfg.layer_window_tokens(1) == 4096
     # A null list is Ministral's default: the window on every layer, as plain Mistral.
-    assert load_model_config({**raw, "layer_types": None}).layer_types == (
-        "sliding_attention",
-    ) * 4
+    assert load_model_config({**raw, "layer_types": None}).layer_types == ("sliding_attention",) * 4
 
 
 def test_qwen25_7b_yarn_and_qkv_bias() -> None:
