@@ -116,3 +116,53 @@ def test_swapped_rotary_bases_fail_at_self_attn(
     first = report.first_departure
     assert first is not None and first["module"] == "self_attn", report.summary()
     assert first["layer"] == 0 and first["scaled_diff"] > 0.1
+
+
+@pytest.mark.parametrize("num_layers", [4, 6, 13, 26, 30])
+@pytest.mark.parametrize("pattern", [None, 2])
+def test_layer_types_without_a_list_follow_transformers_default_pattern(
+    tmp_path: Path, num_layers: int, pattern: int | None
+) -> None:
+    """A config.json with no ``layer_types``: every 6th layer is full (Gemma3TextConfig's
+    default ``sliding_window_pattern``) unless the config gives a pattern, for any depth — the
+    record's 26-layer default list cannot be used past its own depth."""
+    import transformers
+
+    from resin.runners.torch.model_dir import ModelRecord, layer_kinds, load_model_args
+
+    config = json.loads((TINY / "config.json").read_text())
+    for key in ("layer_types", "_sliding_window_pattern"):
+        config.pop(key)
+    config["num_hidden_layers"] = num_layers
+    if pattern is not None:
+        config["sliding_window_pattern"] = pattern
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = transformers.Gemma3TextConfig.from_dict(config)
+    record = ModelRecord.load(MODEL_DIR)
+    kinds = layer_kinds(load_model_args(tmp_path, record), record)
+    assert [layer_type for layer_type, _, _ in kinds] == list(hf.layer_types)
+    assert "full_attention" in hf.layer_types or num_layers < (pattern or 6)
+    windows = [window for _, window, _ in kinds]
+    assert windows == [
+        config["sliding_window"] if t == "sliding_attention" else None for t in hf.layer_types
+    ]
+
+
+def test_bidirectional_attention_is_refused_at_load(tmp_path: Path) -> None:
+    """EmbeddingGemma-style ``use_bidirectional_attention``: HF attends to later tokens, which
+    these causal blocks do not; refused when the runner is built, naming the field."""
+    import shutil
+
+    from resin.registry import ModelRegistry
+
+    changed = tmp_path / "gemma3"
+    shutil.copytree(TINY, changed)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(
+        json.dumps({**config, "use_bidirectional_attention": True})
+    )
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(changed)
+    with pytest.raises(
+        ValueError, match="gemma3: use_bidirectional_attention True is not supported"
+    ):
+        entry.load_runner(changed)

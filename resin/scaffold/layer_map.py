@@ -3,7 +3,9 @@
 Owns three mappings the scaffold generator and generated runners share:
 
 - layer types -> cache: :func:`layer_types_from_config` gives each decoder layer's type and
-  window from an HF config (``config.layer_types`` when present; else every layer sliding iff a
+  window from an HF config (``config.layer_types`` when present; else, with a window, every
+  ``sliding_window_pattern``-th layer full and the rest sliding — Gemma 2/3, whose default
+  pattern a record keeps as ``_sliding_window_pattern``; else every layer sliding iff a
   ``sliding_window`` is set and not switched off by ``use_sliding_window``; else full), and
   :func:`cache_kind` says which ``resin.LayerCacheSpec`` a type needs: ``full``,
   ``sliding_window``, ``recurrent`` (linear attention / SSM: per-request state pages),
@@ -155,6 +157,11 @@ def layer_types_from_config(config: Any) -> list[tuple[str, int | None]]:
             for t in list(types)[:num_layers]
         ]
     pattern = getattr(config, "sliding_window_pattern", None)
+    if pattern is None:
+        # Gemma 3's config class keeps its default pattern (6) as `_sliding_window_pattern`,
+        # which a model record's defaults carry: a config.json with neither layer_types nor a
+        # pattern gets it, as transformers derives layer_types from it.
+        pattern = getattr(config, "_sliding_window_pattern", None)
     if window and isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
         # Older Gemma 2/3 configs: every pattern-th layer is global (transformers derives
         # layer_types the same way when a config.json has only the pattern).

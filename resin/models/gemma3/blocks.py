@@ -158,12 +158,20 @@ def gemma3_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
 
 def check_config(config: Any) -> None:
     """Refuse at load what these blocks do not compute: a ``hidden_activation`` other than
-    ``gelu_pytorch_tanh`` (every released Gemma 3's; :func:`gemma3_mlp` hard-codes it)."""
+    ``gelu_pytorch_tanh`` (every released Gemma 3's; :func:`gemma3_mlp` hard-codes it), and
+    ``use_bidirectional_attention`` (EmbeddingGemma-style encoders: HF attends both ways within
+    a window of ``sliding_window // 2 + 1``; a paged decode cache and these causal blocks
+    cannot)."""
     activation = config_value(config, "hidden_activation", "gelu_pytorch_tanh")
     if activation != "gelu_pytorch_tanh":
         raise ValueError(
             f"hidden_activation {activation!r} is not supported (gemma3_mlp computes "
             "gelu_pytorch_tanh only)"
+        )
+    if config_value(config, "use_bidirectional_attention", False):
+        raise ValueError(
+            "use_bidirectional_attention True is not supported (an encoder that attends to "
+            "later tokens; these blocks attend causally, as a decoding cache needs)"
         )
 
 
