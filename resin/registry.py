@@ -58,6 +58,7 @@ NULL_RUNNER_TEXT = " the quick brown fox jumps over the lazy dog and"
 BUILTIN_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "ministral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",

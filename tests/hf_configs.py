@@ -186,6 +186,7 @@ REAL = {
 HF_CLASSES = {
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
+    "ministral": "MinistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
     "qwen3_moe": "Qwen3MoeConfig",

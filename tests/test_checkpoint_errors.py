@@ -338,3 +338,52 @@ def test_dynamic_rope_serves_inside_its_pretrained_length_and_refuses_past_it(
     assert LLM(dynamic, max_model_len=64).generate([[5, 9, 17, 3]], params)[0].token_ids == want
     with pytest.raises(ConfigError, match="max_model_len 1024 is past max_position_embeddings 512"):
         LLM(dynamic, max_model_len=1024)
+
+
+def test_transformers_weights_names_the_file_loaded(tmp_path: Path) -> None:
+    """config.json's ``transformers_weights`` names the weights file transformers loads, ahead
+    of ``model.safetensors``: Resin loads the same one (it loaded model.safetensors, and refused
+    a checkpoint holding only the named file)."""
+    ckpt = copy_of(LLAMA, tmp_path)
+    (ckpt / "model.safetensors").rename(ckpt / "alt.safetensors")
+    config = load_model_config(ckpt)
+    edit_config(ckpt, lambda c: c.update(transformers_weights="alt.safetensors"))
+    named = load_weights(ckpt, config)
+    # A stale default-named file beside it is not what transformers loads.
+    stale = {k: v * 2 for k, v in load_file(str(ckpt / "alt.safetensors")).items()}
+    save_file(stale, str(ckpt / "model.safetensors"))
+    loaded = load_weights(ckpt, config)
+    assert all(torch.equal(loaded[k], named[k]) for k in named)
+    assert not torch.equal(loaded[Q_PROJ], stale[Q_PROJ])
+    # A registry entry point (the model-directory loader shares locate_tensors).
+    assert ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(ckpt).name == "torch"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("gone.safetensors", "names gone.safetensors, which is missing"),
+        ("../llama/model.safetensors", "inside the checkpoint directory"),
+        ("weights.bin", "must name a .safetensors file"),
+        (3, "must name a .safetensors file"),
+    ],
+)
+def test_transformers_weights_refused_when_unusable(
+    tmp_path: Path, name: Any, message: str
+) -> None:
+    ckpt = copy_of(LLAMA, tmp_path)
+    edit_config(ckpt, lambda c: c.update(transformers_weights=name))
+    with pytest.raises(WeightsError, match=message):
+        load_weights(ckpt, load_model_config(ckpt))
+
+
+@pytest.mark.parametrize("model", ["gemma3", "glm5_flash"])
+def test_model_directory_refuses_bidirectional_attention(tmp_path: Path, model: str) -> None:
+    """``is_causal: false`` makes transformers build a bidirectional mask for any decoder
+    (masking_utils.create_causal_mask); a model directory refuses it when the runner is built,
+    as the built-in families do at parse (test_loading_config), naming the field."""
+    ckpt = copy_of(REPO / "resin" / "models" / model / "tiny", tmp_path)
+    edit_config(ckpt, lambda c: c.update(is_causal=False))
+    entry = ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(ckpt)
+    with pytest.raises(ConfigError, match=f"{model}: config.json: is_causal false"):
+        entry.load_runner(ckpt)

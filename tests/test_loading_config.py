@@ -251,6 +251,32 @@ def test_error_unsupported_architecture() -> None:
         load_model_config({k: v for k, v in no_arch.items() if k != "model_type"})
 
 
+def test_error_model_type_of_another_family() -> None:
+    # transformers builds the model from model_type: a Granite config naming LlamaForCausalLM
+    # is a Granite (its embedding / residual / logit multipliers), not a Llama.
+    with pytest.raises(
+        ConfigError, match="'granite' \\(a transformers family Resin does not run\\)"
+    ):
+        load_model_config({**LLAMA31_8B, "model_type": "granite"})
+    with pytest.raises(ConfigError, match="'qwen2' \\(Qwen2ForCausalLM\\)"):
+        load_model_config({**LLAMA31_8B, "model_type": "qwen2"})
+
+
+def test_error_bidirectional_attention() -> None:
+    # is_causal false makes transformers build a bidirectional mask for any decoder
+    # (masking_utils.create_causal_mask): positions see later tokens, which a KV cache cannot.
+    for raw in (LLAMA31_8B, MISTRAL_7B, QWEN3_8B):
+        with pytest.raises(ConfigError, match="is_causal false"):
+            load_model_config({**raw, "is_causal": False})
+    assert load_model_config({**LLAMA31_8B, "is_causal": True}).architecture == "LlamaForCausalLM"
+
+
+def test_legacy_layer_type_names_as_transformers_renames_them() -> None:
+    raw = {**QWEN25_7B, "num_hidden_layers": 2, "layer_types": ["attention", "attention"]}
+    assert load_model_config(raw).layer_types == ("full_attention",) * 2
+    assert tuple(hf_config("qwen2", raw).layer_types) == ("full_attention",) * 2
+
+
 @pytest.mark.parametrize(
     "field",
     ["hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
@@ -287,8 +313,15 @@ def test_error_inconsistent_shapes_and_types() -> None:
         load_model_config({**QWEN25_7B, "layer_types": ["full_attention"] * 3})
     with pytest.raises(ConfigError, match=r"layer_types\[0\].*no sliding window"):
         load_model_config({**QWEN25_7B, "layer_types": ["sliding_attention"] * 28})
+    # The default rope ignores partial_rotary_factor, as every built-in modeling file's
+    # compute_default_rope_parameters does; the other types size inv_freq by it, and HF then
+    # fails on the shape, so Resin refuses.
+    assert load_model_config({**QWEN3_8B, "partial_rotary_factor": 0.5}).rope == (
+        load_model_config(QWEN3_8B).rope
+    )
+    linear = {**QWEN3_8B, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
-        load_model_config({**QWEN3_8B, "partial_rotary_factor": 0.5})
+        load_model_config({**linear, "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match="kv_dtype_bytes"):
         layer_cache_specs(load_model_config(QWEN3_8B), 0)
 

@@ -51,6 +51,13 @@ def save_tiny(tmp_path: Path, kind: str) -> Path:
         model = transformers.MistralForCausalLM(
             transformers.MistralConfig(**common, sliding_window=8, head_dim=16)
         )
+    elif kind == "ministral":
+        layer_types = ["sliding_attention", "full_attention"]
+        model = transformers.MinistralForCausalLM(
+            transformers.MinistralConfig(
+                **common, sliding_window=8, head_dim=16, layer_types=layer_types
+            )
+        )
     elif kind == "moe_unnormalised":
         model = transformers.Qwen3MoeForCausalLM(
             transformers.Qwen3MoeConfig(**common, **moe, norm_topk_prob=False)
@@ -122,6 +129,19 @@ def test_a_window_smaller_than_the_prompts_passes_every_greedy_stage(tmp_path: P
     assert report.passed, report.summary()
     stage = next(s for s in report.stages if s.name == "greedy/preemption")
     assert stage.metrics["num_preemptions"] > 0
+
+
+def test_ministral_saved_by_transformers_runs_its_per_layer_windows(tmp_path: Path) -> None:
+    """A checkpoint MinistralForCausalLM saves (model_type "ministral": Mistral's math with a
+    per-layer window) passes every stage; the window (8) is smaller than the prompts."""
+    from resin.loading import load_model_config
+
+    model_dir = save_tiny(tmp_path, "ministral")
+    config = load_model_config(model_dir)
+    assert config.model_type == "ministral"
+    assert config.layer_window_tokens(0) == 8 and config.layer_window_tokens(1) is None
+    report = run_parity(model_dir, prompts=PROMPTS, max_new_tokens=8)
+    assert report.passed, report.summary()
 
 
 @pytest.mark.parametrize("kind", ["act_gelu_pytorch_tanh", "moe_gelu"])

@@ -35,6 +35,8 @@ from resin.loading.fields import (
     read_field,
     read_json_object,
     read_positive,
+    refuse_bidirectional,
+    remap_legacy_layer_types,
 )
 from resin.loading.rope import RopeConfig, parse_rope_config
 
@@ -58,6 +60,19 @@ _ARCHITECTURES: dict[str, dict[str, Any]] = {
     ),
     "MistralForCausalLM": dict(
         model_type="mistral",
+        num_key_value_heads=8,
+        head_dim=None,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_theta=10000.0,
+        sliding_window=4096,
+    ),
+    # MinistralConfig(MistralConfig): Mistral's defaults, with a per-layer `layer_types`
+    # (all windowed when absent and a window is set); the modeling code is Mistral's math.
+    "MinistralForCausalLM": dict(
+        model_type="ministral",
         num_key_value_heads=8,
         head_dim=None,
         rms_norm_eps=1e-6,
@@ -240,12 +255,17 @@ def _architecture(raw: Mapping[str, Any]) -> str:
             )
         model_type = raw.get("model_type")
         named = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
-        if named is not None and named != arch:
+        other = named is not None and named != arch
+        if other or (named is None and _transformers_family(model_type)):
             # HF builds the model from model_type, Resin would run architectures[0]: refuse
-            # rather than run one family's weights as the other's.
+            # rather than run one family's weights as the other's (a Granite config naming
+            # LlamaForCausalLM is Granite to transformers, with its own multipliers). A
+            # model_type transformers does not know (a wrapper's own) is no disagreement.
+            family = f"({named})" if named else "(a transformers family Resin does not run)"
             raise ConfigError(
                 f"config: 'architectures' names {arch} but 'model_type' is {model_type!r} "
-                f"({named}); they must name the same family"
+                f"{family}; transformers builds the model from model_type, so they must name "
+                "the same family"
             )
         return arch
     model_type = raw.get("model_type")
@@ -257,6 +277,19 @@ def _architecture(raw: Mapping[str, Any]) -> str:
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return _ARCH_BY_MODEL_TYPE[model_type]
+
+
+def _transformers_family(model_type: Any) -> bool:
+    """Whether transformers has a model family of this ``model_type`` (a module
+    ``transformers.models.<model_type>``); False without transformers installed."""
+    if not isinstance(model_type, str) or not model_type.replace("_", "").isalnum():
+        return False
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(f"transformers.models.{model_type}") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _parse_layer_types(
@@ -278,7 +311,9 @@ def _parse_layer_types(
         ), window
     # transformers' AutoConfig reads a mistral config that lists `layer_types` as Ministral,
     # which honours the list per layer (configuration_auto.py); MistralConfig itself ignores it.
-    mistral_as_ministral = arch == "MistralForCausalLM" and raw.get("layer_types") is not None
+    mistral_as_ministral = arch == "MinistralForCausalLM" or (
+        arch == "MistralForCausalLM" and raw.get("layer_types") is not None
+    )
     if (
         arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM")
         and not mistral_as_ministral
@@ -367,6 +402,8 @@ def _parse_moe(
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     arch = _architecture(raw)
+    refuse_bidirectional(raw)
+    raw = remap_legacy_layer_types(raw)
     defaults = _ARCHITECTURES[arch]
     hidden_size = read_positive(raw, "hidden_size")
     num_heads = read_positive(raw, "num_attention_heads")

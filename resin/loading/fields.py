@@ -90,3 +90,40 @@ def read_json_object(path: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
+
+
+# Layer-type names older configs use, as transformers renames them when it loads a config
+# (``configuration_utils._LEGACY_LAYER_TYPE_REMAP``): a checkpoint saying "attention" means
+# "full_attention" to HF, so it must to Resin too.
+LEGACY_LAYER_TYPES = {
+    "mamba": "linear_attention",
+    "attention": "full_attention",
+    "deepseek_sparse_attention": "indexed_attention",
+    "qwen_sparse_attention": "indexed_attention",
+}
+
+
+def remap_legacy_layer_types(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with ``layer_types`` / ``mtp_layer_types`` under transformers' current names
+    (:data:`LEGACY_LAYER_TYPES`); anything else is left as it is, for the caller to check."""
+    remapped = dict(values)
+    for key in ("layer_types", "mtp_layer_types"):
+        types = values.get(key)
+        if isinstance(types, list):
+            remapped[key] = [
+                LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types
+            ]
+    return remapped
+
+
+def refuse_bidirectional(values: Mapping[str, Any], where: str = "config") -> None:
+    """ConfigError for ``is_causal: false``: transformers then builds a bidirectional mask
+    for every decoder (``masking_utils.create_causal_mask``: an encoder made from a decoder,
+    as embedding models are), so each position sees later tokens. Resin runs causal decoders
+    with a KV cache, which cannot compute that."""
+    if values.get("is_causal", True) is False:
+        raise ConfigError(
+            f"{where}: is_causal false (bidirectional attention: each token attends to later "
+            "ones, as in an embedding model made from a decoder) is not supported; Resin runs "
+            "causal decoders"
+        )

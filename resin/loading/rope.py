@@ -92,8 +92,9 @@ def parse_rope_config(
 ) -> RopeConfig:
     """The RoPE of a whole config dict ``raw``; ``default_theta`` is the architecture's
     ``RotaryEmbeddingConfigMixin.default_theta``, used when no ``rope_theta`` is given.
-    ``allow_partial``: accept ``partial_rotary_factor`` < 1 (the built-in families rotate the
-    whole head, so for them it is an error)."""
+    ``allow_partial``: accept ``partial_rotary_factor`` < 1. Without it (the built-in
+    families, which rotate the whole head) the default rope ignores the factor, as their
+    modeling files do, and any other rope type refuses it, as HF fails on it."""
     # transformers' convert_rope_params_to_dict + standardize_rope_params: the legacy
     # `rope_scaling` dict wins over `rope_parameters`; top-level `rope_theta` and
     # `partial_rotary_factor` fill in keys the dict lacks; `rope_type` wins over legacy `type`.
@@ -117,8 +118,13 @@ def parse_rope_config(
     if theta is None or theta <= 1.0:
         raise ConfigError(f"{where}: field 'rope_theta' must be > 1, got {theta!r}")
     partial = read_field(params, "partial_rotary_factor", (float, type(None)), None, where) or 1.0
+    if partial != 1.0 and not allow_partial and rope_type == "default":
+        # The built-in families' default rope (compute_default_rope_parameters in each
+        # modeling file) never reads the factor: HF rotates the whole head, and so does Resin.
+        partial = 1.0
     if partial != 1.0 and not allow_partial:
-        # The built-in modeling files rotate the whole head; HF would fail on a partial rotary.
+        # The other rope types size inv_freq by the factor while the built-in modeling files
+        # rotate the whole head: HF fails on the shape mismatch.
         raise ConfigError(
             f"{where}: partial_rotary_factor {partial} is not supported for this "
             "architecture (it rotates the whole head)"

@@ -208,32 +208,74 @@ def tensor_header(handle: Any, name: str, path: Path, directory: Path) -> Any:
 
 
 def locate_tensors(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the file holding it (``model.safetensors``, or the shards named by
-    ``model.safetensors.index.json``); WeightsError naming what is missing or unreadable."""
+    """Tensor name -> the file holding it: the file config.json's ``transformers_weights``
+    names (a ``.safetensors`` file or a ``.safetensors.index.json``, as transformers loads it),
+    else ``model.safetensors.index.json``'s shards, else ``model.safetensors``; WeightsError
+    naming what is missing or unreadable."""
     if not directory.is_dir():
         raise WeightsError(f"checkpoint directory not found: {directory}")
+    named = _named_weights_file(directory)
+    if named is not None:
+        if named.name.endswith(".safetensors.index.json"):
+            return _shard_files(named, directory)
+        return _tensors_in(named)
     index_path = directory / INDEX_FILE
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise WeightsError(f"{index_path}: cannot read its 'weight_map' ({exc})") from exc
-        files = {
-            name: directory / shard for name, shard in _checked_weight_map(weight_map, index_path)
-        }
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise WeightsError(
-                    f"{index_path} lists shard {shard.name}, which is missing from {directory}"
-                )
-        return files
+        return _shard_files(index_path, directory)
     single = directory / SINGLE_FILE
     if not single.is_file():
         raise WeightsError(f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE}")
-    with open_safetensors(
-        single, "cpu", framework="numpy"
-    ) as handle:  # names only: no torch needed
-        return {name: single for name in handle.keys()}
+    return _tensors_in(single)
+
+
+def _named_weights_file(directory: Path) -> Path | None:
+    """The weights file config.json names in ``transformers_weights`` (transformers 5 loads
+    exactly that file, before any default name), or None; WeightsError when the name is not a
+    safetensors file or index inside the directory, or the file is missing."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # the config reader reports a broken config.json, naming it
+    name = raw.get("transformers_weights") if isinstance(raw, dict) else None
+    if name is None:
+        return None
+    path = directory / name if isinstance(name, str) and name else None
+    inside = path is not None and path.resolve().is_relative_to(directory.resolve())
+    if path is None or not inside or not name.endswith((".safetensors", ".safetensors.index.json")):
+        raise WeightsError(
+            f"{config_path}: 'transformers_weights' must name a .safetensors file or a "
+            f".safetensors.index.json inside the checkpoint directory, got {name!r}"
+        )
+    if not path.is_file():
+        raise WeightsError(
+            f"{config_path}: 'transformers_weights' names {name}, which is missing from {directory}"
+        )
+    return path
+
+
+def _shard_files(index_path: Path, directory: Path) -> dict[str, Path]:
+    """Tensor name -> shard, from an index's ``weight_map``; every shard must exist."""
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise WeightsError(f"{index_path}: cannot read its 'weight_map' ({exc})") from exc
+    files = {name: directory / shard for name, shard in _checked_weight_map(weight_map, index_path)}
+    for shard in sorted(set(files.values())):
+        if not shard.is_file():
+            raise WeightsError(
+                f"{index_path} lists shard {shard.name}, which is missing from {directory}"
+            )
+    return files
+
+
+def _tensors_in(path: Path) -> dict[str, Path]:
+    """Tensor name -> ``path``, for every tensor of one safetensors file (names only: no
+    torch needed)."""
+    with open_safetensors(path, "cpu", framework="numpy") as handle:
+        return {name: path for name in handle.keys()}
 
 
 def _checked_weight_map(weight_map: Any, index_path: Path) -> list[tuple[str, str]]:

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from resin.loading.fields import remap_legacy_layer_types
 from resin.runners.torch import layer_caches
 from resin.runners.torch.attention import AttentionBackend
 from resin.runners.torch.model_definition import (
@@ -175,6 +176,7 @@ def load_model_args(checkpoint_dir: str | Path, record: ModelRecord) -> ModelArg
         raise ValueError(f"cannot read {path}: {exc}") from exc
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a JSON object")
+    values = remap_legacy_layer_types(values)  # "attention" -> "full_attention", as HF reads it
     num_layers = values.get("num_hidden_layers", record.config_defaults.get("num_hidden_layers"))
     default_layers = record.config_defaults.get("num_hidden_layers")
     defaults = {
@@ -509,10 +511,16 @@ def check_config(blocks: Any, args: ModelArgs, name: str) -> None:
     blocks would refuse at their first forward: the ``hidden_act`` when the blocks compute it
     with the shared lookup (``config_activation``), then the blocks' own ``check_config(config)``
     hook (raising ``ValueError`` or ``NotImplementedError``), if they define one. Before
-    those, what every attention model needs: ``num_attention_heads`` a multiple of
-    ``num_key_value_heads`` when the config gives both (:class:`ConfigError`)."""
-    from resin.loading.fields import ConfigError
+    those, what every attention model needs (:class:`ConfigError`): causal attention (not
+    ``is_causal: false``, in the config or its ``text_config``), and ``num_attention_heads`` a
+    multiple of ``num_key_value_heads`` when the config gives both."""
+    from resin.loading.fields import ConfigError, refuse_bidirectional
 
+    for part in (args, getattr(args, "text_config", None)):
+        if isinstance(part, dict):
+            refuse_bidirectional(part, f"{name}: config.json")
+        elif part is not None:
+            refuse_bidirectional(vars(part), f"{name}: config.json")
     heads = getattr(args, "num_attention_heads", None)
     kv_heads = getattr(args, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(kv_heads, int) and heads > 0:
