@@ -140,7 +140,11 @@ def test_parity_fp32_every_stage_against_hf_full_forward() -> None:
 def test_parity_bf16_every_stage_against_hf_cached_decode() -> None:
     report = run_model_parity(_checks("layers", "greedy", greedy="cached"), dtype="bfloat16")
     assert report.passed, report.summary()
-    assert report.stage("layers").metrics["max_scaled_diff"] == 0.0
+    # Within one bf16 rounding of the reference at every checkpoint (exactly equal on the
+    # AVX2 machine this was brought up on). KDA's fp32 core is rounded to bf16 once, and HF's
+    # chunked form and the recurrent one differ in their fp32 roundings, so on other CPUs
+    # (AVX-512 with AMX: 0.0022 at layer 4's linear attention) a bf16 rounding can flip.
+    assert report.stage("layers").metrics["max_scaled_diff"] <= 2.0**-8
 
 
 def test_multimodal_wrapper_config_runs_the_same(tmp_path: Path) -> None:
