@@ -152,9 +152,11 @@ class Sampler(SlotHistory):
             row = row_of.get(slot)
             if row is None or not request_ids:
                 continue
-            grammar = self.grammars.get(request_ids[row])
+            request_id = request_ids[row]
+            grammar = self.grammars.get(request_id)
             if grammar is not None:
-                self.grammar_slots[slot] = GrammarSlot(grammar)
+                reporter = self.grammars.failure_reporter(request_id)
+                self.grammar_slots[slot] = GrammarSlot(grammar, reporter)
 
     def sample(self, logits: torch.Tensor, plan: BatchPlan, rows: np.ndarray) -> ForwardOutput:
         """Sample ``logits`` float32[len(rows), vocab]: one entry per sample of the step, ``rows``

@@ -43,7 +43,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any
@@ -127,6 +127,7 @@ class GrammarRegistry:
 
     def __init__(self) -> None:
         self._grammars: dict[str, Any] = {}
+        self._failures: dict[str, str] = {}  # request id -> why its grammar stopped working
         self._lock = threading.Lock()
 
     @property
@@ -140,6 +141,22 @@ class GrammarRegistry:
     def unregister(self, request_id: str) -> None:
         with self._lock:
             self._grammars.pop(request_id, None)
+            self._failures.pop(request_id, None)
+
+    def fail(self, request_id: str, reason: str) -> None:
+        """The sampler's report that ``request_id``'s grammar could not follow its output (the
+        grammar engine hit a limit, or refused a committed token): the server fails the request
+        rather than send output the grammar no longer constrains."""
+        with self._lock:
+            if request_id in self._grammars:
+                self._failures[request_id] = reason
+
+    def failure(self, request_id: str) -> str | None:
+        return self._failures.get(request_id)
+
+    def failure_reporter(self, request_id: str) -> Callable[[str], None]:
+        """The ``on_failure`` callback of ``request_id``'s :class:`GrammarSlot`."""
+        return lambda reason: self.fail(request_id, reason)
 
     def get(self, request_id: str) -> Any | None:
         return self._grammars.get(request_id)
@@ -649,17 +666,25 @@ class _LLGMatcher:
         self.inner.reset()
         self.terminated = False
 
+    def error(self) -> str:
+        """The engine's reason for its last refusal, first line only ('' when none): e.g. a
+        parser limit (llguidance's 2,000 items per row) hit by a schema with many choices."""
+        return self.inner.get_error().strip().split("\n", 1)[0] if self.inner.is_error() else ""
+
 
 class GrammarSlot:
     """One request slot's matcher, advanced over the request's committed output tokens."""
 
-    __slots__ = ("grammar", "matcher", "num_accepted", "failed")
+    __slots__ = ("grammar", "matcher", "num_accepted", "failed", "on_failure")
 
-    def __init__(self, grammar: CompiledGrammar) -> None:
+    def __init__(
+        self, grammar: CompiledGrammar, on_failure: Callable[[str], None] | None = None
+    ) -> None:
         self.grammar = grammar
         self.matcher: Any = None
         self.num_accepted = 0
         self.failed = False
+        self.on_failure = on_failure  # told why, once, when the grammar stops constraining
         self.reset()
 
     def reset(self) -> None:
@@ -693,13 +718,17 @@ class GrammarSlot:
                 self.num_accepted = num_outputs
                 return
             if not self.matcher.accept_token(token):
-                log.warning(
-                    "structured output: token %d was not accepted by the %s grammar; "
-                    "the rest of this request is unconstrained",
-                    token,
-                    self.grammar.description,
+                reason = (
+                    f"the grammar of {self.grammar.description} refused output token "
+                    f"{self.num_accepted} (id {token})"
                 )
+                error = self.matcher.error() if hasattr(self.matcher, "error") else ""
+                if error:  # llguidance says why (xgrammar's matcher does not)
+                    reason += f": {error}"
+                log.warning("structured output: %s", reason)
                 self.failed = True
+                if self.on_failure is not None:
+                    self.on_failure(reason)
                 return
             self.num_accepted += 1
 
@@ -735,7 +764,9 @@ class SlotGrammars:
                     continue
                 grammar = self.registry.get(request_ids[row])
                 if grammar is not None:
-                    self.slots[slot] = GrammarSlot(grammar)
+                    self.slots[slot] = GrammarSlot(
+                        grammar, self.registry.failure_reporter(request_ids[row])
+                    )
         for slot, grammar in self.slots.items():
             state = histories.get(slot)
             if state is not None:

@@ -49,6 +49,7 @@ OPTIONS = [
     "--expert-parallel-size",
     "--data-parallel-size",
     "--context-parallel-size",
+    "--allowed-origins",
 ]
 
 
@@ -160,3 +161,14 @@ def test_readme_serving_snippets_run_against_a_live_server():
                 check=True,
             ).stdout
             assert '"completion_tokens":16' in out
+
+
+def test_allowed_origins_option():
+    from resin.server.cli import cors_origins
+
+    assert cors_origins(None) == ["*"]
+    assert cors_origins(["https://a.example", "https://b.example"]) == [
+        "https://a.example",
+        "https://b.example",
+    ]
+    assert cors_origins(["none"]) == []

@@ -384,3 +384,20 @@ def test_a_refusal_after_the_stream_started_is_still_a_400_in_stream():
         "param": None,
         "code": 500,
     }
+
+
+def test_context_overflow_messages_state_what_was_asked(server):
+    """A prompt that fills the context alone says so (not "0 in the completion"); one that
+    leaves too little room counts the completion asked for."""
+    full = httpx.post(
+        f"{server.base_url}{COMPLETIONS}",
+        json={"model": MODEL, "prompt": list(range(5, 5 + MAX_MODEL_LEN)), "max_tokens": 1},
+    )
+    message = full.json()["error"]["message"]
+    assert f"your prompt has {MAX_MODEL_LEN} tokens, which leaves no room" in message
+    asked = httpx.post(
+        f"{server.base_url}{CHAT}",
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 10_000},
+    )
+    message = asked.json()["error"]["message"]
+    assert "in the messages, 10000 in the completion" in message

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -321,6 +322,21 @@ def test_models_health_version(server, client):
     assert anthropic_shape["data"][0]["type"] == "model" and anthropic_shape["has_more"] is False
 
 
+def test_models_retrieve_with_both_sdks(server, client):
+    """``GET /v1/models/{id}``: each SDK's ``models.retrieve`` gets its own shape, and a
+    name not served is each SDK's NotFoundError (the body in its API's error shape)."""
+    assert client.models.retrieve(MODEL).model_dump()["id"] == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    info = claude.models.retrieve(MODEL)
+    assert (info.type, info.id, info.display_name) == ("model", MODEL, MODEL)
+    with pytest.raises(anthropic.NotFoundError) as gone:
+        claude.models.retrieve("claude-nothing")
+    assert gone.value.body["error"]["type"] == "not_found_error"
+
+
 @pytest.mark.skipif(
     shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed"
 )
@@ -384,3 +400,22 @@ def test_reasoning_effort_reaches_the_template(client):
         client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"reasoning_effort": 3}
         )
+
+
+def test_browsers_may_call_the_api_cors(server):
+    """CORS as vLLM / SGLang default it: any origin; a preflight is answered (no key needed
+    for it), and responses carry Access-Control-Allow-Origin."""
+    origin = {"origin": "https://app.example"}
+    preflight = httpx.options(
+        f"{server.base_url}/v1/chat/completions",
+        headers={
+            **origin,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    listed = httpx.get(f"{server.base_url}/v1/models", headers=origin)
+    assert listed.headers["access-control-allow-origin"] == "*"

@@ -21,6 +21,7 @@ pytest.importorskip("xgrammar")
 
 from resin.server.context import ServerOptions  # noqa: E402
 from resin.server.serve import build_context  # noqa: E402
+from resin.server.structured import parse_format  # noqa: E402
 from tests.server_harness import LiveServer  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3"
@@ -397,6 +398,57 @@ def test_anthropic_bad_tool_schema_is_400(server: LiveServer) -> None:
 def test_grammar_entries_are_released(server: LiveServer) -> None:
     chat(server, response_format={"type": "json_object"}, max_tokens=5)
     assert not server.ctx.structured.registry.active
+
+
+def test_a_grammar_the_engine_cannot_follow_fails_the_request(server: LiveServer) -> None:
+    """A schema with more alternatives at one point than llguidance's parser takes (2,000 a
+    row) compiles, but the grammar refuses the first token: the request is a 400 saying so
+    (streamed: an in-stream error), never output the schema does not allow."""
+    if server.ctx.structured.compiler.engine != "llguidance":
+        pytest.skip("the 2,000-item parser row is llguidance's limit")
+    alternatives = [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(2100)
+    ]
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "many", "schema": {"anyOf": alternatives}},
+    }
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20}
+    response = post(server, "/v1/chat/completions", {**body, "response_format": response_format})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "structured output could not be enforced" in error["message"]
+    assert "max is 2000" in error["message"]
+    streamed = post(
+        server,
+        "/v1/chat/completions",
+        {**body, "response_format": response_format, "stream": True},
+    )
+    events = sse_data(streamed)
+    assert "structured output could not be enforced" in events[-1]["error"]["message"]
+    assert not server.ctx.structured.registry.active  # released, and the server goes on
+    chat(server, response_format=RESPONSE_FORMAT)
+
+
+def test_compiled_grammars_are_reused_for_the_same_schema(server: LiveServer) -> None:
+    """Agents send the same tools every turn: the second request reuses the first one's
+    grammar (compiling a few hundred tools takes ~1 s), a changed schema compiles anew."""
+    structured = server.ctx.structured
+    structured._cache.clear()
+    first = structured.tool_grammar(CHAT_TOOLS, "required", ["tools[0]", "tools[1]"])
+    again = structured.tool_grammar(CHAT_TOOLS, "required", ["tools[0]", "tools[1]"])
+    assert again is first
+    named = structured.tool_grammar(
+        CHAT_TOOLS, {"type": "function", "name": "get_time"}, ["tools[0]", "tools[1]"]
+    )
+    other = structured.format_grammar(parse_format(RESPONSE_FORMAT, "response_format", nested=True))
+    assert named is not first and other is not first and len(structured._cache) == 3
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    for _ in range(2):  # through the server: one more entry, then a hit
+        chat(server, tools=CHAT_TOOLS, tool_choice=forced, max_tokens=60)
+    assert len(structured._cache) == 4
 
 
 # -- the sampler's grammar state: failed plans and preemption replay exactly ---------------

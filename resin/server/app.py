@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -38,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import resin
 from resin.server.context import ServerContext
 from resin.server.engine_loop import RequestRejected, RunnerFailure
-from resin.server.errors import APIError, rejected
+from resin.server.errors import APIError, model_not_found, rejected
 from resin.server.http_metrics import HttpMetrics
 from resin.server.request_body import parse_json, read_body
 from resin.server.sse import generation_response
@@ -160,7 +161,15 @@ async def prepare_body(
         body = parse_json(raw)
         return body, prepare(body)
 
-    return await ctx.prepare(len(raw), work)
+    # A body that may ask for a grammar (a forced tool call, a response format) is prepared off
+    # the event loop whatever its size: compiling a few hundred tools' schemas takes ~1 s.
+    may_compile = any(field in raw for field in GRAMMAR_FIELDS)
+    return await ctx.prepare(len(raw), work, offload=may_compile)
+
+
+# Request fields whose presence may make the request compile a grammar (resin.server.structured):
+# Chat / Responses / Anthropic tool_choice, Chat response_format, Responses text.format.
+GRAMMAR_FIELDS = (b'"tool_choice"', b'"response_format"', b'"format"')
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -186,6 +195,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
         openapi_url="/openapi.json" if docs else None,
     )
     app.add_middleware(AuthAndMetrics, api_key=ctx.options.api_key, metrics=metrics)
+    if ctx.options.allowed_origins:
+        # Outermost, so a preflight (OPTIONS, no credentials) is answered before the key check,
+        # as vLLM and SGLang answer it; the actual request still needs the key.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=ctx.options.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.state.ctx = ctx
     app.state.http_metrics = metrics
 
@@ -287,18 +305,26 @@ def build_app(ctx: ServerContext) -> FastAPI:
         _, counted = await prepare_body(ctx, raw, lambda body: messages_api.count_tokens(ctx, body))
         return JSONResponse(counted)
 
+    def openai_model(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "resin",
+            "root": name,
+            "parent": None,
+            "max_model_len": ctx.max_model_len,
+        }
+
+    def anthropic_model(name: str) -> dict[str, Any]:
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.created))
+        return {"type": "model", "id": name, "display_name": name, "created_at": created_at}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        names = ctx.options.served_model_names
         if request.headers.get("anthropic-version"):
-            data = [
-                {
-                    "type": "model",
-                    "id": name,
-                    "display_name": name,
-                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.created)),
-                }
-                for name in ctx.options.served_model_names
-            ]
+            data = [anthropic_model(name) for name in names]
             return JSONResponse(
                 {
                     "data": data,
@@ -307,23 +333,18 @@ def build_app(ctx: ServerContext) -> FastAPI:
                     "last_id": data[-1]["id"],
                 }
             )
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": ctx.created,
-                        "owned_by": "resin",
-                        "root": name,
-                        "parent": None,
-                        "max_model_len": ctx.max_model_len,
-                    }
-                    for name in ctx.options.served_model_names
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [openai_model(name) for name in names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        """One served model (the SDKs' ``models.retrieve``), in the caller's API's shape; a
+        name not served is a 404 in that shape too."""
+        anthropic = bool(request.headers.get("anthropic-version"))
+        if model_id not in ctx.options.served_model_names:
+            error = model_not_found(model_id)
+            body = error.anthropic_body() if anthropic else error.openai_body()
+            return JSONResponse(body, status_code=404)
+        return JSONResponse(anthropic_model(model_id) if anthropic else openai_model(model_id))
 
     @app.head("/health", include_in_schema=False)  # load balancers' probes
     @app.get("/health")

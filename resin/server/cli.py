@@ -204,6 +204,13 @@ def serve(
             help="Serve /docs, /redoc and /openapi.json. Default: on, off when --api-key is set.",
         ),
     ] = None,
+    allowed_origins: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Origins browsers may call the API from (CORS; repeat the option). Default: "
+            "any ('*'), as vLLM and SGLang; pass one origin to restrict, 'none' for no CORS.",
+        ),
+    ] = None,
     enforce_eager: Annotated[
         bool,
         typer.Option(
@@ -282,6 +289,7 @@ def serve(
         max_header_bytes=max_header_bytes,
         max_connections=max_connections,
         enable_docs=enable_fastapi_docs,
+        allowed_origins=cors_origins(allowed_origins),
     )
     try:
         ctx = build_context(
@@ -306,3 +314,11 @@ def serve(
         err=True,
     )
     run_server(ctx, host, port, log_level)
+
+
+def cors_origins(given: list[str] | None) -> list[str]:
+    """``--allowed-origins`` as ``ServerOptions.allowed_origins``: any origin when not given,
+    none for ``none`` (no CORS headers), else the origins given."""
+    if given is None:
+        return ["*"]
+    return [origin for origin in given if origin.lower() != "none"]

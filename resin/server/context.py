@@ -63,6 +63,8 @@ class ServerOptions:
     max_header_bytes: int = 32 << 10  # request line + headers
     max_connections: int | None = None  # None: max_num_seqs + max_queued_requests + 128
     enable_docs: bool | None = None  # /docs, /redoc, /openapi.json; None: unless api_key
+    # CORS: origins a browser page may call the API from ([] : no CORS headers at all)
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
 
 
 @dataclass
@@ -114,11 +116,14 @@ class ServerContext:
             return self.options.max_request_body_bytes
         return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * self.max_model_len)
 
-    async def prepare(self, body_size: int, function: Callable[..., T], *args: Any) -> T:
+    async def prepare(
+        self, body_size: int, function: Callable[..., T], *args: Any, offload: bool = False
+    ) -> T:
         """``function(*args)`` — request validation and prompt building — inline for a small
-        body, in a worker thread for a large one (rendering and tokenizing a big prompt on the
-        event loop would stall every other client)."""
-        if body_size < OFFLOAD_MIN_BYTES:
+        body, in a worker thread for a large one or with ``offload`` (rendering and tokenizing
+        a big prompt, or compiling a grammar, on the event loop would stall every other
+        client)."""
+        if body_size < OFFLOAD_MIN_BYTES and not offload:
             return function(*args)
         return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
 

@@ -126,13 +126,20 @@ def context_length_exceeded(
                 f"+ {max_tokens} > {max_model_len}, decrease input length or "
                 "`max_tokens` and try again"
             )
+    elif max_tokens is None:  # the prompt alone fills the context (no completion size asked yet)
+        where, verb = ("messages", "have") if param == "messages" else ("prompt", "has")
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{where} {verb} {num_prompt_tokens} tokens, which leaves no room for the "
+            f"completion. Please reduce the length of the {where}."
+        )
     else:
-        requested = num_prompt_tokens + (max_tokens or 0)
+        requested = num_prompt_tokens + max_tokens
         where = "messages" if param == "messages" else "prompt"
         message = (
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {requested} tokens ({num_prompt_tokens} in the {where}, "
-            f"{max_tokens or 0} in the completion). Please reduce the length of the "
+            f"{max_tokens} in the completion). Please reduce the length of the "
             f"{where} or completion."
         )
     return APIError(

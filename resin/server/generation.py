@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resin._core import RequestOutput, SamplingParams
-from resin.server.engine_loop import EngineLoop
-from resin.server.stop_strings import StopStringMatcher
+from resin.server.engine_loop import EngineLoop, RequestRejected
+from resin.server.stop_strings import StopStringMatcher, StopStrings
 from resin.structured_output import GrammarRegistry
 from resin.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -148,6 +148,7 @@ class Generation:
         except BaseException:
             self._release_grammars()
             raise
+        stops = StopStrings(request.stop)  # indexed once, shared by the n choices
         self._states = {
             rid: _ChoiceState(
                 i,
@@ -155,7 +156,7 @@ class Generation:
                 self.tokenizer.incremental_detokenizer(
                     request.prompt_token_ids, request.skip_special_tokens
                 ),
-                StopStringMatcher(request.stop, request.include_stop_str_in_output),
+                StopStringMatcher(stops, request.include_stop_str_in_output),
             )
             for i, rid in enumerate(ids)
         }
@@ -184,6 +185,7 @@ class Generation:
                 groups: dict[str, list[RequestOutput]] = {}
                 for output in await self._queue.drain():
                     groups.setdefault(output.request_id, []).append(output)
+                self._check_grammars(groups)
                 deltas: list[ChoiceDelta] = []
                 for request_id, outputs in groups.items():
                     state = self._states[request_id]
@@ -198,6 +200,22 @@ class Generation:
                     yield deltas
         finally:
             self.abort()
+
+    def _check_grammars(self, request_ids: Any) -> None:
+        """RequestRejected (a 400) when the sampler reported that a choice's grammar could
+        not follow its output (a grammar engine limit, such as llguidance's 2,000 items per
+        parser row, reached only once generation is under way): the request fails rather than
+        go on unconstrained, which would hand the client output its schema does not allow."""
+        if not self._grammar_ids:
+            return
+        for request_id in request_ids:
+            reason = self._grammars.failure(request_id)
+            if reason is not None:
+                raise RequestRejected(
+                    f"structured output could not be enforced: {reason}. The request was "
+                    "stopped rather than answered unconstrained; simplify the schema (fewer "
+                    "tools or alternatives)"
+                )
 
     def _advance(self, state: _ChoiceState, outputs: list[RequestOutput]) -> ChoiceDelta:
         """Fold one choice's new outputs (one per engine step, oldest first) into a delta."""

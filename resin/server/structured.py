@@ -24,8 +24,10 @@ output unconstrained, as before.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +42,10 @@ from resin.structured_output import (
 )
 
 log = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse, the least recently used dropped first; each is a few
+# hundred KiB at most (the tokenizer's data is shared, not copied).
+GRAMMAR_CACHE_ENTRIES = 64
 
 
 class StructuredOutputs:
@@ -60,6 +66,7 @@ class StructuredOutputs:
         self.tool_parser = tool_parser
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
+        self._cache: OrderedDict[Any, CompiledGrammar] = OrderedDict()  # key -> grammar, LRU
 
     @classmethod
     def for_runner(
@@ -91,11 +98,26 @@ class StructuredOutputs:
                 )
             return self._compiler
 
-    def compile(self, build: Callable[[GrammarCompiler], CompiledGrammar]) -> CompiledGrammar:
+    def compile(
+        self, key: Any, build: Callable[[GrammarCompiler], CompiledGrammar]
+    ) -> CompiledGrammar:
+        """``build(compiler)``, or the grammar an earlier request with the same ``key`` (its
+        schema or tools as JSON text, and every other input of ``build``) compiled: agents
+        send the same tools every turn, and a few hundred of them take ~1 s to compile."""
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
         try:
-            return build(self.compiler)
+            grammar = build(self.compiler)
         except GrammarError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > GRAMMAR_CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return grammar
 
     # -- request fields -> grammar ---------------------------------------------------------
 
@@ -113,14 +135,25 @@ class StructuredOutputs:
         if self.tool_parser is None or not self.compiler.supports_tool_calls:
             return None
         name = tool_choice.get("name") if isinstance(tool_choice, Mapping) else None
-        return self.compile(lambda c: c.tool_call(tools, name, params, prefix=prefix))
+        key = ("tool_call", _json_key(tools), name, tuple(params), prefix)
+        return self.compile(key, lambda c: c.tool_call(tools, name, params, prefix=prefix))
 
     def format_grammar(self, spec: FormatSpec | None, prefix: str = "") -> CompiledGrammar | None:
         if spec is None:
             return None
         if spec.schema is None:
-            return self.compile(lambda c: c.json_object(prefix=prefix))
-        return self.compile(lambda c: c.json_schema(spec.schema, spec.param, prefix=prefix))
+            return self.compile(("json_object", prefix), lambda c: c.json_object(prefix=prefix))
+        key = ("json_schema", _json_key(spec.schema), spec.param, prefix)
+        return self.compile(key, lambda c: c.json_schema(spec.schema, spec.param, prefix=prefix))
+
+
+def _json_key(value: Any) -> str:
+    """A cache key for a request's schema or tools: their JSON text (key order kept, as it
+    orders a JSON object's properties in the grammar); repr for what JSON cannot write."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def forces_tool_call(tool_choice: Any) -> bool:
