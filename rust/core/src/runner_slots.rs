@@ -94,11 +94,20 @@ impl RunnerSlots {
             }
             Some(pos) => {
                 self.new.remove(pos);
-                self.released.push(slot);
+                self.queue_release(slot);
             }
-            None => self.released.push(slot),
+            None => self.queue_release(slot),
         }
         self.free.push(slot);
+    }
+
+    /// Queues `slot`'s release notice, once: a release still queued (a discarded plan's,
+    /// re-sent) already tells the runner to drop the slot's state, and it applies before any
+    /// `new` notice of the same plan.
+    fn queue_release(&mut self, slot: u32) {
+        if !self.released.contains(&slot) {
+            self.released.push(slot);
+        }
     }
 
     /// The notices for the plan being built; they are in flight until `commit` or
@@ -131,9 +140,10 @@ impl RunnerSlots {
         }
         new.append(&mut self.new);
         self.new = new;
-        let mut released = diff.finished;
-        released.append(&mut self.released);
-        self.released = released;
+        let queued = std::mem::replace(&mut self.released, diff.finished);
+        for slot in queued {
+            self.queue_release(slot);
+        }
     }
 
     /// `held` (the slots running requests hold) must be exactly the assigned slots, each once.
@@ -273,6 +283,23 @@ mod tests {
         assert_eq!(t, s);
         slots.release(t);
         assert_eq!(slots.take_diff(), SlotDiff::default(), "the reused slot was never announced");
+    }
+
+    #[test]
+    fn a_slot_restarted_by_every_discard_is_released_once() {
+        // A recurrent-cache engine restarts a discarded plan's requests: the slot is released
+        // and taken again before each retry, which must not pile up release notices.
+        let mut slots = RunnerSlots::new(2);
+        assert_eq!(slots.assign(), Some(0));
+        slots.take_diff();
+        slots.commit();
+        for _ in 0..4 {
+            slots.take_diff();
+            slots.resend_after_discard();
+            slots.release(0);
+            assert_eq!(slots.assign(), Some(0));
+        }
+        assert_eq!(slots.take_diff(), diff(&[0], &[0]), "one release, then the slot anew");
     }
 
     #[test]
