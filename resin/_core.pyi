@@ -53,7 +53,9 @@ class SamplingParams:
 
     ``top_k`` 0 or -1 disables top-k (stored as 0). ``seed`` None = non-deterministic.
     ``logprobs`` None = none; 0 = the sampled token's logprob only; k = also the top k.
-    ``priority``: lower value is served first under ``policy="priority"``.
+    ``prompt_logprobs`` the same for each prompt token after the first (vLLM's): its logprob
+    given the tokens before it; such a request takes no prefix-cache hit until they are
+    computed. ``priority``: lower value is served first under ``policy="priority"``.
     ``logit_bias``: token id -> bias in [-100, 100] added to that token's logit before the
     penalties (OpenAI's ``logit_bias``); each token below ``EngineConfig.vocab_size``.
     """
@@ -68,6 +70,7 @@ class SamplingParams:
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int | None
+    prompt_logprobs: int | None
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
@@ -90,6 +93,7 @@ class SamplingParams:
         repetition_penalty: float = 1.0,
         priority: int = 0,
         logit_bias: dict[int, float] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams: ...
 
 @final
@@ -270,6 +274,10 @@ class SamplingArrays:
     def num_logprobs(self) -> npt.NDArray[np.int32]:
         """-1 = no logprobs; 0 = sampled token only; k = sampled token and top k."""
     @property
+    def num_prompt_logprobs(self) -> npt.NDArray[np.int32]:
+        """-1 = the row has no prompt logprob target; k >= 0: its targets want their
+        logprob and the top k."""
+    @property
     def presence_penalty(self) -> npt.NDArray[np.float32]: ...
     @property
     def frequency_penalty(self) -> npt.NDArray[np.float32]: ...
@@ -315,6 +323,11 @@ class BatchPlan:
     @property
     def positions(self) -> npt.NDArray[np.int64]:
         """int64[T]: absolute position of each new token."""
+    @property
+    def prompt_logprob_targets(self) -> npt.NDArray[np.int64]:
+        """int64[T], or empty when no row asks for prompt logprobs: for a token at position p
+        of a row whose request asks, prompt token p + 1 (return its logprob given tokens 0..p,
+        in token order, in ForwardOutput.prompt_logprobs); -1 for every other token."""
     @property
     def query_indptr(self) -> npt.NDArray[np.uint32]:
         """uint32[S+1]: row i's tokens are input_ids[query_indptr[i]:query_indptr[i+1]]."""
@@ -441,6 +454,9 @@ class ForwardOutput:
     (MTP, EAGLE-style heads) for each row's request — the tokens after what the engine commits
     for the row (the agreed prefix plus one) — verified by the next plan; at most
     num_speculative_tokens are used, and they replace the n-gram drafter's for that row.
+    prompt_logprobs: float32[M], one per plan.prompt_logprob_targets entry >= 0, in token
+    order (required when M > 0), with prompt_top_logprob_ids / prompt_top_logprobs:
+    uint32 / float32 [M, k] (together; at least the widest num_prompt_logprobs columns).
     """
 
     @property
@@ -457,6 +473,12 @@ class ForwardOutput:
     def draft_token_ids(self) -> Any | None: ...
     @property
     def draft_indptr(self) -> Any | None: ...
+    @property
+    def prompt_logprobs(self) -> Any | None: ...
+    @property
+    def prompt_top_logprob_ids(self) -> Any | None: ...
+    @property
+    def prompt_top_logprobs(self) -> Any | None: ...
     def __new__(
         cls,
         token_ids: Any,
@@ -466,6 +488,9 @@ class ForwardOutput:
         top_logprobs: Any | None = None,
         draft_token_ids: Any | None = None,
         draft_indptr: Any | None = None,
+        prompt_logprobs: Any | None = None,
+        prompt_top_logprob_ids: Any | None = None,
+        prompt_top_logprobs: Any | None = None,
     ) -> ForwardOutput: ...
 
 @final
@@ -497,6 +522,10 @@ class RequestOutput:
     def logprobs_from(self, start: int) -> list[dict[int, float]] | None:
         """The entries of output tokens ``start..`` only (a stream's new tokens: the per-step
         cost does not grow with the generation); ``start`` is clamped."""
+    @property
+    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """When requested: None for the first prompt token, then per prompt token a dict of
+        that token's logprob and the top k (all of them once the prompt is computed)."""
 
 class StepError(RuntimeError):
     """Engine.step() failed: runner.forward raised, or its output was rejected. The plan was

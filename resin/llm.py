@@ -67,7 +67,10 @@ log = logging.getLogger("resin.cuda_graphs")
 class LLMOutput:
     """One finished request. ``prompt`` is the text prompt (None for a token-id prompt);
     ``token_ids`` are all generated tokens (a final stop token included); ``logprobs`` is one
-    ``{token_id: logprob}`` dict per generated token when requested, else None."""
+    ``{token_id: logprob}`` dict per generated token when requested, else None;
+    ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``) None for the first prompt token,
+    then one such dict per prompt token, when requested, else None. The fields of the
+    engine's :class:`resin.RequestOutput` that a finished request keeps, as plain values."""
 
     request_id: str
     prompt: str | None
@@ -77,6 +80,7 @@ class LLMOutput:
     finish_reason: str | None
     num_cached_tokens: int
     logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -360,6 +364,7 @@ class LLM:
             logprobs=None
             if logprobs is None
             else [{int(k): float(v) for k, v in entry.items()} for entry in logprobs],
+            prompt_logprobs=output.prompt_logprobs,
         )
 
 

@@ -458,3 +458,25 @@ def test_every_strategy_keeps_the_single_process_tokens(name: str, strategy: str
         assert _counter(llm, "num_preemptions_total") > 0
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize(
+    "name, strategy", [("llama", "tp2"), ("qwen3_moe", "dp2"), ("llama", "cp2")]
+)
+def test_prompt_logprobs_are_the_single_process_ones(name: str, strategy: str) -> None:
+    """Prompt logprobs (every prompt token's, and the top 2) under TP (rank 1 computes its
+    logits' collectives too), DP attention (rank 1's rows come back through the pipe) and CP
+    (from the all-gathered hidden states), in chunks of 12 tokens."""
+    model = FIXTURES / name
+    asked = resin.SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    want = LLM(model, max_model_len=96).generate(PROMPTS, asked)
+    llm = LLM(model, max_model_len=96, max_num_batched_tokens=12, **STRATEGIES[strategy])
+    try:
+        got = llm.generate(PROMPTS, asked)
+    finally:
+        llm.close()
+    for ours, single in zip(got, want):
+        assert len(ours.prompt_logprobs) == len(single.prompt_logprobs) > 1
+        for entry, expected in zip(ours.prompt_logprobs[1:], single.prompt_logprobs[1:]):
+            assert entry.keys() == expected.keys()
+            assert all(abs(entry[t] - expected[t]) < 1e-4 for t in entry)

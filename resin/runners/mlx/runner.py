@@ -38,6 +38,7 @@ import numpy as np
 
 from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
 from resin.loading import load_model_config
+from resin.runners import prompt_logprobs
 from resin.runners.mlx.gpt_oss import ARCHITECTURE as GPT_OSS
 from resin.runners.mlx.gpt_oss import gpt_oss_model
 from resin.runners.mlx.layers import mlx_dtype
@@ -190,7 +191,38 @@ class MlxRunner:
             logits = model.logits(normed)
         logits = logits.astype(mx.float32)
         mx.eval(logits, [c.k for c in self.slot_caches], [c.v for c in self.slot_caches])
-        return self.sampler.sample(logits, plan, rows)
+        out = self.sampler.sample(logits, plan, rows)
+        asked = prompt_logprobs.asked(plan)
+        if asked is not None:
+            out = self._prompt_logprobs(asked, hidden, ctx, out)
+        return out
+
+    def _prompt_logprobs(
+        self,
+        asked: prompt_logprobs.PromptLogprobsAsked,
+        hidden: mx.array,
+        ctx: LayerStep,
+        out: ForwardOutput,
+    ) -> ForwardOutput:
+        """``out`` with the logprobs of the plan's prompt logprob targets (and the top k),
+        from the final norm and logits of their tokens, a chunk at a time."""
+        logprobs, top_ids, top_logprobs = [], [], []
+        for part in asked.chunks():
+            rows = mx.array(asked.token_indices[part].astype(np.int32))
+            logits = self.model.logits(self.model.norm(hidden[rows], ctx)).astype(mx.float32)
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            targets = mx.array(asked.target_ids[part].astype(np.int32))
+            logprobs.append(np.array(mx.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]))
+            if asked.num_top:
+                order = mx.argsort(-logp, axis=-1)[:, : asked.num_top]
+                top_ids.append(np.array(order).astype(np.uint32))
+                top_logprobs.append(np.array(mx.take_along_axis(logp, order, axis=-1)))
+        return prompt_logprobs.with_prompt_logprobs(
+            out,
+            np.concatenate(logprobs),
+            np.concatenate(top_ids) if top_ids else None,
+            np.concatenate(top_logprobs) if top_logprobs else None,
+        )
 
     def _emitter(self, index: int) -> Callable[[str, mx.array], None]:
         def emit(child: str, array: mx.array) -> None:

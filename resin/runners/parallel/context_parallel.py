@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from resin.runners import prompt_logprobs
 from resin.runners.torch.attention import LayerAttention
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.paged_runner import PagedRunner
@@ -199,7 +200,11 @@ class ContextParallelMixin(PagedRunner):
         finally:
             self._splitting = False
         full_hidden = self._gather_tokens(hidden)
-        return self._sample(plan, self._full_step, full_hidden, top)
+        out = self._sample(plan, self._full_step, full_hidden, top)
+        asked = prompt_logprobs.asked(plan)
+        if asked is not None:
+            out = self._prompt_logprobs(asked, full_hidden, top, out)
+        return out
 
     def _run_stack(
         self, step: StepInputs, top: LayerContext, tables: dict[int, Any]

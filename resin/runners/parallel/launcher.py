@@ -165,7 +165,19 @@ def _worker_main(
             dist.destroy_process_group()
 
 
-_OUTPUT_FIELDS = ("token_ids", "token_indptr", "logprobs", "top_logprob_ids", "top_logprobs")
+# ForwardOutput's constructor order (the drafts: a data-parallel rank has no drafter).
+_OUTPUT_FIELDS = (
+    "token_ids",
+    "token_indptr",
+    "logprobs",
+    "top_logprob_ids",
+    "top_logprobs",
+    "draft_token_ids",
+    "draft_indptr",
+    "prompt_logprobs",
+    "prompt_top_logprob_ids",
+    "prompt_top_logprobs",
+)
 
 
 def _output_arrays(out: ForwardOutput) -> tuple[Any, ...]:

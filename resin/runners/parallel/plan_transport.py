@@ -55,6 +55,7 @@ ARRAYS = (
     "new_request_token_ids",
     "new_request_num_prompt_tokens",
     "finished_request_slots",
+    "prompt_logprob_targets",
 )
 SAMPLING = (  # plan.sampling's per-row arrays
     "temperature",
@@ -63,6 +64,7 @@ SAMPLING = (  # plan.sampling's per-row arrays
     "min_p",
     "seed",
     "num_logprobs",
+    "num_prompt_logprobs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",

@@ -106,6 +106,9 @@ class MtpDrafter:
             out.top_logprobs,
             drafts.reshape(-1).astype(np.uint32),
             indptr,
+            out.prompt_logprobs,
+            out.prompt_top_logprob_ids,
+            out.prompt_top_logprobs,
         )
 
     def _previous_hidden(

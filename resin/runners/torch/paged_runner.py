@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from resin._core import BatchPlan, CacheGroup, CacheLayout, ForwardOutput, LayerCacheSpec
+from resin.runners import prompt_logprobs
 from resin.runners.torch.attention import AttentionBackend, LayerAttention, make_attention_backend
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import plan_tensor
@@ -268,6 +269,9 @@ class PagedRunner:
         out = self._sample(plan, step, hidden, top)
         if self.drafter is not None:
             out = self.drafter.run(step, last_layer_hidden, out, tables)
+        asked = prompt_logprobs.asked(plan)
+        if asked is not None:
+            out = self._prompt_logprobs(asked, hidden, top, out)
         return out
 
     def _begin(self, plan: Any) -> tuple[StepInputs, LayerContext, dict[int, Any]]:
@@ -324,6 +328,41 @@ class PagedRunner:
         else:
             logits = model.logits(self._final_norm(hidden[last], top), globals_, top)
         return self.sampler.sample(logits.float(), plan, step.sample_rows)
+
+    def _prompt_logprobs(
+        self,
+        asked: prompt_logprobs.PromptLogprobsAsked,
+        hidden: torch.Tensor,
+        top: LayerContext,
+        out: ForwardOutput | None,
+    ) -> ForwardOutput | None:
+        """``out`` with the logprobs of the plan's prompt logprob targets (and the top k),
+        from the final norm and logits of their tokens, a chunk at a time. A tensor-parallel
+        rank other than 0 (``out`` None: it does not sample) computes the logits too, for
+        their collectives, and returns None."""
+        model, globals_ = self.model, self.weights.globals
+        indices = torch.from_numpy(asked.token_indices).to(hidden.device)
+        targets = torch.from_numpy(asked.target_ids).to(hidden.device)
+        logprobs, top_ids, top_logprobs = [], [], []
+        for part in asked.chunks():
+            normed = self._final_norm(hidden[indices[part]], top)
+            logits = model.logits(normed, globals_, top)
+            if out is None:
+                continue
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            logprobs.append(logp.gather(1, targets[part, None]).squeeze(1).cpu())
+            if asked.num_top:
+                values, ids = logp.topk(asked.num_top, dim=-1)
+                top_logprobs.append(values.cpu())
+                top_ids.append(ids.cpu())
+        if out is None:
+            return out
+        return prompt_logprobs.with_prompt_logprobs(
+            out,
+            torch.cat(logprobs).numpy(),
+            torch.cat(top_ids).numpy() if top_ids else None,
+            torch.cat(top_logprobs).numpy() if top_logprobs else None,
+        )
 
     def _state_buffers(self) -> list[torch.Tensor]:
         """The distinct byte buffers recurrent states live in (shared slots, or their own)."""

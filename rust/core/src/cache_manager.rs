@@ -168,7 +168,8 @@ impl KvCacheManager {
     pub fn find_prefix_hit(&self, req: &Request) -> PrefixHit {
         let num_groups = self.num_groups();
         let miss = PrefixHit { pages: vec![Vec::new(); num_groups], ..PrefixHit::default() };
-        if !self.enable_prefix_caching {
+        if !self.enable_prefix_caching || req.wants_prompt_logprobs() {
+            // (Prompt logprobs need every prompt position's logits: nothing may be skipped.)
             return miss;
         }
         let ps = self.page_size();

@@ -44,6 +44,15 @@ struct PendingRow {
     num_new_tokens: u32,
     /// Drafts the row verifies (the request's first `num_drafts` drafts).
     num_drafts: u32,
+    /// Positions `[start, end)` whose prompt logprob the row computes
+    /// (`Request::prompt_logprob_positions`).
+    prompt_logprob_positions: (u32, u32),
+}
+
+impl PendingRow {
+    fn prompt_logprob_positions(&self) -> std::ops::Range<u32> {
+        self.prompt_logprob_positions.0..self.prompt_logprob_positions.1
+    }
 }
 
 /// The plan handed out and not yet committed.
@@ -187,6 +196,7 @@ impl Engine {
             finish_reason: Some(FinishReason::Abort),
             num_cached_tokens: req.num_cached_tokens,
             has_logprobs: req.params.logprobs.is_some(),
+            has_prompt_logprobs: req.params.prompt_logprobs.is_some(),
         });
         self.debug_check();
         true
@@ -220,13 +230,21 @@ impl Engine {
             self.sched.kv.pool.take_zero_pages(&mut plan.zero_pages);
             zero_pages.clone_from(&plan.zero_pages);
         }
-        let pending_rows = rows
+        let pending_rows: Vec<PendingRow> = rows
             .iter()
-            .map(|r| PendingRow {
-                req: r.req,
-                arrival_seq: self.sched.request(r.req).arrival_seq,
-                num_new_tokens: r.num_new_tokens,
-                num_drafts: r.num_drafts,
+            .map(|r| {
+                let req = self.sched.request(r.req);
+                let start = req.num_computed_tokens;
+                PendingRow {
+                    req: r.req,
+                    arrival_seq: req.arrival_seq,
+                    num_new_tokens: r.num_new_tokens,
+                    num_drafts: r.num_drafts,
+                    prompt_logprob_positions: {
+                        let positions = req.prompt_logprob_positions(start, start + r.num_new_tokens - r.num_drafts);
+                        (positions.start, positions.end)
+                    },
+                }
             })
             .collect();
         // What the output must look like, read off the plan itself.
@@ -235,6 +253,8 @@ impl Engine {
                 samples: plan.sample_indptr[i + 1] > plan.sample_indptr[i],
                 max_returned_tokens: 1 + plan.num_draft_tokens[i],
                 num_logprobs: plan.sampling.num_logprobs[i],
+                num_prompt_targets: pending_rows[i].prompt_logprob_positions().len() as u32,
+                num_prompt_logprobs: plan.sampling.num_prompt_logprobs[i],
             })
             .collect();
         self.pending = Some(PendingStep { step, rows: pending_rows, expectations, zero_pages });
@@ -300,10 +320,21 @@ impl Engine {
         let now = Instant::now();
         let mut outputs = std::mem::take(&mut self.abort_outputs);
         outputs.reserve(pending.rows.len());
+        let mut prompt_entry = 0; // the next row's first entry in the prompt logprob arrays
         for (i, row) in pending.rows.iter().enumerate() {
+            let first_prompt_entry = prompt_entry;
+            prompt_entry += row.prompt_logprob_positions().len();
             let live = matches!(&self.sched.requests.get(row.req), Some(Some(r)) if r.arrival_seq == row.arrival_seq);
             if !live {
                 continue; // aborted while the plan was in flight
+            }
+            if !row.prompt_logprob_positions().is_empty() {
+                let req = self.sched.requests[row.req].as_ref().expect("live request index");
+                let k = req.params.prompt_logprobs.unwrap_or(0) as usize;
+                for (m, p) in (first_prompt_entry..).zip(row.prompt_logprob_positions()) {
+                    let target = req.token_ids[p as usize + 1];
+                    req.record.log.push_prompt_logprobs(output.prompt_logprob_entry(m, target, k));
+                }
             }
             let lo = output.token_indptr[i] as usize;
             let hi = output.token_indptr[i + 1] as usize;
@@ -426,6 +457,7 @@ impl Engine {
             finish_reason: finish,
             num_cached_tokens: req.num_cached_tokens,
             has_logprobs: req.params.logprobs.is_some(),
+            has_prompt_logprobs: req.params.prompt_logprobs.is_some(),
         };
         if let Some(reason) = finish {
             let req = self.sched.remove(row.req);

@@ -12,6 +12,10 @@ use crate::request::{FinishReason, RequestRecord};
 /// - `token_indptr`: u32[S+1], row i produced `token_ids[token_indptr[i]..token_indptr[i+1]]`;
 /// - `logprobs`: f32[N], logprob of each sampled token (optional);
 /// - `top_logprob_ids` / `top_logprobs`: u32[N, k] / f32[N, k], row-major (optional, together);
+/// - `prompt_logprobs`: f32[M], one per plan token with a `prompt_logprob_targets` entry
+///   (>= 0), in token order: that target's logprob (required when M > 0);
+/// - `prompt_top_logprob_ids` / `prompt_top_logprobs`: u32[M, k] / f32[M, k], the top entries
+///   (together; required with k columns at least when a row asks for k > 0);
 /// - `draft_token_ids` / `draft_indptr`: u32[D] / u32[S+1], the runner's own drafter's
 ///   proposals for each row's request, verified by the next plan (optional, together; at most
 ///   `num_speculative_tokens` per row; they replace the n-gram drafter's for that row).
@@ -24,6 +28,11 @@ pub struct ForwardOutputRef<'a> {
     pub top_logprobs: Option<&'a [f32]>,
     /// k, the number of columns of the top arrays (0 without them).
     pub num_top_logprobs: usize,
+    pub prompt_logprobs: Option<&'a [f32]>,
+    pub prompt_top_logprob_ids: Option<&'a [u32]>,
+    pub prompt_top_logprobs: Option<&'a [f32]>,
+    /// Columns of the prompt top arrays (0 without them).
+    pub num_prompt_top_logprobs: usize,
     pub draft_token_ids: Option<&'a [u32]>,
     pub draft_indptr: Option<&'a [u32]>,
 }
@@ -38,6 +47,10 @@ pub struct RowExpectation {
     pub max_returned_tokens: u32,
     /// -1: no logprobs wanted; k >= 0: logprobs and k top entries wanted.
     pub num_logprobs: i32,
+    /// Tokens of the row with a prompt logprob target (the row's share of M).
+    pub num_prompt_targets: u32,
+    /// -1: none; k >= 0: the row's prompt logprobs want k top entries.
+    pub num_prompt_logprobs: i32,
 }
 
 impl<'a> ForwardOutputRef<'a> {
@@ -103,6 +116,7 @@ impl<'a> ForwardOutputRef<'a> {
             for (field, ids) in [
                 ("token_ids", Some(self.token_ids)),
                 ("top_logprob_ids", self.top_logprob_ids),
+                ("prompt_top_logprob_ids", self.prompt_top_logprob_ids),
                 ("draft_token_ids", self.draft_token_ids),
             ] {
                 if let Some(pos) = ids.and_then(|ids| ids.iter().position(|&t| t >= vocab)) {
@@ -152,7 +166,61 @@ impl<'a> ForwardOutputRef<'a> {
                 )));
             }
         }
+        self.validate_prompt_logprobs(rows)
+    }
+
+    /// The prompt logprob arrays against the rows' targets (M in all).
+    fn validate_prompt_logprobs(&self, rows: &[RowExpectation]) -> Result<(), CoreError> {
+        let m: usize = rows.iter().map(|r| r.num_prompt_targets as usize).sum();
+        match self.prompt_logprobs {
+            Some(lp) if lp.len() != m => {
+                return Err(CoreError::invalid(format!(
+                    "ForwardOutput.prompt_logprobs must have one entry per prompt_logprob_targets entry >= 0 ({m}), got {}",
+                    lp.len()
+                )));
+            }
+            None if m > 0 => {
+                return Err(CoreError::invalid(format!(
+                    "ForwardOutput.prompt_logprobs is missing but the plan has {m} prompt logprob targets"
+                )));
+            }
+            _ => {}
+        }
+        let k = self.num_prompt_top_logprobs;
+        match (self.prompt_top_logprob_ids, self.prompt_top_logprobs) {
+            (Some(ids), Some(lps)) if ids.len() != m * k || lps.len() != m * k => {
+                return Err(CoreError::invalid(format!(
+                    "ForwardOutput.prompt_top_logprob_ids and prompt_top_logprobs must both have shape [{m}, {k}]"
+                )));
+            }
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(CoreError::invalid(
+                    "ForwardOutput.prompt_top_logprob_ids and prompt_top_logprobs must be given together",
+                ));
+            }
+            _ => {}
+        }
+        if let Some((i, row)) = rows
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.num_prompt_targets > 0 && r.num_prompt_logprobs as usize > self.prompt_top_width())
+        {
+            return Err(CoreError::invalid(format!(
+                "ForwardOutput.prompt_top_logprob_ids has {} columns but row {i} asked for {} top prompt logprobs",
+                self.prompt_top_width(),
+                row.num_prompt_logprobs
+            )));
+        }
         Ok(())
+    }
+
+    /// Columns of the prompt top arrays actually given (0 without them).
+    fn prompt_top_width(&self) -> usize {
+        if self.prompt_top_logprob_ids.is_some() {
+            self.num_prompt_top_logprobs
+        } else {
+            0
+        }
     }
 }
 
@@ -164,6 +232,17 @@ impl ForwardOutputRef<'_> {
         let cols = self.num_top_logprobs;
         if let (Some(ids), Some(lps)) = (self.top_logprob_ids, self.top_logprobs) {
             entry.extend((0..k.min(cols)).map(|j| (ids[n * cols + j], lps[n * cols + j])));
+        }
+        entry
+    }
+
+    /// Prompt logprob entry `m` (the m-th target of the plan): (target, its logprob), then up
+    /// to `k` top entries (call only after `validate`).
+    pub fn prompt_logprob_entry(&self, m: usize, target: u32, k: usize) -> Vec<(u32, f32)> {
+        let mut entry = vec![(target, self.prompt_logprobs.expect("validated")[m])];
+        let cols = self.num_prompt_top_logprobs;
+        if let (Some(ids), Some(lps)) = (self.prompt_top_logprob_ids, self.prompt_top_logprobs) {
+            entry.extend((0..k.min(cols)).map(|j| (ids[m * cols + j], lps[m * cols + j])));
         }
         entry
     }
@@ -182,6 +261,7 @@ pub struct RequestOutput {
     pub finish_reason: Option<FinishReason>,
     pub num_cached_tokens: u32,
     pub has_logprobs: bool,
+    pub has_prompt_logprobs: bool,
 }
 
 impl RequestOutput {
@@ -200,6 +280,12 @@ impl RequestOutput {
     /// Per output token, (token id, logprob) pairs with the sampled token first.
     pub fn logprobs(&self) -> Option<Vec<Vec<(u32, f32)>>> {
         self.has_logprobs.then(|| self.record.log.logprobs(0..self.num_output_tokens))
+    }
+
+    /// Per prompt token from the second on, (that token, its logprob) then the top k: all of
+    /// them once the prompt is computed (with the first output).
+    pub fn prompt_logprobs(&self) -> Option<Vec<Vec<(u32, f32)>>> {
+        self.has_prompt_logprobs.then(|| self.record.log.prompt_logprobs())
     }
 
     /// The entries of output tokens `start..` only: a stream reads each step's new ones, so

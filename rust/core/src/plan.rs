@@ -25,6 +25,9 @@ pub struct SamplingArrays {
     pub seed: Vec<i64>,
     /// i32[S]; -1 = none, 0 = sampled token only, k = sampled token and top k.
     pub num_logprobs: Vec<i32>,
+    /// i32[S]; -1 = no prompt logprobs in this row, k >= 0: the row's tokens with a
+    /// `prompt_logprob_targets` entry want their target's logprob and the top k.
+    pub num_prompt_logprobs: Vec<i32>,
     /// f32[S]; 0 = disabled.
     pub presence_penalty: Vec<f32>,
     /// f32[S]; 0 = disabled.
@@ -50,6 +53,7 @@ impl SamplingArrays {
         self.top_k.clear();
         self.seed.clear();
         self.num_logprobs.clear();
+        self.num_prompt_logprobs.clear();
     }
 
     fn reserve(&mut self, s: usize) {
@@ -57,6 +61,7 @@ impl SamplingArrays {
         self.top_k.reserve(s);
         self.seed.reserve(s);
         self.num_logprobs.reserve(s);
+        self.num_prompt_logprobs.reserve(s);
     }
 }
 
@@ -163,6 +168,12 @@ pub struct BatchPlan {
     pub seq_lens: Vec<u32>,
     /// u32[S+1]: rows to sample: +0 for a mid-prefill chunk, +1 otherwise.
     pub sample_indptr: Vec<u32>,
+    /// i64[T], or empty when no row asks for prompt logprobs: for new token t at position p
+    /// of a row whose request asks for them, prompt token `p + 1` (the token whose logprob
+    /// given tokens `0..=p` the runner returns, in token order, in
+    /// `ForwardOutput.prompt_logprobs`); -1 for every other token (the prompt's last, an
+    /// output token, a position already recorded, a row that does not ask).
+    pub prompt_logprob_targets: Vec<i64>,
     /// u32[S]: drafts verified in the row (0: no speculative decoding yet).
     pub num_draft_tokens: Vec<u32>,
     /// u32[S]: output tokens the row's request has before this step (what a seeded
@@ -266,6 +277,14 @@ impl BatchPlan {
         }
         plan.input_ids.reserve(t);
         plan.positions.reserve(t);
+        let any_prompt_logprobs = rows.iter().any(|row| {
+            let req = requests[row.req].as_ref().expect("scheduled request exists");
+            let start = req.num_computed_tokens;
+            !req.prompt_logprob_positions(start, start + row.num_new_tokens - row.num_drafts).is_empty()
+        });
+        if any_prompt_logprobs {
+            plan.prompt_logprob_targets.reserve(t);
+        }
         plan.num_draft_tokens.resize(s, 0);
         plan.sampling.reserve(s);
         // kv_indices grows as rows are added; a recycled plan already has the capacity.
@@ -309,6 +328,20 @@ impl BatchPlan {
             let num_samples = if samples { 1 + row.num_drafts } else { 0 };
             plan.sample_indptr.push(plan.sample_indptr.last().unwrap() + num_samples);
             plan.push_sampling(req);
+            let targets = req.prompt_logprob_positions(start, real_end);
+            plan.sampling.num_prompt_logprobs.push(match req.params.prompt_logprobs {
+                Some(k) if !targets.is_empty() => k as i32,
+                _ => -1,
+            });
+            if any_prompt_logprobs {
+                plan.prompt_logprob_targets.extend((start..seq_len).map(|p| {
+                    if targets.contains(&p) {
+                        i64::from(req.token_ids[p as usize + 1])
+                    } else {
+                        -1
+                    }
+                }));
+            }
             plan.num_output_tokens.push(req.num_output_tokens());
             plan.committed_token_ids.extend_from_slice(&req.token_ids[req.num_tokens_shown as usize..]);
             plan.committed_token_indptr.push(plan.committed_token_ids.len() as u32);
@@ -401,6 +434,7 @@ impl BatchPlan {
             v.clear();
         }
         self.positions.clear();
+        self.prompt_logprob_targets.clear();
         self.logit_bias_values.clear();
         self.sampling.clear();
         self.groups.resize_with(num_groups, GroupPlan::default);

@@ -49,6 +49,11 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// None: no logprobs; Some(0): the sampled token's; Some(k): also the top k.
     pub logprobs: Option<u32>,
+    /// The same for every prompt token after the first (vLLM's `prompt_logprobs`; what
+    /// OpenAI's `echo` + `logprobs` report): the logprob of prompt token `p + 1` given tokens
+    /// `0..=p`. A request asking for them takes no prefix-cache hit until they are recorded
+    /// (each position's logits must be computed).
+    pub prompt_logprobs: Option<u32>,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
     pub repetition_penalty: f32,
@@ -73,6 +78,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
@@ -119,9 +125,9 @@ impl SamplingParams {
                 return bad("seed", format!("must be < 2**63, got {seed}"));
             }
         }
-        if let Some(k) = self.logprobs {
-            if k > MAX_LOGPROBS {
-                return bad("logprobs", format!("must be in [0, {MAX_LOGPROBS}], got {k}"));
+        for (field, value) in [("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)] {
+            if let Some(k) = value.filter(|&k| k > MAX_LOGPROBS) {
+                return bad(field, format!("must be in [0, {MAX_LOGPROBS}], got {k}"));
             }
         }
         for (field, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
@@ -164,11 +170,32 @@ pub struct OutputLog {
     /// Per output token: (token id, logprob) pairs, the sampled token first. Locked only
     /// for requests that asked for logprobs.
     logprobs: Mutex<Vec<Vec<(u32, f32)>>>,
+    /// Per prompt token from the second on, in order: (that token, its logprob) first, then
+    /// the top k. Locked only for requests that asked for prompt logprobs.
+    prompt_logprobs: Mutex<Vec<Vec<(u32, f32)>>>,
 }
 
 impl OutputLog {
     pub fn with_capacity(max_num_outputs: usize) -> Self {
-        OutputLog { token_ids: (0..max_num_outputs).map(|_| AtomicU32::new(0)).collect(), logprobs: Mutex::default() }
+        OutputLog {
+            token_ids: (0..max_num_outputs).map(|_| AtomicU32::new(0)).collect(),
+            logprobs: Mutex::default(),
+            prompt_logprobs: Mutex::default(),
+        }
+    }
+
+    pub fn push_prompt_logprobs(&self, entry: Vec<(u32, f32)>) {
+        self.prompt_logprobs.lock().unwrap_or_else(|e| e.into_inner()).push(entry);
+    }
+
+    /// Prompt tokens (from the second) whose logprob entry is recorded.
+    pub fn num_prompt_logprobs(&self) -> usize {
+        self.prompt_logprobs.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Entries of prompt tokens `1..=n` recorded so far (entry i is prompt token i + 1's).
+    pub fn prompt_logprobs(&self) -> Vec<Vec<(u32, f32)>> {
+        self.prompt_logprobs.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Writes output token `index`; the engine writes each index once, in order.
@@ -316,6 +343,24 @@ impl Request {
     /// Appends a sampled token (and its logprob entry, when asked for) and says whether it
     /// finishes the request. A stop token counts once `min_tokens` outputs came before it,
     /// the same rule as the plan's `banned_token_ids`; the stop token itself is kept.
+    /// Positions `p` (`num_computed..end`, the row's real tokens) whose prompt logprob the
+    /// next forward computes: the logprob of prompt token `p + 1`, for every `p` below
+    /// `num_prompt_tokens - 1` not recorded yet. Empty unless the request asks for them.
+    pub fn prompt_logprob_positions(&self, num_computed: u32, end: u32) -> std::ops::Range<u32> {
+        if self.params.prompt_logprobs.is_none() {
+            return 0..0;
+        }
+        let recorded = self.record.log.num_prompt_logprobs() as u32;
+        let start = num_computed.max(recorded);
+        start..end.min(self.num_prompt_tokens.saturating_sub(1)).max(start)
+    }
+
+    /// Whether prompt logprobs are still to be computed (then the request takes no prefix hit).
+    pub fn wants_prompt_logprobs(&self) -> bool {
+        self.params.prompt_logprobs.is_some()
+            && (self.record.log.num_prompt_logprobs() as u32) < self.num_prompt_tokens.saturating_sub(1)
+    }
+
     pub fn append_output(
         &mut self,
         token: u32,

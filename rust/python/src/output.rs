@@ -24,13 +24,20 @@ pub struct ForwardOutput {
     draft_token_ids: Option<Py<PyAny>>,
     #[pyo3(get)]
     draft_indptr: Option<Py<PyAny>>,
+    #[pyo3(get)]
+    prompt_logprobs: Option<Py<PyAny>>,
+    #[pyo3(get)]
+    prompt_top_logprob_ids: Option<Py<PyAny>>,
+    #[pyo3(get)]
+    prompt_top_logprobs: Option<Py<PyAny>>,
 }
 
 #[pymethods]
 impl ForwardOutput {
     #[new]
     #[pyo3(signature = (token_ids, token_indptr, logprobs=None, top_logprob_ids=None, top_logprobs=None,
-        draft_token_ids=None, draft_indptr=None))]
+        draft_token_ids=None, draft_indptr=None, prompt_logprobs=None, prompt_top_logprob_ids=None,
+        prompt_top_logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         token_ids: Py<PyAny>,
@@ -40,8 +47,22 @@ impl ForwardOutput {
         top_logprobs: Option<Py<PyAny>>,
         draft_token_ids: Option<Py<PyAny>>,
         draft_indptr: Option<Py<PyAny>>,
+        prompt_logprobs: Option<Py<PyAny>>,
+        prompt_top_logprob_ids: Option<Py<PyAny>>,
+        prompt_top_logprobs: Option<Py<PyAny>>,
     ) -> Self {
-        ForwardOutput { token_ids, token_indptr, logprobs, top_logprob_ids, top_logprobs, draft_token_ids, draft_indptr }
+        ForwardOutput {
+            token_ids,
+            token_indptr,
+            logprobs,
+            top_logprob_ids,
+            top_logprobs,
+            draft_token_ids,
+            draft_indptr,
+            prompt_logprobs,
+            prompt_top_logprob_ids,
+            prompt_top_logprobs,
+        }
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
@@ -84,17 +105,50 @@ fn copied_array<T: Element + Copy, D: Dimension>(
     Ok((data, ro.shape().to_vec()))
 }
 
+/// An optional 1-D array field, copied (None when not given).
+fn copied_vector<T: Element + Copy>(
+    obj: &Option<Py<PyAny>>,
+    py: Python<'_>,
+    field: &str,
+    dtype: &str,
+) -> PyResult<Option<Vec<T>>> {
+    Ok(obj.as_ref().map(|a| copied_array::<T, Ix1>(a.bind(py), field, dtype)).transpose()?.map(|a| a.0))
+}
+
+/// A pair of [N, k] top arrays (ids, logprobs), copied: (ids, logprobs, k). Both must have
+/// one shape; whether both are given is the core's check (`ForwardOutputRef::validate`).
+type TopPair = (Option<Vec<u32>>, Option<Vec<f32>>, usize);
+
+fn copied_top_pair(py: Python<'_>, ids: &Option<Py<PyAny>>, lps: &Option<Py<PyAny>>, fields: [&str; 2]) -> PyResult<TopPair> {
+    let ids = ids.as_ref().map(|a| copied_array::<u32, Ix2>(a.bind(py), fields[0], "uint32")).transpose()?;
+    let lps = lps.as_ref().map(|a| copied_array::<f32, Ix2>(a.bind(py), fields[1], "float32")).transpose()?;
+    if let (Some((_, ids_shape)), Some((_, lps_shape))) = (&ids, &lps) {
+        if ids_shape != lps_shape {
+            return Err(PyValueError::new_err(format!(
+                "ForwardOutput.{} has shape {ids_shape:?} but {} has shape {lps_shape:?}",
+                fields[0], fields[1]
+            )));
+        }
+    }
+    let k = match (&ids, &lps) {
+        (Some((_, shape)), _) | (None, Some((_, shape))) => shape[1],
+        (None, None) => 0,
+    };
+    Ok((ids.map(|a| a.0), lps.map(|a| a.0), k))
+}
+
 /// A `ForwardOutput`'s arrays, checked for dtype and layout and copied out of numpy.
 pub struct CopiedOutput {
     token_ids: Vec<u32>,
     token_indptr: Vec<u32>,
     logprobs: Option<Vec<f32>>,
-    top_logprob_ids: Option<Vec<u32>>,
-    top_logprobs: Option<Vec<f32>>,
-    /// k: columns of the [N, k] top arrays (0 without them).
-    num_top_logprobs: usize,
+    /// The [N, k] top arrays and k (0 without them).
+    top: TopPair,
     draft_token_ids: Option<Vec<u32>>,
     draft_indptr: Option<Vec<u32>>,
+    prompt_logprobs: Option<Vec<f32>>,
+    /// The [M, k] prompt top arrays and k.
+    prompt_top: TopPair,
 }
 
 impl CopiedOutput {
@@ -104,46 +158,20 @@ impl CopiedOutput {
             PyValueError::new_err(format!("runner.forward must return a resin.ForwardOutput, got {}", describe(out)))
         })?;
         let o = out.get();
-        let top_ids =
-            o.top_logprob_ids.as_ref().map(|a| copied_array::<u32, Ix2>(a.bind(py), "top_logprob_ids", "uint32")).transpose()?;
-        let top_lps =
-            o.top_logprobs.as_ref().map(|a| copied_array::<f32, Ix2>(a.bind(py), "top_logprobs", "float32")).transpose()?;
-        if let (Some((_, ids_shape)), Some((_, lps_shape))) = (&top_ids, &top_lps) {
-            if ids_shape != lps_shape {
-                return Err(PyValueError::new_err(format!(
-                    "ForwardOutput.top_logprob_ids has shape {ids_shape:?} but top_logprobs has shape {lps_shape:?}"
-                )));
-            }
-        }
-        // Whether both are given is the core's check (ForwardOutputRef::validate).
-        let num_top_logprobs = match (&top_ids, &top_lps) {
-            (Some((_, shape)), _) | (None, Some((_, shape))) => shape[1],
-            (None, None) => 0,
-        };
         Ok(CopiedOutput {
             token_ids: copied_array::<u32, Ix1>(o.token_ids.bind(py), "token_ids", "uint32")?.0,
             token_indptr: copied_array::<u32, Ix1>(o.token_indptr.bind(py), "token_indptr", "uint32")?.0,
-            logprobs: o
-                .logprobs
-                .as_ref()
-                .map(|a| copied_array::<f32, Ix1>(a.bind(py), "logprobs", "float32"))
-                .transpose()?
-                .map(|a| a.0),
-            top_logprob_ids: top_ids.map(|a| a.0),
-            top_logprobs: top_lps.map(|a| a.0),
-            num_top_logprobs,
-            draft_token_ids: o
-                .draft_token_ids
-                .as_ref()
-                .map(|a| copied_array::<u32, Ix1>(a.bind(py), "draft_token_ids", "uint32"))
-                .transpose()?
-                .map(|a| a.0),
-            draft_indptr: o
-                .draft_indptr
-                .as_ref()
-                .map(|a| copied_array::<u32, Ix1>(a.bind(py), "draft_indptr", "uint32"))
-                .transpose()?
-                .map(|a| a.0),
+            logprobs: copied_vector(&o.logprobs, py, "logprobs", "float32")?,
+            top: copied_top_pair(py, &o.top_logprob_ids, &o.top_logprobs, ["top_logprob_ids", "top_logprobs"])?,
+            draft_token_ids: copied_vector(&o.draft_token_ids, py, "draft_token_ids", "uint32")?,
+            draft_indptr: copied_vector(&o.draft_indptr, py, "draft_indptr", "uint32")?,
+            prompt_logprobs: copied_vector(&o.prompt_logprobs, py, "prompt_logprobs", "float32")?,
+            prompt_top: copied_top_pair(
+                py,
+                &o.prompt_top_logprob_ids,
+                &o.prompt_top_logprobs,
+                ["prompt_top_logprob_ids", "prompt_top_logprobs"],
+            )?,
         })
     }
 
@@ -153,11 +181,15 @@ impl CopiedOutput {
             token_ids: &self.token_ids,
             token_indptr: &self.token_indptr,
             logprobs: self.logprobs.as_deref(),
-            top_logprob_ids: self.top_logprob_ids.as_deref(),
-            top_logprobs: self.top_logprobs.as_deref(),
-            num_top_logprobs: self.num_top_logprobs,
+            top_logprob_ids: self.top.0.as_deref(),
+            top_logprobs: self.top.1.as_deref(),
+            num_top_logprobs: self.top.2,
             draft_token_ids: self.draft_token_ids.as_deref(),
             draft_indptr: self.draft_indptr.as_deref(),
+            prompt_logprobs: self.prompt_logprobs.as_deref(),
+            prompt_top_logprob_ids: self.prompt_top.0.as_deref(),
+            prompt_top_logprobs: self.prompt_top.1.as_deref(),
+            num_prompt_top_logprobs: self.prompt_top.2,
         }
     }
 }
@@ -209,6 +241,15 @@ impl RequestOutput {
 
     fn logprobs_from<'py>(&self, py: Python<'py>, start: usize) -> PyResult<Option<Vec<Bound<'py, PyDict>>>> {
         logprob_dicts(py, self.out.logprobs_from(start))
+    }
+
+    /// None unless asked for; else one entry per prompt token: None for the first (nothing
+    /// predicts it), then {token id: logprob} with the prompt token and the top k (vLLM's
+    /// `prompt_logprobs`).
+    #[getter]
+    fn prompt_logprobs<'py>(&self, py: Python<'py>) -> PyResult<Option<Vec<Option<Bound<'py, PyDict>>>>> {
+        let Some(dicts) = logprob_dicts(py, self.out.prompt_logprobs())? else { return Ok(None) };
+        Ok(Some(std::iter::once(None).chain(dicts.into_iter().map(Some)).collect()))
     }
 
     fn __repr__(&self) -> String {

@@ -34,6 +34,9 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     #[pyo3(get, set)]
     pub logprobs: Option<i64>,
+    /// Logprobs of the prompt's tokens (after the first), with the top k (vLLM's).
+    #[pyo3(get, set)]
+    pub prompt_logprobs: Option<i64>,
     #[pyo3(get, set)]
     pub presence_penalty: f32,
     #[pyo3(get, set)]
@@ -93,6 +96,9 @@ mod args {
     pub fn logprobs(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
         optional(v, |v| int_arg("logprobs", v))
     }
+    pub fn prompt_logprobs(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+        optional(v, |v| int_arg("prompt_logprobs", v))
+    }
     pub fn stop_token_ids(v: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
         optional(v, |v| {
             let items: Vec<Bound<'_, PyAny>> = v
@@ -140,6 +146,7 @@ impl SamplingParams {
             stop_token_ids: self.stop_token_ids.iter().map(|&t| field("stop_token_ids", t)).collect::<PyResult<_>>()?,
             ignore_eos: self.ignore_eos,
             logprobs: self.logprobs.map(|k| field("logprobs", k)).transpose()?,
+            prompt_logprobs: self.prompt_logprobs.map(|k| field("prompt_logprobs", k)).transpose()?,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             repetition_penalty: self.repetition_penalty,
@@ -160,7 +167,7 @@ impl SamplingParams {
     #[new]
     #[pyo3(signature = (max_tokens=16, min_tokens=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
         stop_token_ids=None, ignore_eos=false, logprobs=None, presence_penalty=0.0, frequency_penalty=0.0,
-        repetition_penalty=1.0, priority=0, logit_bias=None))]
+        repetition_penalty=1.0, priority=0, logit_bias=None, prompt_logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         #[pyo3(from_py_with = args::max_tokens)] max_tokens: i64,
@@ -178,6 +185,7 @@ impl SamplingParams {
         repetition_penalty: f32,
         #[pyo3(from_py_with = args::priority)] priority: i32,
         #[pyo3(from_py_with = args::logit_bias)] logit_bias: Option<BTreeMap<i64, f32>>,
+        #[pyo3(from_py_with = args::prompt_logprobs)] prompt_logprobs: Option<i64>,
     ) -> PyResult<Self> {
         let params = SamplingParams {
             max_tokens,
@@ -190,6 +198,7 @@ impl SamplingParams {
             stop_token_ids: stop_token_ids.unwrap_or_default(),
             ignore_eos,
             logprobs,
+            prompt_logprobs,
             presence_penalty,
             frequency_penalty,
             repetition_penalty,
@@ -204,7 +213,7 @@ impl SamplingParams {
         format!(
             "SamplingParams(max_tokens={}, min_tokens={}, temperature={}, top_p={}, top_k={}, min_p={}, seed={:?}, \
              stop_token_ids={:?}, ignore_eos={}, logprobs={:?}, presence_penalty={}, frequency_penalty={}, \
-             repetition_penalty={}, priority={}, logit_bias={:?})",
+             repetition_penalty={}, priority={}, logit_bias={:?}, prompt_logprobs={:?})",
             self.max_tokens,
             self.min_tokens,
             self.temperature,
@@ -219,7 +228,8 @@ impl SamplingParams {
             self.frequency_penalty,
             self.repetition_penalty,
             self.priority,
-            self.logit_bias
+            self.logit_bias,
+            self.prompt_logprobs
         )
     }
 }

@@ -113,6 +113,7 @@ views_struct!(Views {
     request_slots,
     input_ids,
     positions,
+    prompt_logprob_targets,
     query_indptr,
     num_computed_tokens,
     seq_lens,
@@ -240,6 +241,10 @@ impl BatchPlan {
     #[getter]
     fn positions<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
         array_view(slf, |v| &v.positions, |p| &p.positions)
+    }
+    #[getter]
+    fn prompt_logprob_targets<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        array_view(slf, |v| &v.prompt_logprob_targets, |p| &p.prompt_logprob_targets)
     }
     #[getter]
     fn query_indptr<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
@@ -397,6 +402,7 @@ views_struct!(SamplingViews {
     min_p,
     seed,
     num_logprobs,
+    num_prompt_logprobs,
     presence_penalty,
     frequency_penalty,
     repetition_penalty
@@ -434,6 +440,10 @@ impl SamplingArrays {
     #[getter]
     fn num_logprobs<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
         sampling_view(slf, |v| &v.num_logprobs, |s| &s.num_logprobs)
+    }
+    #[getter]
+    fn num_prompt_logprobs<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        sampling_view(slf, |v| &v.num_prompt_logprobs, |s| &s.num_prompt_logprobs)
     }
     #[getter]
     fn presence_penalty<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
