@@ -130,6 +130,42 @@ LLAMA = [
     '{"name": "{{ tc.name }}", "parameters": {}}',
 ]
 
+# gpt-oss harmony (parsers "openai" / "openai_gptoss"): markers are special tokens the server keeps.
+H_AN = "<|channel|>analysis<|message|>Plan it.<|end|>"
+H_FIN = "<|start|>assistant<|channel|>final<|message|>"
+H_CALL = (
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+)
+H_CALL_FIRST = "<|start|>assistant to=functions.write<|channel|>commentary json<|message|>"
+HARMONY = [
+    H_AN + H_FIN + "It is sunny.<|return|>",
+    H_AN + H_FIN + "It is sunny.",
+    H_AN
+    + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    + H_CALL
+    + '{"city":"Oslo","days":2}<|call|>',
+    H_AN + H_CALL_FIRST + '{"path": "a.txt", "content": "x <| y\\n"}',
+    ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Lima"}',
+    "<|channel|>analysis<|message|>cut off reasoning",
+    H_AN + H_CALL + '{"city": Paris}<|call|>',
+    H_AN + H_CALL + '{"city": "Rome", "da',
+    H_AN + H_CALL + '{"city": "Rome"} trailing<|call|>',
+    "<|channel|>commentary to=functions.run code<|message|>print(1)<|call|>",
+    '<|channel|>analysis to=browser.search code<|message|>{"query": "x"}<|call|>'
+    + H_FIN
+    + "Found.",
+    "<|channel|>commentary to=functions.ping<|message|><|call|>",
+    "<|start|>assistant<|channel|>final\nHello",
+    H_AN + "<|start|>assistant<|channel|>fin",
+    H_AN + "<|channel|>final<|message|>Hi<|return|>",
+    H_AN + "<|end|>stray text<|start|>assistant<|channel|>final<|message|>ok",
+    "No harmony here, to=x <|",
+    "<|message|>orphan body<|end|>  <|start|><|end|>",
+    H_CALL + '{"city": "A"}<|call|>' + H_CALL_FIRST + '{"mode": 1}<|call|>',
+    "<|channel|>analysis " + "x" * 600 + "<|message|>long header",
+    "<|channel|>analysis<|message|>a<|constrain|>b<|message|>c<|channel|>final<|message|>d",
+]
+
 CORPUS = {
     "hermes": HERMES + CODER[:2],
     "qwen3_coder": CODER + HERMES[:1],
@@ -137,6 +173,7 @@ CORPUS = {
     "dsml": DSML,
     "glm": GLM,
     "llama": LLAMA,
+    "harmony": HARMONY,
 }
 FORMAT_OF = {
     "hermes": "hermes",
@@ -152,6 +189,7 @@ FORMAT_OF = {
     "glm45": "glm",
     "glm47": "glm",
     "llama3_json": "llama",
+    "openai": "harmony",
 }
 
 # How the reasoning around a call may look: closed, unterminated (the call start ends it),
@@ -163,6 +201,7 @@ WRAPPERS = [
     "Plan it.</think>{}",
     "Plan it. {}",
     "<think>Say <tool_call> and {}</think> ok",
+    "<|channel|>analysis<|message|>Plan it.<|end|><|start|>assistant<|channel|>final<|message|>{}",
 ]
 
 
@@ -190,6 +229,9 @@ def test_reasoning_parsers_are_split_invariant(reasoning, started):
         "",
         "  ",
         "all reasoning </thin",
+        H_AN + H_FIN + "Answer: 4<|return|>",
+        "<|channel|>analysis<|message|>cut <|en",
+        H_AN + "<|channel|>final\nnot a header",
     ]
     for i, text in enumerate(texts):
         check(text, None, reasoning, seed=i, splits=15, reasoning_started=started)
@@ -236,6 +278,14 @@ def test_random_mixtures_of_corpus_pieces_are_split_invariant(tool):
         DS_CALLS,
         f"<{D}",
         f"</{D}invoke>",
+        "<|start|>assistant",
+        "<|channel|>analysis<|message|>",
+        "<|channel|>final",
+        "<|message|>",
+        " to=functions.get_weather",
+        "<|end|>",
+        "<|call|>",
+        "<|",
     ]
     names = sorted(n for n, f in FORMAT_OF.items() if f == tool)
     for trial in range(40):

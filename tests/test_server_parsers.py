@@ -26,6 +26,7 @@ from resin.server.parsers import (
     default_parsers,
 )
 from resin.server.parsers.json_stream import JsonObjectStreamer
+from resin.server.parsers.reasoning import ThinkReasoningParser
 
 WEATHER_TOOLS = [
     {
@@ -640,7 +641,12 @@ def test_llama3_json_invalid_arguments():
 # --- reasoning ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+THINK_REASONING_PARSERS = sorted(
+    name for name, cls in REASONING_PARSERS.items() if issubclass(cls, ThinkReasoningParser)
+)
+
+
+@pytest.mark.parametrize("name", THINK_REASONING_PARSERS)
 def test_reasoning_with_think_tags(name):
     r = check("\n<think>\nstep 1\n</think>\n\nAnswer: 4", None, name)
     assert r.reasoning == "\nstep 1\n" and r.content == "\n\nAnswer: 4"
@@ -675,6 +681,7 @@ def test_default_parsers():
     assert default_parsers("glm4_moe") == ("glm45", "glm45")
     assert default_parsers("glm5_next") == default_parsers("glm5_next_text") == ("glm47", "glm45")
     assert default_parsers("llama") == ("llama3_json", None)
+    assert default_parsers("gpt_oss") == ("openai", "openai_gptoss")
     assert default_parsers("mistral") == (None, None) and default_parsers("mixtral") == (None, None)
     for tool, reasoning in [
         default_parsers(t)
@@ -687,6 +694,7 @@ def test_default_parsers():
             "glm4_moe",
             "llama",
             "qwen3_5",
+            "gpt_oss",
         )
     ]:
         assert tool in TOOL_PARSERS and (reasoning is None or reasoning in REASONING_PARSERS)
@@ -738,12 +746,25 @@ PIECES = {
         "</｜DSML｜invoke>",
         "<｜DSML｜",
     ],
+    "openai": [
+        "<|channel|>analysis<|message|>Think.<|end|>",
+        "<|start|>assistant<|channel|>final<|message|>",
+        '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "SF"}',
+        "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>",
+        "<|channel|>",
+        "<|message|>",
+        "<|end|>",
+        "<|call|>",
+        "<|return|>",
+        " to=",
+        "<|",
+    ],
 }
 COMMON = ["Hello", " ", "\n", "<", "<b>", "<think>", "</think>", "x < y", "é", "}"]
 
 
 @pytest.mark.parametrize("tool", sorted(PIECES))
-@pytest.mark.parametrize("reasoning", [None, "qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("reasoning", [None, "qwen3", "deepseek_r1", "openai_gptoss"])
 def test_random_mixtures_are_split_invariant(tool, reasoning):
     rng = random.Random(f"{tool}-{reasoning}")
     for trial in range(60):

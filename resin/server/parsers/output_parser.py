@@ -13,6 +13,11 @@ already opened ``<think>``. Without one, all text is content (``<think>`` tags i
 ``tools`` (the request's tool list, OpenAI or Anthropic shape) gives the tool parser the
 parameter schemas it converts XML values by and tells real parameter tags from quoted ones.
 
+A parser class may set ``needs_special_tokens = True``: its markers are special tokens (gpt-oss
+harmony), which a detokenizer that skips special tokens would remove before the parser sees
+them. ``needs_special_tokens(tool, reasoning)`` tells the server to keep them for a request; the
+parser then removes every marker itself.
+
 Guarantee: for any split of the same text into ``feed`` calls, the events concatenate to the
 same reasoning, the same content and the same calls (names and argument JSON); only the
 ``call_id`` values differ between runs. Each returned list has adjacent content (and adjacent
@@ -34,6 +39,17 @@ from .events import (
     ToolCallStart,
 )
 from .registry import REASONING_PARSERS, TOOL_PARSERS
+
+
+def needs_special_tokens(tool_parser: str | None, reasoning_parser: str | None) -> bool:
+    """Whether the text given to these parsers (the tool parser as the request enables it, None
+    when off) must keep the tokenizer's special tokens: a parser reads markers that are special
+    tokens (``needs_special_tokens``)."""
+    classes = [
+        TOOL_PARSERS.get(tool_parser) if tool_parser else None,
+        REASONING_PARSERS.get(reasoning_parser) if reasoning_parser else None,
+    ]
+    return any(getattr(cls, "needs_special_tokens", False) for cls in classes)
 
 
 class OutputParser:
@@ -61,6 +77,10 @@ class OutputParser:
             else None
         )
         self._tools = tool_class(tools) if tool_class else None
+        # The text fed in must keep the special tokens (see ``needs_special_tokens``).
+        self.needs_special_tokens = needs_special_tokens(
+            tool_parser if tool_class else None, reasoning_parser
+        )
         self._reasoning_parts: list[str] = []
         self._content_parts: list[str] = []
         self._calls: list[ParsedToolCall] = []

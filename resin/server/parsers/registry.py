@@ -5,6 +5,7 @@ from __future__ import annotations
 from .deepseek import DeepSeekToolParser
 from .dsml import DsmlToolParser
 from .glm45 import Glm45ToolParser
+from .harmony import HarmonyReasoningParser, HarmonyToolParser
 from .hermes import HermesToolParser
 from .llama3_json import Llama3JsonToolParser
 from .qwen3_coder import Qwen3CoderToolParser
@@ -24,6 +25,7 @@ TOOL_PARSERS: dict[str, type] = {
     "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser,  # GLM-4.7: the same tags, no newlines between them
     "llama3_json": Llama3JsonToolParser,
+    "openai": HarmonyToolParser,  # gpt-oss harmony: to=functions.NAME messages
 }
 
 REASONING_PARSERS: dict[str, type] = {
@@ -32,6 +34,7 @@ REASONING_PARSERS: dict[str, type] = {
     "deepseek_v3": ThinkReasoningParser,  # reasoning only after <think> (in the output or prompt)
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "deepseek_v4": ThinkReasoningParser,  # as deepseek_v3: the template pre-fills <think> or </think>
+    "openai_gptoss": HarmonyReasoningParser,  # gpt-oss harmony: the analysis channel
 }
 
 # model_type -> (tool parser, reasoning parser). Qwen3-Coder shares "qwen3_moe" with the
@@ -66,6 +69,9 @@ _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     "glm5_next": ("glm47", "glm45"),
     "glm5_next_text": ("glm47", "glm45"),
     "llama": ("llama3_json", None),
+    # gpt-oss writes harmony messages (resin/server/parsers/harmony.py), whose markers are
+    # special tokens: these parsers have the server keep them in the text.
+    "gpt_oss": ("openai", "openai_gptoss"),
 }
 
 
@@ -73,7 +79,7 @@ def default_parsers(
     model_type: str, *, model_id: str | None = None
 ) -> tuple[str | None, str | None]:
     """``(tool_parser, reasoning_parser)`` for a config's ``model_type``; ``(None, None)`` when
-    Resin knows no format for it (mistral, mixtral, gemma, gpt_oss, ...).
+    Resin knows no format for it (mistral, mixtral, gemma, ...).
 
     ``model_id`` (a path or hub id) is optional: a Qwen3 id containing "coder" selects
     ``qwen3_coder`` without reasoning, since Qwen3-Coder's config says ``qwen3_moe``.
