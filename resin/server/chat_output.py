@@ -10,6 +10,10 @@ tool calls, the finish reason and logprobs. Streaming adapters take the events o
 ``"auto"``, ``"required"`` and a named function parse tool calls; ``"required"`` and a named
 function are also forced with a grammar where the runner can (:mod:`resin.server.structured`). ``finish_reason`` becomes
 ``"tool_calls"`` when at least one call was parsed and generation stopped normally.
+
+:func:`skip_special_tokens` decides whether a request's text keeps the tokenizer's special
+tokens: it must when the choice's parsers read markers that are special tokens (gpt-oss
+harmony), whatever the request's ``skip_special_tokens`` says; the parsers remove them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from resin.server.chat_prompt import ChatPrompt
 from resin.server.context import ServerContext
 from resin.server.errors import APIError
 from resin.server.generation import ChoiceDelta, TokenLogprob
-from resin.server.parsers import OutputEvent, OutputParser, ToolCallEnd, ToolCallStart
+from resin.server.parsers import (
+    OutputEvent,
+    OutputParser,
+    ToolCallEnd,
+    ToolCallStart,
+    needs_special_tokens,
+)
 
 
 def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
@@ -53,18 +63,36 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | d
     )
 
 
+def _parsers(
+    ctx: ServerContext, prompt: ChatPrompt, tool_choice: Any
+) -> tuple[str | None, str | None]:
+    """The (tool parser, reasoning parser) one choice of this request runs; None when off."""
+    enable_tools = bool(prompt.tools) and tool_choice != "none"
+    return (
+        ctx.options.tool_parser if enable_tools else None,
+        None if prompt.reasoning_closed else ctx.options.reasoning_parser,
+    )
+
+
+def skip_special_tokens(
+    ctx: ServerContext, prompt: ChatPrompt, tool_choice: Any, requested: bool = True
+) -> bool:
+    """The ``skip_special_tokens`` of the request's detokenizer: ``requested`` (the request's
+    field, default True), unless the parsers need the special tokens (``needs_special_tokens``)."""
+    return requested and not needs_special_tokens(*_parsers(ctx, prompt, tool_choice))
+
+
 class ChatChoice:
     """Parser and totals of one choice."""
 
     def __init__(self, ctx: ServerContext, prompt: ChatPrompt, tool_choice: Any) -> None:
-        enable_tools = bool(prompt.tools) and tool_choice != "none"
-        reasoning_parser = None if prompt.reasoning_closed else ctx.options.reasoning_parser
+        tool_parser, reasoning_parser = _parsers(ctx, prompt, tool_choice)
         self.parser = OutputParser(
-            ctx.options.tool_parser if enable_tools else None,
+            tool_parser,
             reasoning_parser,
             tools=prompt.tools,
             reasoning_started=prompt.reasoning_started,
-            enable_tools=enable_tools and ctx.options.tool_parser is not None,
+            enable_tools=tool_parser is not None,
         )
         self.finish_reason: str | None = None
         self.stop_string: str | None = None

@@ -32,7 +32,7 @@ from fastapi.responses import Response
 
 from resin.server.anthropic.blocks import BlockWriter, stop_reason, usage_body
 from resin.server.anthropic.convert import build_prompt
-from resin.server.chat_output import ChatChoice
+from resin.server.chat_output import ChatChoice, skip_special_tokens
 from resin.server.chat_prompt import ChatPrompt
 from resin.server.context import ServerContext
 from resin.server.engine_loop import RunnerFailure
@@ -95,7 +95,13 @@ def prepare(ctx: ServerContext, body: dict[str, Any]) -> MessageRequest:
     )
     paths = tool_param_paths(prompt.tools, body.get("tools"), _tool_path)
     grammar = request_grammar(ctx, prompt.tools, tool_choice, paths, None, prompt)
-    request = GenerationRequest(prompt.token_ids, params, stop=stops, grammar=grammar)
+    request = GenerationRequest(
+        prompt.token_ids,
+        params,
+        stop=stops,
+        skip_special_tokens=skip_special_tokens(ctx, prompt, tool_choice),
+        grammar=grammar,
+    )
     return MessageRequest(
         model,
         prompt,

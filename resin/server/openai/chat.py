@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from resin.server.chat_output import ChatChoice, parse_tool_choice
+from resin.server.chat_output import ChatChoice, parse_tool_choice, skip_special_tokens
 from resin.server.chat_prompt import (
     build_chat_prompt,
     normalize_chat_messages,
@@ -191,7 +191,9 @@ def prepare_chat(
         n=n or 1,
         stop=get_stop(body, "stop"),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        skip_special_tokens=skip_special_tokens(
+            ctx, prompt, tool_choice, get_bool(body, "skip_special_tokens", True)
+        ),
         num_top_logprobs=num_logprobs,
         grammar=grammar,
     )

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from resin.server.chat_output import parse_tool_choice
+from resin.server.chat_output import parse_tool_choice, skip_special_tokens
 from resin.server.chat_prompt import (
     ChatPrompt,
     build_chat_prompt,
@@ -158,7 +158,12 @@ def prepare_response(ctx: ServerContext, body: dict[str, Any]) -> ResponsesReque
     paths = tool_param_paths(tools, body.get("tools"), _responses_tool_path)
     grammar = request_grammar(ctx, tools, tool_choice, paths, output_format, prompt)
     generation = GenerationRequest(
-        prompt.token_ids, params, n=1, num_top_logprobs=num_logprobs, grammar=grammar
+        prompt.token_ids,
+        params,
+        n=1,
+        skip_special_tokens=skip_special_tokens(ctx, prompt, tool_choice),
+        num_top_logprobs=num_logprobs,
+        grammar=grammar,
     )
     return ResponsesRequest(
         model,
