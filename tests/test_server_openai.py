@@ -134,6 +134,45 @@ def test_completions_string_prompt_default_max_tokens_and_echo(client, llm):
     assert response.usage.completion_tokens == len(expected.token_ids) <= 16
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(client, llm):
+    """lm-evaluation-harness scores a continuation with echo + logprobs (max_tokens 1, or 0:
+    the prompt alone) over token ids and sums token_logprobs[ctxlen:-1]: every prompt token
+    after the first has its logprob given the tokens before it, the first a null."""
+    ids = llm.tokenizer.encode("The sky is blue and the grass is green", add_special_tokens=False)
+    offline = llm.generate(
+        [ids], SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
+    )[0]
+    scored = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(offline.prompt_logprobs[i][ids[i]], abs=1e-5)
+        assert len(lp.top_logprobs[i]) == 1
+    assert lp.token_logprobs[-1] == pytest.approx(offline.logprobs[0][offline.token_ids[0]])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert choice.text.startswith(llm.tokenizer.decode(ids))
+    assert scored.usage.completion_tokens == 1
+    # max_tokens 0: the prompt alone, nothing generated, the same prompt logprobs.
+    only = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=0, temperature=0, logprobs=1, echo=True
+    )
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert only.choices[0].text == llm.tokenizer.decode(ids)
+    assert (only.usage.completion_tokens, only.choices[0].finish_reason) == (0, "length")
+    # Streamed: the same entries, the prompt's in the first chunk.
+    stream = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True
+    )
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [x for part in streamed for x in part.token_logprobs] == lp.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+
+
 def test_n_gives_distinct_indexed_choices(client):
     response = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=7, n=3

@@ -12,7 +12,9 @@ client costs fewer, larger chunks, never lost tokens). Per choice it owns:
   is ``"stop"``, ``stop_string`` names it, and the engine request is aborted at once;
 - logprobs: the sampled token's logprob and the top ``num_top_logprobs``, with token text; a
   logprob that is not finite (a masked token) is reported as ``-9999.0``, as vLLM does, so
-  every response stays valid JSON.
+  every response stays valid JSON;
+- prompt logprobs (``num_prompt_logprobs``): every prompt token's (None for the first) and the
+  top k, with token text, on the choice's first delta.
 
 When the consumer stops iterating early (a client disconnected, an exception), every unfinished
 choice is aborted in ``finally`` — the pages go back to the pool at once.
@@ -35,11 +37,12 @@ from resin.tokenizer import IncrementalDetokenizer, Tokenizer
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One generated token: its id, text and logprob, and the ``top`` alternatives."""
+    """One token: its id, text and logprob, and the ``top`` alternatives. A prompt's first
+    token has no logprob (None: nothing predicts it) and no alternatives."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, str, float]]
 
 
@@ -54,6 +57,9 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_string: str | None = None
+    # On a choice's first delta, when asked: one entry per prompt token, its logprob given the
+    # tokens before it (None for the first).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +73,7 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     num_top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
+    num_prompt_logprobs: int | None = None  # the same, for the prompt's tokens
     grammar: Any = None  # a resin.structured_output.CompiledGrammar every choice must follow
 
 
@@ -82,7 +89,15 @@ class Usage:
 
 
 class _ChoiceState:
-    __slots__ = ("index", "request_id", "detokenizer", "matcher", "num_tokens", "finished")
+    __slots__ = (
+        "index",
+        "request_id",
+        "detokenizer",
+        "matcher",
+        "num_tokens",
+        "finished",
+        "prompt_sent",
+    )
 
     def __init__(
         self,
@@ -97,6 +112,7 @@ class _ChoiceState:
         self.matcher = matcher
         self.num_tokens = 0
         self.finished = False
+        self.prompt_sent = False  # its prompt logprobs went out (when asked for)
 
 
 class Generator:
@@ -243,33 +259,44 @@ class Generation:
         logprobs = None
         if self.request.num_top_logprobs is not None:
             logprobs = self._logprobs(last, new_ids, self.request.num_top_logprobs)
-        return ChoiceDelta(state.index, text, list(new_ids), logprobs, finish_reason, stop_string)
+        delta = ChoiceDelta(state.index, text, list(new_ids), logprobs, finish_reason, stop_string)
+        if self.request.num_prompt_logprobs is not None and not state.prompt_sent:
+            state.prompt_sent = True
+            delta.prompt_logprobs = self._prompt_logprobs(last, self.request.num_prompt_logprobs)
+        return delta
+
+    def _prompt_logprobs(self, output: RequestOutput, num_top: int) -> list[TokenLogprob]:
+        prompt = self.request.prompt_token_ids
+        entries = output.prompt_logprobs or []
+        result = [TokenLogprob(prompt[0], self.token_text(prompt[0]), None, [])]
+        for token_id, entry in zip(prompt[1:], entries[1:]):
+            assert entry is not None  # only the first is None
+            result.append(self._entry(token_id, entry, num_top))
+        return result
 
     def _logprobs(
         self, output: RequestOutput, new_ids: list[int], num_top: int
     ) -> list[TokenLogprob]:
         # Only the new tokens' entries: the per-step cost does not grow with the generation.
         entries = output.logprobs_from(output.num_output_tokens - len(new_ids)) or []
-        texts = self._token_texts  # one decode per token id a request meets
+        return [self._entry(t, entry, num_top) for t, entry in zip(new_ids, entries)]
 
-        def decode(token_id: int) -> str:
-            text = texts.get(token_id)
-            if text is None:
-                text = texts[token_id] = self.tokenizer.decode([token_id])
-            return text
+    def _entry(self, token_id: int, entry: dict[int, float], num_top: int) -> TokenLogprob:
+        """``token_id``'s logprob and the ``num_top`` best of ``entry``, with their texts."""
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+        return TokenLogprob(
+            token_id,
+            self.token_text(token_id),
+            _finite(entry.get(token_id, MIN_LOGPROB)),
+            [(int(t), self.token_text(int(t)), _finite(lp)) for t, lp in top],
+        )
 
-        result = []
-        for token_id, entry in zip(new_ids, entries):
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
-            result.append(
-                TokenLogprob(
-                    token_id,
-                    decode(token_id),
-                    _finite(entry.get(token_id, MIN_LOGPROB)),
-                    [(int(t), decode(int(t)), _finite(lp)) for t, lp in top],
-                )
-            )
-        return result
+    def token_text(self, token_id: int) -> str:
+        """A token's text alone, decoded once per token id a request meets."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 MIN_LOGPROB = -9999.0

@@ -111,6 +111,7 @@ def sampling_params(
     num_logprobs: int | None,
     temperature_max: float = 2.0,
     vocab_size: int | None = None,
+    num_prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request's fields over the checkpoint ``defaults``; token ids
     (``logit_bias``, ``stop_token_ids``) checked below ``vocab_size`` when it is given."""
@@ -159,6 +160,8 @@ def sampling_params(
         settings["stop_token_ids"] = stop_token_ids
     if num_logprobs is not None:
         settings["logprobs"] = num_logprobs
+    if num_prompt_logprobs is not None:
+        settings["prompt_logprobs"] = num_prompt_logprobs
     try:
         return SamplingParams(**settings)
     except (ValueError, TypeError, OverflowError) as exc:

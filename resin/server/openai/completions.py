@@ -4,8 +4,11 @@
 (vllm/sglang benchmarks send token ids). Each prompt gets ``n`` choices, numbered
 ``prompt_index * n + j`` as vLLM does; ``max_tokens`` defaults to 16 (OpenAI's default);
 ``echo`` prepends the prompt text; ``logprobs`` (0–5) uses the legacy shape (``tokens``,
-``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``, ``text_offset``). Several
-prompts run concurrently; their streams are merged as chunks arrive.
+``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``, ``text_offset``). With both, the
+prompt's tokens come first in that shape (the first with a null logprob: nothing predicts it),
+each its logprob given the tokens before it — what lm-evaluation-harness scores answers with;
+``max_tokens: 0`` with ``echo`` scores the prompt alone (one token is computed and dropped).
+Several prompts run concurrently; their streams are merged as chunks arrive.
 
 vLLM's ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` (the completion's
 ids, the stop token included) to each choice; in a stream, ``prompt_token_ids`` comes on each
@@ -85,11 +88,17 @@ def parse_prompts(ctx: ServerContext, value: Any) -> list[tuple[str, list[int]]]
 
 
 def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    tokens, token_logprobs, top, text_offset = [], [], [], []
+    """The legacy shape of ``entries`` whose text starts at character ``offset``; an entry
+    without a logprob (a prompt's first token) has null ``token_logprobs`` and
+    ``top_logprobs`` entries, as OpenAI and vLLM write them."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     for entry in entries:
         tokens.append(entry.token)
         token_logprobs.append(entry.logprob)
-        top.append({t: lp for _, t, lp in entry.top})
+        top.append(None if entry.logprob is None else {t: lp for _, t, lp in entry.top})
         text_offset.append(offset)
         offset += len(entry.token)
     return {
@@ -113,7 +122,17 @@ class CompletionRequest:
         self.echo = get_bool(body, "echo", False)
         logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_LEGACY_LOGPROBS)
         self.num_logprobs = logprobs
-        requested = get_int(body, "max_tokens", minimum=1)
+        # echo + logprobs: the prompt's tokens' logprobs too (OpenAI's legacy behaviour)
+        prompt_logprobs = logprobs if self.echo else None
+        requested = get_int(body, "max_tokens", minimum=0)
+        # max_tokens 0 with echo scores the prompt: one token is computed and dropped
+        self.score_only = requested == 0
+        if self.score_only:
+            if not self.echo:
+                raise APIError(
+                    400, "'max_tokens' must be at least 1 (0 only with 'echo')", param="max_tokens"
+                )
+            requested = 1
         stop = get_stop(body, "stop")
         self.return_token_ids = get_bool(body, "return_token_ids", False)
         self.requests = []
@@ -131,6 +150,7 @@ class CompletionRequest:
                 max_tokens=max_tokens,
                 num_logprobs=logprobs,
                 vocab_size=ctx.vocab_size,
+                num_prompt_logprobs=prompt_logprobs,
             )
             self.requests.append(
                 GenerationRequest(
@@ -141,11 +161,16 @@ class CompletionRequest:
                     include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
                     skip_special_tokens=get_bool(body, "skip_special_tokens", True),
                     num_top_logprobs=logprobs,
+                    num_prompt_logprobs=prompt_logprobs,
                 )
             )
         ctx.check_logprob_entries(
             self.n,
-            max(r.params.max_tokens for r in self.requests),
+            max(
+                r.params.max_tokens
+                + (len(r.prompt_token_ids) if prompt_logprobs is not None else 0)
+                for r in self.requests
+            ),
             logprobs,
             param="logprobs",
             prompts=len(self.requests),
@@ -168,7 +193,8 @@ class CompletionRequest:
         total = Usage()
         for generation in self.generations:
             total.prompt_tokens += generation.usage.prompt_tokens
-            total.completion_tokens += generation.usage.completion_tokens
+            if not self.score_only:  # the one token computed to score a prompt is dropped
+                total.completion_tokens += generation.usage.completion_tokens
             total.cached_tokens += generation.usage.cached_tokens
         return total
 
@@ -235,9 +261,15 @@ async def stream_completion(request: CompletionRequest, body: dict[str, Any]) ->
             for delta in batch:
                 index = prompt_index * request.n + delta.index
                 text = delta.text
+                generated = [] if request.score_only else delta.logprobs or []
+                if request.score_only:
+                    text = ""
                 if request.echo and not echoed[index]:
                     echoed[index] = True
                     text = request.prompts[prompt_index][0] + text
+                    if delta.prompt_logprobs is not None:  # the prompt's entries lead
+                        generated = [*delta.prompt_logprobs, *generated]
+                        offsets[index] = 0
                 entry: dict[str, Any] = {
                     "index": index,
                     "text": text,
@@ -253,9 +285,9 @@ async def stream_completion(request: CompletionRequest, body: dict[str, Any]) ->
                     entry["finish_reason"] = "stop"
                 if delta.stop_string is not None:
                     entry["stop_reason"] = delta.stop_string
-                if request.num_logprobs is not None and delta.logprobs:
-                    entry["logprobs"] = legacy_logprobs(delta.logprobs, offsets[index])
-                    offsets[index] += sum(len(e.token) for e in delta.logprobs)
+                if request.num_logprobs is not None and generated:
+                    entry["logprobs"] = legacy_logprobs(generated, offsets[index])
+                    offsets[index] += sum(len(e.token) for e in generated)
                 yield f'data: {head},"choices":[{dumps(entry)}]{tail}'
     except Exception as exc:  # noqa: BLE001 - the runner failed: report it in-stream
         yield data_event(openai_stream_error(exc))
@@ -271,6 +303,7 @@ async def complete(request: CompletionRequest) -> dict[str, Any]:
     finish: list[str | None] = [None] * size
     stops: list[str | None] = [None] * size
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(size)]
+    prompt_logprobs: list[list[TokenLogprob]] = [[] for _ in range(size)]
     token_ids: list[list[int]] = [[] for _ in range(size)]
     async for prompt_index, batch in merged_deltas(request.generations):
         for delta in batch:
@@ -280,8 +313,10 @@ async def complete(request: CompletionRequest) -> dict[str, Any]:
                 token_ids[index].extend(delta.token_ids)
             finish[index] = delta.finish_reason
             stops[index] = delta.stop_string
-            if delta.logprobs:
+            if delta.logprobs and not request.score_only:
                 logprobs[index].extend(delta.logprobs)
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs[index] = delta.prompt_logprobs
 
     # Logprobs are built here, in pure Python (~1 s for 300k entries with their top lists): the
     # loop yields after each choice's, so other clients are served meanwhile.
@@ -290,21 +325,25 @@ async def complete(request: CompletionRequest) -> dict[str, Any]:
         if index and request.num_logprobs is not None:
             await asyncio.sleep(0)
         prompt_text = request.prompts[index // request.n][0]
+        generated = "" if request.score_only else texts[index]
         entry: dict[str, Any] = {
             "index": index,
-            "text": (prompt_text if request.echo else "") + texts[index],
+            "text": (prompt_text if request.echo else "") + generated,
             "logprobs": None,
             "finish_reason": "stop" if finish[index] in (None, "abort") else finish[index],
         }
-        if stops[index] is not None:
+        if request.score_only:
+            entry["finish_reason"] = "length"
+        elif stops[index] is not None:
             entry["stop_reason"] = stops[index]
         if request.num_logprobs is not None:
-            entry["logprobs"] = legacy_logprobs(
-                logprobs[index], len(prompt_text) if request.echo else 0
-            )
+            # echo: the prompt's entries first (text offsets from 0), else the completion's
+            # offsets start after the echoed prompt text
+            offset = 0 if prompt_logprobs[index] or not request.echo else len(prompt_text)
+            entry["logprobs"] = legacy_logprobs(prompt_logprobs[index] + logprobs[index], offset)
         if request.return_token_ids:
             entry["prompt_token_ids"] = request.prompts[index // request.n][1]
-            entry["token_ids"] = token_ids[index]
+            entry["token_ids"] = [] if request.score_only else token_ids[index]
         choices.append(entry)
     return {
         "id": random_id("cmpl-", 32),
