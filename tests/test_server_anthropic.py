@@ -184,6 +184,7 @@ def test_create_matches_llm_chat(tiny: Server, llm: LLM) -> None:
     )
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg_") and len(message.id) >= 28
+    assert message._request_id is not None and message._request_id.startswith("req_")
     assert message.model == MODEL
     assert _text(message) == reference.text
     assert message.stop_reason == _expected_stop_reason(reference.finish_reason)
@@ -444,6 +445,12 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
         {"model": MODEL, "max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "sometimes"}},
         400,
         "tool_choice",
+    ),
+    (
+        "tool_choice any without tools",
+        {"model": MODEL, "max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "any"}},
+        400,
+        '{"type": "any"} needs at least one tool',
     ),
     ("missing model", {"max_tokens": 5, "messages": HELLO}, 400, "model"),
     ("unknown model", {"model": "llama-70b", "max_tokens": 5, "messages": HELLO}, 404, "llama-70b"),

@@ -49,6 +49,24 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages", None),
     (
         CHAT,
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        400,
+        "messages",
+        None,
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": "abc"}}],
+        },
+        400,
+        "tools[0].function.parameters",
+        None,
+    ),
+    (
+        CHAT,
         {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
         400,
         "messages",

@@ -278,6 +278,11 @@ def test_text_response_equals_llm_chat(torch_server: LiveServer, llm: LLM) -> No
     raw = response.model_dump()
     assert raw["store"] is False and raw["previous_response_id"] is None
     assert raw["max_output_tokens"] == 24 and raw["temperature"] == 0.0
+    # Settings are echoed as given (the engine keeps float32: 0.3 read 0.30000001192092896).
+    echoed = torch_server.client.responses.create(
+        model=MODEL, temperature=0.3, top_p=0.9, max_output_tokens=2, **CONVERSATION
+    )
+    assert (echoed.temperature, echoed.top_p) == (0.3, 0.9)
     assert set(raw["usage"]) >= {
         "input_tokens",
         "input_tokens_details",

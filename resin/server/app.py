@@ -41,6 +41,7 @@ from resin.server.context import ServerContext
 from resin.server.engine_loop import RequestRejected, RunnerFailure
 from resin.server.errors import APIError, model_not_found, rejected
 from resin.server.http_metrics import HttpMetrics
+from resin.server.ids import random_id
 from resin.server.request_body import parse_json, read_body
 from resin.server.sse import generation_response
 
@@ -93,6 +94,7 @@ class AuthAndMetrics:
             await response(scope, receive, send)
             return
         recorded = False
+        anthropic = _is_anthropic(path)
 
         async def send_and_count(message: Message) -> None:
             nonlocal recorded
@@ -101,6 +103,10 @@ class AuthAndMetrics:
                 self.metrics.observe(
                     path, scope["method"], message["status"], time.perf_counter() - started
                 )
+                if anthropic:  # Anthropic's API names every response (the SDKs' _request_id)
+                    headers = list(message.get("headers", []))
+                    headers.append((b"request-id", random_id("req_").encode("ascii")))
+                    message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, send_and_count)

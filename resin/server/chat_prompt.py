@@ -77,6 +77,8 @@ def flatten_content(
             texts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
+        elif kind in TEXT_PARTS:
+            raise APIError(400, f"{where}: a '{kind}' part's 'text' must be a string", param=param)
         elif kind in MEDIA_PARTS:
             raise APIError(
                 400,
@@ -175,10 +177,17 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
         function = tool.get("function")
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise APIError(400, f"tools[{position}].function.name is required", param="tools")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise APIError(
+                400,
+                f"tools[{position}].function.parameters must be a JSON Schema object",
+                param=f"tools[{position}].function.parameters",
+            )
         entry = {
             "name": function["name"],
             "description": function.get("description", ""),
-            "parameters": function.get("parameters") or {"type": "object", "properties": {}},
+            "parameters": parameters or {"type": "object", "properties": {}},
         }
         result.append({"type": "function", "function": entry})
     return result or None

@@ -304,6 +304,8 @@ def convert_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
     if kind == "auto":
         return parse_tool_choice("auto", tools)
     if kind == "any":
+        if not tools:
+            raise _bad('tool_choice {"type": "any"} needs at least one tool', "tool_choice")
         return parse_tool_choice("required", tools)
     if kind == "none":
         return "none"

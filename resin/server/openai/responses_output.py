@@ -360,8 +360,9 @@ def response_object(
         "tool_choice": tool_choice if tool_choice is not None else "auto",
         "tools": body.get("tools") if isinstance(body.get("tools"), list) else [],
         "instructions": body.get("instructions"),
-        "temperature": params.temperature,
-        "top_p": params.top_p,
+        # the request's own values (the engine keeps float32: 0.3 would read 0.30000001...)
+        "temperature": _echoed(body.get("temperature"), params.temperature),
+        "top_p": _echoed(body.get("top_p"), params.top_p),
         "max_output_tokens": request.max_output_tokens,
         "previous_response_id": None,
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
@@ -378,3 +379,11 @@ def response_object(
         "usage": usage,
     }
     return result
+
+
+def _echoed(given: Any, used: float) -> float:
+    """A sampling setting as the request gave it, when it did (a number); else the one used,
+    rounded to float32's precision (7 significant digits) as it was stored."""
+    if isinstance(given, (int, float)) and not isinstance(given, bool):
+        return float(given)
+    return float(f"{used:.7g}")
