@@ -472,3 +472,45 @@ def test_server_prompt_renders_earlier_reasoning_as_thinking(served: Any) -> Non
     prompt = served.tokenizer.decode(reply["prompt_token_ids"])
     assert "<|channel|>analysis<|message|>Look it up.<|end|>" in prompt
     assert '<|message|>{"city": "Oslo"}<|call|>' in prompt
+
+
+def test_replaying_our_own_call_turn_renders_for_gpt_oss(served: Any) -> None:
+    """Our output for a call turn is reasoning + a preamble (content) + the call; a client sends
+    it back as one assistant message, which gpt-oss's template refuses ("Cannot pass both
+    content and thinking"). The server passes the preamble after the reasoning, as the
+    template's analysis message (what it renders for either), and no final message."""
+    import httpx
+
+    from resin.server.chat_prompt import gpt_oss_replayable
+
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    turn = {
+        "role": "assistant",
+        "content": "Checking.",
+        "reasoning_content": "Look it up.",
+        "tool_calls": [call],
+    }
+    assert gpt_oss_replayable([turn]) == [
+        {**turn, "content": "", "reasoning_content": "Look it up.\n\nChecking."}
+    ]
+    answer = {"role": "assistant", "content": "Sunny.", "reasoning_content": "Easy."}
+    assert gpt_oss_replayable([answer]) == [answer]  # only call turns are changed
+    served.script(SCRIPT_ANSWER)
+    body = {
+        "model": MODEL,
+        "max_tokens": 5,
+        "return_token_ids": True,
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            turn,
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    }
+    reply = httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    prompt = served.tokenizer.decode(reply["prompt_token_ids"])
+    assert "<|channel|>analysis<|message|>Look it up.\n\nChecking.<|end|>" in prompt
+    assert "<|channel|>final<|message|>Checking." not in prompt

@@ -214,6 +214,8 @@ def build_chat_prompt(
     kwargs = dict(chat_template_kwargs or {})
     for reserved in ("messages", "tools", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(reserved, None)
+    if ctx.model_type == "gpt_oss":
+        messages = gpt_oss_replayable(messages)
     try:
         text = ctx.chat_template.render(
             messages,
@@ -246,6 +248,26 @@ def build_chat_prompt(
         reasoning_closed=tail.endswith(THINK_CLOSE)
         or (continue_final_message and not inside_think),
     )
+
+
+def gpt_oss_replayable(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as gpt-oss's chat template takes them back. It refuses an assistant
+    message with tool calls that has both content and reasoning ("Cannot pass both content and
+    thinking"), and renders either one as the call's analysis message; a client replays
+    exactly that from our own output (a preamble is content, the analysis reasoning). So the
+    content joins the reasoning there, after it, as the template would have rendered it."""
+    replayable = []
+    for message in messages:
+        reasoning = message.get("reasoning_content")
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            if reasoning and message.get("content"):
+                message = {
+                    **message,
+                    "reasoning_content": f"{reasoning}\n\n{message['content']}",
+                    "content": "",
+                }
+        replayable.append(message)
+    return replayable
 
 
 def tool_names(tools: Sequence[Mapping[str, Any]] | None) -> set[str]:
