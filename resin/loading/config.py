@@ -46,6 +46,17 @@ SLIDING_ATTENTION = "sliding_attention"
 # Per architecture: model_type and the transformers config-class defaults for keys a
 # config.json may omit ("head_dim": None means hidden_size // num_attention_heads,
 # "num_key_value_heads": None means num_attention_heads). Shape keys have no default here.
+_MISTRAL_DEFAULTS: dict[str, Any] = dict(
+    model_type="mistral",
+    num_key_value_heads=8,
+    head_dim=None,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=131072,
+    bos_token_id=1,
+    eos_token_id=2,
+    rope_theta=10000.0,
+    sliding_window=4096,
+)
 _ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(
         model_type="llama",
@@ -58,30 +69,10 @@ _ARCHITECTURES: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         sliding_window=None,
     ),
-    "MistralForCausalLM": dict(
-        model_type="mistral",
-        num_key_value_heads=8,
-        head_dim=None,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=131072,
-        bos_token_id=1,
-        eos_token_id=2,
-        rope_theta=10000.0,
-        sliding_window=4096,
-    ),
+    "MistralForCausalLM": _MISTRAL_DEFAULTS,
     # MinistralConfig(MistralConfig): Mistral's defaults, with a per-layer `layer_types`
     # (all windowed when absent and a window is set); the modeling code is Mistral's math.
-    "MinistralForCausalLM": dict(
-        model_type="ministral",
-        num_key_value_heads=8,
-        head_dim=None,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=131072,
-        bos_token_id=1,
-        eos_token_id=2,
-        rope_theta=10000.0,
-        sliding_window=4096,
-    ),
+    "MinistralForCausalLM": {**_MISTRAL_DEFAULTS, "model_type": "ministral"},
     "Qwen2ForCausalLM": dict(
         model_type="qwen2",
         num_key_value_heads=32,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from resin._core import ForwardOutput
+from resin.runners.forward_outputs import output_with
 
 CHUNK_TOKENS = 256
 
@@ -63,15 +64,13 @@ def with_prompt_logprobs(
 ) -> ForwardOutput:
     """``out`` with the prompt arrays: ``logprobs`` float32[M], ``top_ids`` / ``top_logprobs``
     uint32 / float32 [M, k] (None when no row wants top entries)."""
-    return ForwardOutput(
-        out.token_ids,
-        out.token_indptr,
-        out.logprobs,
-        out.top_logprob_ids,
-        out.top_logprobs,
-        out.draft_token_ids,
-        out.draft_indptr,
-        np.ascontiguousarray(logprobs, dtype=np.float32),
-        None if top_ids is None else np.ascontiguousarray(top_ids, dtype=np.uint32),
-        None if top_logprobs is None else np.ascontiguousarray(top_logprobs, dtype=np.float32),
+    return output_with(
+        out,
+        prompt_logprobs=np.ascontiguousarray(logprobs, dtype=np.float32),
+        prompt_top_logprob_ids=None
+        if top_ids is None
+        else np.ascontiguousarray(top_ids, dtype=np.uint32),
+        prompt_top_logprobs=None
+        if top_logprobs is None
+        else np.ascontiguousarray(top_logprobs, dtype=np.float32),
     )

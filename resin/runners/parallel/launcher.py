@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 
 from resin._core import BatchPlan, CacheLayout, ForwardOutput, LayerCacheSpec
 from resin.loading import load_model_config
+from resin.runners import forward_outputs
 from resin.runners.parallel.plan_transport import PlanView, PlanWriter
 from resin.runners.parallel.sharding import TensorParallelShard
 from resin.runners.parallel.tensor_parallel import resident_weight_bytes, tensor_parallel_runner
@@ -165,26 +166,11 @@ def _worker_main(
             dist.destroy_process_group()
 
 
-# ForwardOutput's constructor order (the drafts: a data-parallel rank has no drafter).
-_OUTPUT_FIELDS = (
-    "token_ids",
-    "token_indptr",
-    "logprobs",
-    "top_logprob_ids",
-    "top_logprobs",
-    "draft_token_ids",
-    "draft_indptr",
-    "prompt_logprobs",
-    "prompt_top_logprob_ids",
-    "prompt_top_logprobs",
-)
-
-
 def _output_arrays(out: ForwardOutput) -> tuple[Any, ...]:
     """A ForwardOutput as plain arrays, for the pipe (a handful per row: token ids, log-probs)."""
     return tuple(
         None if getattr(out, name) is None else np.asarray(getattr(out, name))
-        for name in _OUTPUT_FIELDS
+        for name in forward_outputs.FIELDS
     )
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from resin._core import ForwardOutput
+from resin.runners.forward_outputs import output_with
 from resin.runners.torch.attention import RowHistory, masked_softmax
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import read_slots
@@ -98,17 +99,8 @@ class MtpDrafter:
         counts = np.zeros(len(step.plan.seq_lens), dtype=np.int64)
         counts[rows] = self.num_tokens
         indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
-        return ForwardOutput(
-            out.token_ids,
-            out.token_indptr,
-            out.logprobs,
-            out.top_logprob_ids,
-            out.top_logprobs,
-            drafts.reshape(-1).astype(np.uint32),
-            indptr,
-            out.prompt_logprobs,
-            out.prompt_top_logprob_ids,
-            out.prompt_top_logprobs,
+        return output_with(
+            out, draft_token_ids=drafts.reshape(-1).astype(np.uint32), draft_indptr=indptr
         )
 
     def _previous_hidden(

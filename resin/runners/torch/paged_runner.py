@@ -334,8 +334,8 @@ class PagedRunner:
         asked: prompt_logprobs.PromptLogprobsAsked,
         hidden: torch.Tensor,
         top: LayerContext,
-        out: ForwardOutput | None,
-    ) -> ForwardOutput | None:
+        out: ForwardOutput,
+    ) -> ForwardOutput:
         """``out`` with the logprobs of the plan's prompt logprob targets (and the top k),
         from the final norm and logits of their tokens, a chunk at a time. A tensor-parallel
         rank other than 0 (``out`` None: it does not sample) computes the logits too, for
