@@ -34,6 +34,8 @@ A tiny checkpoint must not hide bugs, so beyond shrinking it (every change is on
   has it: flipping it would test a layout the real checkpoint does not have, and with random
   weights either value already fails loudly when ignored (a tied checkpoint has no
   ``lm_head.weight``; an untied one departs at ``logits``).
+- **Per-pair rope lists** (longrope's ``short_factor`` / ``long_factor``): resampled evenly
+  to the tiny head's ``rotary_dim // 2`` entries (:func:`_fit_rope_factor_lists`).
 - **Lengths** (:data:`LENGTH_LIMITS`): sequence-length thresholds the parity prompts (<= 78
   tokens) must cross: ``sliding_window`` <= 32, ``attention_chunk_size`` <= 16, indexer
   ``index_topk`` <= 4, ``compress_rates`` <= 8 (DeepSeek-V4 HCA compresses every 128 tokens),
@@ -209,7 +211,41 @@ def _tiny_raw(
         ]
     for change in traps:
         _apply(tiny, change, new=True)
+    lines += _fit_rope_factor_lists(tiny)
     return tiny, lines, traps
+
+
+def _fit_rope_factor_lists(raw: dict[str, Any]) -> list[str]:
+    """Per-frequency rope lists (longrope's ``short_factor`` / ``long_factor``: one value per
+    rotated dim pair) resampled in place, evenly, to the tiny model's ``rotary_dim // 2``
+    entries — first and last kept — in ``raw`` and in any sub-config dict of it (a wrapper's
+    ``text_config``); HF refuses a list sized for the source's head. One line per list."""
+    lines = []
+    for where, text in [("", raw)] + [
+        (f"{k}.", v) for k, v in raw.items() if isinstance(v, dict) and "rope_parameters" in v
+    ]:
+        rope = text.get("rope_parameters")
+        if not isinstance(rope, dict):
+            continue
+        tables = [("", rope)] + [(f"{k}.", v) for k, v in rope.items() if isinstance(v, dict)]
+        heads = text.get("num_attention_heads")
+        head_dim = text.get("head_dim") or (
+            int(text["hidden_size"]) // int(heads) if heads and text.get("hidden_size") else None
+        )
+        for name, table in tables:
+            partial = table.get("partial_rotary_factor", text.get("partial_rotary_factor")) or 1.0
+            pairs = int(int(head_dim) * float(partial)) // 2 if head_dim else 0
+            for key in ("short_factor", "long_factor"):
+                old = table.get(key)
+                if not isinstance(old, list) or not old or not pairs or len(old) == pairs:
+                    continue
+                step = (len(old) - 1) / max(pairs - 1, 1)
+                table[key] = [old[round(i * step)] for i in range(pairs)]
+                lines.append(
+                    f"shrunk: {where}rope_parameters.{name}{key} {len(old)} -> {pairs} items "
+                    "(one per rotated dim pair; resampled evenly, first and last kept)"
+                )
+    return lines
 
 
 def _text_key(config: Any) -> str | None:
@@ -787,6 +823,7 @@ def _build(config: Any) -> Any:
 
 def _config_from_raw(raw: dict[str, Any]) -> Any:
     raw = copy.deepcopy(raw)
+    _fit_rope_factor_lists(raw)  # a reverted partial_rotary_factor trap changes the size
     model_type = raw.pop("model_type")
     return transformers.AutoConfig.for_model(model_type, **raw)
 
