@@ -8,6 +8,8 @@ defaults (for a multimodal wrapper: its text config class's, with the wrapper's 
 names them: ``model.language_model.*`` for GLM-5.3-Flash's wrapper), the final-norm and rotary
 classes,
 every checkpoint tensor pattern of the model, and HF's keep-in-fp32 module patterns per dtype.
+Where only ``sliding_window`` makes the layers slide, both kinds are recorded
+(:func:`window_toggled_kinds`).
 Imports transformers (for the config class defaults and the model class's fp32 attributes).
 """
 
@@ -17,7 +19,13 @@ import json
 from typing import Any
 
 from resin.scaffold.inspect import Architecture
-from resin.scaffold.layer_map import mlp_types_from_config, name_pattern, pattern_shapes
+from resin.scaffold.layer_map import (
+    FULL,
+    SLIDING,
+    mlp_types_from_config,
+    name_pattern,
+    pattern_shapes,
+)
 from resin.scaffold.shape_rules import shape_rules
 
 # HF config keys that say nothing about the model's math.
@@ -78,6 +86,16 @@ def model_record(
                 f"{entry} at layer {layer.index}): the scaffold cannot tell them "
                 "apart from the config"
             )
+    mirrored = window_toggled_kinds(arch.config, kinds)
+    for kind, source_kind in mirrored.items():
+        kinds[kind] = kinds[source_kind]
+    rules = shape_rules(arch, probe) if probe is not None else {}
+    for kind, source_kind in mirrored.items():
+        if source_kind in rules.get("kinds", {}):
+            rules["kinds"][kind] = rules["kinds"][source_kind]
+    windowed = {layer.layer_type for layer in arch.layers if layer.window}
+    if any(kind.startswith(f"{SLIDING}/") for kind in mirrored):
+        windowed.add(SLIDING)
     # lm_head is known even where tied: some tied checkpoints store it anyway.
     heads = {"lm_head.weight", *arch.checkpoint_names.get("lm_head.weight", [])}
     patterns = sorted({name_pattern(n)[0] for n in arch.checkpoint_shapes} | heads)
@@ -98,11 +116,32 @@ def model_record(
         rotary=arch.rotary.cls_name if arch.rotary else None,
         checkpoint_patterns=patterns,
         source_shapes=source_shapes(arch),
-        shape_rules=shape_rules(arch, probe) if probe is not None else {},
-        windowed_layer_types=sorted({layer.layer_type for layer in arch.layers if layer.window}),
+        shape_rules=rules,
+        windowed_layer_types=sorted(windowed),
         keep_in_fp32=keep_in_fp32_patterns(arch.architecture),
         generated_from=source,
     )
+
+
+def window_toggled_kinds(config: Any, kinds: dict[str, Any]) -> dict[str, str]:
+    """{kind the source lacks: recorded kind with the same modules} for a config whose layers
+    are all one type only by its ``sliding_window`` (no ``layer_types``, no sliding-window
+    pattern: Phi-3, Mistral): every layer is ``sliding_attention`` when it is set and
+    ``full_attention`` when it is null (Phi-4 vs Phi-3.5), so a checkpoint of either kind
+    runs whichever the source had."""
+    if getattr(config, "layer_types", None) or any(
+        getattr(config, key, None) is not None
+        for key in ("sliding_window_pattern", "_sliding_window_pattern")
+    ):
+        return {}
+    if {kind.split("/", 1)[0] for kind in kinds} not in ({FULL}, {SLIDING}):
+        return {}
+    other = {FULL: SLIDING, SLIDING: FULL}
+    out = {}
+    for kind in kinds:
+        layer_type, mlp = kind.split("/", 1)
+        out[f"{other[layer_type]}/{mlp}"] = kind
+    return out
 
 
 def source_shapes(arch: Architecture) -> dict[str, list[list[Any]]]:
