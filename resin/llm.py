@@ -12,7 +12,9 @@ every prompt as a request, steps the engine until all are finished and returns o
 Engine defaults (each can be overridden with a keyword of :class:`resin.EngineConfig`):
 
 - ``max_model_len``: the checkpoint's ``max_position_embeddings``, capped at
-  :data:`DEFAULT_MAX_MODEL_LEN` so a 128k-context config does not size the cache for 128k.
+  :data:`DEFAULT_MAX_MODEL_LEN` so a 128k-context config does not size the cache for 128k,
+  and at the runner's ``max_model_len_limit`` (a model directory's longest length computed as
+  transformers does, e.g. Phi-3 longrope's original length; a longer one is refused).
 - ``num_pages``: enough pages for ``max_num_seqs`` sequences of ``max_model_len`` tokens (the
   engine's own rule, ``CacheLayout.pages_per_request``: every cache group, recurrent states
   and their checkpoints in flight included), but no more than fit in ``kv_cache_bytes``
@@ -47,6 +49,7 @@ from typing import Any
 from resin._core import CacheLayout, Engine, EngineConfig, RequestOutput, SamplingParams
 from resin.chat_template import ChatTemplate
 from resin.loading.checkpoint_info import CheckpointInfo, read_checkpoint_info
+from resin.loading.fields import ConfigError
 from resin.loading.rope import RopeConfig, check_rope_length
 from resin.tokenizer import Tokenizer
 
@@ -218,9 +221,17 @@ class LLM:
                 f"{sorted(f for f in fields if not f.startswith('_'))}"
             )
         settings: dict[str, Any] = dict(overrides)
-        settings.setdefault(
-            "max_model_len", min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        )
+        default_len = min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        limit = getattr(runner, "max_model_len_limit", None)  # a model directory's own
+        if limit is not None:
+            longest, why = limit
+            if settings.get("max_model_len", longest) > longest:
+                raise ConfigError(
+                    f"max_model_len {settings['max_model_len']} is past {longest}: {why}. "
+                    f"Serve with max_model_len <= {longest}"
+                )
+            default_len = min(default_len, longest)
+        settings.setdefault("max_model_len", default_len)
         rope = getattr(getattr(runner, "config", None), "rope", None)  # a built-in family's
         if isinstance(rope, RopeConfig):
             check_rope_length(rope, int(settings["max_model_len"]))

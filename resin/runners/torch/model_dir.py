@@ -579,6 +579,10 @@ class ModelDirRunner(PagedRunner):
     """A model directory's runner: the shared paged runner on its blocks and record."""
 
     model_dir: Path
+    # (longest sequence, why) the blocks compute as transformers does, from the optional
+    # ``blocks.max_model_len_limit(config)`` hook (Phi-3 longrope: the original length); None:
+    # no limit. ``resin.LLM`` caps its default max_model_len at it and refuses a longer one.
+    max_model_len_limit: tuple[int, str] | None = None
 
     @classmethod
     def from_model_dir(
@@ -690,6 +694,8 @@ class ModelDirRunner(PagedRunner):
         )
         runner = cls(definition, weights, device, dtype, attention_backend)
         runner.model_dir = model_dir
+        if hasattr(blocks, "max_model_len_limit"):
+            runner.max_model_len_limit = blocks.max_model_len_limit(full_args)
         if shard is not None:
             runner.shard = shard  # type: ignore[attr-defined]
             runner.data_parallel = parallel is not None and parallel[5]  # type: ignore[attr-defined]
