@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -371,8 +372,10 @@ def test_models_retrieve_with_both_sdks(server, client):
     claude = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
     info = claude.models.retrieve(MODEL)
     assert (info.type, info.id, info.display_name) == ("model", MODEL, MODEL)
+    # /v1/messages takes any claude-* name (Claude Code's), so its lookup does too
+    assert claude.models.retrieve("claude-sonnet-4-5").id == "claude-sonnet-4-5"
     with pytest.raises(anthropic.NotFoundError) as gone:
-        claude.models.retrieve("claude-nothing")
+        claude.models.retrieve("gpt-nothing")
     assert gone.value.body["error"]["type"] == "not_found_error"
 
 
@@ -458,3 +461,30 @@ def test_browsers_may_call_the_api_cors(server):
     assert "POST" in preflight.headers["access-control-allow-methods"]
     listed = httpx.get(f"{server.base_url}/v1/models", headers=origin)
     assert listed.headers["access-control-allow-origin"] == "*"
+
+
+def test_the_sdks_stream_helper_accumulates_every_choice_exactly(client):
+    """Each choice opens with a role-only chunk, as OpenAI and vLLM send it: the SDK's
+    ``chat.completions.stream`` accumulator counted a choice's first logprobs twice when its
+    role came with its first token (every choice but the first to arrive)."""
+    kw: dict[str, Any] = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        n=3,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=1,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        snapshot = stream.current_completion_snapshot
+    plain = client.chat.completions.create(**kw)
+    for streamed, whole in zip(snapshot.choices, plain.choices):
+        assert [t.token for t in streamed.logprobs.content] == [
+            t.token for t in whole.logprobs.content
+        ]
+        assert len(whole.logprobs.content) == 8
+        assert streamed.message.content == whole.message.content

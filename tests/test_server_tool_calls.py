@@ -328,3 +328,54 @@ def test_a_call_released_whole_at_the_end_is_a_finished_call(scripted):
     choice = response.choices[0]
     assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
     assert choice.finish_reason == "tool_calls"
+
+
+def test_no_parallel_calls_keeps_the_first_call_on_every_api(scripted):
+    """parallel_tool_calls false (Chat, Responses) and disable_parallel_tool_use (Anthropic):
+    a model writing two calls reports the first only, streamed and not (vLLM keeps the first)."""
+    import anthropic
+    import httpx
+
+    ctx, runner, tokenizer, client = scripted
+    _script(ctx, runner, tokenizer, "qwen3_coder", None, CASES["qwen3_coder"][1])  # two calls
+    messages = [{"role": "user", "content": "Weather?"}]
+    both = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    assert len(both.choices[0].message.tool_calls) == 2
+    one = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, parallel_tool_calls=False
+    )
+    calls = one.choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "SF", "days": 3}]
+    assert one.choices[0].finish_reason == "tool_calls"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, parallel_tool_calls=False, stream=True
+    )
+    indices = {
+        call.index
+        for chunk in stream
+        for choice in chunk.choices
+        for call in choice.delta.tool_calls or []
+    }
+    assert indices == {0}
+    base = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+    response = httpx.post(
+        f"{base}/v1/responses",
+        json={
+            "model": MODEL,
+            "input": "Weather?",
+            "tools": [{"type": "function", **TOOLS[0]["function"]}],
+            "parallel_tool_calls": False,
+        },
+        timeout=60,
+    ).json()
+    assert [item["type"] for item in response["output"]] == ["function_call"]
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    message = claude.messages.create(
+        model="claude-test",
+        max_tokens=200,
+        messages=messages,
+        tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+    )
+    assert [block.type for block in message.content] == ["tool_use"]
+    assert message.stop_reason == "tool_use"

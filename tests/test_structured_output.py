@@ -173,6 +173,38 @@ def test_chat_tool_choice_required(server: LiveServer) -> None:
         check(json.loads(call["function"]["arguments"]), SCHEMAS[name])
 
 
+def test_allowed_tools_required_calls_one_of_them(server: LiveServer) -> None:
+    """allowed_tools with mode required forces a call of an allowed tool only (the prompt still
+    lists both); mode auto forces nothing; a name not in tools is a 400. Chat nests the list,
+    Responses does not."""
+    only_time = [{"type": "function", "function": {"name": "get_time"}}]
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": only_time}}
+    result = chat(server, tools=CHAT_TOOLS, tool_choice=allowed, temperature=1.0, seed=3, n=4)
+    for choice in result["choices"]:
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time"
+        check(json.loads(call["function"]["arguments"]), TIME)
+    tools = [
+        {"type": "function", "name": "get_weather", "parameters": WEATHER},
+        {"type": "function", "name": "get_time", "parameters": TIME},
+    ]
+    body = {"model": MODEL, "input": "weather?", "max_output_tokens": 300, "tools": tools}
+    flat = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_weather"}],
+    }
+    response = post(server, "/v1/responses", {**body, "tool_choice": flat, "temperature": 0.9})
+    [call] = [item for item in response.json()["output"] if item["type"] == "function_call"]
+    assert call["name"] == "get_weather"
+    unknown = {**flat, "tools": [{"type": "function", "name": "get_news"}]}
+    refused = post(server, "/v1/responses", {**body, "tool_choice": unknown})
+    assert refused.status_code == 400 and "get_news" in refused.text
+    auto = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": only_time}}
+    free = chat(server, tools=CHAT_TOOLS, tool_choice=auto, temperature=0, max_tokens=5)
+    assert free["choices"][0]["finish_reason"] == "length"  # not forced: the fixture rambles
+
+
 def test_chat_tool_choice_named(server: LiveServer) -> None:
     result = chat(
         server,

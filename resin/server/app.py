@@ -346,7 +346,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
         """One served model (the SDKs' ``models.retrieve``), in the caller's API's shape; a
         name not served is a 404 in that shape too."""
         anthropic = bool(request.headers.get("anthropic-version"))
-        if model_id not in ctx.options.served_model_names:
+        # /v1/messages answers any claude-* name (Claude Code's), so an Anthropic lookup does
+        served = model_id in ctx.options.served_model_names
+        if not served and not (anthropic and model_id.startswith("claude")):
             error = model_not_found(model_id)
             body = error.anthropic_body() if anthropic else error.openai_body()
             return JSONResponse(body, status_code=404)

@@ -28,6 +28,8 @@ from resin.server.generation import ChoiceDelta, TokenLogprob
 from resin.server.parsers import (
     OutputEvent,
     OutputParser,
+    ParsedToolCall,
+    ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
     needs_special_tokens,
@@ -35,7 +37,13 @@ from resin.server.parsers import (
 
 
 def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
-    """``none`` / ``auto`` / ``required`` or ``{"type": "function", "name": ...}``."""
+    """``none`` / ``auto`` / ``required``, ``{"type": "function", "name": ...}``, or for
+    ``allowed_tools`` with mode ``required`` ``{"type": "allowed_tools", "names": [...]}`` (a
+    forced call of one of them; mode ``auto`` is ``auto``)."""
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        allowed = value.get("allowed_tools")  # Chat nests them; Responses does not
+        spec = allowed if isinstance(allowed, dict) else value
+        return allowed_tools_choice(spec.get("mode"), spec.get("tools"), tools)
     if value is None:
         return "auto" if tools else "none"
     if value == "required" and not tools:
@@ -46,8 +54,6 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | d
         name = value.get("name")
         if name is None and isinstance(value.get("function"), dict):
             name = value["function"].get("name")
-        if value.get("type") == "allowed_tools":
-            return "auto"
         if isinstance(name, str):
             if not any(t["function"]["name"] == name for t in tools or ()):
                 raise APIError(
@@ -61,6 +67,39 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | d
         "'tool_choice' must be 'none', 'auto', 'required' or a named function",
         param="tool_choice",
     )
+
+
+def allowed_tools_choice(
+    mode: Any, allowed: Any, tools: list[dict[str, Any]] | None
+) -> str | dict[str, Any]:
+    """OpenAI's ``allowed_tools`` (``mode`` ``auto`` or ``required``; ``allowed`` a list of
+    ``{"type": "function", "name"}`` or Chat's ``{"type": "function", "function": {"name"}}``):
+    ``required`` is a forced call of one of those tools (the prompt still lists them all),
+    ``auto`` lets the model call a tool. A name not in ``tools`` is a 400."""
+    if mode not in ("auto", "required") or not isinstance(allowed, list) or not allowed:
+        raise APIError(
+            400,
+            "tool_choice allowed_tools needs 'mode' ('auto' or 'required') and a non-empty "
+            "'tools' list",
+            param="tool_choice",
+        )
+    offered = {t["function"]["name"] for t in tools or ()}
+    names = []
+    for entry in allowed:
+        function = entry.get("function") if isinstance(entry, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name is None and isinstance(entry, dict):
+            name = entry.get("name")
+        if not isinstance(name, str) or name not in offered:
+            raise APIError(
+                400,
+                f"tool_choice allowed_tools lists {name!r}, which is not in 'tools'",
+                param="tool_choice",
+            )
+        names.append(name)
+    if mode == "auto":
+        return "auto"
+    return {"type": "allowed_tools", "names": names}
 
 
 def _parsers(
@@ -100,9 +139,17 @@ class ChatChoice:
         self.num_tool_calls = 0  # calls the model finished
         self.num_cut_tool_calls = 0  # calls the end of the generation cut (closed by the parser)
         self._open_calls: set[int] = set()  # calls started and not yet ended, by index
+        self.max_tool_calls = prompt.max_tool_calls  # None, or 1: no parallel calls
 
     def events(self, delta: ChoiceDelta) -> list[OutputEvent]:
         events = self.parser.feed(delta.text) if delta.text else []
+        if delta.finish_reason is not None:
+            finishing = self.parser.finish()
+        else:
+            finishing = []
+        if self.max_tool_calls is not None:  # calls past the allowed number are dropped
+            events = [e for e in events if not self._dropped(e)]
+            finishing = [e for e in finishing if not self._dropped(e)]
         for event in events:
             if isinstance(event, ToolCallStart):
                 self._open_calls.add(event.index)
@@ -118,7 +165,7 @@ class ChatChoice:
                 replace(e, cut=True)
                 if isinstance(e, ToolCallEnd) and e.index in self._open_calls
                 else e
-                for e in self.parser.finish()
+                for e in finishing
             )
             self.stop_string = delta.stop_string
             self.finish_reason = delta.finish_reason
@@ -132,6 +179,17 @@ class ChatChoice:
         ):
             self.finish_reason = "tool_calls"
         return events
+
+    def _dropped(self, event: OutputEvent) -> bool:
+        calls = (ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd)
+        limit = self.max_tool_calls
+        return limit is not None and isinstance(event, calls) and event.index >= limit
+
+    @property
+    def tool_calls(self) -> list[ParsedToolCall]:
+        """The calls the choice reports (the first ``max_tool_calls`` of those parsed)."""
+        calls = self.parser.tool_calls
+        return calls if self.max_tool_calls is None else calls[: self.max_tool_calls]
 
     @property
     def content(self) -> str:

@@ -45,6 +45,9 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None  # OpenAI function tools, as rendered
     reasoning_started: bool  # the prompt ends inside an open <think> block
     reasoning_closed: bool = False  # the prompt ends with "</think>": thinking switched off
+    # 1 when the request allows no parallel calls (OpenAI parallel_tool_calls false, Anthropic
+    # disable_parallel_tool_use): calls after the first are dropped, as vLLM does; else None
+    max_tool_calls: int | None = None
 
 
 TEXT_PARTS = ("text", "input_text", "output_text", "summary_text", "reasoning_text")

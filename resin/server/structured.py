@@ -135,6 +135,11 @@ class StructuredOutputs:
         if self.tool_parser is None or not self.compiler.supports_tool_calls:
             return None
         name = tool_choice.get("name") if isinstance(tool_choice, Mapping) else None
+        if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "allowed_tools":
+            # a call of one of the allowed tools: the grammar offers those only
+            keep = [i for i, t in enumerate(tools) if t["function"]["name"] in tool_choice["names"]]
+            tools = [tools[i] for i in keep]
+            params = [params[i] if i < len(params) else f"tools[{i}]" for i in keep]
         key = ("tool_call", _json_key(tools), name, tuple(params), prefix)
         return self.compile(key, lambda c: c.tool_call(tools, name, params, prefix=prefix))
 

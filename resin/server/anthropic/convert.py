@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from resin.server.chat_output import parse_tool_choice
@@ -357,4 +358,7 @@ def build_prompt(
         anthropic=True,
         continue_final_message=prefill,
     )
+    choice = body.get("tool_choice")
+    if isinstance(choice, Mapping) and choice.get("disable_parallel_tool_use") is True:
+        prompt = replace(prompt, max_tool_calls=1)
     return prompt, tool_choice

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from resin.server.chat_output import ChatChoice, parse_tool_choice, skip_special_tokens
@@ -163,6 +164,8 @@ def prepare_chat(
         request_chat_template(ctx, body),
         continue_final_message=get_bool(body, "continue_final_message", False),
     )
+    if not get_bool(body, "parallel_tool_calls", True):
+        prompt = replace(prompt, max_tool_calls=1)
     n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
     num_logprobs = None
     if body.get("top_logprobs") is not None and not get_bool(body, "logprobs", False):
@@ -273,10 +276,20 @@ async def stream_chat(
             for delta in batch:
                 choice = choices[delta.index]
                 body_delta = delta_body(choice.events(delta), emit_rc)
-                first = not started[delta.index]
-                if first:
+                if not started[delta.index]:
+                    # A role-only chunk opens each choice, as OpenAI and vLLM send it: the
+                    # SDK's stream accumulator counts a first chunk's logprobs twice otherwise
+                    # (for every choice but the first to arrive).
                     started[delta.index] = True
-                    body_delta = {"role": "assistant", "content": "", **body_delta}
+                    opening = {
+                        "index": delta.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    if return_ids:
+                        opening["token_ids"] = []
+                    yield f'data: {head}{prompt_ids},"choices":[{dumps(opening)}]{tail}'
                 # held-back text still reports its logprobs and token ids
                 if body_delta or delta.logprobs or (return_ids and delta.token_ids):
                     entry: dict[str, Any] = {
@@ -292,8 +305,7 @@ async def stream_chat(
                         }
                     if return_ids:
                         entry["token_ids"] = delta.token_ids
-                    extra = prompt_ids if first else ""
-                    yield f'data: {head}{extra},"choices":[{dumps(entry)}]{tail}'
+                    yield f'data: {head},"choices":[{dumps(entry)}]{tail}'
                 if choice.finish_reason is not None:
                     final: dict[str, Any] = {
                         "index": delta.index,
@@ -377,7 +389,7 @@ async def _choice_bodies(
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments},
             }
-            for c in choice.parser.tool_calls
+            for c in choice.tool_calls
         ]
         content = choice.content
         message: dict[str, Any] = {

@@ -28,7 +28,9 @@ This module owns the translation of a request body into what the shared chat plu
   ``tool_search`` ...) are skipped. :class:`ToolTarget` maps each name the model sees back to
   what the client gets (``custom_tool_call`` with raw ``input``; ``name`` + ``namespace``).
 - ``tool_choice``: ``none``/``auto``/``required``, ``{"type": "function"|"custom", "name"}``;
-  ``allowed_tools`` and hosted-tool choices mean ``auto``.
+  ``allowed_tools`` with mode ``required`` forces a call of one of its tools (mode ``auto``
+  means ``auto``); hosted-tool choices mean ``auto``. ``parallel_tool_calls: false`` keeps the
+  first call only.
 - ``reasoning.effort``: ``"none"`` renders with ``enable_thinking=False``; every effort is also
   passed to the template as ``reasoning_effort``. ``chat_template_kwargs`` (vLLM's extension)
   is honoured too.
@@ -46,10 +48,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from resin.server.chat_output import parse_tool_choice, skip_special_tokens
+from resin.server.chat_output import (
+    allowed_tools_choice,
+    parse_tool_choice,
+    skip_special_tokens,
+)
 from resin.server.chat_prompt import (
     ChatPrompt,
     build_chat_prompt,
@@ -139,6 +145,8 @@ def prepare_response(ctx: ServerContext, body: dict[str, Any]) -> ResponsesReque
     prompt = build_chat_prompt(
         ctx, normalize_chat_messages(messages), tools, template_kwargs(body), param="input"
     )
+    if not get_bool(body, "parallel_tool_calls", True):
+        prompt = replace(prompt, max_tool_calls=1)
     requested = get_int(body, "max_output_tokens", minimum=1)
     max_tokens = max_tokens_for(requested, len(prompt.token_ids), ctx.max_model_len, param="input")
     num_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
@@ -427,9 +435,16 @@ def convert_tool_choice(
                     param="tool_choice",
                 )
             return {"type": "function", "name": full}
-        if kind == "allowed_tools" and value.get("mode") == "required":
-            return "required" if tools else "none"
-        if isinstance(kind, str):  # allowed_tools, or a hosted tool the model is not offered
+        if kind == "allowed_tools":
+            listed = value.get("tools")
+            internal = [
+                {**entry, "name": internal_name(entry["name"], entry.get("namespace"))}
+                if isinstance(entry, Mapping) and isinstance(entry.get("name"), str)
+                else entry
+                for entry in (listed if isinstance(listed, list) else [])
+            ]
+            return allowed_tools_choice(value.get("mode"), internal, tools)
+        if isinstance(kind, str):  # a hosted tool the model is not offered
             return "auto" if tools else "none"
     raise APIError(
         400,
