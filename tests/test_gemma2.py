@@ -111,18 +111,6 @@ def test_parity_bf16_layers_bit_exact() -> None:
     assert report.stage("logits").metrics["scaled_diff"] == 0.0
 
 
-@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["sdpa", "cpu-kernel"])
-def test_parity_on_the_torch_backend(cpu_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The servers' default backend, both of its CPU paths (the padded batch takes the masked
-    softmax, not SDPA, for a soft-cap): tests/test_torch_backend.py's check, every stage, on
-    the first shipped model whose attention is soft-capped."""
-    from tests import test_torch_backend
-
-    test_torch_backend.test_every_model_passes_parity_on_it(
-        "resin/models/gemma2", cpu_kernel, monkeypatch
-    )
-
-
 def test_no_attention_softcap_fails_at_self_attn(
     blocks: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
