@@ -408,3 +408,59 @@ def test_mid_prefill_row_may_return_no_token() -> None:
     assert engine.update(plan, out(u32([5]), u32([0, 1]))) == []  # ignored: row does not sample
     final = finish_all(engine)
     assert final["long"].token_ids == [good_token("long", 20), good_token("long", 21)]
+
+
+def test_malformed_prompt_logprobs_rejected_then_the_same_plan_commits() -> None:
+    """A request asking for prompt logprobs: the prefill plan marks 4 targets (prompt tokens 1 to
+    4, two top entries each); missing, short, wrongly typed or mismatched arrays are refused
+    naming the field, nothing is recorded, and the right output commits the same plan."""
+    engine = resin.Engine(
+        resin.EngineConfig(page_size=4, num_pages=32, max_model_len=64, vocab_size=VOCAB),
+        RecordingRunner(good_token),
+    )
+    engine.add_request("a", PROMPTS["a"], SamplingParams(max_tokens=2, prompt_logprobs=2))
+    plan = engine.schedule()
+    targets = plan.prompt_logprob_targets
+    assert targets.tolist() == [12, 13, 14, 15, -1] and plan.sampling.num_prompt_logprobs[0] == 2
+    ids, indptr = u32([good_token("a", 5)]), u32([0, 1])
+    top_ids = np.tile(u32([1, 2]), (4, 1))
+    top = np.full((4, 2), -1.0, np.float32)
+    lps = np.full(4, -0.25, np.float32)
+    bad = {
+        "missing": (out(ids, indptr), "prompt_logprobs"),
+        "short": (out(ids, indptr, prompt_logprobs=lps[:3]), "prompt_logprobs"),
+        "float64": (out(ids, indptr, prompt_logprobs=lps.astype(np.float64)), "prompt_logprobs"),
+        "no_top": (out(ids, indptr, prompt_logprobs=lps), "prompt_top_logprob_ids"),
+        "shapes_differ": (
+            out(
+                ids,
+                indptr,
+                prompt_logprobs=lps,
+                prompt_top_logprob_ids=top_ids,
+                prompt_top_logprobs=top[:, :1].copy(),
+            ),
+            "prompt_top_logprob",
+        ),
+        "top_out_of_vocab": (
+            out(
+                ids,
+                indptr,
+                prompt_logprobs=lps,
+                prompt_top_logprob_ids=np.full((4, 2), VOCAB, np.uint32),
+                prompt_top_logprobs=top,
+            ),
+            "prompt_top_logprob_ids",
+        ),
+    }
+    for case, (output, field) in bad.items():
+        with pytest.raises(ValueError, match=field):
+            engine.update(plan, output)
+            pytest.fail(f"{case}: accepted")
+        assert engine.metrics_text()  # still serving
+    good = out(
+        ids, indptr, prompt_logprobs=lps, prompt_top_logprob_ids=top_ids, prompt_top_logprobs=top
+    )
+    [first] = engine.update(plan, good)
+    assert first.prompt_logprobs == [None] + [
+        {t: -0.25, 1: -1.0, 2: -1.0} for t in PROMPTS["a"][1:]
+    ]
