@@ -166,6 +166,22 @@ HARMONY = [
     "<|channel|>analysis<|message|>a<|constrain|>b<|message|>c<|channel|>final<|message|>d",
 ]
 
+# Kimi K2 (parser "kimi_k2"): DeepSeek's block of calls with its own markers (special tokens).
+K_SEC, K_SEC_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+K_CALL, K_ARGS, K_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+KIMI = [
+    f'Let me look.{K_SEC}{K_CALL}functions.get_weather:0{K_ARGS}{{"city": "Tokyo"}}{K_END}'
+    f'{K_CALL}functions.write:1{K_ARGS}{{"path": "a", "content": "日本 <| x"}}{K_END}{K_SEC_END}',
+    f'{K_SEC}{K_CALL}no arguments marker{K_END}{K_CALL}g:3{K_ARGS}{{"b": 2}}{K_END}{K_SEC_END}',
+    f"Text {K_SEC}not a call{K_SEC_END} after",
+    f"Cut off {K_SEC}",
+    f"Stray {K_SEC_END} end",
+    f'{K_SEC}{K_CALL}functions.f:0{K_ARGS}{{"a": 1, "b": ',
+    f"{K_CALL}functions.ping:0{K_ARGS}{K_END}",
+    f'{K_CALL}functions.h:0{K_ARGS}{{"c": oops}}{K_END} tail',
+    "x <|im_end|> <|tool_call",
+]
+
 CORPUS = {
     "hermes": HERMES + CODER[:2],
     "qwen3_coder": CODER + HERMES[:1],
@@ -174,6 +190,7 @@ CORPUS = {
     "glm": GLM,
     "llama": LLAMA,
     "harmony": HARMONY,
+    "kimi": KIMI,
 }
 FORMAT_OF = {
     "hermes": "hermes",
@@ -190,6 +207,7 @@ FORMAT_OF = {
     "glm47": "glm",
     "llama3_json": "llama",
     "openai": "harmony",
+    "kimi_k2": "kimi",
 }
 
 # How the reasoning around a call may look: closed, unterminated (the call start ends it),

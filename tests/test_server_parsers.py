@@ -682,6 +682,7 @@ def test_default_parsers():
     assert default_parsers("glm5_next") == default_parsers("glm5_next_text") == ("glm47", "glm45")
     assert default_parsers("llama") == ("llama3_json", None)
     assert default_parsers("gpt_oss") == ("openai", "openai_gptoss")
+    assert default_parsers("kimi_k2") == ("kimi_k2", "qwen3")
     assert default_parsers("mistral") == (None, None) and default_parsers("mixtral") == (None, None)
     for tool, reasoning in [
         default_parsers(t)
@@ -746,6 +747,16 @@ PIECES = {
         "</｜DSML｜invoke>",
         "<｜DSML｜",
     ],
+    "kimi_k2": [
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|>',
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        "functions.get_weather:1",
+        "<|",
+    ],
     "openai": [
         "<|channel|>analysis<|message|>Think.<|end|>",
         "<|start|>assistant<|channel|>final<|message|>",
@@ -807,6 +818,12 @@ def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
         return json.dumps({"name": name, rng.choice(["parameters", "arguments"]): args})
     if tool == "deepseek_v4":
         return "<｜DSML｜tool_calls>\n" + dsml_call(name, args) + "\n</｜DSML｜tool_calls>"
+    if tool == "kimi_k2":
+        return (
+            f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:{rng.randint(0, 9)}"
+            f"<|tool_call_argument_begin|>{json.dumps(args, ensure_ascii=rng.random() < 0.5)}"
+            "<|tool_call_end|><|tool_calls_section_end|>"
+        )
     if tool == "qwen3_coder":
         return coder_call(
             name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()}
@@ -815,7 +832,8 @@ def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
 
 
 @pytest.mark.parametrize(
-    "tool", ["hermes", "qwen3_coder", "deepseek_v3", "deepseek_v4", "glm45", "llama3_json"]
+    "tool",
+    ["hermes", "qwen3_coder", "deepseek_v3", "deepseek_v4", "glm45", "llama3_json", "kimi_k2"],
 )
 def test_random_well_formed_outputs(tool):
     rng = random.Random(tool)

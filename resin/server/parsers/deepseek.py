@@ -66,6 +66,11 @@ def parse_deepseek_body(body: str, schemas: ToolSchemas | None = None) -> tuple[
 
 
 class DeepSeekToolParser(ToolParser):
+    """The block-of-calls formats: ``calls_begin`` (``call_begin`` body ``call_end``)...
+    ``calls_end``. Subclasses with the same structure set the four markers, ``json_heads``
+    and :meth:`parse_body` (Kimi K2)."""
+
+    calls_begin, calls_end, call_begin = CALLS_BEGIN, CALLS_END, CALL_BEGIN
     start_markers = (CALL_BEGIN,)
     reasoning_exit_markers: tuple[str, ...] = (CALLS_BEGIN, CALL_BEGIN)
     json_heads = (_V3_HEAD, _V31_HEAD)
@@ -74,6 +79,10 @@ class DeepSeekToolParser(ToolParser):
     _block: str | None = None  # inside calls begin, before its first call: the text held
     _in_block = False  # between calls begin and calls end
 
+    def parse_body(self, body: str) -> tuple[str, str] | None:
+        """``(name, arguments JSON)`` of one call body read whole, or ``None``."""
+        return parse_deepseek_body(body, self.schemas)
+
     def _open_call(self, marker: str) -> None:
         self._state = "json_head"
 
@@ -81,7 +90,8 @@ class DeepSeekToolParser(ToolParser):
         return super().in_plain_content() and self._block is None
 
     def _step_content(self, out: list[OutputEvent], final: bool) -> bool:
-        before, marker, after = split_at_marker(self._buf, (CALL_BEGIN, CALLS_BEGIN, CALLS_END))
+        markers = (self.call_begin, self.calls_begin, self.calls_end)
+        before, marker, after = split_at_marker(self._buf, markers)
         if marker is None:
             self._content(out, self._buf if final else before)
             self._buf = "" if final else after
@@ -89,10 +99,10 @@ class DeepSeekToolParser(ToolParser):
         self._content(out, before)
         self._buf = after
         self._scan_from = 0
-        if marker == CALL_BEGIN:
+        if marker == self.call_begin:
             self._raw = marker
             self._open_call(marker)
-        elif marker == CALLS_BEGIN:
+        elif marker == self.calls_begin:
             if self._block is None and not self._in_block:
                 self._block, self._in_block = "", True
             else:
@@ -100,7 +110,7 @@ class DeepSeekToolParser(ToolParser):
         elif self._in_block:  # calls end
             held, self._block, self._in_block = self._block, None, False
             if held is not None:  # no call formed in the block: all of it is text
-                super()._content(out, CALLS_BEGIN + held + marker)
+                super()._content(out, self.calls_begin + held + marker)
         elif not self.num_calls:
             self._content(out, marker)
         return True
@@ -120,17 +130,17 @@ class DeepSeekToolParser(ToolParser):
     def _at_finish(self, out: list[OutputEvent]) -> None:
         if self._block is not None:
             held, self._block = self._block, None
-            super()._content(out, CALLS_BEGIN + held)
+            super()._content(out, self.calls_begin + held)
 
     def _step_body(self, out: list[OutputEvent], final: bool) -> bool:
-        at = self._find(CALL_END)
+        at = self._find(self.call_end)
         if at == -1 and not final:
             return False
         body = self._buf if at == -1 else self._buf[:at]
-        self._buf = "" if at == -1 else self._buf[at + len(CALL_END) :]
-        call = parse_deepseek_body(body, self.schemas)
+        self._buf = "" if at == -1 else self._buf[at + len(self.call_end) :]
+        call = self.parse_body(body)
         if call is None:
-            return self._fallback(out, body + ("" if at == -1 else CALL_END))
+            return self._fallback(out, body + ("" if at == -1 else self.call_end))
         self._emit_call(out, *call)
         self._state = "content"
         return True

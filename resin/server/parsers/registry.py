@@ -7,6 +7,7 @@ from .dsml import DsmlToolParser
 from .glm45 import Glm45ToolParser
 from .harmony import HarmonyReasoningParser, HarmonyToolParser
 from .hermes import HermesToolParser
+from .kimi_k2 import KimiK2ToolParser
 from .llama3_json import Llama3JsonToolParser
 from .qwen3_coder import Qwen3CoderToolParser
 from .reasoning import DeepSeekR1ReasoningParser, ThinkReasoningParser
@@ -26,6 +27,7 @@ TOOL_PARSERS: dict[str, type] = {
     "glm47": Glm45ToolParser,  # GLM-4.7: the same tags, no newlines between them
     "llama3_json": Llama3JsonToolParser,
     "openai": HarmonyToolParser,  # gpt-oss harmony: to=functions.NAME messages
+    "kimi_k2": KimiK2ToolParser,  # Kimi K2 / K2.5: functions.NAME:i sections
 }
 
 REASONING_PARSERS: dict[str, type] = {
@@ -72,6 +74,10 @@ _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     # gpt-oss writes harmony messages (resin/server/parsers/harmony.py), whose markers are
     # special tokens: these parsers have the server keep them in the text.
     "gpt_oss": ("openai", "openai_gptoss"),
+    # Kimi K2 / K2.5 (config model_type; DeepSeek-V3 architecture): its call markers are special
+    # tokens too; Thinking variants write <think> blocks, read only where they appear.
+    "kimi_k2": ("kimi_k2", "qwen3"),
+    "kimi_k25": ("kimi_k2", "qwen3"),
 }
 
 
