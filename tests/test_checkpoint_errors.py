@@ -5,8 +5,8 @@ the tensor or the field, never a raw library traceback or a failure at the first
   list for ``weight_map``;
 - shards: a truncated one, in the built-in loader and in a model directory's;
 - tensor dtypes: int8, fp8 (no ``quantization_config``) and bool are refused in both
-  loaders; float64 is cast; a quantised checkpoint's ``quantization_config`` is still refused
-  by the built-in families;
+  loaders; float64 is cast; a block-scaled FP8 checkpoint loads dequantised in the built-in
+  families too (an unsupported ``quantization_config`` is refused, naming it);
 - a model directory's shapes: q_proj rows, KV heads not dividing the heads, head_dim, vocab
   size and intermediate size that do not match the tensors;
 - config.json: Mixtral with more experts per token than experts, rope factors <= 0, llama3's
@@ -31,6 +31,7 @@ torch = pytest.importorskip("torch")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+import resin  # noqa: E402
 from resin.loading import ConfigError, load_model_config  # noqa: E402
 from resin.loading.generation_config import check_generation_config  # noqa: E402
 from resin.loading.weights import WeightsError, load_weights  # noqa: E402
@@ -167,11 +168,65 @@ def test_float64_tensors_are_cast(tmp_path: Path) -> None:
     assert load_builtin(ckpt)[Q_PROJ].dtype == torch.float32
 
 
-def test_quantization_config_is_still_refused_by_the_builtin_families(tmp_path: Path) -> None:
+def test_an_unsupported_quantization_is_refused_by_the_builtin_families(tmp_path: Path) -> None:
     ckpt = copy_of(LLAMA, tmp_path)
-    edit_config(ckpt, lambda c: c.update(quantization_config={"quant_method": "fp8"}))
-    with pytest.raises(WeightsError, match=r"quantization_config \(quant_method 'fp8'\)"):
+    edit_config(ckpt, lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}))
+    with pytest.raises(WeightsError, match=r"quant_method 'awq' is not supported"):
         load_builtin(ckpt)
+
+
+def fp8_quantised(source: Path, tmp_path: Path, block: int = 16) -> tuple[Path, Path]:
+    """(an FP8 block-scaled copy of ``source``, as Qwen3-*-FP8 ships: every layer projection in
+    float8_e4m3fn with a float32 ``weight_scale_inv`` per block, the rest as it was; the same
+    checkpoint with those weights dequantised to float32, the reference)."""
+    quantised, reference = copy_of(source, tmp_path, "fp8"), copy_of(source, tmp_path, "ref")
+    tensors = load_file(str(source / "model.safetensors"))
+    packed, plain = dict(tensors), dict(tensors)
+    for name, weight in tensors.items():
+        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+            continue
+        rows, cols = weight.shape
+        grid = (-(-rows // block), -(-cols // block))
+        scale = torch.zeros(grid)
+        codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(grid[0]):
+            for j in range(grid[1]):
+                part = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
+                scale[i, j] = part.abs().max().clamp(min=1e-12) / 448.0 * (1 + (i + j) % 2)
+                codes[i * block : (i + 1) * block, j * block : (j + 1) * block] = (
+                    part / scale[i, j]
+                ).to(torch.float8_e4m3fn)
+        packed[name], packed[name + "_scale_inv"] = codes, scale
+        expanded = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+        plain[name] = codes.float() * expanded
+    save_file(packed, str(quantised / "model.safetensors"))
+    save_file(plain, str(reference / "model.safetensors"))
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    edit_config(quantised, lambda c: c.update(quantization_config=config))
+    edit_config(quantised, lambda c: c["quantization_config"].update(weight_block_size=[block] * 2))
+    return quantised, reference
+
+
+def test_fp8_block_scaled_checkpoints_load_dequantised_in_the_builtin_families(
+    tmp_path: Path,
+) -> None:
+    """Block-scaled FP8 (transformers' FineGrainedFP8: Qwen3-*-FP8): each quantised tensor is
+    dequantised with its scale at load, so the runner computes what it computes on those
+    values stored in float32; a scale that does not cover its tensor is refused naming it."""
+    from resin.llm import LLM
+
+    quantised, reference = fp8_quantised(REPO / "tests" / "fixtures" / "qwen3", tmp_path)
+    loaded = load_builtin(quantised)
+    expected = load_builtin(reference)
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in loaded)
+    params = resin.SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    ours = LLM(quantised).generate([[5, 6, 7, 8]], params)[0]
+    assert ours.token_ids == LLM(reference).generate([[5, 6, 7, 8]], params)[0].token_ids
+    name = "model.layers.0.self_attn.q_proj.weight"
+    edit_tensors(quantised, lambda t: t.update({name + "_scale_inv": t[name + "_scale_inv"][:1]}))
+    with pytest.raises(WeightsError, match="q_proj"):
+        load_builtin(quantised)
 
 
 # -- 5: model-directory shapes follow the config -----------------------------------------------

@@ -480,3 +480,18 @@ def test_prompt_logprobs_are_the_single_process_ones(name: str, strategy: str) -
         for entry, expected in zip(ours.prompt_logprobs[1:], single.prompt_logprobs[1:]):
             assert entry.keys() == expected.keys()
             assert all(abs(entry[t] - expected[t]) < 1e-4 for t in entry)
+
+
+def test_tp2_on_an_fp8_checkpoint_is_the_dequantised_output(tmp_path: Path) -> None:
+    """A block-scaled FP8 checkpoint under TP: each rank reads a quantised tensor whole with its
+    scale, dequantises it and keeps its slice (it used to cast the FP8 codes without their
+    scales: silently wrong weights)."""
+    from tests.test_checkpoint_errors import fp8_quantised
+
+    quantised, reference = fp8_quantised(FIXTURES / "llama", tmp_path)
+    want = [o.token_ids for o in LLM(reference, max_model_len=96).generate(PROMPTS, PARAMS)]
+    llm = LLM(quantised, max_model_len=96, tensor_parallel_size=2)
+    try:
+        assert _tokens(llm) == want
+    finally:
+        llm.close()

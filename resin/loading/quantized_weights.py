@@ -339,3 +339,45 @@ def dequantize(spec: QuantizedTensor, weight: torch.Tensor, scale: torch.Tensor)
     if spec.kind == "fp4":
         return dequantize_fp4(weight, scale)
     return dequantize_fp8_blocks(weight, scale, spec.block)
+
+
+def checkpoint_plan(
+    directory: Path, file_of_tensor: Mapping[str, Path], is_known: Callable[[str], bool]
+) -> DequantPlan | None:
+    """The dequantisation plan of a checkpoint the built-in loaders read (every tensor's
+    header, paired with its scale), or None without a ``quantization_config``."""
+    from resin.loading.weights import open_safetensors
+
+    scheme = read_quant_scheme(directory)
+    if scheme is None:
+        return None
+    headers: dict[str, tuple[str, tuple[int, ...]]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in file_of_tensor.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with open_safetensors(path, "cpu") as handle:
+            for name in names:
+                view = handle.get_slice(name)
+                headers[name] = (view.get_dtype(), tuple(view.get_shape()))
+    plan = plan_dequantisation(headers, scheme, is_known=is_known)
+    if not plan.tensors:
+        raise WeightsError(
+            f"{directory}/config.json has a quantization_config ({scheme.method}), but no "
+            "tensor of the checkpoint is quantised (none is FP8 with a scale): the config and "
+            "the weights do not match"
+        )
+    return plan
+
+
+def read_dequantized(spec: QuantizedTensor, file_of_tensor: Mapping[str, Path]) -> torch.Tensor:
+    """One planned tensor read with its scale (either may sit in any shard), dequantised to
+    fp32 on CPU."""
+    from resin.loading.weights import open_safetensors, read_tensor
+
+    parts = []
+    for name in (spec.name, spec.scale):
+        path = file_of_tensor[name]
+        with open_safetensors(path, "cpu") as handle:
+            parts.append(read_tensor(handle, name, path))
+    return dequantize(spec, parts[0], parts[1])

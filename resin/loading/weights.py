@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 SUPPORTED_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # safetensors header dtypes of floating tensors, cast to the runner's dtype on load. Anything
-# else (int8 / fp8 codes, bool) is a quantised or foreign tensor: refused, never cast.
+# else (int8 / fp8 codes, bool) is a quantised or foreign tensor: refused, never cast, unless
+# the quantization_config pairs it with a scale (resin.loading.quantized_weights).
 CASTABLE_HEADER_DTYPES = ("F16", "BF16", "F32", "F64")
 # Architectures resin.loading parses (for the engine and `resin bench`) whose weights the torch
 # reference runner cannot use: their own runner lives under models/.
@@ -105,24 +106,6 @@ def moe_router_name(config: ModelConfig, layer_index: int) -> str:
     return f"model.layers.{layer_index}.{block}.gate.weight"
 
 
-def _refuse_quantized(directory: Path) -> None:
-    """The built-in families read unquantised tensors only: a checkpoint whose config.json has a
-    ``quantization_config`` would otherwise load raw FP8 codes without their scales."""
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        return
-    raw = json.loads(config_path.read_text(encoding="utf-8"))
-    quantization = raw.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise WeightsError(
-            f"{directory}: config.json has a quantization_config (quant_method {method!r}); the "
-            "built-in families load unquantised checkpoints only. A model directory's loader "
-            "dequantises FP8 / FP4 checkpoints (resin.loading.quantized_weights): serve it "
-            "through one (resin/models/NAME), or dequantise the checkpoint first"
-        )
-
-
 def load_weights(
     model_dir: str | os.PathLike[str],
     config: ModelConfig,
@@ -133,9 +116,14 @@ def load_weights(
     """Every tensor of :func:`expected_tensor_shapes`, on ``device`` in ``dtype``.
 
     Reads ``model.safetensors`` or the shards of ``model.safetensors.index.json`` in
-    ``model_dir``, memory-mapped; each tensor is read once and converted on the way.
+    ``model_dir``, memory-mapped; each tensor is read once and converted on the way. A
+    checkpoint with a ``quantization_config`` (block-scaled FP8, as Qwen3-*-FP8 and DeepSeek
+    ship) has each quantised tensor dequantised with its scale
+    (:mod:`resin.loading.quantized_weights`; an unsupported scheme is refused, naming it).
     """
     import torch
+
+    from resin.loading.quantized_weights import checkpoint_plan, read_dequantized
 
     dtype = torch.float32 if dtype is None else dtype
     supported = tuple(getattr(torch, n) for n in SUPPORTED_DTYPE_NAMES)
@@ -144,12 +132,13 @@ def load_weights(
             f"unsupported dtype {dtype}; supported: {', '.join(str(d) for d in supported)}"
         )
     directory = Path(model_dir)
-    _refuse_quantized(directory)
     file_of_tensor = locate_tensors(directory)
     expected = expected_tensor_shapes(config)
     if config.tie_word_embeddings and "lm_head.weight" not in file_of_tensor:
         del expected["lm_head.weight"]
     _check_present(expected, file_of_tensor, directory)
+    plan = checkpoint_plan(directory, file_of_tensor, is_known=expected.__contains__)
+    quantised = {} if plan is None else plan.tensors
 
     by_file: dict[Path, list[str]] = {}
     for name in expected:
@@ -160,9 +149,14 @@ def load_weights(
             for name in names:  # check every tensor before copying anything from this file
                 header = tensor_header(handle, name, path, directory)
                 _check_shape(name, list(header.get_shape()), expected[name], path, config)
-                check_float_dtype(name, header.get_dtype(), path)
+                if name not in quantised:
+                    check_float_dtype(name, header.get_dtype(), path)
             for name in names:
-                weights[name] = read_tensor(handle, name, path).to(dtype=dtype)
+                if name in quantised:
+                    full = read_dequantized(quantised[name], file_of_tensor)
+                    weights[name] = full.to(device=device, dtype=dtype)
+                else:
+                    weights[name] = read_tensor(handle, name, path).to(dtype=dtype)
     return weights
 
 
@@ -179,8 +173,8 @@ def check_float_dtype(
         kinds += f" or an index table ({', '.join(allowed)})"
     raise WeightsError(
         f"{path.name}: tensor {name} has dtype {header_dtype}; expected {kinds}. A quantised "
-        "checkpoint needs a quantization_config in config.json (and a model directory whose "
-        "loader dequantises it); otherwise dequantise it first"
+        "checkpoint needs its quantization_config in config.json (block-scaled FP8 is "
+        "dequantised on load, each tensor with its scale); otherwise dequantise it first"
     )
 
 

@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 
 from resin.loading import ModelConfig
+from resin.loading.quantized_weights import checkpoint_plan, read_dequantized
 from resin.loading.weights import (
     WeightsError,
     expected_tensor_shapes,
@@ -263,6 +264,8 @@ def load_weight_shard(
     missing = sorted(set(expected) - set(files))
     if missing:
         raise WeightsError(f"{directory}: missing tensor(s) {', '.join(missing[:5])}")
+    plan = checkpoint_plan(directory, files, is_known=expected.__contains__)
+    quantised = {} if plan is None else plan.tensors  # read whole, dequantised, then sliced
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
@@ -282,7 +285,10 @@ def load_weight_shard(
                     size = [part.stop - part.start for part in index]
                     out[name] = torch.empty(size, device=device, dtype=dtype)
                     continue
-                tensor = handle.get_slice(name)[index]
+                if name in quantised:
+                    tensor = read_dequantized(quantised[name], files)[index]
+                else:
+                    tensor = handle.get_slice(name)[index]
                 if not shard.keeps_bias(name):
                     tensor = torch.zeros_like(tensor)
                 out[name] = tensor.to(device=device, dtype=dtype).contiguous()

@@ -73,7 +73,7 @@ class DeepSeekToolParser(ToolParser):
     calls_begin, calls_end, call_begin = CALLS_BEGIN, CALLS_END, CALL_BEGIN
     start_markers = (CALL_BEGIN,)
     reasoning_exit_markers: tuple[str, ...] = (CALLS_BEGIN, CALL_BEGIN)
-    json_heads = (_V3_HEAD, _V31_HEAD)
+    json_heads: tuple[re.Pattern[str], ...] = (_V3_HEAD, _V31_HEAD)
     call_end = CALL_END
     buffered_state = "body"
     _block: str | None = None  # inside calls begin, before its first call: the text held
