@@ -6,7 +6,8 @@ harness (:mod:`resin.evals.parity`) decide how to build the HF reference of a ch
 - the class: ``AutoModelForCausalLM`` when transformers maps the config there; else
   ``AutoModelForImageTextToText`` (a multimodal wrapper such as GLM-5.3-Flash's
   ``Glm5NextForConditionalGeneration``, whose ``glm5_next`` config has ``text_config`` +
-  ``vision_config`` and no causal-LM entry). Its text-only forward (``input_ids`` in, logits
+  ``vision_config`` and no causal-LM entry; or Qwen3.5's ``qwen3_5``, whose causal-LM entry
+  builds the text model alone). Its text-only forward (``input_ids`` in, logits
   out) is what Resin runs; the vision tower is built but never called;
 - the text config: :func:`text_config` (``config.get_text_config(decoder=True)``, the config
   itself for a plain causal LM), where a wrapper keeps ``vocab_size``, ``num_hidden_layers``,
@@ -47,17 +48,35 @@ def _auto_classes() -> list[Any]:
 
 def lm_auto_class(config: Any) -> Any:
     """The auto class that maps ``config``'s class: ``AutoModelForCausalLM``, else
-    ``AutoModelForImageTextToText``. ValueError names the config class when neither does."""
+    ``AutoModelForImageTextToText``. ValueError names the config class when neither does.
+
+    A wrapper config whose causal-LM entry is built from its text sub-config alone
+    (transformers' "VLM compatibility" entries, e.g. ``qwen3_5`` -> ``Qwen3_5ForCausalLM`` on
+    ``text_config``) takes the wrapper class when there is one: it is the class of the
+    checkpoints (its tensor names, its towers), as for a wrapper with no causal-LM entry."""
     classes = _auto_classes()
-    for auto in classes:
-        if type(config) in auto._model_mapping:
-            return auto
+    for i, auto in enumerate(classes):
+        if type(config) not in auto._model_mapping:
+            continue
+        if _builds_text_part_only(auto, config) and any(
+            type(config) in later._model_mapping for later in classes[i + 1 :]
+        ):
+            continue  # the wrapper class, next
+        return auto
     raise ValueError(
         f"transformers maps {type(config).__name__} (model_type "
         f"{getattr(config, 'model_type', '?')!r}) to no language-model class: neither "
         f"{' nor '.join(a.__name__ for a in classes)} has it (a text sub-config such as "
         "glm5_next_text needs its wrapper's model_type, e.g. glm5_next)"
     )
+
+
+def _builds_text_part_only(auto: Any, config: Any) -> bool:
+    """Whether ``auto`` builds ``config``'s model from its ``text_config`` alone (the class it
+    maps to is configured by the text sub-config's class, so transformers swaps the config)."""
+    text_class = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    model_class = auto._model_mapping[type(config)]
+    return text_class is not None and getattr(model_class, "config_class", None) is text_class
 
 
 def from_config(config: Any) -> Any:
