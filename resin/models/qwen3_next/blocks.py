@@ -194,11 +194,37 @@ def qwen3_next_gated_delta_net(x: torch.Tensor, w: Weights, ctx: LayerContext) -
     ba = F.linear(x, w["in_proj_ba.weight"]).view(num_tokens, nk, 2 * r)
     q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
     b, a = torch.split(ba, [r, r], dim=-1)
-    z = z.reshape(num_tokens, nv, dv)
-    b, a = b.reshape(num_tokens, nv), a.reshape(num_tokens, nv)
     mixed = torch.cat(
         [q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)], dim=-1
     )
+    return gated_delta_net_mix(
+        mixed,
+        z.reshape(num_tokens, nv, dv),
+        b.reshape(num_tokens, nv),
+        a.reshape(num_tokens, nv),
+        w,
+        ctx,
+    )
+
+
+def gated_delta_net_mix(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    w: Weights,
+    ctx: LayerContext,
+) -> torch.Tensor:
+    """The gated delta net after its input projections (modeling_qwen3_next.py:580-769, shared
+    with Qwen3.5's ``Qwen3_5GatedDeltaNet``, whose projections differ): ``mixed`` [T, conv_dim]
+    the conv inputs ``[q (nk*dk) | k (nk*dk) | v (nv*dv)]``, ``z`` [T, nv, dv] the output gate,
+    ``b`` / ``a`` [T, nv]. Causal conv from each row's ``conv`` state, ``beta = sigmoid(b)``,
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32), the gated delta rule from each row's
+    ``ssm`` state, gated RMSNorm with ``z``, ``out_proj``. Returns [T, hidden]."""
+    d = gated_delta_net_dims(ctx.config)
+    nk, nv, dk, dv = d["nk"], d["nv"], d["dk"], d["dv"]
+    r = nv // nk
+    num_tokens = mixed.shape[0]
     beta = b.sigmoid()
     g = -w["A_log"].float().exp() * F.softplus(a.float() + w["dt_bias"])
 
@@ -206,7 +232,7 @@ def qwen3_next_gated_delta_net(x: torch.Tensor, w: Weights, ctx: LayerContext) -
     states = state.load()
     conv_w = w["conv1d.weight"].squeeze(1)  # [C, K]
     act = config_activation(ctx.config)  # the conv's activation: HF's ACT2FN[hidden_act]
-    core = x.new_empty(num_tokens, nv, dv)
+    core = mixed.new_empty(num_tokens, nv, dv)
     if ctx.query_indptr is None:
         raise RuntimeError("qwen3_next: linear_attention needs ctx.query_indptr (rows)")
     bounds = ctx.query_indptr.tolist()
@@ -224,7 +250,7 @@ def qwen3_next_gated_delta_net(x: torch.Tensor, w: Weights, ctx: LayerContext) -
         out, states["ssm"][row] = gated_delta_rule(
             rq, rk, rv, g[start:end], beta[start:end], states["ssm"][row]
         )
-        core[start:end] = out.to(x.dtype)
+        core[start:end] = out.to(mixed.dtype)
     state.store(states)
     core = gated_rms_norm(
         core.reshape(-1, dv), z.reshape(-1, dv), w["norm.weight"], float(ctx.config.rms_norm_eps)
