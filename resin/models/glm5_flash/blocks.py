@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from resin.runners.torch.attention import RowHistory
-from resin.runners.torch.blocks import config_activation, config_value
+from resin.runners.torch.blocks import config_activation, config_value, noaux_tc_routing
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.hyper_connections import (
     expand_streams,
@@ -47,7 +47,7 @@ from resin.runners.torch.hyper_connections import (
     mix_streams,
 )
 from resin.runners.torch.layer_caches import kimi_delta_attention_dims
-from resin.runners.torch.layers import clamped_swiglu
+from resin.runners.torch.layers import clamped_swiglu, routed_experts
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -624,16 +624,6 @@ def glm5_next_text_mlp(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.
     return _mlp(x, w, "", float(ctx.config.swiglu_limit), config_activation(ctx.config))
 
 
-def _expert(w: Weights, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert ``e``'s gate [I, D], up [I, D], down [D, I]: per expert in checkpoints, or HF's
-    fused ``experts.gate_up_proj`` [E, 2I, D] (gate first) / ``experts.down_proj``."""
-    if "experts.gate_up_proj" in w:
-        gate_w, up_w = w["experts.gate_up_proj"][e].chunk(2, dim=0)
-        return gate_w, up_w, w["experts.down_proj"][e]
-    p = f"experts.{e}."
-    return w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"]
-
-
 def glm5_next_text_mo_e(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
     """Glm5NextTextMoE (M:187-208) = Glm5NextTextTopkRouter (M:146-184: fp32 sigmoid scores;
     choice = scores + e_score_correction_bias; groups ranked by the sum of their top-2 choices,
@@ -641,38 +631,11 @@ def glm5_next_text_mo_e(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
     ``norm_topk_prob`` (+1e-20), x ``routed_scaling_factor``) + Glm5NextTextExperts (M:109-143:
     clamped SwiGLU, accumulated in expert order) + the shared experts (clamped SwiGLU MLP)."""
     cfg = ctx.config
-    top_k, limit = int(cfg.num_experts_per_tok), float(cfg.swiglu_limit)
+    limit = float(cfg.swiglu_limit)
     act = config_activation(cfg)  # the shared experts' (HF's ACT2FN[hidden_act])
-    num_experts = w["gate.weight"].shape[0]
-    groups, topk_group = (
-        int(config_value(cfg, "n_group", 1)),
-        int(config_value(cfg, "topk_group", 1)),
-    )
-    logits = F.linear(x.float(), w["gate.weight"].float())
-    scores = logits.sigmoid()
-    choice = scores + w["gate.e_score_correction_bias"].float()
-    group_scores = choice.view(-1, groups, num_experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = (
-        group_mask.unsqueeze(-1).expand(-1, groups, num_experts // groups).reshape(-1, num_experts)
-    )
-    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, experts)
-    if bool(config_value(cfg, "norm_topk_prob", True)):
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * float(cfg.routed_scaling_factor)
-    out = torch.zeros_like(x)
-    for e in torch.unique(experts).tolist():
-        # HF's order: slot-major (``torch.where`` on the [top_k, T] mask), one fused gate|up
-        # matmul — the same math; in bf16 the GEMM's rounding follows its operands' layout
-        slot, token = torch.where(experts.t() == e)
-        gate_w, up_w, down_w = _expert(w, e)
-        gate, up = F.linear(x[token], torch.cat([gate_w, up_w], dim=0)).chunk(2, dim=-1)
-        h = clamped_swiglu(gate, up, limit)  # SiLU whatever hidden_act says: HF's M:143
-        y = F.linear(h, down_w) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+    experts, weights = noaux_tc_routing(x, w, cfg)
+    # SiLU whatever hidden_act says: HF's M:143
+    out = routed_experts(x, w, experts, weights, lambda gate, up: clamped_swiglu(gate, up, limit))
     return out + _mlp(x, w, "shared_experts.", limit, act)
 
 

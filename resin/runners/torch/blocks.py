@@ -23,6 +23,7 @@ from resin.runners.torch.layers import (
     RotaryEmbedding,
     apply_rotary,
     gate_activation,
+    grouped_topk_routing,
     moe_mlp,
     rms_norm,
     swiglu_mlp,
@@ -119,6 +120,24 @@ def topk_moe_block(
         return moe_mlp(x, moe)
 
     return moe_block
+
+
+def noaux_tc_routing(x: torch.Tensor, w: Weights, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DeepSeek-V3-style MoE module's routing (``DeepseekV3TopkRouter``, GLM-5's): its
+    ``gate.weight`` and ``gate.e_score_correction_bias`` with the config's
+    ``num_experts_per_tok``, ``n_group`` / ``topk_group`` (default 1), ``norm_topk_prob``
+    (default true) and ``routed_scaling_factor`` -> ``(experts, weights)`` [T, top_k]
+    (:func:`.layers.grouped_topk_routing`)."""
+    return grouped_topk_routing(
+        x,
+        w["gate.weight"],
+        w["gate.e_score_correction_bias"],
+        int(config_value(config, "num_experts_per_tok")),
+        int(config_value(config, "n_group", 1)),
+        int(config_value(config, "topk_group", 1)),
+        bool(config_value(config, "norm_topk_prob", True)),
+        float(config_value(config, "routed_scaling_factor", 1.0)),
+    )
 
 
 def prenorm_decoder_layer(

@@ -364,6 +364,87 @@ def clamped_swiglu(
     return activation(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def grouped_topk_routing(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's ``noaux_tc`` router (HF ``DeepseekV3TopkRouter``; GLM-5's
+    ``Glm5NextTextTopkRouter`` is the same), op for op: fp32 sigmoid scores of ``x @ router.T``;
+    choice = scores + ``correction_bias``; the ``num_groups`` expert groups ranked by the sum of
+    their top-2 choices, the best ``topk_group`` kept; the ``top_k`` best choices in them. Returns
+    ``(experts int64 [T, top_k], weights fp32 [T, top_k])``: the un-biased scores of the chosen
+    experts, renormalised iff ``norm_topk_prob`` (+1e-20), times ``scaling``."""
+    num_experts = router.shape[0]
+    scores = F.linear(x.float(), router.float()).sigmoid()
+    choice = scores + correction_bias.float()
+    per_group = num_experts // num_groups
+    group_scores = choice.view(-1, num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, per_group).reshape(-1, num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights * scaling
+
+
+def fused_expert_weights(
+    w: dict[str, torch.Tensor], e: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ``e``'s gate [I, D], up [I, D], down [D, I] from a MoE module's tensors: per expert
+    as checkpoints store them (``experts.{e}.{gate,up,down}_proj.weight``), or HF's fused
+    ``experts.gate_up_proj`` [E, 2I, D] (gate first) / ``experts.down_proj`` [E, D, I]."""
+    if "experts.gate_up_proj" in w:
+        gate_w, up_w = w["experts.gate_up_proj"][e].chunk(2, dim=0)
+        return gate_w, up_w, w["experts.down_proj"][e]
+    p = f"experts.{e}."
+    return w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"]
+
+
+def routed_experts(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    slot_sum: bool = False,
+) -> torch.Tensor:
+    """The routed experts of a DeepSeek-V3-style MoE (HF ``DeepseekV3Experts``, GLM-5's): for
+    each chosen expert in index order, its tokens slot-major (HF's ``torch.where`` on the
+    ``[top_k, T]`` mask), one fused ``gate | up`` matmul, ``down(gated(gate, up))`` times the
+    token's routing weight. ``experts`` / ``weights`` [T, k] (:func:`grouped_topk_routing`);
+    expert tensors by :func:`fused_expert_weights`. The fused matmul is HF's: in bf16 a GEMM's
+    rounding follows its operands' layout. Accumulated as the experts class's eager
+    ``forward`` does (``index_add_`` in the model dtype, expert by expert), or with
+    ``slot_sum`` as transformers' ``grouped_mm`` / ``batched_mm`` dispatch (its default for a
+    causal LM) does: each (token, slot) output times its fp32 weight kept in fp32, the
+    ``top_k`` slots summed once, cast back."""
+    top_k = experts.shape[1]
+    out = (
+        x.new_zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32)
+        if slot_sum
+        else torch.zeros_like(x)
+    )
+    for e in torch.unique(experts).tolist():
+        slot, token = torch.where(experts.t() == e)
+        gate_w, up_w, down_w = fused_expert_weights(w, e)
+        gate, up = F.linear(x[token], torch.cat([gate_w, up_w], dim=0)).chunk(2, dim=-1)
+        y = F.linear(gated(gate, up), down_w) * weights[token, slot, None]
+        if slot_sum:
+            out[token, slot] = y.float()
+        else:
+            out.index_add_(0, token, y.to(out.dtype))
+    return out.sum(dim=1).to(x.dtype) if slot_sum else out
+
+
 def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows ``slots`` (``page * page_entries + offset``) of a ``[num_pages, page_entries, ...]``
     cache: a flat index when the cache is contiguous, else (a view into a page row shared
