@@ -3,9 +3,10 @@
 Owns the Llama-family blocks the built-in families run on and generated ``blocks.py`` files
 delegate to (so a fix here reaches every model that uses them): RMSNorm, GQA attention through
 the attention backend (optional q/k/v/o biases, optional per-head q/k RMSNorm before RoPE),
-the SwiGLU MLP, top-k softmax-routed MoE, the pre-norm residual decoder layer, and rotary
-tables from a config's rope parameters. ``w`` is the module's own tensors keyed relative to it
-(``q_proj.weight``); ``ctx`` a :class:`~.context.LayerContext`. Imports torch.
+the SwiGLU MLP, top-k softmax-routed MoE, DeepSeek-V3's ``noaux_tc`` routing from a config,
+the pre-norm residual decoder layer, and rotary tables from a config's rope parameters. ``w``
+is the module's own tensors keyed relative to it (``q_proj.weight``); ``ctx`` a
+:class:`~.context.LayerContext`. Imports torch.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 Owns the math of the supported decoder layers, written to match transformers' modeling code
 op for op (so fp32 results agree to rounding): RMSNorm, rotary embeddings at arbitrary
 positions, the gated (SwiGLU) MLP with the config's ``hidden_act``, top-k MoE routing
-(Qwen3-MoE with and without ``norm_topk_prob``, Mixtral), and each row's readable cache slots and mask (:func:`build_sequence_views`); paged
-attention itself is the attention backend's (:mod:`.attention`). Tensors are token-major:
-``[T, ...]`` with T = tokens in the step.
+(Qwen3-MoE with and without ``norm_topk_prob``, Mixtral), DeepSeek-V3's grouped ``noaux_tc``
+routing and its fused-expert loop (DeepSeek-V3, GLM-5), and each row's readable cache slots
+and mask (:func:`build_sequence_views`); paged attention itself is the attention backend's
+(:mod:`.attention`). Tensors are token-major: ``[T, ...]`` with T = tokens in the step.
 
 Readability beats speed here: MoE loops over experts. Faster runners are checked against
 these functions. Two hot paths take one call where the floats stay torch's: on CPU in fp32 or
