@@ -29,8 +29,10 @@ A tiny checkpoint must not hide bugs, so beyond shrinking it (every change is on
   leaves fewer than :data:`MIN_ROTARY_DIMS` rotated dims is raised to that many (top level and
   inside ``rope_parameters``); rope bases (``rope_theta`` of each per-layer-type
   ``rope_parameters`` entry, or top-level ``*rope_theta`` / ``*base_freq`` fields) that are
-  equal are made distinct (x4). Each such change is kept only if it changes HF's logits on the
-  tiny model (else it is reverted and says so). ``tie_word_embeddings`` is kept as the source
+  equal are made distinct (x4); a shared-expert count ``n_shared_experts`` of 1 becomes
+  :data:`SHARED_EXPERTS_VALUE` (the shape rules cannot see a factor of 1, so the source's
+  shared width would pass for ``moe_intermediate_size`` alone). Each such change is kept only
+  if it changes HF's logits on the tiny model (else it is reverted and says so). ``tie_word_embeddings`` is kept as the source
   has it: flipping it would test a layout the real checkpoint does not have, and with random
   weights either value already fails loudly when ignored (a tied checkpoint has no
   ``lm_head.weight``; an untied one departs at ``logits``).
@@ -133,6 +135,11 @@ UNIT_SCALES = (
     "residual_scale",
 )
 UNIT_SCALE_VALUE = 0.75
+# A DeepSeek-style shared-expert count of 1 becomes this (the shared MLP is
+# moe_intermediate_size * n_shared_experts wide): odd, so no product of the tiny's power-of-two
+# widths explains the shared width by accident in the shape rules (2 gave DeepSeek-V3's
+# 4*kv_lora_rank).
+SHARED_EXPERTS_VALUE = 3
 MIN_ROTARY_DIMS = 8
 ROPE_THETA_FIELD = re.compile(r"(^|_)rope_theta$|base_freq$")
 THRESHOLD_PATTERN = re.compile(r"limit$|clamp|clip_qkv|softcap|soft_cap")
@@ -430,6 +437,16 @@ def _default_traps(tiny: dict[str, Any]) -> list[_Change]:
                     [((key,), value, UNIT_SCALE_VALUE)],
                 )
             )
+    shared = tiny.get("n_shared_experts")
+    if isinstance(shared, int) and not isinstance(shared, bool) and shared == 1:
+        out.append(
+            _Change(
+                f"n_shared_experts 1 -> {SHARED_EXPERTS_VALUE} (it was 1: shared experts sized "
+                "by moe_intermediate_size alone would pass, and a factor of 1 is invisible to "
+                "architecture.json's shape rules)",
+                [(("n_shared_experts",), 1, SHARED_EXPERTS_VALUE)],
+            )
+        )
     out += _rotary_traps(tiny, head_dim)
     out += _rope_theta_traps(tiny)
     return out
