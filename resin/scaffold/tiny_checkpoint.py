@@ -32,10 +32,11 @@ A tiny checkpoint must not hide bugs, so beyond shrinking it (every change is on
   equal are made distinct (x4); a shared-expert count ``n_shared_experts`` of 1 becomes
   :data:`SHARED_EXPERTS_VALUE` (the shape rules cannot see a factor of 1, so the source's
   shared width would pass for ``moe_intermediate_size`` alone). Each such change is kept only
-  if it changes HF's logits on the tiny model (else it is reverted and says so). ``tie_word_embeddings`` is kept as the source
-  has it: flipping it would test a layout the real checkpoint does not have, and with random
-  weights either value already fails loudly when ignored (a tied checkpoint has no
-  ``lm_head.weight``; an untied one departs at ``logits``).
+  if it changes HF's logits on the tiny model (else it is reverted and says so).
+  ``tie_word_embeddings`` is kept as the source has it: flipping it would test a layout the
+  real checkpoint does not have, and with random weights either value already fails loudly
+  when ignored (a tied checkpoint has no ``lm_head.weight``; an untied one departs at
+  ``logits``).
 - **Per-pair rope lists** (longrope's ``short_factor`` / ``long_factor``): resampled evenly
   to the tiny head's ``rotary_dim // 2`` entries (:func:`_fit_rope_factor_lists`).
 - **Lengths** (:data:`LENGTH_LIMITS`): sequence-length thresholds the parity prompts (<= 78
