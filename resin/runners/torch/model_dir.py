@@ -347,11 +347,25 @@ def kind_tensors(record: ModelRecord, kind: str, own: tuple[str, ...] = ()) -> l
     return sorted(common(of_type, mlp=False) | common(of_mlp, mlp=True) | set(own))
 
 
+def _low_rank_query(config: Any, index: int) -> bool:
+    """Whether an MLA layer (DeepSeek-V2 / V3 family: ``kv_lora_rank`` set) has the low-rank
+    query ``q_a_proj -> q_a_layernorm -> q_b_proj``: iff ``q_lora_rank`` is set (null: one
+    ``q_proj``, as Moonlight); always for any other layer."""
+    return getattr(config, "kv_lora_rank", None) is None or (
+        getattr(config, "q_lora_rank", None) is not None
+    )
+
+
 # Sub-modules a layer has or lacks by its config rather than by its kind: prefix (relative to
 # the layer) -> whether layer ``index`` of ``config`` has it. GLM-5.3-Flash's indexer: a
 # ``shared`` entry of ``indexer_types`` reuses the previous layer's selection and has none.
+# MLA's low-rank query: absent with ``q_lora_rank`` null (the model directory's weight map
+# then names ``q_proj``, which the record made from a low-rank source lacks).
 CONFIG_SUBMODULES: dict[str, Callable[[Any, int], bool]] = {
     "self_attn.indexer.": lambda config, index: layer_caches.runs_own_indexer(config, index),
+    "self_attn.q_a_proj.": _low_rank_query,
+    "self_attn.q_a_layernorm.": _low_rank_query,
+    "self_attn.q_b_proj.": _low_rank_query,
 }
 
 
