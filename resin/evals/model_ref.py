@@ -280,9 +280,12 @@ def run_model_parity(
     dtype: str | None = None,
     device: str | None = None,
     max_new_tokens: int | None = None,
+    checkpoint: str | Path | None = None,
+    checks: tuple[str, ...] | None = None,
 ) -> Any:
-    """``run_parity`` on ``ref``'s checkpoint with its runner and parity.toml settings;
-    explicit arguments override the file. Returns the :class:`ParityReport`."""
+    """``run_parity`` on ``ref``'s checkpoint (or ``checkpoint``: a variant) with its runner and
+    parity.toml settings; explicit arguments override the file (``checks``: e.g.
+    ``("layers",)`` for the layers and logits stages only). Returns the :class:`ParityReport`."""
     from resin.evals.parity import Tolerances, run_parity
     from resin.runners.torch.attention import PARITY_BACKEND
 
@@ -302,8 +305,8 @@ def run_model_parity(
         "greedy_reference": settings["greedy_reference"],
     }
     kwargs["max_new_tokens"] = max_new_tokens or settings.get("max_new_tokens", 8)
-    if "checks" in settings:
-        kwargs["checks"] = tuple(settings["checks"])
+    if checks is not None or "checks" in settings:
+        kwargs["checks"] = tuple(checks if checks is not None else settings["checks"])
     if "prompts" in settings:
         kwargs["prompts"] = settings["prompts"]
-    return run_parity(ref.checkpoint_dir, **kwargs)
+    return run_parity(checkpoint or ref.checkpoint_dir, **kwargs)
