@@ -60,6 +60,10 @@ _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     "qwen3_vl_moe": ("hermes", "qwen3"),
     "qwen3_5": ("qwen3_coder", "qwen3"),
     "qwen3_5_moe": ("qwen3_coder", "qwen3"),
+    # Qwen3.5's text configs (a checkpoint saved by Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM
+    # carries these): the same formats as the wrappers.
+    "qwen3_5_text": ("qwen3_coder", "qwen3"),
+    "qwen3_5_moe_text": ("qwen3_coder", "qwen3"),
     "qwen3_coder": ("qwen3_coder", None),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
     "deepseek_v32": ("deepseek_v32", "deepseek_v3"),
