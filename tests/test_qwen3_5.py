@@ -57,15 +57,10 @@ def parity(
     model_dir: Path = MODEL_DIR,
 ) -> Any:
     """``resin eval parity`` of ``model_dir`` (on ``checkpoint``, default its tiny/)."""
-    ref = resolve_model(model_dir)
-    if checkpoint is not None:
-        ref.checkpoint_dir = checkpoint
-    if layers_only:
-        ref.parity_spec = {
-            **ref.parity_spec,
-            "stress": {**ref.parity_spec.get("stress", {}), "checks": ["layers"]},
-        }
-    return run_model_parity(ref, dtype=dtype)
+    checks = ("layers",) if layers_only else None
+    return run_model_parity(
+        resolve_model(model_dir), dtype=dtype, checkpoint=checkpoint, checks=checks
+    )
 
 
 def test_tiny_is_a_wrapper_checkpoint_that_cannot_hide_qwen3_5_bugs() -> None:
