@@ -356,16 +356,27 @@ def _low_rank_query(config: Any, index: int) -> bool:
     )
 
 
+def _qk_norm(config: Any, index: int) -> bool:
+    """Whether attention has per-head ``q_norm`` / ``k_norm``: not when the config's
+    ``use_qk_norm`` is false (GLM-4.5-Air, Cohere: HF builds neither); else as the layer's
+    kind says."""
+    value = getattr(config, "use_qk_norm", None)
+    return value is None or bool(value)
+
+
 # Sub-modules a layer has or lacks by its config rather than by its kind: prefix (relative to
 # the layer) -> whether layer ``index`` of ``config`` has it. GLM-5.3-Flash's indexer: a
 # ``shared`` entry of ``indexer_types`` reuses the previous layer's selection and has none.
 # MLA's low-rank query: absent with ``q_lora_rank`` null (the model directory's weight map
-# then names ``q_proj``, which the record made from a low-rank source lacks).
+# then names ``q_proj``, which the record made from a low-rank source lacks). q / k norms:
+# absent with ``use_qk_norm`` false (a record made from GLM-4.5, which has them, runs Air).
 CONFIG_SUBMODULES: dict[str, Callable[[Any, int], bool]] = {
     "self_attn.indexer.": lambda config, index: layer_caches.runs_own_indexer(config, index),
     "self_attn.q_a_proj.": _low_rank_query,
     "self_attn.q_a_layernorm.": _low_rank_query,
     "self_attn.q_b_proj.": _low_rank_query,
+    "self_attn.q_norm.": _qk_norm,
+    "self_attn.k_norm.": _qk_norm,
 }
 
 
