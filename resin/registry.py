@@ -81,8 +81,11 @@ class ModelEntry:
     model_dir: Path | None = None
 
     def claims(self, info: CheckpointInfo) -> bool:
-        if info.architecture:
-            return info.architecture in self.architectures
+        """By ``architectures[0]``, else by ``model_type`` (what transformers builds from): a
+        text-only checkpoint of a multimodal family (``Qwen3_5ForCausalLM``, model_type
+        ``qwen3_5_text``) runs on the wrapper's model directory, whose text model it is."""
+        if info.architecture and info.architecture in self.architectures:
+            return True
         return info.model_type in self.model_types
 
     def load_runner(
@@ -335,7 +338,11 @@ def _entry_of(model_dir: Path, origin: str) -> ModelEntry:
         record = json.loads(path.read_text(encoding="utf-8"))
         architectures = tuple(record["architectures"])
         model_types = tuple(record.get("model_types", ()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # The text model's type (a wrapper's text_config), recorded in the defaults, is claimed too.
+        text_type = (record.get("config_defaults") or {}).get("model_type")
+        if isinstance(text_type, str) and text_type not in model_types:
+            model_types += (text_type,)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{path}: not a model record ({exc}); regenerate it with resin new-model --force"
         ) from exc

@@ -244,6 +244,11 @@ def test_parity_on_the_text_model_saved_by_qwen3_5_for_causal_lm(
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     report = parity(path, layers_only=True)
     assert report.passed, report.summary()
+    # The registry finds the wrapper's directory for it by its model_type (transformers builds
+    # the text model from it), with no --runner.
+    from resin.registry import ModelRegistry
+
+    assert ModelRegistry(use_cwd=False, use_env=False).for_checkpoint(path).name == "qwen3_5"
 
 
 def test_a_checkpoint_with_the_mtp_head_loads_it_unused(tmp_path: Path) -> None:

@@ -116,6 +116,15 @@ class ModelRecord:
         fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         return cls(**fields)
 
+    @property
+    def claimed_model_types(self) -> list[str]:
+        """``model_types`` and the text model's own (``config_defaults["model_type"]``: a
+        multimodal wrapper's text config, whose text-only checkpoints this directory runs)."""
+        text_type = self.config_defaults.get("model_type")
+        if isinstance(text_type, str) and text_type not in self.model_types:
+            return [*self.model_types, text_type]
+        return list(self.model_types)
+
     def to_json(self) -> str:
         """Readable, deterministic JSON: one key per line, lists of plain values on one line."""
         data = {"format": RECORD_FORMAT, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
@@ -641,7 +650,7 @@ class ModelDirRunner(PagedRunner):
         architecture = (getattr(args, "architectures", None) or [None])[0]
         if (
             architecture not in record.architectures
-            and getattr(args, "model_type", None) not in record.model_types
+            and getattr(args, "model_type", None) not in record.claimed_model_types
         ):
             raise ValueError(
                 f"{checkpoint_dir} is a {architecture or args.model_type} "
