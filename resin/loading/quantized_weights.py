@@ -10,8 +10,9 @@ which names are scales) and the dequantisation arithmetic (:func:`dequantize_fp8
 
 The format (transformers' ``FineGrainedFP8Config``; DeepSeek-V3 / V3.1 / V4):
 
-- ``quant_method`` ``fp8``, ``fmt`` ``e4m3`` (default), ``activation_scheme`` ``dynamic``
-  (default), ``weight_block_size`` ``[bi, bj]`` (required: per-tensor FP8 is another format).
+- ``quant_method`` ``fp8``, ``fmt`` ``e4m3`` (default; MiniMax-M2 writes ``float8_e4m3fn``),
+  ``activation_scheme`` ``dynamic`` (default), ``weight_block_size`` ``[bi, bj]`` (required:
+  per-tensor FP8 is another format).
 - FP8 linears: ``X.weight`` in ``float8_e4m3fn`` ``[..., R, C]`` with a scale named
   ``X.weight_scale_inv`` (DeepSeek-V3) or ``X.scale`` (DeepSeek-V4-Flash) of shape
   ``[..., ceil(R / bi), ceil(C / bj)]``: ``w[i, j] = q[i, j] * s[i // bi, j // bj]`` (the
@@ -102,6 +103,8 @@ class QuantScheme:
                 "not understand; dequantising without them could be silently wrong"
             )
         fmt = raw.get("fmt", "e4m3")
+        if fmt == "float8_e4m3fn":  # MiniMax-M2 writes torch's dtype name
+            fmt = "e4m3"
         if fmt != "e4m3":
             raise WeightsError(
                 f"{where}: quantization_config.fmt {fmt!r}: only 'e4m3' is supported"

@@ -2,11 +2,11 @@
 
 Owns the Llama-family blocks the built-in families run on and generated ``blocks.py`` files
 delegate to (so a fix here reaches every model that uses them): RMSNorm, GQA attention through
-the attention backend (optional q/k/v/o biases, optional per-head q/k RMSNorm before RoPE),
-the SwiGLU MLP, top-k softmax-routed MoE, DeepSeek-V3's ``noaux_tc`` routing from a config,
-the pre-norm residual decoder layer, and rotary tables from a config's rope parameters. ``w``
-is the module's own tensors keyed relative to it (``q_proj.weight``); ``ctx`` a
-:class:`~.context.LayerContext`. Imports torch.
+the attention backend (optional q/k/v/o biases, optional q/k RMSNorm before RoPE, per head or
+over the whole projection), the SwiGLU MLP, top-k softmax-routed MoE, DeepSeek-V3's
+``noaux_tc`` routing from a config, the pre-norm residual decoder layer, and rotary tables from
+a config's rope parameters. ``w`` is the module's own tensors keyed relative to it
+(``q_proj.weight``); ``ctx`` a :class:`~.context.LayerContext`. Imports torch.
 """
 
 from __future__ import annotations
@@ -54,8 +54,18 @@ def rms_norm_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tens
     return rms_norm(x, w["weight"], float(config_value(ctx.config, "rms_norm_eps")))
 
 
+def qk_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of q or k ``[T, heads, head_dim]`` before RoPE: per head when ``weight`` is
+    ``head_dim`` wide (Qwen3), else over the whole projection, every head's channels at once
+    (``weight`` ``[heads * head_dim]``: MiniMax-M2's ``qk_norm_type`` ``per_layer``)."""
+    if weight.shape[-1] == x.shape[-1]:
+        return rms_norm(x, weight, eps)
+    return rms_norm(x.flatten(-2), weight, eps).view_as(x)
+
+
 def gqa_attention_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
-    """q/k/v projections (optional biases), optional per-head q/k RMSNorm before RoPE (Qwen3),
+    """q/k/v projections (optional biases), optional q/k RMSNorm before RoPE (per head as Qwen3,
+    or over the whole projection as MiniMax-M2: :func:`qk_rms_norm`, by the norm's width),
     RoPE, K/V written and attended through ``ctx.attention`` (the window is the layer's cache
     group's), o projection."""
     num_tokens, head_dim = x.shape[0], ctx.head_dim
@@ -65,7 +75,7 @@ def gqa_attention_block(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch
     v = linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(num_tokens, -1, head_dim)
     if "q_norm.weight" in w:
         eps = float(config_value(ctx.config, "rms_norm_eps"))
-        q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
+        q, k = qk_rms_norm(q, w["q_norm.weight"], eps), qk_rms_norm(k, w["k_norm.weight"], eps)
     cos, sin = ctx.require_rotary()
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     out = ctx.require_attention()(q, k, v, scale=head_dim**-0.5)

@@ -374,15 +374,21 @@ def grouped_topk_routing(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    fp32_logits: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's ``noaux_tc`` router (HF ``DeepseekV3TopkRouter``; GLM-5's
-    ``Glm5NextTextTopkRouter`` is the same), op for op: fp32 sigmoid scores of ``x @ router.T``;
+    ``Glm5NextTextTopkRouter`` is the same), op for op: fp32 sigmoid scores of ``x @ router.T``
+    (computed in fp32; without ``fp32_logits`` in the router weight's dtype, ``x`` cast to it,
+    and widened after, as MiniMax-M2's ``MiniMaxM2TopKRouter``);
     choice = scores + ``correction_bias``; the ``num_groups`` expert groups ranked by the sum of
     their top-2 choices, the best ``topk_group`` kept; the ``top_k`` best choices in them. Returns
     ``(experts int64 [T, top_k], weights fp32 [T, top_k])``: the un-biased scores of the chosen
     experts, renormalised iff ``norm_topk_prob`` (+1e-20), times ``scaling``."""
     num_experts = router.shape[0]
-    scores = F.linear(x.float(), router.float()).sigmoid()
+    if fp32_logits:
+        scores = F.linear(x.float(), router.float()).sigmoid()
+    else:
+        scores = F.linear(x.to(router.dtype), router).float().sigmoid()
     choice = scores + correction_bias.float()
     per_group = num_experts // num_groups
     group_scores = choice.view(-1, num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
