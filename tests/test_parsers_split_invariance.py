@@ -182,6 +182,28 @@ KIMI = [
     "x <|im_end|> <|tool_call",
 ]
 
+# MiniMax-M2 (parser "minimax_m2"): DSML's structure, XML-like markers, values typed by schema.
+MM, MM_END = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX = [
+    f'Let me check.\n{MM}\n<invoke name="get_weather">\n<parameter name="city">Oslo</parameter>\n'
+    f'<parameter name="days">2</parameter>\n</invoke>\n<invoke name="write">\n'
+    f'<parameter name="content">if a < b:\n    x = "<p>"\n</parameter>\n'
+    f'<parameter name="opts">{{"k": [1, null]}}</parameter>\n</invoke>\n{MM_END}',
+    f"{MM}<invoke name='write'><parameter name='mode'>7</parameter></invoke>{MM_END} Done.",
+    f'{MM}\n<invoke name="get_weather">\n{{"city": "Lima", "days": 2}}\n</invoke>\n{MM_END}',
+    f'{MM}\n<invoke name="get_weather">\n<parameter name="city">Paris\n'
+    f'<parameter name="days">2</parameter>\n<invoke name="b">\n{MM_END}after',
+    f"Text {MM}not a call{MM_END} after",
+    f'{MM}\n<invoke name="{{{{ tc.name }}}}">\n</invoke>\n{MM_END}',
+    '<invoke name="a">\n<parameter name="x">1</parameter>\n</invoke> bare',
+    f'{MM}<invoke name="write"><parameter name="path">a</parameter><parameter name="path">b'
+    f"</parameter></invoke></invoke>\nprose{MM_END}",
+    f'{MM}\n<invoke name="get_weather">\n<parameter name="city">Ber',
+    "The <minimax:tool_ca",
+    f'{MM}<invoke name="a"></invoke>{MM_END}\n{MM}<invoke name="b"><parameter name="x">[1]'
+    f"</parameter></invoke>{MM_END}{MM_END}",
+]
+
 CORPUS = {
     "hermes": HERMES + CODER[:2],
     "qwen3_coder": CODER + HERMES[:1],
@@ -191,6 +213,7 @@ CORPUS = {
     "llama": LLAMA,
     "harmony": HARMONY,
     "kimi": KIMI,
+    "minimax": MINIMAX,
 }
 FORMAT_OF = {
     "hermes": "hermes",
@@ -208,6 +231,7 @@ FORMAT_OF = {
     "llama3_json": "llama",
     "openai": "harmony",
     "kimi_k2": "kimi",
+    "minimax_m2": "minimax",
 }
 
 # How the reasoning around a call may look: closed, unterminated (the call start ends it),
@@ -305,6 +329,8 @@ def test_random_mixtures_of_corpus_pieces_are_split_invariant(tool):
         "<|call|>",
         "<|",
     ]
+    if tool == "minimax":  # (only here: the other formats keep their draws)
+        pieces += [MM, MM_END, '<invoke name="get_weather">', '<parameter name="city">']
     names = sorted(n for n, f in FORMAT_OF.items() if f == tool)
     for trial in range(40):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))

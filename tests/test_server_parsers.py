@@ -142,6 +142,8 @@ def no_markers(content: str) -> None:
         "<function",
         "<parameter",
         "<arg_",
+        "<minimax",
+        "<invoke",
         "<|python_tag",
         "<think",
         "</think",
@@ -546,6 +548,89 @@ def dsml_call(name: str, args: dict) -> str:
     return f'<｜DSML｜invoke name="{name}">\n{params}</｜DSML｜invoke>'
 
 
+def minimax_call(name: str, args: dict) -> str:
+    """One invoke as MiniMax-M2's template writes it: a string as is, anything else as JSON."""
+    params = "".join(
+        f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}'
+        "</parameter>\n"
+        for k, v in args.items()
+    )
+    return f'<invoke name="{name}">\n{params}</invoke>'
+
+
+def test_minimax_m2_calls_after_prefilled_reasoning_typed_by_schema():
+    text = (
+        "Oslo, two days.</think>\n\nChecking.\n<minimax:tool_call>\n"
+        + minimax_call("get_weather", {"city": "Oslo", "days": 2, "metric": True})
+        + "\n"
+        + minimax_call("get_weather", {"city": "a < b </city>", "tags": ["x", 1]})
+        + '\n<invoke name="ping">\n</invoke>\n</minimax:tool_call>'
+    )
+    r = check(text, "minimax_m2", "qwen3", tools=WEATHER_TOOLS, reasoning_started=True)
+    assert (r.reasoning, r.content.strip()) == ("Oslo, two days.", "Checking.")
+    assert [(name, json.loads(args)) for name, args in r.calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2, "metric": True}),
+        ("get_weather", {"city": "a < b </city>", "tags": ["x", 1]}),
+        ("ping", {}),
+    ]
+    # Without schemas every value is its text, verbatim (a trailing newline included).
+    r = check(
+        '<minimax:tool_call><invoke name="write"><parameter name="content">x = 1\n'
+        '</parameter><parameter name="mode">7</parameter></invoke></minimax:tool_call>',
+        "minimax_m2",
+    )
+    assert r.calls == [("write", '{"content": "x = 1\\n", "mode": "7"}')]
+
+
+def test_minimax_m2_several_blocks_single_quotes_and_lenient_ends():
+    text = (
+        "<minimax:tool_call>\n<invoke name='get_weather'>\n<parameter name='days'>3</parameter>\n"
+        "</invoke>\n</minimax:tool_call>\n<minimax:tool_call>\n"
+        '<invoke name="get_weather">\n<parameter name="city">Paris\n'  # </parameter> forgotten
+        '<parameter name="days">2\n'  # and </invoke>: closed by the next invoke
+        '<invoke name="b">\n<parameter name="x">cut off'
+    )
+    r = check(text, "minimax_m2", tools=WEATHER_TOOLS)
+    assert r.content == ""
+    assert [(name, json.loads(args)) for name, args in r.calls] == [
+        ("get_weather", {"days": 3}),
+        ("get_weather", {"city": "Paris\n", "days": 2}),
+        ("b", {"x": "cut off"}),
+    ]
+
+
+def test_minimax_m2_text_that_is_no_call():
+    for text in (
+        '<invoke name="f">\n<parameter name="a">1</parameter>\n</invoke> (no block)',
+        "Use <minimax:tool_call> blocks.",
+        "<minimax:tool_call>not a call</minimax:tool_call> x",
+        '<minimax:tool_call><invoke name="{{ tc.name }}"></invoke></minimax:tool_call>',
+        "a </minimax:tool_call> b",
+    ):
+        r = check(text, "minimax_m2", tools=WEATHER_TOOLS)
+        assert (r.content, r.calls) == (text, []), text
+    # After a call: a stray end tag is dropped, text in the block ends it (it is content).
+    r = check(
+        '<minimax:tool_call><invoke name="f"></invoke></invoke>\nDone.</minimax:tool_call>',
+        "minimax_m2",
+    )
+    assert r.calls == [("f", "{}")] and r.content == "\nDone."
+
+
+def test_minimax_m2_streams_string_values_as_they_arrive():
+    parser = OutputParser("minimax_m2", tools=WEATHER_TOOLS)
+    events = parser.feed(
+        '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Os'
+    )
+    assert isinstance(events[0], ToolCallStart) and events[0].name == "get_weather"
+    assert "".join(e.text for e in events[1:]) == '{"city": "Os'
+    events = parser.feed('lo</parameter><parameter name="days">2</parameter></invoke>')
+    assert "".join(e.text for e in events if isinstance(e, ToolCallArgumentsDelta)) == (
+        'lo", "days": 2}'
+    )
+    assert isinstance(events[-1], ToolCallEnd)
+
+
 def test_glm45_calls_with_reasoning_and_schema():
     text = (
         "<think>Need weather.</think>\nChecking.\n"
@@ -683,6 +768,7 @@ def test_default_parsers():
     assert default_parsers("llama") == ("llama3_json", None)
     assert default_parsers("gpt_oss") == ("openai", "openai_gptoss")
     assert default_parsers("kimi_k2") == ("kimi_k2", "qwen3")
+    assert default_parsers("minimax_m2") == ("minimax_m2", "qwen3")
     assert default_parsers("mistral") == (None, None) and default_parsers("mixtral") == (None, None)
     for tool, reasoning in [
         default_parsers(t)
@@ -696,6 +782,7 @@ def test_default_parsers():
             "llama",
             "qwen3_5",
             "gpt_oss",
+            "minimax_m2",
         )
     ]:
         assert tool in TOOL_PARSERS and (reasoning is None or reasoning in REASONING_PARSERS)
@@ -756,6 +843,18 @@ PIECES = {
         "<|tool_calls_section_end|>",
         "functions.get_weather:1",
         "<|",
+    ],
+    "minimax_m2": [
+        "<minimax:tool_call>\n"
+        + minimax_call("f", {"a": "x", "days": 2})
+        + "\n</minimax:tool_call>",
+        minimax_call("get_weather", {"city": "SF"}),
+        "<minimax:tool_call>",
+        "</minimax:tool_call>",
+        '<parameter name="city">',
+        "</parameter>",
+        "</invoke>",
+        "<invoke name=",
     ],
     "openai": [
         "<|channel|>analysis<|message|>Think.<|end|>",
@@ -818,6 +917,8 @@ def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
         return json.dumps({"name": name, rng.choice(["parameters", "arguments"]): args})
     if tool == "deepseek_v4":
         return "<｜DSML｜tool_calls>\n" + dsml_call(name, args) + "\n</｜DSML｜tool_calls>"
+    if tool == "minimax_m2":
+        return "<minimax:tool_call>\n" + minimax_call(name, args) + "\n</minimax:tool_call>"
     if tool == "kimi_k2":
         return (
             f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:{rng.randint(0, 9)}"
@@ -833,7 +934,16 @@ def _render(tool: str, name: str, args: dict, rng: random.Random) -> str:
 
 @pytest.mark.parametrize(
     "tool",
-    ["hermes", "qwen3_coder", "deepseek_v3", "deepseek_v4", "glm45", "llama3_json", "kimi_k2"],
+    [
+        "hermes",
+        "qwen3_coder",
+        "deepseek_v3",
+        "deepseek_v4",
+        "glm45",
+        "llama3_json",
+        "kimi_k2",
+        "minimax_m2",
+    ],
 )
 def test_random_well_formed_outputs(tool):
     rng = random.Random(tool)

@@ -33,6 +33,12 @@ non-blank text is not an invoke with a function name (``tool_parser.is_function_
 ends without one, goes out as text, markers included. After a call, text in the block that is not
 a tag ends the block (it is content), and stray end tags are dropped. A ``<｜DSML｜`` that does not
 open a well-formed tag is text.
+
+The parser is generic over its markers (class attributes: the markers that begin a tag in
+content and inside a block, the prefixes before a tag's name, the block's names, DeepSeek's V3
+markers or none): MiniMax-M2's ``<minimax:tool_call>`` / ``<invoke name=...>`` /
+``<parameter name=...>`` format has this structure and subclasses it (``minimax_m2.py``).
+Attribute values are quoted with ``"`` (or ``'``).
 """
 
 from __future__ import annotations
@@ -53,19 +59,21 @@ BLOCK_NAMES = frozenset({"function_calls", "tool_calls", "calls"})
 INVOKE, PARAMETER = "invoke", "parameter"
 MAX_TAG = 2 * MAX_NAME + 64  # longest text between a DSML marker and its ">"
 
-_VALUE = r'"[^"<>\n]*"'
+_VALUE = r""""[^"<>\n]*"|'[^'<>\n]*'"""
+_NAME = r"[A-Za-z_][\w:]*"  # a tag's name (MiniMax's block is minimax:tool_call)
 # A tag after its marker: name, then name="value" attributes.
 _TAG = re.compile(
-    r"\s*(?P<name>[A-Za-z_]\w*)(?P<attrs>(?:\s+[A-Za-z_][\w-]*\s*=\s*" + _VALUE + r")*)\s*"
+    r"\s*(?P<name>" + _NAME + r")(?P<attrs>(?:\s+[A-Za-z_][\w-]*\s*=\s*(?:" + _VALUE + r"))*)\s*"
 )
 # A tag still arriving: a prefix of the above.
 _TAG_PREFIX = re.compile(
-    r"\s*(?:[A-Za-z_]\w*(?:\s+[A-Za-z_][\w-]*\s*=\s*"
+    r"\s*(?:"
+    + _NAME
+    + r"(?:\s+[A-Za-z_][\w-]*\s*=\s*(?:"
     + _VALUE
-    + r')*(?:\s+(?:[A-Za-z_][\w-]*\s*(?:=\s*(?:"[^"<>\n]*)?)?)?)?)?'
+    + r"""))*(?:\s+(?:[A-Za-z_][\w-]*\s*(?:=\s*(?:"[^"<>\n]*|'[^'<>\n]*)?)?)?)?)?"""
 )
-_ATTR = re.compile(r'([A-Za-z_][\w-]*)\s*=\s*"([^"]*)"')
-_CONTENT_MARKERS = (CALL_BEGIN, CALLS_BEGIN, CALLS_END, OPEN, CLOSE)
+_ATTR = re.compile(r"""([A-Za-z_][\w-]*)\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 
 Tag = tuple[str, dict[str, str], int]  # name, attributes, length up to and including ">"
 
@@ -81,11 +89,23 @@ def read_tag(text: str, final: bool) -> Tag | Literal[False] | None:
     match = _TAG.fullmatch(text, 0, gt)
     if match is None:
         return False
-    return match.group("name"), dict(_ATTR.findall(match.group("attrs"))), gt + 1
+    attrs = {key: double or single for key, double, single in _ATTR.findall(match.group("attrs"))}
+    return match.group("name"), attrs, gt + 1
 
 
 class DsmlToolParser(DeepSeekToolParser):
+    """DSML, and any format of its structure by its markers (see the module doc)."""
+
     reasoning_exit_markers: tuple[str, ...] = (CALLS_BEGIN, CALL_BEGIN, OPEN)
+    # DeepSeek's V3 / V3.1 markers, read in content as deepseek_v31 reads them (none: not read).
+    deepseek_markers: tuple[str, ...] = (CALL_BEGIN, CALLS_BEGIN, CALLS_END)
+    # Markers that begin a tag in content (a block, a bare invoke, a stray end tag) and inside a
+    # block or an invoke (where they also end a value). Each begins with ``tag_open`` or
+    # ``tag_close`` (the end tags'); the rest of the marker is read as the tag.
+    content_tag_markers: tuple[str, ...] = (OPEN, CLOSE)
+    tag_markers: tuple[str, ...] = (OPEN, CLOSE)
+    tag_open, tag_close = OPEN, CLOSE
+    block_names: frozenset[str] = BLOCK_NAMES
     _dsml_block = False  # inside <｜DSML｜function_calls> (or tool_calls / calls)
     _block_start = 0  # num_calls when the block (or a bare invoke) began
     _body_started = False  # the invoke's body has had non-blank text
@@ -96,20 +116,30 @@ class DsmlToolParser(DeepSeekToolParser):
 
     # -- content -----------------------------------------------------------------------------
 
+    def _at_tag(self, marker: str, after: str) -> str:
+        """A tag ``marker`` was found before ``after``: its rest (past its ``tag_open`` /
+        ``tag_close`` prefix) goes back to the buffer to be read as the tag. Returns the prefix."""
+        prefix = self.tag_close if marker.startswith(self.tag_close) else self.tag_open
+        self._buf = marker[len(prefix) :] + after
+        return prefix
+
+    def _tag_state(self, prefix: str, open_state: str, close_state: str) -> str:
+        return close_state if prefix == self.tag_close else open_state
+
     def _step_content(self, out: list[OutputEvent], final: bool) -> bool:
-        before, marker, after = split_at_marker(self._buf, _CONTENT_MARKERS)
+        markers = self.deepseek_markers + self.content_tag_markers
+        before, marker, after = split_at_marker(self._buf, markers)
         if marker is None:
             self._content(out, self._buf if final else before)
             self._buf = "" if final else after
             return False
-        if marker not in (OPEN, CLOSE):
+        if marker in self.deepseek_markers:
             return super()._step_content(out, final)  # finds the same (DeepSeek V3) marker
         self._content(out, before)
-        self._buf = after
         self._scan_from = 0
-        self._raw = marker
+        self._raw = self._at_tag(marker, after)
         self._block_start = self.num_calls
-        self._state = "tag" if marker == OPEN else "close_tag"
+        self._state = self._tag_state(self._raw, "tag", "close_tag")
         return True
 
     def _fallback(self, out: list[OutputEvent], rest: str = "") -> bool:
@@ -137,7 +167,7 @@ class DsmlToolParser(DeepSeekToolParser):
         if tag is False:
             return self._fallback(out)
         name, attrs, end = tag
-        if name in BLOCK_NAMES and not attrs:
+        if name in self.block_names and not attrs:
             self._consume(end)  # a second block open inside a block is dropped
             self._structure()
             self._dsml_block = True
@@ -155,10 +185,10 @@ class DsmlToolParser(DeepSeekToolParser):
         if tag is False or tag[1]:
             return self._fallback(out)
         name, _, end = tag
-        if name not in BLOCK_NAMES and name not in (INVOKE, PARAMETER):
+        if name not in self.block_names and name not in (INVOKE, PARAMETER):
             return self._fallback(out)
         formed = self.num_calls > self._block_start
-        if name in BLOCK_NAMES and self._dsml_block:
+        if name in self.block_names and self._dsml_block:
             self._consume(end)
             if not formed:
                 return self._fallback(out)  # no call in the block: all of it is text
@@ -181,12 +211,13 @@ class DsmlToolParser(DeepSeekToolParser):
         """Between invokes (in the block, or after a bare invoke)."""
         stripped = self._buf.lstrip()
         self._consume(len(self._buf) - len(stripped))
-        for marker, state in ((OPEN, "tag"), (CLOSE, "close_tag")):
+        for marker in self.tag_markers:
             if stripped.startswith(marker):
-                self._consume(len(marker))
-                self._state = state
+                prefix = self.tag_close if marker.startswith(self.tag_close) else self.tag_open
+                self._consume(len(prefix))
+                self._state = self._tag_state(prefix, "tag", "close_tag")
                 return True
-        if not final and (not stripped or OPEN.startswith(stripped) or CLOSE.startswith(stripped)):
+        if not final and (not stripped or any(m.startswith(stripped) for m in self.tag_markers)):
             return False
         # Not a tag: before any call the block was text; after one, the text ends the block.
         return self._fallback(out)
@@ -221,7 +252,7 @@ class DsmlToolParser(DeepSeekToolParser):
                     self._leftover = ""
                     self._state = "json_args"
                     return True
-        _, marker, after = split_at_marker(self._buf, (OPEN, CLOSE))
+        _, marker, after = split_at_marker(self._buf, self.tag_markers)
         if marker is None:
             if not final:
                 self._buf = after  # text between parameters is ignored; keep a partial tag
@@ -229,8 +260,7 @@ class DsmlToolParser(DeepSeekToolParser):
             self._buf = ""
             self._end_invoke(out)
             return True
-        self._buf = after
-        self._state = "param_open" if marker == OPEN else "invoke_close"
+        self._state = self._tag_state(self._at_tag(marker, after), "param_open", "invoke_close")
         return True
 
     def _step_param_open(self, out: list[OutputEvent], final: bool) -> bool:
@@ -247,9 +277,9 @@ class DsmlToolParser(DeepSeekToolParser):
             flag = attrs.get("string")
             self._open_param(out, attrs["name"].strip(), flag and flag.strip().lower())
             return True
-        if name == INVOKE or name in BLOCK_NAMES:
+        if name == INVOKE or name in self.block_names:
             self._end_invoke(out)  # the next call began before this one was closed
-            self._raw = OPEN
+            self._raw = self.tag_open
             self._block_start = self.num_calls
             if name == INVOKE:
                 return self._open_invoke(out, attrs, end)
@@ -271,7 +301,7 @@ class DsmlToolParser(DeepSeekToolParser):
         if name == INVOKE:
             self._buf = self._buf[end:]
             self._end_invoke(out)
-        elif name in BLOCK_NAMES:
+        elif name in self.block_names:
             self._buf = self._buf[end:]
             self._end_invoke(out)  # </｜DSML｜invoke> forgotten
             self._dsml_block = False
@@ -299,7 +329,7 @@ class DsmlToolParser(DeepSeekToolParser):
 
     def _step_param_value(self, out: list[OutputEvent], final: bool) -> bool:
         """A value, up to the next DSML marker (see the module doc)."""
-        before, marker, after = split_at_marker(self._buf, (OPEN, CLOSE))
+        before, marker, after = split_at_marker(self._buf, self.tag_markers)
         if marker is None and final:
             before, after = self._buf, ""
         if self._skip_param:
@@ -319,9 +349,11 @@ class DsmlToolParser(DeepSeekToolParser):
             self._add_param(out, self._param, self._convert("".join(self._vparts)))
         self._vparts = []
         # The tag that ended the value is read as structure (its own end, or the next tag).
-        self._state = (
-            "invoke" if marker is None else "param_open" if marker == OPEN else "invoke_close"
-        )
+        if marker is None:
+            self._state = "invoke"
+        else:
+            prefix = self._at_tag(marker, after)
+            self._state = self._tag_state(prefix, "param_open", "invoke_close")
         return True
 
     def _convert(self, raw: str) -> Any:
@@ -337,7 +369,7 @@ class DsmlToolParser(DeepSeekToolParser):
     def _step_json_args(self, out: list[OutputEvent], final: bool) -> bool:
         """An invoke whose body is a JSON object, streamed up to the next DSML tag; text after
         an invalid character goes out as content after the call."""
-        before, marker, after = split_at_marker(self._buf, (OPEN, CLOSE))
+        before, marker, after = split_at_marker(self._buf, self.tag_markers)
         if marker is None and final:
             before, after = self._buf, ""
         streamer = self._streamer

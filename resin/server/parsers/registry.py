@@ -9,6 +9,7 @@ from .harmony import HarmonyReasoningParser, HarmonyToolParser
 from .hermes import HermesToolParser
 from .kimi_k2 import KimiK2ToolParser
 from .llama3_json import Llama3JsonToolParser
+from .minimax_m2 import MiniMaxM2ToolParser
 from .qwen3_coder import Qwen3CoderToolParser
 from .reasoning import DeepSeekR1ReasoningParser, ThinkReasoningParser
 
@@ -28,6 +29,7 @@ TOOL_PARSERS: dict[str, type] = {
     "llama3_json": Llama3JsonToolParser,
     "openai": HarmonyToolParser,  # gpt-oss harmony: to=functions.NAME messages
     "kimi_k2": KimiK2ToolParser,  # Kimi K2 / K2.5: functions.NAME:i sections
+    "minimax_m2": MiniMaxM2ToolParser,  # MiniMax-M2 / M2.1 / M2.5: <minimax:tool_call> invokes
 }
 
 REASONING_PARSERS: dict[str, type] = {
@@ -82,6 +84,9 @@ _DEFAULTS: dict[str, tuple[str | None, str | None]] = {
     # tokens too; Thinking variants write <think> blocks, read only where they appear.
     "kimi_k2": ("kimi_k2", "qwen3"),
     "kimi_k25": ("kimi_k2", "qwen3"),
+    # MiniMax-M2 / M2.1 / M2.5: <minimax:tool_call> blocks of invokes (plain added tokens); the
+    # template ends the prompt with <think>, so the output is reasoning until </think>.
+    "minimax_m2": ("minimax_m2", "qwen3"),
 }
 
 
