@@ -205,9 +205,14 @@ class Architecture:
 
 
 def load_config(source: str | Path | Any) -> Any:
-    """An HF config from a checkpoint dir, a ``config.json`` path, or a config object."""
+    """An HF config from a checkpoint dir, a ``config.json`` path, or a config object.
+
+    A heterogeneous config (transformers' ``per_layer_config``: Gemma 4's full-attention layers
+    have their own ``head_dim``) raises on a read of a per-layer field at the top level; the
+    scaffold reads the global value there (the built modules' shapes are per layer anyway), so
+    such reads are allowed on it and on its sub-configs."""
     if isinstance(source, transformers.PretrainedConfig):
-        return source
+        return _allow_global_reads(source)
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
@@ -217,7 +222,15 @@ def load_config(source: str | Path | Any) -> Any:
     model_type = raw.pop("model_type", None)
     if model_type is None:
         raise ValueError(f"{path}: no 'model_type'; transformers cannot pick a config class")
-    return transformers.AutoConfig.for_model(model_type, **raw)
+    return _allow_global_reads(transformers.AutoConfig.for_model(model_type, **raw))
+
+
+def _allow_global_reads(config: Any) -> Any:
+    subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}]
+    for part in (config, *subs):
+        if getattr(part, "is_heterogeneous", False):
+            part.allow_global_per_layer_attribute_access = True
+    return config
 
 
 def build_meta_model(config: Any) -> Any:
