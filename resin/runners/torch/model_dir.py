@@ -16,7 +16,9 @@ model-specific:
   keyword ``layer_index`` when its signature takes one), ``head_dim``
   (see :mod:`.model_definition`) and ``normalise_config(dict) -> dict`` (what the HF config
   class derives from older keys, applied to the checkpoint's config before anything reads it);
-- ``weights.py`` (only where checkpoint names need renaming) — ``WEIGHT_MAP``;
+- ``weights.py`` (only where checkpoint names need renaming) — ``WEIGHT_MAP``; optionally
+  ``CONFIG_SUBMODULES`` / ``CONFIG_GLOBALS``: which recorded modules a checkpoint has by its
+  config (:func:`layer_tensors`, :func:`_required_globals`);
 - ``parity.toml``, ``perf.toml``, ``NOTES.md``, tests, ``tiny/``.
 
 A layer's *kind* is ``"{layer_type}/{mlp_type}"``, computed from the checkpoint's own config
@@ -390,15 +392,21 @@ CONFIG_SUBMODULES: dict[str, Callable[[Any, int], bool]] = {
 
 
 def layer_tensors(
-    record: ModelRecord, args: Any, index: int, kind: str, own: tuple[str, ...] = ()
+    record: ModelRecord,
+    args: Any,
+    index: int,
+    kind: str,
+    own: tuple[str, ...] = (),
+    submodules: dict[str, Callable[[Any, int], bool]] | None = None,
 ) -> list[str]:
     """Tensor patterns layer ``index`` (of ``kind``; an MTP layer's index is past the stack) of
     checkpoint ``args`` must have: its kind's (:func:`kind_tensors`, with ``own``), less a
-    :data:`CONFIG_SUBMODULES` sub-module its config says it lacks, plus one it says it has that
+    :data:`CONFIG_SUBMODULES` sub-module (or one of the model directory's own ``submodules``:
+    its ``weights.CONFIG_SUBMODULES``) its config says it lacks, plus one it says it has that
     its kind lacks (taken from the recorded kinds of its layer type: a checkpoint may give a
     layer an indexer where the source model's layer of that kind had none)."""
     tensors = set(kind_tensors(record, kind, own))
-    for prefix, has in CONFIG_SUBMODULES.items():
+    for prefix, has in {**CONFIG_SUBMODULES, **(submodules or {})}.items():
         if not has(args, index):
             tensors = {t for t in tensors if not t.startswith(prefix)}
         elif not any(t.startswith(prefix) for t in tensors):
@@ -690,7 +698,15 @@ class ModelDirRunner(PagedRunner):
                 definition, shard, parallel[2], moe, data_parallel=parallel[5]
             )
         kinds = [kind for _, _, kind in layer_kinds(args, record)]
-        required = [layer_tensors(record, args, i, k) for i, k in enumerate(kinds)]
+        # Sub-modules the model's layers have or lack by their config (Gemma 4: a layer reusing
+        # another's K/V has no k_proj), and non-layer modules likewise (runner-name prefix ->
+        # whether the config has it), from the model directory's weights.py.
+        own_submodules = dict(getattr(weights_module, "CONFIG_SUBMODULES", None) or {})
+        own_globals = dict(getattr(weights_module, "CONFIG_GLOBALS", None) or {})
+        required = [
+            layer_tensors(record, args, i, k, submodules=own_submodules)
+            for i, k in enumerate(kinds)
+        ]
         if num_mtp:
             kind = mtp_kind(blocks, args)
             assert kind is not None
@@ -698,7 +714,11 @@ class ModelDirRunner(PagedRunner):
             absent = tuple(getattr(blocks, "MTP_ABSENT_TENSORS", ()))
             first = len(required)  # the MTP layers' indices, past the stack's
             required += [
-                [t for t in layer_tensors(record, args, first + i, kind, own) if t not in absent]
+                [
+                    t
+                    for t in layer_tensors(record, args, first + i, kind, own, own_submodules)
+                    if t not in absent
+                ]
                 for i in range(num_mtp)
             ]
             kinds += [kind] * num_mtp
@@ -709,7 +729,7 @@ class ModelDirRunner(PagedRunner):
             weight_map=weight_map,
             known_patterns=record.checkpoint_patterns,
             required=lambda i: required[i],
-            required_globals=_required_globals(record, args, weight_map),
+            required_globals=_required_globals(record, args, weight_map, own_globals),
             expected_shape=_shape_checker(
                 record,
                 full_args,
@@ -959,9 +979,17 @@ def _shape_checker(
     return expected
 
 
-def _required_globals(record: ModelRecord, args: ModelArgs, weight_map: dict[str, str]) -> set[str]:
+def _required_globals(
+    record: ModelRecord,
+    args: ModelArgs,
+    weight_map: dict[str, str],
+    config_globals: dict[str, Callable[[Any], bool]] | None = None,
+) -> set[str]:
     """Runner names of the non-layer tensors the source model had (its embedding, final norm,
-    an untied lm_head...), less ``lm_head.weight`` when this checkpoint ties it."""
+    an untied lm_head...), less ``lm_head.weight`` when this checkpoint ties it, and less those
+    under a prefix of ``config_globals`` (the model directory's ``weights.CONFIG_GLOBALS``:
+    runner-name prefix -> whether this config has that module; Gemma 4's per-layer
+    embeddings) that this checkpoint's config lacks."""
     from resin.runners.torch.model_weights import default_runner_name
 
     names = set()
@@ -971,4 +999,7 @@ def _required_globals(record: ModelRecord, args: ModelArgs, weight_map: dict[str
             names.add(target if target else default_runner_name(pattern))
     if getattr(args, "tie_word_embeddings", False):
         names.discard("lm_head.weight")
+    for prefix, has in (config_globals or {}).items():
+        if not has(args):
+            names = {n for n in names if not n.startswith(prefix)}
     return names
