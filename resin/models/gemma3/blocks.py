@@ -201,19 +201,39 @@ def gemma3_decoder_layer(
     harness hooks only the four Llama-named children.
     """
 
+    run = child_runner(fns, weights, ctx, emit)
+    hidden = sandwich_attention(hidden, run)
+    x = run("pre_feedforward_layernorm", hidden)
+    x = run("mlp", x)
+    x = run("post_feedforward_layernorm", x)
+    return hidden + x
+
+
+def child_runner(
+    fns: dict[str, Callable[..., torch.Tensor]],
+    weights: dict[str, Weights],
+    ctx: LayerContext,
+    emit: Callable[[str, torch.Tensor], None],
+) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """``run(child, x)``: the layer child's block on ``x``, its output emitted as the child's
+    parity checkpoint (shared with gemma4's decoder layer)."""
+
     def run(child: str, x: torch.Tensor) -> torch.Tensor:
         y = fns[child](x, weights[child], ctx)
         emit(child, y)
         return y
 
+    return run
+
+
+def sandwich_attention(
+    hidden: torch.Tensor, run: Callable[[str, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``h + post_attention_layernorm(self_attn(input_layernorm(h)))`` (Gemma 3's and Gemma 4's
+    attention half of the layer)."""
     x = run("input_layernorm", hidden)
     x = run("self_attn", x)
-    x = run("post_attention_layernorm", x)
-    hidden = hidden + x
-    x = run("pre_feedforward_layernorm", hidden)
-    x = run("mlp", x)
-    x = run("post_feedforward_layernorm", x)
-    return hidden + x
+    return hidden + run("post_attention_layernorm", x)
 
 
 # HF class -> block function; the shared runner picks each layer's functions from here.
