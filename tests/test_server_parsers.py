@@ -994,3 +994,18 @@ def test_random_well_formed_outputs(tool):
         assert r.content == content.rstrip() + tail.rstrip()
         assert [(name, json.loads(args)) for name, args in r.calls] == calls
         no_markers(r.content)
+
+
+def test_reasoning_found_inside_a_call_waits_for_the_calls_end():
+    """A reasoning parser that finds reasoning markers inside a call's text (gpt-oss's analysis
+    header inside a DeepSeek call here) must not put reasoning between the call's start and
+    end: it follows the call, with nothing lost."""
+    text = (
+        "<｜tool▁call▁begin｜>write<｜tool▁sep｜>"
+        '{"path": "a", "content": "日本"}<｜nce<|channel|>analysis<|message|>thought<｜tool▁call▁end｜>'
+    )
+    r = check(text, "deepseek_v31", "openai_gptoss", seed=0, splits=15, tools=WEATHER_TOOLS)
+    kinds = [type(e).__name__ for e in r.events]
+    start, end = kinds.index("ToolCallStart"), kinds.index("ToolCallEnd")
+    assert "ReasoningDelta" not in kinds[start:end]
+    assert r.calls == [("write", '{"path": "a", "content": "日本"}')]

@@ -86,6 +86,8 @@ class OutputParser:
         self._calls: list[ParsedToolCall] = []
         self._started: dict[int, ToolCallStart] = {}
         self._finished = False
+        self._call_open = False  # a call's start went out and its end not yet
+        self._deferred: list[OutputEvent] = []  # reasoning held until the open call ends
 
     def feed(self, text: str) -> list[OutputEvent]:
         """Events for one detokenized delta (any split, even one character)."""
@@ -106,12 +108,35 @@ class OutputParser:
         events: list[OutputEvent] = []
         for piece in pieces:
             if isinstance(piece, ContentDelta) and self._tools is not None:
-                events.extend(self._tools.feed(piece.text))
+                produced = self._tools.feed(piece.text)
+                self._note_calls(produced)
+                events.extend(produced)
+            elif isinstance(piece, ReasoningDelta) and self._call_open:
+                # Reasoning the reasoning parser found while a call streams (its markers
+                # inside the call's text) waits for the call's end: nothing comes between a
+                # call's start and end (module doc).
+                self._deferred.append(piece)
             else:
                 events.append(piece)
+            if self._deferred and not self._call_open:
+                events.extend(self._deferred)
+                self._deferred = []
         if final and self._tools is not None:
-            events.extend(self._tools.finish())
+            produced = self._tools.finish()
+            self._note_calls(produced)
+            events.extend(produced)
+        if self._deferred and (final or not self._call_open):
+            events.extend(self._deferred)
+            self._deferred = []
         return self._record(events)
+
+    def _note_calls(self, events: list[OutputEvent]) -> None:
+        """Whether a call is open after ``events`` (its start seen, its end not yet)."""
+        for event in events:
+            if isinstance(event, ToolCallStart):
+                self._call_open = True
+            elif isinstance(event, ToolCallEnd):
+                self._call_open = False
 
     def _record(self, events: list[OutputEvent]) -> list[OutputEvent]:
         merged: list[OutputEvent] = []
