@@ -488,3 +488,37 @@ def test_the_sdks_stream_helper_accumulates_every_choice_exactly(client):
         ]
         assert len(whole.logprobs.content) == 8
         assert streamed.message.content == whole.message.content
+
+
+def test_tokenize_and_detokenize_as_vllm_spells_them(server, llm):
+    """vLLM's /tokenize (a prompt, or chat messages through the template) and /detokenize."""
+    base = server.base_url
+    text = "The sky is blue"
+    plain = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert plain["tokens"] == llm.tokenizer.encode(text)
+    assert plain["count"] == len(plain["tokens"]) and plain["max_model_len"] == 256
+    assert plain["token_strs"] is None
+    bare = httpx.post(
+        f"{base}/tokenize",
+        json={"prompt": text, "add_special_tokens": False, "return_token_strs": True},
+    ).json()
+    assert bare["tokens"] == llm.tokenizer.encode(text, add_special_tokens=False)
+    assert "".join(bare["token_strs"]) == text
+    chat = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    rendered = llm.chat_template.render(MESSAGES, add_generation_prompt=True)
+    assert chat["tokens"] == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    closed = httpx.post(
+        f"{base}/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}
+    ).json()
+    assert closed["count"] < chat["count"]
+    back = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": bare["tokens"]})
+    assert back.json() == {"prompt": text}
+    for path, body, param in [
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x", "model": "nope"}, "model"),
+    ]:
+        response = httpx.post(f"{base}{path}", json=body)
+        assert response.status_code in (400, 404), response.text
+        assert response.json()["error"]["param"] == param

@@ -52,6 +52,8 @@ ENDPOINTS = [
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/models",
+    "/tokenize",
+    "/detokenize",
     "/health",
     "/metrics",
     "/version",
@@ -310,6 +312,22 @@ def build_app(ctx: ServerContext) -> FastAPI:
         raw = await read_raw(ctx, request)
         _, counted = await prepare_body(ctx, raw, lambda body: messages_api.count_tokens(ctx, body))
         return JSONResponse(counted)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        from resin.server.openai import tokenize as tokenize_api
+
+        raw = await read_raw(ctx, request)
+        _, tokens = await prepare_body(ctx, raw, lambda body: tokenize_api.tokenize(ctx, body))
+        return JSONResponse(tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        from resin.server.openai import tokenize as tokenize_api
+
+        raw = await read_raw(ctx, request)
+        _, text = await prepare_body(ctx, raw, lambda body: tokenize_api.detokenize(ctx, body))
+        return JSONResponse(text)
 
     def openai_model(name: str) -> dict[str, Any]:
         return {

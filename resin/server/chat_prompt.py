@@ -207,6 +207,7 @@ def build_chat_prompt(
     anthropic: bool = False,
     param: str = "messages",
     continue_final_message: bool = False,
+    add_generation_prompt: bool = True,
 ) -> ChatPrompt:
     """Render normalised messages (see :func:`normalize_chat_messages`) and tokenize. With
     ``check_length`` (every generating endpoint; not ``count_tokens``), a rendered text that
@@ -223,7 +224,7 @@ def build_chat_prompt(
         text = ctx.chat_template.render(
             messages,
             tools=tools,
-            add_generation_prompt=not continue_final_message,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             chat_template=chat_template or ctx.options.chat_template,
             **kwargs,
