@@ -19,6 +19,14 @@ from resin.kernels.numpy_view import numpy_view
 pytestmark = pytest.mark.skipif(not cl.enabled, reason="the CPU linear is off on this machine")
 
 
+@pytest.fixture(autouse=True)
+def float32_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's own behaviour is tested on every machine: float32 calls of up to 32 rows
+    go to it here even where torch runs AVX-512 and the kernel is off for float32 (the rule:
+    test_the_float32_limit_follows_torchs_cpu_capability)."""
+    monkeypatch.setitem(cl.MAX_ROWS, torch.float32, 32)
+
+
 def _operands(rows: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g).to(dtype)
@@ -183,3 +191,13 @@ def test_the_binding_refuses_bad_arrays() -> None:
     misaligned = np.frombuffer(raw.data, dtype=np.float32, count=16, offset=1).reshape(2, 8)
     with pytest.raises(ValueError, match="aligned"):
         _core.linear(misaligned, w, None, out)
+
+
+@pytest.mark.parametrize(
+    "capability,limit", [("AVX2", 32), ("AVX512", 0), ("AVX512_BF16", 0), ("DEFAULT", 32)]
+)
+def test_the_float32_limit_follows_torchs_cpu_capability(
+    capability: str, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert cl._float32_rows() == limit

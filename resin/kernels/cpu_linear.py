@@ -51,14 +51,28 @@ def _bfloat16_rows() -> int:
     return 8 if supported else 1 << 30
 
 
-MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.bfloat16: _bfloat16_rows()}
+def _float32_rows() -> int:
+    """The kernel's float32 row limit: 32 where torch's CPU kernels are AVX2 (the kernel's own
+    width; there MKL's SGEMV read cold weights at a third of the streaming rate), none (0: every
+    float32 call is torch's) where torch runs AVX-512: on a Sapphire Rapids machine MKL's
+    AVX-512 GEMV beat the kernel at 1 to 32 rows (1 row of a 512 x 512 projection 32 µs against
+    46, 1,536 x 512 89 against 123) and the whole model decoded one request 14% faster without
+    it (docs/benchmarks.md, "An AVX-512 machine")."""
+    return 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32
+
+
+MAX_ROWS: dict[torch.dtype, int] = {
+    torch.float32: _float32_rows(),
+    torch.bfloat16: _bfloat16_rows(),
+}
 """Rows up to which the kernel takes a dtype: where it beat torch's CPU GEMM on a decode step's
 cold weights (docs/benchmarks.md, "The weights asked for in step with the reads": float32
-2.3-5x torch at 1-4 rows, 1.4x at 32; bfloat16 1.5-1.8x oneDNN at 1 row, 1.8-2.7x at 2,
-0.93-1.08x at 8 and behind from 16, where each pass over a block widens its bfloat16 weights
-again; at 8 rows it is kept for its end-to-end gain at 8 requests, measured against the
-kernel off, not against a limit of 4). bfloat16 has no limit on a CPU where oneDNN has no
-bfloat16 GEMM (:func:`_bfloat16_rows`)."""
+2.3-5x torch at 1-4 rows, 1.4x at 32, on an AVX2 machine — none on an AVX-512 one,
+:func:`_float32_rows`; bfloat16 1.5-1.8x oneDNN at 1 row, 1.8-2.7x at 2, 0.93-1.08x at 8 and
+behind from 16, where each pass over a block widens its bfloat16 weights again; at 8 rows it is
+kept for its end-to-end gain at 8 requests, measured against the kernel off, not against a
+limit of 4). bfloat16 has no limit on a CPU where oneDNN has no bfloat16 GEMM
+(:func:`_bfloat16_rows`)."""
 
 ROWS_PER_CALL = 256
 """Rows of ``x`` per kernel call: the widest measured (docs/benchmarks.md, "An AVX2-only
