@@ -52,7 +52,7 @@ def asked(plan: Any) -> PromptLogprobsAsked | None:
     indices = np.flatnonzero(targets >= 0)
     if not indices.size:
         return None
-    num_top = int(max(0, int(np.asarray(plan.sampling.num_prompt_logprobs).max())))
+    num_top = max(0, int(np.asarray(plan.sampling.num_prompt_logprobs).max()))
     return PromptLogprobsAsked(indices.astype(np.int64), targets[indices], num_top)
 
 

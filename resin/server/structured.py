@@ -129,7 +129,8 @@ class StructuredOutputs:
         prefix: str = "",
     ) -> CompiledGrammar | None:
         """The forced-call grammar for ``tool_choice`` required / named (None otherwise, or
-        when the tool parser's format cannot be forced)."""
+        when the tool parser's format cannot be forced). ``params[i]`` is where ``tools[i]``'s
+        parameters schema was sent (``tool_param_paths``)."""
         if not tools or not forces_tool_call(tool_choice):
             return None
         if self.tool_parser is None or not self.compiler.supports_tool_calls:
@@ -139,7 +140,7 @@ class StructuredOutputs:
             # a call of one of the allowed tools: the grammar offers those only
             keep = [i for i, t in enumerate(tools) if t["function"]["name"] in tool_choice["names"]]
             tools = [tools[i] for i in keep]
-            params = [params[i] if i < len(params) else f"tools[{i}]" for i in keep]
+            params = [params[i] for i in keep]
         key = ("tool_call", _json_key(tools), name, tuple(params), prefix)
         return self.compile(key, lambda c: c.tool_call(tools, name, params, prefix=prefix))
 

@@ -232,18 +232,15 @@ impl Engine {
         }
         let pending_rows: Vec<PendingRow> = rows
             .iter()
-            .map(|r| {
-                let req = self.sched.request(r.req);
-                let start = req.num_computed_tokens;
+            .enumerate()
+            .map(|(i, r)| {
+                let positions = plan.prompt_logprob_positions(i);
                 PendingRow {
                     req: r.req,
-                    arrival_seq: req.arrival_seq,
+                    arrival_seq: self.sched.request(r.req).arrival_seq,
                     num_new_tokens: r.num_new_tokens,
                     num_drafts: r.num_drafts,
-                    prompt_logprob_positions: {
-                        let positions = req.prompt_logprob_positions(start, start + r.num_new_tokens - r.num_drafts);
-                        (positions.start, positions.end)
-                    },
+                    prompt_logprob_positions: (positions.start, positions.end),
                 }
             })
             .collect();

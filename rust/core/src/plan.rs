@@ -277,14 +277,6 @@ impl BatchPlan {
         }
         plan.input_ids.reserve(t);
         plan.positions.reserve(t);
-        let any_prompt_logprobs = rows.iter().any(|row| {
-            let req = requests[row.req].as_ref().expect("scheduled request exists");
-            let start = req.num_computed_tokens;
-            !req.prompt_logprob_positions(start, start + row.num_new_tokens - row.num_drafts).is_empty()
-        });
-        if any_prompt_logprobs {
-            plan.prompt_logprob_targets.reserve(t);
-        }
         plan.num_draft_tokens.resize(s, 0);
         plan.sampling.reserve(s);
         // kv_indices grows as rows are added; a recycled plan already has the capacity.
@@ -328,20 +320,7 @@ impl BatchPlan {
             let num_samples = if samples { 1 + row.num_drafts } else { 0 };
             plan.sample_indptr.push(plan.sample_indptr.last().unwrap() + num_samples);
             plan.push_sampling(req);
-            let targets = req.prompt_logprob_positions(start, real_end);
-            plan.sampling.num_prompt_logprobs.push(match req.params.prompt_logprobs {
-                Some(k) if !targets.is_empty() => k as i32,
-                _ => -1,
-            });
-            if any_prompt_logprobs {
-                plan.prompt_logprob_targets.extend((start..seq_len).map(|p| {
-                    if targets.contains(&p) {
-                        i64::from(req.token_ids[p as usize + 1])
-                    } else {
-                        -1
-                    }
-                }));
-            }
+            plan.push_prompt_logprob_targets(req, start, real_end, seq_len, t);
             plan.num_output_tokens.push(req.num_output_tokens());
             plan.committed_token_ids.extend_from_slice(&req.token_ids[req.num_tokens_shown as usize..]);
             plan.committed_token_indptr.push(plan.committed_token_ids.len() as u32);
@@ -388,6 +367,24 @@ impl BatchPlan {
             }
         }
         plan
+    }
+
+    /// The row's `sampling.num_prompt_logprobs` and its tokens' `prompt_logprob_targets`
+    /// (positions `start..seq_len`; `real_end` ends its real tokens). The targets array stays
+    /// empty until a row has a target, which fills it with -1 for the tokens before it.
+    fn push_prompt_logprob_targets(&mut self, req: &Request, start: u32, real_end: u32, seq_len: u32, t: usize) {
+        let targets = req.prompt_logprob_positions(start, real_end);
+        let k = req.params.prompt_logprobs.filter(|_| !targets.is_empty());
+        self.sampling.num_prompt_logprobs.push(k.map_or(-1, |k| k as i32));
+        if k.is_some() && self.prompt_logprob_targets.is_empty() {
+            let before = self.input_ids.len() - (seq_len - start) as usize;
+            self.prompt_logprob_targets.reserve(t);
+            self.prompt_logprob_targets.resize(before, -1);
+        }
+        if !self.prompt_logprob_targets.is_empty() || k.is_some() {
+            let target = |p: u32| if targets.contains(&p) { i64::from(req.token_ids[p as usize + 1]) } else { -1 };
+            self.prompt_logprob_targets.extend((start..seq_len).map(target));
+        }
     }
 
     fn push_sampling(&mut self, req: &Request) {
@@ -470,6 +467,23 @@ impl BatchPlan {
         }
         self.new_request_slots = new_slots;
         self.finished_request_slots = finished_slots;
+    }
+
+    /// Positions of row `i` whose prompt logprob the plan asks for (its tokens with a
+    /// `prompt_logprob_targets` entry, which are consecutive), read off the plan.
+    pub fn prompt_logprob_positions(&self, i: usize) -> std::ops::Range<u32> {
+        if self.prompt_logprob_targets.is_empty() {
+            return 0..0;
+        }
+        let tokens = self.query_indptr[i] as usize..self.query_indptr[i + 1] as usize;
+        let marked = &self.prompt_logprob_targets[tokens.clone()];
+        match marked.iter().position(|&target| target >= 0) {
+            Some(first) => {
+                let start = self.positions[tokens.start + first] as u32;
+                start..start + marked.iter().filter(|&&target| target >= 0).count() as u32
+            }
+            None => 0..0,
+        }
     }
 
     /// The request id of row `i`.

@@ -340,9 +340,6 @@ impl Request {
         self.params.stop_token_ids.contains(&token) || (!self.params.ignore_eos && eos_token_ids.contains(&token))
     }
 
-    /// Appends a sampled token (and its logprob entry, when asked for) and says whether it
-    /// finishes the request. A stop token counts once `min_tokens` outputs came before it,
-    /// the same rule as the plan's `banned_token_ids`; the stop token itself is kept.
     /// Positions `p` (`num_computed..end`, the row's real tokens) whose prompt logprob the
     /// next forward computes: the logprob of prompt token `p + 1`, for every `p` below
     /// `num_prompt_tokens - 1` not recorded yet. Empty unless the request asks for them.
@@ -361,6 +358,9 @@ impl Request {
             && (self.record.log.num_prompt_logprobs() as u32) < self.num_prompt_tokens.saturating_sub(1)
     }
 
+    /// Appends a sampled token (and its logprob entry, when asked for) and says whether it
+    /// finishes the request. A stop token counts once `min_tokens` outputs came before it,
+    /// the same rule as the plan's `banned_token_ids`; the stop token itself is kept.
     pub fn append_output(
         &mut self,
         token: u32,
