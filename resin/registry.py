@@ -332,16 +332,25 @@ def _model_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if (p / RECORD_FILE).is_file())
 
 
+def claimed_model_types(model_types: Iterable[str], config_defaults: Any) -> tuple[str, ...]:
+    """A model directory's recorded ``model_types`` and its text model's own
+    (``config_defaults["model_type"]``: a multimodal wrapper's text config, whose text-only
+    checkpoints the directory runs)."""
+    claimed = tuple(model_types)
+    text_type = config_defaults.get("model_type")
+    if isinstance(text_type, str) and text_type not in claimed:
+        claimed += (text_type,)
+    return claimed
+
+
 def _entry_of(model_dir: Path, origin: str) -> ModelEntry:
     path = model_dir / RECORD_FILE
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         architectures = tuple(record["architectures"])
-        model_types = tuple(record.get("model_types", ()))
-        # The text model's type (a wrapper's text_config), recorded in the defaults, is claimed too.
-        text_type = (record.get("config_defaults") or {}).get("model_type")
-        if isinstance(text_type, str) and text_type not in model_types:
-            model_types += (text_type,)
+        model_types = claimed_model_types(
+            record.get("model_types", ()), record.get("config_defaults") or {}
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{path}: not a model record ({exc}); regenerate it with resin new-model --force"

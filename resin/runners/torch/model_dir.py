@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from resin.loading.fields import remap_legacy_layer_types
+from resin.registry import claimed_model_types
 from resin.runners.torch import layer_caches
 from resin.runners.torch.attention import AttentionBackend
 from resin.runners.torch.model_definition import (
@@ -117,15 +118,6 @@ class ModelRecord:
             )
         fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         return cls(**fields)
-
-    @property
-    def claimed_model_types(self) -> list[str]:
-        """``model_types`` and the text model's own (``config_defaults["model_type"]``: a
-        multimodal wrapper's text config, whose text-only checkpoints this directory runs)."""
-        text_type = self.config_defaults.get("model_type")
-        if isinstance(text_type, str) and text_type not in self.model_types:
-            return [*self.model_types, text_type]
-        return list(self.model_types)
 
     def to_json(self) -> str:
         """Readable, deterministic JSON: one key per line, lists of plain values on one line."""
@@ -656,9 +648,10 @@ class ModelDirRunner(PagedRunner):
             # compress_ratios -> layer_types), written by the model since no transformers here.
             args = ModelArgs(**blocks.normalise_config(args.to_dict()))
         architecture = (getattr(args, "architectures", None) or [None])[0]
+        model_types = claimed_model_types(record.model_types, record.config_defaults)
         if (
             architecture not in record.architectures
-            and getattr(args, "model_type", None) not in record.claimed_model_types
+            and getattr(args, "model_type", None) not in model_types
         ):
             raise ValueError(
                 f"{checkpoint_dir} is a {architecture or args.model_type} "
