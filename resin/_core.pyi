@@ -690,10 +690,16 @@ def nucleus_cut(
     released while it runs."""
 
 def argmax(
-    logits: npt.NDArray[np.float32], tokens: npt.NDArray[np.int64], *, threads: int = 1
+    logits: npt.NDArray[np.float32],
+    tokens: npt.NDArray[np.int64],
+    *,
+    rows: npt.NDArray[np.int64] | None = None,
+    threads: int = 1,
 ) -> None:
     """Each row's greedy token into ``tokens`` [S]: the first column of the largest logit of
-    ``logits`` [S, V] (f32, C-contiguous), a NaN the largest, 0 for a row of ``-inf``:
+    ``logits`` [S, V] (f32, C-contiguous), a NaN the largest, 0 for a row of ``-inf``; with
+    ``rows`` (int64 [n]), ``tokens`` [n] gets row ``rows[i]``'s (a row past ``logits`` raises
+    ValueError):
     ``torch.argmax``'s columns exactly (rust/kernels/src/argmax.rs: one vectorised scan against
     the running maximum). Bad shapes, non-C order and ``tokens`` sharing bytes with ``logits``
     raise ValueError; the GIL is released while it runs, the rows split over ``threads``

@@ -13,16 +13,19 @@ Owns the per-request sampler state (the token history penalties need, keyed by
    transformers' order) and draw (:mod:`resin.sampling_draw`: inverse-CDF sampling from the
    sample's uniform number).
 
-On a CPU with float32 logits, and no grammar matcher in the sampler, the drawn rows go
-through one Rust call instead
-(:mod:`resin.sampling_kernel`: the same filters and draw, the same tokens bit for bit), which
-reads each row where it lies; only the rows a penalty or ban changes are copied first, and a
-row it leaves (e.g. a top-k past 256) takes the torch path below. Otherwise,
+On a CPU with float32 logits in one contiguous block, and no grammar matcher in the sampler,
+nothing is copied: the entries a bias, penalty or ban changes are written into ``logits`` in
+place for the step's pick and their raw values written back right after (``Sampler._patched``),
+the greedy rows are picked where they lie (``_core.argmax`` over the rows named), and the
+drawn rows go through one Rust call (:mod:`resin.sampling_kernel`: the same filters and draw,
+the same tokens bit for bit), which reads each row where it lies; a row it leaves (e.g. a
+top-k past 256) takes the torch path below from a copy of its row. Otherwise,
 the greedy rows and the drawn rows are each copied once into a reused buffer
 (:mod:`resin.sampling_workspace`), the drawn ones in the blocks the draw reads in place
 (:func:`~resin.sampling_draw.draw_groups`: without a filter, then by the width of their
 candidate search), and each block is one batched call; a step of one kind copies nothing
-unless a penalty, ban or grammar changes its logits. ``logits`` are read, never written.
+unless a penalty, ban or grammar changes its logits. ``sample`` returns with ``logits`` as it
+found them.
 
 The history comes from the engine's lifecycle diff alone, never from ``input_ids``: a slot in
 ``new_request_slots`` starts from ``new_request_token_ids`` (prompt, then any outputs it
@@ -67,6 +70,9 @@ Imports torch; ``import resin`` does not import this module.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -166,7 +172,8 @@ class Sampler(SlotHistory):
         Returns, per plan row, its samples' tokens (one 0 for a row that does not sample, which
         the engine ignores), with logprobs when any sampling row asks for them. A seeded row's
         j-th sample draws with the uniform of output index ``num_output_tokens + j``: the same
-        tokens with and without speculative decoding. ``logits`` are read, never written.
+        tokens with and without speculative decoding. ``logits`` are left as found (penalties
+        patched in place on the CPU path are written back before it returns).
         """
         sampling = plan.sampling
         slots = plan.request_slots[rows].tolist()
@@ -193,17 +200,17 @@ class Sampler(SlotHistory):
         drawn = np.flatnonzero(~greedy)
         drawn = drawn[np.argsort(order[drawn], kind="stable")]
         tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        in_place = self._patchable(logits)
         for group, part in enumerate((np.flatnonzero(greedy), drawn)):
             if len(part) == 0:
                 continue
             whole = len(part) == len(rows) and bool((part[1:] > part[:-1]).all())
-            if (
-                group == 1
-                and not self.grammar_slots
-                and self.device.type == "cpu"
-                and sampling_kernel.takes(logits)
-            ):
-                group_tokens = self._draw_in_kernel(logits, plan, rows, slots, offsets, part)
+            if group == 0 and in_place:
+                with self._patched(logits, plan, rows, slots, part):
+                    group_tokens = greedy_tokens(logits, None if whole else part)
+            elif group == 1 and in_place and sampling_kernel.takes(logits):
+                with self._patched(logits, plan, rows, slots, part):
+                    group_tokens = self._draw_in_kernel(logits, plan, rows, offsets, part)
             else:
                 processed, owned = self._processed(
                     logits, plan, rows, slots, None if whole else part
@@ -255,59 +262,80 @@ class Sampler(SlotHistory):
             np.asarray(plan.sampling.seed[chosen], dtype=np.int64), output_indices
         )
 
-    def _draw_in_kernel(
+    def _patchable(self, logits: torch.Tensor) -> bool:
+        """Whether this step may change ``logits`` in place for its draws and restore them
+        (:meth:`_patched`): float32 CPU rows in one contiguous block no autograd tracks, and
+        no grammar matcher (grammar rows are masked in a copy)."""
+        return (
+            not self.grammar_slots
+            and self.device.type == "cpu"
+            and logits.is_cpu
+            and logits.dtype is torch.float32
+            and logits.dim() == 2
+            and logits.is_contiguous()
+            and not logits.requires_grad
+        )
+
+    @contextmanager
+    def _patched(
         self,
         logits: torch.Tensor,
         plan: BatchPlan,
         rows: np.ndarray,
         slots: list[int],
+        part: np.ndarray,
+    ) -> Iterator[None]:
+        """``logits`` with the biases, penalties and bans of the samples ``part`` (indices into
+        ``rows``; sample i's logits are row ``part[i]``) written at the entries they change,
+        and those entries' raw values written back on exit, whatever happens inside: the rows
+        are read where they lie instead of copied (a copy of a penalised 152k row costs more
+        than the draw from it), and the caller sees its logits unchanged. The values are the
+        ones :meth:`_processed` writes into its copy, bit for bit."""
+        chosen = rows[part]
+        step = self.penalties.plan(plan, chosen)
+        if not step.changes_logits:
+            yield
+            return
+        part_slots = [slots[i] for i in part.tolist()]
+        rules = self.penalties.rules(step, plan, part_slots, self.slots, part)
+        flat = logits.view(-1)
+        touched = torch.cat([rule.at for rule in rules])  # an entry may repeat: same raw value
+        with torch.inference_mode(logits.is_inference()):
+            raw = flat.index_select(0, touched)
+            self.penalties.apply(flat, rules)
+        try:
+            yield
+        finally:
+            with torch.inference_mode(logits.is_inference()):
+                flat.index_copy_(0, touched, raw)
+
+    def _draw_in_kernel(
+        self,
+        logits: torch.Tensor,
+        plan: BatchPlan,
+        rows: np.ndarray,
         offsets: np.ndarray,
         part: np.ndarray,
     ) -> torch.Tensor:
         """:meth:`_draw`'s tokens for the samples ``part`` from ``_core.sample_rows``
-        (:mod:`resin.sampling_kernel`): the rows no penalty or ban changes read where they lie in
-        ``logits``, the others from one copy with their penalties; the uniforms drawn once, in
-        ``part``'s order, as :meth:`_draw` draws them; a sample the kernel leaves goes to
-        :func:`~resin.sampling_draw.draw_tokens`."""
+        (:mod:`resin.sampling_kernel`), each read where it lies in ``logits`` (the caller has
+        patched its penalties in, :meth:`_patched`); the uniforms drawn once, in ``part``'s
+        order, as :meth:`_draw` draws them; a sample the kernel leaves goes to
+        :func:`~resin.sampling_draw.draw_tokens` from a copy of its row."""
         chosen = rows[part]
         sampling = plan.sampling
         uniforms = self._part_uniforms(plan, rows, offsets, part).numpy()
-        step = self.penalties.plan(plan, chosen)
-        changed = step.changed  # the samples whose logits a bias, penalty or ban changes
         temperature = np.asarray(sampling.temperature[chosen], dtype=np.float32)
         top_k = np.asarray(sampling.top_k[chosen], dtype=np.int64)
         top_p = np.asarray(sampling.top_p[chosen], dtype=np.float32)
         min_p = np.asarray(sampling.min_p[chosen], dtype=np.float32)
-        tokens = np.empty(len(part), dtype=np.int64)
-        # (samples, the tensor holding their rows, their rows in it)
-        sources: list[tuple[np.ndarray, torch.Tensor, np.ndarray]] = []
-        unchanged, penalised = np.flatnonzero(~changed), np.flatnonzero(changed)
-        if len(unchanged):
-            sources.append((unchanged, logits, part[unchanged]))
-        if len(penalised):
-            processed, _ = self._processed(logits, plan, rows, slots, part[penalised])
-            sources.append((penalised, processed, np.arange(len(penalised), dtype=np.int64)))
-        for samples, source, at in sources:
-            tokens[samples] = sampling_kernel.kernel_tokens(
-                source,
-                at,
-                temperature[samples],
-                top_k[samples],
-                top_p[samples],
-                min_p[samples],
-                uniforms[samples],
-            )
-        if (tokens < 0).any():  # the torch path for what the kernel leaves, rows copied once
-            left_rows = [
-                (samples[tokens[samples] < 0], source, at[tokens[samples] < 0])
-                for samples, source, at in sources
-            ]
-            sub = torch.cat(
-                [source.index_select(0, torch.as_tensor(at)) for _, source, at in left_rows]
-            )
-            left = np.concatenate([samples for samples, _, _ in left_rows])
+        tokens = sampling_kernel.kernel_tokens(
+            logits, part, temperature, top_k, top_p, min_p, uniforms
+        )
+        left = np.flatnonzero(tokens < 0)
+        if len(left):  # the torch path for what the kernel leaves, its rows copied once
             tokens[left] = draw_tokens(
-                sub,
+                logits.index_select(0, torch.as_tensor(part[left], dtype=torch.int64)),
                 torch.as_tensor(temperature[left]),
                 torch.as_tensor(top_k[left]),
                 torch.as_tensor(top_p[left]),
@@ -345,8 +373,11 @@ class Sampler(SlotHistory):
             torch.index_select(logits, 0, self._tensor(part, np.int64), out=processed)
         else:
             processed.copy_(logits)
-        banned_rows = self.penalties.apply(processed, step, plan, slots, self.slots)
+        self.penalties.apply(
+            processed.view(-1), self.penalties.rules(step, plan, slots, self.slots)
+        )
         if self.grammar_slots:
+            banned_rows = np.flatnonzero(step.num_banned)
             self._mask(processed, logits, slots, banned_rows.tolist(), part)
         return processed, True
 

@@ -14,6 +14,7 @@ Imports torch; ``import resin`` does not import this module.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from resin import _core
@@ -24,8 +25,9 @@ argmax_kernel = True
 same columns). False takes torch's everywhere (for A/B runs and the tests)."""
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """int64 [S]: ``logits.argmax(dim=-1)`` of ``logits`` [S, V], column for column."""
+def greedy_tokens(logits: torch.Tensor, rows: np.ndarray | None = None) -> torch.Tensor:
+    """int64 [S]: ``logits.argmax(dim=-1)`` of ``logits`` [S, V], column for column; with
+    ``rows`` (int64 [n]), of ``logits[rows]`` (read in place on the CPU kernel's path)."""
     if (
         argmax_kernel
         and logits.dtype is torch.float32
@@ -34,7 +36,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         and logits.shape[1] > 0
         and logits.is_contiguous()
     ):
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-        _core.argmax(logits.detach().numpy(), tokens.numpy(), threads=kernel_threads())
+        n = logits.shape[0] if rows is None else len(rows)
+        tokens = torch.empty(n, dtype=torch.int64)
+        picked = None if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
+        _core.argmax(logits.detach().numpy(), tokens.numpy(), rows=picked, threads=kernel_threads())
         return tokens
+    if rows is not None:
+        logits = logits.index_select(
+            0, torch.as_tensor(rows, dtype=torch.int64, device=logits.device)
+        )
     return logits.argmax(dim=-1)

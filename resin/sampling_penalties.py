@@ -1,7 +1,10 @@
 """Penalties and bans for the torch sampler, applied to the step's copy of the raw logits.
 
 Owns the rules, applied in this order, each at the entries it touches only (one
-``index_select`` + ``index_copy_`` / ``index_fill_`` for the batch each):
+``index_select`` + ``index_copy_`` / ``index_fill_`` for the batch each; :meth:`Penalties.rules`
+lists them with their entries, :meth:`Penalties.apply` applies them, to a copy of the rows or,
+on the sampler's CPU path, to the logits in place, whose raw values at those entries the
+sampler writes back after the step's pick):
 
 0. ``logit_bias`` (the plan's ``logit_bias_token_ids`` / ``logit_bias_values``, OpenAI's): the
    bias added to the token's logit, before the penalties, as vLLM orders them;
@@ -114,6 +117,17 @@ class PenaltyPlan:
         return bool(self.changed.any())
 
 
+@dataclass
+class Rule:
+    """One penalty rule of a step: ``kind`` ("bias", "repetition", "counting" or "ban"), the
+    flat indices it touches (int64; an entry may repeat across rules) and its per-entry
+    operands (the bias; the penalty; frequency, presence and count)."""
+
+    kind: str
+    at: torch.Tensor
+    operands: tuple[torch.Tensor, ...]
+
+
 class Penalties:
     """The per-slot tallies of the penalised requests; applies a step's penalties and bans."""
 
@@ -142,54 +156,81 @@ class Penalties:
             rows,
         )
 
-    def apply(
+    def rules(
         self,
-        processed: torch.Tensor,
         step: PenaltyPlan,
         plan: BatchPlan,
         slots: list[int],
         states: dict[int, SlotState],
-    ) -> np.ndarray:
-        """Apply ``step`` to ``processed`` [n, V] in place (row r is sample r of the group;
-        ``slots[r]`` its request slot). Returns the samples with banned tokens."""
-        flat = processed.view(-1)  # entry (r, t) at r * vocab_size + t
+        row_of: np.ndarray | None = None,
+    ) -> list[Rule]:
+        """The rules ``step`` applies, in order, each with the entries it touches in a [R, V]
+        tensor's contiguous storage where sample r's logits are row ``row_of[r]`` (r when None;
+        ``slots[r]`` its request slot)."""
+        rows = np.arange(len(step.rows), dtype=np.int64) if row_of is None else row_of
+        rules = []
         if step.num_biased.any():  # logit_bias: logit += bias
             ids, keys = self._row_entries(
-                step.bias_indptr, step.num_biased, step.rows, plan.logit_bias_token_ids
+                step.bias_indptr, step.num_biased, step.rows, plan.logit_bias_token_ids, rows
             )
-            at = torch.as_tensor(keys, device=self.device)
             bias = torch.as_tensor(plan.logit_bias_values[ids], device=self.device)
-            flat.index_copy_(0, at, flat.index_select(0, at) + bias.to(processed.dtype))
+            rules.append(Rule("bias", self._tensor(keys), (bias,)))
         if len(step.repeating):  # prompt + output tokens: positive / penalty, negative * penalty
-            at, r, _ = self._entries(step.repeating, slots, states, outputs_only=False)
-            values = flat.index_select(0, at)
-            penalty = torch.as_tensor(step.repetition, device=self.device)[r]
-            flat.index_copy_(0, at, torch.where(values > 0, values / penalty, values * penalty))
+            keys, r, _ = self._entries(step.repeating, slots, states, rows, outputs_only=False)
+            penalty = torch.as_tensor(step.repetition, device=self.device)[self._tensor(r)]
+            rules.append(Rule("repetition", self._tensor(keys), (penalty,)))
         if len(step.counting):  # output tokens: logit -= frequency * count + presence * (count > 0)
-            at, r, counts = self._entries(step.counting, slots, states, outputs_only=True)
-            f = torch.as_tensor(step.frequency, device=self.device)[r]
-            p = torch.as_tensor(step.presence, device=self.device)[r]
-            counts = counts.to(processed.dtype)
-            penalty = f * counts + p * (counts > 0).to(counts.dtype)
-            flat.index_copy_(0, at, flat.index_select(0, at) - penalty)
-        banned_rows = np.flatnonzero(step.num_banned)
-        if len(banned_rows):
-            _, banned = self._row_entries(
-                step.banned_indptr, step.num_banned, step.rows, plan.banned_token_ids
+            keys, r, counts = self._entries(step.counting, slots, states, rows, outputs_only=True)
+            at = self._tensor(r)
+            f = torch.as_tensor(step.frequency, device=self.device)[at]
+            p = torch.as_tensor(step.presence, device=self.device)[at]
+            rules.append(Rule("counting", self._tensor(keys), (f, p, self._tensor(counts))))
+        if step.num_banned.any():
+            _, keys = self._row_entries(
+                step.banned_indptr, step.num_banned, step.rows, plan.banned_token_ids, rows
             )
-            flat.index_fill_(0, torch.as_tensor(banned, device=self.device), -torch.inf)
-        return banned_rows
+            rules.append(Rule("ban", self._tensor(keys), ()))
+        return rules
+
+    @staticmethod
+    def apply(flat: torch.Tensor, rules: list[Rule]) -> None:
+        """Apply ``rules`` to ``flat`` (the storage :meth:`rules` indexed) in place, each at its
+        entries only."""
+        for rule in rules:
+            at = rule.at
+            if rule.kind == "bias":
+                (bias,) = rule.operands
+                flat.index_copy_(0, at, flat.index_select(0, at) + bias.to(flat.dtype))
+            elif rule.kind == "repetition":
+                (penalty,) = rule.operands
+                values = flat.index_select(0, at)
+                flat.index_copy_(0, at, torch.where(values > 0, values / penalty, values * penalty))
+            elif rule.kind == "counting":
+                f, p, counts = rule.operands
+                counts = counts.to(flat.dtype)
+                penalty = f * counts + p * (counts > 0).to(counts.dtype)
+                flat.index_copy_(0, at, flat.index_select(0, at) - penalty)
+            else:
+                flat.index_fill_(0, at, -torch.inf)
+
+    def _tensor(self, values: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(values, device=self.device)
 
     def _row_entries(
-        self, indptr: np.ndarray, counts: np.ndarray, rows: np.ndarray, token_ids: np.ndarray
+        self,
+        indptr: np.ndarray,
+        counts: np.ndarray,
+        rows: np.ndarray,
+        token_ids: np.ndarray,
+        row_of: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The entries of a per-row CSR list of tokens (``indptr`` over plan rows, ``counts``
         [n] the samples' lengths) for the samples of plan ``rows``: their indices into
-        ``token_ids`` and their flat indices ``sample * vocab_size + token``, both int64,
-        tokens past the vocabulary dropped."""
+        ``token_ids`` and their flat indices ``row_of[sample] * vocab_size + token``, both
+        int64, tokens past the vocabulary dropped."""
         first = np.repeat(np.cumsum(counts) - counts, counts)
         ids = np.repeat(indptr[rows], counts) + np.arange(int(counts.sum())) - first
-        sample = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
+        sample = np.repeat(row_of.astype(np.int64), counts)
         tokens = token_ids[ids].astype(np.int64)
         inside = tokens < self.vocab_size
         return ids[inside], (sample * self.vocab_size + tokens)[inside]
@@ -199,11 +240,12 @@ class Penalties:
         samples: np.ndarray,
         slots: list[int],
         states: dict[int, SlotState],
+        row_of: np.ndarray,
         outputs_only: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The distinct (sample, token) pairs of the ``samples``' histories (prompt + output
-        tokens, or output tokens only) as flat indices ``sample * vocab_size + token``, their
-        samples, and how often each token occurs: three int64 [n]."""
+        tokens, or output tokens only) as flat indices ``row_of[sample] * vocab_size +
+        token``, their samples, and how often each token occurs: three int64 [n]."""
         ids, counts, sizes = [], [], []
         for r in samples.tolist():
             tally = self._tally(slots[r], states[slots[r]], outputs_only)
@@ -211,12 +253,8 @@ class Penalties:
             counts.append(tally.counts[: tally.size])
             sizes.append(tally.size)
         sample = np.repeat(samples.astype(np.int64), sizes)
-        keys = sample * self.vocab_size + np.concatenate(ids)
-        return (
-            torch.as_tensor(keys, device=self.device),
-            torch.as_tensor(sample, device=self.device),
-            torch.as_tensor(np.concatenate(counts), device=self.device),
-        )
+        keys = row_of.astype(np.int64)[sample] * self.vocab_size + np.concatenate(ids)
+        return keys, sample, np.concatenate(counts)
 
     def _tally(self, slot: int, state: SlotState, outputs_only: bool) -> TokenTally:
         tally = self.tallies.get((slot, outputs_only))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import resin
 import resin.sampling_kernel as sampling_kernel
 from resin import _core
 from resin.sampling import Sampler
@@ -22,6 +23,7 @@ from resin.sampling_draw import draw_tokens
 from resin.sampling_workspace import Workspace
 from tests.test_sampling_fast_path import (
     NUCLEUS_SUMS,
+    TableRunner,
     batch,
     edge_top_p,
     edge_uniforms,
@@ -206,6 +208,50 @@ def test_the_sampler_with_the_kernel_gives_the_same_tokens(monkeypatch: pytest.M
     off = generate(requests)
     assert drawn[0] == 0
     assert on == off
+    # The penalties written into a copy of the rows (no in-place patch) give them too.
+    monkeypatch.setattr(Sampler, "_patchable", lambda self, logits: False)
+    assert generate(requests) == on
+
+
+@needs_bits
+def test_penalties_patched_in_place_are_restored_when_the_draw_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU path writes a step's penalties, biases and bans into the logits for its pick;
+    an error in the pick still leaves the runner's logits bit for bit as they were."""
+
+    def failing(*args: object) -> np.ndarray:
+        raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(sampling_kernel, "kernel_tokens", failing)
+    failures = []
+
+    class Runner(TableRunner):
+        def forward(self, plan: resin.BatchPlan) -> resin.ForwardOutput:
+            self.sampler.begin_step(plan)
+            rows = np.arange(plan.num_sequences)
+            logits = self.TABLE[: plan.num_sequences].clone()
+            before = logits.clone()
+            try:
+                self.sampler.sample(logits, plan, rows)
+            except RuntimeError as error:
+                failures.append(str(error))
+            assert torch.equal(logits, before)
+            n = plan.num_sequences
+            return resin.ForwardOutput(np.full(n, 7, np.uint32), np.arange(n + 1, dtype=np.uint32))
+
+    engine = resin.Engine(
+        resin.EngineConfig(page_size=4, num_pages=64, max_model_len=32, vocab_size=5003),
+        Runner(),
+    )
+    penalised = dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3, logit_bias={5: 2.0})
+    engine.add_request("a", [1, 2, 3], resin.SamplingParams(max_tokens=3, **penalised))
+    engine.add_request(
+        "b", [4, 5], resin.SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[9])
+    )
+    while engine.has_unfinished():
+        engine.step()
+    assert failures and all("the kernel failed" in f for f in failures)
 
 
 MIXED_SETTINGS = [
@@ -217,7 +263,16 @@ MIXED_SETTINGS = [
     dict(temperature=0.0, repetition_penalty=1.3),
     dict(temperature=0.9, top_k=1000),  # past the candidates: the torch path's
     dict(temperature=1.1, top_k=2000, repetition_penalty=1.1),  # the same, from the copy
-    dict(temperature=0.8, top_p=0.95, logit_bias={5: 3.0, 9: -100.0, 17: 1.5}),  # copied
+    dict(temperature=0.8, top_p=0.95, logit_bias={5: 3.0, 9: -100.0, 17: 1.5}),
+    # greedy and drawn rows with a bias, a penalty and bans (stop tokens before min_tokens)
+    dict(
+        temperature=0.0,
+        presence_penalty=0.5,
+        logit_bias={3: 2.0},
+        min_tokens=6,
+        stop_token_ids=[3, 11],
+    ),
+    dict(temperature=0.9, frequency_penalty=0.2, min_tokens=6, stop_token_ids=[7]),
 ]
 
 

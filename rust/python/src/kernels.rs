@@ -569,19 +569,23 @@ pub fn inverse_cdf(
 
 /// Each row's greedy token into `tokens` [S] (int64): the first column of the row's largest
 /// logit of `logits` [S, V] (f32, C-contiguous), a NaN the largest (`resin-kernels`' `argmax`:
-/// torch's `argmax`, column for column). GIL released; the rows dealt out over `threads`
-/// threads of torch's OpenMP team.
+/// torch's `argmax`, column for column). With `rows` (int64 [n]), token i is row `rows[i]`'s
+/// and `tokens` is [n] (`logits` [R, V] read in place, no copy of the rows picked). GIL
+/// released; the rows dealt out over `threads` threads of torch's OpenMP team.
 #[pyfunction]
-#[pyo3(signature = (logits, tokens, *, threads=1))]
+#[pyo3(signature = (logits, tokens, *, rows=None, threads=1))]
 pub fn argmax(
     py: Python<'_>,
     logits: PyReadonlyArray2<'_, f32>,
     mut tokens: PyReadwriteArray1<'_, i64>,
+    rows: Option<PyReadonlyArray1<'_, i64>>,
     threads: usize,
 ) -> PyResult<()> {
     let (ls, ts) = (logits.shape().to_vec(), tokens.shape().to_vec());
-    if ts[0] != ls[0] || ls[1] == 0 {
-        return Err(PyValueError::new_err(format!("argmax: logits {ls:?} and tokens {ts:?} do not agree ([S, V > 0], [S])")));
+    let n = rows.as_ref().map_or(ls[0], |r| r.len());
+    if ts[0] != n || ls[1] == 0 {
+        let wanted = if rows.is_some() { "[R, V > 0], [n] as rows" } else { "[S, V > 0], [S]" };
+        return Err(PyValueError::new_err(format!("argmax: logits {ls:?} and tokens {ts:?} do not agree ({wanted})")));
     }
     c_order("argmax", [("logits", logits.is_c_contiguous()), ("tokens", tokens.is_c_contiguous())])?;
     let input = [byte_extent(logits.data(), &ls, logits.strides())];
@@ -589,12 +593,27 @@ pub fn argmax(
         return Err(PyValueError::new_err("argmax: tokens must not overlap logits"));
     }
     let not_c = |_| PyValueError::new_err("argmax: arrays must be contiguous and aligned");
-    let rows = logits.as_slice().map_err(not_c)?;
+    let picked_rows: Vec<usize> = match &rows {
+        None => (0..n).collect(),
+        Some(r) => {
+            let list = r.as_slice().map_err(not_c)?;
+            if let Some(&bad) = list.iter().find(|&&r| r < 0 || r as usize >= ls[0]) {
+                return Err(PyValueError::new_err(format!("argmax: row {bad} is not a row of logits {ls:?}")));
+            }
+            list.iter().map(|&r| r as usize).collect()
+        }
+    };
+    let all = logits.as_slice().map_err(not_c)?;
     let out = tokens.as_slice_mut().map_err(not_c)?;
     let width = ls[1];
     let picked = py.detach(|| {
-        on_row_threads(ls[0], threads, &|mine| {
-            mine.iter().map(|&r| resin_kernels::argmax::argmax(&rows[r * width..(r + 1) * width]) as i64).collect()
+        on_row_threads(n, threads, &|mine| {
+            mine.iter()
+                .map(|&i| {
+                    let r = picked_rows[i];
+                    resin_kernels::argmax::argmax(&all[r * width..(r + 1) * width]) as i64
+                })
+                .collect()
         })
     });
     let Some(picked) = picked else {
