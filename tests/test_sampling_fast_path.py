@@ -460,6 +460,12 @@ def test_greedy_tokens_are_torchs_argmax(vocab_size: int) -> None:
     assert greedy_tokens(rows.t().contiguous().t()).tolist() == rows.argmax(dim=-1).tolist()
     if vocab_size > 1:
         assert greedy_tokens(rows[:, 1:]).tolist() == rows[:, 1:].argmax(dim=-1).tolist()
+    # Named rows, in any order and repeated, read in place (the kernel's threads dealt them
+    # out, each asking for its next row as it reads one).
+    picked = np.array([7, 0, 5, 5, 11, 2, 3, 9, 1], dtype=np.int64)
+    want = rows.argmax(dim=-1)[torch.from_numpy(picked)].tolist()
+    assert greedy_tokens(rows, picked).tolist() == want
+    assert greedy_tokens(rows.t().contiguous().t(), picked).tolist() == want  # torch's path
 
 
 def test_argmax_kernel_refuses_bad_arrays() -> None:
@@ -474,6 +480,10 @@ def test_argmax_kernel_refuses_bad_arrays() -> None:
     }.items():
         with pytest.raises(ValueError, match=message.strip()):
             _core.argmax(rows, tokens)
+    with pytest.raises(ValueError, match="row 4 is not a row"):
+        _core.argmax(logits, np.empty(2, np.int64), rows=np.array([0, 4], np.int64))
+    with pytest.raises(ValueError, match="as rows"):
+        _core.argmax(logits, np.empty(3, np.int64), rows=np.array([0, 1], np.int64))
     shared = torch.zeros(4, 8)  # tokens over the logits' bytes (views numpy cannot link)
     with pytest.raises(ValueError, match="overlap"):
         _core.argmax(shared.numpy(), shared.view(-1)[:8].view(torch.int64).numpy())

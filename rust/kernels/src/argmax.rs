@@ -10,32 +10,33 @@
 //! equal value, `-0.0` and `0.0` included, does not replace it), a NaN counting as larger than
 //! everything (the first NaN's column), and 0 for a row of `-inf`.
 
-use crate::vector::{scan_above, Scalar, Vector};
+use crate::vector::{scan_above, Ahead, Scalar, Vector};
 
 /// The column of the first largest logit of `row`, a NaN the largest (module doc); 0 when
-/// `row` is empty.
-pub fn argmax(row: &[f32]) -> usize {
+/// `row` is empty. `ahead` asks for other memory as the row is read (the next row of a batch;
+/// [`Ahead::none`] for none).
+pub fn argmax(row: &[f32], ahead: &mut Ahead) -> usize {
     #[cfg(target_arch = "x86_64")]
     if crate::vector::vectorised() {
         // SAFETY: the CPU has AVX2 + FMA.
-        return unsafe { argmax_avx2(row) };
+        return unsafe { argmax_avx2(row, ahead) };
     }
-    argmax_with::<Scalar>(row)
+    argmax_with::<Scalar>(row, ahead)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn argmax_avx2(row: &[f32]) -> usize {
-    argmax_with::<crate::vector::Avx2>(row)
+unsafe fn argmax_avx2(row: &[f32], ahead: &mut Ahead) -> usize {
+    argmax_with::<crate::vector::Avx2>(row, ahead)
 }
 
 /// [`argmax`] with the block compares done by `V` (`V`'s features compiled in and present).
 #[inline(always)]
-fn argmax_with<V: Vector>(row: &[f32]) -> usize {
+fn argmax_with<V: Vector>(row: &[f32], ahead: &mut Ahead) -> usize {
     // The scan passes only a logit above the largest so far (an equal one stays behind the
     // first) or a NaN, which wins and ends it.
     let mut best_column = 0;
-    scan_above::<V>(row, 0, f32::NEG_INFINITY, |column, x| {
+    scan_above::<V>(row, 0, f32::NEG_INFINITY, ahead, |column, x| {
         best_column = column;
         (!x.is_nan()).then_some(x)
     });
@@ -91,9 +92,9 @@ mod tests {
         rows.push(with_inf);
         for row in &rows {
             let want = first_largest(row);
-            assert_eq!(argmax(row), want, "a row of {}", row.len());
-            assert_eq!(argmax_with::<Scalar>(row), want, "a row of {}: the portable path", row.len());
+            assert_eq!(argmax(row, &mut Ahead::none()), want, "a row of {}", row.len());
+            assert_eq!(argmax_with::<Scalar>(row, &mut Ahead::none()), want, "a row of {}: the portable path", row.len());
         }
-        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[], &mut Ahead::none()), 0);
     }
 }

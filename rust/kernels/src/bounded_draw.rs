@@ -34,6 +34,7 @@
 //! torch's.
 
 use crate::softmax::{scale_into, Scaling};
+use crate::vector::Ahead;
 
 /// Columns per block sum.
 pub const BLOCK: usize = 256;
@@ -67,7 +68,9 @@ pub enum Outcome {
 
 /// The token of `row` scaled and kept by `scaling`, drawn with `uniform`, if the bound decides
 /// it (module doc).
-pub fn draw(row: &[f32], scaling: Scaling, uniform: f32, scratch: &mut BoundedScratch) -> Outcome {
+/// `ahead` asks for other memory while the exponentials are summed (see
+/// [`crate::softmax::exp_sum`]).
+pub fn draw(row: &[f32], scaling: Scaling, uniform: f32, scratch: &mut BoundedScratch, ahead: &mut Ahead) -> Outcome {
     let width = row.len();
     if width == 0 || !(0.0..1.0 - 1.0 / 1_048_576.0).contains(&uniform) {
         return Outcome::Undecided;
@@ -79,7 +82,7 @@ pub fn draw(row: &[f32], scaling: Scaling, uniform: f32, scratch: &mut BoundedSc
     }
     let num_blocks = width.div_ceil(BLOCK);
     scratch.block_sums.resize(num_blocks, 0.0);
-    block_sums(&scratch.scaled, max, &mut scratch.block_sums);
+    block_sums(&scratch.scaled, max, &mut scratch.block_sums, ahead);
     let total: f64 = scratch.block_sums.iter().sum();
     let n = width as f64;
     let delta = EXP_ERROR + 2f64.powi(-23) + BLOCK_SUM_ERROR + n * 2f64.powi(-52);
@@ -145,14 +148,15 @@ fn poly(f: f32) -> f32 {
 }
 
 /// Each block's sum of `exp_term(x - max)` (float32 lanes, then float64).
-fn block_sums(scaled: &[f32], max: f32, out: &mut [f64]) {
+fn block_sums(scaled: &[f32], max: f32, out: &mut [f64], ahead: &mut Ahead) {
     #[cfg(target_arch = "x86_64")]
     if crate::vector::vectorised() {
         // SAFETY: the CPU has AVX2 + FMA.
-        unsafe { avx2::block_sums(scaled, max, out) };
+        unsafe { avx2::block_sums(scaled, max, out, ahead) };
         return;
     }
     for (chunk, o) in scaled.chunks(BLOCK).zip(out.iter_mut()) {
+        ahead.step(4 * chunk.len());
         let mut lanes = [0.0f32; 32];
         for (i, &x) in chunk.iter().enumerate() {
             lanes[i % 32] += exp_term(x - max);
@@ -163,7 +167,7 @@ fn block_sums(scaled: &[f32], max: f32, out: &mut [f64]) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BLOCK, C, CUTOFF, LN2_HIGH, LN2_LOW};
+    use super::{Ahead, BLOCK, C, CUTOFF, LN2_HIGH, LN2_LOW};
     use std::arch::x86_64::*;
 
     /// [`super::exp_term`] on 8 lanes (the same operations).
@@ -186,12 +190,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block_sums(scaled: &[f32], max: f32, out: &mut [f64]) {
+    pub(super) unsafe fn block_sums(scaled: &[f32], max: f32, out: &mut [f64], ahead: &mut Ahead) {
         let m = _mm256_set1_ps(max);
         for (chunk, o) in scaled.chunks(BLOCK).zip(out.iter_mut()) {
             let mut acc = [_mm256_setzero_ps(); 4];
             let full = chunk.len() / 32 * 32;
             for i in (0..full).step_by(32) {
+                ahead.step(128);
                 for (a, acc) in acc.iter_mut().enumerate() {
                     let x = _mm256_loadu_ps(chunk.as_ptr().add(i + 8 * a));
                     *acc = _mm256_add_ps(*acc, exp8(_mm256_sub_ps(x, m)));
@@ -240,7 +245,7 @@ mod tests {
         assert_eq!(exp_term(-87.01), 0.0);
         let xs: Vec<f32> = (0..4096).map(|i| -(i as f32) * 0.0213).collect();
         let mut sums = vec![0.0; xs.len().div_ceil(BLOCK)];
-        block_sums(&xs, 0.0, &mut sums);
+        block_sums(&xs, 0.0, &mut sums, &mut Ahead::none());
         let want: f64 = xs.iter().map(|&x| f64::from(exp_term(x))).sum();
         assert!((sums.iter().sum::<f64>() / want - 1.0).abs() < 1e-6);
     }
@@ -287,7 +292,7 @@ mod tests {
                     let u = next();
                     total += 1;
                     total_peaked += usize::from(llm);
-                    if let Outcome::Token(t) = draw(&row, scaling, u, &mut scratch) {
+                    if let Outcome::Token(t) = draw(&row, scaling, u, &mut scratch, &mut Ahead::none()) {
                         decided += 1;
                         decided_peaked += usize::from(llm);
                         assert_eq!(Some(t), exact(&row, scaling, u), "width {width} u {u}");
@@ -309,7 +314,7 @@ mod tests {
                 for j in (0..width).step_by((width / 13).max(1)) {
                     let edge = cdf[j] / last;
                     for u in [edge, f32::from_bits(edge.to_bits().saturating_sub(1)), f32::from_bits(edge.to_bits() + 1)] {
-                        if let Outcome::Token(t) = draw(&row, scaling, u, &mut scratch) {
+                        if let Outcome::Token(t) = draw(&row, scaling, u, &mut scratch, &mut Ahead::none()) {
                             assert_eq!(Some(t), exact(&row, scaling, u), "edge width {width} u {u}");
                         }
                     }
@@ -320,9 +325,9 @@ mod tests {
         assert!(decided_peaked * 100 >= total_peaked * 97, "LLM-like: {decided_peaked} of {total_peaked}");
         assert!(decided * 10 >= total * 7, "decided {decided} of {total}");
         let row = data(1000, 9, 5.0);
-        assert_eq!(draw(&row, Scaling::NONE, 0.999_999_9, &mut scratch), Outcome::Undecided);
+        assert_eq!(draw(&row, Scaling::NONE, 0.999_999_9, &mut scratch, &mut Ahead::none()), Outcome::Undecided);
         let mut nan = row.clone();
         nan[3] = f32::NAN;
-        assert_eq!(draw(&nan, Scaling::NONE, 0.5, &mut scratch), Outcome::Undecided);
+        assert_eq!(draw(&nan, Scaling::NONE, 0.5, &mut scratch, &mut Ahead::none()), Outcome::Undecided);
     }
 }

@@ -30,7 +30,7 @@ pub(crate) fn key(x: f32) -> u32 {
     }
 }
 
-use crate::vector::{scan_above, Scalar, Vector};
+use crate::vector::{scan_above, Ahead, Scalar, Vector};
 
 /// The float whose [`key`] is `k` (NaN for `u32::MAX`).
 pub(crate) fn from_key(k: u32) -> f32 {
@@ -39,26 +39,27 @@ pub(crate) fn from_key(k: u32) -> f32 {
 
 /// Writes the `values.len()` = n largest logits of `row`, descending, into `values` and their
 /// columns into `indices` (the values exactly `topk(n)`'s; equal values in any column order).
-/// `buffer` is scratch, reused across rows. The caller checks `n <= row.len() < 2^32` and
-/// `indices.len() == n`.
-pub fn largest(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>) {
+/// `buffer` is scratch, reused across rows; `ahead` asks for other memory as the row is read
+/// (the next row of a batch; [`Ahead::none`] for none). The caller checks
+/// `n <= row.len() < 2^32` and `indices.len() == n`.
+pub fn largest(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>, ahead: &mut Ahead) {
     #[cfg(target_arch = "x86_64")]
     if crate::vector::vectorised() {
         // SAFETY: the CPU has AVX2 + FMA.
-        return unsafe { largest_avx2(row, values, indices, buffer) };
+        return unsafe { largest_avx2(row, values, indices, buffer, ahead) };
     }
-    largest_with::<Scalar>(row, values, indices, buffer)
+    largest_with::<Scalar>(row, values, indices, buffer, ahead)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn largest_avx2(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>) {
-    largest_with::<crate::vector::Avx2>(row, values, indices, buffer)
+unsafe fn largest_avx2(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>, ahead: &mut Ahead) {
+    largest_with::<crate::vector::Avx2>(row, values, indices, buffer, ahead)
 }
 
 /// [`largest`] with the scan's compares done by `V` (`V`'s features compiled in and present).
 #[inline(always)]
-fn largest_with<V: Vector>(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>) {
+fn largest_with<V: Vector>(row: &[f32], values: &mut [f32], indices: &mut [i64], buffer: &mut Vec<u64>, ahead: &mut Ahead) {
     let n = values.len();
     assert!(n <= row.len() && indices.len() == n && row.len() < (1 << 32), "candidates: {n} of a {}-token row", row.len());
     if n == 0 {
@@ -71,7 +72,7 @@ fn largest_with<V: Vector>(row: &[f32], values: &mut [f32], indices: &mut [i64],
     let mut threshold = buffer.iter().map(|e| (e >> 32) as u32).min().unwrap_or(0);
     // The scan passes every logit above the threshold's float and NaN; one whose key is above
     // the threshold is taken (-0.0 and 0.0 compare equal; their keys differ).
-    scan_above::<V>(&row[n..], n, from_key(threshold), |column, x| {
+    scan_above::<V>(&row[n..], n, from_key(threshold), ahead, |column, x| {
         let k = key(x);
         if k > threshold {
             buffer.push(entry(column, k));
@@ -123,8 +124,8 @@ mod tests {
                 .collect();
             let (mut values, mut indices) = (vec![0.0; n], vec![0i64; n]);
             let (mut scalar_values, mut scalar_indices) = (vec![0.0; n], vec![0i64; n]);
-            largest_with::<Scalar>(&row, &mut scalar_values, &mut scalar_indices, &mut buffer);
-            largest(&row, &mut values, &mut indices, &mut buffer);
+            largest_with::<Scalar>(&row, &mut scalar_values, &mut scalar_indices, &mut buffer, &mut Ahead::none());
+            largest(&row, &mut values, &mut indices, &mut buffer, &mut Ahead::none());
             assert_eq!(values, by_sort(&row, n), "len {len} n {n}");
             assert_eq!(scalar_values, values, "len {len} n {n}: the portable path");
             let mut seen = indices.clone();
@@ -145,7 +146,7 @@ mod tests {
         row[9] = f32::INFINITY;
         row[11] = f32::NAN;
         let (mut values, mut indices) = (vec![0.0; 3], vec![0i64; 3]);
-        largest(&row, &mut values, &mut indices, &mut Vec::new());
+        largest(&row, &mut values, &mut indices, &mut Vec::new(), &mut Ahead::none());
         assert!(values[0].is_nan() && values[1] == f32::INFINITY && values[2] == 2999.0);
         assert_eq!(indices, [11, 9, 2999]);
         // A NaN inside a masked block, past the first n, and in the unmasked tail (columns
@@ -154,7 +155,7 @@ mod tests {
         row[2998] = f32::NAN;
         for n in [4, 12] {
             let (mut values, mut indices) = (vec![0.0; n], vec![0i64; n]);
-            largest(&row, &mut values, &mut indices, &mut Vec::new());
+            largest(&row, &mut values, &mut indices, &mut Vec::new(), &mut Ahead::none());
             let mut nan_columns: Vec<i64> = indices[..3].to_vec();
             nan_columns.sort();
             assert_eq!(nan_columns, [11, 100, 2998], "n {n}");

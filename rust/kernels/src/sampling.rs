@@ -28,6 +28,7 @@ use crate::candidates;
 use crate::draw;
 use crate::nucleus::{self, NucleusScratch};
 use crate::softmax::{self, maximum, Lanes, Scaling};
+use crate::vector::Ahead;
 
 /// How many of a row's largest logits decide its kept set (the Python `CANDIDATES`).
 pub const CANDIDATES: usize = 256;
@@ -70,6 +71,8 @@ pub struct SamplingScratch {
     vector: Vec<f32>,
     among: Among,
     bounded: BoundedScratch,
+    /// The prefetches of the row after the one being decided.
+    next: Ahead,
 }
 
 /// The buffers of [`draw_among`].
@@ -104,11 +107,21 @@ pub fn sample_rows<'a>(
     let mut tokens = vec![None; settings.len()];
     let mut whole: Vec<(usize, Scaling)> = Vec::new();
     for (i, s) in settings.iter().enumerate() {
+        // The next row is asked for while this one's arithmetic-bound passes run (a row
+        // without one leaves the next to be read when its turn comes).
+        scratch.next = match settings.get(i + 1) {
+            Some(_) => {
+                let next = row(i + 1);
+                Ahead::new(next.as_ptr() as *const u8, std::mem::size_of_val(next))
+            }
+            None => Ahead::none(),
+        };
         match decide(row(i), s, lanes, scratch) {
             Decision::Token(t) => tokens[i] = Some(t),
             Decision::WholeRow(scaling) => {
                 if bounded {
-                    if let Outcome::Token(t) = bounded_draw::draw(row(i), scaling, s.uniform, &mut scratch.bounded) {
+                    let outcome = bounded_draw::draw(row(i), scaling, s.uniform, &mut scratch.bounded, &mut scratch.next);
+                    if let Outcome::Token(t) = outcome {
                         tokens[i] = Some(t);
                         continue;
                     }
@@ -181,7 +194,7 @@ fn filtered(row: &[f32], s: &Settings, num: usize, num_candidates: usize, lanes:
     let scaling = Scaling { temperature: s.temperature, keep_from: f32::NEG_INFINITY };
     sc.values.resize(num, 0.0);
     sc.indices.resize(num, 0);
-    candidates::largest(row, &mut sc.values, &mut sc.indices, &mut sc.buffer);
+    candidates::largest(row, &mut sc.values, &mut sc.indices, &mut sc.buffer, &mut sc.next);
     if !sc.values[0].is_finite() {
         return Decision::Left; // NaN (the largest there is), +inf, or a row of -inf
     }
@@ -226,7 +239,7 @@ fn filtered(row: &[f32], s: &Settings, num: usize, num_candidates: usize, lanes:
         } else {
             // The whole row's softmax (kept from kth), read at the candidates.
             let kept = Scaling { temperature: s.temperature, keep_from: kth };
-            let sum = softmax::exp_sum(row, kept, max, lanes);
+            let sum = softmax::exp_sum(row, kept, max, lanes, &mut sc.next);
             let inverse = 1.0 / sum;
             // The values are scaled already: kept from kth only.
             let keep = Scaling { temperature: 1.0, keep_from: kth };
@@ -234,16 +247,21 @@ fn filtered(row: &[f32], s: &Settings, num: usize, num_candidates: usize, lanes:
             let first = first_reaching(probs.clone(), s.top_p, num);
             let total = probs.fold(0.0f64, |acc, p| acc + f64::from(p)) as f32;
             if total < s.top_p {
-                // The nucleus reaches past the candidates: cut over the row.
-                sc.row.resize(vocab_size, 0.0);
+                // The nucleus reaches past the candidates: cut over the row (scaled and kept
+                // into a copy unless that would change nothing).
+                let scaled: &[f32] = if kept.temperature == 1.0 && kept.keep_from == f32::NEG_INFINITY {
+                    row
+                } else {
+                    sc.row.resize(vocab_size, 0.0);
+                    softmax::scale_into(row, kept, &mut sc.row);
+                    &sc.row
+                };
                 sc.probs.resize(vocab_size, 0.0);
-                softmax::scale_into(row, kept, &mut sc.row);
-                sc.probs.copy_from_slice(&sc.row);
-                softmax::softmax_in_place(&mut sc.probs, max, lanes);
+                softmax::softmax_into(scaled, max, lanes, &mut sc.probs);
                 sc.own_values.resize(num_candidates, 0.0);
                 sc.own_indices.resize(num_candidates, 0);
                 own = true;
-                nucleus::nucleus_cut(&sc.row, &sc.probs, s.top_p, &mut sc.own_values, &mut sc.own_indices, &mut sc.nucleus)
+                nucleus::nucleus_cut(scaled, &sc.probs, s.top_p, &mut sc.own_values, &mut sc.own_indices, &mut sc.nucleus)
             } else {
                 values[first]
             }

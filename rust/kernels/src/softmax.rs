@@ -17,6 +17,8 @@
 //! machine (`resin/sampling_kernel.py` probes it): another capability (the plain one uses
 //! the C library's `expf`) or another torch gives other bits.
 
+use crate::vector::Ahead;
+
 /// The lanes of torch's float vector: 8 under the AVX2 capability, 16 under AVX-512.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lanes(usize);
@@ -180,14 +182,39 @@ pub fn scale_into(row: &[f32], scaling: Scaling, out: &mut [f32]) -> f32 {
 /// `max`), with `lanes`: `exp(x - max)`, their [`lane_sum`], then each times `1 / sum`.
 /// Returns the sum.
 pub fn softmax_in_place(values: &mut [f32], max: f32, lanes: Lanes) -> f32 {
+    let (len, p) = (values.len(), values.as_mut_ptr());
+    // SAFETY: `p` addresses `len` values, read and written in place.
+    unsafe { softmax_from(p, p, len, max, lanes) }
+}
+
+/// [`softmax_in_place`] of `src` written into `dst` (the same length), `src` unchanged.
+pub fn softmax_into(src: &[f32], max: f32, lanes: Lanes, dst: &mut [f32]) -> f32 {
+    assert_eq!(src.len(), dst.len(), "softmax: softmax_into shapes");
+    // SAFETY: two distinct slices of `src.len()` values each.
+    unsafe { softmax_from(src.as_ptr(), dst.as_mut_ptr(), src.len(), max, lanes) }
+}
+
+/// The softmax of the `len` values at `src` into `dst` (`src == dst` for in place).
+///
+/// # Safety
+/// `src` and `dst` must address `len` values each, the same ones or disjoint ones.
+unsafe fn softmax_from(src: *const f32, dst: *mut f32, len: usize, max: f32, lanes: Lanes) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if lanes.get() == 16 && avx512() {
+        // SAFETY: the CPU has AVX-512F; the pointers as the caller promised.
+        return unsafe { avx512::softmax_from(src, dst, len, max) };
+    }
     #[cfg(target_arch = "x86_64")]
     if crate::vector::vectorised() {
-        // SAFETY: the CPU has AVX2 + FMA.
-        return unsafe { avx2::softmax_in_place(values, max, lanes) };
+        // SAFETY: the CPU has AVX2 + FMA; the pointers as the caller promised.
+        return unsafe { avx2::softmax_from(src, dst, len, max, lanes) };
     }
-    for v in values.iter_mut() {
-        *v = exp(*v - max);
+    for i in 0..len {
+        // SAFETY: `i < len` (caller's promise); each value read before it is written.
+        unsafe { *dst.add(i) = exp(*src.add(i) - max) };
     }
+    // SAFETY: `dst` addresses `len` values, written above.
+    let values = unsafe { std::slice::from_raw_parts_mut(dst, len) };
     let sum = lane_sum(values, lanes);
     let inverse = 1.0 / sum;
     values.iter_mut().for_each(|v| *v *= inverse);
@@ -196,12 +223,19 @@ pub fn softmax_in_place(values: &mut [f32], max: f32, lanes: Lanes) -> f32 {
 
 /// The sum torch's softmax of `row` scaled and kept (`scaling`) divides by, its largest value
 /// being `max`, in one read of `row` and without writing it out: the [`lane_sum`] of
-/// `exp(scaled - max)`.
-pub fn exp_sum(row: &[f32], scaling: Scaling, max: f32, lanes: Lanes) -> f32 {
+/// `exp(scaled - max)`. `ahead` asks for other memory as it goes, a byte for each byte of
+/// `row` read (the sampler's next row, fetched while this arithmetic-bound pass runs;
+/// [`Ahead::none`] for none).
+pub fn exp_sum(row: &[f32], scaling: Scaling, max: f32, lanes: Lanes, ahead: &mut Ahead) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if lanes.get() == 16 && avx512() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { avx512::exp_sum(row, scaling, max, ahead) };
+    }
     #[cfg(target_arch = "x86_64")]
     if crate::vector::vectorised() {
         // SAFETY: the CPU has AVX2 + FMA.
-        return unsafe { avx2::exp_sum(row, scaling, max, lanes) };
+        return unsafe { avx2::exp_sum(row, scaling, max, lanes, ahead) };
     }
     let e: Vec<f32> = row.iter().map(|&x| exp(scaling.apply(x) - max)).collect();
     lane_sum(&e, lanes)
@@ -216,6 +250,7 @@ pub fn softmax(row: &[f32], lanes: Lanes, out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Lanes, Scaling, LN2_HIGH, LN2_LOW, LOG2_E, POLY};
+    use crate::vector::Ahead;
     use std::arch::x86_64::*;
 
     /// [`super::exp`] on 8 lanes: the same operations, so the same bits.
@@ -338,12 +373,12 @@ mod avx2 {
         _mm256_loadu_ps(pad.as_ptr())
     }
 
+    /// `super::softmax_from`; the pointers as it says.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn softmax_in_place(values: &mut [f32], max: f32, lanes: Lanes) -> f32 {
+    pub(super) unsafe fn softmax_from(src: *const f32, p: *mut f32, len: usize, max: f32, lanes: Lanes) -> f32 {
         let m = _mm256_set1_ps(max);
-        let p = values.as_mut_ptr();
-        let sum = lane_sums(values.len(), lanes, |i, count| {
-            let e = exp8(_mm256_sub_ps(load(p.add(i), count), m));
+        let sum = lane_sums(len, lanes, |i, count| {
+            let e = exp8(_mm256_sub_ps(load(src.add(i), count), m));
             if count == 8 {
                 _mm256_storeu_ps(p.add(i), e);
             } else {
@@ -354,22 +389,143 @@ mod avx2 {
             e
         });
         let inverse = _mm256_set1_ps(1.0 / sum);
-        let n = values.len() / 8 * 8;
+        let n = len / 8 * 8;
         for i in (0..n).step_by(8) {
             _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inverse));
         }
         let inverse = 1.0 / sum;
-        values[n..].iter_mut().for_each(|v| *v *= inverse);
+        for i in n..len {
+            *p.add(i) *= inverse;
+        }
         sum
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp_sum(row: &[f32], scaling: Scaling, max: f32, lanes: Lanes) -> f32 {
+    pub(super) unsafe fn exp_sum(row: &[f32], scaling: Scaling, max: f32, lanes: Lanes, ahead: &mut Ahead) -> f32 {
         let m = _mm256_set1_ps(max);
         let p = row.as_ptr();
         lane_sums(row.len(), lanes, |i, count| {
+            ahead.step(32);
             let x = scale8(load(p.add(i), count), scaling);
             exp8(_mm256_sub_ps(x, m))
+        })
+    }
+}
+
+/// Whether the 16-lane sums may run on AVX-512F registers here (x86-64 with AVX-512F), one
+/// vector for torch's 16 lanes. An AVX-512 torch's softmax (`Sleef_expf16_u10`) makes the same
+/// operations lane for lane as the AVX2 one, so these give the AVX2 path's bits at twice the
+/// width (tests: each against the other and against the scalar model).
+#[cfg(target_arch = "x86_64")]
+fn avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// The 16-lane sums ([`Lanes`] 16) on AVX-512F: [`avx2`]'s operations, one `__m512` for the
+/// two `__m256` halves, masked loads and stores for a short tail.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Scaling, LN2_HIGH, LN2_LOW, LOG2_E, POLY};
+    use crate::vector::Ahead;
+    use std::arch::x86_64::*;
+
+    /// [`super::exp`] on 16 lanes: the same operations, so the same bits.
+    #[inline(always)]
+    pub(super) unsafe fn exp16(d: __m512) -> __m512 {
+        let q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(LOG2_E)));
+        let qf = _mm512_cvtepi32_ps(q);
+        let s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-LN2_HIGH), d);
+        let s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-LN2_LOW), s);
+        let mut u = _mm512_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(*c));
+        }
+        let u = _mm512_add_ps(_mm512_set1_ps(1.0), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+        let half = _mm512_srai_epi32::<1>(q);
+        let pow2 = |e: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(e, _mm512_set1_epi32(127))));
+        let u = _mm512_mul_ps(_mm512_mul_ps(u, pow2(half)), pow2(_mm512_sub_epi32(q, half)));
+        let underflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(d, _mm512_set1_ps(-104.0));
+        let u = _mm512_maskz_mov_ps(!underflow, u);
+        let overflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(_mm512_set1_ps(100.0), d);
+        let u = _mm512_mask_mov_ps(u, overflow, _mm512_set1_ps(f32::INFINITY));
+        // NaN in, NaN out.
+        _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(d, d), d)
+    }
+
+    #[inline(always)]
+    unsafe fn scale16(x: __m512, scaling: Scaling) -> __m512 {
+        let s = if scaling.temperature == 1.0 { x } else { _mm512_div_ps(x, _mm512_set1_ps(scaling.temperature)) };
+        if scaling.keep_from == f32::NEG_INFINITY {
+            return s;
+        }
+        let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(s, _mm512_set1_ps(scaling.keep_from));
+        _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), keep, s)
+    }
+
+    /// The lanes of the first `count` (<= 16) values from `p`.
+    #[inline(always)]
+    fn first(count: usize) -> __mmask16 {
+        if count >= 16 {
+            0xffff
+        } else {
+            ((1u32 << count) - 1) as __mmask16
+        }
+    }
+
+    /// [`super::avx2`]'s `lane_sums` for 16 lanes: `f(i, count)` gives the 16 lanes of values
+    /// `i..i + count` (pad lanes unused).
+    #[inline(always)]
+    unsafe fn lane_sums(len: usize, mut f: impl FnMut(usize, usize) -> __m512) -> f32 {
+        let mut sums = [0.0f32; 16];
+        if len < 16 {
+            _mm512_storeu_ps(sums.as_mut_ptr(), f(0, len));
+            return sums[..len].iter().copied().reduce(|a, b| a + b).unwrap_or(0.0);
+        }
+        let mut acc = f(0, 16);
+        let full = len / 16 * 16;
+        let mut d = 16;
+        while d < full {
+            acc = _mm512_add_ps(acc, f(d, 16));
+            d += 16;
+        }
+        _mm512_storeu_ps(sums.as_mut_ptr(), acc);
+        if full < len {
+            let mut tail = [0.0f32; 16];
+            _mm512_storeu_ps(tail.as_mut_ptr(), f(full, len - full));
+            for i in 0..len - full {
+                sums[i] += tail[i];
+            }
+        }
+        super::fold_halves(&mut sums)
+    }
+
+    /// `super::softmax_from`; the pointers as it says.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn softmax_from(src: *const f32, p: *mut f32, len: usize, max: f32) -> f32 {
+        let m = _mm512_set1_ps(max);
+        let sum = lane_sums(len, |i, count| {
+            let lanes = first(count);
+            let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, src.add(i)), m));
+            _mm512_mask_storeu_ps(p.add(i), lanes, e);
+            e
+        });
+        let inverse = _mm512_set1_ps(1.0 / sum);
+        for i in (0..len).step_by(16) {
+            let lanes = first(len - i);
+            let v = _mm512_maskz_loadu_ps(lanes, p.add(i));
+            _mm512_mask_storeu_ps(p.add(i), lanes, _mm512_mul_ps(v, inverse));
+        }
+        sum
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp_sum(row: &[f32], scaling: Scaling, max: f32, ahead: &mut Ahead) -> f32 {
+        let m = _mm512_set1_ps(max);
+        let p = row.as_ptr();
+        lane_sums(row.len(), |i, count| {
+            ahead.step(64);
+            let x = scale16(_mm512_maskz_loadu_ps(first(count), p.add(i)), scaling);
+            exp16(_mm512_sub_ps(x, m))
         })
     }
 }
@@ -454,13 +610,20 @@ mod tests {
                 let e: Vec<f32> = row.iter().map(|&x| exp(x - max)).collect();
                 let want = model_sum(&e, lanes);
                 assert_eq!(lane_sum(&e, l).to_bits(), want.to_bits(), "lane_sum {n} x {lanes}");
-                assert_eq!(exp_sum(&row, Scaling::NONE, max, l).to_bits(), want.to_bits(), "exp_sum {n} x {lanes}");
+                assert_eq!(
+                    exp_sum(&row, Scaling::NONE, max, l, &mut Ahead::none()).to_bits(),
+                    want.to_bits(),
+                    "exp_sum {n} x {lanes}"
+                );
                 let mut out = vec![0.0; n];
                 softmax(&row, l, &mut out);
                 let inverse = 1.0 / want;
                 for (o, x) in out.iter().zip(&e) {
                     assert_eq!(o.to_bits(), (x * inverse).to_bits(), "softmax {n} x {lanes}");
                 }
+                let mut into = vec![f32::NAN; n];
+                assert_eq!(softmax_into(&row, max, l, &mut into).to_bits(), want.to_bits(), "softmax_into {n} x {lanes}");
+                assert!(into.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()), "softmax_into {n} x {lanes}");
             }
         }
     }
@@ -476,7 +639,62 @@ mod tests {
         assert_eq!(max, want.iter().copied().fold(f32::NEG_INFINITY, f32::max));
         let l = Lanes::new(8).unwrap();
         let e: Vec<f32> = want.iter().map(|&x| exp(x - max)).collect();
-        assert_eq!(exp_sum(&row, scaling, max, l).to_bits(), lane_sum(&e, l).to_bits());
+        assert_eq!(exp_sum(&row, scaling, max, l, &mut Ahead::none()).to_bits(), lane_sum(&e, l).to_bits());
         assert!(row_max(&[1.0, f32::NAN, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0]).is_nan());
+    }
+
+    #[test]
+    fn the_avx512_sums_are_the_avx2_ones_bit_for_bit() {
+        if !(crate::vector::vectorised() && avx512()) {
+            return;
+        }
+        let l = Lanes::new(16).unwrap();
+        let mut specials = data(4000, 11, 240.0);
+        specials.extend([0.0, -0.0, -104.0, -103.99, 100.0, 100.01, f32::NEG_INFINITY, f32::INFINITY, f32::NAN, -1e-30]);
+        // The exponential alone, then whole rows: widths around 16, scaled and kept, -inf entries.
+        for (x, chunk) in specials.chunks(16).enumerate() {
+            let mut row = chunk.to_vec();
+            row.resize(16, -1.0);
+            let mut out = [0.0f32; 16];
+            // SAFETY: AVX-512F checked above.
+            unsafe {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn run(x: &[f32], out: &mut [f32; 16]) {
+                    use std::arch::x86_64::*;
+                    _mm512_storeu_ps(out.as_mut_ptr(), avx512::exp16(_mm512_loadu_ps(x.as_ptr())));
+                }
+                run(&row, &mut out);
+            }
+            for (v, g) in row.iter().zip(out) {
+                let want = exp(*v);
+                assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "chunk {x}: exp({v}) {g} vs {want}");
+            }
+        }
+        for n in [1usize, 7, 15, 16, 17, 31, 32, 33, 100, 4099, 32000] {
+            let mut row = data(n, 3 * n as u64, 9.0);
+            for i in (0..n).step_by(13) {
+                row[i] = f32::NEG_INFINITY;
+            }
+            let max = row_max(&row);
+            for scaling in [Scaling::NONE, Scaling { temperature: 0.7, keep_from: 0.5 }] {
+                let max = if scaling.temperature == 1.0 { max } else { max / 0.7 };
+                // SAFETY: AVX2 + FMA and AVX-512F checked above.
+                let (wide, narrow) = unsafe {
+                    (
+                        avx512::exp_sum(&row, scaling, max, &mut Ahead::none()),
+                        avx2::exp_sum(&row, scaling, max, l, &mut Ahead::none()),
+                    )
+                };
+                assert_eq!(wide.to_bits(), narrow.to_bits(), "exp_sum {n}, {scaling:?}");
+            }
+            let (mut wide, mut narrow) = (row.clone(), row.clone());
+            // SAFETY: as above.
+            let sums = unsafe {
+                let (w, n) = (wide.as_mut_ptr(), narrow.as_mut_ptr());
+                (avx512::softmax_from(w, w, wide.len(), max), avx2::softmax_from(n, n, narrow.len(), max, l))
+            };
+            assert_eq!(sums.0.to_bits(), sums.1.to_bits(), "softmax sum {n}");
+            assert!(wide.iter().zip(&narrow).all(|(a, b)| a.to_bits() == b.to_bits()), "softmax {n}");
+        }
     }
 }

@@ -201,6 +201,13 @@ pub struct Ahead {
     end_addr: usize,
 }
 
+impl Default for Ahead {
+    /// [`Ahead::none`].
+    fn default() -> Ahead {
+        Ahead::none()
+    }
+}
+
 impl Ahead {
     /// Asks for nothing.
     pub fn none() -> Ahead {
@@ -232,14 +239,23 @@ impl Ahead {
 /// (`row[i]` is column `start + i`), 16 compared at a time ([`Vector::above_mask16`], the tail
 /// one by one): the scan of a running threshold. `visit` returns the threshold from then on
 /// (it only rises), or `None` to stop. The candidate search and the greedy pick share it.
+/// `ahead` asks for other memory as it goes, a byte for each byte of `row` read (the next
+/// row of a batch: its fetch overlaps this row's compares).
 #[inline(always)]
-pub(crate) fn scan_above<V: Vector>(row: &[f32], start: usize, mut below: f32, mut visit: impl FnMut(usize, f32) -> Option<f32>) {
+pub(crate) fn scan_above<V: Vector>(
+    row: &[f32],
+    start: usize,
+    mut below: f32,
+    ahead: &mut Ahead,
+    mut visit: impl FnMut(usize, f32) -> Option<f32>,
+) {
     #[allow(clippy::neg_cmp_op_on_partial_ord)]
     let passes = |x: f32, below: f32| !(x <= below);
     let blocks = row.chunks_exact(16);
     let tail = blocks.remainder();
     let mut column = start;
     for block in blocks {
+        ahead.step(64);
         let block: &[f32; 16] = block.try_into().expect("a whole block");
         // SAFETY: the caller compiled `V`'s features in and checked the CPU has them.
         let mut mask = unsafe { V::above_mask16(block, below) };

@@ -17,7 +17,7 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use resin_kernels::paged_attention::{Buffers, PagedAttention};
-use resin_kernels::vector::{Bf16, Element};
+use resin_kernels::vector::{Ahead, Bf16, Element};
 
 /// Element strides of `array`'s leading `N` axes; its last axis must be contiguous.
 fn strides<const N: usize>(name: &str, byte_strides: &[isize], item: usize) -> PyResult<[isize; N]> {
@@ -609,9 +609,15 @@ pub fn argmax(
     let picked = py.detach(|| {
         on_row_threads(n, threads, &|mine| {
             mine.iter()
-                .map(|&i| {
-                    let r = picked_rows[i];
-                    resin_kernels::argmax::argmax(&all[r * width..(r + 1) * width]) as i64
+                .enumerate()
+                .map(|(k, &i)| {
+                    let row = |r: usize| &all[r * width..(r + 1) * width];
+                    // The next row of this thread's is asked for as this one is read.
+                    let mut next = mine.get(k + 1).map_or(Ahead::none(), |&j| {
+                        let next = row(picked_rows[j]);
+                        Ahead::new(next.as_ptr() as *const u8, std::mem::size_of_val(next))
+                    });
+                    resin_kernels::argmax::argmax(row(picked_rows[i]), &mut next) as i64
                 })
                 .collect()
         })
@@ -657,10 +663,13 @@ pub fn top_candidates(
     }
     py.detach(|| {
         let mut buffer = Vec::new();
-        for ((row, v), i) in
-            rows.chunks_exact(vocab_size).zip(out_values.chunks_exact_mut(n)).zip(out_indices.chunks_exact_mut(n))
-        {
-            resin_kernels::candidates::largest(row, v, i, &mut buffer);
+        let all_rows: Vec<&[f32]> = rows.chunks_exact(vocab_size).collect();
+        for (r, (v, i)) in out_values.chunks_exact_mut(n).zip(out_indices.chunks_exact_mut(n)).enumerate() {
+            // The next row is asked for as this one is read.
+            let mut next = all_rows
+                .get(r + 1)
+                .map_or(Ahead::none(), |next| Ahead::new(next.as_ptr() as *const u8, std::mem::size_of_val(*next)));
+            resin_kernels::candidates::largest(all_rows[r], v, i, &mut buffer, &mut next);
         }
     });
     Ok(())
