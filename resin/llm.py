@@ -14,7 +14,8 @@ Engine defaults (each can be overridden with a keyword of :class:`resin.EngineCo
 - ``max_model_len``: the checkpoint's ``max_position_embeddings``, capped at
   :data:`DEFAULT_MAX_MODEL_LEN` so a 128k-context config does not size the cache for 128k,
   and at the runner's ``max_model_len_limit`` (a model directory's longest length computed as
-  transformers does, e.g. Phi-3 longrope's original length; a longer one is refused).
+  transformers does, e.g. Phi-3 longrope's original length, or a ``dynamic`` rope's
+  ``max_position_embeddings``; a longer one is refused).
 - ``num_pages``: enough pages for ``max_num_seqs`` sequences of ``max_model_len`` tokens (the
   engine's own rule, ``CacheLayout.pages_per_request``: every cache group, recurrent states
   and their checkpoints in flight included), but no more than fit in ``kv_cache_bytes``

@@ -447,3 +447,29 @@ def test_glm_indexer_ties_do_not_depend_on_later_tokens(tmp_path: Path) -> None:
     assert report.passed, report.summary()
     assert report.reference_adjustments and "ties" in report.reference_adjustments[0]
     assert not report.reference_findings[0]["departs"]
+
+
+def test_a_model_directory_with_dynamic_rope_is_capped_at_its_length(tmp_path: Path) -> None:
+    """transformers' ``dynamic`` rope re-rotates every position once a sequence passes
+    ``max_position_embeddings``, which a KV cache cannot follow: a model directory without a
+    limit of its own (Gemma 2 here) gets the shared one, as the built-in families do — the
+    default max_model_len capped there, a longer one refused by name."""
+    import resin
+    from resin.loading.fields import ConfigError
+    from resin.loading.rope import dynamic_rope_limit
+
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    changed = _repaired_checkpoint(
+        tmp_path, "gemma2", {"rope_parameters": dynamic, "max_position_embeddings": 48}
+    )
+    tiny = Path(__file__).resolve().parents[1] / "resin" / "models" / "gemma2" / "tiny"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (changed / name).write_bytes((tiny / name).read_bytes())
+    assert resin.LLM(changed).engine.config.max_model_len == 48
+    with pytest.raises(ConfigError, match=r"max_model_len 49 is past 48: rope type 'dynamic'"):
+        resin.LLM(changed, max_model_len=49)
+    # The rule reads every table of a nested config; other rope types are not limited here.
+    nested = {"full_attention": dynamic, "sliding_attention": {"rope_type": "default"}}
+    assert dynamic_rope_limit({"rope_parameters": nested, "max_position_embeddings": 99})
+    assert dynamic_rope_limit({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}) is None
+    assert dynamic_rope_limit({"rope_parameters": {"rope_type": "no-such-type"}}) is None

@@ -290,6 +290,34 @@ def check_rope_length(rope: RopeConfig, max_model_len: int) -> None:
         )
 
 
+def dynamic_rope_limit(raw: Mapping[str, Any]) -> tuple[int, str] | None:
+    """(longest max_model_len, why) for a config whose rotary tables include a ``dynamic``
+    one (:func:`check_rope_length`'s rule, for every table :func:`parse_rope_tables` reads);
+    None when none is dynamic or the tables are not ones Resin parses (the model's own rope
+    then says its limits)."""
+    raw = {k: v for k, v in raw.items() if v is not None}
+    try:
+        tables = parse_rope_tables(
+            raw,
+            float(raw.get("rope_theta", 10000.0)),
+            int(raw.get("max_position_embeddings", 2048)),
+        )
+    except (ConfigError, TypeError, ValueError):
+        return None
+    limits = [
+        rope.original_max_position_embeddings
+        for rope in tables.values()
+        if rope.rope_type == "dynamic" and rope.original_max_position_embeddings is not None
+    ]
+    if not limits:
+        return None
+    return min(limits), (
+        "rope type 'dynamic' past max_position_embeddings: transformers recomputes the rotary "
+        "frequencies of every position from the sequence's length at each step, which a KV "
+        "cache cannot follow"
+    )
+
+
 def _positive(value: Any, name: str, rope_type: str) -> Any:
     """``value`` when it is > 0; ConfigError naming the field otherwise (a zero or negative
     scaling factor or length divides by zero or flips the frequencies)."""

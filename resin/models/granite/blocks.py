@@ -29,7 +29,8 @@ keyed relative to it, e.g. ``q_proj.weight``; ``ctx`` is a
 - norm / attention / MLP: ``fn(x [T, hidden], w, ctx) -> [T, hidden]``
 - decoder layer: ``fn(hidden, fns, weights, ctx, emit) -> hidden``
 - rotary: ``fn(config, head_dim, device)`` -> a table with ``cos_sin(positions int64[T], dtype)``
-- hooks: ``pre_layers``, ``logits``, ``check_config``, ``max_model_len_limit``
+- hooks: ``pre_layers``, ``logits``, ``check_config`` (a ``dynamic`` rope is capped at
+  ``max_position_embeddings`` by the shared runner, as for every model directory)
 """
 
 from __future__ import annotations
@@ -97,24 +98,6 @@ def check_config(config: Any) -> None:
     raw = config if isinstance(config, dict) else config.to_dict()
     raw = {k: v for k, v in raw.items() if v is not None}
     parse_rope_config(raw, DEFAULT_THETA, int(raw.get("max_position_embeddings", 2048)))
-
-
-def max_model_len_limit(config: Any) -> tuple[int, str] | None:
-    """Rope type ``dynamic``: HF's ``dynamic_rope_update`` recomputes every position's
-    frequencies from the sequence length once it passes ``max_position_embeddings``
-    (GraniteRotaryEmbedding :307, :339), which a KV cache of rotated keys cannot follow; the
-    shared table is HF's within that length. None (no limit) for the other types."""
-    raw = config if isinstance(config, dict) else config.to_dict()
-    raw = {k: v for k, v in raw.items() if v is not None}
-    limit = int(raw.get("max_position_embeddings", 2048))
-    rope = parse_rope_config(raw, DEFAULT_THETA, limit)
-    if rope.rope_type != "dynamic":
-        return None
-    return limit, (
-        f"rope type 'dynamic': past max_position_embeddings {limit} transformers recomputes "
-        "the rotary frequencies of every position from the sequence's length at each step, "
-        "which a KV cache cannot follow"
-    )
 
 
 # -- blocks ----------------------------------------------------------------------------------

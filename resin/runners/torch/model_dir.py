@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from resin.loading.fields import remap_legacy_layer_types
+from resin.loading.rope import dynamic_rope_limit
 from resin.registry import claimed_model_types
 from resin.runners.torch import layer_caches
 from resin.runners.torch.attention import AttentionBackend
@@ -614,8 +615,8 @@ class ModelDirRunner(PagedRunner):
 
     model_dir: Path
     # (longest sequence, why) the blocks compute as transformers does, from the optional
-    # ``blocks.max_model_len_limit(config)`` hook (Phi-3 longrope: the original length); None:
-    # no limit. ``resin.LLM`` caps its default max_model_len at it and refuses a longer one.
+    # ``blocks.max_model_len_limit(config)`` hook (Phi-3 longrope: the original length), else
+    # the shared rope's (``dynamic``: max_position_embeddings); None: no limit. ``resin.LLM`` caps its default max_model_len at it and refuses a longer one.
     max_model_len_limit: tuple[int, str] | None = None
 
     @classmethod
@@ -743,6 +744,9 @@ class ModelDirRunner(PagedRunner):
         runner.model_dir = model_dir
         if hasattr(blocks, "max_model_len_limit"):
             runner.max_model_len_limit = blocks.max_model_len_limit(full_args)
+        else:  # the shared rope's own limit (``dynamic`` past max_position_embeddings)
+            raw = full_args if isinstance(full_args, dict) else full_args.to_dict()
+            runner.max_model_len_limit = dynamic_rope_limit(raw)
         if shard is not None:
             runner.shard = shard  # type: ignore[attr-defined]
             runner.data_parallel = parallel is not None and parallel[5]  # type: ignore[attr-defined]
