@@ -67,9 +67,10 @@ RECORD_FORMAT = 1
 # is dropped when the checkpoint gives one of its sources.
 DERIVED_CONFIG_KEYS = {
     "rope_parameters": ("rope_theta", "rope_scaling", "rope_type"),
-    "layer_types": ("sliding_window_pattern", "compress_ratios"),
+    "layer_types": ("sliding_window_pattern", "compress_ratios", "no_rope_layer_interval"),
     "mlp_layer_types": ("num_hash_layers",),
     "partial_rotary_factor": ("qk_rope_head_dim",),
+    "no_rope_layers": ("no_rope_layer_interval",),  # SmolLM3
 }
 
 
