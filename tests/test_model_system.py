@@ -473,3 +473,21 @@ def test_a_model_directory_with_dynamic_rope_is_capped_at_its_length(tmp_path: P
     assert dynamic_rope_limit({"rope_parameters": nested, "max_position_embeddings": 99})
     assert dynamic_rope_limit({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}) is None
     assert dynamic_rope_limit({"rope_parameters": {"rope_type": "no-such-type"}}) is None
+
+
+def test_ignored_prefixes_take_a_layer_placeholder() -> None:
+    """``weights.IGNORED_PREFIXES`` entries with ``{layer}`` match any layer index (an MTP
+    layer's copies of the embedding sit at ``model.layers.{num_hidden_layers}.``), and only an
+    index; plain prefixes match as prefixes."""
+    from resin.runners.torch.model_weights import _prefix_matcher
+
+    ignored = _prefix_matcher(
+        iter(("model.visual.", "model.layers.{layer}.embed_tokens.", "mtp.{layer}.head."))
+    )
+    assert ignored("model.visual.blocks.0.weight")
+    assert ignored("model.layers.61.embed_tokens.weight")
+    assert ignored("mtp.0.head.weight")
+    assert not ignored("model.layers.61.self_attn.q_a_proj.weight")
+    assert not ignored("model.layers.x.embed_tokens.weight")
+    assert not ignored("model.embed_tokens.weight")
+    assert not _prefix_matcher(())("anything")

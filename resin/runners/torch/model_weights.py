@@ -162,6 +162,22 @@ def default_runner_name(checkpoint_name: str) -> str:
     )
 
 
+def _prefix_matcher(prefixes: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a checkpoint name starts with one of ``prefixes``, ``{layer}`` in a prefix
+    matching any layer index (one regular expression for those)."""
+    prefixes = tuple(prefixes)
+    plain = tuple(p for p in prefixes if "{layer}" not in p)
+    patterned = [p for p in prefixes if "{layer}" in p]
+    regex = (
+        re.compile("|".join(re.escape(p).replace(r"\{layer\}", r"\d+") for p in patterned))
+        if patterned
+        else None
+    )
+    return lambda name: (
+        name.startswith(plain) or (regex is not None and regex.match(name) is not None)
+    )
+
+
 def load_model_weights(
     checkpoint_dir: str | Path,
     num_layers: int,
@@ -190,7 +206,9 @@ def load_model_weights(
     the checkpoint must have (``norm.weight``, an untied ``lm_head.weight``).
     ``ignored_prefixes``: checkpoint name prefixes of parts the runner does not run (a model
     directory's ``weights.IGNORED_PREFIXES``, e.g. ``model.visual.`` for a text-only runner of
-    a multimodal checkpoint): their tensors are left in ``unused``, not read.
+    a multimodal checkpoint; ``{layer}`` stands for any layer index, e.g.
+    ``model.layers.{layer}.embed_tokens.`` for an MTP layer's copy of the embedding): their
+    tensors are left in ``unused``, not read.
     ``shard(runner_name, shape)``: a tensor-parallel rank's part of a tensor — per-dimension
     slices and whether it is zeros (a row-parallel bias another rank adds), or None for the
     whole tensor — read with ``get_slice``, so a rank never materialises the rest
@@ -205,7 +223,7 @@ def load_model_weights(
             f"unsupported dtype {dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
         )
     directory = Path(checkpoint_dir)
-    ignored = tuple(ignored_prefixes)
+    is_ignored = _prefix_matcher(ignored_prefixes)
     files = locate_tensors(directory)
     mapping = dict(weight_map or {})
     # Names the weight map renames are known too (e.g. a checkpoint in the upstream naming).
@@ -229,7 +247,7 @@ def load_model_weights(
             (layer is not None and layer >= total_layers)
             or (layer is None and mtp_layer_of(name, num_layers, prefixes) is not None)
             or name.endswith(IGNORED_SUFFIXES)
-            or name.startswith(ignored)
+            or is_ignored(name)
         ):
             unused.append(name)  # MTP layers past the stack, leftover buffers, ignored parts
             continue

@@ -330,3 +330,18 @@ class DraftAttention:
         sink = None if sinks is None else sinks.reshape(1, -1, 1)
         probs = masked_softmax(scores, mask[:, None, :], sink, softcap, q.dtype, v.dtype)
         return torch.einsum("rhk,rkhd->rhd", probs, v)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` then attend, as ``LayerAttention`` does: the one call the shared
+        GQA attention block makes (an MTP layer built from the stack's blocks, GLM-4.5's)."""
+        self.write(k=k, v=v)
+        return self.attend(q, scale=scale, sinks=sinks, softcap=softcap)
