@@ -17,9 +17,9 @@ almost all Resin's shared blocks:
 - the MoE is DeepSeek-V3's (``noaux_tc`` grouped sigmoid routing with ``e_score_correction_bias``,
   renormalised, ``routed_scaling_factor``, ``n_shared_experts`` shared experts):
   ``resin/models/deepseek_v3``'s block, imported;
-- the next-n (MTP) layers a checkpoint ships (``model.layers.{num_hidden_layers}.*``,
-  ``num_nextn_predict_layers``) are not built, as HF's class does not build them: the loader
-  leaves a layer past the stack unused.
+- the next-n (MTP) layer a checkpoint ships (``model.layers.{num_hidden_layers}.*``,
+  ``num_nextn_predict_layers``), which HF's class does not build, drafts for speculative
+  decoding (``--speculative-method mtp``): vLLM's ``glm4_moe_mtp.py``, section "MTP" below.
 
 Signatures (T = tokens in the step, all rows concatenated; ``w`` is the module's own tensors
 keyed relative to it; ``ctx`` a :class:`resin.runners.torch.LayerContext`):
@@ -28,7 +28,8 @@ keyed relative to it; ``ctx`` a :class:`resin.runners.torch.LayerContext`):
 - decoder layer: ``fn(hidden, fns, weights, ctx, emit) -> hidden``;
 - rotary: ``fn(config, head_dim, device)`` -> ``{"*": table}``, the table's
   ``cos_sin(positions int64[T], dtype)`` -> ``(cos, sin)``, each ``[T, rotary_dim]``;
-- hooks: ``normalise_config``, ``check_config``.
+- hooks: ``normalise_config``, ``check_config``; the MTP hooks ``mtp_layer_type``,
+  ``mtp_mlp_type``, ``mtp_hidden_shape``, ``mtp_target``, ``mtp_input``, ``mtp_output``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from resin import kernels
 from resin.models.deepseek_v3.blocks import deepseek_v3_mo_e
 from resin.runners.torch.blocks import (
     config_activation,  # noqa: F401 - the shared hidden_act check at load reads it from here
@@ -49,6 +51,7 @@ from resin.runners.torch.blocks import (
     swiglu_mlp_block,
 )
 from resin.runners.torch.context import LayerContext
+from resin.runners.torch.layers import rms_norm
 
 Weights = dict[str, torch.Tensor]
 
@@ -112,6 +115,68 @@ def glm4_moe_attention(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.
     if "q_norm.weight" in w and not bool(config_value(ctx.config, "use_qk_norm", False)):
         w = {k: v for k, v in w.items() if not k.startswith(("q_norm.", "k_norm."))}
     return gqa_attention_block(x, w, ctx)
+
+
+# -- MTP (next-n layer) -----------------------------------------------------------------------
+# HF builds no MTP layer (``_keys_to_ignore_on_load_unexpected`` drops it); this follows vLLM's
+# ``models/glm4_moe_mtp.py`` (``Glm4MoeMultiTokenPredictorLayer``; NOTES.md "MTP"). The layer
+# ``num_hidden_layers`` of the checkpoint is a ``Glm4MoeDecoderLayer`` (attention + MoE, the
+# stack's own blocks) fed ``eh_proj(cat([enorm(e), hnorm(h)]))`` — ``e`` the embedding of the
+# token at this position, ``h`` the previous position's hidden state: the target's final,
+# normed hidden state (what vLLM's ``Glm4MoeModel`` returns), or, chained, this layer's own
+# output *before* ``shared_head.norm`` — and read out by ``shared_head.norm`` and the head.
+# ``embed_tokens`` and ``shared_head.head`` are the target's ``embed_tokens`` / ``lm_head``:
+# GLM-4.5 ships copies of them in the layer, GLM-4.6 none (vLLM maps both to the target's);
+# weights.py leaves the copies unused.
+
+MTP_TENSORS = (  # the MTP layer's own tensors, besides a decoder layer's (checkpoint names)
+    "eh_proj.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "shared_head.norm.weight",
+)
+
+
+def mtp_layer_type(config: Any) -> str:
+    """Full attention, as every layer of the stack."""
+    return "full_attention"
+
+
+def mtp_mlp_type(config: Any) -> str:
+    """vLLM's ``Glm4MoeDecoderLayer`` at index ``num_hidden_layers``: a MoE iff the index is
+    ``>= first_k_dense_replace`` (always, in every GLM-4.5 / 4.6 checkpoint)."""
+    first_dense = int(config_value(config, "first_k_dense_replace", 0) or 0)
+    return "moe" if int(config.num_hidden_layers) >= first_dense else "dense"
+
+
+def mtp_hidden_shape(config: Any) -> tuple[int]:
+    """What the MTP layer reads of the previous position: one ``hidden_size`` vector."""
+    return (int(config.hidden_size),)
+
+
+def mtp_target(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """The target's last-layer output [T, D] -> its final hidden state ``norm(h)`` (M:310,
+    the model's ``norm``), which vLLM's target hands its MTP layer."""
+    return rms_norm(hidden, w["norm.weight"], float(ctx.config.rms_norm_eps))
+
+
+def mtp_input(
+    prev: torch.Tensor, embeds: torch.Tensor, w: Weights, ctx: LayerContext
+) -> torch.Tensor:
+    """``Glm4MoeMultiTokenPredictorLayer.forward``'s input: ``eh_proj`` (no bias) of
+    ``[enorm(e) | hnorm(h)]``, each an RMSNorm as ``Glm4MoeRMSNorm`` (fp32, cast, weight)
+    -> [T, D]. (Position 0: the drafter hands zeros for both.)"""
+    eps = float(ctx.config.rms_norm_eps)
+    e = rms_norm(embeds, w["enorm.weight"], eps)
+    h = rms_norm(prev, w["hnorm.weight"], eps)
+    return kernels.linear(torch.cat([e, h], dim=-1), w["eh_proj.weight"])  # F.linear / CPU kernel
+
+
+def mtp_output(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """``SharedHead.forward``: ``shared_head.norm`` of the layer's output -> [T, D], for the
+    head (the target's ``lm_head``, which ``shared_head.head`` equals). The un-normed output is
+    the next draft step's ``h``."""
+    return rms_norm(hidden, w["shared_head.norm.weight"], float(ctx.config.rms_norm_eps))
 
 
 # HF class -> block function; the shared runner picks each layer's functions from here.
