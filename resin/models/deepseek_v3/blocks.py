@@ -22,8 +22,9 @@ and sampling. DeepSeek-V3, DeepSeek-R1, DeepSeek-V3.1 and Kimi K2 checkpoints (a
   ``num_experts_per_tok`` experts from them, renormalised (``norm_topk_prob``) and times
   ``routed_scaling_factor`` — plus ``n_shared_experts`` shared experts (one MLP of that width;
   the routing and the experts are shared with GLM-5: ``resin.runners.torch.layers``);
-- the next-n (MTP) layers a checkpoint ships (``model.layers.{num_hidden_layers}.*``) are not
-  built, as HF's class does not build them: the loader leaves a layer past the stack unused.
+- the next-n (MTP) layer a checkpoint ships (``model.layers.{num_hidden_layers}.*``, which HF's
+  class never builds) drafts for speculative decoding (``--speculative-method mtp``): section
+  "MTP" below, vLLM's ``deepseek_mtp.py``.
 
 Signatures (T = tokens in the step, all rows concatenated; ``w`` is the module's own tensors
 keyed relative to it; ``ctx`` a :class:`resin.runners.torch.LayerContext`):
@@ -32,7 +33,9 @@ keyed relative to it; ``ctx`` a :class:`resin.runners.torch.LayerContext`):
 - decoder layer: ``fn(hidden, fns, weights, ctx, emit) -> hidden``;
 - rotary: ``fn(config, head_dim, device)`` -> a table with ``cos_sin(positions int64[T], dtype)``
   -> ``(cos, sin)``, each ``[T, qk_rope_head_dim]``;
-- hooks: ``normalise_config``, ``head_dim``, ``layer_cache``, ``check_config``.
+- hooks: ``normalise_config``, ``head_dim``, ``layer_cache``, ``check_config``; the MTP hooks
+  ``mtp_layer_type``, ``mtp_mlp_type``, ``mtp_hidden_shape``, ``mtp_target``, ``mtp_input``,
+  ``mtp_output`` (:mod:`resin.runners.torch.mtp_drafter` runs them).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from resin.runners.torch.layers import (
     routed_experts,
 )
 from resin.runners.torch.model_definition import LayerCache
+from resin.scaffold.layer_map import layer_types_from_config
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -247,6 +251,76 @@ def deepseek_v3_mo_e(x: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Te
     out = routed_experts(x, w, experts, weights, lambda gate, up: act(gate) * up, True)
     shared = {k.removeprefix("shared_experts."): v for k, v in w.items() if k.startswith("shared_")}
     return out + swiglu_mlp_block(x, shared, ctx)
+
+
+# -- MTP (next-n layer) -----------------------------------------------------------------------
+# HF builds no MTP layer (``_keys_to_ignore_on_load_unexpected`` drops ``layers.61.*``); this
+# follows vLLM's ``models/deepseek_mtp.py`` (``DeepSeekMultiTokenPredictorLayer``; NOTES.md "MTP"):
+# layer ``num_hidden_layers + i`` of the checkpoint (``model.layers.{N + i}.*``, loaded as the
+# layer past the stack: ``weights.MTP_PREFIXES``) is one of the stack's decoder layers (MLA, and
+# a MoE as vLLM's ``DeepseekV2DecoderLayer`` decides for its index) fed ``eh_proj(cat(enorm(e),
+# hnorm(h)))`` — ``e`` the target's embedding of this position's token, ``h`` the target's
+# final-normed hidden state at the previous position or, chained, this layer's own output — and
+# read out by ``shared_head.norm`` then the target's ``lm_head``. Its own ``embed_tokens`` and
+# ``shared_head.head`` are copies of the target's (DeepSeek shares them; vLLM shares the
+# embedding with the target): left unused (``weights.IGNORED_PREFIXES``).
+
+MTP_TENSORS = (  # the MTP layer's own tensors, besides a decoder layer's (checkpoint names)
+    "eh_proj.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "shared_head.norm.weight",
+)
+
+
+def mtp_layer_type(config: Any) -> str:
+    """The stack's layer type (every DeepSeek-V3 layer is ``full_attention`` MLA)."""
+    return layer_types_from_config(config)[-1][0]
+
+
+def mtp_mlp_type(config: Any) -> str:
+    """vLLM's ``DeepseekV2DecoderLayer`` rule at the next-n layer's index ``num_hidden_layers``:
+    a MoE when the config has routed experts, the index is ``>= first_k_dense_replace`` and a
+    multiple of ``moe_layer_freq`` (the rule the stack's layers follow); dense otherwise."""
+    index = int(config.num_hidden_layers)
+    experts = config_value(config, "n_routed_experts", None)
+    first_dense = int(config_value(config, "first_k_dense_replace", 0) or 0)
+    freq = int(config_value(config, "moe_layer_freq", 1) or 1)
+    return "moe" if experts and index >= first_dense and index % freq == 0 else "dense"
+
+
+def mtp_hidden_shape(config: Any) -> tuple[int]:
+    """What the MTP layer reads of the previous position: one ``hidden_size`` vector."""
+    return (int(config.hidden_size),)
+
+
+def mtp_target(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """The target's hidden state as the MTP layer reads it: the last layer's output through the
+    final ``norm`` (vLLM's ``DeepseekV2Model.forward`` returns it normed) [T, D]."""
+    return rms_norm(hidden, w["norm.weight"], float(ctx.config.rms_norm_eps))
+
+
+def mtp_input(
+    prev: torch.Tensor, embeds: torch.Tensor, w: Weights, ctx: LayerContext
+) -> torch.Tensor:
+    """``DeepSeekMultiTokenPredictorLayer.forward``'s input: ``eh_proj(cat([enorm(e),
+    hnorm(h)]))`` [T, D], ``enorm`` / ``hnorm`` RMSNorms as the stack's (fp32, cast back, times
+    the weight), ``eh_proj`` [D, 2D] without bias. vLLM zeroes the embedding of its MTP
+    sequence's first entry ``(h[0], t[1])`` ("masking inputs at position 0"); Resin's sequence
+    holds that entry at position 1 (the drafter's entry ``s`` is ``(h[s-1], t[s])``; position
+    0 is all zeros already), so the embedding is zeroed at position 1."""
+    eps = float(ctx.config.rms_norm_eps)
+    embeds = embeds.masked_fill((ctx.positions == 1)[:, None], 0)
+    e = rms_norm(embeds, w["enorm.weight"], eps)
+    h = rms_norm(prev, w["hnorm.weight"], eps)
+    return kernels.linear(torch.cat([e, h], dim=-1), w["eh_proj.weight"])
+
+
+def mtp_output(hidden: torch.Tensor, w: Weights, ctx: LayerContext) -> torch.Tensor:
+    """``SharedHead.forward``: ``shared_head.norm`` of the layer's output [T, D], for the logits.
+    The layer's output itself (``residual + mlp``, not normed) is the next draft step's ``h``,
+    as vLLM chains it."""
+    return rms_norm(hidden, w["shared_head.norm.weight"], float(ctx.config.rms_norm_eps))
 
 
 # HF class -> block function; the shared runner picks each layer's functions from here.

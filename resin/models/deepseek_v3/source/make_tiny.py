@@ -13,8 +13,11 @@ below, which the scaffold's shrink flattens and a runner could get wrong unseen:
   differ from 1;
 - the MTP layer the real checkpoints ship (``num_nextn_predict_layers`` 1: ``model.layers.{N}.*``
   with ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.{norm,head}`` and a MoE
-  decoder layer), which HF's ``DeepseekV3ForCausalLM`` never builds: both sides must load the
-  checkpoint with it and leave it unused.
+  decoder layer), which HF's ``DeepseekV3ForCausalLM`` never builds (it loads the checkpoint and
+  leaves the layer unused); Resin drafts with it (``--speculative-method mtp``). Its
+  ``embed_tokens`` and ``shared_head.head`` are copies of the target's ``embed_tokens`` /
+  ``lm_head``, as in DeepSeek's checkpoints ("shared with the main model"); its norms, ``eh_proj``
+  and decoder layer are seeded random values.
 
 Weights and routing buffers are the scaffold's (``reinit_weights`` / ``reinit_routing_buffers``,
 same seed); every change is a line of ``CHANGES.md``.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -62,21 +66,29 @@ def build(config: dict, num_layers: int, seed: int) -> torch.nn.Module:
     return model
 
 
-def mtp_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """``model.layers.{N}.*``: a decoder layer of an (N + 1)-layer model plus the next-n head."""
+def mtp_tensors(
+    config: dict, seed: int, target: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``model.layers.{N}.*``: a decoder layer of an (N + 1)-layer model, in the checkpoint's
+    names (``save_pretrained``'s: one tensor per expert, not HF's in-memory fused
+    ``experts.gate_up_proj``), plus the next-n head; ``embed_tokens`` / ``shared_head.head``
+    copy the ``target`` checkpoint's embedding and ``lm_head``."""
     n = int(config["num_hidden_layers"])
     model = build(config, n + 1, seed)
     reinit_routing_buffers(model, seed)
     prefix = f"model.layers.{n}."
-    out = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(prefix)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    out = {k: v.clone() for k, v in saved.items() if k.startswith(prefix)}
     gen = torch.Generator().manual_seed(seed)
-    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
-    out[prefix + "embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
+    hidden = int(config["hidden_size"])
+    out[prefix + "embed_tokens.weight"] = target["model.embed_tokens.weight"].clone()
     out[prefix + "enorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
     out[prefix + "hnorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
     out[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) / 11.3
     out[prefix + "shared_head.norm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
-    out[prefix + "shared_head.head.weight"] = torch.randn(vocab, hidden, generator=gen) / 4.0
+    out[prefix + "shared_head.head.weight"] = target["lm_head.weight"].clone()
     return out
 
 
@@ -95,12 +107,14 @@ def write_checkpoint(config: dict, out: Path, seed: int = SEED, mtp: bool = True
         shutil.copyfile(TINY_TOKENIZER / name, out / name)
     if mtp:
         tensors = load_file(str(out / "model.safetensors"))
-        extra = mtp_tensors(config, seed + 7)
+        extra = mtp_tensors(config, seed + 7, tensors)
         tensors.update(extra)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         lines.append(
             f"make_tiny.py: MTP layer model.layers.{config['num_hidden_layers']}.* added "
-            f"({len(extra)} tensors, as DeepSeek-V3 ships it; HF's class and Resin leave it unused)"
+            f"({len(extra)} tensors, named as DeepSeek-V3 ships them: one per expert, embed_tokens "
+            "and shared_head.head copies of the target's; HF's class leaves the layer unused, "
+            "Resin drafts with it)"
         )
     return lines
 
