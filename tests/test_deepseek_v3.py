@@ -6,7 +6,8 @@ on variants of it, and refuses what it does not compute.
   interleaved YaRN rope whose ``mscale`` and ``mscale_all_dim`` differ (both the cos / sin factor
   and the softmax scale move), ``noaux_tc`` routing over 8 experts in 4 groups (2 kept, 3 experts
   per token, a seeded correction bias), 3 shared experts, one dense layer before three MoE
-  layers, and the MTP layer real checkpoints ship (left unused, as HF does).
+  layers, and the MTP layer real checkpoints ship (HF builds none; here it loads as the MTP
+  drafter's layer, checked in tests/test_deepseek_v3_mtp.py).
 - fp32: every stage; bf16 and fp16: the layers stage bit-exact (HF's default ``grouped_mm``
   experts accumulate the top-k slots in fp32, and so does the runner).
 - Variants (another config.json, and new weights where shapes change): ``q_lora_rank`` null
@@ -40,7 +41,8 @@ TINY = MODEL_DIR / "tiny"
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
-    # the MTP layer every checkpoint here ships: reported unused at each load (tested once below)
+    # the MTP layer's embedding / head copies every checkpoint here ships: reported unused at
+    # each load (tested once below)
     pytest.mark.filterwarnings("ignore:.*the model does not use:UserWarning"),
 ]
 
@@ -185,17 +187,20 @@ def test_parity_config_variants(tmp_path: Path, edit: Callable[[dict[str, Any]],
     assert report.passed, report.summary()
 
 
-def test_mtp_layer_is_left_unused() -> None:
-    """The checkpoint's next-n layer loads as unused tensors (HF's class builds none either)."""
+def test_mtp_layer_loads_past_the_stack_and_its_copies_stay_unread() -> None:
+    """The checkpoint's next-n layer loads as the MTP drafter's layer past the stack (HF's class
+    builds none; tests/test_deepseek_v3_mtp.py checks its drafts); its copies of the target's
+    embedding and head are the only tensors left unused."""
     from resin.runners.torch.model_dir import ModelDirRunner
 
     with pytest.warns(UserWarning, match="the model does not use"):
         runner = ModelDirRunner.from_model_dir(MODEL_DIR, TINY, name="deepseek_v3")
     n = tiny_config()["num_hidden_layers"]
-    assert len(runner.model.layers) == n
-    assert runner.weights.unused and all(
-        name.startswith(f"model.layers.{n}.") for name in runner.weights.unused
-    )
+    assert len(runner.model.layers) == n and runner.model.mtp is not None
+    assert sorted(runner.weights.unused) == [
+        f"model.layers.{n}.embed_tokens.weight",
+        f"model.layers.{n}.shared_head.head.weight",
+    ]
 
 
 def test_latent_is_the_only_cache(blocks: Any) -> None:
