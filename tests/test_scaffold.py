@@ -417,3 +417,30 @@ def test_eval_parity_on_an_unfinished_runner_exits_one_with_json(
     report = json.loads(out.read_text())
     assert report["passed"] is False and report["error"] == "runner not finished"
     assert "GptOssRotaryEmbedding" in report["detail"] and report["runner"] == "model:gpt_oss"
+
+
+def test_an_mha_source_records_kv_widths_from_the_kv_heads(tmp_path: Path) -> None:
+    """A source giving each query head its own KV head (OLMo 2 7B, Qwen1.5-MoE): its k / v
+    widths equal ``hidden_size``, so the shape probe shares KV heads to tell the two apart —
+    the record then takes a grouped-query checkpoint of the same architecture (OLMo 2 32B)."""
+    from resin.scaffold.cli import _probe_architecture
+    from resin.scaffold.inspect import inspect_architecture
+    from resin.scaffold.shape_rules import evaluate, shape_rules
+
+    config = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    config.update(num_attention_heads=8, num_key_value_heads=8, head_dim=32, hidden_size=256)
+    source = tmp_path / "config.json"
+    source.write_text(json.dumps(config))
+    probe, warning = _probe_architecture(source)
+    assert warning is None and probe is not None
+    arch = inspect_architecture(source)
+    rules = shape_rules(arch, probe)["kinds"]["full_attention/dense"]
+    assert rules["self_attn.k_proj.weight"] == ["head_dim*num_key_value_heads", "hidden_size"]
+    assert rules["self_attn.v_proj.weight"][0] == "head_dim*num_key_value_heads"
+    # The tiny's own widths (4 query heads, 4 KV heads) cannot tell them apart.
+    from resin.scaffold.tiny_checkpoint import tiny_config
+
+    plain = shape_rules(arch, inspect_architecture(tiny_config(source), probe_shapes=False))
+    assert plain["kinds"]["full_attention/dense"]["self_attn.k_proj.weight"][0] == "hidden_size"
+    grouped = {**config, "num_key_value_heads": 2}
+    assert evaluate(rules["self_attn.k_proj.weight"], grouped) == [64, 256]

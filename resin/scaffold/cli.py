@@ -148,8 +148,12 @@ def _probe_architecture(source: Path) -> tuple[Any, str | None]:
     a formula of config fields the runner checks at load (``architecture.json`` shape rules).
     A config the shrink cannot build leaves the rules out, with a warning."""
     from resin.scaffold.inspect import inspect_architecture
-    from resin.scaffold.tiny_checkpoint import tiny_config
+    from resin.scaffold.tiny_checkpoint import shape_probe_config, tiny_config
 
+    try:
+        return inspect_architecture(shape_probe_config(source), probe_shapes=False), None
+    except Exception:  # noqa: BLE001 - a model whose KV heads cannot be shared: the tiny's widths
+        pass
     try:
         return inspect_architecture(tiny_config(source), probe_shapes=False), None
     except Exception as exc:  # noqa: BLE001 - the rules are a check, not a requirement

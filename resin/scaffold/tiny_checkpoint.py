@@ -193,6 +193,22 @@ def tiny_config(source: str | Path | Any, seed_layers: int = 4) -> Any:
     return _config_from_raw(raw)
 
 
+def shape_probe_config(source: str | Path | Any) -> Any:
+    """:func:`tiny_config` for the shape rules (``resin.scaffold.shape_rules``), never saved:
+    where the source gives each query head its own KV head, the probe shares them (4 query
+    heads, 2 KV heads). With as many KV heads as query heads in both configs, a k / v width
+    equals ``hidden_size`` in both, the simplest explanation wins, and the record would refuse
+    every grouped-query checkpoint of the architecture (OLMo 2 7B's directory refused the 32B's
+    weights so). A model that ignores ``num_key_value_heads`` keeps its widths, and its rule."""
+    raw, _lines, _traps = _tiny_raw(source)
+    text_key = _text_key(load_config(source))
+    text = raw if text_key is None else raw[text_key]
+    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    if isinstance(heads, int) and heads == kv_heads and heads % 2 == 0:
+        text["num_key_value_heads"] = heads // 2
+    return _config_from_raw(raw)
+
+
 def _tiny_raw(
     source: str | Path | Any, seed_layers: int = 4
 ) -> tuple[dict[str, Any], list[str], list[_Change]]:
