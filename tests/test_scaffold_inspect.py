@@ -415,3 +415,20 @@ def test_layer_types_of_a_wrapper_config_come_from_its_text_config() -> None:
     as_json = SimpleNamespace(text_config=text, vision_config={"depth": 1})  # config.json form
     assert layer_types_from_config(as_json) == expected
     assert mlp_types_from_config(as_json) == ["dense", "sparse"]
+
+
+def test_config_scalars_the_forward_multiplies_inline_are_warned() -> None:
+    """Granite's embedding / residual / attention multipliers scale activations inline in the
+    HF forward (no module of their own): each is named, its logits scaling as the logits hook's;
+    a multiplier of 1 changes nothing and is not."""
+    from resin.scaffold.inspect import inspect_architecture, unplaced_warnings
+
+    source = Path(__file__).resolve().parents[1] / "resin" / "models" / "granite" / "source"
+    warnings = unplaced_warnings(inspect_architecture(source / "config.json"))
+    scalars = [w.split(" = ")[0] for w in warnings if "multiplies activations" in w]
+    assert scalars == [
+        "config.attention_multiplier",
+        "config.embedding_multiplier",
+        "config.residual_multiplier",
+    ]
+    assert any(w.startswith("config.logits_scaling = 16.0") for w in warnings)

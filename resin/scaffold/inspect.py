@@ -401,6 +401,10 @@ def _is_tied(model: Any, inner: Any) -> bool:
 PLAIN_EMBEDDINGS = ("Embedding",)
 # Config keys that say logits are transformed somewhere outside the blocks the scaffold knows.
 LOGIT_HOOK_KEYS = re.compile(r"softcap|logit_scale|logits_scaling|output_multiplier")
+# Config scalars that scale activations where no module of their own does (muP-style: Granite's
+# embedding / residual / attention multipliers, MiniCPM's scale_emb / scale_depth): the HF
+# forward multiplies by them inline, so no unplaced module or block class shows them.
+SCALAR_HOOK_KEYS = re.compile(r"multiplier|^scale_emb$|^scale_depth$")
 
 
 def unplaced_warnings(arch: Architecture) -> list[str]:
@@ -433,15 +437,30 @@ def unplaced_warnings(arch: Architecture) -> list[str]:
             "nn.Embedding: it computes something (a scale, extra inputs) — write the "
             "embed hook in blocks.py"
         )
+    raw = arch.config.to_dict()
     for key in sorted(
-        k
-        for k, v in arch.config.to_dict().items()
-        if v not in (None, False, 0) and LOGIT_HOOK_KEYS.search(k)
+        k for k, v in raw.items() if v not in (None, False, 0) and LOGIT_HOOK_KEYS.search(k)
     ):
         out.append(
             f"config.{key} = {getattr(arch.config, key)!r}: the CausalLM head or the "
             "attention may transform logits (soft-capping, scaling) — check the HF "
             "forward and write the logits hook / pass it to ctx.attention"
+        )
+    for key in sorted(
+        k
+        for k, v in raw.items()
+        if isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and v != 1
+        and SCALAR_HOOK_KEYS.search(k)
+        and not LOGIT_HOOK_KEYS.search(k)
+    ):
+        out.append(
+            f"config.{key} = {raw[key]!r}: a scalar the HF forward multiplies activations by "
+            "inline (an embedding, a residual branch, the attention scale) — no module shows "
+            "it, and a block the scaffold delegates to a shared one leaves it out: find where "
+            "the HF forward reads it and write it into that block or a hook (pre_layers for "
+            "a scale after the embedding)"
         )
     return out
 
