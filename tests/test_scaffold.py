@@ -444,3 +444,23 @@ def test_an_mha_source_records_kv_widths_from_the_kv_heads(tmp_path: Path) -> No
     assert plain["kinds"]["full_attention/dense"]["self_attn.k_proj.weight"][0] == "hidden_size"
     grouped = {**config, "num_key_value_heads": 2}
     assert evaluate(rules["self_attn.k_proj.weight"], grouped) == [64, 256]
+
+
+def test_a_sliding_window_switch_records_both_layer_kinds() -> None:
+    """A config class deriving its layer types from ``use_sliding_window`` (Qwen2-MoE, SmolLM3)
+    made from a source with the switch off still records the sliding kind, with the same
+    modules; a config whose layer types are its own (a pattern, Gemma 2) mirrors nothing."""
+    from types import SimpleNamespace
+
+    from resin.scaffold.record import window_toggled_kinds
+
+    full = {"full_attention/dense": "entry", "full_attention/moe": "entry2"}
+    switched = SimpleNamespace(use_sliding_window=False, layer_types=["full_attention"] * 4)
+    assert window_toggled_kinds(switched, full) == {
+        "sliding_attention/dense": "full_attention/dense",
+        "sliding_attention/moe": "full_attention/moe",
+    }
+    patterned = SimpleNamespace(layer_types=["full_attention"] * 4, sliding_window_pattern=2)
+    assert window_toggled_kinds(patterned, full) == {}
+    mixed = {"full_attention/dense": "a", "sliding_attention/dense": "b"}
+    assert window_toggled_kinds(switched, mixed) == {}

@@ -128,10 +128,17 @@ def window_toggled_kinds(config: Any, kinds: dict[str, Any]) -> dict[str, str]:
     are all one type only by its ``sliding_window`` (no ``layer_types``, no sliding-window
     pattern: Phi-3, Mistral): every layer is ``sliding_attention`` when it is set and
     ``full_attention`` when it is null (Phi-4 vs Phi-3.5), so a checkpoint of either kind
-    runs whichever the source had."""
-    if getattr(config, "layer_types", None) or any(
-        getattr(config, key, None) is not None
-        for key in ("sliding_window_pattern", "_sliding_window_pattern")
+    runs whichever the source had. Likewise for a config class with a ``use_sliding_window``
+    switch (Qwen2, Qwen2-MoE, Qwen3, SmolLM3), whose ``layer_types`` it derives from the switch:
+    a source with the switch off has full layers only, a checkpoint with it on slides some of
+    the same modules."""
+    switched = hasattr(config, "use_sliding_window")
+    if not switched and (
+        getattr(config, "layer_types", None)
+        or any(
+            getattr(config, key, None) is not None
+            for key in ("sliding_window_pattern", "_sliding_window_pattern")
+        )
     ):
         return {}
     if {kind.split("/", 1)[0] for kind in kinds} not in ({FULL}, {SLIDING}):
