@@ -11,10 +11,13 @@ decoder tensors and whose final norm is ``shared_head.norm`` (embedding and ``lm
 target's), fed vLLM's ``DeepSeekMultiTokenPredictorLayer`` input ``eh_proj(cat([enorm(e),
 hnorm(h)]))`` (HF ``DeepseekV3RMSNorm`` modules) with ``e`` the target's embedding of token
 ``t[s]`` (zeroed at position 1: vLLM's "masking inputs at position 0", its position 0 being
-Resin's 1) and ``h`` the target's final-normed hidden state at ``s - 1`` from HF's full forward
-(a zero input at position 0: Resin's MTP sequence convention, ``mtp_drafter``); a draft chain
-extends that sequence with the layer's own (un-normed) output and its argmax. Every draft the
-runner proposes (prompt in one chunk or several, a prefix-cache hit, k = 1 and 3, and after
+Resin's 1) and ``h`` the target's final-normed hidden state at ``s - 1`` from HF's full forward.
+The reference's MTP sequence is vLLM's: entries ``s = 1, 2, ...`` only (vLLM's ``(h[p],
+t[p+1])`` at ``p = s - 1``; RoPE at Resin's positions, ``position_ids`` from 1: the same
+attention, RoPE being relative), no entry at position 0 — which the runner writes from a zero
+input but must never let a draft attend (``mtp_drafter``; a test plants garbage there). A draft
+chain extends that sequence with the layer's own (un-normed) output and its argmax. Every draft
+the runner proposes (prompt in one chunk or several, a prefix-cache hit, k = 1 and 3, and after
 drafts were accepted in part) must be that reference's. With MTP on, greedy output is the output
 with speculation off (k = 1..3, chunked prefill, prefix hits, preemption), and ``resin serve``
 drafts with it.
@@ -202,13 +205,13 @@ class Reference:
         out: list[int] = []
         with torch.no_grad():
             h = self.target.model(input_ids=torch.tensor([ids])).last_hidden_state[0]  # normed
-            prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
-            e = self.target.model.embed_tokens(torch.tensor(ids))
-            e[1:2] = 0  # vLLM's "masking inputs at position 0": its position 0 is Resin's 1
-            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev)], dim=-1))
-            x[0] = 0  # position 0: no previous hidden state, a zero input
+            # vLLM's MTP sequence: the entries at positions 1.. (h[s-1], t[s]), none at 0
+            e = self.target.model.embed_tokens(torch.tensor(ids[1:]))
+            e[0] = 0  # vLLM's "masking inputs at position 0": its position 0 is Resin's 1
+            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h[:-1])], dim=-1))
             for _ in range(k):
-                logits = self.mtp(inputs_embeds=x[None]).logits[0, -1]  # shared_head.norm
+                positions = torch.arange(1, x.shape[0] + 1)[None]
+                logits = self.mtp(inputs_embeds=x[None], position_ids=positions).logits[0, -1]
                 token = int(logits.argmax(-1))
                 out.append(token)
                 y = seen["y"][0, -1:]  # the layer's output before shared_head.norm
@@ -286,6 +289,89 @@ def test_every_draft_is_the_reference_mtp_layer_s(
     sequences = [o.prompt_token_ids + o.token_ids for o in outs + again]
     assert len(records) >= 3 * (params.max_tokens // (k + 1))
     _check_records(records, sequences, reference, k)
+
+
+def _planted_at(position: int, llm: LLM) -> None:
+    """The MTP layer's input at ``position`` (the cache pass's; a draft step is never there)
+    replaced by seeded garbage, so what its caches hold there is garbage too."""
+    definition = llm.runner.drafter.definition
+    original = definition.input
+
+    def planted(prev: Any, embeds: Any, w: Any, ctx: Any) -> Any:
+        x = original(prev, embeds, w, ctx)
+        at = (ctx.positions == position).view(-1, *[1] * (x.dim() - 1))
+        noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(position))
+        return torch.where(at, 10 * noise.to(x.dtype), x)
+
+    definition.input = planted
+
+
+def test_no_draft_attends_position_0() -> None:
+    """Position 0's entry (a zero input: no ``h[-1]``) is no entry of vLLM's MTP sequence, so
+    no draft may see it: garbage planted there changes no draft, while garbage planted at
+    position 1 (vLLM's first entry) does. Fails if position 0 becomes visible again."""
+    params = resin.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def drafts(plant: int | None) -> list[Record]:
+        llm = LLM(
+            TINY,
+            runner=RUNNER,
+            max_num_seqs=2,
+            speculative_method="mtp",
+            num_speculative_tokens=3,
+            page_size=4,
+            max_num_batched_tokens=14,
+        )
+        records = _record_drafts(llm)
+        if plant is not None:
+            _planted_at(plant, llm)
+        llm.generate(PROMPTS[:2], params)
+        return records
+
+    clean = drafts(None)
+    assert len(clean) >= 6
+    assert drafts(0) == clean
+    assert drafts(1) != clean  # the plant reaches the drafts wherever they may look
+
+
+def test_draft_attention_hides_position_0_in_every_cache() -> None:
+    """``DraftAttention``'s view of a cache: position 0 hidden (with and without a window, in
+    ``gather`` and ``attend``), a compressed entry (closed at ``ratio - 1``) kept, and a chain
+    starting at position 1 attends its own key alone."""
+    import numpy as np
+
+    from resin.runners.torch.attention import RowHistory
+    from resin.runners.torch.mtp_drafter import DraftAttention
+
+    class Cached:  # the cache pass's view of one row
+        def __init__(self, positions: list[int], values: Any):
+            self.row = RowHistory(slice(0, 1), torch.tensor(positions), values, torch.ones(1, 1))
+
+        def gather(self, name: str) -> list[RowHistory]:
+            return [self.row]
+
+    def view(positions: list[int], values: Any, first: int, **kw: Any) -> DraftAttention:
+        return DraftAttention(Cached(positions, values), np.array([0]), torch.tensor([first]), **kw)
+
+    values = torch.randn(6, 1, 8, generator=torch.Generator().manual_seed(0))
+    for window, seen in ((None, [1, 2, 3, 4, 5]), (4, [3, 4, 5]), (6, [1, 2, 3, 4, 5])):
+        hist = view(list(range(6)), values, 6, window=window).gather("k")[0]
+        assert hist.positions[hist.mask[0]].tolist() == seen, window
+    # compressed entries (ratio 4: closed at 3 and 7) are positions > 0: both visible
+    hist = view([3, 7], values[:2], 8, window=None, ratio=4).gather("k")[0]
+    assert hist.mask[0].tolist() == [True, True]
+    # attend: position 0's value changes nothing; written keys join (K = V here)
+    q, own = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    outs = []
+    for garbage in (0.0, 100.0):
+        planted = values.clone()
+        planted[0] = garbage
+        attention = view(list(range(6)), planted, 6, window=None)
+        outs.append(attention(q, own, own, scale=0.5))
+    assert torch.equal(outs[0], outs[1])
+    # a chain at position 1 (after a one-token prompt): its own key alone
+    attention = view([0], values[:1] * 100, 1, window=None)
+    assert torch.allclose(attention(q, own, own, scale=0.5), own.expand(1, 2, 8))
 
 
 def _metric(llm: LLM, name: str, labels: str = "") -> float:

@@ -9,8 +9,13 @@ transformers builds no MTP layer, so the drafts are checked against one assemble
 modules: a one-layer ``DeepseekV4ForCausalLM`` whose layer 0 holds ``mtp.0``'s decoder tensors
 (sliding attention, top-k MoE — HF's own math for them), fed the MTP input of DeepSeek's
 ``MTPBlock`` (``e_proj(enorm(embed(t[s]))) + h_proj(hnorm(h[s-1]))``, ``h`` the target's
-last-layer streams from HF's full forward) and read out by the MTP hyper-head and norm; a
-draft chain extends that sequence with the layer's own output streams and its argmax. Every
+last-layer streams from HF's full forward; the embedding zeroed at position 1, as vLLM's
+``deepseek_v4_mtp.py`` masks its position 0) and read out by the MTP hyper-head and norm. The
+reference's MTP sequence is vLLM's: entries ``s = 1, 2, ...`` only (vLLM's ``(h[p], t[p+1])`` at
+``p = s - 1``; ``position_ids`` from 1, the same sliding attention, RoPE being relative), no
+entry at position 0, which the runner writes from a zero input but lets no draft attend
+(``mtp_drafter``). A draft chain extends that sequence with the layer's own output streams and
+its argmax. Every
 draft the runner proposes, at every step (prompt in one chunk or several, a prefix-cache hit),
 must be that reference's. With MTP on, greedy output is the output with speculation off
 (k = 1..4, chunked prefill, preemption, prefix hits).
@@ -166,10 +171,9 @@ class Reference:
             x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         )
 
-    def _inputs(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """``MTPBlock``: e_proj(enorm(embed(t))) broadcast over the streams + h_proj(hnorm(h))."""
-        e = self.target.model.embed_tokens(tokens)
-        e = self._norm(e, self.w["enorm.weight"]) @ self.w["e_proj.weight"].T
+    def _inputs(self, prev: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """``MTPBlock``: e_proj(enorm(e)) broadcast over the streams + h_proj(hnorm(h))."""
+        e = self._norm(embeds, self.w["enorm.weight"]) @ self.w["e_proj.weight"].T
         h = self._norm(prev, self.w["hnorm.weight"]) @ self.w["h_proj.weight"].T
         return e[:, None, :] + h
 
@@ -185,23 +189,25 @@ class Reference:
     def drafts(self, ids: list[int], k: int) -> list[int]:
         """Greedy drafts after ``ids`` (its last token the one the engine just committed)."""
         h = self._streams(ids)
-        tokens = torch.tensor(ids)
-        prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
-        x = self._inputs(prev, tokens)
-        x[0] = 0  # position 0: no previous hidden state, a zero input
+        # vLLM's MTP sequence: the entries at positions 1.. (h[s-1], t[s]), none at 0
+        e = self.target.model.embed_tokens(torch.tensor(ids[1:]))
+        e[0] = 0  # vLLM's "masking inputs at position 0": its position 0 is Resin's 1
+        x = self._inputs(h[:-1], e)
         out: list[int] = []
         seen: dict[str, torch.Tensor] = {}
         for _ in range(k):
             layer = self.mtp.model.layers[0]
             pre = layer.register_forward_pre_hook(_replace_input(x[None]), with_kwargs=True)
             post = layer.register_forward_hook(lambda m, a, o: seen.update(y=o))
-            with torch.no_grad():
-                self.mtp(torch.tensor([list(range(x.shape[0]))]))  # ids unused: layer 0 input
+            positions = torch.arange(1, x.shape[0] + 1)[None]
+            with torch.no_grad():  # ids unused: layer 0's input is x
+                self.mtp(positions, position_ids=positions)
             pre.remove(), post.remove()
             y = seen["y"][0]
             token = int(self._logits(y[-1:]).argmax(-1))
             out.append(token)
-            x = torch.cat([x, self._inputs(y[-1:], torch.tensor([token]))])
+            e = self.target.model.embed_tokens(torch.tensor([token]))
+            x = torch.cat([x, self._inputs(y[-1:], e)])
         return out
 
 
@@ -252,7 +258,8 @@ def test_every_draft_is_the_reference_mtp_layer_s(
         **engine,
     )
     records = _record_drafts(llm)
-    outs = llm.generate(PROMPTS[:2], params)
+    # (a 3-token prompt: its first chains' sliding window (8) holds positions 0 and 1)
+    outs = llm.generate([*PROMPTS[:2], [11, 12, 13]], params)
     again = llm.generate([PROMPTS[0][:41] + [7, 7]], params)  # a prefix hit (10 pages)
     assert again[0].num_cached_tokens > 0
     sequences = [o.prompt_token_ids + o.token_ids for o in outs + again]

@@ -10,10 +10,14 @@ modules (vLLM's ``glm4_moe_mtp.py`` math): a one-layer HF ``Glm4MoeForCausalLM``
 (a MoE: ``first_k_dense_replace`` 0) holds the MTP layer's decoder tensors, its final norm
 removed (the layer's raw output is the next draft step's hidden state), fed
 ``eh_proj(cat([enorm(embed(t[s])), hnorm(h[s-1])]))`` through HF's ``Glm4MoeRMSNorm`` and a
-``Linear`` — ``h`` the target's final, normed hidden state from HF's full forward, position 0 a
-zero input (Resin's MTP sequence convention) — and read out by ``shared_head.norm`` (an HF
-``Glm4MoeRMSNorm``) and the target's ``lm_head``; a draft chain extends that sequence with the
-layer's raw output and its argmax. Every draft the runner proposes (k = 1 and 3, prompts in one
+``Linear`` — ``h`` the target's final, normed hidden state from HF's full forward, the embedding
+zeroed at position 1 (vLLM's "masking inputs at position 0": its position 0 is Resin's 1) — and
+read out by ``shared_head.norm`` (an HF ``Glm4MoeRMSNorm``) and the target's ``lm_head``. The
+reference's MTP sequence is vLLM's: entries ``s = 1, 2, ...`` only (vLLM's ``(h[p], t[p+1])`` at
+``p = s - 1``; ``position_ids`` from 1, the same attention, RoPE being relative), no entry at
+position 0, which the runner writes from a zero input (K / V its biases) but lets no draft
+attend (``mtp_drafter``). A draft chain extends that sequence with the layer's raw output and
+its argmax. Every draft the runner proposes (k = 1 and 3, prompts in one
 chunk or several, a prefix-cache hit) must be that reference's. With MTP on, greedy output is
 the output with speculation off (k = 1..3, chunked prefill, prefix hits, preemption), also on a
 "self-drafting" variant whose MTP layer copies a one-layer target's layer (most drafts accepted:
@@ -91,8 +95,9 @@ def no_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def self_drafting(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-layer target (the tiny's MoE layer 1 as layer 0; embedding rows of unit RMS) whose
     MTP layer (layer 1) is that layer fed ``eh_proj = [I | 0]`` (the embedding alone) and read
-    out by the target's final norm: it drafts what the target would say, up to position 0's
-    entry (a zero input, not the first token) in its attention."""
+    out by the target's final norm: it drafts what the target would say, up to the first token,
+    which its attention never sees (vLLM's MTP sequence starts at position 1, whose embedding
+    it zeroes)."""
 
     def edit(t: dict[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in t.items() if not k.startswith("model.layers.")}
@@ -222,12 +227,14 @@ class Reference:
     def drafts(self, ids: list[int], k: int) -> list[int]:
         """Greedy drafts after ``ids`` (its last token the one the engine just committed)."""
         h = self.target.model(input_ids=torch.tensor([ids])).last_hidden_state[0]  # normed
-        prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
-        x = self._inputs(prev, torch.tensor(ids))
-        x[0] = 0  # position 0: no previous hidden state, a zero input
+        # vLLM's MTP sequence: the entries at positions 1.. (h[s-1], t[s]), none at 0
+        e = self.target.model.embed_tokens(torch.tensor(ids[1:]))
+        e[0] = 0  # vLLM's "masking inputs at position 0": its position 0 is Resin's 1
+        x = self.eh_proj(torch.cat([self.norms["enorm"](e), self.norms["hnorm"](h[:-1])], -1))
         out: list[int] = []
         for _ in range(k):
-            y = self.mtp.model(inputs_embeds=x[None]).last_hidden_state[0]
+            positions = torch.arange(1, x.shape[0] + 1)[None]
+            y = self.mtp.model(inputs_embeds=x[None], position_ids=positions).last_hidden_state[0]
             logits = self.target.lm_head(self.norms["shared_head.norm"](y[-1]))
             out.append(int(logits.argmax(-1)))
             x = torch.cat([x, self._inputs(y[-1:], torch.tensor(out[-1:]))])

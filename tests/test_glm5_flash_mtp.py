@@ -10,11 +10,17 @@ indexed layer (own indexer, routed MoE) holds the MTP layer's decoder tensors, r
 replaced by one calling HF's own ``input_layernorm`` / ``self_attn`` / ``post_attention_layernorm``
 / ``mlp``), its final norm the MTP layer's ``shared_head.norm``; fed the MTP input
 ``eh_proj([enorm(embed(t[s])) | hnorm(h[s-1])])`` with ``h`` the target's final hidden state
-from HF's full forward (a zero input at position 0); a draft chain extends that sequence with
-the layer's own output and its argmax. Every draft the runner proposes (prompt in one chunk or
-several, a prefix-cache hit, k = 1 and 3) must be that reference's — which covers the chain's
-view of the caches: latents, the indexer's raw window and its closed pools up to the last
-accepted position plus the chain's own. With MTP on, greedy output is the output with
+from HF's full forward and the embedding zeroed at position 1 (vLLM's ``fused_eh_norm`` zeroes
+its position 0, Resin's 1); a draft chain extends that sequence with the layer's own output and
+its argmax. Its attention follows vLLM's MTP sequence, which has no entry at position 0 (vLLM's
+``(h[p], t[p+1])`` sits at ``p = s - 1``): position 0's latent — the runner's entry from a zero
+input — is masked from every later query (``mtp_drafter``). Its indexer does not: vLLM's pools
+start at its position 0 (Resin's 1), which the engine's compressed-group slot mapping cannot
+express, so the reference keeps position 0's zero-input entry in the sequence for the indexer
+and pools Resin's ``[4j, 4j + 4)`` as the runner does (NOTES.md "MTP"). Every draft the runner
+proposes (prompt in one chunk or several, a prefix-cache hit, k = 1 and 3) must be that
+reference's — which covers the chain's view of the caches: latents, the indexer's raw window
+and its closed pools up to the last accepted position plus the chain's own. With MTP on, greedy output is the output with
 speculation off (k = 1..3, chunked prefill, prefix hits, preemption).
 """
 
@@ -157,6 +163,7 @@ class Reference:
         self.eps = self.mtp.config.get_text_config().rms_norm_eps
         decoder = self.mtp.model.layers[0]
         decoder.forward = _plain_layer(decoder)
+        decoder.self_attn.build_attention_mask_from_topk = _without_position_0(decoder.self_attn)
 
     def _target_hidden(self, ids: list[int]) -> torch.Tensor:
         """The target's final hidden state [T, D] (HF full forward, ``norm(hc_head(...))``)."""
@@ -167,24 +174,26 @@ class Reference:
         x = x.float()
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
 
-    def _inputs(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        e = self._norm(self.target.model.embed_tokens(tokens), self.w["enorm.weight"])
+    def _inputs(self, prev: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        e = self._norm(embeds, self.w["enorm.weight"])
         h = self._norm(prev, self.w["hnorm.weight"])
         return torch.cat([e, h], dim=-1) @ self.w["eh_proj.weight"].T
 
+    @torch.no_grad()
     def drafts(self, ids: list[int], k: int) -> list[int]:
         """Greedy drafts after ``ids`` (its last token the one the engine just committed)."""
         h = self._target_hidden(ids)
         prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
-        x = self._inputs(prev, torch.tensor(ids))
-        x[0] = 0  # position 0: no previous hidden state, a zero input
+        e = self.target.model.embed_tokens(torch.tensor(ids))
+        e[1] = 0  # vLLM's "masking inputs at position 0": its position 0 is Resin's 1
+        x = self._inputs(prev, e)
+        x[0] = 0  # position 0: no previous hidden state, a zero input (for the indexer only)
         out: list[int] = []
         for _ in range(k):
-            with torch.no_grad():
-                y = self.mtp.model(inputs_embeds=x[None]).last_hidden_state[0]  # shared_head.norm
-                token = int(self.target.lm_head(y[-1]).argmax(-1))
-            out.append(token)
-            x = torch.cat([x, self._inputs(y[-1:], torch.tensor([token]))])
+            y = self.mtp.model(inputs_embeds=x[None]).last_hidden_state[0]  # shared_head.norm
+            out.append(int(self.target.lm_head(y[-1]).argmax(-1)))
+            e = self.target.model.embed_tokens(torch.tensor(out[-1:]))
+            x = torch.cat([x, self._inputs(y[-1:], e)])
         return out
 
 
@@ -203,6 +212,19 @@ def _plain_layer(layer: Any) -> Any:
         return y[:, :, None].expand_as(hidden_states).contiguous(), topk  # hc_head: the mean
 
     return forward
+
+
+def _without_position_0(attention: Any) -> Any:
+    """HF's sparse-attention mask with position 0's key hidden from every later query (the
+    entry vLLM's MTP sequence does not have); the indexer still pools it."""
+    build = attention.build_attention_mask_from_topk
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        out = build(*args, **kwargs).clone()  # eager: additive [B, 1, Q, K]
+        out[..., 1:, 0] = torch.finfo(out.dtype).min
+        return out
+
+    return mask
 
 
 def _record_drafts(llm: LLM) -> list[tuple[int, int, list[int]]]:
@@ -248,7 +270,8 @@ def test_every_draft_is_the_reference_mtp_layer_s(
         **engine,
     )
     records = _record_drafts(llm)
-    outs = llm.generate(PROMPTS[:2], params)
+    # (a 3-token prompt: its first chains read pool 0, the tail holding positions 0 and 1)
+    outs = llm.generate([*PROMPTS[:2], [11, 12, 13]], params)
     again = llm.generate([PROMPTS[0][:40] + [7, 7]], params)  # a prefix hit (32 tokens)
     assert again[0].num_cached_tokens > 0
     sequences = [o.prompt_token_ids + o.token_ids for o in outs + again]

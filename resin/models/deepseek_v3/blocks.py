@@ -308,7 +308,8 @@ def mtp_input(
     the weight), ``eh_proj`` [D, 2D] without bias. vLLM zeroes the embedding of its MTP
     sequence's first entry ``(h[0], t[1])`` ("masking inputs at position 0"); Resin's sequence
     holds that entry at position 1 (the drafter's entry ``s`` is ``(h[s-1], t[s])``; position
-    0 is all zeros already), so the embedding is zeroed at position 1."""
+    0's zero-input entry is seen by no draft: ``mtp_drafter``), so the embedding is zeroed at
+    position 1."""
     eps = float(ctx.config.rms_norm_eps)
     embeds = embeds.masked_fill((ctx.positions == 1)[:, None], 0)
     e = rms_norm(embeds, w["enorm.weight"], eps)

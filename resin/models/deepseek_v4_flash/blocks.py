@@ -323,8 +323,14 @@ def mtp_input(
     prev: torch.Tensor, embeds: torch.Tensor, w: Weights, ctx: LayerContext
 ) -> torch.Tensor:
     """``MTPBlock.forward``'s input: ``e_proj(enorm(e))`` added to every stream of
-    ``h_proj(hnorm(h))`` -> [T, hc, D]."""
+    ``h_proj(hnorm(h))`` -> [T, hc, D]. vLLM (``deepseek_v4_mtp.py``
+    ``DeepSeekV4MultiTokenPredictorLayer.forward``) zeroes the embedding of its MTP sequence's
+    first entry ``(h[0], t[1])`` ("masking inputs at position 0"); Resin's sequence holds that
+    entry at position 1 (the drafter's entry ``s`` is ``(h[s-1], t[s])``; position 0's
+    zero-input entry is seen by no draft: ``mtp_drafter``), so the embedding is zeroed at
+    position 1."""
     eps = float(ctx.config.rms_norm_eps)
+    embeds = embeds.masked_fill((ctx.positions == 1)[:, None], 0)
     e = F.linear(rms_norm(embeds, w["enorm.weight"], eps), w["e_proj.weight"])
     h = F.linear(rms_norm(prev, w["hnorm.weight"], eps), w["h_proj.weight"])
     return e[:, None, :] + h

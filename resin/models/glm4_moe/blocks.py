@@ -165,8 +165,13 @@ def mtp_input(
 ) -> torch.Tensor:
     """``Glm4MoeMultiTokenPredictorLayer.forward``'s input: ``eh_proj`` (no bias) of
     ``[enorm(e) | hnorm(h)]``, each an RMSNorm as ``Glm4MoeRMSNorm`` (fp32, cast, weight)
-    -> [T, D]. (Position 0: the drafter hands zeros for both.)"""
+    -> [T, D]. vLLM zeroes the embedding of its MTP sequence's first entry ``(h[0], t[1])``
+    (``inputs_embeds[positions == 0] = 0``, "masking inputs at position 0"); Resin's sequence
+    holds that entry at position 1 (the drafter's entry ``s`` is ``(h[s-1], t[s])``; position
+    0's zero-input entry is seen by no draft: ``mtp_drafter``), so the embedding is zeroed at
+    position 1."""
     eps = float(ctx.config.rms_norm_eps)
+    embeds = embeds.masked_fill((ctx.positions == 1)[:, None], 0)
     e = rms_norm(embeds, w["enorm.weight"], eps)
     h = rms_norm(prev, w["hnorm.weight"], eps)
     return kernels.linear(torch.cat([e, h], dim=-1), w["eh_proj.weight"])  # F.linear / CPU kernel

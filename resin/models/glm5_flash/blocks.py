@@ -244,8 +244,12 @@ def mtp_input(
 ) -> torch.Tensor:
     """``Glm5NextMultiTokenPredictorLayer.forward``'s input: ``eh_proj`` of
     ``[enorm(e) | hnorm(h)]`` (vLLM's ``fused_eh_norm``: each RMSNorm in fp32 times its
-    weight) -> [T, D]."""
+    weight) -> [T, D]. ``fused_eh_norm`` zeroes the embedding of vLLM's first MTP entry
+    ``(h[0], t[1])`` (its position 0); Resin's sequence holds that entry at position 1 (the
+    drafter's entry ``s`` is ``(h[s-1], t[s])``; position 0's zero-input entry is seen by no
+    draft: ``mtp_drafter``), so the embedding is zeroed at position 1."""
     eps = float(ctx.config.rms_norm_eps)
+    embeds = embeds.masked_fill((ctx.positions == 1)[:, None], 0)
     e = _fp32_norm(embeds, w["enorm.weight"], eps)
     h = _fp32_norm(prev, w["hnorm.weight"], eps)
     return F.linear(torch.cat([e, h], dim=-1).to(embeds.dtype), w["eh_proj.weight"])

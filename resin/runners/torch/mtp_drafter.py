@@ -15,8 +15,20 @@ position and this position's token — so, like every cache, it depends only on 
 - the MTP layer's own attention cache (its layer type's, e.g. a sliding window), written for
   every token of every step (prompt chunks included) by the **cache pass**;
 - ``target_hidden``: the target's hidden state per token, a window of 2 tokens, so a row
-  starting at ``a`` finds ``h[a-1]`` from the previous step (or a prefix-cache hit). Position
-  0 has no previous token: its entry is made from zeros (hidden and embedding).
+  starting at ``a`` finds ``h[a-1]`` from the previous step (or a prefix-cache hit).
+
+Position 0 has no previous token: its entry is written from a zero input (hidden and
+embedding) so that every cache stays position-complete, but it is **no entry of the MTP
+sequence**: vLLM's entry ``p`` is ``(h[p], token[p+1])`` — Resin's entry ``p + 1``, RoPE being
+relative —, SGLang's and the DeepSeek-V3 paper's likewise, so theirs starts at Resin's position
+1 and a draft query never attends position 0 (:class:`DraftAttention`; in every cache of the
+layer whose entries are tokens — main, extras, windows; a compressed entry, closed at a position
+``>= ratio - 1``, stays visible with whatever it pooled of position 0). vLLM also zeroes the
+embedding of its first entry ("masking inputs at position 0"): a model directory does that at
+Resin's position 1 in ``mtp_input``. The cache pass needs no such mask: its output is
+discarded (one MTP layer, chained for every draft step: only the caches it writes are read), and
+what it writes is computed from the layer's input — a token's own, or a pool's tokens' — never
+from an attention output.
 
 After sampling, each row that sampled drafts ``k`` tokens by the **draft chain**: step 1 is
 the entry after the row's last accepted token — the target's hidden there and the token the
@@ -86,7 +98,7 @@ class MtpDrafter:
         prev = self._previous_hidden(step, hidden, ctx)
         ctx.extra[TARGET_HIDDEN].write(hidden=hidden)
         embeds = runner.model.embed(step.input_ids, runner.weights.globals, ctx)
-        first = step.positions == 0  # no previous position: a zero input
+        first = step.positions == 0  # no previous position: a zero input (no draft sees it)
         if bool(first.any()):
             prev = prev.masked_fill(first.view(-1, *[1] * (prev.dim() - 1)), 0)
             embeds = embeds.masked_fill(first[:, None], 0)
@@ -229,8 +241,9 @@ class DraftAttention:
     drafting row, over one of the MTP layer's caches — its cached entries up to the row's last
     accepted position and the entries the draft steps wrote so far (held here, never in the
     pool). ``window`` / ``ratio`` are the cache group's: an entry is visible to the query at
-    ``p`` when its position (a compressed entry's: the token that closes it) is ``<= p`` and,
-    with a window, ``> p - window``; a compressed group keeps a draft step's written entry only
+    ``p`` when its position (a compressed entry's: the token that closes it) is ``<= p``, is
+    not 0 (position 0's zero-input entry is no entry of the MTP sequence: module doc) and, with
+    a window, is ``> p - window``; a compressed group keeps a draft step's written entry only
     when that step closes one (``(p + 1) % ratio == 0``), as the pool's slot mapping would.
     ``attend`` is softmax attention as :class:`~.attention.ReferenceBackend` computes it (sinks,
     soft-capping, GQA, K = V); ``gather`` gives the same entries as one
@@ -283,7 +296,11 @@ class DraftAttention:
                 steps = torch.tensor([i for i, _ in mine], device=positions.device)
                 positions = torch.cat([positions, self.first_position[r] + steps])
                 values = torch.cat([values, torch.stack([t for _, t in mine]).to(values.dtype)])
-            visible = positions <= position[r]
+            # Position 0's entry (a zero input: no h[-1]) is in every cache but is no entry of
+            # the MTP sequence vLLM / SGLang / DeepSeek run (theirs starts at (h[0], t[1]),
+            # Resin's position 1): no draft query sees it. (A compressed entry's position is
+            # the token closing it, > 0 whenever ratio > 1: those stay visible.)
+            visible = (positions <= position[r]) & (positions > 0)
             if self.window is not None:
                 visible &= positions > position[r] - self.window
             out.append(RowHistory(slice(r, r + 1), positions, values, visible[None, :]))
