@@ -12,7 +12,7 @@ it, and the harness would catch it if OLMo 3's own math were wrong.
 - Planted bugs: the window ignored (or one token off) fails at layer 0 self_attn; the full
   layers' YaRN table on every layer fails at layer 0 self_attn, the sliding layers' default
   table on every layer (YaRN dropped) at layer 3 self_attn; rope tables cast to the model dtype
-  fail bf16 parity.
+  are no longer bit-exact in bf16.
 - Variants (another config.json, the tiny's weights or some of them redrawn): the hub spelling
   (no ``layer_types``, top-level ``rope_theta`` + ``rope_scaling``), transformers' rule that a
   legacy ``rope_theta`` reaches the full layers only, a sliding rope base of its own, no rope
@@ -193,12 +193,13 @@ def test_one_rope_table_for_every_layer_fails(
     assert_departs_at(parity(layers_only=True), layer, "self_attn")
 
 
-def test_rope_tables_in_the_model_dtype_fail_bf16(
+def test_rope_tables_in_the_model_dtype_are_not_bit_exact_in_bf16(
     blocks: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Llama's rotary (cos/sin cast to bf16, q/k rotated in bf16) instead of OLMo 3's fp32
-    rotation: the layers stay within bf16 tolerance but are no longer HF's floats, and the
-    logits stage fails (top-k log-probs)."""
+    rotation: within bf16's tolerances (a rounding-order bug, as a non-bit-exact kernel's), but
+    no longer HF's floats — the layers and logits bit-exactness
+    (``test_parity_bf16_layers_bit_exact``) is what catches it."""
     rotary = blocks.olmo3_rotary_embedding
 
     def model_dtype_tables(config: Any, head_dim: int, device: Any) -> Any:
@@ -207,7 +208,7 @@ def test_rope_tables_in_the_model_dtype_fail_bf16(
     monkeypatch.setitem(blocks.ROTARY, "Olmo3RotaryEmbedding", model_dtype_tables)
     report = parity(dtype="bfloat16", layers_only=True)
     assert report.stage("layers").metrics["max_scaled_diff"] > 0.0
-    assert not report.stage("logits").passed, report.summary()
+    assert report.stage("logits").metrics["scaled_diff"] > 0.0
 
 
 def hub_spelling(config: dict[str, Any]) -> None:

@@ -361,3 +361,27 @@ def test_catches_wrong_moe_routing(moe_dir: Path, field: str, value: Any) -> Non
     assert first is not None and (first["layer"], first["module"]) == (0, "mlp")
     mismatch = report.stage("layers").first_mismatch
     assert mismatch is not None and mismatch["module"] == "mlp"
+
+
+def test_low_precision_limits_follow_the_logits_magnitude() -> None:
+    """In bf16 a logit of 40 is one spacing (0.25) from its neighbours: a one-spacing
+    difference there is within the log-prob limit and makes a top-1 flip a near-tie; a larger
+    move at logits of magnitude 5 is not, and float32 keeps its fixed limits."""
+    from resin.evals.parity import Tolerances, compare_logits
+    from resin.evals.parity_engine import GreedyReference
+
+    hf = torch.zeros(2, 16)
+    hf[0, 3], hf[0, 5] = 40.0, 39.875  # a gap of half a bf16 spacing at 40
+    hf[1, 3], hf[1, 5] = 5.0, 4.0
+    got = hf.clone()
+    got[0, 5] += 0.25  # one spacing: the top-1 flips and its log-prob moves ~0.25
+    bf16 = Tolerances.for_dtype("bfloat16")
+    assert bf16.logprob_limit(40.0) == pytest.approx(1.25) and bf16.logprob_limit(5.0) == 0.15625
+    assert compare_logits(hf, got, None, None, bf16).passed
+    wrong = hf.clone()
+    wrong[1, 5] -= 1.0  # the second logit: within the scaled check (1 / 40), past the limit at 5
+    assert not compare_logits(hf, wrong, None, None, bf16).passed
+    assert not compare_logits(hf, got, None, None, Tolerances.for_dtype("float32")).passed
+    ref = GreedyReference([[1]], [[3, 3]], [[0.125, 0.125]], 2, "cached", [[1.25, 0.0]])
+    assert ref.near_tie(0, 0, 0.1) and not ref.near_tie(0, 1, 0.1)
+    assert GreedyReference([[1]], [[3]], [[0.05]], 1).near_tie(0, 0, 0.1)  # no floors

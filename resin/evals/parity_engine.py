@@ -9,8 +9,10 @@ where HF disagrees with itself (a finding for HF, reported, never imitated). EOS
 request produces exactly ``max_new_tokens`` tokens. Each stage builds a fresh
 :class:`resin.Engine` around the same runner (``bind_cache`` is called again), submits every
 prompt in one batch, steps to completion and compares tokens.
-A mismatch where the HF top-1/top-2 logit gap is below ``tie_margin`` is a near-tie: it is
-counted, not failed, and that request is compared no further (it has legitimately diverged).
+A mismatch where the HF top-1/top-2 logit gap is below ``tie_margin`` (or below what the
+model dtype resolves at that logit's magnitude, :class:`GreedyReference`) is a near-tie: it
+is counted, not failed, and that request is compared no further (it has legitimately
+diverged).
 
 Also here: :func:`runner_capture_prefill`, the one-request engine step that stages 1 and 2
 read the runner's activations from, and the reference-failure helpers: when HF's own greedy
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CHUNK_BUDGET_TOKENS = 13
@@ -44,13 +46,23 @@ MAX_STEPS = 20000
 
 @dataclass
 class GreedyReference:
-    """HF greedy continuations and the top-1/top-2 logit gap at each generated position."""
+    """HF greedy continuations and the top-1/top-2 logit gap at each generated position, with
+    the gap the model dtype cannot resolve there (``tie_floors``: four spacings at the top-1
+    logit's magnitude, ``4 * eps * |top-1|``, as ``resin.evals.parity.Tolerances.tie_limit``;
+    a bf16 logit of 40 is one spacing, 0.25, from its neighbours): a mismatch at a gap below
+    the larger of it and ``tie_margin`` is a near-tie."""
 
     prompts: list[list[int]]
     tokens: list[list[int]]
     gaps: list[list[float]]
     max_new_tokens: int
     mode: str = "cached"
+    tie_floors: list[list[float]] = field(default_factory=list)
+
+    def near_tie(self, request: int, position: int, tie_margin: float) -> bool:
+        """Whether the gap at ``position`` of request ``request`` is a near-tie."""
+        floor = self.tie_floors[request][position] if self.tie_floors else 0.0
+        return self.gaps[request][position] < max(tie_margin, floor)
 
     @classmethod
     def compute(
@@ -70,12 +82,16 @@ class GreedyReference:
         cache_kwarg = "cache" if "cache" in params else "past_key_values"
         tokens: list[list[int]] = []
         gaps: list[list[float]] = []
+        floors: list[list[float]] = []
+        # The model's own precision: its logits may be upcast after an lm_head run in it.
+        eps = torch.finfo(getattr(model, "dtype", torch.float32)).eps
         with torch.no_grad():
             for prompt in prompts:
                 cache = transformers.DynamicCache(config=model.config)
                 step_ids = list(prompt)
                 out: list[int] = []
                 gap: list[float] = []
+                floor: list[float] = []
                 for _ in range(max_new_tokens):
                     if mode == "cached":
                         result = model(
@@ -83,13 +99,16 @@ class GreedyReference:
                         )
                     else:
                         result = model(torch.tensor([list(prompt) + out]), use_cache=False)
-                    top = result.logits[0, -1].float().topk(2)
+                    logits = result.logits[0, -1]
+                    top = logits.float().topk(2)
                     out.append(int(top.indices[0]))
                     gap.append(float(top.values[0] - top.values[1]))
+                    floor.append(4 * eps * abs(float(top.values[0])))
                     step_ids = [out[-1]]
                 tokens.append(out)
                 gaps.append(gap)
-        return cls([list(p) for p in prompts], tokens, gaps, max_new_tokens, mode)
+                floors.append(floor)
+        return cls([list(p) for p in prompts], tokens, gaps, max_new_tokens, mode, floors)
 
 
 GREEDY_REFERENCE_MODES = ("cached", "full_forward")
@@ -123,7 +142,7 @@ def cached_vs_full_forward(
                 max_diff = max(max_diff, float((a - b).abs().max()))
                 if int(a.argmax()) != token:
                     disagreements += 1
-                    if first is None and full.gaps[i][j] >= tie_margin:
+                    if first is None and not full.near_tie(i, j, tie_margin):
                         first = {
                             "request": i,
                             "position": j,
@@ -236,7 +255,7 @@ def _compare(
             if have == want:
                 compared += 1
                 continue
-            if have is not None and ref.gaps[i][pos] < tie_margin:
+            if have is not None and ref.near_tie(i, pos, tie_margin):
                 ties += 1
                 break
             return (
