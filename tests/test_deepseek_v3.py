@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module  # noqa: E402
+from tests.model_variants import model_parity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "deepseek_v3"
 TINY = MODEL_DIR / "tiny"
+parity = partial(model_parity, MODEL_DIR)
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -69,15 +72,6 @@ def variant(tmp_path: Path, edit: Callable[[dict[str, Any]], None], rebuild: boo
         shutil.copytree(TINY, path)
         (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-def parity(
-    checkpoint: Path | None = None, dtype: str = "float32", layers_only: bool = False
-) -> Any:
-    checks = ("layers",) if layers_only else None
-    return run_model_parity(
-        resolve_model(MODEL_DIR), dtype=dtype, checkpoint=checkpoint, checks=checks
-    )
 
 
 def test_tiny_checkpoint_exercises_mla_yarn_grouped_routing_and_mtp() -> None:

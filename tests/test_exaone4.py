@@ -26,8 +26,8 @@ torch runs one thread here (shared 2-core machines).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module  # noqa: E402
+from tests.model_variants import model_parity, tiny_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "exaone4"
 TINY = MODEL_DIR / "tiny"
+variant = partial(tiny_variant, TINY)
+parity = partial(model_parity, MODEL_DIR)
 EVERY_STAGE = {
     "layers",
     "logits",
@@ -59,39 +62,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def blocks() -> Any:
     return import_model_module(MODEL_DIR, "blocks", "exaone4")
-
-
-def variant(
-    tmp_path: Path, edit: Callable[[dict[str, Any]], None], drop_lm_head: bool = False
-) -> Path:
-    """The tiny checkpoint with its config.json edited in place by ``edit`` (and, for a tied
-    variant, without its ``lm_head.weight``)."""
-    path = tmp_path / "exaone4"
-    shutil.copytree(TINY, path)
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-    if drop_lm_head:
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(str(path / "model.safetensors"))
-        del tensors["lm_head.weight"]
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
-def parity(
-    checkpoint: Path | None = None, dtype: str = "float32", layers_only: bool = False
-) -> Any:
-    ref = resolve_model(MODEL_DIR)
-    if checkpoint is not None:
-        ref.checkpoint_dir = checkpoint
-    if layers_only:
-        ref.parity_spec = {
-            **ref.parity_spec,
-            "stress": {**ref.parity_spec.get("stress", {}), "checks": ["layers"]},
-        }
-    return run_model_parity(ref, dtype=dtype)
 
 
 def assert_departs_at(report: Any, name: str) -> None:
@@ -248,7 +218,9 @@ def test_small_model_rotates_every_layer_every_stage(
     """EXAONE-4.0-1.2B's shape (tied, no window, full layers only): HF rotates every layer
     (``sliding_window is None``). Every stage passes; the 32B rule (rotate sliding layers only)
     would leave this model without positions and fails at the first layer."""
-    path = variant(tmp_path, small_model, drop_lm_head=True)
+    path = variant(
+        tmp_path, small_model, lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"}
+    )
     report = parity(path)
     assert report.passed, report.summary()
     assert EVERY_STAGE <= {s.name for s in report.stages}

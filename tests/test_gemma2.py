@@ -23,6 +23,7 @@ import dataclasses
 import json
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module  # noqa: E402
+from tests.model_variants import model_parity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "gemma2"
 TINY = MODEL_DIR / "tiny"
+parity = partial(model_parity, MODEL_DIR)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,22 +46,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def blocks() -> Any:
     return import_model_module(MODEL_DIR, "blocks", "gemma2")
-
-
-def parity(
-    checkpoint: Path | None = None,
-    dtype: str = "float32",
-    layers_only: bool = False,
-) -> Any:
-    ref = resolve_model(MODEL_DIR)
-    if checkpoint is not None:
-        ref.checkpoint_dir = checkpoint
-    if layers_only:
-        ref.parity_spec = {
-            **ref.parity_spec,
-            "stress": {**ref.parity_spec.get("stress", {}), "checks": ["layers"]},
-        }
-    return run_model_parity(ref, dtype=dtype)
 
 
 def hub_spelling(config: dict[str, Any]) -> None:

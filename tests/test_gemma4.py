@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module  # noqa: E402
+from tests.model_variants import model_parity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "gemma4"
 TINY = MODEL_DIR / "tiny"
+parity = partial(model_parity, MODEL_DIR)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -56,16 +59,6 @@ def blocks() -> Any:
 def make_tiny() -> Any:
     """source/make_tiny.py: ``write(out, text_config(**changes), seed)``."""
     return import_model_module(MODEL_DIR / "source", "make_tiny", "gemma4_source")
-
-
-def parity(
-    checkpoint: Path | None = None, dtype: str = "float32", layers_only: bool = False
-) -> Any:
-    """``resin eval parity gemma4`` (on ``checkpoint``, default its tiny/)."""
-    checks = ("layers",) if layers_only else None
-    return run_model_parity(
-        resolve_model(MODEL_DIR), dtype=dtype, checkpoint=checkpoint, checks=checks
-    )
 
 
 def departs_at(report: Any) -> tuple[Any, Any]:

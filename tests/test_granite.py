@@ -18,8 +18,8 @@ torch runs one thread here (shared 2-core machines).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +28,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module  # noqa: E402
 from resin.runners.torch.blocks import gqa_attention_block, prenorm_decoder_layer  # noqa: E402
 from resin.runners.torch.model_definition import default_logits  # noqa: E402
+from tests.model_variants import model_parity, tiny_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "granite"
 TINY = MODEL_DIR / "tiny"
+variant = partial(tiny_variant, TINY)
+parity = partial(model_parity, MODEL_DIR)
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,27 +46,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def blocks() -> Any:
     return import_model_module(MODEL_DIR, "blocks", "granite")
-
-
-def parity(
-    checkpoint: Path | None = None, dtype: str = "float32", layers_only: bool = False
-) -> Any:
-    return run_model_parity(
-        resolve_model(MODEL_DIR),
-        dtype=dtype,
-        checkpoint=checkpoint,
-        checks=("layers",) if layers_only else None,
-    )
-
-
-def variant(tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    """The tiny checkpoint with its config.json edited in place by ``edit``."""
-    path = tmp_path / "granite"
-    shutil.copytree(TINY, path)
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def granite_31_2b_hub_spelling(config: dict[str, Any]) -> None:

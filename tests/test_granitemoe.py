@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module, resolve_model  # noqa: E402
 from resin.runners.torch.blocks import gqa_attention_block, prenorm_decoder_layer  # noqa: E402
 from resin.runners.torch.layers import routed_experts  # noqa: E402
 from resin.runners.torch.model_definition import default_logits  # noqa: E402
+from tests.model_variants import model_parity, tiny_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "granitemoe"
 TINY = MODEL_DIR / "tiny"
+variant = partial(tiny_variant, TINY)
+parity = partial(model_parity, MODEL_DIR)
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
 ALL_STAGES = {
     "layers",
@@ -69,26 +73,8 @@ def blocks() -> Any:
     return _blocks()
 
 
-def parity(
-    checkpoint: Path | None = None, dtype: str = "float32", layers_only: bool = False
-) -> Any:
-    return run_model_parity(
-        REF, dtype=dtype, checkpoint=checkpoint, checks=("layers",) if layers_only else None
-    )
-
-
 def tiny_config() -> dict[str, Any]:
     return json.loads((TINY / "config.json").read_text())
-
-
-def variant(tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    """The tiny checkpoint with its config.json edited in place by ``edit``."""
-    path = tmp_path / "granitemoe"
-    shutil.copytree(TINY, path)
-    config = tiny_config()
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def written(tmp_path: Path, config: dict[str, Any], seed: int = 1234) -> Path:

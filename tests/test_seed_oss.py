@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module  # noqa: E402
+from tests.model_variants import model_parity, tiny_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "seed_oss"
 TINY = MODEL_DIR / "tiny"
+variant = partial(tiny_variant, TINY)
+parity = partial(model_parity, MODEL_DIR)
 QKV = ("q_proj", "k_proj", "v_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -48,37 +52,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def blocks() -> Any:
     return import_model_module(MODEL_DIR, "blocks", "seed_oss")
-
-
-def parity(
-    checkpoint: Path | None = None, dtype: str = "float32", layers_only: bool = False
-) -> Any:
-    return run_model_parity(
-        resolve_model(MODEL_DIR),
-        dtype=dtype,
-        checkpoint=checkpoint,
-        checks=("layers",) if layers_only else None,
-    )
-
-
-def variant(
-    tmp_path: Path,
-    edit: Callable[[dict[str, Any]], None],
-    tensors: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-) -> Path:
-    """The tiny checkpoint with its config.json edited in place by ``edit`` and its tensors
-    replaced by ``tensors(old)`` when given."""
-    from safetensors.torch import load_file, save_file
-
-    path = tmp_path / "seed_oss"
-    shutil.copytree(TINY, path)
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-    if tensors is not None:
-        weights = path / "model.safetensors"
-        save_file(tensors(load_file(str(weights))), str(weights), metadata={"format": "pt"})
-    return path
 
 
 def _random_like(reference: Any, shape: tuple[int, ...], seed: int) -> Any:

@@ -19,8 +19,8 @@ torch runs one thread here (shared 2-core machines).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module  # noqa: E402
+from tests.model_variants import model_parity, tiny_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "smollm3"
 TINY = MODEL_DIR / "tiny"
+variant = partial(tiny_variant, TINY)
+parity = partial(model_parity, MODEL_DIR)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,27 +44,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def blocks() -> Any:
     return import_model_module(MODEL_DIR, "blocks", "smollm3")
-
-
-def variant(tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    """The tiny checkpoint with its config.json edited in place by ``edit``."""
-    path = tmp_path / "smollm3"
-    shutil.copytree(TINY, path)
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-def parity(
-    checkpoint: Path | None = None, dtype: str = "float32", layers_only: bool = False
-) -> Any:
-    return run_model_parity(
-        resolve_model(MODEL_DIR),
-        dtype=dtype,
-        checkpoint=checkpoint,
-        checks=("layers",) if layers_only else None,
-    )
 
 
 def nope_first_and_third(config: dict[str, Any]) -> None:

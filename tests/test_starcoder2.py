@@ -27,8 +27,8 @@ torch runs one thread here (shared 2-core machines).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from resin.evals.model_ref import import_model_module  # noqa: E402
+from tests.model_variants import model_parity, tiny_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "starcoder2"
 TINY = MODEL_DIR / "tiny"
+variant = partial(tiny_variant, TINY)
+parity = partial(model_parity, MODEL_DIR)
 EVERY_STAGE = {
     "layers",
     "logits",
@@ -60,46 +63,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def blocks() -> Any:
     return import_model_module(MODEL_DIR, "blocks", "starcoder2")
-
-
-def variant(
-    tmp_path: Path,
-    edit: Callable[[dict[str, Any]], None],
-    tensors: Callable[[dict[str, Any]], None] | None = None,
-) -> Path:
-    """The tiny checkpoint with its config.json edited in place by ``edit`` (and its tensors by
-    ``tensors``)."""
-    path = tmp_path / "starcoder2"
-    shutil.copytree(TINY, path)
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-    if tensors is not None:
-        from safetensors.torch import load_file, save_file
-
-        weights = load_file(str(path / "model.safetensors"))
-        tensors(weights)
-        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
-def parity(
-    checkpoint: Path | None = None,
-    dtype: str = "float32",
-    layers_only: bool = False,
-    attention_backend: str | None = None,
-) -> Any:
-    ref = resolve_model(MODEL_DIR)
-    if checkpoint is not None:
-        ref.checkpoint_dir = checkpoint
-    if attention_backend is not None:
-        ref.attention_backend = attention_backend
-    if layers_only:
-        ref.parity_spec = {
-            **ref.parity_spec,
-            "stress": {**ref.parity_spec.get("stress", {}), "checks": ["layers"]},
-        }
-    return run_model_parity(ref, dtype=dtype)
 
 
 def untied_head(tensors: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 from resin.evals.parity_engine import (
     REFERENCE_CRASHED,
+    UNRESOLVED_SPACINGS,
     GreedyReference,
     cached_vs_full_forward,
     exception_text,
@@ -78,13 +79,18 @@ class Tolerances:
             return cls(hidden=1e-2, logits=1e-2, logprobs=2e-2, tie_margin=2e-2, resolution=2**-10)
         return cls()
 
+    def unresolved(self, magnitude: Any) -> Any:
+        """What the dtype does not resolve in a log-prob or a logit gap at logits of
+        ``magnitude`` (a float or a tensor): the floor of both limits below."""
+        return UNRESOLVED_SPACINGS * self.resolution * magnitude
+
     def logprob_limit(self, magnitude: float) -> float:
         """The top-k log-prob limit where the largest logit's magnitude is ``magnitude``."""
-        return max(self.logprobs, 4 * self.resolution * magnitude)
+        return max(self.logprobs, self.unresolved(magnitude))
 
     def tie_limit(self, magnitude: float) -> float:
         """The near-tie margin where the top-1 logit's magnitude is ``magnitude``."""
-        return max(self.tie_margin, 4 * self.resolution * magnitude)
+        return max(self.tie_margin, self.unresolved(magnitude))
 
 
 @dataclass
@@ -444,7 +450,7 @@ def compare_logits(
             lp_diff = (got_lp.gather(1, top_ids) - hf_lp.gather(1, top_ids)).abs()
             top2 = hf_logits.topk(2, dim=-1).values
             magnitude = hf_logits.abs().amax(-1)
-            spacing = 4 * tol.resolution * magnitude
+            spacing = tol.unresolved(magnitude)
             near_tie = (top2[:, 0] - top2[:, 1]) < spacing.clamp(min=tol.tie_margin)
             agree = (got.argmax(-1) == hf_logits.argmax(-1)) | near_tie
             metrics.update(

@@ -103,7 +103,7 @@ class GreedyReference:
                     top = logits.float().topk(2)
                     out.append(int(top.indices[0]))
                     gap.append(float(top.values[0] - top.values[1]))
-                    floor.append(4 * eps * abs(float(top.values[0])))
+                    floor.append(UNRESOLVED_SPACINGS * eps * abs(float(top.values[0])))
                     step_ids = [out[-1]]
                 tokens.append(out)
                 gaps.append(gap)
@@ -112,6 +112,11 @@ class GreedyReference:
 
 
 GREEDY_REFERENCE_MODES = ("cached", "full_forward")
+
+UNRESOLVED_SPACINGS = 4
+"""How many spacings of a low-precision dtype, at a logit's magnitude, a log-prob or a
+top-1/top-2 gap is not resolved within: each is a difference of two logits, each held to two
+spacings (torch.testing's bf16 rtol, 1.6e-2, is two)."""
 
 
 def cached_vs_full_forward(
