@@ -200,7 +200,7 @@ pub fn softmax_into(src: &[f32], max: f32, lanes: Lanes, dst: &mut [f32]) -> f32
 /// `src` and `dst` must address `len` values each, the same ones or disjoint ones.
 unsafe fn softmax_from(src: *const f32, dst: *mut f32, len: usize, max: f32, lanes: Lanes) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if lanes.get() == 16 && avx512() {
+    if lanes.get() == 16 && crate::vector::avx512() {
         // SAFETY: the CPU has AVX-512F; the pointers as the caller promised.
         return unsafe { avx512::softmax_from(src, dst, len, max) };
     }
@@ -228,7 +228,7 @@ unsafe fn softmax_from(src: *const f32, dst: *mut f32, len: usize, max: f32, lan
 /// [`Ahead::none`] for none).
 pub fn exp_sum(row: &[f32], scaling: Scaling, max: f32, lanes: Lanes, ahead: &mut Ahead) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if lanes.get() == 16 && avx512() {
+    if lanes.get() == 16 && crate::vector::avx512() {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { avx512::exp_sum(row, scaling, max, ahead) };
     }
@@ -412,17 +412,11 @@ mod avx2 {
     }
 }
 
-/// Whether the 16-lane sums may run on AVX-512F registers here (x86-64 with AVX-512F), one
-/// vector for torch's 16 lanes. An AVX-512 torch's softmax (`Sleef_expf16_u10`) makes the same
-/// operations lane for lane as the AVX2 one, so these give the AVX2 path's bits at twice the
-/// width (tests: each against the other and against the scalar model).
-#[cfg(target_arch = "x86_64")]
-fn avx512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-}
-
 /// The 16-lane sums ([`Lanes`] 16) on AVX-512F: [`avx2`]'s operations, one `__m512` for the
-/// two `__m256` halves, masked loads and stores for a short tail.
+/// two `__m256` halves, masked loads and stores for a short tail. An AVX-512 torch's softmax
+/// (`Sleef_expf16_u10`) makes the same operations lane for lane as the AVX2 one, so these give
+/// the AVX2 path's bits at twice the width (tests: each against the other and against the
+/// scalar model).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{Scaling, LN2_HIGH, LN2_LOW, LOG2_E, POLY};
@@ -645,7 +639,7 @@ mod tests {
 
     #[test]
     fn the_avx512_sums_are_the_avx2_ones_bit_for_bit() {
-        if !(crate::vector::vectorised() && avx512()) {
+        if !crate::vector::avx512() {
             return;
         }
         let l = Lanes::new(16).unwrap();

@@ -293,6 +293,18 @@ pub fn vectorised() -> bool {
     }
 }
 
+/// Whether this CPU has AVX-512F too (x86-64 only): the kernels with a 16-lane path take it.
+pub(crate) fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        vectorised() && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Plain loops, for CPUs without AVX2 + FMA.
 pub struct Scalar;
 
