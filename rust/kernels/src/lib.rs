@@ -5,6 +5,7 @@
 //! Modules, one noun each:
 //! - [`argmax`]: a row's greedy token, torch's `argmax` in one vectorised scan.
 //! - [`bounded_draw`]: a whole-row draw decided from cheap exponentials and an error bound.
+//! - [`cheap_exp`]: a row's softmax terms to a stated error bound, summed in blocks.
 //! - [`paged_attention`]: attention of a step's queries over the paged KV cache, read in place
 //!   through the plan's CSR page table (no gather of K and V).
 //! - [`candidates`]: a row's n largest logits and their columns in one read of the row.
@@ -22,6 +23,7 @@
 pub mod argmax;
 pub mod bounded_draw;
 pub mod candidates;
+pub mod cheap_exp;
 pub mod draw;
 pub mod linear;
 pub mod nucleus;

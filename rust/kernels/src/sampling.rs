@@ -12,7 +12,8 @@
 //!   scaled after): the k-th for top-k; for
 //!   top-p either the softmax of its C = 256 candidates (a top-k inside them) or the whole
 //!   row's softmax read at the candidates ([`softmax::exp_sum`]: the sum without writing the
-//!   row), a nucleus past them cut by [`nucleus::nucleus_cut`]; `max + log(min_p)` for min-p;
+//!   row; first from bounds of that sum, [`cheap_exp::inverse_bounds`], where they decide), a
+//!   nucleus past them cut by [`nucleus::nucleus_cut`]; `max + log(min_p)` for min-p;
 //!   a row the n do not settle searches again with C, as the Python draw does;
 //! - a kept set inside the candidates is drawn over a vector of C values (the kept ones in
 //!   token order, then `-inf`), one past them over the whole row with the rest `-inf`.
@@ -25,6 +26,7 @@
 
 use crate::bounded_draw::{self, BoundedScratch, Outcome};
 use crate::candidates;
+use crate::cheap_exp;
 use crate::draw;
 use crate::nucleus::{self, NucleusScratch};
 use crate::softmax::{self, maximum, Lanes, Scaling};
@@ -69,6 +71,8 @@ pub struct SamplingScratch {
     sums: Vec<f64>,
     /// The C-wide vector of a top-p over the candidates.
     vector: Vec<f32>,
+    /// The candidates' exponentials (a top-p cut over the whole row's softmax).
+    exps: Vec<f32>,
     among: Among,
     bounded: BoundedScratch,
     /// The prefetches of the row after the one being decided.
@@ -96,7 +100,8 @@ enum Decision {
 /// The token of each row: `row(i)` is row i's logits (all of one width V), `settings[i]` its
 /// settings; `None` for a row left to the caller (module doc). `lanes`: torch's float vector
 /// width, for its softmax's sums. `bounded`: a whole-row draw is first tried by
-/// [`bounded_draw`] (the same token when it decides; off for A/B runs).
+/// [`bounded_draw`], and a top-p cut over the whole row's softmax by the bounds of its sum
+/// ([`cheap_exp::inverse_bounds`]) — the same tokens when they decide; off for A/B runs.
 pub fn sample_rows<'a>(
     row: impl Fn(usize) -> &'a [f32],
     settings: &[Settings],
@@ -116,7 +121,7 @@ pub fn sample_rows<'a>(
             }
             None => Ahead::none(),
         };
-        match decide(row(i), s, lanes, scratch) {
+        match decide(row(i), s, lanes, bounded, scratch) {
             Decision::Token(t) => tokens[i] = Some(t),
             Decision::WholeRow(scaling) => {
                 if bounded {
@@ -160,7 +165,7 @@ pub fn sample_rows<'a>(
     tokens
 }
 
-fn decide(row: &[f32], s: &Settings, lanes: Lanes, scratch: &mut SamplingScratch) -> Decision {
+fn decide(row: &[f32], s: &Settings, lanes: Lanes, bounded: bool, scratch: &mut SamplingScratch) -> Decision {
     let vocab_size = row.len();
     let temperature = s.temperature;
     if !(temperature > 0.0 && temperature.is_finite()) || s.top_p.is_nan() || s.min_p.is_nan() || vocab_size == 0 {
@@ -181,15 +186,23 @@ fn decide(row: &[f32], s: &Settings, lanes: Lanes, scratch: &mut SamplingScratch
         let k = if top_k_on { s.top_k as usize } else { 0 };
         64 * (1 + usize::from(k >= 64)) * (1 + usize::from(k >= 128))
     };
-    match filtered(row, s, first, num_candidates, lanes, scratch) {
-        Decision::Again => filtered(row, s, num_candidates, num_candidates, lanes, scratch),
+    match filtered(row, s, first, num_candidates, lanes, bounded, scratch) {
+        Decision::Again => filtered(row, s, num_candidates, num_candidates, lanes, bounded, scratch),
         decision => decision,
     }
 }
 
 /// A filtered row's decision from its `num` largest logits (`resin/sampling_draw.py`'s
 /// `_draw_filtered`, one row).
-fn filtered(row: &[f32], s: &Settings, num: usize, num_candidates: usize, lanes: Lanes, sc: &mut SamplingScratch) -> Decision {
+fn filtered(
+    row: &[f32],
+    s: &Settings,
+    num: usize,
+    num_candidates: usize,
+    lanes: Lanes,
+    bounded: bool,
+    sc: &mut SamplingScratch,
+) -> Decision {
     let vocab_size = row.len();
     let scaling = Scaling { temperature: s.temperature, keep_from: f32::NEG_INFINITY };
     sc.values.resize(num, 0.0);
@@ -237,16 +250,31 @@ fn filtered(row: &[f32], s: &Settings, num: usize, num_candidates: usize, lanes:
                 f32::NEG_INFINITY
             }
         } else {
-            // The whole row's softmax (kept from kth), read at the candidates.
+            // The whole row's softmax (kept from kth), read at the candidates: the first
+            // candidate whose cumulative probability reaches top-p, and whether they all fall
+            // short of it (the nucleus reaches past them). Both only rise with the inverse of
+            // the softmax's sum, so where the bounds of that inverse give one answer it is the
+            // exact sum's ([`cheap_exp::inverse_bounds`]); else the exact sum.
             let kept = Scaling { temperature: s.temperature, keep_from: kth };
-            let sum = softmax::exp_sum(row, kept, max, lanes, &mut sc.next);
-            let inverse = 1.0 / sum;
             // The values are scaled already: kept from kth only.
             let keep = Scaling { temperature: 1.0, keep_from: kth };
-            let probs = values.iter().map(|&v| softmax::exp(keep.apply(v) - max) * inverse);
-            let first = first_reaching(probs.clone(), s.top_p, num);
-            let total = probs.fold(0.0f64, |acc, p| acc + f64::from(p)) as f32;
-            if total < s.top_p {
+            sc.exps.clear();
+            sc.exps.extend(values.iter().map(|&v| keep.apply(v) - max));
+            softmax::exp_in_place(&mut sc.exps);
+            let exps = &sc.exps;
+            let cut = |inverse: f32| {
+                let probs = exps.iter().map(|&e| e * inverse);
+                let first = first_reaching(probs.clone(), s.top_p, num);
+                (first, (probs.fold(0.0f64, |acc, p| acc + f64::from(p)) as f32) < s.top_p)
+            };
+            let bounds =
+                if bounded { cheap_exp::inverse_bounds(row, kept, max, lanes.get(), &mut sc.sums, &mut sc.next) } else { None };
+            let decided = bounds.map(|(low, high)| (cut(low), cut(high))).filter(|(a, b)| a == b);
+            let (first, past) = match decided {
+                Some((cut, _)) => cut,
+                None => cut(1.0 / softmax::exp_sum(row, kept, max, lanes, &mut sc.next)),
+            };
+            if past {
                 // The nucleus reaches past the candidates: cut over the row (scaled and kept
                 // into a copy unless that would change nothing).
                 let scaled: &[f32] = if kept.temperature == 1.0 && kept.keep_from == f32::NEG_INFINITY {

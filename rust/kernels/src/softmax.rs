@@ -221,6 +221,18 @@ unsafe fn softmax_from(src: *const f32, dst: *mut f32, len: usize, max: f32, lan
     sum
 }
 
+/// [`exp`] of each of `values`, in place (its bits, on 8 lanes where the CPU has AVX2 + FMA).
+pub fn exp_in_place(values: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vector::vectorised() {
+        // SAFETY: the CPU has AVX2 + FMA.
+        return unsafe { avx2::exp_in_place(values) };
+    }
+    for v in values {
+        *v = exp(*v);
+    }
+}
+
 /// The sum torch's softmax of `row` scaled and kept (`scaling`) divides by, its largest value
 /// being `max`, in one read of `row` and without writing it out: the [`lane_sum`] of
 /// `exp(scaled - max)`. `ahead` asks for other memory as it goes, a byte for each byte of
@@ -296,8 +308,17 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn row_max(values: &[f32]) -> f32 {
-        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
-        let mut chunks = values.chunks_exact(8);
+        // Four running maxima (one waited on each max's latency): a maximum does not depend
+        // on the order, NaN included.
+        let mut ms = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+        let mut blocks = values.chunks_exact(32);
+        for b in &mut blocks {
+            for (j, m) in ms.iter_mut().enumerate() {
+                *m = maximum8(*m, _mm256_loadu_ps(b.as_ptr().add(8 * j)));
+            }
+        }
+        let mut m = maximum8(maximum8(ms[0], ms[1]), maximum8(ms[2], ms[3]));
+        let mut chunks = blocks.remainder().chunks_exact(8);
         for c in &mut chunks {
             m = maximum8(m, _mm256_loadu_ps(c.as_ptr()));
         }
@@ -398,6 +419,19 @@ mod avx2 {
             *p.add(i) *= inverse;
         }
         sum
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_in_place(values: &mut [f32]) {
+        let mut chunks = values.chunks_exact_mut(8);
+        for c in &mut chunks {
+            _mm256_storeu_ps(c.as_mut_ptr(), exp8(_mm256_loadu_ps(c.as_ptr())));
+        }
+        let tail = chunks.into_remainder();
+        let mut lanes = [0.0f32; 8];
+        lanes[..tail.len()].copy_from_slice(tail);
+        _mm256_storeu_ps(lanes.as_mut_ptr(), exp8(_mm256_loadu_ps(lanes.as_ptr())));
+        tail.copy_from_slice(&lanes[..tail.len()]);
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -554,6 +588,13 @@ mod tests {
                 let want = exp(*x);
                 assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "exp({x}): {g} vs {want}");
             }
+        }
+        // In place over a slice with a tail.
+        let mut got = xs[..83].to_vec();
+        exp_in_place(&mut got);
+        for (x, g) in xs.iter().zip(&got) {
+            let want = exp(*x);
+            assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "exp_in_place({x})");
         }
     }
 
