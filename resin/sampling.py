@@ -299,15 +299,14 @@ class Sampler(SlotHistory):
         part_slots = [slots[i] for i in part.tolist()]
         rules = self.penalties.rules(step, plan, part_slots, self.slots, part)
         flat = logits.view(-1)
-        touched = torch.cat([rule.at for rule in rules])  # an entry may repeat: same raw value
-        with torch.inference_mode(logits.is_inference()):
-            raw = flat.index_select(0, touched)
-            self.penalties.apply(flat, rules)
+        values = flat.numpy()  # float32 CPU (``_patchable``): numpy's indexing, ~10x torch's here
+        touched = np.concatenate([rule.at.numpy() for rule in rules])  # repeats: same raw value
+        raw = values[touched]
+        self.penalties.apply(flat, rules)
         try:
             yield
         finally:
-            with torch.inference_mode(logits.is_inference()):
-                flat.index_copy_(0, touched, raw)
+            values[touched] = raw
 
     def _draw_in_kernel(
         self,
