@@ -187,7 +187,8 @@ ROWS_KERNEL = [(resin.sampling_kernel, "rows_kernel")]
 torch path with its Rust searches (the sampler before that kernel)."""
 
 BOUNDED_DRAW = [(resin.sampling_kernel, "bounded_draw")]
-"""The switch of the bounded whole-row draw inside ``_core.sample_rows``."""
+"""The switch of the bounded decisions inside ``_core.sample_rows`` (the whole-row draw and the
+top-p cut over the whole row, from cheap exponentials and an error bound)."""
 
 SEARCH_KERNELS = [
     *ROWS_KERNEL,
@@ -459,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['mixed_after_ms']:.1f} | {off / r['mixed_after_ms']:.2f}x "
             f"| {off / r['greedy_after_ms']:.2f}x | {r['mixed_over_greedy_after']:.2f}x |"
         )
-    print("\nThe bounded whole-row draw on and off, ms (median)\n")
-    print("| vocab | logits | greedy | mixed, exact draw | mixed | speed-up | mixed / greedy |")
+    print("\nThe bounded decisions (whole-row draw, top-p cut) on and off, ms (median)\n")
+    print("| vocab | logits | greedy | mixed, exact sums | mixed | speed-up | mixed / greedy |")
     print("|---|---|---|---|---|---|---|")
     for r in steps:
         off = r["mixed_no_bounded_draw_ms"]

@@ -15,7 +15,9 @@ sampler keeps the torch path. Cost: ``benchmarks/sampler_step.py`` (docs/benchma
 
 A whole-row draw (temperature alone, or a kept set past the candidates) is first tried from
 cheap exponentials and a rigorous error bound (:data:`bounded_draw`): the bound decides torch's
-token for certain, or the exact draw runs; LLM-like rows nearly always decide.
+token for certain, or the exact draw runs; LLM-like rows nearly always decide. A top-p cut
+over the whole row's softmax is decided the same way, from bounds of the softmax's sum
+(rust/kernels/src/cheap_exp.rs), the exact sum only where they disagree.
 
 A sample the kernel does not take comes back -1 and is drawn by the torch path: a temperature
 that is not a positive finite number, a NaN top-p or min-p, a top-k past the 256 candidates, a
@@ -41,9 +43,10 @@ rows_kernel = True
 :func:`softmax_lanes` found the bits). False takes the torch path everywhere (A/B runs, tests)."""
 
 bounded_draw = True
-"""Whether ``_core.sample_rows`` first tries a whole-row draw from cheap exponentials and an
-error bound (rust/kernels/src/bounded_draw.rs: torch's token when it decides, the exact draw
-when it cannot). False: the exact draw for every whole row (A/B runs, tests; same tokens)."""
+"""Whether ``_core.sample_rows`` first tries a whole-row draw, and a top-p cut over the whole
+row, from cheap exponentials and an error bound (rust/kernels/src/bounded_draw.rs,
+cheap_exp.rs: torch's token when it decides, the exact path when it cannot). False: the exact
+path for every row (A/B runs, tests; same tokens)."""
 
 
 def _probe() -> list[np.ndarray]:

@@ -799,7 +799,8 @@ pub fn softmax(py: Python<'_>, x: PyReadonlyArray2<'_, f32>, lanes: usize, mut o
 /// caller (a setting or row the kernel does not take). GIL released; the samples dealt out
 /// over `threads` threads of torch's OpenMP team, every `threads`-th to one (each sample's
 /// token is its own: the split changes no token). `bounded=False` turns off the bounded
-/// whole-row draw (`resin-kernels`' `bounded_draw`; the same tokens, for A/B runs).
+/// decisions (`resin-kernels`' `bounded_draw` and the top-p cut from `cheap_exp`'s bounds;
+/// the same tokens, for A/B runs).
 #[pyfunction]
 #[pyo3(signature = (logits, rows, temperature, top_k, top_p, min_p, log_min_p, uniforms, lanes, tokens, *, threads=1, bounded=true))]
 #[allow(clippy::too_many_arguments)]
