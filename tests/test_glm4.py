@@ -265,8 +265,9 @@ def test_other_theta_and_factor_bit_exact_in_fp32(
     tmp_path: Path, blocks: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``rope_theta`` 1e6 and factor 0.75 (neither a default: the config is read) match HF bit
-    for bit in fp32 with HF's fp32 inverse frequencies; the shared float64 ones are an ulp off
-    (NOTES.md: at GLM-4-9B's width, 1 bf16 ulp in ~0.9% of cos / sin entries over 32K)."""
+    for bit in fp32 with HF's fp32 inverse frequencies, this directory's and the shared
+    tables' (``hf_rope_inv_freq``) alike; the numpy float64 ones are an ulp off (NOTES.md: at
+    GLM-4-9B's width, 1 bf16 ulp in ~0.9% of cos / sin entries over 32K)."""
 
     def edit(config: dict[str, Any]) -> None:
         config["rope_parameters"].update(rope_theta=1e6, partial_rotary_factor=0.75)
@@ -279,6 +280,20 @@ def test_other_theta_and_factor_bit_exact_in_fp32(
         return blocks.rope_tables_from_config(config, head_dim, device, 1e4, interleaved=True)
 
     monkeypatch.setitem(blocks.ROTARY, "Glm4RotaryEmbedding", shared)
+    assert parity(path, layers_only=True).stage("layers").metrics["max_scaled_diff"] == 0.0
+
+    from resin.loading.rope import parse_rope_tables, rope_inv_freq
+    from resin.runners.torch.layers import RotaryEmbedding
+
+    def float64(config: Any, head_dim: int, device: Any) -> Any:
+        raw = {k: v for k, v in config.to_dict().items() if v is not None}
+        tables = parse_rope_tables(raw, 1e4, int(raw.get("max_position_embeddings", 2048)))
+        return {
+            name: RotaryEmbedding(*rope_inv_freq(rope, head_dim), device, interleaved=True)
+            for name, rope in tables.items()
+        }
+
+    monkeypatch.setitem(blocks.ROTARY, "Glm4RotaryEmbedding", float64)
     assert parity(path, layers_only=True).stage("layers").metrics["max_scaled_diff"] > 0.0
 
 

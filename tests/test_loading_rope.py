@@ -20,6 +20,7 @@ import transformers  # noqa: E402  (test dependency, installed by make; fail lou
 from hf_configs import LLAMA31_8B, MIXTRAL_8X7B, QWEN25_7B
 
 from resin.loading import RopeConfig, load_model_config, rope_inv_freq
+from resin.loading.rope import parse_rope_config
 
 ROPE_SPELLINGS = [
     ({"rope_type": "linear", "factor": 2.0}, RopeConfig("linear", 10000.0, factor=2.0)),
@@ -292,3 +293,46 @@ def test_dynamic_rope_is_refused_past_the_pretrained_length() -> None:
     ):
         check_rope_length(rope, 2049)
     check_rope_length(default, 10**6)  # the others are not limited here
+
+
+HF_DEFAULT_CASES = [
+    ("default", {"rope_theta": theta}) for theta in (10000.0, 500000.0, 1000000.0, 150000.0)
+]
+
+
+# Head widths; a partial rotary factor where the init honours it (Llama's default does not).
+TORCH_ROPE_CASES = [
+    (rope_type, extra, head_dim, partial)
+    for rope_type, extra in HF_ROPE_CASES + HF_DEFAULT_CASES
+    for head_dim, partial in [(64, 1.0), (80, 1.0), (128, 1.0), (256, 0.5)]
+    if not (rope_type == "default" and partial != 1.0)
+]
+
+
+@pytest.mark.parametrize("rope_type,extra,head_dim,partial", TORCH_ROPE_CASES)
+def test_the_torch_runners_frequencies_are_transformers_bits(
+    rope_type: str, extra: dict[str, Any], head_dim: int, partial: float
+) -> None:
+    """``hf_rope_inv_freq`` (the torch runner's and the model directories' tables) equals
+    transformers' init functions bit for bit, where the numpy float64 one is an ulp off."""
+    torch = pytest.importorskip("torch")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from resin.runners.torch.rope_frequencies import hf_rope_inv_freq
+
+    extra = copy.deepcopy(extra)
+    if partial != 1.0:
+        extra["rope_scaling"]["partial_rotary_factor"] = partial
+    hf, raw = _hf_case({**extra, "head_dim": head_dim})
+    if rope_type == "default":
+        theirs, their_scale = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        theirs, their_scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    # The model directories' parser (partial rotary allowed; the Llama loader refuses it).
+    rope = parse_rope_config(hf.to_dict(), 10000.0, hf.max_position_embeddings, allow_partial=True)
+    ours, our_scale = hf_rope_inv_freq(rope, head_dim)
+    assert rope.rope_type == rope_type and ours.dtype == np.float32
+    assert torch.equal(torch.from_numpy(ours), theirs), ours - theirs.numpy()
+    assert our_scale == their_scale

@@ -108,16 +108,19 @@ def _expected_output(block: list[str], command_prefix: str) -> list[str]:
 
 
 def _pattern(expected: str) -> str:
-    """A shown output line as a regex: ``...`` stands for anything, a number in scientific
-    notation (a measured diff such as ``7.29e-07``) for any such number, and a line number in
-    transformers' source (``modeling_gpt_oss.py:149``) for any line (it moves between
-    transformers releases: 5.25 shifted gpt-oss's by 2); the rest is exact."""
+    """A shown output line as a regex: ``...`` stands for anything, a measured diff (a number
+    in scientific notation such as ``7.29e-07``, or the ``0`` of a bit-exact ``scaled diff
+    0``) for any number, and a line number in transformers' source (``modeling_gpt_oss.py:149``)
+    for any line (it moves between transformers releases: 5.25 shifted gpt-oss's by 2); the
+    rest is exact."""
     pieces = []
     for part in expected.split("..."):
-        tokens = re.split(r"([0-9.]+e[-+][0-9]+|(?<=\.py:)[0-9]+)", part)
+        tokens = re.split(r"([0-9.]+e[-+][0-9]+|(?<=diff )0\b|(?<=\.py:)[0-9]+)", part)
         pieces.append(
             "".join(
-                (r"[0-9]+" if t.isdigit() else r"[0-9.]+e[-+][0-9]+") if i % 2 else re.escape(t)
+                (r"[0-9]+" if t.isdigit() and t != "0" else r"(?:0|[0-9.]+e[-+][0-9]+|[0-9.]+)")
+                if i % 2
+                else re.escape(t)
                 for i, t in enumerate(tokens)
             )
         )

@@ -200,8 +200,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
     Returns ``(inv_freq, attention_scaling)``: ``inv_freq`` is float64, shape
     ``[int(head_dim * partial_rotary_factor) // 2]`` (radians per token); multiply positions
     by it, take cos/sin, and scale both by ``attention_scaling``. transformers computes the
-    same formulas in float32; casting this array to float32 agrees with it to within a few
-    ulps, so a runner should cast once and then do what HF does.
+    same formulas in torch float32; this array cast to float32 is within an ulp of it (about
+    a third of the frequencies an ulp off). The torch runner and the model directories take
+    transformers' bits from ``resin.runners.torch.rope_frequencies.hf_rope_inv_freq``; this
+    one serves runners without torch (MLX).
     """
     if rope.rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(_unsupported_rope(rope.rope_type))

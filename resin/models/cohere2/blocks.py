@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from resin import kernels
-from resin.loading.rope import parse_rope_config, rope_inv_freq
+from resin.loading.rope import parse_rope_config
 from resin.runners.torch.blocks import (
     config_activation,  # noqa: F401 - the shared hidden_act check at load reads it from here
     config_value,
@@ -49,6 +49,7 @@ from resin.runners.torch.blocks import (
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
 from resin.runners.torch.model_definition import default_logits
+from resin.runners.torch.rope_frequencies import hf_rope_inv_freq
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -121,7 +122,7 @@ def cohere2_rotary_embedding(config: Any, head_dim: int, device: torch.device) -
     ``emb = repeat_interleave(freqs, 2)`` — each angle twice in place, not ``cat(freqs,
     freqs)`` — cos/sin in fp32 times ``attention_scaling``, then cast to the model dtype. One
     table; only sliding layers read it (:func:`cohere2_attention`)."""
-    inv_freq, attention_scaling = rope_inv_freq(_rope(config), head_dim)
+    inv_freq, attention_scaling = hf_rope_inv_freq(_rope(config), head_dim)
     return RotaryEmbedding(inv_freq, attention_scaling, device, interleaved=True)
 
 

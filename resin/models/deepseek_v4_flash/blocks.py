@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from resin.loading.rope import RopeConfig, rope_inv_freq
+from resin.loading.rope import RopeConfig
 from resin.runners.torch.attention import RowHistory
 from resin.runners.torch.blocks import config_activation, config_value
 from resin.runners.torch.context import LayerContext
@@ -57,6 +57,7 @@ from resin.runners.torch.hyper_connections import (
 from resin.runners.torch.layer_caches import compressed_attention_cache
 from resin.runners.torch.layers import clamped_swiglu
 from resin.runners.torch.model_definition import LayerCache
+from resin.runners.torch.rope_frequencies import hf_rope_inv_freq
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -185,7 +186,7 @@ def _rope_table(
         )
     else:
         raise NotImplementedError(f"deepseek_v4 rope type {rope_type!r}")
-    inv_freq, scaling = rope_inv_freq(rope, head_dim)
+    inv_freq, scaling = hf_rope_inv_freq(rope, head_dim)
     return InterleavedRotary(inv_freq, scaling, device)
 
 

@@ -41,10 +41,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from resin.loading.rope import parse_rope_config, rope_inv_freq
+from resin.loading.rope import parse_rope_config
 from resin.runners.torch.blocks import config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
+from resin.runners.torch.rope_frequencies import hf_rope_inv_freq
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -113,7 +114,7 @@ def gemma3_rotary_embedding(config: Any, head_dim: int, device: torch.device) ->
         rope = parse_rope_config(
             {"rope_parameters": params}, DEFAULT_THETA.get(layer_type, 10_000.0), max_positions
         )
-        inv_freq, attention_scaling = rope_inv_freq(rope, head_dim)
+        inv_freq, attention_scaling = hf_rope_inv_freq(rope, head_dim)
         tables[layer_type] = RotaryEmbedding(inv_freq, attention_scaling, device)
     return tables
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from resin import kernels
-from resin.loading.rope import parse_rope_config, parse_rope_tables, rope_inv_freq
+from resin.loading.rope import parse_rope_config, parse_rope_tables
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layers import (
     MoeWeights,
@@ -29,6 +29,7 @@ from resin.runners.torch.layers import (
     rms_norm,
     swiglu_mlp,
 )
+from resin.runners.torch.rope_frequencies import hf_rope_inv_freq
 
 Weights = dict[str, torch.Tensor]
 Block = Callable[..., torch.Tensor]
@@ -179,7 +180,7 @@ def rope_from_config(
     raw = config if isinstance(config, dict) else config.to_dict()
     raw = {k: v for k, v in raw.items() if v is not None}
     rope = parse_rope_config(raw, default_theta, int(raw.get("max_position_embeddings", 2048)))
-    inv_freq, attention_scaling = rope_inv_freq(rope, head_dim)
+    inv_freq, attention_scaling = hf_rope_inv_freq(rope, head_dim)
     return RotaryEmbedding(inv_freq, attention_scaling, device)
 
 
@@ -198,6 +199,6 @@ def rope_tables_from_config(
     tables = parse_rope_tables(raw, default_theta, int(raw.get("max_position_embeddings", 2048)))
     out = {}
     for name, rope in tables.items():
-        inv_freq, attention_scaling = rope_inv_freq(rope, head_dim)
+        inv_freq, attention_scaling = hf_rope_inv_freq(rope, head_dim)
         out[name] = RotaryEmbedding(inv_freq, attention_scaling, device, interleaved)
     return out

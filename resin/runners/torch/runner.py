@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from resin.loading import ModelConfig, load_model_config, rope_inv_freq
+from resin.loading import ModelConfig, load_model_config
 from resin.loading.weights import load_weights
 from resin.runners.torch.attention import AttentionBackend
 from resin.runners.torch.blocks import (
@@ -33,6 +33,7 @@ from resin.runners.torch.model_definition import (
 )
 from resin.runners.torch.model_weights import ModelWeights, default_runner_name
 from resin.runners.torch.paged_runner import PagedRunner
+from resin.runners.torch.rope_frequencies import hf_rope_inv_freq
 
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 
@@ -102,7 +103,7 @@ def llama_family_definition(config: ModelConfig, device: torch.device) -> ModelD
                 cache=attention_cache(config.num_key_value_heads, config.head_dim, window),
             )
         )
-    inv_freq, attention_scaling = rope_inv_freq(config.rope, config.head_dim)
+    inv_freq, attention_scaling = hf_rope_inv_freq(config.rope, config.head_dim)
     rotary = RotaryEmbedding(inv_freq, attention_scaling, device)
     return ModelDefinition(
         name=config.model_type,
