@@ -51,12 +51,17 @@ def test_gemma3_scale_and_rope_bases_are_perturbed(tmp_path: Path) -> None:
         }
     )
     tiny, cfg = _make(src, tmp_path)
-    assert cfg["head_dim"] == 16 and cfg["query_pre_attn_scalar"] not in (16, 256)
+    # head_dim (16 = hidden / heads in the tiny) is perturbed too: 20, and the scale is neither
+    assert cfg["head_dim"] == 20 and cfg["query_pre_attn_scalar"] not in (16, 20, 256)
     thetas = {k: v["rope_theta"] for k, v in cfg["rope_parameters"].items()}
     assert thetas["sliding_attention"] != thetas["full_attention"]
     assert cfg["tie_word_embeddings"] is True  # kept: the real layout
     text = "\n".join(tiny.changes)
     assert "perturbed: query_pre_attn_scalar 16 -> 24" in text
+    assert (
+        "perturbed: head_dim 16 -> 20" in text
+        and "perturbed: rms_norm_eps 1e-06 -> 0.03125" in text
+    )
     assert "perturbed: rope_parameters.full_attention.rope_theta 10000 -> 40000" in text
     assert "full_attention" in cfg["layer_types"] and "sliding_attention" in cfg["layer_types"]
 
@@ -91,14 +96,30 @@ def test_gpt_oss_swiglu_limit_binds(tmp_path: Path) -> None:
     assert any(line.startswith("threshold: swiglu_limit 7 ->") for line in tiny.changes)
 
 
-def test_qwen3_moe_is_seeded_and_only_shrunk(tmp_path: Path) -> None:
+def test_qwen3_moe_is_seeded_and_shrunk_with_its_eps_trap(tmp_path: Path) -> None:
     a = make_tiny_checkpoint(transformers.Qwen3MoeConfig(), tmp_path / "a")
     b = make_tiny_checkpoint(transformers.Qwen3MoeConfig(), tmp_path / "b")
     assert (a.path / "model.safetensors").read_bytes() == (
         b.path / "model.safetensors"
     ).read_bytes()
     assert a.changes == b.changes and a.changes
-    assert all(line.startswith("shrunk: ") for line in a.changes)
+    # Shrunk, and the one trap its config has: rms_norm_eps 1e-6 (a runner hard-coding it
+    # would pass); its head width is derived (no head_dim field), so nothing to perturb there.
+    perturbed = [line for line in a.changes if not line.startswith("shrunk: ")]
+    assert [line.split(" (")[0] for line in perturbed] == [
+        "perturbed: rms_norm_eps 1e-06 -> 0.03125"
+    ], perturbed
+    # kept because it moves HF's own logits: undone, they differ
+    assert float((_logits(a.path) - _logits(a.path, rms_norm_eps=1e-6)).abs().max()) > 1e-4
+
+
+def test_an_explicit_head_dim_equal_to_the_derived_one_is_perturbed(tmp_path: Path) -> None:
+    tiny, cfg = _make(transformers.Qwen3Config(num_hidden_layers=2), tmp_path)
+    assert cfg["head_dim"] == 20 and cfg["hidden_size"] // cfg["num_attention_heads"] == 16
+    assert any(line.startswith("perturbed: head_dim 16 -> 20") for line in tiny.changes)
+    # MLA's head_dim is the rope part: left alone
+    tiny, cfg = _make(transformers.DeepseekV3Config(num_hidden_layers=2), tmp_path / "mla")
+    assert not any("head_dim 16 -> 20" in line for line in tiny.changes)
 
 
 def test_unit_scales_and_a_perturbation_without_effect(tmp_path: Path) -> None:

@@ -29,7 +29,10 @@ A tiny checkpoint must not hide bugs, so beyond shrinking it (every change is on
   leaves fewer than :data:`MIN_ROTARY_DIMS` rotated dims is raised to that many (top level and
   inside ``rope_parameters``); rope bases (``rope_theta`` of each per-layer-type
   ``rope_parameters`` entry, or top-level ``*rope_theta`` / ``*base_freq`` fields) that are
-  equal are made distinct (x4); a shared-expert count ``n_shared_experts`` of 1 becomes
+  equal are made distinct (x4); an explicit ``head_dim`` equal to ``hidden_size /
+  num_attention_heads`` becomes :data:`HEAD_DIM_VALUE` (not MLA's); each norm epsilon
+  (:data:`NORM_EPS_FIELD`) becomes its own of :data:`NORM_EPS_VALUES`; a shared-expert count
+  ``n_shared_experts`` of 1 becomes
   :data:`SHARED_EXPERTS_VALUE` (the shape rules cannot see a factor of 1, so the source's
   shared width would pass for ``moe_intermediate_size`` alone). Each such change is kept only
   if it changes HF's logits on the tiny model (else it is reverted and says so).
@@ -142,6 +145,14 @@ UNIT_SCALE_VALUE = 0.75
 # 4*kv_lora_rank).
 SHARED_EXPERTS_VALUE = 3
 MIN_ROTARY_DIMS = 8
+# An explicit head_dim equal to hidden_size / heads (16 in the tiny) becomes this: 4 heads of
+# 20 are 80 wide, no multiple of hidden 64 (a shape rule cannot bind the q / o widths to
+# hidden_size), and distinct from query_pre_attn_scalar's trap value (1.5 x 16).
+HEAD_DIM_VALUE = 20
+# Norm epsilons (rms_norm_eps, layer_norm_eps, norm_epsilon, ...) become these, one each:
+# large enough to move the tiny's logits, distinct so two fields cannot stand in for each other.
+NORM_EPS_FIELD = re.compile(r"norm_eps(ilon)?$")
+NORM_EPS_VALUES = (1 / 32, 1 / 16, 1 / 8)
 ROPE_THETA_FIELD = re.compile(r"(^|_)rope_theta$|base_freq$")
 THRESHOLD_PATTERN = re.compile(r"limit$|clamp|clip_qkv|softcap|soft_cap")
 ROUTING_BUFFER_MARKERS = (
@@ -466,7 +477,49 @@ def _default_traps(tiny: dict[str, Any]) -> list[_Change]:
         )
     out += _rotary_traps(tiny, head_dim)
     out += _rope_theta_traps(tiny)
+    out += _head_dim_traps(tiny)
+    out += _norm_eps_traps(tiny)
     return out
+
+
+def _head_dim_traps(tiny: dict[str, Any]) -> list[_Change]:
+    """An explicit ``head_dim`` equal to ``hidden_size / num_attention_heads`` becomes
+    :data:`HEAD_DIM_VALUE` (not MLA's, where ``head_dim`` is the rope part)."""
+    value, hidden, heads = (tiny.get(k) for k in ("head_dim", "hidden_size", "num_attention_heads"))
+    if not (isinstance(value, int) and isinstance(hidden, int) and isinstance(heads, int)):
+        return []
+    if heads <= 0 or "qk_rope_head_dim" in tiny or "kv_lora_rank" in tiny:
+        return []
+    if isinstance(value, bool) or value != hidden // heads:
+        return []
+    return [
+        _Change(
+            f"head_dim {value} -> {HEAD_DIM_VALUE} (it equalled hidden_size / "
+            f"num_attention_heads: a runner, or a shape rule, that derives the head width "
+            "from hidden_size would pass)",
+            [(("head_dim",), value, HEAD_DIM_VALUE)],
+        )
+    ]
+
+
+def _norm_eps_traps(tiny: dict[str, Any]) -> list[_Change]:
+    """Each norm epsilon (:data:`NORM_EPS_FIELD`) set to its own of :data:`NORM_EPS_VALUES`."""
+    keys = [
+        key
+        for key, value in sorted(tiny.items())
+        if NORM_EPS_FIELD.search(key)
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    ]
+    return [
+        _Change(
+            f"{key} {_fmt(tiny[key])} -> {new} (a runner that hard-codes a norm's epsilon, "
+            "or reads another field's, would pass at the usual 1e-5 / 1e-6)",
+            [((key,), tiny[key], new)],
+        )
+        for key, new in zip(keys, NORM_EPS_VALUES)
+        if tiny[key] != new
+    ]
 
 
 def _rotary_traps(tiny: dict[str, Any], head_dim: int | None) -> list[_Change]:
