@@ -145,6 +145,11 @@ pub fn block_sums(row: &[f32], terms: Terms, out: &mut [f64], ahead: &mut Ahead)
         // SAFETY: the CPU has AVX2 + FMA.
         return unsafe { avx2::block_sums(row, terms, out, ahead) };
     }
+    portable_block_sums(row, terms, out, ahead);
+}
+
+/// [`block_sums`] without vectors (32 float32 lane sums a block, as the AVX2 path keeps).
+fn portable_block_sums(row: &[f32], terms: Terms, out: &mut [f64], ahead: &mut Ahead) {
     for (chunk, o) in row.chunks(BLOCK).zip(out.iter_mut()) {
         ahead.step(4 * chunk.len());
         let mut lanes = [0.0f32; 32];
@@ -380,12 +385,71 @@ mod tests {
                     }
                     assert!((scalar / exact - 1.0).abs() <= bound, "{x} T {temperature}: {scalar} vs {exact}");
                 }
-                let mut sums = vec![0.0; row.len().div_ceil(BLOCK)];
-                block_sums(&row, terms, &mut sums, &mut Ahead::none());
-                let want: f64 = vector.iter().map(|&v| f64::from(v)).sum();
-                assert!((sums.iter().sum::<f64>() / want - 1.0).abs() < BLOCK_SUM_ERROR, "T {temperature}");
+                // Each path's block sums within their bound of the terms' own.
+                for (path, sums) in each_block_sums(&row, terms) {
+                    for (b, &sum) in sums.iter().enumerate() {
+                        let block = &vector[b * BLOCK..((b + 1) * BLOCK).min(row.len())];
+                        let want: f64 = block.iter().map(|&v| f64::from(v)).sum();
+                        assert!((sum - want).abs() <= BLOCK_SUM_ERROR * want + 1e-30, "{path}: block {b}, T {temperature}");
+                    }
+                }
             }
         }
+    }
+
+    /// The exact path's inverse (`fl(1 / exp_sum)`, torch's lane order, 8 and 16 lanes) lies
+    /// inside [`inverse_bounds`]' interval, which is narrow (a few 1e-4 relative at most).
+    #[test]
+    fn the_exact_inverse_lies_inside_the_bounds() {
+        use crate::softmax::{exp_sum, Lanes};
+        let mut sums = Vec::new();
+        for (seed, width, scale) in [(1u64, 7usize, 3.0f32), (2, 300, 12.0), (3, 5003, 4.0), (4, 32000, 2.0), (5, 40001, 40.0)] {
+            let mut row = data(width, seed, scale);
+            for x in row.iter_mut().step_by(11) {
+                *x = f32::NEG_INFINITY;
+            }
+            for (temperature, keep_from) in [(1.0f32, f32::NEG_INFINITY), (0.7, f32::NEG_INFINITY), (1.3, 0.5), (0.6, -1.0)] {
+                let scaling = Scaling { temperature, keep_from };
+                let mut scaled = vec![0.0; width];
+                let max = scale_into(&row, scaling, &mut scaled);
+                if !max.is_finite() {
+                    continue;
+                }
+                let (low, high) = inverse_bounds(&row, scaling, max, 16, &mut sums, &mut Ahead::none()).expect("bounds");
+                assert!(low <= high && f64::from(high) / f64::from(low) - 1.0 < 1e-3, "{width} T {temperature}: {low} {high}");
+                for lanes in [8, 16] {
+                    let (low, high) = inverse_bounds(&row, scaling, max, lanes, &mut sums, &mut Ahead::none()).unwrap();
+                    let exact = 1.0 / exp_sum(&row, scaling, max, Lanes::new(lanes).unwrap(), &mut Ahead::none());
+                    assert!(
+                        low <= exact && exact <= high,
+                        "{width} T {temperature} lanes {lanes}: {exact} not in [{low}, {high}]"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The block sums of every path this CPU has: portable, AVX2, AVX-512.
+    fn each_block_sums(row: &[f32], terms: Terms) -> Vec<(&'static str, Vec<f64>)> {
+        let fresh = || vec![0.0; row.len().div_ceil(BLOCK)];
+        let mut out = vec![("portable", fresh())];
+        portable_block_sums(row, terms, &mut out[0].1, &mut Ahead::none());
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::vector::vectorised() {
+                let mut sums = fresh();
+                // SAFETY: the CPU has AVX2 + FMA.
+                unsafe { avx2::block_sums(row, terms, &mut sums, &mut Ahead::none()) };
+                out.push(("avx2", sums));
+            }
+            if crate::vector::avx512() {
+                let mut sums = fresh();
+                // SAFETY: the CPU has AVX-512F.
+                unsafe { avx512::block_sums(row, terms, &mut sums, &mut Ahead::none()) };
+                out.push(("avx512", sums));
+            }
+        }
+        out
     }
 
     #[test]
