@@ -133,7 +133,8 @@ def test_record_generated_from_the_published_config_plus_clip_qkv() -> None:
     # normalise_config drops the window keys, so it is never used
     assert set(record.layer_kinds) == {"full_attention/moe", "sliding_attention/moe"}
     kind = record.shape_rules["kinds"]["full_attention/moe"]
-    assert kind["self_attn.k_proj.weight"][0] is None  # KV width: not hidden_size
+    # KV width: not hidden_size (the probe shares KV heads and sets its own head width)
+    assert kind["self_attn.k_proj.weight"][0] == "head_dim*num_key_value_heads"
     assert kind["self_attn.q_norm.weight"] == ["hidden_size"]
 
 

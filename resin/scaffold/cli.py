@@ -150,10 +150,12 @@ def _probe_architecture(source: Path) -> tuple[Any, str | None]:
     from resin.scaffold.inspect import inspect_architecture
     from resin.scaffold.tiny_checkpoint import shape_probe_config, tiny_config
 
-    try:
-        return inspect_architecture(shape_probe_config(source), probe_shapes=False), None
-    except Exception:  # noqa: BLE001 - a model whose KV heads cannot be shared: the tiny's widths
-        pass
+    for head_dim in (True, False):  # an explicit head width, then the tiny's
+        try:
+            probe = shape_probe_config(source, head_dim=head_dim)
+            return inspect_architecture(probe, probe_shapes=False), None
+        except Exception:  # noqa: BLE001 - a model that refuses the probe's widths: fall back
+            pass
     try:
         return inspect_architecture(tiny_config(source), probe_shapes=False), None
     except Exception as exc:  # noqa: BLE001 - the rules are a check, not a requirement

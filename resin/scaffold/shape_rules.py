@@ -24,6 +24,8 @@ from resin.scaffold.layer_map import mlp_types_from_config, name_pattern
 Rule = list[str | None]
 # Config fields that are ids or flags, not widths: never used to explain a dimension.
 NOT_WIDTHS = ("token_id", "_id", "seed", "max_position_embeddings", "version")
+# Layer counts: they can size a tensor (per-layer embeddings), but lose a tie with a width.
+DEPTH_FIELDS = {"num_hidden_layers", "num_layers", "n_layers", "num_decoder_layers"}
 
 
 def shape_rules(source: Any, probe: Any) -> dict[str, Any]:
@@ -94,7 +96,7 @@ def _expression(
         {
             f"{a}*{b}"
             for i, a in enumerate(names)
-            for b in names[i:]
+            for b in names[i + 1 :]  # no field squared: no weight is head_dim x head_dim wide
             if fields[a] * fields[b] == dim and other_fields[a] * other_fields[b] == other
         },
         {
@@ -105,13 +107,30 @@ def _expression(
         },
     ]
     for candidates in tiers:  # the simplest explanation wins, if it is the only one of its kind
+        if len(candidates) > 1:
+            # A layer count equal to a width in both configs (32 layers of 32 heads, a tiny of
+            # 4 and 4) ties with it: a depth explains a width only if nothing else does.
+            widths = {c for c in candidates if not set(c.split("*")) & DEPTH_FIELDS}
+            candidates = widths if len(widths) == 1 else candidates
         if candidates:
             return candidates.pop() if len(candidates) == 1 else None
     return None
 
 
+def with_derived_widths(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``head_dim`` = ``hidden_size // num_attention_heads`` where it has none (as
+    HF's ``getattr(config, "head_dim", hidden_size // num_attention_heads)``): rules use it
+    for sources that derive it, and a checkpoint's config is read the same way at load."""
+    out = dict(raw)
+    hidden, heads = out.get("hidden_size"), out.get("num_attention_heads")
+    if out.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int):
+        if heads > 0 and not isinstance(heads, bool):
+            out["head_dim"] = hidden // heads
+    return out
+
+
 def _widths(config: Any) -> dict[str, int]:
-    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    raw = with_derived_widths(config.to_dict() if hasattr(config, "to_dict") else dict(config))
     return {
         k: v
         for k, v in raw.items()

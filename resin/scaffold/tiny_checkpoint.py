@@ -204,19 +204,38 @@ def tiny_config(source: str | Path | Any, seed_layers: int = 4) -> Any:
     return _config_from_raw(raw)
 
 
-def shape_probe_config(source: str | Path | Any) -> Any:
+def shape_probe_config(source: str | Path | Any, head_dim: bool = True) -> Any:
     """:func:`tiny_config` for the shape rules (``resin.scaffold.shape_rules``), never saved:
     where the source gives each query head its own KV head, the probe shares them (4 query
     heads, 2 KV heads). With as many KV heads as query heads in both configs, a k / v width
     equals ``hidden_size`` in both, the simplest explanation wins, and the record would refuse
     every grouped-query checkpoint of the architecture (OLMo 2 7B's directory refused the 32B's
-    weights so). A model that ignores ``num_key_value_heads`` keeps its widths, and its rule."""
+    weights so). A model that ignores ``num_key_value_heads`` keeps its widths, and its rule.
+
+    Two more coincidences are broken the same way. A grouped source whose KV head count the
+    tiny keeps (2) gets 1 here: else ``2 * intermediate_size`` and ``intermediate_size *
+    num_key_value_heads`` tie in both (GLM-4's record took the second and refused every
+    checkpoint with another KV count). And the head width is :data:`HEAD_DIM_VALUE`, given
+    explicitly even where the source derives it (not MLA's): a model whose HF code reads
+    ``head_dim`` then shows q / o widths of ``num_attention_heads * head_dim``, one that does
+    not keeps ``hidden_size``; with both equal the record bound them to ``hidden_size`` and
+    refused checkpoints whose ``head_dim`` differs (the shape rules derive ``head_dim`` where a
+    config lacks it, as HF's ``getattr`` default does). ``head_dim=False``: not that one (for a
+    model whose HF code refuses the width)."""
     raw, _lines, _traps = _tiny_raw(source)
-    text_key = _text_key(load_config(source))
+    source_config = load_config(source)
+    text_key = _text_key(source_config)
     text = raw if text_key is None else raw[text_key]
+    source_text = hf_model.text_config(source_config)
     heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
     if isinstance(heads, int) and heads == kv_heads and heads % 2 == 0:
         text["num_key_value_heads"] = heads // 2
+    elif isinstance(kv_heads, int) and kv_heads == getattr(source_text, "num_key_value_heads", 0):
+        if kv_heads == 2 and isinstance(heads, int) and heads > 2:
+            text["num_key_value_heads"] = 1
+    mla = "qk_rope_head_dim" in text or "kv_lora_rank" in text
+    if head_dim and not mla and isinstance(heads, int):
+        text["head_dim"] = HEAD_DIM_VALUE
     return _config_from_raw(raw)
 
 
@@ -250,11 +269,13 @@ def _tiny_raw(
     return tiny, lines, traps
 
 
-def _fit_rope_factor_lists(raw: dict[str, Any]) -> list[str]:
+def _fit_rope_factor_lists(raw: dict[str, Any], explicit_head_dim: bool = True) -> list[str]:
     """Per-frequency rope lists (longrope's ``short_factor`` / ``long_factor``: one value per
     rotated dim pair) resampled in place, evenly, to the tiny model's ``rotary_dim // 2``
     entries — first and last kept — in ``raw`` and in any sub-config dict of it (a wrapper's
-    ``text_config``); HF refuses a list sized for the source's head. One line per list."""
+    ``text_config``); HF refuses a list sized for the source's head. One line per list.
+    ``explicit_head_dim=False``: sized by ``hidden_size / num_attention_heads`` even where
+    ``head_dim`` is given (Phi-3's config checks them so)."""
     lines = []
     for where, text in [("", raw)] + [
         (f"{k}.", v) for k, v in raw.items() if isinstance(v, dict) and "rope_parameters" in v
@@ -264,7 +285,7 @@ def _fit_rope_factor_lists(raw: dict[str, Any]) -> list[str]:
             continue
         tables = [("", rope)] + [(f"{k}.", v) for k, v in rope.items() if isinstance(v, dict)]
         heads = text.get("num_attention_heads")
-        head_dim = text.get("head_dim") or (
+        head_dim = (text.get("head_dim") if explicit_head_dim else None) or (
             int(text["hidden_size"]) // int(heads) if heads and text.get("hidden_size") else None
         )
         for name, table in tables:
@@ -909,10 +930,19 @@ def _build(config: Any) -> Any:
 
 
 def _config_from_raw(raw: dict[str, Any]) -> Any:
-    raw = copy.deepcopy(raw)
-    _fit_rope_factor_lists(raw)  # a reverted partial_rotary_factor trap changes the size
-    model_type = raw.pop("model_type")
-    return transformers.AutoConfig.for_model(model_type, **raw)
+    model_type = raw["model_type"]
+    for explicit_head_dim in (True, False):
+        fitted = copy.deepcopy(raw)
+        # a reverted partial_rotary_factor trap changes the size; a class may size the lists
+        # by head_dim or by hidden_size / heads
+        _fit_rope_factor_lists(fitted, explicit_head_dim)
+        fitted.pop("model_type")
+        try:
+            return transformers.AutoConfig.for_model(model_type, **fitted)
+        except Exception:  # noqa: BLE001 - retried with the derived width, then raised
+            if not explicit_head_dim:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _get(d: dict[str, Any], path: tuple[str, ...]) -> Any:

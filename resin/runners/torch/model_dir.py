@@ -934,13 +934,13 @@ def _shape_checker(
     (:func:`confirmed_standard_rules`, evaluated on ``fields``) filling dimensions the record
     leaves unchecked, for the stack's ``num_layers`` layers and the non-layer tensors.
     ``expected.rule_of(pattern, layer)`` gives the expressions, for error messages."""
-    from resin.scaffold.shape_rules import evaluate
+    from resin.scaffold.shape_rules import evaluate, with_derived_widths
 
     rules = record.shape_rules
     standard = standard or {}
     if not rules and not standard:
         return None
-    config = args.to_dict()
+    config = with_derived_widths(args.to_dict())  # head_dim as HF derives it, as the rules do
     fields = fields or {}
 
     def rules_of(pattern: str, layer: int | None) -> tuple[Any, Any]:
