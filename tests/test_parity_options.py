@@ -222,3 +222,33 @@ def test_the_python_default_runner_is_the_one_the_cli_checks() -> None:
     from resin.runners.torch.attention import PARITY_BACKEND
 
     assert default_runner_factory(FIXTURES / "llama").attention_backend.name == PARITY_BACKEND
+
+
+def _short_dynamic_rope(tmp_path: Path) -> Path:
+    """The Llama fixture with a ``dynamic`` rope and a 32-token pretrained length: past it
+    transformers recomputes every position's frequencies (Resin serves no further)."""
+    path = _copy("llama", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(max_position_embeddings=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_default_prompts_are_shortened_to_the_supported_length(tmp_path: Path) -> None:
+    """Past its length the reference and the runner compute different things by design: the
+    default prompts are cut to fit (and the report says so) instead of reporting a departure
+    at layer 0."""
+    report = run_parity(_short_dynamic_rope(tmp_path), checks=("layers",))
+    assert report.passed, report.summary()
+    assert report.prompt_notes and "supported length is 32" in report.prompt_notes[0]
+    assert "[note] prompts: shortened to 24 tokens (+ 8 generated)" in report.summary()
+
+
+def test_given_prompts_past_the_supported_length_run_with_a_note(tmp_path: Path) -> None:
+    """Prompts the caller gives run as given (a test of the long-context rule itself may want
+    them); the report says the comparison leaves what Resin serves."""
+    report = run_parity(_short_dynamic_rope(tmp_path), prompts=[list(range(4, 44))])
+    (note,) = report.prompt_notes
+    assert "40 tokens + 8 generated run past the checkpoint's supported length 32" in note
+    assert "rope type 'dynamic'" in note and "not a runner bug" in note
+    assert f"[note] prompts: {note}" in report.summary()

@@ -124,6 +124,9 @@ class ParityReport:
     # What the model directory's ``reference.py`` changed in the HF reference
     # (:func:`adjust_reference`), as text.
     reference_adjustments: list[str] = field(default_factory=list)
+    # How the prompts meet the checkpoint's supported length (:func:`length_limit`,
+    # :func:`fit_prompts`), as text; empty when they fit.
+    prompt_notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -155,6 +158,7 @@ class ParityReport:
             "reference_findings": self.reference_findings,
             "hf_attention": self.hf_attention,
             "reference_adjustments": self.reference_adjustments,
+            "prompt_notes": self.prompt_notes,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -178,6 +182,8 @@ class ParityReport:
             lines.append(f"  [note] reference: {finding['finding']}")
         for adjustment in self.reference_adjustments:
             lines.append(f"  [note] reference adjusted: {adjustment}")
+        for note in self.prompt_notes:
+            lines.append(f"  [note] prompts: {note}")
         return "\n".join(lines)
 
 
@@ -201,6 +207,51 @@ def default_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     base = prompts[DEFAULT_PROMPT_LENS.index(48)]
     prompts.append(base[:SHARED_PREFIX_TOKENS] + rng.integers(0, vocab_size, 9).tolist())
     return prompts
+
+
+MIN_FITTED_PROMPT = 8
+"""Default prompts are not shortened below this many tokens (too little to test): they run
+past the supported length then, with a note."""
+
+
+def length_limit(runner: Any) -> tuple[int, str] | None:
+    """(longest sequence in tokens, why) where the runner gives transformers' results: a model
+    directory's ``max_model_len_limit`` (Phi-3 longrope: the original length; a ``dynamic``
+    rope), else a built-in family's rope (:func:`~resin.loading.rope.rope_length_limit`); None
+    for no limit. ``resin.LLM`` serves no further (its ``max_model_len`` check)."""
+    from resin.loading.rope import RopeConfig, rope_length_limit
+
+    limit = getattr(runner, "max_model_len_limit", None)
+    if limit is not None:
+        return int(limit[0]), str(limit[1])
+    rope = getattr(getattr(runner, "config", None), "rope", None)
+    return rope_length_limit(rope) if isinstance(rope, RopeConfig) else None
+
+
+def fit_prompts(
+    prompts: list[list[int]], max_new_tokens: int, limit: tuple[int, str], given: bool
+) -> tuple[list[list[int]], str | None]:
+    """``prompts`` fitted to ``limit`` and a note for the report (None: they fit). Past the
+    limit the reference and the runner compute different things by design (a departure there
+    is no bug), so the default prompts (``given`` False) are cut to fit; prompts the caller
+    gave, or defaults with room for fewer than :data:`MIN_FITTED_PROMPT` tokens, run as they
+    are, and the note says where the comparison leaves what Resin serves."""
+    longest, why = limit
+    room = longest - max_new_tokens
+    if all(len(p) <= room for p in prompts):
+        return prompts, None
+    if not given and room >= MIN_FITTED_PROMPT:
+        note = (
+            f"shortened to {room} tokens (+ {max_new_tokens} generated): the checkpoint's "
+            f"supported length is {longest} ({why})"
+        )
+        return [p[:room] for p in prompts], note
+    worst = max(map(len, prompts))
+    return prompts, (
+        f"{worst} tokens + {max_new_tokens} generated run past the checkpoint's supported "
+        f"length {longest} ({why}); a departure there is transformers' rule, not a runner "
+        "bug, and resin.LLM serves no further"
+    )
 
 
 def _encode_prompts(model_dir: Path, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
@@ -604,6 +655,10 @@ def run_parity(
     vocab_size = hf_vocab_size(hf)
     token_prompts = _encode_prompts(model_dir, prompts) if prompts else default_prompts(vocab_size)
     runner = factory(str(model_dir))  # (after the reference loads: never for an unusable one)
+    limit = length_limit(runner)
+    if limit is not None:
+        token_prompts, note = fit_prompts(token_prompts, max_new_tokens, limit, bool(prompts))
+        report.prompt_notes += [note] if note else []
     attention = hf_attention_for(runner, hf_attention)
     if attention != "eager":
         hf = None  # one HF model held at a time: the cache drops the eager one before loading

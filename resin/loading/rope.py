@@ -278,17 +278,29 @@ def _yarn_inv_freq(
     return blended, float(attention_factor)
 
 
+def rope_length_limit(rope: RopeConfig) -> tuple[int, str] | None:
+    """(longest sequence in tokens, why) where Resin gives transformers' frequencies for
+    ``rope``: ``dynamic`` only inside ``max_position_embeddings`` (module doc); None: no limit."""
+    limit = rope.original_max_position_embeddings
+    if rope.rope_type != "dynamic" or limit is None:
+        return None
+    return limit, (
+        f"rope type 'dynamic' past max_position_embeddings {limit}: transformers recomputes "
+        "the rotary frequencies of every position from the sequence's length at each step, "
+        "which a KV cache cannot follow"
+    )
+
+
 def check_rope_length(rope: RopeConfig, max_model_len: int) -> None:
     """ConfigError when sequences of ``max_model_len`` tokens would take ``rope`` where Resin
-    cannot give transformers' frequencies: ``dynamic`` past ``max_position_embeddings``
-    (module doc)."""
-    limit = rope.original_max_position_embeddings
-    if rope.rope_type == "dynamic" and limit is not None and max_model_len > limit:
+    cannot give transformers' frequencies (:func:`rope_length_limit`)."""
+    limit = rope_length_limit(rope)
+    if limit is not None and max_model_len > limit[0]:
         raise ConfigError(
             f"rope type 'dynamic': max_model_len {max_model_len} is past "
-            f"max_position_embeddings {limit}; past it transformers recomputes the rotary "
+            f"max_position_embeddings {limit[0]}; past it transformers recomputes the rotary "
             "frequencies of every position from the sequence's length at each step, which a "
-            f"KV cache cannot follow. Serve with max_model_len <= {limit}"
+            f"KV cache cannot follow. Serve with max_model_len <= {limit[0]}"
         )
 
 
