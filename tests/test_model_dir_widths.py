@@ -3,8 +3,9 @@ source's in ways transformers allows: a head width other than ``hidden_size /
 num_attention_heads`` (``head_dim`` given), a KV head count other than the source's. Its
 record's shape rules read ``head_dim`` and ``num_key_value_heads`` there (the scaffold's probe
 breaks those coincidences, resin.scaffold.tiny_checkpoint.shape_probe_config); a rule bound to
-``hidden_size`` or ``intermediate_size * num_key_value_heads`` refused such checkpoints at
-load, before any forward (found by building checkpoints with transformers, 2026-12-07).
+``hidden_size``, ``intermediate_size * num_key_value_heads`` or (Qwen3-Next's k / v)
+``shared_expert_intermediate_size`` refused such checkpoints at load, before any forward
+(found by building checkpoints with transformers, 2026-12-07).
 
 Each checkpoint: the directory's tiny config with the change, random weights from
 transformers' own model class (resin.scaffold.tiny_checkpoint.reinit_weights), the tiny's
@@ -33,6 +34,8 @@ CASES = [
     ("glm4", {"head_dim": 32}),
     ("glm4", {"num_key_value_heads": 1}),
     ("granite", {"head_dim": 24, "num_key_value_heads": 1}),
+    # its record bound k / v to shared_expert_intermediate_size (2 x 256 = 512 in the source)
+    ("qwen3_next", {"num_key_value_heads": 1}),
 ]
 
 

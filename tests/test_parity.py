@@ -363,6 +363,22 @@ def test_catches_wrong_moe_routing(moe_dir: Path, field: str, value: Any) -> Non
     assert mismatch is not None and mismatch["module"] == "mlp"
 
 
+def test_fp32_log_probs_may_move_as_far_as_their_logits_do() -> None:
+    """At logits of ~130, a logits difference within the fp32 limit (1.2e-5 scaled: HF's
+    chunked gated-delta rule against the recurrent one, a Qwen3-Next checkpoint) moves the
+    log-probs by ~3e-3, past the fixed 1e-3: the logits' limit judges that part. A logit moved
+    far at small logits still fails (the bf16 test below)."""
+    from resin.evals.parity import Tolerances, compare_logits
+
+    gen = torch.Generator().manual_seed(0)
+    hf = torch.randn(4, 64, generator=gen) * 30
+    hf[:, 7] = 130.0
+    noise = torch.sign(torch.randn(4, 64, generator=gen)) * 1.2e-5 * 130
+    stage = compare_logits(hf, hf + noise, None, None, Tolerances.for_dtype("float32"))
+    assert stage.passed, stage
+    assert stage.metrics["topk_logprob_max_diff"] > 1e-3  # the fixed limit alone would fail
+
+
 def test_low_precision_limits_follow_the_logits_magnitude() -> None:
     """In bf16 a logit of 40 is one spacing (0.25) from its neighbours: a one-spacing
     difference there is within the log-prob limit and makes a top-1 flip a near-tie; a larger
