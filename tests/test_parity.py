@@ -377,6 +377,13 @@ def test_fp32_log_probs_may_move_as_far_as_their_logits_do() -> None:
     stage = compare_logits(hf, hf + noise, None, None, Tolerances.for_dtype("float32"))
     assert stage.passed, stage
     assert stage.metrics["topk_logprob_max_diff"] > 1e-3  # the fixed limit alone would fail
+    # bf16's logits limit is loose (0.05 scaled): no such allowance there. A logit 1.9 off
+    # at 40 (~8 spacings) moves a log-prob by 1.9, past the floor of 1.25, and fails.
+    hf = torch.full((1, 64), -5.0)
+    hf[0, 0], hf[0, 1] = 40.0, 30.0
+    got = hf.clone()
+    got[0, 1] += 1.9
+    assert not compare_logits(hf, got, None, None, Tolerances.for_dtype("bfloat16")).passed
 
 
 def test_low_precision_limits_follow_the_logits_magnitude() -> None:

@@ -55,9 +55,9 @@ CHECKS = ("layers", "greedy")
 @dataclass
 class Tolerances:
     """Pass thresholds. ``hidden``/``logits``: scaled error (see module doc); ``logprobs``: abs
-    diff of top-k log-probs beyond what the position's own logit difference explains (twice
-    it, as far as ``logits`` allows at that position's magnitude: a log-prob is a logit less
-    the log-sum-exp); ``tie_margin``: an HF top-1/top-2 logit
+    diff of top-k log-probs, in float32 beyond what the position's own logit difference
+    explains (twice it, as far as ``logits`` allows at that position's magnitude: a log-prob is
+    a logit less the log-sum-exp); ``tie_margin``: an HF top-1/top-2 logit
     gap below this makes a greedy mismatch a near-tie (reported, not failed; that request is
     compared no further)."""
 
@@ -513,12 +513,14 @@ def compare_logits(
             )
             abs_pos = (got - hf_logits).abs().amax(-1)
             per_pos = abs_pos / max(1.0, ref_max)
-            # A log-prob is a logit less the log-sum-exp: off by up to twice its position's
-            # largest logit difference. As much of that as the logits' limit allows at this
-            # position's own magnitude is the logits' to judge; the rest is the log-probs'
-            # (a wrong normaliser, another row's values, a logit far off at small logits).
+            # float32: a log-prob is a logit less the log-sum-exp, off by up to twice its
+            # position's largest logit difference; as much of that as the logits' limit allows
+            # at this position's own magnitude is the logits' to judge, the rest the log-probs'
+            # (a wrong normaliser, another row's values, a logit far off at small logits). In
+            # bf16 / fp16 the dtype's spacing floor already follows the magnitude, and their
+            # logits limit is loose: no allowance there.
             by_logits = 2 * torch.minimum(abs_pos, tol.logits * magnitude.clamp(min=1.0))
-            lp_limit = spacing.clamp(min=tol.logprobs) + by_logits
+            lp_limit = spacing.clamp(min=tol.logprobs) + by_logits * (tol.resolution == 0)
             bad = (per_pos > tol.logits) | (lp_diff.amax(-1) > lp_limit) | ~agree
             if bool(bad.any()):
                 pos = int(bad.nonzero()[0])
@@ -559,7 +561,7 @@ def compare_logits(
             and "max_abs_diff" in metrics
             and math.isfinite(metrics["max_abs_diff"])
         ):
-            last_diff = float((got[-1] - hf_logits[-1]).abs().max())
+            last_diff = float((got[-1] - hf_logits[-1]).abs().max()) * (tol.resolution == 0)
             explained = 2 * min(last_diff, tol.logits * max(1.0, float(hf_logits[-1].abs().max())))
         expected = int(last.argmax())
         top2 = hf_logits[-1].topk(2).values

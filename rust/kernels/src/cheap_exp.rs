@@ -19,7 +19,9 @@
 //!   own term). A `-inf` logit's term is 0, as the exact path's.
 //!
 //! The exact path's keep rule (`fl(x / T) >= keep_from`) is kept exactly: it is `x >= x*` for
-//! the smallest such logit `x*`, found once a row ([`Terms::new`]).
+//! the smallest such logit `x*`, found once a row ([`Terms::new`]). Where the bound passes
+//! [`MAX_TERM_ERROR`] (scaled values of magnitude ~4,000: a tiny temperature) no bounded
+//! decision is tried.
 
 use crate::softmax::Scaling;
 use crate::vector::Ahead;
@@ -38,6 +40,11 @@ pub const BLOCK_SUM_ERROR: f64 = 10.0 / 16_777_216.0;
 
 /// Absolute slack a term: what the cutoff drops (`e^-87 < 2^-125`) and float32 underflow.
 pub const TERM_SLACK: f64 = 1.0 / (1u128 << 120) as f64;
+
+/// Past this bound on a term's error ([`Terms::error`]; scaled values of magnitude ~4,000,
+/// a tiny temperature) the bounded decisions are not tried: the linear `1.01 Δ` step of the
+/// exponent's error needs `Δ` small, and the cheap exponent can leave its range.
+pub const MAX_TERM_ERROR: f64 = 1e-3;
 
 /// Below this (relative to the row's largest scaled value) a term is counted as `exp(CUTOFF)`.
 const CUTOFF: f32 = -87.0;
@@ -178,13 +185,22 @@ pub fn inverse_bounds(
     ahead: &mut Ahead,
 ) -> Option<(f32, f32)> {
     let terms = Terms::new(scaling, max);
+    let term = terms.error();
+    if term > MAX_TERM_ERROR {
+        return None; // a tiny temperature's huge scaled values: the exact sum decides
+    }
     sums.resize(row.len().div_ceil(BLOCK), 0.0);
     block_sums(row, terms, sums, ahead);
     let estimate: f64 = sums.iter().sum();
     let n = row.len() as f64;
     let blocks = BLOCK_SUM_ERROR + n * 2f64.powi(-52);
-    let term = terms.error();
-    let additions = (row.len() / lanes.max(1)) as f64 + 1.0 + f64::from(lanes.max(1).ilog2());
+    // A row shorter than the lanes is added left to right.
+    let lanes = lanes.max(1);
+    let additions = if row.len() < lanes {
+        row.len().saturating_sub(1) as f64
+    } else {
+        (row.len() / lanes) as f64 + 1.0 + f64::from(lanes.ilog2())
+    };
     let torch = 1.01 * additions * 2f64.powi(-24);
     let slack = n * TERM_SLACK;
     // Then a margin for this float64 arithmetic itself.
@@ -427,6 +443,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A tiny temperature (scaled values ~1.5e8: `x * fl(1/T)` 16 above `fl(x / T)`, the
+    /// cheap term e^16 where the exact one is 1) is left to the exact path, bounds and draw.
+    #[test]
+    fn huge_scaled_values_are_left_to_the_exact_path() {
+        let mut row = vec![0.0f32; 32000];
+        row[0] = 46.18884;
+        let scaling = Scaling { temperature: 3e-7, keep_from: f32::NEG_INFINITY };
+        let max = scaling.apply(row[0]);
+        assert!(Terms::new(scaling, max).error() > MAX_TERM_ERROR);
+        assert_eq!(inverse_bounds(&row, scaling, max, 16, &mut Vec::new(), &mut Ahead::none()), None);
+        let mut scratch = crate::bounded_draw::BoundedScratch::default();
+        let drawn = crate::bounded_draw::draw(&row, scaling, 0.5, &mut scratch, &mut Ahead::none());
+        assert_eq!(drawn, crate::bounded_draw::Outcome::Undecided);
     }
 
     /// The block sums of every path this CPU has: portable, AVX2, AVX-512.
