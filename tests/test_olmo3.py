@@ -104,12 +104,13 @@ def test_rotary_frequencies_are_transformers_own(blocks: Any, source: str) -> No
     by_type = blocks.rope_parameters_by_type(config)
     assert by_type["full_attention"]["rope_type"] == "yarn"
     assert by_type["sliding_attention"]["rope_type"] == "default"
+    tables = blocks.olmo3_rotary_embedding(config, head_dim, torch.device("cpu"))
     for layer_type, params in by_type.items():
         rope = parse_rope_config({"rope_parameters": params}, 5e5, raw["max_position_embeddings"])
-        inv_freq, scaling = blocks.hf_inv_freq(rope, head_dim)
+        table = tables[layer_type].table
         expected = getattr(hf, f"{layer_type}_inv_freq")
-        assert torch.equal(torch.from_numpy(inv_freq), expected), layer_type
-        assert scaling == getattr(hf, f"{layer_type}_attention_scaling")
+        assert torch.equal(table.inv_freq, expected), layer_type
+        assert table.attention_scaling == getattr(hf, f"{layer_type}_attention_scaling")
         shared, _ = rope_inv_freq(rope, head_dim)
         assert not torch.equal(torch.from_numpy(shared.astype(np.float32)), expected)
 

@@ -493,6 +493,7 @@ def compare_logits(
     metrics: dict[str, Any] = {}
     problems: list[tuple[str, dict[str, Any]]] = []
     hf_lp = torch.log_softmax(hf_logits, dim=-1)
+    engine_by_logits = 0.0  # what the runner's own logits explain of the engine's log-probs
     if runner_logits is not None:
         got = as_float_tensor(runner_logits)
         got = got.reshape(hf_logits.shape) if got.numel() == hf_logits.numel() else got
@@ -520,7 +521,9 @@ def compare_logits(
             # bf16 / fp16 the dtype's spacing floor already follows the magnitude, and their
             # logits limit is loose: no allowance there.
             by_logits = 2 * torch.minimum(abs_pos, tol.logits * magnitude.clamp(min=1.0))
-            lp_limit = spacing.clamp(min=tol.logprobs) + by_logits * (tol.resolution == 0)
+            by_logits = by_logits * (tol.resolution == 0)
+            lp_limit = spacing.clamp(min=tol.logprobs) + by_logits
+            engine_by_logits = float(by_logits[-1])  # the engine's log-probs: the last position
             bad = (per_pos > tol.logits) | (lp_diff.amax(-1) > lp_limit) | ~agree
             if bool(bad.any()):
                 pos = int(bad.nonzero()[0])
@@ -554,20 +557,11 @@ def compare_logits(
         last = hf_lp[-1]
         worst = max((abs(lp - float(last[t])) for t, lp in engine_logprobs.items()), default=0.0)
         metrics["engine_topk_logprob_max_diff"] = worst
-        # as above: what the last position's logit difference explains is not the log-probs'
-        explained = 0.0
-        if (
-            runner_logits is not None
-            and "max_abs_diff" in metrics
-            and math.isfinite(metrics["max_abs_diff"])
-        ):
-            last_diff = float((got[-1] - hf_logits[-1]).abs().max()) * (tol.resolution == 0)
-            explained = 2 * min(last_diff, tol.logits * max(1.0, float(hf_logits[-1].abs().max())))
         expected = int(last.argmax())
         top2 = hf_logits[-1].topk(2).values
         magnitude = float(hf_logits[-1].abs().max())
         tie = float(top2[0] - top2[1]) < tol.tie_limit(magnitude)
-        limit = tol.logprob_limit(magnitude) + explained
+        limit = tol.logprob_limit(magnitude) + engine_by_logits
         if (sampled != expected and not tie) or worst > limit or math.isnan(worst):
             problems.append(
                 (

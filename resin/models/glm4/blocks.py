@@ -49,7 +49,6 @@ from typing import Any
 import torch
 
 from resin import kernels
-from resin.loading.rope import RopeConfig, parse_rope_tables
 from resin.models.gemma3.blocks import child_runner
 from resin.models.glm4_moe.blocks import normalise_config  # noqa: F401 - hook: factor 0.5
 from resin.models.phi3.blocks import phi3_mlp
@@ -60,7 +59,7 @@ from resin.runners.torch.blocks import (
     rope_tables_from_config,
 )
 from resin.runners.torch.context import LayerContext
-from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
+from resin.runners.torch.layers import apply_rotary
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -95,29 +94,10 @@ def glm4_rotary_embedding(config: Any, head_dim: int, device: torch.device) -> A
     place: a table with ``interleaved`` is that layout directly (``freqs.repeat_interleave(2)``,
     ``[T, rotary_dim]``).
 
-    ``default`` (every released GLM-4-0414 / GLM-Z1) and ``dynamic`` within
-    ``max_position_embeddings`` (the shared runner caps it there): HF's own fp32 inverse
-    frequencies (``compute_default_rope_parameters`` M:281-300, computed in torch fp32). The
-    shared ones are computed in float64 and cast: at GLM-4-9B's rotary width (64) 10 of the 32
-    differ by one fp32 ulp, which puts 1 bf16 ulp into ~0.9% of the bf16 cos / sin entries
-    over 32K positions (NOTES.md). linear / llama3 / yarn: the shared tables."""
-    tables = rope_tables_from_config(config, head_dim, device, DEFAULT_THETA, INTERLEAVED)
-    for name, rope in rope_configs(config).items():
-        if rope.rope_type in ("default", "dynamic"):
-            dim = int(head_dim * rope.partial_rotary_factor)
-            exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-            inv_freq = 1.0 / float(rope.theta) ** exponent
-            tables[name] = RotaryEmbedding(inv_freq.numpy(), 1.0, device, INTERLEAVED)
-    return tables
-
-
-def rope_configs(config: Any) -> dict[str, RopeConfig]:
-    """The config's rope tables as the shared ones read them (:func:`rope_tables_from_config`:
-    ``rope_parameters`` or the hub's top-level ``rope_theta`` / ``partial_rotary_factor`` +
-    ``rope_scaling``)."""
-    raw = config if isinstance(config, dict) else config.to_dict()
-    raw = {k: v for k, v in raw.items() if v is not None}
-    return parse_rope_tables(raw, DEFAULT_THETA, int(raw.get("max_position_embeddings", 2048)))
+    The shared tables hold HF's own fp32 inverse frequencies (``hf_rope_inv_freq``); the
+    numpy float64 ones would put 1 bf16 ulp into ~0.9% of the bf16 cos / sin entries over 32K
+    positions at GLM-4-9B's rotary width (NOTES.md)."""
+    return rope_tables_from_config(config, head_dim, device, DEFAULT_THETA, INTERLEAVED)
 
 
 # -- attention --------------------------------------------------------------------------------

@@ -46,7 +46,6 @@ from typing import Any
 import torch
 
 from resin import kernels
-from resin.loading.rope import RopeConfig, parse_rope_config
 from resin.runners.torch.blocks import (
     config_activation,  # noqa: F401 - the shared hidden_act check at load reads it from here
     config_value,
@@ -85,14 +84,6 @@ def check_config(config: Any) -> None:
             "attention_bias true is not supported for OLMo 2 (no q/k/v/o bias tensors in the "
             "model record: regenerate resin/models/olmo2 from a config that has them)"
         )
-
-
-def rope_config(config: Any) -> RopeConfig:
-    """The config's rope, read as the shared table reads it (:func:`rope_from_config`: the
-    ``rope_parameters`` and the hub's ``rope_theta`` + ``rope_scaling`` spellings)."""
-    raw = config if isinstance(config, dict) else config.to_dict()
-    raw = {k: v for k, v in raw.items() if v is not None}
-    return parse_rope_config(raw, DEFAULT_THETA, int(raw.get("max_position_embeddings", 2048)))
 
 
 # -- blocks ------------------------------------------------------------------------------------
@@ -182,19 +173,10 @@ class Fp32RotaryTable:
 
 def olmo2_rotary_embedding(config: Any, head_dim: int, device: torch.device) -> Fp32RotaryTable:
     """Olmo2RotaryEmbedding (modeling_olmo2.py:69-111), kept in fp32 (:class:`Fp32RotaryTable`):
-    angles in fp32, duplicated for ``rotate_half``, times the attention scaling. ``default``
-    (every released OLMo 2) and ``dynamic`` within ``max_position_embeddings`` (the shared
-    runner caps it there): HF's own fp32 inverse frequencies
-    (``compute_default_rope_parameters`` :86-103, ``1 / base ** (arange(0, dim, 2) / dim)`` in
-    torch fp32; the shared float64 ones differ by an ulp, which the fp32 tables carry into
-    bf16 q/k); linear / llama3 / yarn: the shared table (:func:`rope_from_config`)."""
-    rope = rope_config(config)
-    table = rope_from_config(config, head_dim, device, default_theta=DEFAULT_THETA)
-    if rope.rope_type in ("default", "dynamic"):
-        base = float(rope.theta)
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        table = RotaryEmbedding((1.0 / base**exponent).numpy(), 1.0, device)
-    return Fp32RotaryTable(table)
+    angles in fp32, duplicated for ``rotate_half``, times the attention scaling; HF's own fp32
+    inverse frequencies (the shared :func:`rope_from_config`, ``hf_rope_inv_freq``: an ulp off
+    them, the fp32 tables would carry it into bf16 q/k)."""
+    return Fp32RotaryTable(rope_from_config(config, head_dim, device, default_theta=DEFAULT_THETA))
 
 
 # HF class -> block function; the shared runner picks each layer's functions from here.

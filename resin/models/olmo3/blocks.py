@@ -49,13 +49,13 @@ keyed relative to it, e.g. ``q_proj.weight``; ``ctx`` is a
 from __future__ import annotations
 
 import copy
-import math
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from resin.loading.rope import RopeConfig, parse_rope_config, rope_inv_freq
+from resin.loading.rope import parse_rope_config
 from resin.models.olmo2.blocks import (
     Fp32RotaryTable,
     olmo2_attention,
@@ -68,6 +68,7 @@ from resin.runners.torch.blocks import (
     swiglu_mlp_block,
 )
 from resin.runners.torch.layers import RotaryEmbedding
+from resin.runners.torch.rope_frequencies import hf_rope_inv_freq
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -146,49 +147,6 @@ def check_config(config: Any) -> None:
 # -- rotary ------------------------------------------------------------------------------------
 
 
-def hf_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Any, float]:
-    """Inverse frequencies and the cos/sin scale as HF computes them, in torch fp32:
-
-    - ``default`` / ``dynamic`` (within ``max_position_embeddings``):
-      Olmo3RotaryEmbedding.compute_default_rope_parameters (modeling_olmo3.py:290-314),
-      ``1 / base ** (arange(0, dim, 2) / dim)``;
-    - ``yarn``: ``_compute_yarn_parameters`` (modeling_rope_utils.py:368-500) op for op — the
-      interpolated (``/ factor``) and extrapolated frequencies blended by a linear ramp over
-      the dims that make ``beta_fast`` .. ``beta_slow`` rotations in the pretraining length,
-      the range always floored / ceiled (HF reads ``truncate`` from the top level of the
-      nested ``rope_parameters``, where OLMo 3 has none: True);
-    - others (``linear``, ``llama3``): the shared float64 frequencies (``rope_inv_freq``), an
-      ulp off HF's fp32 ones; no released OLMo 3 uses them.
-
-    The shared float64 frequencies differ from these by an ulp, which the fp32 tables carry
-    into the bf16 rounding of q/k (olmo2's NOTES.md, run 4b)."""
-    dim = head_dim
-    base = float(rope.theta)
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    pos_freqs = base**exponent
-    if rope.rope_type in ("default", "dynamic"):
-        return (1.0 / pos_freqs).numpy(), 1.0
-    if rope.rope_type != "yarn":
-        return rope_inv_freq(rope, head_dim)
-    factor = float(rope.factor)  # type: ignore[arg-type]
-    _, attention_factor = rope_inv_freq(rope, head_dim)  # yarn_get_mscale / the explicit one
-    orig_len = float(rope.original_max_position_embeddings)  # type: ignore[arg-type]
-
-    def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(orig_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(float(rope.beta_fast or 32))), 0)
-    high: float = min(math.ceil(correction_dim(float(rope.beta_slow or 1))), dim - 1)
-    if low == high:
-        high += 0.001  # as HF: no zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation_factor = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (
-        1.0 / pos_freqs
-    ) * extrapolation_factor
-    return inv_freq.numpy(), attention_factor
-
-
 def olmo3_rotary_embedding(
     config: Any, head_dim: int, device: torch.device
 ) -> dict[str, Fp32RotaryTable]:
@@ -198,12 +156,15 @@ def olmo3_rotary_embedding(
     the whole head_dim, angles duplicated for ``rotate_half``, times the attention scaling, and
     **kept fp32** (``# diff -> returns cos/sin in fp32 without casting``: olmo2's
     :class:`Fp32RotaryTable`; ``apply_rotary_pos_emb`` :100-123 rotates the upcast q/k and
-    casts once, as ``olmo2_attention`` does). Frequencies: :func:`hf_inv_freq`."""
+    casts once, as ``olmo2_attention`` does). Frequencies: ``hf_rope_inv_freq`` (HF's own fp32
+    ones), the YaRN range always floored / ceiled: HF reads ``truncate`` from the top level of
+    the nested ``rope_parameters``, where OLMo 3 has none (True)."""
     max_positions = int(config_value(config, "max_position_embeddings", 2048))
     tables = {}
     for layer_type, params in rope_parameters_by_type(config).items():
         rope = parse_rope_config({"rope_parameters": params}, DEFAULT_THETA, max_positions)
-        inv_freq, attention_scaling = hf_inv_freq(rope, head_dim)
+        rope = dataclasses.replace(rope, truncate=True)
+        inv_freq, attention_scaling = hf_rope_inv_freq(rope, head_dim)
         tables[layer_type] = Fp32RotaryTable(RotaryEmbedding(inv_freq, attention_scaling, device))
     return tables
 
