@@ -37,6 +37,34 @@ def tiny_variant(
     return path
 
 
+def built_checkpoint(
+    tiny: Path, path: Path, config: dict[str, Any], seed: int = 1234, as_given: bool = True
+) -> Path:
+    """New weights for ``config`` (a config.json dict with its ``model_type``) at ``path``:
+    transformers' own model class for it with the scaffold's seeded weight scales
+    (``reinit_weights``), saved by ``save_pretrained`` (its tensor names), the tokenizer and
+    generation config of the tiny checkpoint ``tiny`` beside it. ``as_given``: config.json
+    is ``config`` as written, not the one HF writes back."""
+    import torch
+    import transformers
+
+    from resin.scaffold.tiny_checkpoint import reinit_weights
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        reinit_weights(model, seed)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tiny / name).is_file():
+            shutil.copyfile(tiny / name, path / name)
+    if as_given:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def model_parity(
     model_dir: Path,
     checkpoint: Path | None = None,

@@ -25,7 +25,6 @@ torch runs one thread here (shared 2-core machines).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -40,7 +39,7 @@ from resin.evals.model_ref import import_model_module, resolve_model  # noqa: E4
 from resin.runners.torch.blocks import gqa_attention_block, prenorm_decoder_layer  # noqa: E402
 from resin.runners.torch.layers import routed_experts  # noqa: E402
 from resin.runners.torch.model_definition import default_logits  # noqa: E402
-from tests.model_variants import model_parity, tiny_variant  # noqa: E402
+from tests.model_variants import built_checkpoint, model_parity, tiny_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "granitemoe"
@@ -78,23 +77,9 @@ def tiny_config() -> dict[str, Any]:
 
 
 def written(tmp_path: Path, config: dict[str, Any], seed: int = 1234) -> Path:
-    """New weights for ``config`` (a config.json dict, written as given): HF's model with the
-    scaffold's seeded weight scales, saved by ``save_pretrained`` (which writes the hub's
-    ``input_linear`` / ``output_linear`` / ``router.layer`` names), the tiny's tokenizer."""
-    import transformers
-
-    from resin.scaffold.tiny_checkpoint import reinit_weights
-
-    path = tmp_path / "built"
-    torch.manual_seed(seed)
-    model = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**config))
-    with torch.no_grad():
-        reinit_weights(model, seed)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(TINY / name, path / name)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    """New weights for ``config`` (a config.json dict, written as given), the tiny's tokenizer
+    (:func:`tests.model_variants.built_checkpoint`)."""
+    return built_checkpoint(TINY, tmp_path / "built", config, seed)
 
 
 def no_multipliers(config: dict[str, Any]) -> None:

@@ -15,13 +15,12 @@ tokenizer; parity's layers and logits stages.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.model_variants import model_parity
+from tests.model_variants import built_checkpoint, model_parity
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -40,20 +39,10 @@ CASES = [
 
 
 def checkpoint(name: str, changes: dict[str, Any], out: Path) -> Path:
-    from resin.scaffold.tiny_checkpoint import reinit_weights
-
     tiny = MODELS / name / "tiny"
-    config = {**json.loads((tiny / "config.json").read_text()), **changes}
-    model_type = config.pop("model_type")
-    hf_config = transformers.AutoConfig.for_model(model_type, **config)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    reinit_weights(model, seed=0)
-    model.save_pretrained(out)
-    for file in tiny.iterdir():
-        if file.name.startswith("tokenizer") or file.name == "generation_config.json":
-            shutil.copy(file, out / file.name)
-    return out
+    return built_checkpoint(
+        tiny, out, {**json.loads((tiny / "config.json").read_text()), **changes}
+    )
 
 
 @pytest.mark.parametrize("name,changes", CASES, ids=lambda c: str(c))

@@ -36,6 +36,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from resin.evals.model_ref import import_model_module, resolve_model, run_model_parity  # noqa: E402
+from tests.model_variants import built_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "qwen2_moe"
@@ -67,22 +68,9 @@ def edited(tmp_path: Path, changes: dict[str, Any], drop: tuple[str, ...] = ()) 
 
 
 def written(tmp_path: Path, config: dict[str, Any], seed: int = 1234) -> Path:
-    """New weights for ``config`` (a config.json dict, written as given): HF's model with the
-    scaffold's seeded weight scales, saved by ``save_pretrained``, the tiny's tokenizer."""
-    import transformers
-
-    from resin.scaffold.tiny_checkpoint import reinit_weights
-
-    path = tmp_path / "built"
-    torch.manual_seed(seed)
-    model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**config))
-    with torch.no_grad():
-        reinit_weights(model, seed)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(TINY / name, path / name)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    """New weights for ``config`` (a config.json dict, written as given), the tiny's tokenizer
+    (:func:`tests.model_variants.built_checkpoint`)."""
+    return built_checkpoint(TINY, tmp_path / "built", config, seed)
 
 
 def published_layout(**changes: Any) -> dict[str, Any]:

@@ -24,7 +24,6 @@ torch runs one thread here (shared 2-core machines).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -36,7 +35,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from resin.evals.model_ref import import_model_module  # noqa: E402
-from tests.model_variants import model_parity, tiny_variant  # noqa: E402
+from tests.model_variants import built_checkpoint, model_parity, tiny_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "resin" / "models" / "seed_oss"
@@ -107,20 +106,8 @@ def with_mlp_bias(tmp_path: Path) -> Path:
 def wide_heads(tmp_path: Path) -> Path:
     """The tiny config with ``head_dim`` 32 (hidden 64 / 4 heads = 16): a new HF model with the
     scaffold's seeded weights, saved as HF saves it, the tiny's tokenizer beside it."""
-    import transformers
-
-    from resin.scaffold.tiny_checkpoint import reinit_weights
-
-    config = json.loads((TINY / "config.json").read_text())
-    config["head_dim"] = 32
-    path = tmp_path / "seed_oss_head_dim_32"
-    torch.manual_seed(0)
-    model = transformers.SeedOssForCausalLM(transformers.SeedOssConfig.from_dict(config))
-    reinit_weights(model, seed=1234)
-    model.save_pretrained(path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(TINY / name, path / name)
-    return path
+    config = {**json.loads((TINY / "config.json").read_text()), "head_dim": 32}
+    return built_checkpoint(TINY, tmp_path / "seed_oss_head_dim_32", config, as_given=False)
 
 
 # -- the committed tiny checkpoint -------------------------------------------------------------
