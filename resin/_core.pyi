@@ -749,9 +749,10 @@ def sample_rows(
     NaN or ``+inf`` or only ``-inf``, overflowing scaled logits, an empty kept set). Bad
     shapes, rows or lanes, non-C order and ``tokens`` sharing bytes with an input raise
     ValueError; the GIL is released while it runs, the samples split over ``threads`` (torch's
-    OpenMP team; no token depends on the split). ``bounded=False``: every whole-row draw
-    exact, none first decided from cheap exponentials and an error bound
-    (rust/kernels/src/bounded_draw.rs; the same tokens, for A/B runs)."""
+    OpenMP team; no token depends on the split). ``bounded=False``: every whole-row draw and
+    every top-p cut over the whole row exact, none first decided from cheap exponentials and
+    an error bound (rust/kernels/src/bounded_draw.rs, cheap_exp.rs; the same tokens, for A/B
+    runs)."""
 
 def top_candidates(
     logits: npt.NDArray[np.float32],
