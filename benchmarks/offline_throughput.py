@@ -11,7 +11,9 @@ bfloat16, the checkpoint cast on load):
   CPU paged-attention kernel, and `torch-sdpa`, the same backend with the kernel off,
   `RESIN_TORCH_CPU_KERNEL=0`; `torch-gemm` is the torch backend with the CPU decode linear off,
   every projection torch's GEMM; `torch-argmax` the torch backend with the greedy pick
-  torch's `argmax`, not `_core.argmax`; `reference` is the parity backend);
+  torch's `argmax`, not `_core.argmax`; `torch-async` the torch backend with
+  `async_scheduling` (the next step begun before a step's outputs are returned); `reference`
+  is the parity backend);
 - HF sequential: `model.generate` one request at a time (C requests);
 - HF padded: one `model.generate` call on a left-padded batch of C prompts.
 
@@ -104,6 +106,7 @@ def resin_contender(
     sdpa = backend == "torch-sdpa"
     gemm = backend == "torch-gemm"
     torch_argmax = backend == "torch-argmax"
+    overlapped = backend == "torch-async"
     if sdpa:
         os.environ["RESIN_TORCH_CPU_KERNEL"] = "0"  # read when the backend is built
     try:
@@ -111,8 +114,9 @@ def resin_contender(
             CHECKPOINT,
             max_num_seqs=max(concurrency, 1),
             max_model_len=1024,
-            attention_backend="torch" if sdpa or gemm or torch_argmax else backend,
+            attention_backend="torch" if sdpa or gemm or torch_argmax or overlapped else backend,
             dtype=dtype,
+            async_scheduling=overlapped,
         )
     finally:
         os.environ.pop("RESIN_TORCH_CPU_KERNEL", None)

@@ -236,6 +236,12 @@ class EngineConfig:
     ``BatchPlan.padded_num_sequences`` = the smallest bucket >= S; any other step, or S above
     every bucket, reports S. The plan's arrays stay S rows long: padding rows exist only in the
     runner's static buffers (docs/batch_plan.md, "CUDA-graph padding")."""
+    async_scheduling: bool
+    """``Engine.step()`` overlaps the runner's next step with the caller's output processing:
+    it finishes the step the last call began, commits it, then plans the next one and has the
+    runner begin it (``begin_forward``) before returning. Needs a runner with
+    ``begin_forward(plan)`` and ``finish_forward()``; otherwise ignored (``Engine.async_scheduling``
+    says which). Default False (docs/architecture.md, "Overlapped scheduling")."""
     def __new__(
         cls,
         page_size: int = 16,
@@ -252,6 +258,7 @@ class EngineConfig:
         ngram_prompt_lookup_min: int = 1,
         ngram_prompt_lookup_max: int = 4,
         cuda_graph_batch_sizes: list[int] | None = None,
+        async_scheduling: bool = False,
     ) -> EngineConfig: ...
 
 @final
@@ -571,6 +578,10 @@ class Engine:
         With recurrent cache groups, the plan's requests restart instead (states are advanced
         in place, so the forward may have changed them): back to waiting, to recompute from
         their longest checkpoint."""
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether step() overlaps: EngineConfig.async_scheduling and a runner with
+        begin_forward / finish_forward."""
     def step(self) -> list[RequestOutput]:
         """schedule() + runner.forward(plan) + update(plan, output). An empty plan (nothing to
         run) is committed without calling the runner; it carries no lifecycle notices. If
@@ -579,10 +590,18 @@ class Engine:
         it assigned stay with their requests, and the next step() plans the same work again.
         The error's request_ids are the failed plan's requests; its cause (and __cause__) is
         the original exception. KeyboardInterrupt and other non-Exception errors pass through
-        unwrapped, after the discard."""
+        unwrapped, after the discard.
+
+        Overlapped (``async_scheduling``): runner.finish_forward() for the plan the last call
+        began, update, then (while requests remain) schedule() + runner.begin_forward(next)
+        before returning; the first call begins its own plan. A failed finish is a StepError of
+        that plan, as above; a failed begin of the next plan is raised by the next step() (this
+        call's outputs are returned first). Only step() drives an overlapped engine (a plan is
+        pending between calls); discard_plan() drops the begun plan too."""
     @property
     def num_forward_calls(self) -> int:
-        """How many times step() has called runner.forward (empty plans do not call it)."""
+        """How many plans step() has handed to the runner (forward or begin_forward; empty
+        plans are committed without it)."""
     def has_unfinished(self) -> bool: ...
     @property
     def num_waiting(self) -> int: ...

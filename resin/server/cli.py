@@ -218,6 +218,15 @@ def serve(
             help="No CUDA graphs: every step runs eager (no capture, no padded decode batches).",
         ),
     ] = False,
+    async_scheduling: Annotated[
+        bool,
+        typer.Option(
+            "--async-scheduling",
+            help="Overlap: plan and begin step n + 1 before step n's outputs go to the "
+            "clients, so the device computes while the host streams (torch runners; "
+            "docs/architecture.md, 'Overlapped scheduling').",
+        ),
+    ] = False,
     cuda_graph_batch_sizes: Annotated[
         str | None,
         typer.Option(
@@ -256,6 +265,8 @@ def serve(
         raise typer.BadParameter(str(exc), param_hint="--cuda-graph-batch-sizes") from exc
     if enforce_eager:
         engine_config["enforce_eager"] = True
+    if async_scheduling:
+        engine_config["async_scheduling"] = True
     if graph_sizes is not None:
         engine_config["cuda_graph_batch_sizes"] = graph_sizes
     if tensor_parallel_size > 1:

@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from resin._core import BatchPlan, CacheLayout, ForwardOutput
+from resin._core import BatchPlan, CacheLayout
 from resin.runners.torch.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -308,9 +308,10 @@ class CudaGraphs:
             return "the plan's cache groups are not the bound layout's"
         return None
 
-    def forward(self, plan: BatchPlan) -> ForwardOutput | None:
-        """Run ``plan`` through its graph and sample (the sampler's ``begin_step`` done by the
-        caller); None when it must run eager (counted with the reason)."""
+    def replay(self, plan: BatchPlan) -> torch.Tensor | None:
+        """Run ``plan`` through its graph: the logits of its ``num_sequences`` rows (float32, on
+        the device, the replay not waited for; the caller samples them); None when it must run
+        eager (counted with the reason)."""
         reason = self.eager_reason(plan)
         if reason is None and not self._stage(plan):
             reason = "a row's page list is wider than the static page table"
@@ -327,8 +328,7 @@ class CudaGraphs:
         else:
             logits = self._run_static(b)
         self.num_replayed += 1
-        rows = np.arange(s)
-        return self.runner.sampler.sample(logits[:s], plan, rows)
+        return logits[:s]
 
     def _stage(self, plan: BatchPlan) -> bool:
         """The plan's rows into the static buffers, padding rows after them; False (nothing

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from resin._core import BatchPlan, CacheGroup, CacheLayout, ForwardOutput, LayerCacheSpec
@@ -49,6 +51,20 @@ if TYPE_CHECKING:
     from resin.runners.torch.cuda_graphs import CudaGraphs
 
 Capture = Callable[[str, torch.Tensor], None] | dict[str, torch.Tensor]
+
+
+@dataclass
+class BegunStep:
+    """A plan :meth:`PagedRunner.begin_forward` started: its logits at the sampled tokens and
+    their plan rows; for an eager step its tensors (step, context, rotary tables, the last
+    layer's and the final hidden states) for the drafter and prompt logprobs; ``output`` when
+    the whole forward already ran (a subclass with its own ``forward``)."""
+
+    plan: BatchPlan
+    logits: torch.Tensor | None = None
+    rows: np.ndarray | None = None
+    eager: tuple[StepInputs, LayerContext, dict[int, Any], torch.Tensor, torch.Tensor] | None = None
+    output: ForwardOutput | None = None
 
 
 class PagedRunner:
@@ -86,6 +102,7 @@ class PagedRunner:
         self.group_page_entries: list[int] = []
         self.drafter: MtpDrafter | None = None
         self.cuda_graphs: CudaGraphs | None = None
+        self._begun: BegunStep | None = None  # begin_forward's plan, until finish_forward
 
     # -- CUDA graphs ---------------------------------------------------------------------
 
@@ -252,24 +269,64 @@ class PagedRunner:
 
     # -- forward -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> ForwardOutput:
+        self._begin_forward(plan)
+        return self._finish_forward()
+
+    def begin_forward(self, plan: BatchPlan) -> None:
+        """Starts ``plan``'s model work: the layer stack and the logits at the sampled tokens
+        (a CUDA graph's replay, or eager kernels), with no host synchronisation on a GPU;
+        :meth:`finish_forward` samples. ``Engine.step()`` with ``async_scheduling`` calls the
+        two apart, so the device computes while the caller processes the last step's outputs
+        (docs/architecture.md, "Overlapped scheduling"). A subclass with its own ``forward``
+        runs it whole here."""
+        if type(self).forward is PagedRunner.forward:
+            self._begin_forward(plan)
+        else:
+            self._begun = None
+            self._begun = BegunStep(plan, output=self.forward(plan))
+
+    def finish_forward(self) -> ForwardOutput:
+        """The output of the plan :meth:`begin_forward` started: its tokens sampled (the host
+        waits for the device here), then the drafter's proposals and prompt logprobs."""
+        return self._finish_forward()
+
+    @torch.inference_mode()
+    def _begin_forward(self, plan: BatchPlan) -> None:
         if not self.bound:
             raise RuntimeError(
                 f"{type(self).__name__}.forward before bind_cache: create the "
                 "runner's resin.Engine first (it calls bind_cache)"
             )
+        self._begun = None
         self.sampler.begin_step(plan)
         if self.cuda_graphs is not None:
-            out = self.cuda_graphs.forward(plan)  # None: this plan runs eager
-            if out is not None:
-                return out
+            logits = self.cuda_graphs.replay(plan)  # None: this plan runs eager
+            if logits is not None:
+                self._begun = BegunStep(plan, logits, np.arange(plan.num_sequences))
+                return
         step, top, tables = self._begin(plan)
         last_layer_hidden, hidden = self._run_stack(step, top, tables)
-        out = self._sample(plan, step, hidden, top)
+        logits = self._logits(step, hidden, top)
+        self._begun = BegunStep(
+            plan, logits, step.sample_rows, (step, top, tables, last_layer_hidden, hidden)
+        )
+
+    @torch.inference_mode()
+    def _finish_forward(self) -> ForwardOutput:
+        begun, self._begun = self._begun, None
+        if begun is None:
+            raise RuntimeError(f"{type(self).__name__}.finish_forward without begin_forward")
+        if begun.output is not None:
+            return begun.output
+        assert begun.logits is not None and begun.rows is not None
+        out = self.sampler.sample(begun.logits, begun.plan, begun.rows)
+        if begun.eager is None:  # a graph's replay
+            return out
+        step, top, tables, last_layer_hidden, hidden = begun.eager
         if self.drafter is not None:
             out = self.drafter.run(step, last_layer_hidden, out, tables)
-        asked = prompt_logprobs.asked(plan)
+        asked = prompt_logprobs.asked(begun.plan)
         if asked is not None:
             out = self._prompt_logprobs(asked, hidden, top, out)
         return out
@@ -315,8 +372,11 @@ class PagedRunner:
     def _sample(
         self, plan: Any, step: StepInputs, hidden: torch.Tensor, top: LayerContext
     ) -> ForwardOutput:
-        """Final norm and logits at the sampled tokens (every token's with capture on), then
-        the sampler."""
+        """:meth:`_logits`, then the sampler."""
+        return self.sampler.sample(self._logits(step, hidden, top), plan, step.sample_rows)
+
+    def _logits(self, step: StepInputs, hidden: torch.Tensor, top: LayerContext) -> torch.Tensor:
+        """Final norm and float32 logits at the sampled tokens (every token's with capture on)."""
         model, globals_ = self.model, self.weights.globals
         last = step.last_token_indices
         if self.capture is not None:
@@ -327,7 +387,7 @@ class PagedRunner:
             logits = all_logits[last]
         else:
             logits = model.logits(self._final_norm(hidden[last], top), globals_, top)
-        return self.sampler.sample(logits.float(), plan, step.sample_rows)
+        return logits.float()
 
     def _prompt_logprobs(
         self,

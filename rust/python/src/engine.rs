@@ -3,11 +3,20 @@
 //! Locking rule: the mutex is only taken with the GIL released (`py.detach`) and never
 //! held while Python runs, so a thread stepping the engine and a thread aborting
 //! requests cannot deadlock. `runner.forward` runs with the lock free.
+//!
+//! With `EngineConfig.async_scheduling` and a runner that splits its forward in two
+//! (`begin_forward(plan)`: start the model's work, no host synchronisation;
+//! `finish_forward() -> ForwardOutput`: sample), `step()` overlaps: it finishes the plan the
+//! last call started, commits it, then plans and begins the next one before returning, so
+//! the device runs step n + 1 while the caller turns step n's outputs into text and streams.
+//! The engine's contract is unchanged (one plan pending; n + 1 is planned after n is
+//! committed); what moves is the runner's host synchronisation, from before the caller's
+//! output processing to after it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
@@ -30,6 +39,20 @@ pub struct Engine {
     runner: Py<PyAny>,
     /// Times `step()` called `runner.forward` (empty plans do not call it).
     num_forward_calls: AtomicU64,
+    /// `step()` overlaps (module doc): `async_scheduling` on and the runner splits its forward.
+    overlap: bool,
+    /// Overlapped: the plan the last `step()` began and the next one finishes.
+    in_flight: Mutex<Option<Py<BatchPlan>>>,
+    /// Overlapped: beginning the next plan failed after this step's outputs were committed;
+    /// the next `step()` raises it (those outputs were returned first).
+    deferred_error: Mutex<Option<PyErr>>,
+}
+
+/// What planning the next step gave: an empty plan, committed at once (its outputs), or a
+/// plan the runner has begun.
+enum Next {
+    Committed(Vec<Py<RequestOutput>>),
+    Begun(Py<BatchPlan>),
 }
 
 impl Engine {
@@ -64,6 +87,87 @@ impl Engine {
         let view = copied.as_ref();
         let outputs = self.with_core(py, |e| e.update(step, &view)).map_err(to_py)?;
         Self::wrap_outputs(py, outputs)
+    }
+
+    /// Schedules a plan; an empty one is committed without the runner (`Err`: its outputs).
+    fn schedule_rows<'py>(&self, py: Python<'py>) -> PyResult<Result<Bound<'py, BatchPlan>, Vec<Py<RequestOutput>>>> {
+        let (plan, recycler) = self.with_core(py, |e| e.schedule().map(|p| (p, e.recycler()))).map_err(to_py)?;
+        if plan.num_sequences == 0 {
+            let step = plan.step;
+            let outputs = self
+                .with_core(py, |e| e.update(step, &resin_core::ForwardOutputRef { token_indptr: &[0], ..Default::default() }))
+                .map_err(to_py)?;
+            recycler.put(plan);
+            return Ok(Err(Self::wrap_outputs(py, outputs)?));
+        }
+        self.num_forward_calls.fetch_add(1, Ordering::Relaxed);
+        Ok(Ok(Bound::new(py, BatchPlan::new(plan, recycler))?))
+    }
+
+    /// The `StepError` for `plan`, which failed with `cause`, after discarding it. Only this
+    /// plan: another thread may have replaced it meanwhile.
+    fn fail(&self, py: Python<'_>, plan: &Bound<'_, BatchPlan>, cause: PyErr, in_forward: bool) -> PyErr {
+        let step = plan.get().plan.step;
+        self.with_core(py, |e| {
+            if e.pending_step() == Some(step) {
+                e.discard_plan();
+            }
+        });
+        step_error(py, plan.get().plan.request_ids().collect(), cause, in_forward)
+    }
+
+    /// Commits `runner.forward`'s (or `finish_forward`'s) result for `plan`; on error the plan
+    /// is discarded (nothing was committed, so the next step plans the work again).
+    fn commit(
+        &self,
+        py: Python<'_>,
+        plan: &Bound<'_, BatchPlan>,
+        result: PyResult<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Py<RequestOutput>>> {
+        let result = match result {
+            Ok(out) => self.update_inner(py, plan.get().plan.step, &out).map_err(|e| (e, false)),
+            Err(e) => Err((e, true)),
+        };
+        result.map_err(|(cause, in_forward)| self.fail(py, plan, cause, in_forward))
+    }
+
+    /// Overlapped: plans the next step and has the runner begin it.
+    fn begin_next(&self, py: Python<'_>) -> PyResult<Next> {
+        let plan = match self.schedule_rows(py)? {
+            Ok(plan) => plan,
+            Err(outputs) => return Ok(Next::Committed(outputs)),
+        };
+        match self.runner.bind(py).call_method1(intern!(py, "begin_forward"), (plan.clone(),)) {
+            Ok(_) => Ok(Next::Begun(plan.unbind())),
+            Err(cause) => Err(self.fail(py, &plan, cause, true)),
+        }
+    }
+
+    /// `step()` overlapped (module doc).
+    fn step_overlapped(&self, py: Python<'_>) -> PyResult<Vec<Py<RequestOutput>>> {
+        if let Some(err) = self.deferred_error.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            return Err(err);
+        }
+        let in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let plan = match in_flight {
+            Some(plan) => plan.into_bound(py),
+            None => match self.begin_next(py)? {
+                Next::Committed(outputs) => return Ok(outputs),
+                Next::Begun(plan) => plan.into_bound(py),
+            },
+        };
+        let result = self.runner.bind(py).call_method0(intern!(py, "finish_forward"));
+        let mut outputs = self.commit(py, &plan, result)?;
+        if self.with_core(py, |e| e.has_unfinished()) {
+            match self.begin_next(py) {
+                Ok(Next::Committed(more)) => outputs.extend(more),
+                Ok(Next::Begun(next)) => *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(next),
+                // KeyboardInterrupt and the like at once; a failed plan after these outputs.
+                Err(err) if !err.is_instance_of::<PyException>(py) => return Err(err),
+                Err(err) => *self.deferred_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(err),
+            }
+        }
+        Ok(outputs)
     }
 }
 
@@ -101,12 +205,18 @@ impl Engine {
         if runner.hasattr(intern!(py, "bind_cache"))? {
             runner.call_method1(intern!(py, "bind_cache"), (layout.clone_ref(py),))?;
         }
+        let overlap = config.borrow().async_scheduling
+            && runner.hasattr(intern!(py, "begin_forward"))?
+            && runner.hasattr(intern!(py, "finish_forward"))?;
         Ok(Engine {
             core: Mutex::new(engine),
             config: config.unbind(),
             layout,
             runner: runner.unbind(),
             num_forward_calls: AtomicU64::new(0),
+            overlap,
+            in_flight: Mutex::new(None),
+            deferred_error: Mutex::new(None),
         })
     }
 
@@ -148,37 +258,27 @@ impl Engine {
     }
 
     fn discard_plan(&self, py: Python<'_>) {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).take();
         self.with_core(py, |e| e.discard_plan())
     }
 
     fn step(&self, py: Python<'_>) -> PyResult<Vec<Py<RequestOutput>>> {
-        let (plan, recycler) = self.with_core(py, |e| e.schedule().map(|p| (p, e.recycler()))).map_err(to_py)?;
-        let step = plan.step;
-        if plan.num_sequences == 0 {
-            // Nothing to run: commit the empty step without calling the runner.
-            let outputs = self
-                .with_core(py, |e| e.update(step, &resin_core::ForwardOutputRef { token_indptr: &[0], ..Default::default() }))
-                .map_err(to_py)?;
-            recycler.put(plan);
-            return Self::wrap_outputs(py, outputs);
+        if self.overlap {
+            return self.step_overlapped(py);
         }
-        let plan = Bound::new(py, BatchPlan::new(plan, recycler))?;
-        self.num_forward_calls.fetch_add(1, Ordering::Relaxed);
-        let result = match self.runner.bind(py).call_method1(intern!(py, "forward"), (plan.clone(),)) {
-            Ok(out) => self.update_inner(py, step, &out).map_err(|e| (e, false)),
-            Err(e) => Err((e, true)),
+        let plan = match self.schedule_rows(py)? {
+            Ok(plan) => plan,
+            Err(outputs) => return Ok(outputs),
         };
-        result.map_err(|(cause, in_forward)| {
-            // Forward raised or returned a bad output: nothing was committed, so dropping
-            // the plan leaves the engine as it was and the next step plans the work again.
-            // Only this step's plan: another thread may have replaced it meanwhile.
-            self.with_core(py, |e| {
-                if e.pending_step() == Some(step) {
-                    e.discard_plan();
-                }
-            });
-            step_error(py, plan.get().plan.request_ids().collect(), cause, in_forward)
-        })
+        let result = self.runner.bind(py).call_method1(intern!(py, "forward"), (plan.clone(),));
+        self.commit(py, &plan, result)
+    }
+
+    /// Whether `step()` overlaps (module doc): `EngineConfig.async_scheduling` and a runner
+    /// with `begin_forward` / `finish_forward`.
+    #[getter]
+    fn async_scheduling(&self) -> bool {
+        self.overlap
     }
 
     /// How many times `step()` has called `runner.forward` (a plan with no rows is
@@ -192,6 +292,11 @@ impl Engine {
     /// collector see the references so such a pair is freed.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.runner)?;
+        if let Ok(in_flight) = self.in_flight.try_lock() {
+            if let Some(plan) = in_flight.as_ref() {
+                visit.call(plan)?;
+            }
+        }
         visit.call(&self.config)?;
         visit.call(&self.layout)
     }

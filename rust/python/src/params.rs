@@ -265,6 +265,10 @@ pub struct EngineConfig {
     pub ngram_prompt_lookup_max: i64,
     #[pyo3(get, set)]
     pub cuda_graph_batch_sizes: Vec<i64>,
+    /// `Engine.step()` plans and starts the next step before returning this one's outputs
+    /// (runners with `begin_forward` / `finish_forward`); a binding setting, not the core's.
+    #[pyo3(get, set)]
+    pub async_scheduling: bool,
 }
 
 impl EngineConfig {
@@ -308,7 +312,7 @@ impl EngineConfig {
     #[pyo3(signature = (page_size=16, num_pages=4096, max_num_seqs=256, max_num_batched_tokens=2048,
         max_model_len=4096, enable_prefix_caching=true, eos_token_ids=None, vocab_size=None, policy="fcfs",
         recurrent_checkpoint_interval=256, num_speculative_tokens=0, ngram_prompt_lookup_min=1,
-        ngram_prompt_lookup_max=4, cuda_graph_batch_sizes=None))]
+        ngram_prompt_lookup_max=4, cuda_graph_batch_sizes=None, async_scheduling=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         page_size: i64,
@@ -325,6 +329,7 @@ impl EngineConfig {
         ngram_prompt_lookup_min: i64,
         ngram_prompt_lookup_max: i64,
         cuda_graph_batch_sizes: Option<Vec<i64>>,
+        async_scheduling: bool,
     ) -> PyResult<Self> {
         // The signature's literal (a literal so Python sees the default) is the core's.
         const _: () = assert!(engine_config::DEFAULT_RECURRENT_CHECKPOINT_INTERVAL == 256);
@@ -343,6 +348,7 @@ impl EngineConfig {
             ngram_prompt_lookup_min,
             ngram_prompt_lookup_max,
             cuda_graph_batch_sizes: cuda_graph_batch_sizes.unwrap_or_default(),
+            async_scheduling,
         };
         config.to_core()?;
         Ok(config)
@@ -353,7 +359,7 @@ impl EngineConfig {
             "EngineConfig(page_size={}, num_pages={}, max_num_seqs={}, max_num_batched_tokens={}, max_model_len={}, \
              enable_prefix_caching={}, eos_token_ids={:?}, vocab_size={:?}, policy={:?}, \
              recurrent_checkpoint_interval={}, num_speculative_tokens={}, ngram_prompt_lookup_min={}, \
-             ngram_prompt_lookup_max={}, cuda_graph_batch_sizes={:?})",
+             ngram_prompt_lookup_max={}, cuda_graph_batch_sizes={:?}, async_scheduling={})",
             self.page_size,
             self.num_pages,
             self.max_num_seqs,
@@ -367,7 +373,8 @@ impl EngineConfig {
             self.num_speculative_tokens,
             self.ngram_prompt_lookup_min,
             self.ngram_prompt_lookup_max,
-            self.cuda_graph_batch_sizes
+            self.cuda_graph_batch_sizes,
+            if self.async_scheduling { "True" } else { "False" }
         )
     }
 }
