@@ -3,7 +3,8 @@
 The engine owns every page id; the runner owns every byte. Each step the engine hands
 the runner one immutable :class:`resin.BatchPlan` and gets back a
 :class:`resin.ForwardOutput`. ``cache_spec`` and ``bind_cache`` are optional: a runner
-without them gets one full-attention cache group (see ``docs/runners.md``).
+without them gets one full-attention cache group; ``begin_forward`` / ``finish_forward``
+(:class:`SplitForwardRunner`) let ``Engine.step()`` overlap (see ``docs/runners.md``).
 """
 
 from __future__ import annotations
@@ -33,4 +34,19 @@ class CacheAwareRunner(Runner, Protocol):
 
     def bind_cache(self, layout: CacheLayout) -> None:
         """Allocate cache buffers for ``layout.num_pages`` pages of ``layout.page_size`` tokens."""
+        ...
+
+
+@runtime_checkable
+class SplitForwardRunner(Runner, Protocol):
+    """A runner whose forward comes in two halves, for overlapped scheduling
+    (``EngineConfig.async_scheduling``: ``docs/runners.md``): ``begin_forward(plan)`` then
+    ``finish_forward()`` equals ``forward(plan)``, with no host synchronisation in the first."""
+
+    def begin_forward(self, plan: BatchPlan) -> None:
+        """Start the plan's model work (kernels launched; the host does not wait for them)."""
+        ...
+
+    def finish_forward(self) -> ForwardOutput:
+        """The begun plan's output: sample (the host waits for the device here)."""
         ...

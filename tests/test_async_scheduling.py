@@ -17,6 +17,7 @@ import pytest
 import resin
 from resin import Engine, EngineConfig, ForwardOutput, SamplingParams
 from resin._core import StepError
+from resin.runner import SplitForwardRunner
 
 FIXTURE = Path(__file__).parent / "fixtures" / "llama"
 
@@ -73,6 +74,7 @@ def run_all(e: Engine, limit: int = 200) -> dict[str, list[int]]:
 
 def test_step_begins_the_next_plan_before_returning() -> None:
     runner = RecordingRunner()
+    assert isinstance(runner, SplitForwardRunner)
     e = engine(runner)
     assert e.async_scheduling and e.config.async_scheduling
     e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
