@@ -565,9 +565,11 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> None: ...
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, finish_reason: Literal["abort", "stop"] = "abort") -> bool:
         """Abort a waiting or running request; its pages return to the pool now and the next
-        step reports it with finish_reason "abort". False if the id is unknown or finished."""
+        step reports it with finish_reason "abort". False if the id is unknown or finished.
+        ``finish_reason="stop"``: the same, reported and counted in the metrics as a stop (a
+        caller that found a stop string in the request's text)."""
     def schedule(self) -> BatchPlan:
         """Plan the next step. RuntimeError if a plan is pending (call update or discard_plan)."""
     def update(self, plan: BatchPlan, output: ForwardOutput) -> list[RequestOutput]:

@@ -35,7 +35,7 @@ from typing import Any
 from resin._core import Engine, RequestOutput, SamplingParams, StepError
 
 IDLE_WAIT_S = 0.5  # the engine thread re-checks ``running`` this often when there is no work
-ADD, ABORT = "add", "abort"
+ADD, ABORT, STOP = "add", "abort", "stop"
 # The engine thread wakes the event loop at most this often: with a runner faster than this
 # per step, tokens batch into fewer, larger chunks instead of one cross-thread round per step;
 # with a real model (milliseconds per step) every step's outputs go at once.
@@ -150,10 +150,11 @@ class EngineLoop:
             self._commands.append((ABORT, ids))
             self._wake.set()
 
-    def abort_request(self, request_id: str) -> None:
-        """Abort one engine request (a choice that hit a stop string); the others go on."""
+    def abort_request(self, request_id: str, stopped: bool = False) -> None:
+        """Abort one engine request, the others go on; ``stopped``: a choice that hit a stop
+        string, ended with finish reason "stop" (so counted in the metrics)."""
         if self._queues.pop(request_id, None) is not None:
-            self._commands.append((ABORT, [request_id]))
+            self._commands.append((STOP if stopped else ABORT, [request_id]))
             self._wake.set()
 
     def _dispatch(self) -> None:
@@ -231,9 +232,9 @@ class EngineLoop:
         commands = self._commands
         while commands:
             command = commands.popleft()
-            if command[0] == ABORT:
+            if command[0] in (ABORT, STOP):
                 for request_id in command[1]:
-                    self.engine.abort(request_id)
+                    self.engine.abort(request_id, command[0])
                 continue
             _, queue, prompt_token_ids, params = command
             added: list[str] = []

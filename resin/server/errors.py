@@ -77,7 +77,9 @@ class APIError(Exception):
         return {
             "type": "error",
             "error": {
-                "type": ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"),
+                "type": ANTHROPIC_ERROR_TYPES.get(
+                    self.status, "invalid_request_error" if self.status < 500 else "api_error"
+                ),
                 "message": self.message,
             },
             "request_id": random_id("req_"),

@@ -234,31 +234,43 @@ class Generation:
                 )
 
     def _advance(self, state: _ChoiceState, outputs: list[RequestOutput]) -> ChoiceDelta:
-        """Fold one choice's new outputs (one per engine step, oldest first) into a delta."""
+        """Fold one choice's new outputs (one per engine step, oldest first) into a delta. A
+        stop string ends the choice at the token that completes it: tokens after it (a verify
+        row's accepted drafts, later steps' outputs arriving together, the step already in
+        flight) are dropped from the text, the token ids, the logprobs and the usage."""
         last = outputs[-1]
         if len(outputs) == 1:
             new_ids = last.new_token_ids
         else:
             new_ids = [t for output in outputs for t in output.new_token_ids]
-        state.num_tokens += len(new_ids)
-        self.usage.completion_tokens += len(new_ids)
+        first_index = last.num_output_tokens - len(new_ids)  # the first new token's output index
         if state.index == 0:
             self.usage.cached_tokens = last.num_cached_tokens
         finish_reason = last.finish_reason if last.finished else None
         text_ids = new_ids[:-1] if finish_reason == "stop" and new_ids else new_ids
-        text = state.matcher.feed(state.detokenizer.add_tokens(text_ids)) if text_ids else ""
+        text = ""
+        if len(text_ids) > 1 and state.matcher.stops:  # token by token: where a match ends
+            for i, token in enumerate(text_ids):
+                text += state.matcher.feed(state.detokenizer.add_tokens([token]))
+                if state.matcher.matched is not None:
+                    new_ids = new_ids[: i + 1]
+                    break
+        elif text_ids:
+            text = state.matcher.feed(state.detokenizer.add_tokens(text_ids))
         if state.matcher.matched is None and finish_reason is not None:
             text += state.matcher.feed(state.detokenizer.finish())
             text += state.matcher.flush()
+        state.num_tokens += len(new_ids)
+        self.usage.completion_tokens += len(new_ids)
         stop_string = state.matcher.matched
         if stop_string is not None:
             if finish_reason is None:
-                self.loop.abort_request(state.request_id)
+                self.loop.abort_request(state.request_id, stopped=True)
             finish_reason = "stop"
         state.finished = finish_reason is not None
         logprobs = None
         if self.request.num_top_logprobs is not None:
-            logprobs = self._logprobs(last, new_ids, self.request.num_top_logprobs)
+            logprobs = self._logprobs(last, first_index, new_ids, self.request.num_top_logprobs)
         delta = ChoiceDelta(state.index, text, list(new_ids), logprobs, finish_reason, stop_string)
         if self.request.num_prompt_logprobs is not None and not state.prompt_sent:
             state.prompt_sent = True
@@ -275,10 +287,11 @@ class Generation:
         return result
 
     def _logprobs(
-        self, output: RequestOutput, new_ids: list[int], num_top: int
+        self, output: RequestOutput, first_index: int, new_ids: list[int], num_top: int
     ) -> list[TokenLogprob]:
-        # Only the new tokens' entries: the per-step cost does not grow with the generation.
-        entries = output.logprobs_from(output.num_output_tokens - len(new_ids)) or []
+        # Only the new tokens' entries (from output index ``first_index``): the per-step cost
+        # does not grow with the generation.
+        entries = output.logprobs_from(first_index) or []
         return [self._entry(t, entry, num_top) for t, entry in zip(new_ids, entries)]
 
     def _entry(self, token_id: int, entry: dict[int, float], num_top: int) -> TokenLogprob:

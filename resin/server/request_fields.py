@@ -108,16 +108,32 @@ def get_dict(body: Mapping[str, Any], name: str) -> dict[str, Any] | None:
     return value
 
 
+MAX_STOP_STRING_CHARS = 256
+"""The longest stop string taken. Matching holds back the text's tail while it may still
+become one, and checking that tail costs up to its length squared a token, so a request of
+many-kilobyte stop strings (each a prefix of what the model repeats) stalled every client for
+seconds a step (hostile-client fuzzing; OpenAI itself takes at most four stop strings)."""
+
+
 def get_stop(body: Mapping[str, Any], name: str) -> list[str]:
-    """``stop`` / ``stop_sequences``: a string or a list of strings."""
+    """``stop`` / ``stop_sequences``: a string or a list of strings, each at most
+    :data:`MAX_STOP_STRING_CHARS` characters."""
     value = body.get(name)
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [s for s in value if s]
-    raise _bad(name, "a string or an array of strings", value)
+        value = [value]
+    if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        raise _bad(name, "a string or an array of strings", value)
+    longest = max((len(s) for s in value), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise APIError(
+            400,
+            f"'{name}' strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+            f"got one of {longest}",
+            param=name,
+        )
+    return [s for s in value if s]
 
 
 def get_int_list(body: Mapping[str, Any], name: str) -> list[int]:

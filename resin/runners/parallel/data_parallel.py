@@ -17,7 +17,7 @@ engines' series. Imports torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from resin._core import BatchPlan, CacheLayout, Engine, EngineConfig, ForwardOutput, RequestOutput
 
@@ -73,9 +73,9 @@ class DataParallelEngine:
         self.engines[rank].add_request(request_id, prompt_token_ids, params)
         self.owner[request_id] = rank
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, finish_reason: Literal["abort", "stop"] = "abort") -> bool:
         rank = self.owner.get(request_id)
-        return rank is not None and self.engines[rank].abort(request_id)
+        return rank is not None and self.engines[rank].abort(request_id, finish_reason)
 
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.engines)

@@ -184,16 +184,22 @@ impl Engine {
     /// Aborts a waiting or running request: its pages and slot are freed now and the
     /// next `update` reports it with `FinishReason::Abort`. False if the id is unknown.
     pub fn abort(&mut self, request_id: &str) -> bool {
+        self.finish_early(request_id, FinishReason::Abort)
+    }
+
+    /// Ends a request as `abort` does, reported and counted with `reason`: `Stop` for one
+    /// whose caller found a stop string in its text (the engine sees only tokens).
+    pub fn finish_early(&mut self, request_id: &str, reason: FinishReason) -> bool {
         let Some(&idx) = self.sched.index_of.get(request_id) else { return false };
         let req = self.sched.remove(idx);
-        self.metrics.record_finished(FinishReason::Abort);
+        self.metrics.record_finished(reason);
         let num_output_tokens = req.num_output_tokens() as usize;
         self.abort_outputs.push(RequestOutput {
             record: req.record,
             num_output_tokens,
             num_new_tokens: 0,
             finished: true,
-            finish_reason: Some(FinishReason::Abort),
+            finish_reason: Some(reason),
             num_cached_tokens: req.num_cached_tokens,
             has_logprobs: req.params.logprobs.is_some(),
             has_prompt_logprobs: req.params.prompt_logprobs.is_some(),

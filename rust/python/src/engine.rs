@@ -244,8 +244,16 @@ impl Engine {
         self.with_core(py, |e| e.add_request(request_id, prompt, params)).map_err(to_py)
     }
 
-    fn abort(&self, py: Python<'_>, request_id: &str) -> bool {
-        self.with_core(py, |e| e.abort(request_id))
+    #[pyo3(signature = (request_id, finish_reason="abort"))]
+    fn abort(&self, py: Python<'_>, request_id: &str, finish_reason: &str) -> PyResult<bool> {
+        let reason = match finish_reason {
+            "abort" => resin_core::FinishReason::Abort,
+            "stop" => resin_core::FinishReason::Stop,
+            other => {
+                return Err(PyValueError::new_err(format!("abort: finish_reason must be \"abort\" or \"stop\", got {other:?}")))
+            }
+        };
+        Ok(self.with_core(py, |e| e.finish_early(request_id, reason)))
     }
 
     fn schedule(&self, py: Python<'_>) -> PyResult<Py<BatchPlan>> {
