@@ -23,6 +23,7 @@ It imports only ``tokenizers``, ``json`` and the standard library — never ``tr
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,24 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "top_k": 50,
     "repetition_penalty": 1.0,
 }
+
+
+def _gpt2_byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as in a
+    byte-level BPE vocabulary, inverted (character -> byte)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_table()
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def read_json_file(path: Path) -> dict[str, Any] | None:
@@ -136,6 +155,7 @@ class Tokenizer:
             self.tokenizer_config.get("clean_up_tokenization_spaces", False)
         )
         self._is_bpe = type(backend.model).__name__ == "BPE"
+        self._byte_level = "ByteLevel" in repr(backend.decoder)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -324,6 +344,21 @@ class Tokenizer:
             ):
                 text = text.replace(before, after)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even where they are not UTF-8 on their own (a
+        token holding part of a character, whose text decodes to U+FFFD): a byte-level BPE
+        token's characters mapped back through GPT-2's byte table, a byte-fallback piece
+        ``<0xHH>`` its byte; any other token its text's UTF-8 (OpenAI's logprob ``bytes``)."""
+        text = self.decode_ints([token_id])
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.backend.id_to_token(token_id) or ""
+        if _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        if self._byte_level and piece and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return text.encode()
 
     def incremental_detokenizer(
         self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True

@@ -7,6 +7,7 @@ fuzzing):
 - a choice ended by a stop string counts as a stop in ``/metrics``, not as an abort;
 - a stop string longer than ``MAX_STOP_STRING_CHARS`` is a 400 in each API's format (matching
   many-kilobyte stop strings stalled every client);
+- a chat logprob's ``bytes`` are the token's own where its text is U+FFFD (part of a character);
 - an Anthropic-format 4xx with no type of its own (a 405) is an ``invalid_request_error``, not
   an ``api_error`` (which clients read as the server's fault).
 """
@@ -114,3 +115,23 @@ def test_an_anthropic_4xx_without_its_own_type_is_an_invalid_request() -> None:
         response = httpx.get(f"{server.base_url}/v1/messages")  # POST only: a 405
         assert response.status_code == 405
         assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_logprob_bytes_are_the_tokens_own() -> None:
+    """A token holding part of a character: its ``bytes`` are its own (OpenAI's field, which
+    clients join to rebuild the text), not the UTF-8 of the U+FFFD its text decodes to."""
+    from resin.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(FIXTURE)
+    lead = tokenizer.token_to_id("Ã")  # byte 0xC3 in GPT-2's byte-level alphabet: "é"'s first
+    assert lead is not None and tokenizer.decode([lead]) == "\ufffd"
+    with live() as server:
+        response = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 1, "logprobs": True, "top_logprobs": 3,
+                  "logit_bias": {str(lead): 100}},
+        )  # fmt: skip
+        assert response.status_code == 200, response.text
+        (entry,) = response.json()["choices"][0]["logprobs"]["content"]
+        assert entry["token"] == "\ufffd" and entry["bytes"] == [0xC3]

@@ -166,6 +166,21 @@ def test_encode_decode_match_transformers(checkpoint: Path, add_special_tokens: 
             ), (text, skip)
 
 
+def test_token_bytes_join_back_into_the_text(tmp_path: Path) -> None:
+    """A byte-level BPE's tokens each stand for their own bytes, a character split over several
+    tokens included (its pieces decode to U+FFFD alone): joined, they are the text's UTF-8."""
+    tokenizer = Tokenizer.from_pretrained(
+        write_checkpoint(tmp_path, LLAMA3_CONFIG, kind="byte_level")
+    )
+    num_partial = 0
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        pieces = [tokenizer.token_bytes(i) for i in ids]
+        num_partial += sum(tokenizer.decode([i]) == "\ufffd" for i in ids)
+        assert b"".join(pieces) == tokenizer.decode(ids).encode(), text
+    assert num_partial > 0  # the texts split characters over tokens
+
+
 def test_vocab_and_special_tokens_match_transformers(checkpoint: Path) -> None:
     ours, theirs = Tokenizer.from_pretrained(checkpoint), hf_tokenizer(checkpoint)
     assert ours.vocab_size == len(theirs)

@@ -146,6 +146,7 @@ class Generation:
         self.request_id = request_id
         self.usage = Usage(prompt_tokens=len(request.prompt_token_ids))
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs)
+        self._token_bytes: dict[int, bytes] = {}  # token id -> its bytes, where not its text's
         ids = [request_id if request.n == 1 else f"{request_id}.{i}" for i in range(request.n)]
         base = request.params
         if request.grammar is not None and (base.min_tokens or base.ignore_eos):
@@ -303,6 +304,17 @@ class Generation:
             _finite(entry.get(token_id, MIN_LOGPROB)),
             [(int(t), self.token_text(int(t)), _finite(lp)) for t, lp in top],
         )
+
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        """A token's bytes (chat logprobs' ``bytes``): its text's UTF-8, or, for a token
+        holding part of a character (text U+FFFD), its own bytes
+        (:meth:`resin.tokenizer.Tokenizer.token_bytes`), so a client can join them."""
+        if "\ufffd" not in text:
+            return text.encode()
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = self.tokenizer.token_bytes(token_id)
+        return raw
 
     def token_text(self, token_id: int) -> str:
         """A token's text alone, decoded once per token id a request meets."""

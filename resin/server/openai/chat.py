@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -77,15 +77,26 @@ def check_stream_fields(body: dict[str, Any]) -> None:
 LOGPROBS_SLICE = 32  # tokens' logprob entries built between two yields to the event loop
 
 
-def logprobs_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+TokenBytes = Callable[[int, str], bytes]
+"""(token id, its text) -> the token's bytes (``Generation.token_bytes``: a token holding part
+of a character has its own bytes, not U+FFFD's)."""
+
+
+def _text_bytes(token_id: int, text: str) -> bytes:
+    return text.encode()
+
+
+def logprobs_content(
+    entries: list[TokenLogprob], token_bytes: TokenBytes = _text_bytes
+) -> list[dict[str, Any]]:
     """``logprobs.content`` of a chat choice (a stream's chunk: a few tokens)."""
     return [
         {
             "token": e.token,
             "logprob": e.logprob,
-            "bytes": list(e.token.encode()),
+            "bytes": list(token_bytes(e.token_id, e.token)),
             "top_logprobs": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode())} for _, t, lp in e.top
+                {"token": t, "logprob": lp, "bytes": list(token_bytes(i, t))} for i, t, lp in e.top
             ],
         }
         for e in entries
@@ -94,17 +105,18 @@ def logprobs_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
 
 class LogprobFragments:
     """:func:`logprobs_content` as JSON text (the same bytes ``dumps`` gives: compact, floats by
-    ``repr``), each token text's ``"token":...`` and ``"bytes":[...]`` encoded once."""
+    ``repr``), each token's ``"token":...`` and ``"bytes":[...]`` encoded once."""
 
-    def __init__(self) -> None:
-        self._token: dict[str, tuple[str, str]] = {}
+    def __init__(self, token_bytes: TokenBytes = _text_bytes) -> None:
+        self._token: dict[int, tuple[str, str]] = {}
+        self._token_bytes = token_bytes
 
-    def _encoded(self, text: str) -> tuple[str, str]:
-        pair = self._token.get(text)
+    def _encoded(self, token_id: int, text: str) -> tuple[str, str]:
+        pair = self._token.get(token_id)
         if pair is None:
-            pair = self._token[text] = (
+            pair = self._token[token_id] = (
                 '{"token":' + dumps(text) + ',"logprob":',
-                ',"bytes":' + dumps(list(text.encode())),
+                ',"bytes":' + dumps(list(self._token_bytes(token_id, text))),
             )
         return pair
 
@@ -112,10 +124,10 @@ class LogprobFragments:
         """The entries of ``logprobs_content(entries)``, comma-separated (no brackets)."""
         out = []
         for e in entries:
-            head, tail = self._encoded(e.token)
+            head, tail = self._encoded(e.token_id, e.token)
             top = []
-            for _, text, logprob in e.top:
-                h, t = self._encoded(text)
+            for token_id, text, logprob in e.top:
+                h, t = self._encoded(token_id, text)
                 top.append(f"{h}{logprob!r}{t}}}")
             out.append(f'{head}{e.logprob!r}{tail},"top_logprobs":[{",".join(top)}]}}')
         return ",".join(out)
@@ -300,7 +312,7 @@ async def stream_chat(
                     }
                     if delta.logprobs:
                         entry["logprobs"] = {
-                            "content": logprobs_content(delta.logprobs),
+                            "content": logprobs_content(delta.logprobs, generation.token_bytes),
                             "refusal": None,
                         }
                     if return_ids:
@@ -411,7 +423,7 @@ async def _choice_bodies(
         if choice.stop_string is not None:
             entry["stop_reason"] = choice.stop_string
         if generation.request.num_top_logprobs is not None:
-            parts, fragments = [], LogprobFragments()
+            parts, fragments = [], LogprobFragments(generation.token_bytes)
             for start in range(0, len(choice.logprobs), LOGPROBS_SLICE):
                 parts.append(fragments.content(choice.logprobs[start : start + LOGPROBS_SLICE]))
                 await asyncio.sleep(0)
