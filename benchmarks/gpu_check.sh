@@ -2,7 +2,7 @@
 # The GPU check: Resin on a fresh CUDA machine, from a bundle built elsewhere, in one command.
 #
 #   benchmarks/gpu_check.sh [--bundle DIR] [--out DIR] [--deadline SECONDS] [--python PY]
-#                           [--steps install,checkpoints,unit,parity,graphs,bench8b]
+#                           [--steps install,checkpoints,unit,parity,graphs,bench8b,async]
 #
 # The machine needs a CUDA GPU and a Python 3.11+ with torch (CUDA), triton, transformers and
 # pytest; no network and no Rust toolchain. The bundle (benchmarks/gpu_check_bundle.sh, default
@@ -28,6 +28,9 @@
 #   bench8b      an 8B-shaped Llama with random bf16 weights drawn on the GPU (hidden 4096, 32
 #                layers, 32 / 8 heads, MLP 14336, vocab 128256), resin bench decode:1,64@512:
 #                decode at batch 1 as % of the roofline (HBM-bound), tokens/s at batch 64
+#   async        resin.LLM on the tiny Llama (triton, CUDA graphs), 64 requests, async_scheduling
+#                off and on, interleaved: tokens/s of each and the same tokens from both
+#                (gpu_check/async_scheduling.py; last, so it never crowds out bench8b)
 #
 # Results: OUT (default $OUT, else ./gpu_check_out): steps.tsv, log.txt, every step's log and
 # JSON, summary.json and the last table (benchmarks/gpu_check/summarize.py). Exit 0 when every
@@ -40,7 +43,7 @@ BUNDLE=${GPU_CHECK_BUNDLE:-}
 OUT_DIR=${GPU_CHECK_OUT:-${OUT:-$PWD/gpu_check_out}}
 DEADLINE=${GPU_CHECK_DEADLINE:-480}
 PYTHON=${GPU_CHECK_PYTHON:-python3}
-STEPS=install,checkpoints,unit,parity,graphs,bench8b
+STEPS=install,checkpoints,unit,parity,graphs,bench8b,async
 WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/resin_gpu_check}
 
 while [ $# -gt 0 ]; do
@@ -278,6 +281,18 @@ if want bench8b; then
         run bench:llama-8b 300 90 "$OUT_DIR/bench-llama-8b.log" "$RESIN" bench "$WORK/llama-8b" \
             "${BENCH_COMMON[@]}" --shapes 'decode:1,64@512' --repeats 10 --warmup 3 \
             --out "$OUT_DIR/bench-llama-8b"
+    fi
+fi
+
+# -- overlapped scheduling, off and on -------------------------------------------------------------
+ASYNC_AB="$HERE/gpu_check/async_scheduling.py"
+[ -f "$ASYNC_AB" ] || ASYNC_AB="$BUNDLE/gpu_check/async_scheduling.py"
+if want async && [ -d "$WORK/tiny-llama" ]; then
+    if [ -f "$ASYNC_AB" ]; then
+        run async 150 40 "$OUT_DIR/async.log" "$VPY" "$ASYNC_AB" "$WORK/tiny-llama" \
+            --out "$OUT_DIR/async.json"
+    else
+        record async skipped 0 "no gpu_check/async_scheduling.py in this build"
     fi
 fi
 
