@@ -1009,3 +1009,61 @@ def test_reasoning_found_inside_a_call_waits_for_the_calls_end():
     start, end = kinds.index("ToolCallStart"), kinds.index("ToolCallEnd")
     assert "ReasoningDelta" not in kinds[start:end]
     assert r.calls == [("write", '{"path": "a", "content": "日本"}')]
+
+
+# --- hostile-client fuzzing: tags in strings, surrogates, cut calls ------------------------------
+
+
+def test_the_end_tag_inside_a_string_argument_is_text():
+    """A call writing a file that holds ``</tool_call>``: the tag inside a JSON string is the
+    string's text, streamed (head first) or read whole (arguments before the name)."""
+    args = {"path": "t.py", "content": 'print("</tool_call>")\nx = 1\n'}
+    streamed = json.dumps({"name": "write", "arguments": args})
+    whole = json.dumps({"arguments": args, "name": "write"})
+    for body in (streamed, whole):
+        r = check(f"<tool_call>\n{body}\n</tool_call>\nDone.", "hermes")
+        assert [(n, json.loads(a)) for n, a in r.calls] == [("write", args)]
+        assert r.content == "\nDone."
+
+
+@pytest.mark.parametrize(
+    ("escaped", "value"),
+    [
+        ("x\\ud83d\\ude00y", "x\U0001f600y"),  # a pair: the character
+        ("x\\ud83dy", "x\ufffdy"),  # a high half alone
+        ("\\ude00z", "\ufffdz"),  # a low half alone
+        ("\\ud83d\\ud83d\\ude00", "\ufffd\U0001f600"),
+        ("\\ud83d\\n", "\ufffd\n"),
+    ],
+)
+def test_json_streamer_never_releases_half_a_character(escaped, value):
+    text = '{"a": "' + escaped + '"}'
+    for chunks in ([text], list(text)):
+        released, error = _stream_json(chunks)
+        assert not error and json.loads(released) == {"a": value}
+    # Cut between the halves of a pair: the high half is held, then dropped.
+    cut, _ = _stream_json(['{"a": "x\\ud83d'])
+    assert json.loads(cut) == {"a": "x"}
+
+
+def test_a_whole_call_with_a_lone_surrogate_gets_the_replacement_character():
+    r = check('<tool_call>\n{"arguments": {"c": "\\ud83d x"}, "name": "f"}\n</tool_call>', "hermes")
+    assert [json.loads(a) for _, a in r.calls] == [{"c": "\ufffd x"}]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Sure.<tool_",
+        'Sure.<tool_call>\n{"n',
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": ',
+    ],
+)
+def test_a_call_cut_by_max_tokens_leaves_no_markup(text):
+    """``finish(cut=True)`` (the generation hit max_tokens): what the tool parser still held, a
+    call's start that never became a call, is dropped; at a natural end it is content."""
+    parser = OutputParser("hermes")
+    events = parser.feed(text) + parser.finish(cut=True)
+    assert parser.content_text == "Sure." and parser.tool_calls == []
+    assert all(not isinstance(e, ToolCallStart) for e in events)
+    assert run([text], "hermes").content == text

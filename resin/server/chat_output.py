@@ -144,7 +144,7 @@ class ChatChoice:
     def events(self, delta: ChoiceDelta) -> list[OutputEvent]:
         events = self.parser.feed(delta.text) if delta.text else []
         if delta.finish_reason is not None:
-            finishing = self.parser.finish()
+            finishing = self.parser.finish(cut=delta.finish_reason == "length")
         else:
             finishing = []
         if self.max_tool_calls is not None:  # calls past the allowed number are dropped

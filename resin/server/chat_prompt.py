@@ -32,6 +32,7 @@ from typing import Any
 from resin.chat_template import ChatTemplateError
 from resin.server.context import ServerContext
 from resin.server.errors import APIError
+from resin.server.request_body import check_json_value
 
 SYSTEM_REMINDER = "<system-reminder>\n{}\n</system-reminder>"
 THINK_OPEN = "<think>"
@@ -107,6 +108,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
                 pass  # keep the raw string; templates print strings as they are
+            # A "\\ud83d" escape inside the string decodes to a lone surrogate, which the body's
+            # own check could not see and the tokenizer cannot take: a 400, not a 500.
+            check_json_value(arguments)
         result.append(
             {
                 "id": call.get("id"),

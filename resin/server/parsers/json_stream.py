@@ -34,8 +34,14 @@ class JsonObjectStreamer:
         self._token = ""  # a number, literal or key being read
         self._escape = ""  # a partial escape sequence in a string
         self._in_key = False  # the string being read is a key (held), not a value (released)
+        self._high = ""  # a high-surrogate escape (\\uD800-\\uDBFF) held for its low half
         self.done = False  # the object closed
         self.error = False  # an invalid character was met; nothing more is read
+
+    @property
+    def in_string(self) -> bool:
+        """Whether the text so far ends inside a string (a key or a value)."""
+        return self._state in ("string", "string_escape") and not self.error
 
     def feed(self, text: str) -> tuple[str, int]:
         """``(text to release, characters of text consumed)``.
@@ -60,7 +66,7 @@ class JsonObjectStreamer:
         if self._state == "number" and _NUMBER.fullmatch(self._token):
             tail = self._held + self._token
         elif self._state in ("string", "string_escape") and not self._in_key:
-            tail = '"'
+            tail = '"'  # (a held high surrogate is dropped: alone it is not text)
         tail += "".join("}" if c == "{" else "]" for c in reversed(self._stack))
         self.done = True
         return tail
@@ -154,7 +160,10 @@ class JsonObjectStreamer:
             ):
                 if len(self._escape) < 6:
                     return True
-                piece = self._escape
+                piece = self._surrogate_pair(self._escape)
+                if not piece:  # a high surrogate: wait for its low half
+                    self._escape, self._state = "", "string"
+                    return True
             else:
                 self._escape = ""
                 self.error = True
@@ -164,21 +173,49 @@ class JsonObjectStreamer:
             self._escape, self._state = ch, "string_escape"
             return True
         elif ch == '"':
+            piece = self._unpaired()
             if self._in_key:
+                self._token += piece
                 self._state = "colon"
             else:
-                out.append('"')
+                out.append(piece + '"')
                 self._state = "after_value"
             return True
         elif ch < " ":
             piece = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(ch, f"\\u{ord(ch):04x}")
         else:
             piece = ch
+        if self._high and not piece.startswith("\\u"):
+            piece = self._unpaired() + piece
         if self._in_key:
             self._token += piece
         else:
             out.append(piece)
         return True
+
+    def _surrogate_pair(self, escape: str) -> str:
+        """What a complete ``\\uXXXX`` escape releases: "" for a high surrogate (held until its
+        low half: a call cut between the two must not hand the client half a character, which
+        no tokenizer takes back), the pair for a low surrogate after one, U+FFFD's escape for a
+        surrogate without its other half."""
+        code = int(escape[2:], 16)
+        if 0xD800 <= code <= 0xDBFF:
+            unpaired = self._unpaired()
+            self._high = escape
+            return unpaired  # "" unless a high surrogate was already held
+        if 0xDC00 <= code <= 0xDFFF:
+            if self._high:
+                pair, self._high = self._high + escape, ""
+                return pair
+            return "\\ufffd"
+        return self._unpaired() + escape
+
+    def _unpaired(self) -> str:
+        """U+FFFD's escape for a held high surrogate no low half followed ("" if none)."""
+        if not self._high:
+            return ""
+        self._high = ""
+        return "\\ufffd"
 
     def _release(self, out: list[str], text: str) -> None:
         out.append(self._held + text)

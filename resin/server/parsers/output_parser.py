@@ -96,15 +96,20 @@ class OutputParser:
         pieces = self._reasoning.feed(text) if self._reasoning else [ContentDelta(text)]
         return self._route(pieces, final=False)
 
-    def finish(self) -> list[OutputEvent]:
-        """Events for the end of generation: held-back text flushed, open calls resolved."""
+    def finish(self, cut: bool = False) -> list[OutputEvent]:
+        """Events for the end of generation: held-back text flushed, open calls resolved.
+        ``cut`` (max_tokens ended it): the text the tool parser still held — the start of a
+        call that never became one (a partial marker, a head without its arguments) — is
+        dropped, not content, as vLLM and SGLang do (so a forced call leaves no markup)."""
         if self._finished:
             return []
         self._finished = True
         pieces = self._reasoning.finish() if self._reasoning else []
-        return self._route(pieces, final=True)
+        return self._route(pieces, final=True, cut=cut)
 
-    def _route(self, pieces: list[OutputEvent], final: bool) -> list[OutputEvent]:
+    def _route(
+        self, pieces: list[OutputEvent], final: bool, cut: bool = False
+    ) -> list[OutputEvent]:
         events: list[OutputEvent] = []
         for piece in pieces:
             if isinstance(piece, ContentDelta) and self._tools is not None:
@@ -123,6 +128,8 @@ class OutputParser:
                 self._deferred = []
         if final and self._tools is not None:
             produced = self._tools.finish()
+            if cut:
+                produced = [e for e in produced if not isinstance(e, ContentDelta)]
             self._note_calls(produced)
             events.extend(produced)
         if self._deferred and (final or not self._call_open):

@@ -99,7 +99,19 @@ def call_from_json(
             return None
     if not isinstance(args, dict):
         return None
-    return name.strip(), json.dumps(args, ensure_ascii=False)
+    # A lone "\\ud83d" escape decodes to half a character: U+FFFD instead (a client sending
+    # the call back would otherwise have its turn refused).
+    return name.strip(), _LONE_SURROGATE.sub("\ufffd", json.dumps(args, ensure_ascii=False))
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _ends_in_string(body: str) -> bool:
+    """Whether a JSON object's text so far ends inside one of its strings."""
+    streamer = JsonObjectStreamer()
+    streamer.feed(body.lstrip())
+    return streamer.in_string
 
 
 def parse_json_calls(body: str, schemas: ToolSchemas | None = None) -> list[tuple[str, str]] | None:
@@ -277,21 +289,26 @@ class ToolParser:
 
     def _step_json_stream(self, out: list[OutputEvent], final: bool) -> bool:
         """The arguments object, released as it validates (``JsonObjectStreamer``), up to
-        ``call_end``. Text after the object (the outer ``}``, a code fence) is dropped; text from
-        an invalid character on goes out as content after the call, which ends with the valid
-        part of its arguments."""
-        before, marker, after = split_at_marker(self._buf, (self.call_end,))
-        if marker is None and final:
-            before, after = self._buf, ""
-        self._buf = after
+        ``call_end`` — one met inside a string value is that string's text (a file the call
+        writes may hold the tag). Text after the object (the outer ``}``, a code fence) is
+        dropped; text from an invalid character on goes out as content after the call, which
+        ends with the valid part of its arguments."""
         streamer = self._streamer
-        if before and streamer.error:
-            self._leftover += before
-        elif before and not streamer.done:
-            text, used = streamer.feed(before)
-            self._args(out, text)
-            if streamer.error:
-                self._leftover += before[used:]
+        while True:
+            before, marker, after = split_at_marker(self._buf, (self.call_end,))
+            if marker is None and final:
+                before, after = self._buf, ""
+            self._buf = after
+            if before and streamer.error:
+                self._leftover += before
+            elif before and not streamer.done:
+                text, used = streamer.feed(before)
+                self._args(out, text)
+                if streamer.error:
+                    self._leftover += before[used:]
+            if marker is None or not streamer.in_string:
+                break
+            self._args(out, streamer.feed(marker)[0])
         if marker is None and not final:
             return False
         self._args(out, streamer.close())
@@ -304,6 +321,10 @@ class ToolParser:
         """A JSON call body up to ``</tool_call>`` (hermes, and models of the XML formats that
         fall back to it): decoded whole, or given back as raw content."""
         at = self._find(JSON_BODY_END)
+        while at != -1 and _ends_in_string(self._buf[:at]):  # the tag is a string's text
+            at = self._buf.find(JSON_BODY_END, at + len(JSON_BODY_END))
+            if at == -1:
+                self._scan_from = len(self._buf)
         if at == -1 and not final:
             return False
         body = self._buf if at == -1 else self._buf[:at]

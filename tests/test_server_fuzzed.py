@@ -1,5 +1,5 @@
-"""Stop strings through a live server, and an Anthropic error type (findings of hostile-client
-fuzzing):
+"""What hostile-client fuzzing found, through a live server (the parsers' share is in
+tests/test_server_parsers.py):
 
 - a stop string ends the choice at the token that completes it: tokens that arrived with it
   (a verify row's accepted drafts under n-gram speculative decoding) are not in the token ids,
@@ -8,6 +8,7 @@ fuzzing):
 - a stop string longer than ``MAX_STOP_STRING_CHARS`` is a 400 in each API's format (matching
   many-kilobyte stop strings stalled every client);
 - a chat logprob's ``bytes`` are the token's own where its text is U+FFFD (part of a character);
+- tool-call arguments sent back with a lone surrogate escape are a 400, not a 500;
 - an Anthropic-format 4xx with no type of its own (a 405) is an ``invalid_request_error``, not
   an ``api_error`` (which clients read as the server's fault).
 """
@@ -135,3 +136,21 @@ def test_chat_logprob_bytes_are_the_tokens_own() -> None:
         assert response.status_code == 200, response.text
         (entry,) = response.json()["choices"][0]["logprobs"]["content"]
         assert entry["token"] == "\ufffd" and entry["bytes"] == [0xC3]
+
+
+def test_tool_call_arguments_with_a_lone_surrogate_are_a_400() -> None:
+    """A "\\ud83d" escape inside the arguments string decodes to half a character, which the
+    body's own check cannot see: a 400 naming it, not the tokenizer's 500."""
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "f", "arguments": '{"city": "\\ud83d"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    with live() as server:
+        response = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": 2},
+        )
+        assert response.status_code == 400, response.text
+        assert "surrogate" in response.json()["error"]["message"]
