@@ -1067,3 +1067,17 @@ def test_a_call_cut_by_max_tokens_leaves_no_markup(text):
     assert parser.content_text == "Sure." and parser.tool_calls == []
     assert all(not isinstance(e, ToolCallStart) for e in events)
     assert run([text], "hermes").content == text
+
+
+@pytest.mark.parametrize("tool", ["hermes", "openai"])
+def test_a_call_whose_arguments_turn_invalid_is_not_finished(tool):
+    """``{"recursive": True}`` (Python's literal): the call ends with the valid part of its
+    arguments and is marked ``cut``, so it is never reported as a finished call."""
+    if tool == "hermes":
+        text = '<tool_call>\n{"name": "rm", "arguments": {"path": "/x", "recursive": True}}\n</tool_call>'
+    else:
+        text = '<|start|>assistant to=functions.rm<|channel|>commentary json<|message|>{"path": "/x", "recursive": True}<|call|>'
+    parser = OutputParser(tool)
+    events = parser.feed(text) + parser.finish()
+    (end,) = [e for e in events if isinstance(e, ToolCallEnd)]
+    assert end.cut and json.loads(end.arguments) == {"path": "/x"}

@@ -44,8 +44,10 @@ class ToolCallArgumentsDelta:
 class ToolCallEnd:
     index: int
     arguments: str  # the whole JSON-encoded arguments object
-    # The generation ended inside the call (max tokens, a stop string, EOS) and the parser closed
-    # what it had: not a call the model finished (set by ``ChatChoice``, not by the parsers).
+    # Not a call the model finished: the generation ended inside it (max tokens, a stop string,
+    # EOS; set by ``ChatChoice``) or its arguments turned invalid (set by the parser), and the
+    # parser closed what it had. Such a call is never reported as finished (finish_reason
+    # "tool_calls", stop_reason "tool_use", a "completed" item): a client would run it.
     cut: bool = False
 
 

@@ -290,7 +290,7 @@ class HarmonyParser(ToolParser):
             if not (self._streamer.done or self._streamer.error):
                 return
             self._args(out, self._streamer.close())
-            self._end_call(out)
+            self._end_call(out, cut=self._streamer.error)
             self._call_state = "after"
             text = text[used:]
         self._text(out, text)  # after the object: content (whitespace dropped next to calls)

@@ -258,8 +258,9 @@ class ToolParser:
         self._args_parts.append(text)
         out.append(ToolCallArgumentsDelta(self.num_calls - 1, text))
 
-    def _end_call(self, out: list[OutputEvent]) -> None:
-        out.append(ToolCallEnd(self.num_calls - 1, "".join(self._args_parts)))
+    def _end_call(self, out: list[OutputEvent], cut: bool = False) -> None:
+        """The call ends; ``cut``: with the valid part of arguments that turned invalid."""
+        out.append(ToolCallEnd(self.num_calls - 1, "".join(self._args_parts), cut))
         self._args_parts = []
 
     def _step_json_head(self, out: list[OutputEvent], final: bool) -> bool:
@@ -312,7 +313,7 @@ class ToolParser:
         if marker is None and not final:
             return False
         self._args(out, streamer.close())
-        self._end_call(out)
+        self._end_call(out, cut=streamer.error)  # not the call the model wrote: not finished
         self._content(out, self._leftover)
         self._state = "content"
         return True
