@@ -292,6 +292,17 @@ def test_parity_hub_style_config(make_tiny: Any, tmp_path: Path) -> None:
     assert report.passed, report.summary()
 
 
+def test_parity_with_full_layers_of_the_sliding_head_dim(make_tiny: Any, tmp_path: Path) -> None:
+    """Full layers with the sliding layers' head_dim and no K/V override: save_pretrained
+    writes ``per_layer_config: {}``, which HF reads as no overrides (normalise_config once took
+    it for a missing value and gave the full layers head_dim 512: a crash at the first one)."""
+    changes = {"head_dim": 24, "global_head_dim": 24, "attention_k_eq_v": False}
+    path = make_tiny.write(tmp_path / "same", make_tiny.text_config(**changes), seed=4)
+    assert json.loads((path / "config.json").read_text())["text_config"]["per_layer_config"] == {}
+    report = parity(path, layers_only=True)
+    assert report.passed, report.summary()
+
+
 def test_parity_on_the_text_model_saved_by_gemma4_for_causal_lm(tmp_path: Path) -> None:
     """A text-only checkpoint (``Gemma4ForCausalLM``: config ``gemma4_text``, ``model.*``
     tensors, no placeholder ids); the registry resolves it to this directory by model_type."""

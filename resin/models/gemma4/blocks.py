@@ -108,7 +108,7 @@ def normalise_config(values: dict[str, Any]) -> dict[str, Any]:
       ``num_global_key_value_heads`` instead): each full layer gets ``global_head_dim``
       (default 512) and, with ``attention_k_eq_v``, ``num_global_key_value_heads`` when set.
       A value equal to the config class's own default (what the loader fills in from
-      architecture.json) counts as none;
+      architecture.json) counts as none; an explicit ``{}`` is no overrides, as HF reads it;
     - ``mlp_layer_types``: every layer ``dense``. Gemma 4's ``mlp`` child is always the dense
       Gemma4TextMLP; the MoE is a second branch of the layer (``router`` / ``experts``) that
       ``enable_moe_block`` turns on for all layers (weights.CONFIG_SUBMODULES), so a dense
@@ -120,8 +120,11 @@ def normalise_config(values: dict[str, Any]) -> dict[str, Any]:
     ]
     types[-1] = FULL
     out["layer_types"] = types
-    given = _int_keys(out.get("per_layer_config"))
-    if not given or given == _derived_per_layer_config({}):
+    raw = out.get("per_layer_config")
+    given = _int_keys(raw)
+    # An explicit {} is "no overrides" (what save_pretrained writes when every full layer has
+    # the sliding layers' head_dim and no K/V override), not a missing value.
+    if raw is None or given == _derived_per_layer_config({}):
         given = _derived_per_layer_config(out)
     out["per_layer_config"] = {str(i): dict(v) for i, v in sorted(given.items())}
     out["mlp_layer_types"] = ["dense"] * n
