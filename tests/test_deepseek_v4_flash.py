@@ -117,6 +117,20 @@ def test_every_parity_stage_against_hf_full_forward(dtype: str) -> None:
     assert "argmax_disagreements" in finding and "max_abs_logit_diff" in finding
 
 
+def test_top3_experts_in_bf16_sum_their_slots_as_transformers(tmp_path: Path) -> None:
+    """Three experts a token, bf16: the slots' weighted outputs are summed once in fp32 (what
+    transformers' default ``grouped_mm`` experts dispatch does for a causal LM), so the layers
+    are bit-exact; adding them one by one in bf16 (the eager loop's order, which top-2 cannot
+    tell apart) was an ulp off, and a router near-tie took that to 0.35 (checkpoint fuzzing)."""
+    from tests.model_variants import built_checkpoint, model_parity
+
+    config = {**json.loads((TINY / "config.json").read_text()), "num_experts_per_tok": 3}
+    path = built_checkpoint(TINY, tmp_path / "top3", config)
+    report = model_parity(MODEL_DIR, path, dtype="bfloat16", layers_only=True)
+    assert report.passed, report.summary()
+    assert report.stage("layers").metrics["max_scaled_diff"] == 0
+
+
 def test_csa_and_hca_keep_a_raw_window_and_compressed_entries() -> None:
     """Sliding layers: a window of kv. CSA / HCA: a raw window W >= (1 + overlap) * ratio as the
     main cache plus one compressed entry per ratio tokens (K = V entry; CSA + indexer key)."""

@@ -607,7 +607,7 @@ def deepseek_v4_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext)
     weights = (
         weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * float(cfg.routed_scaling_factor)
     )
-    out = torch.zeros_like(x)
+    slots = x.new_zeros(x.shape[0], experts.shape[1], x.shape[1], dtype=torch.float32)
     for expert in torch.unique(experts).tolist():
         token, slot = torch.where(experts == expert)
         e = f"experts.{expert}."
@@ -617,8 +617,8 @@ def deepseek_v4_sparse_moe_block(x: torch.Tensor, w: Weights, ctx: LayerContext)
             limit,
             act,
         )
-        y = F.linear(h, w[e + "w2.weight"]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+        slots[token, slot] = (F.linear(h, w[e + "w2.weight"]) * weights[token, slot, None]).float()
+    out = slots.sum(dim=1).to(x.dtype)
     s = "shared_experts."
     shared = F.linear(
         clamped_swiglu(
