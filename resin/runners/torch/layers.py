@@ -313,7 +313,9 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
     """Top-k routed SwiGLU experts, as ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``.
 
     Softmax over all experts in fp32, keep the top k, renormalise iff ``norm_topk_prob``
-    (always for Mixtral), weight each chosen expert's output and sum.
+    (always for Mixtral), weight each chosen expert's output and sum the k slots at once
+    (``[T, k, D].sum(dim=1)``): transformers' default ``grouped_mm`` experts dispatch (adding
+    them one by one in the model dtype, the eager loop's order, is an ulp off in bf16).
     """
     router_logits = F.linear(x, moe.router)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
@@ -321,7 +323,7 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
     if moe.norm_topk_prob:
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
     top_weights = top_weights.to(x.dtype)
-    out = torch.zeros_like(x)
+    slots = x.new_zeros(x.shape[0], moe.num_experts_per_tok, x.shape[1])
     for expert in range(len(moe.gate)):
         token_index, slot = torch.where(top_experts == expert)
         if token_index.numel() == 0:
@@ -333,8 +335,8 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
             moe.down[expert],
             activation=moe.activation,
         )
-        out.index_add_(0, token_index, y * top_weights[token_index, slot, None])
-    return out
+        slots[token_index, slot] = y * top_weights[token_index, slot, None]
+    return slots.sum(dim=1)
 
 
 @dataclass
