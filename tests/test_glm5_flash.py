@@ -295,3 +295,15 @@ def test_served_by_resin_serve_with_prefix_hits() -> None:
             details = response.usage.prompt_tokens_details
             cached.append(0 if details is None else details.cached_tokens)
         assert cached[0] == 0 and cached[1] > 0, cached
+
+
+def test_a_selection_that_can_be_empty_is_refused_at_load(blocks: Any) -> None:
+    """``index_kpool_always_select_tail: false`` with key pools: transformers' full forward is
+    then not causal for a query whose pool is incomplete (a uniform softmax over every key), so
+    the directory refuses it with the reason, as it does for nothing released."""
+    config = {**json.loads((TINY / "config.json").read_text())}
+    blocks.check_config(config)
+    config["index_kpool_always_select_tail"] = False
+    with pytest.raises(ValueError, match="index_kpool_always_select_tail false"):
+        blocks.check_config(config)
+    blocks.check_config({**config, "index_kpool": 1})  # no pools: nothing can be empty

@@ -83,6 +83,26 @@ def test_parity_fp32_layers_and_greedy_with_prefix_cache() -> None:
     assert report.stage("greedy/preemption").metrics["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        {"rope_type": "linear", "factor": 2.0},
+    ],
+)
+def test_parity_with_a_scaled_rope(rope: dict[str, Any], tmp_path: Path) -> None:
+    """Rope types other than the default (HF's ROPE_INIT_FUNCTIONS through the shared parser,
+    on the partial head): once refused as "only 'default' ported" (checkpoint fuzzing)."""
+    from tests.model_variants import built_checkpoint, model_parity
+
+    config = json.loads((TINY / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], **rope}
+    path = built_checkpoint(TINY, tmp_path / rope["rope_type"], config)
+    report = model_parity(MODEL_DIR, path, layers_only=True)
+    assert report.passed, report.summary()
+    assert report.stage("layers").metrics["max_scaled_diff"] < 1e-4
+
+
 def test_parity_bf16_every_stage() -> None:
     """bf16 (the dtype it is served in): every stage, default bf16 tolerances (NOTES.md: the
     recurrent-vs-chunked rule difference is 0.048 in HF's own bf16, inside 5e-2)."""

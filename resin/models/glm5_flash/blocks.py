@@ -109,6 +109,22 @@ def normalise_config(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_config(config: Any) -> None:
+    """Refuse ``index_kpool_always_select_tail: false`` with key pools (``index_kpool`` > 1):
+    a query whose pool is not complete yet then selects nothing, and HF's eager mask gives it a
+    uniform softmax over every key of the forward, later tokens included, so its full forward
+    is not causal (it changes as the sequence grows) and no decoding cache computes it; every
+    released GLM-5.3-Flash sets it true (checkpoint fuzzing found the departure)."""
+    pooled = int(config_value(config, "index_kpool", 1) or 1) > 1
+    if pooled and not bool(config_value(config, "index_kpool_always_select_tail", True)):
+        raise ValueError(
+            "index_kpool_always_select_tail false is not supported: a query whose key pool is "
+            "still incomplete selects no key, and transformers then attends uniformly to every "
+            "key of the forward, later tokens included (not causal, so no decoding cache can "
+            "match it); released GLM-5.3-Flash configs set it true"
+        )
+
+
 def head_dim(config: Any) -> int:
     """Query / key width of the indexed attention: ``qk_nope_head_dim + qk_rope_head_dim``."""
     return int(config_value(config, "qk_nope_head_dim", 0)) + int(

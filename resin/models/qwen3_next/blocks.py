@@ -39,10 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from resin.loading.rope import RopeConfig, parse_rope_config
 from resin.runners.torch.blocks import config_activation, config_value
 from resin.runners.torch.context import LayerContext
 from resin.runners.torch.layer_caches import gated_delta_net_dims
 from resin.runners.torch.layers import RotaryEmbedding, apply_rotary
+from resin.runners.torch.rope_frequencies import hf_rope_inv_freq
 
 Weights = dict[str, torch.Tensor]
 STUBS: tuple[str, ...] = ()
@@ -53,21 +55,33 @@ ASSUMED: tuple[str, ...] = ()
 
 
 def qwen3_next_rotary_embedding(config: Any, head_dim: int, device: torch.device) -> Any:
-    """Qwen3NextRotaryEmbedding (modeling_qwen3_next.py:78-123), default rope: ``inv_freq`` over
+    """Qwen3NextRotaryEmbedding (modeling_qwen3_next.py:78-123): ``inv_freq`` over
     ``dim = int(head_dim * partial_rotary_factor)`` computed as HF does (torch fp32), angles
     duplicated for ``rotate_half``. ``partial_rotary_factor`` sits in ``rope_parameters``
-    (the config class moves a top-level one there; default 0.25)."""
+    (the config class moves a top-level one there; default 0.25). Rope types other than the
+    default (linear, yarn, llama3, dynamic up to its pretrained length: HF's
+    ``ROPE_INIT_FUNCTIONS``) through the shared parser and :func:`hf_rope_inv_freq`."""
     params = dict(config_value(config, "rope_parameters", {}) or {})
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise NotImplementedError(f"qwen3_next: rope_type {rope_type!r} (only 'default' ported)")
     base = float(params.get("rope_theta", config_value(config, "rope_theta", 10000.0)))
     factor = float(
         params.get("partial_rotary_factor", config_value(config, "partial_rotary_factor", 0.25))
     )
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        frequencies, scaling = hf_rope_inv_freq(_rope(config), head_dim)
+        return RotaryEmbedding(frequencies, scaling, device)
     dim = int(head_dim * factor)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     return RotaryEmbedding(inv_freq.numpy(), 1.0, device)
+
+
+def _rope(config: Any) -> RopeConfig:
+    """The config's rope through the shared parser, with Qwen3-Next's defaults (theta 10000,
+    ``partial_rotary_factor`` 0.25)."""
+    params = dict(config_value(config, "rope_parameters", {}) or {})
+    params.setdefault("partial_rotary_factor", config_value(config, "partial_rotary_factor", 0.25))
+    params.setdefault("rope_theta", config_value(config, "rope_theta", 10000.0))
+    max_len = int(config_value(config, "max_position_embeddings", 32768))
+    return parse_rope_config({"rope_parameters": params}, 10000.0, max_len, allow_partial=True)
 
 
 # -- norms -----------------------------------------------------------------------------------
