@@ -372,19 +372,12 @@ class DsmlToolParser(DeepSeekToolParser):
         before, marker, after = split_at_marker(self._buf, self.tag_markers)
         if marker is None and final:
             before, after = self._buf, ""
-        streamer = self._streamer
-        if before and streamer.error:
-            self._leftover += before
-        elif before and not streamer.done:
-            text, used = streamer.feed(before)
-            self._args(out, text)
-            if streamer.error:
-                self._leftover += before[used:]
+        self._feed_arguments(out, before)
         if marker is None and not final:
             self._buf = after
             return False
-        self._args(out, streamer.close())
-        self._end_call(out)
+        self._args(out, self._streamer.close())
+        self._end_call(out, cut=self._streamer.error)
         self._content(out, self._leftover)
         self._leftover = ""
         self._raw = ""

@@ -300,13 +300,7 @@ class ToolParser:
             if marker is None and final:
                 before, after = self._buf, ""
             self._buf = after
-            if before and streamer.error:
-                self._leftover += before
-            elif before and not streamer.done:
-                text, used = streamer.feed(before)
-                self._args(out, text)
-                if streamer.error:
-                    self._leftover += before[used:]
+            self._feed_arguments(out, before)
             if marker is None or not streamer.in_string:
                 break
             self._args(out, streamer.feed(marker)[0])
@@ -317,6 +311,18 @@ class ToolParser:
         self._content(out, self._leftover)
         self._state = "content"
         return True
+
+    def _feed_arguments(self, out: list[OutputEvent], text: str) -> None:
+        """``text`` into the streamed arguments object: what validates is released, what
+        follows an invalid character is kept (``_leftover``) to go out as content."""
+        streamer = self._streamer
+        if text and streamer.error:
+            self._leftover += text
+        elif text and not streamer.done:
+            released, used = streamer.feed(text)
+            self._args(out, released)
+            if streamer.error:
+                self._leftover += text[used:]
 
     def _step_json_body(self, out: list[OutputEvent], final: bool) -> bool:
         """A JSON call body up to ``</tool_call>`` (hermes, and models of the XML formats that
