@@ -37,7 +37,8 @@ pub struct Engine {
     layout: Py<CacheLayout>,
     #[pyo3(get)]
     runner: Py<PyAny>,
-    /// Times `step()` called `runner.forward` (empty plans do not call it).
+    /// Plans `step()` handed to the runner (`forward` or `begin_forward`; empty plans are
+    /// committed without it).
     num_forward_calls: AtomicU64,
     /// `step()` overlaps (module doc): `async_scheduling` on and the runner splits its forward.
     overlap: bool,
@@ -289,8 +290,9 @@ impl Engine {
         self.overlap
     }
 
-    /// How many times `step()` has called `runner.forward` (a plan with no rows is
-    /// committed without it), so a caller can tell an idle step from one that ran.
+    /// How many plans `step()` has handed to the runner (`forward`, or `begin_forward` when
+    /// overlapped; a plan with no rows is committed without it), so a caller can tell an idle
+    /// step from one that ran.
     #[getter]
     fn num_forward_calls(&self) -> u64 {
         self.num_forward_calls.load(Ordering::Relaxed)
