@@ -432,3 +432,27 @@ def test_config_scalars_the_forward_multiplies_inline_are_warned() -> None:
         "config.residual_multiplier",
     ]
     assert any(w.startswith("config.logits_scaling = 16.0") for w in warnings)
+
+
+def test_stacks_named_other_than_llamas_are_found() -> None:
+    """GPT-NeoX keeps its stack at ``gpt_neox`` with ``embed_in`` / ``final_layer_norm``; Phi
+    names its final norm ``final_layernorm``: the scaffold finds both as the Llama names (once
+    GPT-NeoX was refused outright and Phi's norm left unplaced), and the parity harness hooks
+    the final norm under ``norm``."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from resin.evals.parity import hf_activations
+    from resin.scaffold.inspect import inspect_architecture, unplaced_warnings
+
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=384)
+    neox = inspect_architecture(transformers.GPTNeoXConfig(**small, num_hidden_layers=2))
+    assert neox.stack_path == "gpt_neox" and neox.wrapper_config is None
+    assert neox.checkpoint_prefix == "gpt_neox."
+    assert neox.embed is not None and neox.norm is not None
+    phi_config = transformers.PhiConfig(**small, num_hidden_layers=2)
+    phi = inspect_architecture(phi_config)
+    assert phi.norm is not None
+    assert not any("final_layernorm" in w for w in unplaced_warnings(phi))
+    torch.manual_seed(0)
+    model = transformers.PhiForCausalLM(phi_config).eval()
+    assert "norm" in hf_activations(model, [1, 2, 3])

@@ -354,6 +354,10 @@ def hf_num_layers(model: Any) -> int:
     return len(decoder_stack(model)[0].layers)
 
 
+# Names decoder stacks give their final norm (Llama: norm; Phi: final_layernorm; GPT-NeoX).
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+
+
 def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
     """One HF forward with hooks: checkpoint name -> float32 tensor [T, ...] (batch dim dropped),
     in execution order: ``embed_tokens``, per layer every direct child module as it runs
@@ -383,14 +387,20 @@ def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
 
         return fn
 
+    from resin.scaffold.hf_model import stack_part
+
     inner, _ = decoder_stack(model)
-    handles.append(inner.embed_tokens.register_forward_hook(hook("embed_tokens")))
+    handles.append(stack_part(inner, "embed_tokens").register_forward_hook(hook("embed_tokens")))
     for i, layer in enumerate(inner.layers):
         for child, module in layer.named_children():
             name = CHILD_ALIASES.get(child, child)
             handles.append(module.register_forward_hook(hook(f"layers.{i}.{name}")))
         handles.append(layer.register_forward_hook(hook(f"layers.{i}")))
-    handles.append(inner.norm.register_forward_hook(hook("norm")))
+    final = next(
+        (getattr(inner, n) for n in FINAL_NORM_NAMES if getattr(inner, n, None) is not None), None
+    )
+    if final is not None:
+        handles.append(final.register_forward_hook(hook("norm")))
     try:
         with torch.no_grad():
             logits = model(torch.tensor([prompt])).logits[0]

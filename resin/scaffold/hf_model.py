@@ -33,7 +33,24 @@ from pathlib import Path
 from typing import Any
 
 # Where a decoder stack sits in the classes transformers builds, tried in order.
-STACK_PATHS = ("model", "model.language_model", "language_model", "model.text_model")
+STACK_PATHS = ("model", "model.language_model", "language_model", "model.text_model", "gpt_neox")
+# Stack paths of plain causal LMs (the rest are multimodal wrappers' text models).
+CAUSAL_STACKS = ("model", "gpt_neox")
+# Other names decoder stacks give their embedding and final norm (GPT-NeoX: embed_in,
+# final_layer_norm; Phi: final_layernorm) -> the Llama name the runner and the record use.
+STACK_ALIASES = {"embed_in": "embed_tokens", "final_layer_norm": "norm", "final_layernorm": "norm"}
+
+
+def stack_part(inner: Any, name: str) -> Any:
+    """The decoder stack's ``embed_tokens`` / ``norm`` under its Llama name or an alias
+    (:data:`STACK_ALIASES`); None when it has neither."""
+    found = getattr(inner, name, None)
+    if found is not None:
+        return found
+    for alias, target in STACK_ALIASES.items():
+        if target == name and getattr(inner, alias, None) is not None:
+            return getattr(inner, alias)
+    return None
 
 
 def _auto_classes() -> list[Any]:
@@ -169,7 +186,11 @@ def decoder_stack(model: Any) -> tuple[Any, str]:
             module = getattr(module, part, None)
             if module is None:
                 break
-        if module is not None and hasattr(module, "layers") and hasattr(module, "embed_tokens"):
+        if (
+            module is not None
+            and hasattr(module, "layers")
+            and stack_part(module, "embed_tokens") is not None
+        ):
             return module, path
     raise ValueError(
         f"{type(model).__name__}: no decoder stack (a module with embed_tokens and layers) at "

@@ -183,7 +183,9 @@ class Architecture:
         if self.checkpoint_prefix != "model." and checkpoint_name.startswith(
             self.checkpoint_prefix
         ):
-            return "model." + checkpoint_name[len(self.checkpoint_prefix) :]
+            rest = checkpoint_name[len(self.checkpoint_prefix) :]
+            head, dot, tail = rest.partition(".")
+            return "model." + hf_model.STACK_ALIASES.get(head, head) + dot + tail
         return checkpoint_name
 
     @property
@@ -256,7 +258,8 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
             "model.model.language_model (the scaffold and the parity harness hook those): "
             f"{exc}"
         ) from exc
-    config = hf_model.text_config(outer) if stack_path != "model" else outer
+    wrapper = stack_path not in hf_model.CAUSAL_STACKS
+    config = hf_model.text_config(outer) if wrapper else outer
     towers = _towers(model, stack_path)
     view = _RunnerView(stack_path, [path for path, _ in towers])
     io_shapes: dict[str, Any] = {}
@@ -304,8 +307,8 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
         model_type=outer.model_type,
         config=config,
         layers=layers,
-        embed=_block("model.embed_tokens", inner.embed_tokens, io_shapes),
-        norm=_optional_block("model.norm", getattr(inner, "norm", None), io_shapes),
+        embed=_block("model.embed_tokens", hf_model.stack_part(inner, "embed_tokens"), io_shapes),
+        norm=_optional_block("model.norm", hf_model.stack_part(inner, "norm"), io_shapes),
         rotary=_optional_block("model.rotary_emb", getattr(inner, "rotary_emb", None), io_shapes),
         lm_head=_optional_block("lm_head", getattr(model, "lm_head", None), io_shapes),
         param_shapes=param_shapes,
@@ -316,16 +319,25 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
         rope=dict(getattr(config, "rope_parameters", None) or {}),
         meta_forward_error=forward_error,
         extra_modules=extra,
-        wrapper_config=outer if stack_path != "model" else None,
+        wrapper_config=outer if wrapper else None,
         stack_path=stack_path,
         checkpoint_prefix=(
             embed_names[0][: -len("embed_tokens.weight")]
             if len(embed_names) == 1 and embed_names[0].endswith("embed_tokens.weight")
-            else "model."
+            else _layer_prefix(checkpoint_names)
         ),
         ignored_parts=_ignored_parts(model, towers),
         tied=tied,
     )
+
+
+def _layer_prefix(checkpoint_names: dict[str, list[str]]) -> str:
+    """The checkpoint prefix of the stack's layers (``gpt_neox.`` for ``gpt_neox.layers.0.*``);
+    ``model.`` when no layer tensor says otherwise."""
+    for in_memory, names in checkpoint_names.items():
+        if in_memory.startswith("model.layers.0.") and len(names) == 1 and "layers.0." in names[0]:
+            return names[0][: names[0].index("layers.0.")]
+    return "model."
 
 
 class _RunnerView:
@@ -352,8 +364,10 @@ class _RunnerView:
     def name(self, name: str) -> str:
         if name == self.stack:
             return "model"
-        if self.stack != "model" and name.startswith(self.stack + "."):
-            return "model." + name[len(self.stack) + 1 :]
+        if name.startswith(self.stack + "."):
+            rest = name[len(self.stack) + 1 :]
+            head, dot, tail = rest.partition(".")
+            return "model." + hf_model.STACK_ALIASES.get(head, head) + dot + tail
         return name
 
 
@@ -394,7 +408,7 @@ def _ignored_parts(model: Any, towers: list[tuple[str, Any]]) -> list[tuple[str,
 
 def _is_tied(model: Any, inner: Any) -> bool:
     head = getattr(model, "lm_head", None)
-    embed = getattr(inner, "embed_tokens", None)
+    embed = hf_model.stack_part(inner, "embed_tokens")
     return head is not None and embed is not None and head.weight is embed.weight
 
 
@@ -546,7 +560,9 @@ def _extra_modules(
             info.params, info.buffers, info.submodules = own, own_buffers, []
             out.append(info)
         for name, child in owner.named_children():
-            if name not in placed:
+            if name not in placed and not (
+                owner is inner and hf_model.STACK_ALIASES.get(name) in PLACED_INNER
+            ):
                 out.append(_block(prefix + name, child, io_shapes))
     return out
 
