@@ -336,3 +336,26 @@ def test_the_torch_runners_frequencies_are_transformers_bits(
     assert rope.rope_type == rope_type and ours.dtype == np.float32
     assert torch.equal(torch.from_numpy(ours), theirs), ours - theirs.numpy()
     assert our_scale == their_scale
+
+
+def test_rope_from_config_partial_gives_phis_tables() -> None:
+    """``partial=True`` for a rotary that reads ``partial_rotary_factor`` (Phi's): HF's cos,
+    bit for bit, over ``head_dim * factor`` channels; without it, the whole head (what the
+    Llama-style modeling files rotate)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.phi.modeling_phi import PhiRotaryEmbedding
+
+    from resin.runners.torch.blocks import rope_from_config
+
+    config = transformers.PhiConfig(
+        hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.4
+    )
+    positions = torch.arange(9)
+    hf_cos, hf_sin = PhiRotaryEmbedding(config)(torch.zeros(1, 9, 64), positions[None])
+    cos, sin = rope_from_config(config, 16, torch.device("cpu"), partial=True).cos_sin(
+        positions, torch.float32
+    )
+    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+    whole, _ = rope_from_config(config, 16, torch.device("cpu")).cos_sin(positions, torch.float32)
+    assert whole.shape == (9, 16)

@@ -491,3 +491,16 @@ def test_ignored_prefixes_take_a_layer_placeholder() -> None:
     assert not ignored("model.layers.x.embed_tokens.weight")
     assert not ignored("model.embed_tokens.weight")
     assert not _prefix_matcher(())("anything")
+
+
+def test_default_logits_add_the_heads_bias() -> None:
+    """A checkpoint whose ``lm_head`` has a bias (Phi-2's): the default logits add it; it was
+    loaded and silently dropped (found bringing Phi up by the skill)."""
+    torch = pytest.importorskip("torch")
+    from resin.runners.torch.model_definition import default_logits
+
+    hidden, weight, bias = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    out = default_logits(hidden, {"lm_head.weight": weight, "lm_head.bias": bias}, None)
+    torch.testing.assert_close(out, hidden @ weight.T + bias)
+    tied = default_logits(hidden, {"embed_tokens.weight": weight}, None)
+    torch.testing.assert_close(tied, hidden @ weight.T)

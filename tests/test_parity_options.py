@@ -252,3 +252,27 @@ def test_given_prompts_past_the_supported_length_run_with_a_note(tmp_path: Path)
     assert "40 tokens + 8 generated run past the checkpoint's supported length 32" in note
     assert "rope type 'dynamic'" in note and "not a runner bug" in note
     assert f"[note] prompts: {note}" in report.summary()
+
+
+def test_a_crash_names_the_original_error_and_the_model_code_that_raised_it() -> None:
+    """A stage that crashes says what a model's author needs: the runner's own exception (not
+    the engine's StepError wrapping it) with its type, and the line of the model directory's
+    code it came from."""
+    from resin.evals.parity_engine import crash_detail
+
+    code = compile(
+        "def final_norm(w):\n    return w['norm.weight']\n", "/m/models/x/blocks.py", "exec"
+    )
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        try:
+            scope["final_norm"]({})
+        except KeyError as cause:
+            error = RuntimeError("'norm.weight'")
+            error.cause = cause  # type: ignore[attr-defined]
+            raise error from cause
+    except RuntimeError as exc:
+        detail = crash_detail(exc)
+    assert detail.startswith("KeyError: 'norm.weight' at /m/models/x/blocks.py:2 in final_norm")
+    assert detail.endswith("(in RuntimeError)")

@@ -456,3 +456,24 @@ def test_stacks_named_other_than_llamas_are_found() -> None:
     torch.manual_seed(0)
     model = transformers.PhiForCausalLM(phi_config).eval()
     assert "norm" in hf_activations(model, [1, 2, 3])
+
+
+def test_dropout_is_no_stub_and_no_warning(tmp_path: Path) -> None:
+    """``nn.Dropout`` computes nothing at inference: a layer's dropout child is generated as
+    ``return x`` and a model-level one is not reported as math to place (Phi has both)."""
+    transformers = pytest.importorskip("transformers")
+    from typer.testing import CliRunner
+
+    from resin.cli import app
+
+    raw = transformers.PhiConfig(**SMALL, num_hidden_layers=2).to_dict()
+    raw["architectures"] = ["PhiForCausalLM"]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["new-model", str(tmp_path / "src"), "--name", "p", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "Dropout" not in result.output  # neither a stub nor an unplaced-module warning
+    assert "return x  # Dropout: nothing at inference" in (out / "blocks.py").read_text()

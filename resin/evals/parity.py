@@ -38,6 +38,7 @@ from resin.evals.parity_engine import (
     UNRESOLVED_SPACINGS,
     GreedyReference,
     cached_vs_full_forward,
+    crash_detail,
     exception_text,
     greedy_stages_or_reference_failure,
     reference_failed_stages,
@@ -720,7 +721,8 @@ def run_parity(
                 )
             )
         except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported like one
-            report.stages.append(StageResult("layers", False, f"prefill crashed: {exc!r}"))
+            detail = crash_detail(exc)
+            report.stages.append(StageResult("layers", False, f"prefill crashed: {detail}"))
     if "greedy" in checks:
         key = (id(hf), tuple(map(tuple, token_prompts)), max_new_tokens, greedy_reference)
 

@@ -32,6 +32,7 @@ exercised).
 from __future__ import annotations
 
 import re
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -328,7 +329,7 @@ def _stage(
         )
         engine.check_integrity()
     except Exception as exc:  # noqa: BLE001 - a crash is a finding
-        return StageResult(name, False, f"crashed: {exc!r}")
+        return StageResult(name, False, f"crashed: {crash_detail(exc)}")
     if first is not None:
         return StageResult(
             name,
@@ -359,6 +360,22 @@ GREEDY_STAGES = tuple(f"greedy/page_size={ps}" for ps in PAGE_SIZES) + (
     "greedy/prefix_cache",
     "greedy/preemption",
 )
+
+
+def crash_detail(exc: BaseException) -> str:
+    """A crash as the model's author needs it: the original exception (a ``StepError``'s
+    cause: the runner's ``KeyError`` rather than the engine's wrapper) with its type, and where
+    it was raised, the innermost frame in a model directory's code (``blocks.py``) when there is
+    one, else the innermost of all."""
+    cause = getattr(exc, "cause", None) or exc
+    frames = traceback.extract_tb(cause.__traceback__)
+    ours = [f for f in frames if "/models/" in f.filename.replace("\\", "/")]
+    where = (ours or frames)[-1:] if frames else []
+    at = f" at {where[0].filename}:{where[0].lineno} in {where[0].name}" if where else ""
+    wrapped = f" (in {type(exc).__name__})" if cause is not exc else ""
+    return f"{type(cause).__name__}: {cause}{at}{wrapped}"
+
+
 REFERENCE_CRASHED = "reference crashed"
 
 

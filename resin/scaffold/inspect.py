@@ -421,12 +421,18 @@ LOGIT_HOOK_KEYS = re.compile(r"softcap|logit_scale|logits_scaling|output_multipl
 SCALAR_HOOK_KEYS = re.compile(r"multiplier|^scale_emb$|^scale_depth$")
 
 
+# torch modules that compute nothing in eval mode: never worth a hook.
+INFERENCE_NO_OPS = ("Dropout", "Identity")
+
+
 def unplaced_warnings(arch: Architecture) -> list[str]:
     """One loud line per module in ``arch.extra_modules`` (the scaffold does not run it), per
     non-plain embedding (a scale or extra inputs live in it), and per config key that
     transforms logits (soft-capping, scaling)."""
     out = []
     for info in arch.extra_modules:
+        if info.cls_name in INFERENCE_NO_OPS:
+            continue  # dropout: nothing to place at inference
         what = f"module {info.path or '<root>'} ({info.cls_name}, {info.short_where})"
         if info.path in ("model", ""):
             names = ", ".join(sorted({**info.params, **info.buffers})) or "none"

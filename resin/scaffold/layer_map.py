@@ -86,6 +86,9 @@ RECURRENT_TYPES = (
 # op (checked by parity against the fixtures); a look-alike from another family is NOT listed,
 # so its differences (sinks, clamps, offsets) cannot slip through unnoticed.
 KNOWN_BLOCKS: dict[str, str] = {
+    # torch's own: a no-op at inference (dropout is off in eval mode)
+    "Dropout": "identity",
+    "Identity": "identity",
     **{
         f"{p}RMSNorm": "rms_norm"
         for p in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Mixtral")

@@ -81,6 +81,7 @@ class Block:
     kind_doc: str = ""
     assumed: bool = False
     rotary_key: str = ""
+    partial_rotary: bool = False  # the rotary reads partial_rotary_factor (rope_from_config)
     expert_names: tuple[str, ...] = ()
     renormalise: str = "False"
     notes: list[str] = field(default_factory=list)
@@ -342,6 +343,10 @@ def _rotary_block(arch: Architecture, info: BlockInfo | None) -> Block:
         return _as_stub(block, f"rope parameters Resin does not implement: {problem}")
     block.kind = "rotary"
     block.kind_doc = f"RoPE {arch.rope.get('rope_type', 'default')} (resin RotaryEmbedding)"
+    # HF's rotary reads partial_rotary_factor when its cos is narrower than the head (its
+    # meta-forward output; the factor itself when the probe did not reach it).
+    width = info.output[-1] if info.output else rotary_dim
+    block.partial_rotary = rotary_dim < arch.head_dim and width < arch.head_dim
     return block
 
 
@@ -369,6 +374,8 @@ def _module_block(arch: Architecture, info: BlockInfo, shapes: str) -> Block:
     config = arch.config
     if kind == "rms_norm":
         block.kind, block.kind_doc = kind, "RMSNorm (resin rms_norm)"
+    elif kind == "identity":
+        block.kind, block.kind_doc = kind, f"{info.cls_name}: a no-op at inference"
     elif kind == "gqa_attention":
         traits = [
             t

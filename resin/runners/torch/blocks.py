@@ -173,13 +173,22 @@ def prenorm_decoder_layer(
 
 
 def rope_from_config(
-    config: Any, head_dim: int, device: torch.device, default_theta: float = 10000.0
+    config: Any,
+    head_dim: int,
+    device: torch.device,
+    default_theta: float = 10000.0,
+    partial: bool = False,
 ) -> RotaryEmbedding:
     """cos/sin tables from a config's rope parameters (default, linear, llama3, yarn; both the
-    ``rope_parameters`` and the ``rope_theta`` + ``rope_scaling`` spellings)."""
+    ``rope_parameters`` and the ``rope_theta`` + ``rope_scaling`` spellings). ``partial``: the
+    model's rotary embedding reads ``partial_rotary_factor`` (Phi, StableLM, GPT-NeoX: the
+    tables cover ``head_dim * factor`` channels); without it a default rope rotates the whole
+    head whatever the config says, as the Llama-style modeling files do (``resin new-model``
+    sets it from the HF rotary's own output width)."""
     raw = config if isinstance(config, dict) else config.to_dict()
     raw = {k: v for k, v in raw.items() if v is not None}
-    rope = parse_rope_config(raw, default_theta, int(raw.get("max_position_embeddings", 2048)))
+    max_len = int(raw.get("max_position_embeddings", 2048))
+    rope = parse_rope_config(raw, default_theta, max_len, allow_partial=partial)
     inv_freq, attention_scaling = hf_rope_inv_freq(rope, head_dim)
     return RotaryEmbedding(inv_freq, attention_scaling, device)
 

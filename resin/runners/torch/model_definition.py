@@ -122,8 +122,10 @@ def default_embed(input_ids: torch.Tensor, w: Weights, ctx: Any) -> torch.Tensor
 
 
 def default_logits(hidden: torch.Tensor, w: Weights, ctx: Any) -> torch.Tensor:
-    """``lm_head`` (tied to ``embed_tokens`` when the checkpoint has no ``lm_head.weight``)."""
-    return kernels.linear(hidden, w.get("lm_head.weight", w["embed_tokens.weight"]))
+    """``lm_head`` (tied to ``embed_tokens`` when the checkpoint has no ``lm_head.weight``),
+    with its ``lm_head.bias`` when the checkpoint has one (Phi-2's head)."""
+    weight = w["lm_head.weight"] if "lm_head.weight" in w else w["embed_tokens.weight"]
+    return kernels.linear(hidden, weight, w.get("lm_head.bias"))
 
 
 @dataclass
