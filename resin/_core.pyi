@@ -58,6 +58,9 @@ class SamplingParams:
     computed. ``priority``: lower value is served first under ``policy="priority"``.
     ``logit_bias``: token id -> bias in [-100, 100] added to that token's logit before the
     penalties (OpenAI's ``logit_bias``); each token below ``EngineConfig.vocab_size``.
+    ``speculate``: False keeps speculative decoding from drafting for the request (plain
+    decode rows; the server sets it for grammar-constrained requests, whose drafts the sampler
+    cannot mask).
     """
 
     max_tokens: int
@@ -76,6 +79,7 @@ class SamplingParams:
     repetition_penalty: float
     logit_bias: dict[int, float]
     priority: int
+    speculate: bool
     def __new__(
         cls,
         max_tokens: int = 16,
@@ -94,6 +98,7 @@ class SamplingParams:
         priority: int = 0,
         logit_bias: dict[int, float] | None = None,
         prompt_logprobs: int | None = None,
+        speculate: bool = True,
     ) -> SamplingParams: ...
 
 @final

@@ -202,6 +202,12 @@ class LLM:
             self.engine = DataParallelEngine(config, self.runner)  # type: ignore[assignment]
         else:
             self.engine = Engine(config, self.runner)
+        if config.async_scheduling and not getattr(self.engine, "async_scheduling", False):
+            logging.getLogger(__name__).warning(
+                "async_scheduling is off: runner %s has no begin_forward / finish_forward "
+                "(docs/runners.md, 'Overlapped scheduling'); every step runs plainly",
+                type(self.runner).__name__,
+            )
         self._request_counter = itertools.count()
 
     # -- construction ---------------------------------------------------------------------

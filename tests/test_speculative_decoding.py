@@ -277,3 +277,34 @@ def test_a_runner_drafter_is_verified_like_the_ngram_one(name: str, wrong_from: 
         assert per_pos[1:] == [0, 0]
     else:
         assert per_pos[0] >= per_pos[1] >= per_pos[2] > 0
+
+
+def test_a_request_that_does_not_speculate_gets_no_drafts() -> None:
+    """``SamplingParams(speculate=False)`` (the server's grammar-constrained requests: the
+    sampler masks plain rows, not verify rows) decodes one token a row while a request beside
+    it verifies drafts; before, n-gram drafts reached such a request and its verify row failed
+    the whole plan, every request in it (hostile-client fuzzing)."""
+    import numpy as np
+
+    drafted: dict[str, int] = {}
+
+    class Repeating:  # every row's next token repeats its prompt: the drafter is always right
+        def forward(self, plan: resin.BatchPlan) -> resin.ForwardOutput:
+            ids = list(plan.request_ids)
+            for i, rid in enumerate(ids):
+                drafted[rid] = drafted.get(rid, 0) + int(plan.num_draft_tokens[i])
+            counts = np.maximum(np.diff(plan.sample_indptr.astype(np.int64)), 1)
+            tokens = np.full(int(counts.sum()), 7, dtype=np.uint32)
+            return resin.ForwardOutput(
+                tokens, np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+            )
+
+    config = resin.EngineConfig(
+        page_size=4, num_pages=64, max_model_len=64, num_speculative_tokens=3
+    )
+    engine = resin.Engine(config, Repeating())
+    engine.add_request("plain", [7] * 8, resin.SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request("no-drafts", [7] * 8, resin.SamplingParams(max_tokens=12, speculate=False))
+    while engine.has_unfinished():
+        engine.step()
+    assert drafted["plain"] > 0 and drafted["no-drafts"] == 0

@@ -149,10 +149,11 @@ class Generation:
         self._token_bytes: dict[int, bytes] = {}  # token id -> its bytes, where not its text's
         ids = [request_id if request.n == 1 else f"{request_id}.{i}" for i in range(request.n)]
         base = request.params
-        if request.grammar is not None and (base.min_tokens or base.ignore_eos):
+        if request.grammar is not None:
             # the grammar decides where the output ends: a stop token banned by min_tokens, or
-            # generation going on past it (ignore_eos), would break out of the grammar
-            base = _replace(base, min_tokens=0, ignore_eos=False)
+            # generation going on past it (ignore_eos), would break out of the grammar; and
+            # no drafts (speculative decoding): the sampler masks plain rows, not verify rows
+            base = _replace(base, min_tokens=0, ignore_eos=False, speculate=False)
         params = [base] + [_with_seed_offset(base, i) for i in range(1, request.n)]
         self._grammar_ids: list[str] = []
         if request.grammar is not None and generator.grammars is not None:

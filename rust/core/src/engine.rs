@@ -28,10 +28,12 @@ use crate::scheduler::{Scheduler, SchedulerLimits};
 /// Whether the n-gram drafter may propose for `req`: sampling that does not depend on the
 /// tokens before each position in ways one verify row cannot reproduce — no repetition,
 /// frequency or presence penalties (the sampler would need the drafts in its history) and
-/// `min_tokens` already met (the EOS ban is per row).
+/// `min_tokens` already met (the EOS ban is per row) — and a request that allows it
+/// (`SamplingParams::speculate`: not a grammar-constrained one).
 fn may_draft(req: &Request) -> bool {
     let p = &req.params;
-    p.repetition_penalty == 1.0
+    p.speculate
+        && p.repetition_penalty == 1.0
         && p.frequency_penalty == 0.0
         && p.presence_penalty == 0.0
         && req.num_output_tokens() >= p.min_tokens

@@ -63,6 +63,9 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Lower is served first under the priority policy.
     pub priority: i32,
+    /// False: speculative decoding never drafts for this request (its rows are plain decode
+    /// rows): a grammar-constrained request, whose drafts the sampler cannot mask.
+    pub speculate: bool,
 }
 
 impl Default for SamplingParams {
@@ -84,6 +87,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             priority: 0,
+            speculate: true,
         }
     }
 }

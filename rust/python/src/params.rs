@@ -48,6 +48,9 @@ pub struct SamplingParams {
     pub logit_bias: BTreeMap<i64, f32>,
     #[pyo3(get, set)]
     pub priority: i32,
+    /// False: speculative decoding never drafts for this request.
+    #[pyo3(get, set)]
+    pub speculate: bool,
 }
 
 /// `value` as a u32, or a ValueError naming `owner.field`.
@@ -156,6 +159,7 @@ impl SamplingParams {
                 .map(|(&token, &bias)| Ok((to_u32("SamplingParams", "logit_bias", token)?, bias)))
                 .collect::<PyResult<_>>()?,
             priority: self.priority,
+            speculate: self.speculate,
         }
         .validated()
         .map_err(to_py)
@@ -167,7 +171,7 @@ impl SamplingParams {
     #[new]
     #[pyo3(signature = (max_tokens=16, min_tokens=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
         stop_token_ids=None, ignore_eos=false, logprobs=None, presence_penalty=0.0, frequency_penalty=0.0,
-        repetition_penalty=1.0, priority=0, logit_bias=None, prompt_logprobs=None))]
+        repetition_penalty=1.0, priority=0, logit_bias=None, prompt_logprobs=None, speculate=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         #[pyo3(from_py_with = args::max_tokens)] max_tokens: i64,
@@ -186,6 +190,7 @@ impl SamplingParams {
         #[pyo3(from_py_with = args::priority)] priority: i32,
         #[pyo3(from_py_with = args::logit_bias)] logit_bias: Option<BTreeMap<i64, f32>>,
         #[pyo3(from_py_with = args::prompt_logprobs)] prompt_logprobs: Option<i64>,
+        speculate: bool,
     ) -> PyResult<Self> {
         let params = SamplingParams {
             max_tokens,
@@ -204,6 +209,7 @@ impl SamplingParams {
             repetition_penalty,
             logit_bias: logit_bias.unwrap_or_default(),
             priority,
+            speculate,
         };
         let checked = params.to_core()?;
         Ok(SamplingParams { top_k: checked.top_k, ..params })
@@ -213,7 +219,7 @@ impl SamplingParams {
         format!(
             "SamplingParams(max_tokens={}, min_tokens={}, temperature={}, top_p={}, top_k={}, min_p={}, seed={:?}, \
              stop_token_ids={:?}, ignore_eos={}, logprobs={:?}, presence_penalty={}, frequency_penalty={}, \
-             repetition_penalty={}, priority={}, logit_bias={:?}, prompt_logprobs={:?})",
+             repetition_penalty={}, priority={}, logit_bias={:?}, prompt_logprobs={:?}, speculate={})",
             self.max_tokens,
             self.min_tokens,
             self.temperature,
@@ -229,7 +235,8 @@ impl SamplingParams {
             self.repetition_penalty,
             self.priority,
             self.logit_bias,
-            self.prompt_logprobs
+            self.prompt_logprobs,
+            if self.speculate { "True" } else { "False" }
         )
     }
 }
