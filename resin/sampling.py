@@ -183,7 +183,7 @@ class Sampler(SlotHistory):
             if verifying & set(self.grammar_slots):
                 raise NotImplementedError(
                     "a grammar-constrained request in a verify row (speculative decoding): "
-                    "structured outputs need num_speculative_tokens = 0"
+                    "submit it with SamplingParams(speculate=False), as the server does"
                 )
         greedy = np.asarray(sampling.temperature[rows]) == 0
         top_k = np.asarray(sampling.top_k[rows])
