@@ -220,7 +220,9 @@ def test_a_gelu_gated_llama_is_generated_whole_and_passes(tmp_path: Path) -> Non
 
 
 def test_unknown_architecture_gets_marked_stubs(gpt_oss_dir: Path) -> None:
-    assert sorted(p.name for p in gpt_oss_dir.iterdir() if p.is_file()) == sorted(GENERATED)
+    # weights.py for CONFIG_SUBMODULES: the source's attention_bias makes the q/k/v/o biases
+    files = sorted(p.name for p in gpt_oss_dir.iterdir() if p.is_file())
+    assert files == sorted([*GENERATED, "weights.py"])
     blocks = import_model_module(gpt_oss_dir, "blocks", "gpt_oss")
     assert set(blocks.STUBS) == {
         "gpt_oss_attention",
@@ -468,3 +470,32 @@ def test_a_sliding_window_switch_records_both_layer_kinds() -> None:
     assert window_toggled_kinds(patterned, full) == {}
     mixed = {"full_attention/dense": "a", "sliding_attention/dense": "b"}
     assert window_toggled_kinds(switched, mixed) == {}
+
+
+def test_a_checkpoint_with_a_source_flag_off_loads(tmp_path: Path) -> None:
+    """A Llama source with ``attention_bias`` true records q/k/v/o biases; a checkpoint made
+    with the flag false has none. The scaffold finds which layer tensors each true flag
+    creates (the model built with it false) and writes them to ``weights.CONFIG_SUBMODULES``,
+    so that checkpoint loads and passes; it was refused as missing the biases."""
+    from tests.model_variants import built_checkpoint
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_bytes((FIXTURES / "llama" / name).read_bytes())
+    config = {**json.loads((source / "config.json").read_text()), "attention_bias": True}
+    (source / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "biased"
+    new_model(source, "biased", out=out, tiny=True)
+    assert '"self_attn.q_proj.bias": _flag("attention_bias")' in (out / "weights.py").read_text()
+    plain = {**json.loads((out / "tiny" / "config.json").read_text()), "attention_bias": False}
+    checkpoint = built_checkpoint(out / "tiny", tmp_path / "no_bias", plain)
+    ref = resolve_model(out)
+    for path in (ref.checkpoint_dir, checkpoint):
+        report = run_parity(
+            path,
+            runner_factory=ref.runner_factory(),
+            runner_name=ref.runner_name,
+            checks=("layers",),
+        )
+        assert report.passed, (path, report.summary())

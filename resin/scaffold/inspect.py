@@ -173,6 +173,10 @@ class Architecture:
     # Whether lm_head shares the embedding's weight in the built model (HF decides this from
     # the outer config's tie_word_embeddings for a wrapper, not the text config's).
     tied: bool = False
+    # Layer tensors (relative to the layer, e.g. "self_attn.q_proj.bias") a True boolean of
+    # the source config creates -> that flag: a checkpoint with the flag false has none
+    # (weights.CONFIG_SUBMODULES, written by the scaffold).
+    config_submodules: dict[str, str] = field(default_factory=dict)
 
     @property
     def ignored_prefixes(self) -> tuple[str, ...]:
@@ -328,7 +332,55 @@ def inspect_architecture(source: str | Path | Any, probe_shapes: bool = True) ->
         ),
         ignored_parts=_ignored_parts(model, towers),
         tied=tied,
+        config_submodules=_config_submodules(outer, inner),
     )
+
+
+def _layer_tensor_names(inner: Any) -> set[str]:
+    """Every layer's parameter names relative to its layer (``self_attn.q_proj.bias``)."""
+    return {name for layer in inner.layers for name, _ in layer.named_parameters()}
+
+
+def _config_submodules(outer: Any, inner: Any) -> dict[str, str]:
+    """For each boolean of the decoder's config that is true, the layer tensors the model
+    loses when it is false (one meta build per flag): ``attention_bias`` -> the q/k/v/o
+    biases, ``qk_layernorm`` -> the q/k norms, ``use_parallel_residual`` -> a norm. A flag
+    whose flipped config does not build is skipped."""
+    import copy
+
+    present = _layer_tensor_names(inner)
+    text = hf_model.text_config(outer)
+    out: dict[str, str] = {}
+    for flag, value in sorted(text.to_dict().items()):
+        if value is not True or flag.startswith(("use_return", "return_", "output_")):
+            continue
+        flipped = copy.deepcopy(outer)
+        setattr(hf_model.text_config(flipped), flag, False)
+        try:
+            lost = present - _layer_tensor_names(
+                hf_model.decoder_stack(build_meta_model(flipped))[0]
+            )
+        except Exception:  # noqa: BLE001 - a config the class refuses: nothing to learn
+            continue
+        for name in sorted(_widest_prefixes(lost, present)):
+            out.setdefault(name, flag)
+    return out
+
+
+def _widest_prefixes(lost: set[str], present: set[str]) -> set[str]:
+    """``lost`` tensor names folded into the widest module prefixes (``a.b.``) whose every
+    tensor is lost: StableLM's per-head ``q_layernorm.norms.{h}.weight`` become one
+    ``self_attn.q_layernorm.``, whatever a checkpoint's head count."""
+    out = set()
+    for name in lost:
+        parts = name.split(".")
+        best = name
+        for depth in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:depth]) + "."
+            if all(t in lost for t in present if t.startswith(prefix)):
+                best = prefix
+        out.add(best)
+    return out
 
 
 def _layer_prefix(checkpoint_names: dict[str, list[str]]) -> str:

@@ -145,7 +145,7 @@ def render_model(
     for filename, template in FILES.items():
         path = out_dir / filename
         if filename == "weights.py" and not (
-            context["renamed_weights"] or context["ignored_parts"]
+            context["renamed_weights"] or context["ignored_parts"] or context["config_submodules"]
         ):
             path.unlink(missing_ok=True)
             continue
@@ -219,6 +219,7 @@ def model_context(
         "max_positions": max_positions,
         "tied": arch.tied or bool(getattr(config, "tie_word_embeddings", False)),
         "ignored_parts": arch.ignored_parts,
+        "config_submodules": arch.config_submodules,
         "ignored_prefixes": _tuple_text(arch.ignored_prefixes),
         "wrapper": _wrapper_context(arch),
         "layer_type_summary": _type_summary(arch.layers),

@@ -290,7 +290,9 @@ def load_model_weights(
                 shown = ", ".join(f"{where}{m}" for m in missing[:5])
                 what = f"layer {layer}" if layer < num_layers else f"MTP layer {layer - num_layers}"
                 raise WeightsError(
-                    f"{directory}: {what} is missing tensor(s) {shown} (its layer kind has them)"
+                    f"{directory}: {what} is missing tensor(s) {shown} (runner names; its "
+                    "layer kind has them: a config flag such as a bias switched off? then "
+                    "list the module in weights.py CONFIG_SUBMODULES: docs/bring_up.md)"
                 )
     if unused:
         warnings.warn(
