@@ -9,7 +9,8 @@ tool calls, the finish reason and logprobs. Streaming adapters take the events o
 ``tool_choice`` rules: ``"none"`` (or no tools) turns tool parsing off — markers stay text;
 ``"auto"``, ``"required"`` and a named function parse tool calls; ``"required"`` and a named
 function are also forced with a grammar where the runner can (:mod:`resin.server.structured`). ``finish_reason`` becomes
-``"tool_calls"`` when at least one call was parsed and generation stopped normally.
+``"tool_calls"`` when at least one call was parsed and generation stopped normally, except for a
+named function: ``"stop"`` there, as OpenAI (and vLLM) answer a forced named call.
 
 :func:`skip_special_tokens` decides whether a request's text keeps the tokenizer's special
 tokens: it must when the choice's parsers read markers that are special tokens (gpt-oss
@@ -140,6 +141,10 @@ class ChatChoice:
         self.num_cut_tool_calls = 0  # calls the end of the generation cut (closed by the parser)
         self._open_calls: set[int] = set()  # calls started and not yet ended, by index
         self.max_tool_calls = prompt.max_tool_calls  # None, or 1: no parallel calls
+        # OpenAI ends a call forced by name with "stop", not "tool_calls"
+        self.named_tool_choice = (
+            isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+        )
 
     def events(self, delta: ChoiceDelta) -> list[OutputEvent]:
         events = self.parser.feed(delta.text) if delta.text else []
@@ -176,6 +181,7 @@ class ChatChoice:
             and self.num_tool_calls
             and not self.num_cut_tool_calls
             and delta.stop_string is None
+            and not self.named_tool_choice
         ):
             self.finish_reason = "tool_calls"
         return events
