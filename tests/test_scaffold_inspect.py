@@ -43,6 +43,22 @@ def _dsv4(**kw: Any) -> Any:
     )
 
 
+def _new_model_cli(tmp_path: Path, config: dict[str, Any], architecture: str, name: str) -> Any:
+    """``resin new-model`` run through the CLI on ``config`` (a config.json dict, given its
+    ``architectures``), into ``tmp_path / "out"``: the click result."""
+    from typer.testing import CliRunner
+
+    from resin.cli import app
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(
+        json.dumps({**config, "architectures": [architecture]})
+    )
+    return CliRunner().invoke(
+        app, ["new-model", str(tmp_path / "src"), "--name", name, "--out", str(tmp_path / "out")]
+    )
+
+
 def test_window_on_every_layer_type_whose_attention_uses_it() -> None:
     # DeepSeek-V4: all three attention types keep a raw sliding window
     v4 = SimpleNamespace(
@@ -241,17 +257,7 @@ def test_describe_structures() -> None:
 
 def test_new_model_prints_unplaced_modules(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from typer.testing import CliRunner
-
-    from resin.cli import app
-
-    raw = _dsv4().to_dict()
-    raw["architectures"] = ["DeepseekV4ForCausalLM"]
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "config.json").write_text(json.dumps(raw))
-    result = CliRunner().invoke(
-        app, ["new-model", str(tmp_path / "src"), "--name", "dsv4", "--out", str(tmp_path / "out")]
-    )
+    result = _new_model_cli(tmp_path, _dsv4().to_dict(), "DeepseekV4ForCausalLM", "dsv4")
     assert result.exit_code == 0, result.output
     assert "warning: module model.hc_head (DeepseekV4HyperHead" in result.output
 
@@ -262,22 +268,14 @@ def test_new_model_maps_compressed_and_gated_delta_net_layers_to_their_caches(
     """CSA / HCA come out as a raw window plus compressed entries, gated-delta-net
     linear_attention as a recurrent state: no layer_cache stub, the specs the engine gets."""
     transformers = pytest.importorskip("transformers")
-    from typer.testing import CliRunner
 
-    from resin.cli import app
     from resin.runners.torch.model_dir import default_layer_cache
 
     raw = _dsv4(
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}
     )
-    raw_dict = raw.to_dict()
-    raw_dict["architectures"] = ["DeepseekV4ForCausalLM"]
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "config.json").write_text(json.dumps(raw_dict))
     out = tmp_path / "out"
-    result = CliRunner().invoke(
-        app, ["new-model", str(tmp_path / "src"), "--name", "dsv4", "--out", str(out)]
-    )
+    result = _new_model_cli(tmp_path, raw.to_dict(), "DeepseekV4ForCausalLM", "dsv4")
     assert result.exit_code == 0, result.output
     blocks = (out / "blocks.py").read_text()
     assert "def layer_cache" not in blocks and '"layer_cache"' not in blocks
@@ -462,18 +460,9 @@ def test_dropout_is_no_stub_and_no_warning(tmp_path: Path) -> None:
     """``nn.Dropout`` computes nothing at inference: a layer's dropout child is generated as
     ``return x`` and a model-level one is not reported as math to place (Phi has both)."""
     transformers = pytest.importorskip("transformers")
-    from typer.testing import CliRunner
-
-    from resin.cli import app
-
     raw = transformers.PhiConfig(**SMALL, num_hidden_layers=2).to_dict()
-    raw["architectures"] = ["PhiForCausalLM"]
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "config.json").write_text(json.dumps(raw))
     out = tmp_path / "out"
-    result = CliRunner().invoke(
-        app, ["new-model", str(tmp_path / "src"), "--name", "p", "--out", str(out)]
-    )
+    result = _new_model_cli(tmp_path, raw, "PhiForCausalLM", "p")
     assert result.exit_code == 0, result.output
     assert "Dropout" not in result.output  # neither a stub nor an unplaced-module warning
     assert "return x  # Dropout: nothing at inference" in (out / "blocks.py").read_text()
