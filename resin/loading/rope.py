@@ -202,80 +202,87 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
     by it, take cos/sin, and scale both by ``attention_scaling``. transformers computes the
     same formulas in torch float32; this array cast to float32 is within an ulp of it (about
     a third of the frequencies an ulp off). The torch runner and the model directories take
-    transformers' bits from ``resin.runners.torch.rope_frequencies.hf_rope_inv_freq``; this
-    one serves runners without torch (MLX).
+    transformers' bits from ``resin.runners.torch.rope_frequencies.hf_rope_inv_freq``, which
+    shares :func:`llama3_frequencies`, :func:`yarn_ramp_bounds` and
+    :func:`rope_attention_scaling` with this one; this one serves runners without torch (MLX).
     """
-    if rope.rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(_unsupported_rope(rope.rope_type))
+    scaling = rope_attention_scaling(rope)
     dim = int(head_dim * rope.partial_rotary_factor)
     inv_freq = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if rope.rope_type in ("default", "dynamic"):  # dynamic: inside the pretrained length
-        return inv_freq, 1.0
+        return inv_freq, scaling
     factor = float(_need(rope.factor, "factor"))
     if rope.rope_type == "linear":
-        return inv_freq / factor, 1.0
+        return inv_freq / factor, scaling
     if rope.rope_type == "llama3":
-        return _llama3_inv_freq(rope, inv_freq, factor), 1.0
-    return _yarn_inv_freq(rope, inv_freq, factor, dim)
+        return llama3_frequencies(rope, inv_freq, np.where), scaling
+    # yarn: blend interpolated (1/factor) and extrapolated frequencies with a linear ramp
+    low, high = yarn_ramp_bounds(rope, dim)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    return inv_freq / factor * (1 - extrapolation_weight) + inv_freq * extrapolation_weight, scaling
 
 
-def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray, factor: float) -> np.ndarray:
-    # Wavelengths shorter than the high-frequency edge stay; longer than the low-frequency
-    # edge are divided by factor; in between, interpolate (transformers _compute_llama3_parameters).
-    low_freq_factor = float(_need(rope.low_freq_factor, "low_freq_factor"))
-    high_freq_factor = float(_need(rope.high_freq_factor, "high_freq_factor"))
+def rope_attention_scaling(rope: RopeConfig) -> float:
+    """The cos/sin scale of ``rope`` (1 but for yarn's attention factor); ConfigError for a
+    rope type Resin does not compute."""
+    if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(_unsupported_rope(rope.rope_type))
+    if rope.rope_type != "yarn":
+        return 1.0
+    factor = float(_need(rope.factor, "factor"))
+    if rope.attention_factor is not None:
+        return float(rope.attention_factor)
+    if rope.mscale and rope.mscale_all_dim:
+        return float(_yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def llama3_frequencies(rope: RopeConfig, inv_freq: Any, where: Any) -> Any:
+    """transformers' ``_compute_llama3_parameters`` on the default frequencies ``inv_freq``
+    (a numpy or a torch array; ``where``: its module's ``where``, so the operations run in the
+    array's own dtype): wavelengths shorter than the high-frequency edge stay, longer than the
+    low-frequency edge are divided by the factor, those in between interpolated."""
+    factor = float(_need(rope.factor, "factor"))
+    low = float(_need(rope.low_freq_factor, "low_freq_factor"))
+    high = float(_need(rope.high_freq_factor, "high_freq_factor"))
     old_context_len = float(
         _need(rope.original_max_position_embeddings, "original_max_position_embeddings")
     )
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
     wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(is_medium, smoothed, scaled)
+    return where(is_medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn_inv_freq(
-    rope: RopeConfig, inv_freq: np.ndarray, factor: float, dim: int
-) -> tuple[np.ndarray, float]:
-    # transformers _compute_yarn_parameters: blend interpolated (1/factor) and extrapolated
-    # frequencies with a linear ramp over the dimensions that make between beta_fast and
-    # beta_slow rotations in the pretraining context.
-    attention_factor = rope.attention_factor
-    if attention_factor is None:
-        if rope.mscale and rope.mscale_all_dim:
-            attention_factor = float(
-                _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
-            )
-        else:
-            attention_factor = _yarn_mscale(factor)
-    beta_fast = rope.beta_fast or 32
-    beta_slow = rope.beta_slow or 1
+def yarn_ramp_bounds(rope: RopeConfig, dim: int) -> tuple[float, float]:
+    """The dimensions (of ``dim // 2``) between which transformers' ``_compute_yarn_parameters``
+    ramps from extrapolated to interpolated frequencies: those making ``beta_fast`` and
+    ``beta_slow`` rotations in the pretraining context, floored / ceiled unless ``truncate`` is
+    false, clamped to the table, never zero-width."""
     base = rope.theta
     orig_len = _need(rope.original_max_position_embeddings, "original_max_position_embeddings")
 
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(orig_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    low, high = correction_dim(rope.beta_fast or 32), correction_dim(rope.beta_slow or 1)
     if rope.truncate is None or rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: avoid a zero-width ramp
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    extrapolation_weight = 1 - ramp
-    interpolated = inv_freq / factor
-    blended = interpolated * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
-    return blended, float(attention_factor)
+    return low, high
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_length_limit(rope: RopeConfig) -> tuple[int, str] | None:
