@@ -355,10 +355,6 @@ def hf_num_layers(model: Any) -> int:
     return len(decoder_stack(model)[0].layers)
 
 
-# Names decoder stacks give their final norm (Llama: norm; Phi: final_layernorm; GPT-NeoX).
-FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
-
-
 def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
     """One HF forward with hooks: checkpoint name -> float32 tensor [T, ...] (batch dim dropped),
     in execution order: ``embed_tokens``, per layer every direct child module as it runs
@@ -397,9 +393,7 @@ def hf_activations(model: Any, prompt: list[int]) -> dict[str, Any]:
             name = CHILD_ALIASES.get(child, child)
             handles.append(module.register_forward_hook(hook(f"layers.{i}.{name}")))
         handles.append(layer.register_forward_hook(hook(f"layers.{i}")))
-    final = next(
-        (getattr(inner, n) for n in FINAL_NORM_NAMES if getattr(inner, n, None) is not None), None
-    )
+    final = stack_part(inner, "norm")  # Phi's final_layernorm, GPT-NeoX's final_layer_norm too
     if final is not None:
         handles.append(final.register_forward_hook(hook("norm")))
     try:
