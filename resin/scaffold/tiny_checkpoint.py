@@ -233,8 +233,7 @@ def shape_probe_config(source: str | Path | Any, head_dim: bool = True) -> Any:
     elif isinstance(kv_heads, int) and kv_heads == getattr(source_text, "num_key_value_heads", 0):
         if kv_heads == 2 and isinstance(heads, int) and heads > 2:
             text["num_key_value_heads"] = 1
-    mla = "qk_rope_head_dim" in text or "kv_lora_rank" in text
-    if head_dim and not mla and isinstance(heads, int):
+    if head_dim and not _is_mla(text) and isinstance(heads, int):
         text["head_dim"] = HEAD_DIM_VALUE
     return _config_from_raw(raw)
 
@@ -509,7 +508,7 @@ def _head_dim_traps(tiny: dict[str, Any]) -> list[_Change]:
     value, hidden, heads = (tiny.get(k) for k in ("head_dim", "hidden_size", "num_attention_heads"))
     if not (isinstance(value, int) and isinstance(hidden, int) and isinstance(heads, int)):
         return []
-    if heads <= 0 or "qk_rope_head_dim" in tiny or "kv_lora_rank" in tiny:
+    if heads <= 0 or _is_mla(tiny):
         return []
     if isinstance(value, bool) or value != hidden // heads:
         return []
@@ -521,6 +520,11 @@ def _head_dim_traps(tiny: dict[str, Any]) -> list[_Change]:
             [(("head_dim",), value, HEAD_DIM_VALUE)],
         )
     ]
+
+
+def _is_mla(config: dict[str, Any]) -> bool:
+    """Multi-head latent attention: its ``head_dim`` is the rope part, not the head's width."""
+    return "qk_rope_head_dim" in config or "kv_lora_rank" in config
 
 
 def _norm_eps_traps(tiny: dict[str, Any]) -> list[_Change]:
