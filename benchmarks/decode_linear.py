@@ -5,8 +5,11 @@ the 32,000 x 512 LM head; ~160 MB in float32, ~80 MB in bfloat16, more than the 
 applied to `rows` input rows, so every weight comes from memory as it does in a decode step
 (timing one weight in a loop would time the cache). Per dtype and row count: the best of
 `--repeats` steps for `F.linear` and for `resin.kernels.cpu_linear.cpu_linear` (the kernel
-forced on, whatever `MAX_ROWS` says), the weight bytes over the time, and torch / Rust. Also
-the machine's streaming rate over the same weights (`w.sum()` each), the bound for both.
+forced on, whatever `MAX_ROWS` says), the weight bytes over the time, and torch / Rust. In
+bfloat16 where oneDNN has packed weights (`cpu_linear.packing`), also `cpu_linear` with the
+kernel off (every projection oneDNN's GEMM on the weight packed once: the rows past
+`MAX_ROWS`). Also the machine's streaming rate over the same weights (`w.sum()` each), the
+bound for all.
 
 Checked before timing: every projection agrees with `F.linear` to float32 rounding.
 
@@ -66,9 +69,10 @@ def main() -> None:
     cpu_linear.MAX_ROWS.update({torch.float32: 1 << 30, torch.bfloat16: 1 << 30})
     rows_out: list[dict[str, Any]] = []
     print(
-        "| dtype | rows | torch ms | torch GB/s | rust ms | rust GB/s | torch / rust | stream GB/s |"
+        "| dtype | rows | torch ms | torch GB/s | rust ms | rust GB/s | torch / rust | packed ms | "
+        "torch / packed | stream GB/s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         g = torch.Generator().manual_seed(0)
@@ -95,6 +99,12 @@ def main() -> None:
 
                 torch_s = best_seconds(lambda: step(F.linear), args.repeats)
                 rust_s = best_seconds(lambda: step(cpu_linear.cpu_linear), args.repeats)
+                packed_s = None
+                if dtype is torch.bfloat16 and cpu_linear.packing:
+                    cpu_linear.MAX_ROWS[dtype] = 0  # the kernel off: every call packed
+                    step(cpu_linear.cpu_linear)  # seen once; packed at the next call
+                    packed_s = best_seconds(lambda: step(cpu_linear.cpu_linear), args.repeats)
+                    cpu_linear.MAX_ROWS[dtype] = 1 << 30
             row = {
                 "dtype": name,
                 "rows": rows,
@@ -102,13 +112,16 @@ def main() -> None:
                 "rust_ms": rust_s * 1e3,
                 "torch_gb_s": total_bytes / torch_s / 1e9,
                 "rust_gb_s": total_bytes / rust_s / 1e9,
+                "packed_ms": None if packed_s is None else packed_s * 1e3,
                 "stream_gb_s": total_bytes / stream / 1e9,
             }
             rows_out.append(row)
+            packed = "-" if packed_s is None else f"{packed_s * 1e3:.2f}"
+            packed_ratio = "-" if packed_s is None else f"{torch_s / packed_s:.2f}x"
             print(
                 f"| {name} | {rows} | {row['torch_ms']:.2f} | {row['torch_gb_s']:.1f} | "
                 f"{row['rust_ms']:.2f} | {row['rust_gb_s']:.1f} | {torch_s / rust_s:.2f}x | "
-                f"{row['stream_gb_s']:.1f} |"
+                f"{packed} | {packed_ratio} | {row['stream_gb_s']:.1f} |"
             )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"rows": rows_out, "threads": args.threads}, indent=2))

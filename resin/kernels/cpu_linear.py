@@ -1,7 +1,8 @@
-"""The decode projections on CPU: ``F.linear`` of a few rows through ``resin._core.linear``.
+"""The projections on CPU: ``F.linear`` of a few rows through ``resin._core.linear``, and of
+more rows in bfloat16 through oneDNN with the weight packed once.
 
-Owns :func:`cpu_linear` (a drop-in for ``F.linear``) and when it takes a call
-(:func:`takes`). At one to a few rows a projection reads every weight once to make a few
+Owns :func:`cpu_linear` (a drop-in for ``F.linear``), when the Rust kernel takes a call
+(:func:`takes`) and the packed bfloat16 weights (:func:`packed_weight`). At one to a few rows a projection reads every weight once to make a few
 outputs, so it is bound by memory; torch's CPU GEMM reads cold weights at a third (float32) to
 a half (oneDNN's bfloat16) of the machine's streaming rate there, the Rust kernel
 (``rust/kernels/src/linear.rs``) at 80-90% of it at one row (docs/benchmarks.md, "The weights
@@ -14,15 +15,30 @@ Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32, bfloat16) with up to
 (bfloat16: every row count on a CPU where oneDNN has no bfloat16 GEMM, where torch's is slow),
 ``x`` [rows, in] and ``weight`` [out, in] dense, contiguous and aligned, a bias [out] of the
 same dtype, no autograd, on a CPU the kernels vectorise for (``_core.kernels_vectorised()``).
+
+Past the kernel's rows, a bfloat16 projection on a CPU where oneDNN has a bfloat16 GEMM runs
+``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once into oneDNN's blocked
+layout (``_reorder_linear_weight``, what inductor's CPU freezing does): ``F.linear`` reorders
+it on every call, which cost a third of a 64-row step's projections and two fifths of a
+4,096-row prefill's (docs/benchmarks.md, "Packed bfloat16 weights"). Same oneDNN GEMM, so
+bit-equal to ``F.linear`` (tests/test_cpu_linear.py). A weight is packed the second time it
+is seen alive (a tensor made for one call, a ``torch.cat`` of two, is never packed; a view is
+never packed) and its pack is dropped with it. The cost: each packed weight is held twice (its
+plain tensor stays: an embedding tied to the LM head, the kernel's few-row calls read it).
+``RESIN_CPU_PACKED_WEIGHTS=0`` at import, or :data:`packing` False, turns it off. A weight
+written in place after it was packed keeps its old pack (Resin loads weights once).
+
 Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in the environment at import or
-:data:`enabled` False, is ``F.linear`` (on a GPU too: :data:`resin.kernels.linear` is
-:func:`cpu_linear` wherever the CUTLASS GEMM is not opted in, and a CUDA tensor fails
-:func:`takes` at its first device test).
+:data:`enabled` and :data:`packing` False, is ``F.linear`` (on a GPU too:
+:data:`resin.kernels.linear` is :func:`cpu_linear` wherever the CUTLASS GEMM is not opted in,
+and a CUDA tensor fails :func:`takes` and the packing's device test).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,16 +48,51 @@ from resin.kernels.cpu_threads import kernel_threads
 from resin.kernels.numpy_view import numpy_view
 
 ENV_VAR = "RESIN_CPU_LINEAR"
+PACKED_ENV_VAR = "RESIN_CPU_PACKED_WEIGHTS"
+
+
+def _packing_available() -> bool:
+    """Whether this torch's oneDNN has the packed bfloat16 linear: built with oneDNN, a CPU it
+    has a bfloat16 GEMM for, and the two ops (private to torch: inductor's)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        ops = torch.ops.mkldnn
+        return bool(ops._is_mkldnn_bf16_supported()) and all(
+            hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# False: no weight is packed (module doc).
+packing = (
+    os.environ.get(ENV_VAR, "") != "0"
+    and os.environ.get(PACKED_ENV_VAR, "") != "0"
+    and _packing_available()
+)
+
+PACK_ROWS_HINT = 4096
+"""The row count oneDNN picks the packed layout for; any row count runs on it (measured: from
+3 to 4,096 rows, hints of 4 to 4,096 were within the machine's noise of each other)."""
+
+# id(weight) -> (a reference that drops the entry with the weight, its pack or None when seen
+# once): packed_weight.
+_packs: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}
 
 
 def _bfloat16_rows() -> int:
-    """The kernel's bfloat16 row limit: 8 where torch's oneDNN has a bfloat16 GEMM for this CPU
+    """The kernel's bfloat16 row limit: 3 where oneDNN runs the rows past it on packed weights
+    (:data:`packing`: at 4 rows the two tie, from 6 oneDNN is ahead, docs/benchmarks.md,
+    "Packed bfloat16 weights"); 8 where torch's oneDNN has a bfloat16 GEMM for this CPU
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: a CPU with bfloat16 instructions or
-    conversions, AVX-512 BF16, AMX, AVX-NE-CONVERT), else every row count, in slices of
-    :data:`ROWS_PER_CALL`: without it (e.g. an AVX2-only AMD EPYC) torch's bfloat16 ``mm``
+    conversions, AVX-512 BF16, AMX, AVX-NE-CONVERT) but packing is off; else every row count,
+    in slices of :data:`ROWS_PER_CALL`: without it (e.g. an AVX2-only AMD EPYC) torch's bfloat16 ``mm``
     costs about a GEMV a row, 4.9-6.8x the kernel from 8 to 256 rows (docs/benchmarks.md, "An
     AVX2-only machine, and bfloat16 where oneDNN has no GEMM"). A torch without oneDNN has no
     such GEMM either; one without the query keeps the tuned limit."""
+    if packing:
+        return 3
     if not torch.backends.mkldnn.is_available():
         return 1 << 30
     try:
@@ -71,14 +122,14 @@ cold weights (docs/benchmarks.md, "The weights asked for in step with the reads"
 :func:`_float32_rows`; bfloat16 1.5-1.8x oneDNN at 1 row, 1.8-2.7x at 2, 0.93-1.08x at 8 and
 behind from 16, where each pass over a block widens its bfloat16 weights again; at 8 rows it is
 kept for its end-to-end gain at 8 requests, measured against the kernel off, not against a
-limit of 4). bfloat16 has no limit on a CPU where oneDNN has no bfloat16 GEMM
-(:func:`_bfloat16_rows`)."""
+limit of 4; 3 against oneDNN on packed weights). bfloat16 has no limit on a CPU where oneDNN
+has no bfloat16 GEMM (:func:`_bfloat16_rows`)."""
 
 ROWS_PER_CALL = 256
 """Rows of ``x`` per kernel call: the widest measured (docs/benchmarks.md, "An AVX2-only
 machine, and bfloat16 where oneDNN has no GEMM"); only the bfloat16 limit reaches past it."""
 
-# False: every call is F.linear (an A/B in one process: benchmarks/offline_throughput.py).
+# False: no call is the Rust kernel's (an A/B in one process: benchmarks/offline_throughput.py).
 enabled = os.environ.get(ENV_VAR, "") != "0" and _core.kernels_vectorised()
 
 
@@ -128,9 +179,13 @@ def _bias_takes(bias: torch.Tensor, weight: torch.Tensor) -> bool:
 def cpu_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: the Rust kernel where :func:`takes`, else torch's."""
+    """``F.linear(x, weight, bias)``: the Rust kernel where :func:`takes`, else oneDNN on the
+    packed weight where there is one (:func:`packed_weight`), else torch's."""
     if not takes(x, weight, bias):
-        return F.linear(x, weight, bias)
+        packed = packed_weight(x, weight, bias)
+        if packed is None:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     out = x.new_empty((x.shape[0], weight.shape[0]))
     w, b, threads = numpy_view(weight), None if bias is None else numpy_view(bias), kernel_threads()
     xs, outs = numpy_view(x), numpy_view(out)
@@ -140,3 +195,46 @@ def cpu_linear(
         end = start + ROWS_PER_CALL
         _core.linear(xs[start:end], w, b, outs[start:end], threads=threads)
     return out
+
+
+def packed_weight(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``weight`` in oneDNN's packed layout, for a bfloat16 call of :func:`cpu_linear` the
+    Rust kernel did not take; None for any other call, and the first time a weight is seen
+    (module doc)."""
+    if not (
+        packing
+        and x.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.dim() == 2
+        and x.dim() >= 2
+        and x.shape[-1] == weight.shape[1]
+        and weight._base is None  # a view is remade each call: nothing to keep
+        and weight.layout is torch.strided
+        and weight.is_contiguous()
+        and (bias is None or _bias_takes(bias, weight))
+        and not (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        )
+    ):
+        return None
+    key = id(weight)
+    entry = _packs.get(key)
+    if entry is None or entry[0]() is not weight:  # first seen (or an id reused)
+        _packs[key] = (weakref.ref(weight, _forget(key)), None)
+        return None
+    if entry[1] is None:  # seen again, still alive: kept between calls, worth packing
+        _packs[key] = (entry[0], torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT))
+    return _packs[key][1]
+
+
+def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
+    """The callback that drops ``key``'s entry when its weight dies."""
+
+    def drop(_ref: weakref.ref[torch.Tensor]) -> None:
+        _packs.pop(key, None)
+
+    return drop

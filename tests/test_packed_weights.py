@@ -1,0 +1,119 @@
+"""The packed bfloat16 weights of the CPU linear (resin.kernels.cpu_linear.packed_weight).
+
+What they must do: give ``F.linear``'s values bit for bit (the same oneDNN GEMM, the weight's
+layout reordered once), be made only for a weight seen alive twice (never for a view, a float32
+weight, a tensor made for one call or one that needs a gradient), be dropped with their weight,
+take over from the Rust kernel past its bfloat16 rows, and be off with the switch.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from resin import kernels
+from resin.kernels import cpu_linear as cl
+
+pytestmark = pytest.mark.skipif(
+    not cl.packing, reason="no oneDNN bfloat16 GEMM with packed weights on this machine"
+)
+
+
+def _operands(rows: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    return x, w, b
+
+
+def _is_packed(w: torch.Tensor) -> bool:
+    entry = cl._packs.get(id(w))
+    return entry is not None and entry[0]() is w and entry[1] is not None
+
+
+@pytest.mark.parametrize("rows", [4, 9, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_calls_are_bit_equal_to_torch(rows: int, with_bias: bool) -> None:
+    x, w, b = _operands(rows, 96, 200)
+    bias = b if with_bias else None
+    first = cl.cpu_linear(x, w, bias)  # seen once: torch's own call
+    assert not _is_packed(w)
+    second = cl.cpu_linear(x, w, bias)
+    assert _is_packed(w)
+    want = F.linear(x, w, bias)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    # Any row count runs on the one pack, a batch of sequences too.
+    for other in (x[:5], torch.cat([x, x])):
+        assert torch.equal(cl.cpu_linear(other, w, bias), F.linear(other, w, bias))
+    x3 = x[:4].reshape(2, 2, 96)
+    assert torch.equal(cl.cpu_linear(x3, w, bias), F.linear(x3, w, bias))
+
+
+def test_the_rust_kernel_keeps_the_few_rows() -> None:
+    limit = cl.MAX_ROWS[torch.bfloat16]
+    assert limit == cl._bfloat16_rows() == 3
+    x, w, b = _operands(limit, 64, 48)
+    assert cl.takes(x, w, b)
+    x, w, b = _operands(limit + 1, 64, 48)
+    assert not cl.takes(x, w, b)
+
+
+def test_a_pack_is_dropped_with_its_weight() -> None:
+    x, w, _ = _operands(8, 32, 16)
+    cl.cpu_linear(x, w)
+    cl.cpu_linear(x, w)
+    key = id(w)
+    assert _is_packed(w)
+    del w
+    gc.collect()
+    assert key not in cl._packs
+
+
+def test_views_fresh_tensors_float32_and_gradients_are_never_packed() -> None:
+    x, w, b = _operands(8, 32, 24)
+    before = len(cl._packs)
+    for _ in range(3):
+        view = w[:16]  # remade each call
+        assert torch.equal(cl.cpu_linear(x, view), F.linear(x, view))
+        assert cl.packed_weight(x, w.t().contiguous().t()) is None  # a strided view
+        fresh = torch.cat([w, w])  # a tensor made for one call dies with it
+        bias = torch.cat([b, b])
+        assert torch.equal(cl.cpu_linear(x, fresh, bias), F.linear(x, fresh, bias))
+        assert not _is_packed(fresh)
+    del fresh
+    assert len(cl._packs) == before
+    x32, w32, _ = _operands(8, 32, 24, torch.float32)
+    for _ in range(2):
+        cl.cpu_linear(x32, w32)
+    assert id(w32) not in cl._packs
+    trained = w.clone().requires_grad_()
+    for _ in range(2):
+        out = cl.cpu_linear(x, trained)
+    out.float().sum().backward()
+    assert trained.grad is not None and not _is_packed(trained)
+
+
+def test_a_mismatched_call_fails_as_torch_does() -> None:
+    x, w, _ = _operands(8, 32, 24)
+    for _ in range(2):
+        cl.cpu_linear(x, w)
+    with pytest.raises(RuntimeError):
+        cl.cpu_linear(x[:, :31], w)
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cl, "packing", False)
+    x, w, _ = _operands(8, 32, 24)
+    for _ in range(2):
+        assert torch.equal(cl.cpu_linear(x, w), F.linear(x, w))
+    assert not _is_packed(w)
+    # Either half on keeps cpu_linear as the shared linear; both off is F.linear itself.
+    monkeypatch.setattr(cl, "enabled", False)
+    assert kernels.select_linear({}) is F.linear
+    monkeypatch.setattr(cl, "packing", True)
+    assert kernels.select_linear({}) is cl.cpu_linear
+    assert kernels.select_linear({cl.ENV_VAR: "0"}) is F.linear
