@@ -51,6 +51,13 @@ pub trait Vector {
     /// # Safety
     /// See the trait.
     unsafe fn axpy4<E: Element>(p: [f32; 4], v: [*const E; 4], acc: &mut [f32]);
+    /// [`Vector::axpy4`] of two weightings of the same four rows into two accumulators of one
+    /// width, each row element loaded (and widened) once: `axpy4(p[0], v, acc[0]);
+    /// axpy4(p[1], v, acc[1])`, bit for bit.
+    ///
+    /// # Safety
+    /// See the trait; `acc[0]` and `acc[1]` have the same length.
+    unsafe fn axpy4x2<E: Element>(p: [[f32; 4]; 2], v: [*const E; 4], acc: [&mut [f32]; 2]);
     /// `acc += p * v`.
     ///
     /// # Safety
@@ -363,6 +370,13 @@ impl Vector for Scalar {
     }
 
     #[inline(always)]
+    unsafe fn axpy4x2<E: Element>(p: [[f32; 4]; 2], v: [*const E; 4], acc: [&mut [f32]; 2]) {
+        let [first, second] = acc;
+        Self::axpy4(p[0], v, first);
+        Self::axpy4(p[1], v, second);
+    }
+
+    #[inline(always)]
     unsafe fn axpy<E: Element>(p: f32, v: *const E, acc: &mut [f32]) {
         for (c, slot) in acc.iter_mut().enumerate() {
             *slot += p * (*v.add(c)).to_f32();
@@ -548,6 +562,35 @@ mod avx2 {
             while i < n {
                 let at = |j: usize| (*v[j].add(i)).to_f32();
                 *out.add(i) += p[0] * at(0) + p[1] * at(1) + p[2] * at(2) + p[3] * at(3);
+                i += 1;
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn axpy4x2<E: Element>(p: [[f32; 4]; 2], v: [*const E; 4], acc: [&mut [f32]; 2]) {
+            // axpy4's operations for each accumulator, in its order.
+            let weights = |p: [f32; 4]| p.map(|x| _mm256_set1_ps(x));
+            let (p0, p1) = (weights(p[0]), weights(p[1]));
+            let n = acc[0].len();
+            debug_assert_eq!(n, acc[1].len());
+            let (out0, out1) = (acc[0].as_mut_ptr(), acc[1].as_mut_ptr());
+            let mut i = 0;
+            while i + 8 <= n {
+                let (mut a, mut b) = (_mm256_loadu_ps(out0.add(i)), _mm256_loadu_ps(out1.add(i)));
+                for j in 0..4 {
+                    let row = E::load8(v[j].add(i));
+                    a = _mm256_fmadd_ps(p0[j], row, a);
+                    b = _mm256_fmadd_ps(p1[j], row, b);
+                }
+                _mm256_storeu_ps(out0.add(i), a);
+                _mm256_storeu_ps(out1.add(i), b);
+                i += 8;
+            }
+            while i < n {
+                let at = |j: usize| (*v[j].add(i)).to_f32();
+                for (out, p) in [(out0, p[0]), (out1, p[1])] {
+                    *out.add(i) += p[0] * at(0) + p[1] * at(1) + p[2] * at(2) + p[3] * at(3);
+                }
                 i += 1;
             }
         }
