@@ -9,8 +9,8 @@ bfloat16, the checkpoint cast on load):
 - resin: `LLM.generate` with C concurrent requests (one engine, continuous batching), once per
   attention backend in `--attention-backends` (default: `torch`, the default backend, with its
   CPU paged-attention kernel, and `torch-sdpa`, the same backend with the kernel off,
-  `RESIN_TORCH_CPU_KERNEL=0`; `torch-gemm` is the torch backend with the CPU decode linear off,
-  every projection torch's GEMM; `torch-argmax` the torch backend with the greedy pick
+  `RESIN_TORCH_CPU_KERNEL=0`; `torch-gemm` is the torch backend with the CPU decode linear and
+  the packed bfloat16 weights off, every projection torch's plain GEMM; `torch-argmax` the torch backend with the greedy pick
   torch's `argmax`, not `_core.argmax`; `torch-async` the torch backend with
   `async_scheduling` (the next step begun before a step's outputs are returned); `reference`
   is the parity backend);
@@ -124,15 +124,17 @@ def resin_contender(
     llm.generate([warmup], params)  # allocator, first-call costs (a prompt no repeat uses)
 
     def run(prompts: list[list[int]]) -> float:
-        enabled, argmax_kernel = cpu_linear.enabled, resin.sampling_greedy.argmax_kernel
-        cpu_linear.enabled = enabled and not gemm
+        enabled, packing = cpu_linear.enabled, cpu_linear.packing
+        argmax_kernel = resin.sampling_greedy.argmax_kernel
+        cpu_linear.enabled, cpu_linear.packing = enabled and not gemm, packing and not gemm
         resin.sampling_greedy.argmax_kernel = argmax_kernel and not torch_argmax
         try:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params)
             seconds = time.perf_counter() - start
         finally:
-            cpu_linear.enabled, resin.sampling_greedy.argmax_kernel = enabled, argmax_kernel
+            cpu_linear.enabled, cpu_linear.packing = enabled, packing
+            resin.sampling_greedy.argmax_kernel = argmax_kernel
         assert all(len(o.token_ids) == output_len for o in outputs)
         return len(prompts) * output_len / seconds
 
@@ -154,14 +156,19 @@ def matmul_floor_contender(output_len: int, dtype: str = "float32") -> Contender
     lm_head = weights["lm_head.weight"]
     hidden = lm_head.shape[1]
 
-    def randn(*shape: int) -> Any:
-        return torch.randn(*shape, dtype=lm_head.dtype)
+    inputs: dict[tuple[int, int], Any] = {}
+
+    def x(rows: int, width: int) -> Any:
+        """Random inputs made once a shape, before the clock starts: drawing them in the timed
+        loop (a prefill's [4096, 1376] each layer) had cost as much as the bfloat16 GEMMs."""
+        if (rows, width) not in inputs:
+            inputs[rows, width] = torch.randn(rows, width, dtype=lm_head.dtype)
+        return inputs[rows, width]
 
     def step(tokens: int, sampled: int) -> None:
-        x = randn(tokens, hidden)
         for w in projections:  # input width: hidden, or the MLP width for down_proj
-            linear(x if w.shape[1] == hidden else randn(tokens, w.shape[1]), w)
-        linear(randn(sampled, hidden), lm_head)
+            linear(x(tokens, w.shape[1]), w)
+        linear(x(sampled, hidden), lm_head)
 
     with torch.inference_mode():
         step(1, 1)  # warm-up
@@ -169,6 +176,8 @@ def matmul_floor_contender(output_len: int, dtype: str = "float32") -> Contender
     def run(prompts: list[list[int]]) -> float:
         rows, prompt_tokens = len(prompts), sum(len(p) for p in prompts)
         with torch.inference_mode():
+            step(prompt_tokens, rows)  # the inputs drawn, and the shapes' first-call costs paid
+            step(rows, rows)
             start = time.perf_counter()
             step(prompt_tokens, rows)
             for _ in range(output_len - 1):
