@@ -410,10 +410,11 @@ impl PagedAttention<'_> {
                 for (h, sum) in sums.iter_mut().enumerate() {
                     let x = &mut scores[h * n..(h + 1) * n];
                     if self.bf16_rounding {
-                        let r = round_bf16;
-                        for s in x.iter_mut() {
-                            *s = r(r(*s) * self.scale);
-                            if let Some(c) = self.softcap {
+                        V::scale_to_bf16(x, 1.0); // q @ k.T, rounded
+                        V::scale_to_bf16(x, self.scale);
+                        if let Some(c) = self.softcap {
+                            let r = round_bf16;
+                            for s in x.iter_mut() {
                                 *s = r(r(r(*s / c).tanh()) * c);
                             }
                         }
@@ -431,9 +432,7 @@ impl PagedAttention<'_> {
                     if self.bf16_rounding {
                         // The probabilities themselves, rounded; nothing left to divide by.
                         let inverse = 1.0 / *sum; // torch's softmax multiplies by it too
-                        for p in x.iter_mut() {
-                            *p = round_bf16(*p * inverse);
-                        }
+                        V::scale_to_bf16(x, inverse);
                         *sum = 1.0;
                     }
                 }

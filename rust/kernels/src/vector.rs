@@ -63,6 +63,12 @@ pub trait Vector {
     /// # Safety
     /// See the trait.
     unsafe fn axpy<E: Element>(p: f32, v: *const E, acc: &mut [f32]);
+    /// `x[i] = bf16(x[i] * c)` ([`Bf16::round`] of the f32 product, widened back): a bfloat16
+    /// model's rounding of scores or probabilities (`c = 1.0` rounds alone).
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn scale_to_bf16(x: &mut [f32], c: f32);
     /// Bit `j` set where `x[j]` is above `below` or NaN (`!(x[j] <= below)`), for the 16
     /// values of `x`: which logits of a block pass a running threshold.
     ///
@@ -384,6 +390,13 @@ impl Vector for Scalar {
     }
 
     #[inline(always)]
+    unsafe fn scale_to_bf16(x: &mut [f32], c: f32) {
+        for v in x.iter_mut() {
+            *v = Bf16::round(*v * c).to_f32();
+        }
+    }
+
+    #[inline(always)]
     #[allow(clippy::neg_cmp_op_on_partial_ord)]
     unsafe fn above_mask16(x: &[f32; 16], below: f32) -> u32 {
         x.iter().enumerate().fold(0, |mask, (j, &v)| mask | (u32::from(!(v <= below)) << j))
@@ -397,7 +410,7 @@ pub struct Avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Ahead, Avx2, Element, Vector};
+    use super::{Ahead, Avx2, Bf16, Element, Vector};
     use std::arch::x86_64::*;
 
     /// The four lanes-sums of `a`..`d`: `[sum(a), sum(b), sum(c), sum(d)]`.
@@ -612,6 +625,18 @@ mod avx2 {
         }
 
         #[inline(always)]
+        unsafe fn scale_to_bf16(x: &mut [f32], c: f32) {
+            let c8 = _mm256_set1_ps(c);
+            let mut chunks = x.chunks_exact_mut(8);
+            for v in &mut chunks {
+                _mm256_storeu_ps(v.as_mut_ptr(), Bf16::round8(_mm256_mul_ps(_mm256_loadu_ps(v.as_ptr()), c8)));
+            }
+            for v in chunks.into_remainder() {
+                *v = Bf16::round(*v * c).to_f32();
+            }
+        }
+
+        #[inline(always)]
         unsafe fn above_mask16(x: &[f32; 16], below: f32) -> u32 {
             // Not-less-or-equal, unordered: true for NaN, as the scalar `!(v <= below)`.
             let b = _mm256_set1_ps(below);
@@ -679,6 +704,21 @@ mod tests {
             for (a, b) in acc.iter().zip(&want) {
                 assert!((*a as f64 - b).abs() < 1e-5, "axpy n={n}");
             }
+            // axpy4x2: two axpy4 calls' bits.
+            let (mut first, mut second) = (data(n, 98), data(n, 97));
+            let (mut want_first, mut want_second) = (first.clone(), second.clone());
+            let p2 = [-0.375f32, 1.5, 0.25, -2.0];
+            unsafe { V::axpy4x2([p, p2], ptrs, [&mut first, &mut second]) };
+            unsafe { V::axpy4(p, ptrs, &mut want_first) };
+            unsafe { V::axpy4(p2, ptrs, &mut want_second) };
+            assert_eq!((first, second), (want_first, want_second), "axpy4x2 n={n}: axpy4's bits");
+            // scale_to_bf16: Bf16::round of each product, NaN and infinities included.
+            let mut x: Vec<f32> = data(n, 6).iter().map(|v| v * 3e4).collect();
+            x[0] = f32::NAN;
+            x[n - 1] = f32::INFINITY;
+            let want: Vec<u32> = x.iter().map(|&v| Bf16::round(v * 0.37).to_f32().to_bits()).collect();
+            unsafe { V::scale_to_bf16(&mut x, 0.37) };
+            assert_eq!(x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "scale_to_bf16 n={n}");
         }
         let mut x: [f32; 16] = data(16, 5).try_into().unwrap();
         x[3] = f32::NAN;
