@@ -3,10 +3,11 @@
 ``resin eval parity MODEL [--runner torch|model|mlx] [--json PATH]`` runs the parity harness
 (:func:`resin.evals.parity.run_parity`), prints its summary, optionally writes the JSON
 report, and exits 0 only when every stage passes (1 on a parity failure, or a runner that
-cannot be built — a stub raising NotImplementedError, a checkpoint it rejects; 2 on bad usage). MODEL is resolved by
-:func:`resin.evals.model_ref.resolve_model`: an HF checkpoint directory runs the torch reference
-runner; a model directory or a name under ``models/`` (made by ``resin new-model``) runs that
-model's ``runner.py`` on the checkpoint, tolerances and stress settings of its ``parity.toml``
+cannot be built — a stub raising NotImplementedError, a checkpoint it rejects; 2 on bad usage).
+MODEL is resolved by :func:`resin.evals.model_ref.resolve_model`: an HF checkpoint directory
+runs the torch reference runner; a model directory or a name under ``models/`` (made by
+``resin new-model``) runs the shared runner on that model's blocks, with the checkpoint,
+tolerances and stress settings of its ``parity.toml``
 (command-line options override the file). ``--runner mlx`` runs the MLX runner
 (:mod:`resin.runners.mlx`) on the same checkpoint, with the same ``parity.toml`` settings when
 MODEL is a model directory (gpt_oss). ``--checkpoint DIR`` runs the same runner and settings

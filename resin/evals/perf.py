@@ -325,7 +325,10 @@ def bench(
         ),
     ] = None,
     device: Annotated[
-        str | None, typer.Option(help="cpu or cuda[:N]. Default: perf.toml's, else cpu.")
+        str | None,
+        typer.Option(
+            help="cpu or cuda[:N]. Default: perf.toml's, else cuda where there is one (cpu for mlx)."
+        ),
     ] = None,
     dtype: Annotated[
         str | None,

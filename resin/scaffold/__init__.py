@@ -1,6 +1,6 @@
 """The scaffold generator behind ``resin new-model``: HF config -> ``models/NAME/``.
 
-Owns turning an HF checkpoint (or just its ``config.json``) into a runner skeleton Resin can
+Owns turning an HF checkpoint (or just its ``config.json``) into a model directory Resin can
 drive: :mod:`.inspect` builds the HF model on the ``meta`` device and records its real module
 tree (classes, source locations, parameter names and shapes, per-layer types, MoE / MTP / rope
 settings); :mod:`.layer_map` maps layers to ``LayerCacheSpec`` and HF classes to the blocks

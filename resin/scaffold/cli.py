@@ -4,7 +4,8 @@ Owns the command and :func:`new_model`, the same steps from Python: inspect SOUR
 architecture on the meta device, optionally write a tiny random-weight checkpoint into
 ``OUT/tiny/`` (with ``OUT/tiny/CHANGES.md``, every change from the source config; the lines go to
 the NOTES.md template as ``tiny_changes`` when ``render_model`` takes extra context), and render
-the runner skeleton into OUT (default ``models/NAME``). The summary's ``warnings`` include one
+the model directory into OUT (default ``models/NAME``: its blocks, layer map, weight map and
+specs; the shared runner runs it). The summary's ``warnings`` include one
 line per HF module the scaffold does not place (``inspect.unplaced_warnings``). Refuses to
 overwrite an existing model directory (``architecture.json``, or an old-layout ``runner.py``)
 unless ``--force``. torch and transformers are imported
@@ -114,7 +115,7 @@ def new_model_command(
         bool, typer.Option("--force", help="Overwrite an existing model directory.")
     ] = False,
 ) -> None:
-    """Generate a runner skeleton for an HF architecture: runner, blocks, weight map, specs."""
+    """Generate a model directory for an HF architecture: blocks, layer map, weight map, specs."""
     try:
         summary = new_model(source, name, out, tiny, force)
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
