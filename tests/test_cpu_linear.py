@@ -23,10 +23,8 @@ pytestmark = pytest.mark.skipif(not cl.enabled, reason="the CPU linear is off on
 def float32_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's own behaviour is tested on every machine: float32 calls of up to 32 rows
     go to it here even where torch runs AVX-512 and the kernel is off for float32 (the rule:
-    test_the_float32_limit_follows_torchs_cpu_capability); bfloat16 calls of up to 8 even
-    where oneDNN takes them from 4 rows on packed weights (tests/test_packed_weights.py)."""
+    test_the_float32_limit_follows_torchs_cpu_capability)."""
     monkeypatch.setitem(cl.MAX_ROWS, torch.float32, 32)
-    monkeypatch.setitem(cl.MAX_ROWS, torch.bfloat16, max(8, cl.MAX_ROWS[torch.bfloat16]))
 
 
 def _operands(rows: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -153,7 +151,6 @@ def test_long_inputs_go_in_slices_with_the_same_rows(monkeypatch: pytest.MonkeyP
 def test_the_bfloat16_limit_follows_onednns_bfloat16_gemm(
     supported: bool, limit: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cl, "packing", False)  # with packing: tests/test_packed_weights.py
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
     assert cl._bfloat16_rows() == limit
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
@@ -166,7 +163,6 @@ def test_a_torch_without_the_query_keeps_the_tuned_bfloat16_limit(
     def missing() -> bool:
         raise RuntimeError("No such operator mkldnn::_is_mkldnn_bf16_supported")
 
-    monkeypatch.setattr(cl, "packing", False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
     assert cl._bfloat16_rows() == 8
 

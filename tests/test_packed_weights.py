@@ -35,7 +35,7 @@ def _is_packed(w: torch.Tensor) -> bool:
     return entry is not None and entry[0]() is w and entry[1] is not None
 
 
-@pytest.mark.parametrize("rows", [4, 9, 64, 300])
+@pytest.mark.parametrize("rows", [9, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_calls_are_bit_equal_to_torch(rows: int, with_bias: bool) -> None:
     x, w, b = _operands(rows, 96, 200)
@@ -47,15 +47,15 @@ def test_packed_calls_are_bit_equal_to_torch(rows: int, with_bias: bool) -> None
     want = F.linear(x, w, bias)
     assert torch.equal(first, want) and torch.equal(second, want)
     # Any row count runs on the one pack, a batch of sequences too.
-    for other in (x[:5], torch.cat([x, x])):
-        assert torch.equal(cl.cpu_linear(other, w, bias), F.linear(other, w, bias))
-    x3 = x[:4].reshape(2, 2, 96)
+    more = torch.cat([x, x])
+    assert torch.equal(cl.cpu_linear(more, w, bias), F.linear(more, w, bias))
+    x3 = x[:4].reshape(2, 2, 96)  # 3-D: never the kernel's, whatever its rows
     assert torch.equal(cl.cpu_linear(x3, w, bias), F.linear(x3, w, bias))
 
 
 def test_the_rust_kernel_keeps_the_few_rows() -> None:
     limit = cl.MAX_ROWS[torch.bfloat16]
-    assert limit == cl._bfloat16_rows() == 3
+    assert limit == cl._bfloat16_rows() == 8
     x, w, b = _operands(limit, 64, 48)
     assert cl.takes(x, w, b)
     x, w, b = _operands(limit + 1, 64, 48)
@@ -63,7 +63,7 @@ def test_the_rust_kernel_keeps_the_few_rows() -> None:
 
 
 def test_a_pack_is_dropped_with_its_weight() -> None:
-    x, w, _ = _operands(8, 32, 16)
+    x, w, _ = _operands(16, 32, 16)
     cl.cpu_linear(x, w)
     cl.cpu_linear(x, w)
     key = id(w)
@@ -74,7 +74,7 @@ def test_a_pack_is_dropped_with_its_weight() -> None:
 
 
 def test_views_fresh_tensors_float32_and_gradients_are_never_packed() -> None:
-    x, w, b = _operands(8, 32, 24)
+    x, w, b = _operands(16, 32, 24)
     before = len(cl._packs)
     for _ in range(3):
         view = w[:16]  # remade each call
@@ -98,7 +98,7 @@ def test_views_fresh_tensors_float32_and_gradients_are_never_packed() -> None:
 
 
 def test_a_mismatched_call_fails_as_torch_does() -> None:
-    x, w, _ = _operands(8, 32, 24)
+    x, w, _ = _operands(16, 32, 24)
     for _ in range(2):
         cl.cpu_linear(x, w)
     with pytest.raises(RuntimeError):
@@ -107,7 +107,7 @@ def test_a_mismatched_call_fails_as_torch_does() -> None:
 
 def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cl, "packing", False)
-    x, w, _ = _operands(8, 32, 24)
+    x, w, _ = _operands(16, 32, 24)
     for _ in range(2):
         assert torch.equal(cl.cpu_linear(x, w), F.linear(x, w))
     assert not _is_packed(w)

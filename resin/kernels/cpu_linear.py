@@ -82,17 +82,16 @@ _packs: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}
 
 
 def _bfloat16_rows() -> int:
-    """The kernel's bfloat16 row limit: 3 where oneDNN runs the rows past it on packed weights
-    (:data:`packing`: at 4 rows the two tie, from 6 oneDNN is ahead, docs/benchmarks.md,
-    "Packed bfloat16 weights"); 8 where torch's oneDNN has a bfloat16 GEMM for this CPU
+    """The kernel's bfloat16 row limit: 8 where torch's oneDNN has a bfloat16 GEMM for this CPU
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: a CPU with bfloat16 instructions or
-    conversions, AVX-512 BF16, AMX, AVX-NE-CONVERT) but packing is off; else every row count,
-    in slices of :data:`ROWS_PER_CALL`: without it (e.g. an AVX2-only AMD EPYC) torch's bfloat16 ``mm``
+    conversions, AVX-512 BF16, AMX, AVX-NE-CONVERT), with or without :data:`packing` (on
+    packed weights oneDNN's GEMM alone beats the kernel from 5 rows, but a model's decode step
+    at 4 rows ran 18-27% slower on it and level at 8: each oneDNN call pays tens of
+    microseconds a step's other ops leave cold, docs/benchmarks.md, "Packed bfloat16
+    weights"); else every row count, in slices of :data:`ROWS_PER_CALL`: without it (e.g. an AVX2-only AMD EPYC) torch's bfloat16 ``mm``
     costs about a GEMV a row, 4.9-6.8x the kernel from 8 to 256 rows (docs/benchmarks.md, "An
     AVX2-only machine, and bfloat16 where oneDNN has no GEMM"). A torch without oneDNN has no
     such GEMM either; one without the query keeps the tuned limit."""
-    if packing:
-        return 3
     if not torch.backends.mkldnn.is_available():
         return 1 << 30
     try:
@@ -122,8 +121,8 @@ cold weights (docs/benchmarks.md, "The weights asked for in step with the reads"
 :func:`_float32_rows`; bfloat16 1.5-1.8x oneDNN at 1 row, 1.8-2.7x at 2, 0.93-1.08x at 8 and
 behind from 16, where each pass over a block widens its bfloat16 weights again; at 8 rows it is
 kept for its end-to-end gain at 8 requests, measured against the kernel off, not against a
-limit of 4; 3 against oneDNN on packed weights). bfloat16 has no limit on a CPU where oneDNN
-has no bfloat16 GEMM (:func:`_bfloat16_rows`)."""
+limit of 4; the same against oneDNN on packed weights). bfloat16 has no limit on a CPU where
+oneDNN has no bfloat16 GEMM (:func:`_bfloat16_rows`)."""
 
 ROWS_PER_CALL = 256
 """Rows of ``x`` per kernel call: the widest measured (docs/benchmarks.md, "An AVX2-only
