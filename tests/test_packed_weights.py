@@ -3,7 +3,8 @@
 What they must do: give ``F.linear``'s values bit for bit (the same oneDNN GEMM, the weight's
 layout reordered once), be made only for a weight seen alive twice (never for a view, a float32
 weight, a tensor made for one call or one that needs a gradient), be dropped with their weight,
-take over from the Rust kernel past its bfloat16 rows, and be off with the switch.
+stop at their memory budget, take over from the Rust kernel past its bfloat16 rows, and be off
+with the switch.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _operands(rows: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, se
 
 def _is_packed(w: torch.Tensor) -> bool:
     entry = cl._packs.get(id(w))
-    return entry is not None and entry[0]() is w and entry[1] is not None
+    return entry is not None and entry.ref() is w and entry.tensor is not None
 
 
 @pytest.mark.parametrize("rows", [9, 64, 300])
@@ -71,6 +72,37 @@ def test_a_pack_is_dropped_with_its_weight() -> None:
     del w
     gc.collect()
     assert key not in cl._packs
+
+
+def test_packs_stop_at_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, first, _ = _operands(16, 64, 32, seed=1)  # 4 KiB of bfloat16 each
+    second = _operands(16, 64, 32, seed=2)[1]
+    monkeypatch.setattr(cl, "_packed_bytes", 0)
+    monkeypatch.setattr(cl, "_pack_budget_bytes", 6 * 1024)  # room for one
+    for _ in range(2):
+        cl.cpu_linear(x, first)
+    assert _is_packed(first) and cl._packed_bytes == 4096
+    with pytest.warns(RuntimeWarning, match="packed bfloat16 weights stop at"):
+        for _ in range(2):
+            got = cl.cpu_linear(x, second)
+    assert not _is_packed(second) and cl._packs[id(second)].refused
+    assert torch.equal(got, F.linear(x, second))  # torch's own call, every time after
+    assert torch.equal(cl.cpu_linear(x, second), F.linear(x, second))
+    del first
+    gc.collect()
+    assert cl._packed_bytes == 0  # a pack's bytes go with its weight
+
+
+def test_the_budget_is_a_share_of_the_memory_free_at_the_first_pack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert cl._available_bytes() > 0  # /proc/meminfo's MemAvailable here
+    monkeypatch.setattr(cl, "_pack_budget_bytes", None)
+    monkeypatch.setattr(cl, "_available_bytes", lambda: 10 << 20)
+    x, w, _ = _operands(16, 32, 24)
+    for _ in range(2):
+        cl.cpu_linear(x, w)
+    assert _is_packed(w) and cl._pack_budget_bytes == int((10 << 20) * cl.PACK_MEMORY_SHARE)
 
 
 def test_views_fresh_tensors_float32_and_gradients_are_never_packed() -> None:

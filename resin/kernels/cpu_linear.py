@@ -24,8 +24,11 @@ it on every call, which cost a third of a 64-row step's projections and two fift
 bit-equal to ``F.linear`` (tests/test_cpu_linear.py). A weight is packed the second time it
 is seen alive (a tensor made for one call, a ``torch.cat`` of two, is never packed; a view is
 never packed) and its pack is dropped with it. The cost: each packed weight is held twice (its
-plain tensor stays: an embedding tied to the LM head, the kernel's few-row calls read it).
-``RESIN_CPU_PACKED_WEIGHTS=0`` at import, or :data:`packing` False, turns it off. A weight
+plain tensor stays: an embedding tied to the LM head, the kernel's few-row calls read it), so
+packs stop at :data:`PACK_MEMORY_SHARE` of the memory free when the first one is made (the
+weights past it run on ``F.linear``, with one warning) and a model that barely fits is not
+pushed out of memory. ``RESIN_CPU_PACKED_WEIGHTS=0`` at import, or :data:`packing` False,
+turns it off. A weight
 written in place after it was packed keeps its old pack (Resin loads weights once).
 
 Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in the environment at import or
@@ -37,8 +40,10 @@ and a CUDA tensor fails :func:`takes` and the packing's device test).
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,9 +81,24 @@ PACK_ROWS_HINT = 4096
 """The row count oneDNN picks the packed layout for; any row count runs on it (measured: from
 3 to 4,096 rows, hints of 4 to 4,096 were within the machine's noise of each other)."""
 
-# id(weight) -> (a reference that drops the entry with the weight, its pack or None when seen
-# once): packed_weight.
-_packs: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}
+PACK_MEMORY_SHARE = 0.5
+"""The share of the memory free at the first pack (``MemAvailable``) that packs may hold."""
+
+
+class _Pack(NamedTuple):
+    """A weight seen by :func:`packed_weight`: a reference that drops the entry with the
+    weight, its pack (None: seen once, or refused), the pack's bytes, and whether it was
+    refused (over the budget: never tried again)."""
+
+    ref: weakref.ref[torch.Tensor]
+    tensor: torch.Tensor | None = None
+    nbytes: int = 0
+    refused: bool = False
+
+
+_packs: dict[int, _Pack] = {}  # id(weight) -> its entry
+_packed_bytes = 0  # held by the live packs
+_pack_budget_bytes: int | None = None  # set at the first pack (PACK_MEMORY_SHARE)
 
 
 def _bfloat16_rows() -> int:
@@ -222,18 +242,58 @@ def packed_weight(
         return None
     key = id(weight)
     entry = _packs.get(key)
-    if entry is None or entry[0]() is not weight:  # first seen (or an id reused)
-        _packs[key] = (weakref.ref(weight, _forget(key)), None)
+    if entry is None or entry.ref() is not weight:  # first seen (or an id reused)
+        _packs[key] = _Pack(weakref.ref(weight, _forget(key)))
         return None
-    if entry[1] is None:  # seen again, still alive: kept between calls, worth packing
-        _packs[key] = (entry[0], torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT))
-    return _packs[key][1]
+    if entry.tensor is None and not entry.refused:  # seen again, alive: kept between calls
+        _packs[key] = entry = _pack(entry, weight)
+    return entry.tensor
+
+
+def _pack(entry: _Pack, weight: torch.Tensor) -> _Pack:
+    """``entry`` with ``weight`` packed, or refused if the pack would pass the budget."""
+    global _packed_bytes, _pack_budget_bytes
+    nbytes = weight.numel() * weight.element_size()
+    if _pack_budget_bytes is None:
+        _pack_budget_bytes = int(_available_bytes() * PACK_MEMORY_SHARE)
+    if _packed_bytes + nbytes > _pack_budget_bytes:
+        if not any(e.refused for e in _packs.values()):
+            warnings.warn(
+                f"packed bfloat16 weights stop at {_packed_bytes / 2**30:.2f} GiB "
+                f"({PACK_MEMORY_SHARE:.0%} of the memory free at the first pack): the other "
+                f"projections run on F.linear; {PACKED_ENV_VAR}=0 turns packing off",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return entry._replace(refused=True)
+    _packed_bytes += nbytes
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+    return entry._replace(tensor=packed, nbytes=nbytes)
+
+
+def _available_bytes() -> int:
+    """Memory free for new allocations: ``MemAvailable`` (Linux), else the free physical pages,
+    else none (nothing is packed)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
-    """The callback that drops ``key``'s entry when its weight dies."""
+    """The callback that drops ``key``'s entry, and its pack's bytes, when its weight dies."""
 
     def drop(_ref: weakref.ref[torch.Tensor]) -> None:
-        _packs.pop(key, None)
+        global _packed_bytes
+        entry = _packs.pop(key, None)
+        if entry is not None:
+            _packed_bytes -= entry.nbytes
 
     return drop
