@@ -102,6 +102,10 @@ def main() -> None:
         return
     if not args.old:
         parser.error("--old is required")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import offline_throughput
+
+    offline_throughput.make_checkpoint()  # once, before this tree's sides start
     results = [compare(args, int(c)) for c in args.concurrency.split(",")]
     print(f"\n{args.dtype}, {args.rounds} rounds, sides taking turns; tok/s medians\n")
     sides = list(results[0]["tok_s"])

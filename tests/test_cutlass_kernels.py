@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_linear_is_not_cutlass_unless_opted_in() -> None:
     # Without the opt-in: the CPU decode linear where it is on, else F.linear itself (not even
     # a wrapper call); never the CUTLASS GEMM.
-    default = cpu_linear.cpu_linear if cpu_linear.enabled else F.linear
+    default = cpu_linear.cpu_linear if cpu_linear.enabled or cpu_linear.packing else F.linear
     assert kernels.select_linear({}) is default
     assert kernels.select_linear({"RESIN_CUTLASS_GEMM": "0"}) is default
     assert kernels.select_linear({"RESIN_CPU_LINEAR": "0"}) is F.linear

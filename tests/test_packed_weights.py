@@ -10,10 +10,13 @@ with the switch.
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch.utils.weak import WeakIdKeyDictionary
 
 from resin import kernels
 from resin.kernels import cpu_linear as cl
@@ -32,8 +35,8 @@ def _operands(rows: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, se
 
 
 def _is_packed(w: torch.Tensor) -> bool:
-    entry = cl._packs.get(id(w))
-    return entry is not None and entry.ref() is w and entry.tensor is not None
+    entry = cl._packs.get(w)
+    return entry is not None and entry.tensor is not None
 
 
 @pytest.mark.parametrize("rows", [9, 64, 300])
@@ -54,6 +57,7 @@ def test_packed_calls_are_bit_equal_to_torch(rows: int, with_bias: bool) -> None
     assert torch.equal(cl.cpu_linear(x3, w, bias), F.linear(x3, w, bias))
 
 
+@pytest.mark.skipif(not cl.enabled, reason="the Rust kernel is off on this machine")
 def test_the_rust_kernel_keeps_the_few_rows() -> None:
     limit = cl.MAX_ROWS[torch.bfloat16]
     assert limit == cl._bfloat16_rows() == 8
@@ -74,23 +78,44 @@ def test_a_pack_is_dropped_with_its_weight() -> None:
     assert key not in cl._packs
 
 
+def test_a_weight_loaded_from_safetensors_is_packed(tmp_path: Path) -> None:
+    # A bfloat16 checkpoint loaded as bfloat16 hands out views of the file's buffer.
+    x, w, b = _operands(16, 64, 48)
+    save_file({"w": w, "b": b}, str(tmp_path / "model.safetensors"))
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    w, b = loaded["w"], loaded["b"]
+    for _ in range(2):
+        got = cl.cpu_linear(x, w, b)
+    assert _is_packed(w)
+    assert torch.equal(got, F.linear(x, w, b))
+
+
 def test_packs_stop_at_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     x, first, _ = _operands(16, 64, 32, seed=1)  # 4 KiB of bfloat16 each
     second = _operands(16, 64, 32, seed=2)[1]
-    monkeypatch.setattr(cl, "_packed_bytes", 0)
+    monkeypatch.setattr(cl, "_packs", WeakIdKeyDictionary())  # no other test's packs
     monkeypatch.setattr(cl, "_pack_budget_bytes", 6 * 1024)  # room for one
     for _ in range(2):
         cl.cpu_linear(x, first)
-    assert _is_packed(first) and cl._packed_bytes == 4096
+    assert _is_packed(first) and cl.packed_bytes() == 4096
     with pytest.warns(RuntimeWarning, match="packed bfloat16 weights stop at"):
         for _ in range(2):
             got = cl.cpu_linear(x, second)
-    assert not _is_packed(second) and cl._packs[id(second)].refused
+    assert not _is_packed(second) and cl._packs[second].refused
     assert torch.equal(got, F.linear(x, second))  # torch's own call, every time after
     assert torch.equal(cl.cpu_linear(x, second), F.linear(x, second))
     del first
     gc.collect()
-    assert cl._packed_bytes == 0  # a pack's bytes go with its weight
+    assert cl.packed_bytes() == 0  # a pack's bytes go with its weight
+
+
+def test_the_budget_follows_a_cgroup_limit(tmp_path: Path) -> None:
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("268435456\n")
+    assert cl._cgroup_room(str(tmp_path)) == 768 << 20
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cl._cgroup_room(str(tmp_path)) is None
+    assert cl._cgroup_room(str(tmp_path / "absent")) is None
 
 
 def test_the_budget_is_a_share_of_the_memory_free_at_the_first_pack(
@@ -105,23 +130,27 @@ def test_the_budget_is_a_share_of_the_memory_free_at_the_first_pack(
     assert _is_packed(w) and cl._pack_budget_bytes == int((10 << 20) * cl.PACK_MEMORY_SHARE)
 
 
-def test_views_fresh_tensors_float32_and_gradients_are_never_packed() -> None:
+def test_per_call_views_fresh_tensors_float32_and_gradients_are_never_packed() -> None:
     x, w, b = _operands(16, 32, 24)
     before = len(cl._packs)
     for _ in range(3):
         view = w[:16]  # remade each call
         assert torch.equal(cl.cpu_linear(x, view), F.linear(x, view))
+        assert not _is_packed(view)
         assert cl.packed_weight(x, w.t().contiguous().t()) is None  # a strided view
+        strided_x = torch.cat([x, x], dim=1)[:, :32]
+        assert torch.equal(cl.cpu_linear(strided_x, w), F.linear(strided_x, w))
         fresh = torch.cat([w, w])  # a tensor made for one call dies with it
         bias = torch.cat([b, b])
         assert torch.equal(cl.cpu_linear(x, fresh, bias), F.linear(x, fresh, bias))
         assert not _is_packed(fresh)
-    del fresh
+    del fresh, view
+    gc.collect()
     assert len(cl._packs) == before
     x32, w32, _ = _operands(8, 32, 24, torch.float32)
     for _ in range(2):
         cl.cpu_linear(x32, w32)
-    assert id(w32) not in cl._packs
+    assert w32 not in cl._packs
     trained = w.clone().requires_grad_()
     for _ in range(2):
         out = cl.cpu_linear(x, trained)
@@ -149,3 +178,4 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cl, "packing", True)
     assert kernels.select_linear({}) is cl.cpu_linear
     assert kernels.select_linear({cl.ENV_VAR: "0"}) is F.linear
+    assert kernels.select_linear({cl.PACKED_ENV_VAR: "0"}) is F.linear

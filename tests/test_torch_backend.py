@@ -87,6 +87,7 @@ def _torch_backend(cpu_kernel: bool) -> _CountingBackend:
         (5, 4, 2, False, True, None),
         (None, 4, 2, False, False, 7.0),
         (None, 4, 1, True, True, None),
+        (None, 6, 2, False, True, None),  # three query heads a KV head: a pair, then one
     ],
 )
 @pytest.mark.parametrize("cpu_kernel", [False, True], ids=["sdpa", "cpu-kernel"])

@@ -34,7 +34,8 @@ def select_linear(environ: dict[str, str] | None = None) -> Linear:
     ``F.linear`` itself where that is off (module doc)."""
     if not cutlass_gemm.enabled(environ):
         env = os.environ if environ is None else environ
-        if env.get(cpu_linear.ENV_VAR, "") == "0" or not (cpu_linear.enabled or cpu_linear.packing):
+        packing = cpu_linear.packing and env.get(cpu_linear.PACKED_ENV_VAR, "") != "0"
+        if env.get(cpu_linear.ENV_VAR, "") == "0" or not (cpu_linear.enabled or packing):
             return F.linear
         return cpu_linear.cpu_linear
     reason = cutlass_gemm.cutlass_unavailable()

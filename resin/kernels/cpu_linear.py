@@ -20,16 +20,18 @@ Past the kernel's rows, a bfloat16 projection on a CPU where oneDNN has a bfloat
 ``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once into oneDNN's blocked
 layout (``_reorder_linear_weight``, what inductor's CPU freezing does): ``F.linear`` reorders
 it on every call, which cost a third of a 64-row step's projections and two fifths of a
-4,096-row prefill's (docs/benchmarks.md, "Packed bfloat16 weights"). Same oneDNN GEMM, so
-bit-equal to ``F.linear`` (tests/test_cpu_linear.py). A weight is packed the second time it
-is seen alive (a tensor made for one call, a ``torch.cat`` of two, is never packed; a view is
-never packed) and its pack is dropped with it. The cost: each packed weight is held twice (its
-plain tensor stays: an embedding tied to the LM head, the kernel's few-row calls read it), so
-packs stop at :data:`PACK_MEMORY_SHARE` of the memory free when the first one is made (the
-weights past it run on ``F.linear``, with one warning) and a model that barely fits is not
-pushed out of memory. ``RESIN_CPU_PACKED_WEIGHTS=0`` at import, or :data:`packing` False,
-turns it off. A weight
-written in place after it was packed keeps its old pack (Resin loads weights once).
+4,096-row prefill's (docs/benchmarks.md, "Packed bfloat16 weights"). Same oneDNN GEMM: for a
+contiguous ``x`` bit-equal to ``F.linear`` (tests/test_packed_weights.py: 2 to 300 rows, 3-D;
+a strided ``x`` takes ``F.linear``). A weight is packed the second time it is seen alive (a
+tensor made for one call, a ``torch.cat`` of two or a slice taken per call, is never packed;
+a weight loaded as a view of its checkpoint's buffer is) and its pack is dropped with it. The
+cost: each packed weight is held twice (its plain tensor stays: an embedding tied to the LM
+head, the kernel's few-row calls read it), so packs stop at :data:`PACK_MEMORY_SHARE` of the
+memory free when the first one is made (``MemAvailable``, or less room under a cgroup's
+memory limit; the weights past it run on ``F.linear``, with one warning) and a model that
+barely fits is not pushed out of memory. ``RESIN_CPU_PACKED_WEIGHTS=0`` at import, or
+:data:`packing` False, turns it off. A weight written in place after it was packed keeps its
+old pack (Resin loads weights once).
 
 Anything else, and everything with ``RESIN_CPU_LINEAR=0`` in the environment at import or
 :data:`enabled` and :data:`packing` False, is ``F.linear`` (on a GPU too:
@@ -40,13 +42,13 @@ and a CUDA tensor fails :func:`takes` and the packing's device test).
 from __future__ import annotations
 
 import os
+import threading
 import warnings
-import weakref
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from resin import _core
 from resin.kernels.cpu_threads import kernel_threads
@@ -86,19 +88,18 @@ PACK_MEMORY_SHARE = 0.5
 
 
 class _Pack(NamedTuple):
-    """A weight seen by :func:`packed_weight`: a reference that drops the entry with the
-    weight, its pack (None: seen once, or refused), the pack's bytes, and whether it was
-    refused (over the budget: never tried again)."""
+    """A weight seen by :func:`packed_weight`: its pack (None: seen once, or refused), the
+    pack's bytes, and whether it was refused (over the budget: never tried again)."""
 
-    ref: weakref.ref[torch.Tensor]
     tensor: torch.Tensor | None = None
     nbytes: int = 0
     refused: bool = False
 
 
-_packs: dict[int, _Pack] = {}  # id(weight) -> its entry
-_packed_bytes = 0  # held by the live packs
+# weight (by identity, weakly: an entry goes with its weight) -> its entry.
+_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _pack_budget_bytes: int | None = None  # set at the first pack (PACK_MEMORY_SHARE)
+_pack_lock = threading.Lock()  # packing and its budget: one thread at a time
 
 
 def _bfloat16_rows() -> int:
@@ -231,7 +232,7 @@ def packed_weight(
         and weight.dim() == 2
         and x.dim() >= 2
         and x.shape[-1] == weight.shape[1]
-        and weight._base is None  # a view is remade each call: nothing to keep
+        and x.is_contiguous()  # a strided x: oneDNN sums another way than F.linear
         and weight.layout is torch.strided
         and weight.is_contiguous()
         and (bias is None or _bias_takes(bias, weight))
@@ -240,60 +241,95 @@ def packed_weight(
         )
     ):
         return None
-    key = id(weight)
-    entry = _packs.get(key)
-    if entry is None or entry.ref() is not weight:  # first seen (or an id reused)
-        _packs[key] = _Pack(weakref.ref(weight, _forget(key)))
+    entry = _packs.get(weight)
+    if entry is None:  # first seen
+        _packs[weight] = _Pack()
         return None
     if entry.tensor is None and not entry.refused:  # seen again, alive: kept between calls
-        _packs[key] = entry = _pack(entry, weight)
+        with _pack_lock:
+            _packs[weight] = entry = _pack(weight)
     return entry.tensor
 
 
-def _pack(entry: _Pack, weight: torch.Tensor) -> _Pack:
-    """``entry`` with ``weight`` packed, or refused if the pack would pass the budget."""
-    global _packed_bytes, _pack_budget_bytes
+def packed_bytes() -> int:
+    """Bytes the live packs hold (their weights' sizes)."""
+    return sum(entry.nbytes for entry in list(_packs.values()))
+
+
+def _pack(weight: torch.Tensor) -> _Pack:
+    """``weight``'s entry: packed, or refused if the pack would pass the budget."""
+    global _pack_budget_bytes
     nbytes = weight.numel() * weight.element_size()
     if _pack_budget_bytes is None:
         _pack_budget_bytes = int(_available_bytes() * PACK_MEMORY_SHARE)
-    if _packed_bytes + nbytes > _pack_budget_bytes:
-        if not any(e.refused for e in _packs.values()):
+    held = packed_bytes()
+    if held + nbytes > _pack_budget_bytes:
+        # Warned once, at the first refusal; no warning where the free memory is unknown.
+        if _pack_budget_bytes > 0 and not any(e.refused for e in list(_packs.values())):
             warnings.warn(
-                f"packed bfloat16 weights stop at {_packed_bytes / 2**30:.2f} GiB "
+                f"packed bfloat16 weights stop at {held / 2**30:.2f} GiB "
                 f"({PACK_MEMORY_SHARE:.0%} of the memory free at the first pack): the other "
                 f"projections run on F.linear; {PACKED_ENV_VAR}=0 turns packing off",
                 RuntimeWarning,
                 stacklevel=4,
             )
-        return entry._replace(refused=True)
-    _packed_bytes += nbytes
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-    return entry._replace(tensor=packed, nbytes=nbytes)
+        return _Pack(refused=True)
+    return _Pack(torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT), nbytes)
 
 
 def _available_bytes() -> int:
-    """Memory free for new allocations: ``MemAvailable`` (Linux), else the free physical pages,
-    else none (nothing is packed)."""
+    """Memory free for new allocations: ``MemAvailable`` (Linux), at most the room left under
+    this process's cgroup memory limit (a container's: the host's ``MemAvailable`` does not
+    see it), else the physical pages free; 0 where none of these can be read (nothing is
+    packed)."""
+    free = _meminfo_available()
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return 0
+    room = _cgroup_room()
+    return free if room is None else min(free, room)
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError):
         pass
+    return None
+
+
+def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit less the usage of this process's cgroup (v2: ``memory.max`` /
+    ``memory.current`` of the group ``/proc/self/cgroup`` names; v1: ``memory.limit_in_bytes``
+    / ``memory.usage_in_bytes``); None without a limit or where none can be read."""
+    group = ""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
-    """The callback that drops ``key``'s entry, and its pack's bytes, when its weight dies."""
-
-    def drop(_ref: weakref.ref[torch.Tensor]) -> None:
-        global _packed_bytes
-        entry = _packs.pop(key, None)
-        if entry is not None:
-            _packed_bytes -= entry.nbytes
-
-    return drop
+        with open("/proc/self/cgroup") as cgroups:
+            for line in cgroups:
+                hierarchy, _, path = line.rstrip("\n").split(":", 2)
+                if hierarchy == "0":  # v2's unified hierarchy
+                    group = path
+    except (OSError, ValueError):
+        pass
+    candidates = [
+        (f"{root}{group}/memory.max", f"{root}{group}/memory.current"),
+        (f"{root}/memory.max", f"{root}/memory.current"),
+        (f"{root}/memory/memory.limit_in_bytes", f"{root}/memory/memory.usage_in_bytes"),
+    ]
+    for limit_file, usage_file in candidates:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None

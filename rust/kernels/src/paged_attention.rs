@@ -661,6 +661,8 @@ mod tests {
     fn full_attention_gqa_any_page_order() {
         for threads in [1, 3] {
             check_case(Case { rows: ROWS.to_vec(), window: None, ratio: 1, heads: (4, 2), sinks: false, softcap: None, threads });
+            // Three query heads a KV head: a pair, then one alone.
+            check_case(Case { rows: ROWS.to_vec(), window: None, ratio: 1, heads: (6, 2), sinks: true, softcap: None, threads });
         }
     }
 
