@@ -2,14 +2,14 @@
 more rows in bfloat16 through oneDNN with the weight packed once.
 
 Owns :func:`cpu_linear` (a drop-in for ``F.linear``), when the Rust kernel takes a call
-(:func:`takes`) and the packed bfloat16 weights (:func:`packed_weight`). At one to a few rows a projection reads every weight once to make a few
-outputs, so it is bound by memory; torch's CPU GEMM reads cold weights at a third (float32) to
-a half (oneDNN's bfloat16) of the machine's streaming rate there, the Rust kernel
-(``rust/kernels/src/linear.rs``) at 80-90% of it at one row (docs/benchmarks.md, "The weights
-asked for in step with the reads"). The floats: one float32 dot product per output plus the
-bias, rounded once to the dtype, as torch's GEMM computes them but in another summation order,
-so they agree to float32 rounding, not bit for bit (parity holds within its tolerances:
-tests/test_cpu_linear.py, the parity suite).
+(:func:`takes`) and the packed bfloat16 weights (:func:`packed_weight`). At one to a few rows a
+projection reads every weight once to make a few outputs, so it is bound by memory; torch's CPU
+GEMM reads cold weights at a third (float32) to a half (oneDNN's bfloat16) of the machine's
+streaming rate there, the Rust kernel (``rust/kernels/src/linear.rs``) at 80-90% of it at one
+row (docs/benchmarks.md, "The weights asked for in step with the reads"). The floats: one
+float32 dot product per output plus the bias, rounded once to the dtype, as torch's GEMM
+computes them but in another summation order, so they agree to float32 rounding, not bit for
+bit (parity holds within its tolerances: tests/test_cpu_linear.py, the parity suite).
 
 Taken: CPU tensors of a dtype in :data:`MAX_ROWS` (float32, bfloat16) with up to its rows
 (bfloat16: every row count on a CPU where oneDNN has no bfloat16 GEMM, where torch's is slow),
@@ -84,7 +84,8 @@ PACK_ROWS_HINT = 4096
 3 to 4,096 rows, hints of 4 to 4,096 were within the machine's noise of each other)."""
 
 PACK_MEMORY_SHARE = 0.5
-"""The share of the memory free at the first pack (``MemAvailable``) that packs may hold."""
+"""The share of the memory free at the first pack (:func:`_available_bytes`: ``MemAvailable``,
+at most the room under a cgroup's limit) that packs may hold."""
 
 
 class _Pack(NamedTuple):
@@ -103,16 +104,17 @@ _pack_lock = threading.Lock()  # packing and its budget: one thread at a time
 
 
 def _bfloat16_rows() -> int:
-    """The kernel's bfloat16 row limit: 8 where torch's oneDNN has a bfloat16 GEMM for this CPU
-    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: a CPU with bfloat16 instructions or
-    conversions, AVX-512 BF16, AMX, AVX-NE-CONVERT), with or without :data:`packing` (on
-    packed weights oneDNN's GEMM alone beats the kernel from 5 rows, but a model's decode step
-    at 4 rows ran 18-27% slower on it and level at 8: each oneDNN call pays tens of
+    """The kernel's bfloat16 row limit: 8 where torch's oneDNN has a bfloat16 GEMM for this
+    CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: a CPU with bfloat16 instructions
+    or conversions, AVX-512 BF16, AMX, AVX-NE-CONVERT), with or without :data:`packing` (on
+    packed weights oneDNN's GEMM alone beats the kernel from 5 rows, but a model's decode
+    step at 4 rows ran 18-27% slower on it and level at 8: each oneDNN call pays tens of
     microseconds a step's other ops leave cold, docs/benchmarks.md, "Packed bfloat16
-    weights"); else every row count, in slices of :data:`ROWS_PER_CALL`: without it (e.g. an AVX2-only AMD EPYC) torch's bfloat16 ``mm``
-    costs about a GEMV a row, 4.9-6.8x the kernel from 8 to 256 rows (docs/benchmarks.md, "An
-    AVX2-only machine, and bfloat16 where oneDNN has no GEMM"). A torch without oneDNN has no
-    such GEMM either; one without the query keeps the tuned limit."""
+    weights"); else every row count, in slices of :data:`ROWS_PER_CALL`: without it (e.g.
+    an AVX2-only AMD EPYC) torch's bfloat16 ``mm`` costs about a GEMV a row, 4.9-6.8x the
+    kernel from 8 to 256 rows (docs/benchmarks.md, "An AVX2-only machine, and bfloat16
+    where oneDNN has no GEMM"). A torch without oneDNN has no such GEMM either; one without
+    the query keeps the tuned limit."""
     if not torch.backends.mkldnn.is_available():
         return 1 << 30
     try:
@@ -324,12 +326,13 @@ def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
     for limit_file, usage_file in candidates:
         try:
             with open(limit_file) as f:
-                limit = f.read().strip()
+                text = f.read().strip()
             with open(usage_file) as f:
                 usage = int(f.read().strip())
+            limit = None if text == "max" else int(text)
         except (OSError, ValueError):
             continue
-        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+        if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a huge number
             return None
-        return max(0, int(limit) - usage)
+        return max(0, limit - usage)
     return None
