@@ -14,13 +14,13 @@
 //! Per (row, KV head) work item: the row's key and value row pointers listed once (and the next
 //! item's first keys asked for: `AHEAD_KEYS`), then for each of the row's queries and each
 //! query head sharing the KV head (the item's keys stay in L1/L2 across them), the scores four
-//! keys at a time, two heads sharing a KV head at a time (each key element widened once for
-//! both; the keys `AHEAD_KEYS` on and these four's values asked for), a softmax in
+//! keys at a time, for two of the heads sharing a KV head at a time (each key element widened
+//! once for both; the keys `AHEAD_KEYS` on and these four's values asked for), a softmax in
 //! f32 in place with an optional logit softcap (`tanh(s / c) * c`) and per-head sink logit (it
 //! joins the softmax and is dropped after it), then the values' weighted sum, four value rows
-//! at a time into two heads at a time. Items are split over `threads` by cost (queries times keys), run on torch's
-//! OpenMP team when the process has one ([`crate::openmp_team`]), else on scoped threads. Queries, scores and outputs
-//! are f32; the cache is f32 or bfloat16 ([`crate::vector::Bf16`], widened to f32 exactly as
+//! at a time into two heads at a time. Items are split over `threads` by cost (queries times
+//! keys), run on torch's OpenMP team when the process has one ([`crate::openmp_team`]), else
+//! on scoped threads. Queries, scores and outputs are f32; the cache is f32 or bfloat16 ([`crate::vector::Bf16`], widened to f32 exactly as
 //! each row loads). Written once over [`crate::vector::Vector`]: AVX2 + FMA (and a vectorised
 //! `exp`) when the CPU has them.
 
@@ -384,17 +384,14 @@ impl PagedAttention<'_> {
                         let four = [at(k[j]), at(k[j + 1]), at(k[j + 2]), at(k[j + 3])];
                         // Query heads sharing the KV head two at a time: each key element
                         // loaded (and widened) once for both.
-                        let mut i = 0;
-                        while i < repeat {
+                        for i in (0..repeat).step_by(2) {
                             let h = g * repeat + i;
                             if i + 1 < repeat {
                                 let [a, c] = V::dot4x2([query(h), query(h + 1)], four, d, &mut Ahead::none());
                                 scores[h * n + j..h * n + j + 4].copy_from_slice(&a);
                                 scores[(h + 1) * n + j..(h + 1) * n + j + 4].copy_from_slice(&c);
-                                i += 2;
                             } else {
                                 scores[h * n + j..h * n + j + 4].copy_from_slice(&V::dot4(query(h), four, d, &mut Ahead::none()));
-                                i += 1;
                             }
                         }
                     }
@@ -445,16 +442,13 @@ impl PagedAttention<'_> {
                         let four = [at(v[j]), at(v[j + 1]), at(v[j + 2]), at(v[j + 3])];
                         let weights =
                             |h: usize| [scores[h * n + j], scores[h * n + j + 1], scores[h * n + j + 2], scores[h * n + j + 3]];
-                        let mut i = 0;
-                        while i < repeat {
+                        for i in (0..repeat).step_by(2) {
                             let h = g * repeat + i;
                             if i + 1 < repeat {
                                 let (first, second) = acc[h * dv..(h + 2) * dv].split_at_mut(dv);
                                 V::axpy4x2([weights(h), weights(h + 1)], four, [first, second]);
-                                i += 2;
                             } else {
                                 V::axpy4(weights(h), four, &mut acc[h * dv..(h + 1) * dv]);
-                                i += 1;
                             }
                         }
                     }
